@@ -1,0 +1,5 @@
+"""Retrieval models: backbones, pooling, heads and whitening."""
+
+from models.gem import GeM
+
+__all__ = ["GeM"]

@@ -1,0 +1,74 @@
+"""Generalized-mean (GeM) pooling (Radenović et al., TPAMI 2018)."""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+
+@keras.saving.register_keras_serializable(package="tfaploss")
+class GeM(keras.layers.Layer):
+    """Generalized-mean pooling over the spatial axes of a feature map.
+
+    ``GeM(x) = (mean_{h,w} max(x, eps)^p)^(1/p)`` per channel. ``p = 1`` is average
+    pooling and ``p -> inf`` tends to max pooling. Revaud et al. learn ``p``
+    (initialised to 3) with the rest of the network.
+
+    Args:
+        p: initial exponent, > 0.
+        eps: floor applied before the power so that gradients stay finite.
+        trainable_p: learn ``p`` (the papers' setting) or keep it fixed.
+        data_format: ``"channels_last"`` (default) or ``"channels_first"``.
+
+    Input ``(B, H, W, C)`` (channels last); output ``(B, C)``. Cost: O(B·H·W·C).
+    """
+
+    def __init__(self, p=3.0, eps=1e-6, trainable_p=True, data_format=None, **kwargs):
+        super().__init__(**kwargs)
+        if not p > 0:
+            raise ValueError(f"GeM: `p` must be > 0, received p={p!r}")
+        if not eps > 0:
+            raise ValueError(f"GeM: `eps` must be > 0, received eps={eps!r}")
+        self.initial_p = float(p)
+        self.eps = float(eps)
+        self.trainable_p = bool(trainable_p)
+        data_format = data_format or keras.config.image_data_format()
+        if data_format not in ("channels_last", "channels_first"):
+            raise ValueError(
+                "GeM: `data_format` must be 'channels_last' or 'channels_first', "
+                f"received data_format={data_format!r}"
+            )
+        self.data_format = data_format
+
+    def build(self, input_shape):
+        if len(input_shape) != 4:
+            raise ValueError(
+                f"GeM expects a 4-D feature map, received input_shape={input_shape}"
+            )
+        self.p = self.add_weight(
+            name="p",
+            shape=(),
+            initializer=keras.initializers.Constant(self.initial_p),
+            trainable=self.trainable_p,
+        )
+
+    def call(self, inputs):
+        axes = (1, 2) if self.data_format == "channels_last" else (2, 3)
+        p = ops.cast(self.p, inputs.dtype)
+        x = ops.power(ops.maximum(inputs, self.eps), p)
+        return ops.power(ops.mean(x, axis=axes), 1.0 / p)
+
+    def compute_output_shape(self, input_shape):
+        if self.data_format == "channels_last":
+            return (input_shape[0], input_shape[3])
+        return (input_shape[0], input_shape[1])
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            p=self.initial_p,
+            eps=self.eps,
+            trainable_p=self.trainable_p,
+            data_format=self.data_format,
+        )
+        return config

@@ -1,0 +1,54 @@
+"""Packaging entry point for tfaploss.
+
+Installs three packages: ``tfaploss`` (losses, training, data, evaluation, export,
+CLI), ``models`` (backbones, pooling, heads, whitening) and ``pipelines`` (Apache
+Beam preprocessing jobs). A Beam job ships them to its workers with
+``--setup_file ./setup.py``.
+"""
+
+from setuptools import find_packages, setup
+
+BEAM = ["apache-beam[tfrecord]>=2.60"]
+SCANN = ["scann==1.4.2; platform_system == 'Linux'"]
+TFDS = ["tensorflow-datasets>=4.9"]
+VIZ = ["matplotlib>=3.7"]
+DEMO = ["scikit-learn>=1.3"]
+TEST = ["pytest>=8", "pytest-xdist>=3"]
+
+setup(
+    name="tfaploss",
+    version="0.1.0",
+    description=(
+        "Train image-retrieval embeddings in Keras 3 by directly optimising "
+        "Average Precision (histogram AP, FastAP, Smooth-AP, ROADMAP, PNP)."
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["tfaploss", "tfaploss.*", "models", "models.*",
+                                    "pipelines", "pipelines.*"]),
+    include_package_data=True,
+    install_requires=[
+        # scann 1.4.2 loads TF ops built for 2.20; `import scann` fails on 2.21.
+        "tensorflow>=2.20,<2.21",
+        "keras>=3.12,<4",
+        "numpy>=2",
+        "pyyaml>=6",
+        "pillow>=10",
+    ],
+    extras_require={
+        "beam": BEAM,
+        "scann": SCANN,
+        "tfds": TFDS,
+        "viz": VIZ,
+        "demo": DEMO + BEAM + SCANN + VIZ,
+        "all": BEAM + SCANN + TFDS + VIZ + DEMO,
+        "dev": BEAM + SCANN + TFDS + VIZ + DEMO + TEST + ["ruff"],
+    },
+    entry_points={"console_scripts": ["tfaploss=tfaploss.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

@@ -1,0 +1,62 @@
+"""Shared test set-up.
+
+Two logical CPU devices are configured before TensorFlow initialises its devices, so
+that ``tf.distribute.MirroredStrategy`` tests can run with two replicas on a CPU-only
+machine. Golden numbers from the original implementations live in ``shared/goldens``
+beside the repository root.
+"""
+
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+_cpus = tf.config.list_physical_devices("CPU")
+try:
+    tf.config.set_logical_device_configuration(
+        _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2
+    )
+except RuntimeError:
+    # Devices already initialised (e.g. a plugin touched them); tests that need two
+    # replicas check `len(tf.config.list_logical_devices("CPU"))` themselves.
+    pass
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+GOLDENS_DIR = Path(os.environ.get("TFAPLOSS_GOLDENS", REPO_ROOT.parent / "shared" / "goldens"))
+
+
+def load_golden(name: str) -> dict:
+    """Load one golden JSON file by name, failing loudly when it is missing."""
+    path = GOLDENS_DIR / name
+    if not path.exists():
+        raise FileNotFoundError(
+            f"golden file {name} not found in {GOLDENS_DIR}; the goldens live in "
+            "shared/goldens beside the repository (or set TFAPLOSS_GOLDENS)"
+        )
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def goldens_dir() -> Path:
+    return GOLDENS_DIR
+
+
+@pytest.fixture(scope="session")
+def smooth_rank_goldens() -> dict:
+    return load_golden("smooth_rank_losses.json")
+
+
+@pytest.fixture(scope="session")
+def aploss_goldens() -> dict:
+    return load_golden("aploss_histogram.json")
+
+
+@pytest.fixture(scope="session")
+def retrieval_goldens() -> dict:
+    return load_golden("retrieval_metrics.json")

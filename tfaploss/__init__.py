@@ -1,0 +1,26 @@
+"""tfaploss: train image-retrieval embeddings by directly optimising Average Precision.
+
+The data's path through the library::
+
+    raw files -> pipelines (Beam) -> TFRecords -> tfaploss.data -> models
+      -> tfaploss.losses / tfaploss.training -> tfaploss.evaluation -> tfaploss.export
+
+Subpackages are imported on first use so that ``import tfaploss`` stays cheap and
+optional dependencies (ScaNN, Beam, matplotlib) are only needed where they are used.
+"""
+
+import importlib
+
+__version__ = "0.1.0"
+
+_SUBMODULES = ("data", "evaluation", "export", "losses", "ops", "training", "utils")
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"tfaploss.{name}")
+    raise AttributeError(f"module 'tfaploss' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_SUBMODULES))

@@ -1,0 +1,205 @@
+"""The base class every AP surrogate builds on.
+
+A ranking loss sees a batch of embeddings and integer labels. The shared work (label
+checks, L2 normalisation, the similarity matrix, positive/candidate masks with the
+query itself left out or kept in, queries without positives, the reduction) lives
+here; a surrogate overrides :meth:`RetrievalLoss.per_query`, which turns a
+(queries x database) score matrix and its masks into one loss value and one weight
+per query.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from tfaploss.ops.masks import label_masks, pairwise_scores
+
+# Label ids above 2**24 are not exact in float32, the dtype Keras gives a loss's y_true.
+_NARROW_FLOATS = ("float16", "bfloat16")
+_warned_no_positives = False
+
+
+def _in_xla_context() -> bool:
+    try:
+        from tensorflow.python.ops import control_flow_util
+
+        return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+    except Exception:  # private API moved: fall back to warning where we can
+        return False
+
+
+def _warn_once_without_positives(has_positive_pair):
+    """Warn (once per process) that a batch had no positive pair at all."""
+    global _warned_no_positives
+    message = (
+        "tfaploss: a batch had no pair of items with the same label, so every query "
+        "was left out and the loss is 0 with zero gradient. Use a class-balanced "
+        "sampler (tfaploss.data, e.g. sampler='m_per_class') so that each batch holds "
+        "at least two images per class."
+    )
+    if tf.executing_eagerly():
+        if not _warned_no_positives and not bool(has_positive_pair):
+            _warned_no_positives = True
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        return has_positive_pair
+    if _in_xla_context():
+        return has_positive_pair  # XLA cannot print; the loss value (0) still says it
+    return tf.cond(
+        has_positive_pair,
+        lambda: has_positive_pair,
+        lambda: _print_then(message, has_positive_pair),
+    )
+
+
+def _print_then(message, value):
+    with tf.control_dependencies([tf.print("WARNING:", message)]):
+        return tf.identity(value)
+
+
+def check_labels(y_true):
+    """Return labels as a rank-1 tensor, refusing shapes and dtypes that lose ids."""
+    labels = tf.convert_to_tensor(y_true)
+    if labels.dtype.name in _NARROW_FLOATS:
+        raise ValueError(
+            f"Ranking losses need labels that represent class ids exactly; received "
+            f"y_true of dtype {labels.dtype.name}, which only holds integers up to "
+            f"{'2048' if labels.dtype.name == 'float16' else '256'} exactly. Pass "
+            "integer labels (int32/int64) or float32."
+        )
+    if not (labels.dtype.is_integer or labels.dtype.is_floating):
+        raise ValueError(
+            f"Ranking losses expect integer class labels as y_true; received dtype "
+            f"{labels.dtype.name}. Map string or one-hot labels to integer ids first."
+        )
+    rank = labels.shape.rank
+    if rank == 2 and labels.shape[-1] == 1:
+        labels = tf.squeeze(labels, axis=-1)
+    elif rank != 1:
+        raise ValueError(
+            "Ranking losses expect y_true of shape (batch,) or (batch, 1) holding "
+            f"integer class labels; received shape {labels.shape}. One-hot labels: "
+            "pass `argmax(y, axis=-1)` instead."
+        )
+    return labels
+
+
+@keras.saving.register_keras_serializable(package="tfaploss")
+class RetrievalLoss(keras.losses.Loss):
+    """Base class of the ranking losses: integer labels in, one batch loss out.
+
+    ``loss(y_true, y_pred)`` with ``y_true`` the integer class labels, shape (B,) or
+    (B, 1), and ``y_pred`` the embeddings, shape (B, D). Each image is a query ranked
+    against the batch; the loss is the weighted mean of :meth:`per_query` over the
+    queries with positives:
+
+        L = sum_i w_i * l_i / sum_i w_i   (0, with zero gradient, when sum_i w_i = 0)
+
+    The result is a scalar for every ``reduction``: AP is a property of the whole
+    batch, not a sum of per-sample terms, so per-sample ``sample_weight`` is refused
+    (class balancing is a constructor option of the losses that support it).
+
+    Labels are compared before any cast, so ids are exact whatever ``dtype`` is. The
+    loss is computed in ``dtype`` (float32 by default, also under a mixed-precision
+    policy); ``float16``/``bfloat16`` are refused because they cannot hold label ids
+    exactly.
+
+    Args:
+        normalize: L2-normalise the embeddings first, so scores are cosines in [-1, 1].
+        include_self: rank each query against itself too (it counts as its own
+            positive), as Smooth-AP's and ROADMAP's code do. Otherwise the query is
+            left out of its own ranking, as the histogram-AP paper describes.
+        reduction, name, dtype: as for ``keras.losses.Loss``.
+
+    Subclasses override :meth:`per_query` (or :meth:`loss_from_scores` for losses that
+    do not decompose per query) and extend :meth:`get_config`.
+    """
+
+    def __init__(
+        self,
+        normalize: bool = True,
+        include_self: bool = False,
+        reduction="sum_over_batch_size",
+        name=None,
+        dtype=None,
+    ):
+        super().__init__(name=name, reduction=reduction, dtype=dtype)
+        if self.dtype in _NARROW_FLOATS:
+            raise ValueError(
+                f"{type(self).__name__}: dtype={self.dtype!r} cannot represent label "
+                "ids exactly and loses ranking precision; use 'float32' (mixed "
+                "precision models still compute the loss in float32) or 'float64'."
+            )
+        self.normalize = bool(normalize)
+        self.include_self = bool(include_self)
+
+    # -- Keras entry points -------------------------------------------------------
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        if sample_weight is not None:
+            raise ValueError(
+                f"{type(self).__name__} is a batch-level ranking loss and does not take "
+                "per-sample `sample_weight`; received a sample_weight. Remove it from the "
+                "dataset (or use class_balanced=True where the loss offers it)."
+            )
+        with tf.name_scope(self.name):
+            labels = check_labels(y_true)
+            y_pred = ops.convert_to_tensor(y_pred, dtype=self.dtype)
+            return self.call(labels, y_pred)
+
+    def call(self, y_true, y_pred):
+        if len(y_pred.shape) != 2:
+            raise ValueError(
+                f"{type(self).__name__} expects y_pred of shape (batch, dim) holding "
+                f"embeddings; received shape {tuple(y_pred.shape)}."
+            )
+        labels = check_labels(y_true)
+        scores = pairwise_scores(y_pred, y_pred, normalize=self.normalize)
+        positives, candidates = label_masks(labels, labels, exclude_self=not self.include_self)
+        return self.loss_from_scores(scores, positives, candidates)
+
+    def query_database_loss(self, query_labels, query_embeddings, db_labels, db_embeddings,
+                            candidates=None):
+        """Loss of queries ranked against a separate database (e.g. a memory bank).
+
+        Every database item takes part in every ranking unless ``candidates`` (a bool
+        (Q, N) mask) says otherwise; no item is treated as the query itself. The
+        gradient flows into both inputs; stop it on the database side for a detached
+        memory bank. Cost: that of the loss on a (Q, N) score matrix.
+        """
+        query_embeddings = ops.convert_to_tensor(query_embeddings, dtype=self.dtype)
+        db_embeddings = ops.convert_to_tensor(db_embeddings, dtype=self.dtype)
+        scores = pairwise_scores(query_embeddings, db_embeddings, normalize=self.normalize)
+        positives, all_items = label_masks(check_labels(query_labels), check_labels(db_labels))
+        if candidates is not None:
+            candidates = ops.convert_to_tensor(candidates, dtype="bool")
+            positives = ops.logical_and(positives, candidates)
+        else:
+            candidates = all_items
+        return self.loss_from_scores(scores, positives, candidates)
+
+    # -- what subclasses implement --------------------------------------------------
+
+    def loss_from_scores(self, scores, positives, candidates):
+        """Batch loss from a (Q, N) score matrix and its boolean masks."""
+        values, weights = self.per_query(scores, positives, candidates)
+        weights = ops.cast(weights, values.dtype)
+        total = ops.sum(weights)
+        has_queries = _warn_once_without_positives(total > 0)
+        # The `where` keeps the 0/0 branch out of the gradient.
+        safe_total = ops.where(has_queries, total, ops.ones_like(total))
+        return ops.where(has_queries, ops.sum(weights * values) / safe_total,
+                         ops.zeros_like(total))
+
+    def per_query(self, scores, positives, candidates):
+        """Per-query loss values (Q,) and weights (Q,); weight 0 leaves a query out."""
+        raise NotImplementedError(f"{type(self).__name__} must implement per_query")
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(normalize=self.normalize, include_self=self.include_self,
+                      dtype=self.dtype)
+        return config

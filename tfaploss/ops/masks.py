@@ -1,0 +1,42 @@
+"""Scores and relevance masks shared by every ranking loss."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from keras import ops
+
+# Below this norm an embedding is treated as zero; keeps the gradient finite.
+_NORM_EPSILON = 1e-12
+
+
+def safe_normalize(x):
+    """L2-normalise the rows of ``x``; a zero row stays zero instead of NaN."""
+    sq = ops.sum(ops.square(x), axis=-1, keepdims=True)
+    return x * ops.rsqrt(ops.maximum(sq, _NORM_EPSILON**2))
+
+
+def pairwise_scores(queries, database, normalize=True):
+    """Cosine (or dot-product when ``normalize=False``) scores, shape (Q, N). O(Q·N·D)."""
+    if normalize:
+        queries = safe_normalize(queries)
+        database = safe_normalize(database)
+    return ops.matmul(queries, ops.transpose(database))
+
+
+def label_masks(query_labels, db_labels, exclude_self=False):
+    """Boolean ``positives`` and ``candidates`` masks, shape (Q, N).
+
+    ``positives[i, j]``: item j shares query i's label and takes part in the ranking.
+    ``candidates[i, j]``: item j takes part in query i's ranking. With
+    ``exclude_self=True`` (a batch ranked against itself) the diagonal is left out of
+    both, so a query is neither its own positive nor ranked.
+
+    Labels are compared as given, before any cast, so large integer ids stay exact.
+    """
+    same = ops.equal(ops.expand_dims(query_labels, 1), ops.expand_dims(db_labels, 0))
+    if exclude_self:
+        index = tf.range(tf.shape(query_labels)[0])
+        candidates = ops.not_equal(ops.expand_dims(index, 1), ops.expand_dims(index, 0))
+    else:
+        candidates = ops.ones_like(same, dtype="bool")
+    return ops.logical_and(same, candidates), candidates
