@@ -1,0 +1,122 @@
+"""Search backends: exact (TF / NumPy), ScaNN brute force, ScaNN tree + AH + reorder."""
+
+import numpy as np
+import pytest
+
+from tfaploss.evaluation import (
+    ExactSearcher,
+    ScannSearcher,
+    build_searcher,
+    load_searcher,
+    scann_ah_params,
+)
+
+
+def _unit(rng, n, d):
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def _reference(q, db, k, exclude=None):
+    s = q.astype(np.float64) @ db.T.astype(np.float64)
+    if exclude is not None:
+        s[np.arange(len(q)), exclude] = -np.inf
+    order = np.lexsort((np.broadcast_to(np.arange(len(db)), s.shape), -s), axis=1)
+    return order[:, :k]
+
+
+@pytest.mark.parametrize("engine", ["tensorflow", "numpy"])
+def test_exact_chunked_with_ties_matches_reference(engine):
+    rng = np.random.default_rng(0)
+    # Small integer vectors: many tied scores, all exactly representable.
+    db = rng.integers(-2, 3, (1500, 6)).astype(np.float32)
+    q = rng.integers(-2, 3, (40, 6)).astype(np.float32)
+    searcher = ExactSearcher(db, query_chunk=16, database_chunk=333, engine=engine)
+    idx, scores = searcher.search(q, 25)
+    np.testing.assert_array_equal(idx, _reference(q, db, 25))
+    np.testing.assert_allclose(scores, np.take_along_axis(q @ db.T, idx, 1))
+    exclude = rng.integers(0, 1500, 40)
+    idx, _ = searcher.search(q, 25, exclude=exclude)
+    np.testing.assert_array_equal(idx, _reference(q, db, 25, exclude))
+
+
+def test_scann_brute_force_equals_exact():
+    rng = np.random.default_rng(1)
+    db, q = _unit(rng, 3000, 32), _unit(rng, 100, 32)
+    exact_i, exact_s = ExactSearcher(db).search(q, 20)
+    bf_i, bf_s = build_searcher(db, "scann").search(q, 20)
+    np.testing.assert_allclose(bf_s, exact_s, atol=1e-5)
+    # Identical order except where two scores agree to float32 rounding.
+    gaps = np.abs(np.diff(exact_s, axis=1))
+    near_tie = np.zeros_like(exact_s, bool)
+    near_tie[:, 1:] |= gaps < 1e-5
+    near_tie[:, :-1] |= gaps < 1e-5
+    assert np.array_equal(bf_i[~near_tie], exact_i[~near_tie])
+    assert near_tie.mean() < 0.01
+
+
+def test_scann_ah_recall_on_random_20k():
+    rng = np.random.default_rng(2)
+    db, q = _unit(rng, 20_000, 64), _unit(rng, 300, 64)
+    exact_i, _ = ExactSearcher(db).search(q, 10)
+    ah = build_searcher(db, "scann_ah")
+    assert ah.get_config()["dimensions_per_block"] == 2
+    ah_i, _ = ah.search(q, 10)
+    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(ah_i, exact_i)])
+    assert recall >= 0.95, recall
+
+
+def test_ah_params_follow_database_size():
+    small, large = scann_ah_params(20_000, 64), scann_ah_params(1_000_000, 128)
+    assert small["num_leaves"] is None  # no tree below 100k points
+    assert large["num_leaves"] == 1000 and large["num_leaves_to_search"] == 100
+    rng = np.random.default_rng(4)
+    db, q = _unit(rng, 5000, 16), _unit(rng, 100, 16)
+    s = ScannSearcher(db, mode="ah", num_leaves=50)
+    assert s.params["num_leaves"] == 50 and s.params["num_leaves_to_search"] == 5
+    exact_i, _ = ExactSearcher(db).search(q, 10)
+
+    def recall():
+        return np.mean([len(set(a) & set(b)) / 10 for a, b in zip(s.search(q, 10)[0], exact_i)])
+
+    few = recall()
+    s.set_search_params(num_leaves_to_search=50)  # every leaf: only AH + reorder remain
+    assert recall() >= max(few, 0.98)
+    with pytest.raises(ValueError, match="num_leaves_to_search"):
+        s.set_search_params(num_leaves_to_search=51)
+    with pytest.raises(ValueError, match="unknown ScaNN parameter"):
+        ScannSearcher(_unit(rng, 100, 16), mode="ah", leaves=3)
+    with pytest.raises(ValueError, match="backend"):
+        build_searcher(_unit(rng, 10, 4), "annoy")
+
+
+@pytest.mark.parametrize("backend,kwargs", [
+    ("exact", {}),
+    ("scann", {}),
+    ("scann_ah", {"num_leaves": 40, "num_leaves_to_search": 10}),
+])
+def test_serialized_searcher_reloads_with_identical_results(tmp_path, backend, kwargs):
+    rng = np.random.default_rng(5)
+    db, q = _unit(rng, 4000, 16), _unit(rng, 50, 16)
+    searcher = build_searcher(db, backend, **kwargs)
+    before = searcher.search(q, 15, exclude=np.arange(50))
+    searcher.serialize(str(tmp_path / "s"))
+    # Move the directory: the saved searcher must not depend on absolute paths.
+    (tmp_path / "s").rename(tmp_path / "moved")
+    restored = load_searcher(str(tmp_path / "moved"))
+    assert restored.backend == backend and restored.size == 4000 and restored.dim == 16
+    after = restored.search(q, 15, exclude=np.arange(50))
+    np.testing.assert_array_equal(after[0], before[0])
+    np.testing.assert_array_equal(after[1], before[1])
+
+
+def test_search_input_errors():
+    s = ExactSearcher(np.eye(4, dtype=np.float32))
+    with pytest.raises(ValueError, match="dimension"):
+        s.search(np.ones((2, 3)), 1)
+    with pytest.raises(ValueError, match="`k`"):
+        s.search(np.ones((2, 4)), 0)
+    with pytest.raises(ValueError, match="NaN"):
+        s.search(np.full((1, 4), np.nan), 1)
+    with pytest.raises(ValueError, match="exclude"):
+        s.search(np.ones((2, 4)), 1, exclude=[0])

@@ -1,0 +1,41 @@
+"""Retrieval evaluation: searchers (exact / ScaNN), the metrics the papers report,
+revisited Oxford/Paris, query expansion and whitening, ``evaluate`` and figures.
+
+Public API::
+
+    retrieval_metrics(query_embeddings, query_labels, db_embeddings=None,
+                      db_labels=None, ks=(1, 10, 100), backend="exact")
+    revisited_map(scores, gnd, protocol="medium", ks=(1, 5, 10))
+    evaluate(model_or_embeddings, dataset, protocol=...)
+    build_searcher(database, backend) / load_searcher(directory)
+
+ScaNN, matplotlib and Keras are imported only by the functions that need them.
+"""
+
+from tfaploss.evaluation.evaluator import EvaluationResult, evaluate, load_embeddings
+from tfaploss.evaluation.metrics import gldv2_map_at_k, retrieval_metrics
+from tfaploss.evaluation.query_expansion import PCAWhitening, alpha_query_expansion
+from tfaploss.evaluation.revisited import (
+    load_revisited_gnd,
+    revisited_map,
+    revisited_map_from_ranks,
+    revisited_per_query_ap,
+    trapezoid_ap,
+)
+from tfaploss.evaluation.searchers import (
+    BACKENDS,
+    ExactSearcher,
+    ScannSearcher,
+    Searcher,
+    build_searcher,
+    load_searcher,
+    scann_ah_params,
+)
+
+__all__ = [
+    "BACKENDS", "EvaluationResult", "ExactSearcher", "PCAWhitening", "ScannSearcher",
+    "Searcher", "alpha_query_expansion", "build_searcher", "evaluate", "gldv2_map_at_k",
+    "load_embeddings", "load_revisited_gnd", "load_searcher", "retrieval_metrics",
+    "revisited_map", "revisited_map_from_ranks", "revisited_per_query_ap",
+    "scann_ah_params", "trapezoid_ap",
+]

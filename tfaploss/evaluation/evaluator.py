@@ -1,0 +1,418 @@
+"""``evaluate``: embed, search, score, and report as a table, JSON and figures.
+
+Protocols and their default cut-offs:
+
+================ ======================== =========================================
+protocol         ks                       what
+================ ======================== =========================================
+``retrieval``    1, 10, 100               query set = database (self removed by index)
+``sop``          1, 10, 100, 1000         Stanford Online Products (ROADMAP, FastAP)
+``inaturalist``  1, 4, 16, 32             iNaturalist-2018 (Smooth-AP, ROADMAP)
+``cub``/``cars`` 1, 2, 4, 8               CUB-200 / Cars-196
+``revisited``    mP@1, 5, 10              ROxford5k / RParis6k, easy/medium/hard
+``gldv2``        mAP@100                  Google Landmarks v2 retrieval
+================ ======================== =========================================
+
+``retrieval``-style protocols also accept a separate query set (``query=...``).
+``revisited`` and ``gldv2`` need the query set and the ground truth (``gnd``:
+revisited per-query ``easy``/``hard``/``junk`` dicts or a ground-truth file path;
+for ``gldv2`` a per-query list of relevant database indices).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from tfaploss.evaluation.embedding_files import load_embeddings
+from tfaploss.evaluation.metrics import retrieval_metrics
+from tfaploss.evaluation.searchers import build_searcher
+
+__all__ = ["EvaluationResult", "embed_dataset", "evaluate", "load_embeddings"]
+
+_PROTOCOL_KS = {
+    "retrieval": (1, 10, 100),
+    "sop": (1, 10, 100, 1000),
+    "inaturalist": (1, 4, 16, 32),
+    "cub": (1, 2, 4, 8),
+    "cars": (1, 2, 4, 8),
+    "revisited": (1, 5, 10),
+    "roxford": (1, 5, 10),
+    "rparis": (1, 5, 10),
+    "gldv2": (100,),
+}
+PROTOCOLS = tuple(_PROTOCOL_KS)
+_REVISITED = ("revisited", "roxford", "rparis")
+
+
+class EvaluationResult:
+    """Metrics of one evaluation, plus how they were obtained.
+
+    ``result["recall@1"]`` reads a metric; ``print(result)`` shows a table;
+    :meth:`save_json` writes ``{"protocol", "metrics", "details"}``.
+    """
+
+    def __init__(self, protocol: str, metrics: dict[str, float], details: dict[str, Any],
+                 figures: list[str] | None = None):
+        self.protocol = protocol
+        self.metrics = dict(metrics)
+        self.details = details
+        self.figures = list(figures or [])
+
+    def __getitem__(self, key: str) -> float:
+        return self.metrics[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.metrics
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"protocol": self.protocol, "metrics": self.metrics,
+                "details": _jsonable(self.details), "figures": self.figures}
+
+    def save_json(self, path: str) -> str:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2)
+        return path
+
+    def table(self) -> str:
+        width = max(len(k) for k in self.metrics)
+        lines = [f"{'metric':<{width}}  value", f"{'-' * width}  ------"]
+        lines += [f"{k:<{width}}  {100.0 * v:6.2f}" for k, v in self.metrics.items()]
+        notes = [f"protocol: {self.protocol} (values in %)"]
+        for key in ("backend", "num_queries", "num_database", "depth", "lone_queries"):
+            if key in self.details:
+                notes.append(f"{key}: {self.details[key]}")
+        if self.details.get("map_is_lower_bound"):
+            notes.append("map: computed on a truncated or approximate ranking, a lower bound")
+        if self.details.get("lower_bound"):
+            notes.append("revisited mAP: ranking truncated by the searcher, a lower bound")
+        for k, v in self.details.get("conventions", {}).items():
+            notes.append(f"{k}: {v}")
+        return "\n".join(lines + [""] + notes)
+
+    __str__ = table
+
+    def __repr__(self) -> str:
+        return f"EvaluationResult(protocol={self.protocol!r}, metrics={self.metrics!r})"
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return _jsonable(obj.tolist())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, float) and not np.isfinite(obj):
+        return None
+    return obj
+
+
+def _split_element(element):
+    """(images, labels, ids) from a dataset element: images | (images, labels) |
+    (images, labels, ids) | dict with 'image(s)', 'label(s)', 'id(s)'."""
+    if isinstance(element, dict):
+        def pick(*names):
+            for n in names:
+                if n in element:
+                    return element[n]
+            return None
+        images = pick("images", "image", "image/encoded")
+        if images is None:
+            raise ValueError(f"dataset dict elements need an 'image' key; got {sorted(element)}.")
+        return images, pick("labels", "label", "image/class/label"), pick("ids", "id", "image/id")
+    if isinstance(element, (tuple, list)):
+        if len(element) == 2:
+            return element[0], element[1], None
+        if len(element) == 3:
+            return element[0], element[1], element[2]
+        raise ValueError(f"dataset elements must be (images, labels) or (images, labels, ids); "
+                         f"got a tuple of {len(element)}.")
+    return element, None, None
+
+
+def embed_dataset(model, dataset, verbose: int = 1):
+    """Run ``model`` over a batched ``tf.data.Dataset``; returns ``(embeddings, labels,
+    ids)`` (``labels``/``ids`` are ``None`` when the dataset has none). Shows a Keras
+    progress bar when ``verbose``."""
+    import keras
+    import tensorflow as tf
+
+    n_batches = None
+    if isinstance(dataset, tf.data.Dataset):
+        card = int(dataset.cardinality())
+        n_batches = card if card >= 0 else None
+    bar = keras.utils.Progbar(n_batches, unit_name="batch") if verbose else None
+    embs, labels, ids = [], [], []
+    for step, element in enumerate(dataset):
+        images, lab, idx = _split_element(element)
+        if isinstance(model, keras.Model):
+            out = model(images, training=False)
+        else:
+            out = model(images)
+        if isinstance(out, dict):
+            if len(out) != 1:
+                raise ValueError(f"the model returns several outputs {sorted(out)}; "
+                                 "pass a model that returns the embedding only.")
+            out = next(iter(out.values()))
+        embs.append(np.asarray(out, np.float32))
+        if lab is not None:
+            labels.append(np.asarray(lab).reshape(-1))
+        if idx is not None:
+            ids.extend(v.decode("utf-8") if isinstance(v, bytes) else str(v)
+                       for v in np.asarray(idx).reshape(-1).tolist())
+        if bar is not None:
+            bar.update(step + 1)
+    if not embs:
+        raise ValueError("the dataset is empty; nothing to embed.")
+    emb = np.concatenate(embs)
+    lab = np.concatenate(labels) if labels else None
+    if lab is not None and len(lab) != len(emb):
+        raise ValueError(f"the dataset yielded {len(lab)} labels for {len(emb)} images.")
+    return emb, lab, (np.asarray(ids) if ids else None)
+
+
+def _is_dataset(x) -> bool:
+    try:
+        import tensorflow as tf
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(x, tf.data.Dataset)
+
+
+def _resolve(model_or_embeddings, data, labels, verbose, what: str):
+    """Embeddings, labels and ids from a model + dataset, an array + labels, or a
+    directory written by the embed job."""
+    if _is_dataset(model_or_embeddings):
+        raise ValueError(f"a {what} dataset was given but no model to embed it: pass a model "
+                         "as `model_or_embeddings`, or embeddings instead of the dataset.")
+    if isinstance(model_or_embeddings, (str, os.PathLike)):
+        emb, lab, ids = load_embeddings(str(model_or_embeddings))
+        return emb, (lab if labels is None else np.asarray(labels)), ids
+    if isinstance(model_or_embeddings, np.ndarray) or hasattr(model_or_embeddings, "numpy"):
+        emb = np.asarray(model_or_embeddings, np.float32)
+        if labels is None and data is not None and not _is_dataset(data):
+            labels = data  # evaluate(embeddings, labels)
+        return emb, (None if labels is None else np.asarray(labels)), None
+    if data is None:
+        raise ValueError(f"a model was given but no {what} dataset to embed.")
+    if not callable(model_or_embeddings):
+        raise TypeError(f"`model_or_embeddings` must be a Keras model, a callable, an "
+                         f"array of embeddings or a path; got {type(model_or_embeddings)}.")
+    emb, lab, ids = embed_dataset(model_or_embeddings, data, verbose)
+    return emb, (lab if labels is None else np.asarray(labels)), ids
+
+
+def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
+             labels=None, query=None, query_labels=None, gnd=None, ks=None,
+             backend: str = "exact", query_expansion: bool = False, qe_alpha: float = 2.0,
+             qe_k: int = 10, whitening=None, depth: int | None = None,
+             output_dir: str | None = None,
+             figures: bool = True, num_examples: int = 6, examples_k: int = 5,
+             verbose: int = 1, **searcher_kwargs) -> EvaluationResult:
+    """Evaluate retrieval and return an :class:`EvaluationResult`.
+
+    Args:
+      model_or_embeddings: a Keras model (or any callable images -> embeddings),
+        a (N, D) array of database embeddings, or the output directory of
+        ``python -m pipelines.embed``.
+      dataset: the database: a batched ``tf.data.Dataset`` of ``(images, labels)`` or
+        ``(images, labels, ids)`` when a model is given; with an array of embeddings it
+        may instead be the labels array.
+      protocol: one of :data:`PROTOCOLS`.
+      labels: database labels (overrides the dataset's).
+      query, query_labels: a separate query set (dataset, embeddings or embed-job
+        directory); ``None`` = the database is the query set.
+      gnd: revisited ground truth (list of dicts or a file path) or, for ``gldv2``,
+        per-query lists of relevant database indices.
+      ks: cut-offs; default per protocol.
+      backend: ``"exact"``, ``"scann"`` or ``"scann_ah"``.
+      query_expansion: apply α-QE (``qe_alpha``, ``qe_k``) to the queries.
+      whitening: a fitted :class:`~tfaploss.evaluation.PCAWhitening` applied to
+        queries and database.
+      depth: ranking length read by the metrics (``map_depth`` of
+        :func:`retrieval_metrics`; for revisited with a ScaNN backend the top-k kept,
+        default 1,000). Shorter than the database: mAP is reported as a lower bound.
+      output_dir: where to write ``metrics.json`` and the figures.
+      figures: write figures into ``output_dir`` (retrieval examples when a dataset
+        of images was given; per-query AP for revisited).
+      verbose: progress bars and the table printed at the end.
+    """
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"`protocol` must be one of {PROTOCOLS}; received {protocol!r}.")
+    ks = tuple(ks) if ks is not None else _PROTOCOL_KS[protocol]
+    db, db_labels, _ = _resolve(model_or_embeddings, dataset, labels, verbose, "database")
+    model = None if isinstance(model_or_embeddings, (np.ndarray, str, os.PathLike)) or \
+        hasattr(model_or_embeddings, "numpy") else model_or_embeddings
+    if query is not None:
+        q_src = model if (model is not None and _is_dataset(query)) else query
+        q, q_labels, _ = _resolve(q_src, query if q_src is model else None, query_labels,
+                                  verbose, "query")
+    else:
+        q, q_labels = None, None
+
+    if whitening is not None:
+        db = whitening.transform(db)
+        q = whitening.transform(q) if q is not None else None
+    if query_expansion:
+        from tfaploss.evaluation.query_expansion import alpha_query_expansion
+
+        if q is None:  # the database is the query set: a query is not its own neighbour
+            q = alpha_query_expansion(db, db, alpha=qe_alpha, k=qe_k,
+                                      exclude=np.arange(len(db)))
+        else:
+            q = alpha_query_expansion(q, db, alpha=qe_alpha, k=qe_k)
+
+    figure_paths: list[str] = []
+    if output_dir:
+        os.makedirs(output_dir, exist_ok=True)
+
+    if protocol in _REVISITED:
+        metrics, details = _evaluate_revisited(q, db, gnd, ks, backend, depth, output_dir,
+                                               figures, figure_paths, **searcher_kwargs)
+    elif protocol == "gldv2":
+        metrics, details = _evaluate_gldv2(q, db, gnd, ks, backend, **searcher_kwargs)
+    else:
+        if db_labels is None:
+            raise ValueError("retrieval protocols need database labels: pass `labels=` or a "
+                             "dataset yielding (images, labels).")
+        searcher = build_searcher(db, backend, **searcher_kwargs)
+        if query is None and not query_expansion:
+            metrics, details = retrieval_metrics(db, db_labels, ks=ks, searcher=searcher,
+                                                 map_depth=depth, return_details=True,
+                                                 progress=bool(verbose))
+        else:
+            metrics, details = _expanded_or_separate(q, q_labels, db, db_labels, query is None,
+                                                     ks, searcher, depth, verbose)
+        if output_dir and figures and model is not None and _is_dataset(dataset):
+            figure_paths.append(_retrieval_figure(
+                searcher, db, db_labels, q, q_labels, dataset, query, output_dir,
+                num_examples, examples_k))
+        details.pop("per_query", None)
+    details["query_expansion"] = ({"alpha": qe_alpha, "k": qe_k} if query_expansion else None)
+    details["whitening"] = whitening is not None
+    result = EvaluationResult(protocol, metrics, details, figure_paths)
+    if output_dir:
+        result.save_json(os.path.join(output_dir, "metrics.json"))
+    if verbose:
+        print(result.table())
+    return result
+
+
+def _expanded_or_separate(q, q_labels, db, db_labels, self_retrieval, ks, searcher, depth,
+                          verbose):
+    if self_retrieval:
+        # α-expanded queries differ from their database rows: rank them against the
+        # database with their own row removed by index, as in self-retrieval.
+        return retrieval_metrics(q, db_labels, db, db_labels, ks=ks, searcher=searcher,
+                                 map_depth=depth, return_details=True,
+                                 progress=bool(verbose), exclude=np.arange(len(q)))
+    if q_labels is None:
+        raise ValueError("the query set has no labels: pass `query_labels=`.")
+    return retrieval_metrics(q, q_labels, db, db_labels, ks=ks, searcher=searcher,
+                             map_depth=depth, return_details=True, progress=bool(verbose))
+
+
+def _evaluate_revisited(q, db, gnd, ks, backend, depth, output_dir, figures, figure_paths,
+                        **searcher_kwargs):
+    from tfaploss.evaluation.revisited import (
+        PROTOCOLS as RPROTOCOLS,
+    )
+    from tfaploss.evaluation.revisited import (
+        load_revisited_gnd,
+        revisited_map,
+        revisited_map_from_ranks,
+        revisited_per_query_ap,
+    )
+
+    if q is None or gnd is None:
+        raise ValueError("the revisited protocol needs `query=` (the cropped queries) and "
+                         "`gnd=` (ground truth list or gnd_*.pkl / .json path).")
+    if isinstance(gnd, (str, os.PathLike)):
+        gnd = load_revisited_gnd(str(gnd))["gnd"]
+    metrics: dict[str, float] = {}
+    details: dict[str, Any] = {"backend": backend, "num_queries": len(q),
+                               "num_database": len(db)}
+    if backend == "exact":
+        scores = q @ db.T  # revisited sets have ~70 queries: (70 x N) fits at 1M
+        for p in RPROTOCOLS:
+            r = revisited_map(scores, gnd, protocol=p, ks=ks)
+            metrics.update({f"{p}/{k}": v for k, v in r.items()})
+        aps = revisited_per_query_ap(scores, gnd, "medium")
+    else:
+        searcher = build_searcher(db, backend, **searcher_kwargs)
+        depth = min(len(db), depth or 1000)
+        ranks, _ = searcher.search(q, depth)
+        lower = False
+        for p in RPROTOCOLS:
+            r = revisited_map_from_ranks(ranks, gnd, protocol=p, ks=ks, database_size=len(db))
+            lower = lower or r.pop("lower_bound") or backend == "scann_ah"
+            metrics.update({f"{p}/{k}": v for k, v in r.items()})
+        details.update(depth=depth, lower_bound=lower)
+        aps = revisited_per_query_ap(None, gnd, "medium", ranks=ranks)
+    details["per_query_ap_medium"] = aps
+    if output_dir and figures:
+        from tfaploss.evaluation.figures import plot_per_query_ap
+
+        figure_paths.append(plot_per_query_ap(
+            aps, os.path.join(output_dir, "per_query_ap_medium.png"),
+            title="revisited, medium protocol: per-query AP"))
+    return metrics, details
+
+
+def _evaluate_gldv2(q, db, gnd, ks, backend, **searcher_kwargs):
+    from tfaploss.evaluation.metrics import gldv2_map_at_k
+
+    if q is None or gnd is None:
+        raise ValueError("the gldv2 protocol needs `query=` and `gnd=` (per-query lists of "
+                         "relevant database indices).")
+    k = max(ks)
+    searcher = build_searcher(db, backend, **searcher_kwargs)
+    ranks, _ = searcher.search(q, k)
+    return ({f"map@{k}": gldv2_map_at_k(ranks, gnd, k=k)},
+            {"backend": backend, "num_queries": len(q), "num_database": len(db)})
+
+
+def _gather_images(dataset, wanted: np.ndarray) -> dict[int, np.ndarray]:
+    """Images at the given dataset positions (one more pass over the dataset)."""
+    wanted_set = {int(i) for i in wanted}
+    found: dict[int, np.ndarray] = {}
+    offset = 0
+    for element in dataset:
+        images, _, _ = _split_element(element)
+        images = np.asarray(images)
+        for j in range(len(images)):
+            if offset + j in wanted_set:
+                found[offset + j] = images[j]
+        offset += len(images)
+        if len(found) == len(wanted_set):
+            break
+    return found
+
+
+def _retrieval_figure(searcher, db, db_labels, q, q_labels, dataset, query, output_dir,
+                      num_examples, k):
+    from tfaploss.evaluation.figures import plot_retrieval_examples
+
+    self_mode = query is None
+    queries = db if self_mode else q
+    qlab = db_labels if self_mode else q_labels
+    n = min(num_examples, len(queries))
+    # Evenly spread queries rather than the first few (which often share a class).
+    chosen = np.unique(np.linspace(0, len(queries) - 1, n).astype(np.int64))
+    idx, scores = searcher.search(queries[chosen], k, exclude=chosen if self_mode else None)
+    rel = db_labels[idx] == qlab[chosen][:, None]
+    db_imgs = _gather_images(dataset, np.concatenate([idx.reshape(-1), chosen if self_mode
+                                                      else np.zeros(0, np.int64)]))
+    q_imgs = db_imgs if self_mode else _gather_images(query, chosen)
+    path = os.path.join(output_dir, "retrieval_examples.png")
+    return plot_retrieval_examples(
+        [q_imgs[int(i)] for i in chosen],
+        [[db_imgs[int(j)] for j in row] for row in idx], rel, path, scores=scores,
+        query_titles=[f"query {int(i)} (label {qlab[i]})" for i in chosen])

@@ -1,0 +1,289 @@
+"""Retrieval metrics as the papers compute them.
+
+Definitions (``R_q`` = number of database items sharing query ``q``'s label, the
+query itself not counted; ``rel_q(i)`` = 1 when the item at rank ``i`` (1-based)
+is relevant; ``P_q(i)`` = precision of the first ``i`` results):
+
+* ``recall@K`` (ROADMAP / Smooth-AP code): 1 if any of the first K results is
+  relevant. Averaged over **every** query; a lone query (``R_q = 0``) counts as a
+  miss.
+* ``precision@1`` (pytorch-metric-learning): ``rel_q(1)``, averaged over queries
+  with ``R_q > 0`` (lone queries excluded).
+* ``map@r`` (Musgrave et al. 2020, pytorch-metric-learning):
+  ``(1/R_q) sum_{i<=R_q} P_q(i) rel_q(i)``; lone queries excluded.
+* ``r_precision``: ``(1/R_q) sum_{i<=R_q} rel_q(i)``; lone queries excluded.
+* ``map``: average precision over the full ranking,
+  ``(1/R_q) sum_i P_q(i) rel_q(i)``; lone queries excluded. When the ranking is
+  truncated to the first ``depth`` results (ScaNN backends, or ``map_depth``), the
+  positives beyond it contribute 0: the value is then a **lower bound** and the
+  details say so.
+
+Rankings are by inner product, descending, **ties broken by database index** (lower
+index first; see :mod:`tfaploss.evaluation.searchers`). When the query set is the
+database (``db_embeddings=None``), each query's own row is removed *by index*, so
+an exact duplicate of the query elsewhere in the database is still retrieved and
+counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tfaploss.evaluation.searchers import BACKENDS, Searcher, build_searcher
+
+# Rank entries (int64 + float32) materialised per query chunk.
+_CHUNK_ELEMENTS = 1 << 23
+# Depth searched by the ScaNN backends when `map_depth` is not given (at least the
+# largest K and the largest R_q, so recall@K, MAP@R and R-precision stay exact).
+DEFAULT_APPROX_DEPTH = 1000
+
+
+def _check_labels(labels, n: int, name: str) -> np.ndarray:
+    labels = np.asarray(labels)
+    if labels.ndim == 2 and labels.shape[1] == 1:
+        labels = labels[:, 0]
+    if labels.ndim != 1:
+        raise ValueError(f"`{name}` must be a 1-D array of labels; received shape {labels.shape}.")
+    if labels.shape[0] != n:
+        raise ValueError(f"`{name}` has {labels.shape[0]} entries but there are {n} embeddings.")
+    if labels.dtype.kind == "f":
+        if not np.all(np.isfinite(labels)) or np.any(labels != np.round(labels)):
+            raise ValueError(f"`{name}` holds non-integer floats; labels must be class ids.")
+        labels = labels.astype(np.int64)
+    return labels
+
+
+def _check_ks(ks) -> tuple[int, ...]:
+    ks = tuple(ks)
+    if not ks or any(not isinstance(k, (int, np.integer)) or k < 1 for k in ks):
+        raise ValueError(f"`ks` must be a non-empty sequence of positive integers; received {ks!r}.")
+    return tuple(int(k) for k in ks)
+
+
+def count_relevant(query_labels, db_labels, exclude=None) -> np.ndarray:
+    """``R_q``: database items with the query's label, not counting the item
+    ``exclude[q]`` (the query itself in self-retrieval; ``-1`` or ``None``: none)."""
+    uniq, counts = np.unique(db_labels, return_counts=True)
+    pos = np.searchsorted(uniq, query_labels)
+    pos = np.clip(pos, 0, len(uniq) - 1)
+    found = uniq[pos] == query_labels
+    r = np.where(found, counts[pos], 0).astype(np.int64)
+    if exclude is not None:
+        exclude = np.asarray(exclude, np.int64)
+        hit = (exclude >= 0) & (db_labels[np.maximum(exclude, 0)] == query_labels)
+        r = r - hit.astype(np.int64)
+    return r
+
+
+def per_query_metrics(rel: np.ndarray, num_relevant: np.ndarray, ks: Sequence[int]):
+    """Per-query values from a ranked relevance matrix.
+
+    Args:
+      rel: (Q, K) bool, ``rel[q, i]`` = result ``i`` (0-based rank) is relevant.
+      num_relevant: (Q,) ``R_q``.
+      ks: cut-offs for recall@K.
+
+    Returns a dict of (Q,) arrays: ``hit@K``, ``p@1``, ``ap``, ``ap@r``, ``r_prec``
+    (undefined where ``R_q = 0``: those entries are 0 and must be masked).
+    """
+    q, depth = rel.shape
+    relf = rel.astype(np.float64)
+    cum = np.cumsum(relf, axis=1)
+    ranks = np.arange(1, depth + 1, dtype=np.float64)
+    prec_rel = cum / ranks * relf
+    r = num_relevant.astype(np.float64)
+    safe_r = np.maximum(r, 1.0)
+    in_r = np.arange(depth)[None, :] < num_relevant[:, None]
+    out = {f"hit@{k}": rel[:, :k].any(axis=1).astype(np.float64) for k in ks}
+    out["p@1"] = relf[:, 0] if depth else np.zeros(q)
+    out["ap"] = prec_rel.sum(axis=1) / safe_r
+    out["ap@r"] = (prec_rel * in_r).sum(axis=1) / safe_r
+    out["r_prec"] = (relf * in_r).sum(axis=1) / safe_r
+    return out
+
+
+def _chunk_size(depth: int, num_queries: int) -> int:
+    return int(max(1, min(num_queries, _CHUNK_ELEMENTS // max(depth, 1))))
+
+
+def retrieval_metrics(query_embeddings, query_labels, db_embeddings=None, db_labels=None,
+                      ks=(1, 10, 100), backend="exact", map_depth: int | None = None,
+                      searcher: Searcher | None = None, return_details: bool = False,
+                      progress: bool = False, exclude=None, **searcher_kwargs):
+    """Recall@K, Precision@1, MAP@R, R-precision and mAP of a retrieval.
+
+    Args:
+      query_embeddings: (Q, D) float array (L2-normalised for cosine similarity).
+      query_labels: (Q,) integer labels.
+      db_embeddings, db_labels: the database; ``None`` means the query set is the
+        database and each query's own index is removed from its ranking.
+      ks: cut-offs for ``recall@K``.
+      backend: ``"exact"`` (chunked matmul + top-k), ``"scann"`` (ScaNN brute
+        force) or ``"scann_ah"`` (ScaNN tree + AH + reorder). Ignored when
+        ``searcher`` is given.
+      map_depth: length of the ranking the metrics read. Default: the full ranking
+        for ``"exact"``; ``max(max(ks), max R_q, 1000)`` (capped at the database
+        size) for the ScaNN backends. ``map`` is a lower bound whenever the depth is
+        shorter than the full ranking; recall@K, MAP@R and R-precision are exact as
+        long as the depth is at least K and R_q (and the search is exact).
+      searcher: a prebuilt searcher over the database (e.g. from
+        :func:`~tfaploss.evaluation.load_searcher`).
+      return_details: also return a dict describing how the numbers were obtained.
+      progress: show a progress bar over query chunks.
+      exclude: with a separate database, one database index per query (``-1``: none)
+        removed from that query's ranking and from its ``R_q`` -- e.g. expanded
+        queries evaluated against the database they came from.
+      **searcher_kwargs: passed to the searcher's constructor.
+
+    Returns:
+      dict of floats: ``recall@K`` for each K, ``precision@1``, ``map@r``,
+      ``r_precision``, ``map``; with ``return_details=True`` a tuple
+      ``(metrics, details)``.
+
+    Cost: one search of depth ``map_depth`` per query (exact: ``O(Q N D)``
+    multiply-adds plus a top-``depth`` selection), then ``O(Q * depth)``.
+    """
+    ks = _check_ks(ks)
+    if backend not in BACKENDS:
+        raise ValueError(f"`backend` must be one of {BACKENDS}; received {backend!r}.")
+    queries = np.asarray(query_embeddings)
+    if queries.ndim != 2:
+        raise ValueError(f"`query_embeddings` must be 2-D; received shape {queries.shape}.")
+    q_labels = _check_labels(query_labels, queries.shape[0], "query_labels")
+    self_retrieval = db_embeddings is None
+    if self_retrieval:
+        if db_labels is not None:
+            raise ValueError("`db_labels` was given without `db_embeddings`.")
+        db, d_labels = queries, q_labels
+    else:
+        if db_labels is None:
+            raise ValueError("`db_embeddings` was given without `db_labels`.")
+        db = np.asarray(db_embeddings)
+        if db.ndim != 2:
+            raise ValueError(f"`db_embeddings` must be 2-D; received shape {db.shape}.")
+        d_labels = _check_labels(db_labels, db.shape[0], "db_labels")
+        if q_labels.dtype.kind != d_labels.dtype.kind and {q_labels.dtype.kind,
+                                                            d_labels.dtype.kind} != {"i", "u"}:
+            raise ValueError(f"`query_labels` ({q_labels.dtype}) and `db_labels` "
+                             f"({d_labels.dtype}) must have comparable dtypes.")
+
+    num_q, n_db = queries.shape[0], db.shape[0]
+    if self_retrieval:
+        if exclude is not None:
+            raise ValueError("`exclude` is only for a separate database; without "
+                             "`db_embeddings` each query's own index is removed already.")
+        exclude = np.arange(num_q)
+    elif exclude is not None:
+        exclude = np.asarray(exclude)
+        if exclude.shape != (num_q,) or not np.issubdtype(exclude.dtype, np.integer):
+            raise ValueError(f"`exclude` must hold one integer per query; received shape "
+                             f"{exclude.shape} and dtype {exclude.dtype}.")
+    n_avail = n_db - (1 if exclude is not None else 0)
+    if num_q == 0 or n_avail < 1:
+        raise ValueError(f"need at least one query and one database item to rank; got "
+                         f"{num_q} queries and {n_avail} database items.")
+    num_relevant = count_relevant(q_labels, d_labels, exclude)
+    if not np.any(num_relevant > 0):
+        raise ValueError("no query has a relevant item in the database (every label is "
+                         "unique); retrieval metrics are undefined.")
+
+    if searcher is None:
+        searcher = build_searcher(db, backend, **searcher_kwargs)
+    elif searcher.size != n_db:
+        raise ValueError(f"`searcher` holds {searcher.size} items but the database has {n_db}.")
+    if map_depth is None:
+        if searcher.backend == "exact":
+            depth = n_avail
+        else:
+            depth = min(n_avail, max(max(ks), int(num_relevant.max()), DEFAULT_APPROX_DEPTH))
+    else:
+        if not isinstance(map_depth, (int, np.integer)) or map_depth < 1:
+            raise ValueError(f"`map_depth` must be a positive integer; received {map_depth!r}.")
+        depth = min(int(map_depth), n_avail)
+
+    chunk = _chunk_size(depth, num_q)
+    parts = []
+    bar = None
+    if progress:
+        import keras
+
+        bar = keras.utils.Progbar(num_q, unit_name="query")
+    for q0 in range(0, num_q, chunk):
+        q1 = min(q0 + chunk, num_q)
+        idx, _ = searcher.search(queries[q0:q1], depth,
+                                 exclude=None if exclude is None else exclude[q0:q1])
+        rel = (idx >= 0) & (d_labels[np.maximum(idx, 0)] == q_labels[q0:q1, None])
+        parts.append(per_query_metrics(rel, num_relevant[q0:q1], ks))
+        if bar is not None:
+            bar.update(q1)
+    per_q = {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
+
+    valid = num_relevant > 0
+    metrics = {f"recall@{k}": float(per_q[f"hit@{k}"].mean()) for k in ks}
+    metrics["precision@1"] = float(per_q["p@1"][valid].mean())
+    metrics["map@r"] = float(per_q["ap@r"][valid].mean())
+    metrics["r_precision"] = float(per_q["r_prec"][valid].mean())
+    metrics["map"] = float(per_q["ap"][valid].mean())
+    if not return_details:
+        return metrics
+    exact_search = searcher.backend in ("exact", "scann")
+    details: dict[str, Any] = {
+        "backend": searcher.backend,
+        "num_queries": int(num_q),
+        "num_database": int(n_db),
+        "self_retrieval": bool(self_retrieval),
+        "lone_queries": int((~valid).sum()),
+        "depth": int(depth),
+        "map_is_lower_bound": bool(depth < n_avail or not exact_search),
+        "map_r_truncated": bool(depth < int(num_relevant.max())),
+        "conventions": {
+            "recall@K": "every query counted; a lone query is a miss (ROADMAP)",
+            "precision@1, map@r, r_precision, map":
+                "queries without a relevant database item excluded (pytorch-metric-learning)",
+            "ties": "equal scores ranked by database index, lower first",
+            "self": "query removed from its own ranking by index" if self_retrieval
+                    else ("separate query and database sets" if exclude is None else
+                          "separate query set, one database index removed per query"),
+        },
+        "per_query": {"ap": per_q["ap"], "num_relevant": num_relevant},
+    }
+    return metrics, details
+
+
+def gldv2_map_at_k(retrieved, relevant, k: int = 100) -> float:
+    """Google Landmarks v2 retrieval mAP@k (Weyand et al. 2020; the Kaggle metric).
+
+    ``AP@k(q) = (1 / min(m_q, k)) sum_{i<=k} P_q(i) rel_q(i)`` with ``m_q`` the
+    number of index images relevant to ``q``; averaged over the queries that have at
+    least one relevant image (queries without ground truth are ignored, as in the
+    challenge's private set).
+
+    Args:
+      retrieved: (Q, >=k) array (or list of sequences) of retrieved ids, best first.
+      relevant: length-Q sequence of collections of relevant ids.
+    """
+    if not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"`k` must be a positive integer; received {k!r}.")
+    if len(retrieved) != len(relevant):
+        raise ValueError(f"`retrieved` has {len(retrieved)} queries but `relevant` has "
+                         f"{len(relevant)}.")
+    aps = []
+    for ret, rel in zip(retrieved, relevant):
+        rel = set(np.asarray(list(rel)).tolist())
+        if not rel:
+            continue
+        ret = list(np.asarray(ret)[:k].tolist())
+        hits, score, seen = 0, 0.0, set()
+        for i, item in enumerate(ret):
+            # A repeated id is counted once, as in the challenge's scorer.
+            if item in rel and item not in seen:
+                hits += 1
+                score += hits / (i + 1)
+            seen.add(item)
+        aps.append(score / min(len(rel), k))
+    if not aps:
+        raise ValueError("no query in `relevant` has a relevant image; mAP@k is undefined.")
+    return float(np.mean(aps))
