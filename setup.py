@@ -10,7 +10,7 @@ from setuptools import find_packages, setup
 
 BEAM = ["apache-beam[tfrecord]>=2.60"]
 SCANN = ["scann==1.4.2; platform_system == 'Linux'"]
-TFDS = ["tensorflow-datasets>=4.9"]
+TFDS = ["tensorflow-datasets>=4.9", "importlib_resources"]
 VIZ = ["matplotlib>=3.7"]
 DEMO = ["scikit-learn>=1.3"]
 TEST = ["pytest>=8", "pytest-xdist>=3"]

@@ -10,6 +10,7 @@ module only lets through plain containers, numbers, strings, bytes and numpy arr
 
 from __future__ import annotations
 
+import _compat_pickle
 import io
 import pickle
 from typing import Any, BinaryIO
@@ -25,6 +26,7 @@ _ALLOWED_GLOBALS = {
     ("numpy.core.numeric", "_frombuffer"),
     ("numpy._core.numeric", "_frombuffer"),
     ("builtins", "bytearray"),
+    ("builtins", "bytes"),
     ("builtins", "set"),
     ("builtins", "frozenset"),
     ("builtins", "complex"),
@@ -42,6 +44,8 @@ class RestrictedUnpickler(pickle.Unpickler):
     """An unpickler that only resolves allow-listed globals."""
 
     def find_class(self, module: str, name: str) -> Any:
+        # Protocol-2 pickles name Python 2 modules (``__builtin__``); check the Python 3 name.
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         if (module, name) in _ALLOWED_GLOBALS:
             return super().find_class(module, name)
         raise UnsafePickleError(

@@ -1,0 +1,97 @@
+"""Image transforms of the papers' recipes, written for ``tf.data``.
+
+Train: RandomResizedCrop (scale (0.16, 1) as in ROADMAP/Smooth-AP, or (0.08, 1) as
+torchvision's default; aspect ratio (3/4, 4/3)) decoded straight from the JPEG crop
+window (``decode_and_crop_jpeg``: only the crop is decoded), then a horizontal flip.
+Test: resize the shorter side to ``resize_size`` and take the centre ``image_size``
+crop, or keep the original size (landmarks).
+
+Every function returns float32 pixels in [0, 255]; :func:`normalize` applies ImageNet
+mean/std when asked. Randomness is stateless (``seed`` is a shape-[2] int tensor), so
+a dataset is reproducible from its seed.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+NORMALIZATIONS = (None, "imagenet")
+
+
+def _decode_window(encoded: tf.Tensor, window: tf.Tensor) -> tf.Tensor:
+    """Decode only ``window`` = [y, x, h, w] of a JPEG (any format via a slower path)."""
+    def jpeg():
+        return tf.io.decode_and_crop_jpeg(encoded, window, channels=3)
+
+    def other():
+        image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
+        return tf.image.crop_to_bounding_box(image, window[0], window[1], window[2], window[3])
+
+    image = tf.cond(tf.io.is_jpeg(encoded), jpeg, other)
+    image.set_shape([None, None, 3])
+    return image
+
+
+def image_shape(encoded: tf.Tensor) -> tf.Tensor:
+    """[height, width] of JPEG/PNG bytes without decoding JPEGs."""
+    def jpeg():
+        return tf.io.extract_jpeg_shape(encoded)[:2]
+
+    def other():
+        return tf.shape(tf.io.decode_image(encoded, channels=3, expand_animations=False))[:2]
+
+    return tf.cond(tf.io.is_jpeg(encoded), jpeg, other)
+
+
+def random_resized_crop(encoded: tf.Tensor, image_size: int, seed: tf.Tensor,
+                        scale=(0.16, 1.0), ratio=(3 / 4, 4 / 3)) -> tf.Tensor:
+    """RandomResizedCrop from encoded bytes to float32 ``[image_size, image_size, 3]``.
+
+    Samples a window covering ``scale`` of the area with aspect ratio in ``ratio`` (10
+    attempts, then the whole image, as ``tf.image.sample_distorted_bounding_box`` does),
+    decodes only that window and resizes it bilinearly (antialiased).
+    """
+    shape = image_shape(encoded)
+    begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
+        tf.concat([shape, [3]], 0), bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
+        seed=seed, min_object_covered=0.0, aspect_ratio_range=ratio, area_range=scale,
+        max_attempts=10, use_image_if_no_bounding_boxes=True)
+    window = tf.stack([begin[0], begin[1], size[0], size[1]])
+    image = _decode_window(encoded, window)
+    return tf.image.resize(image, [image_size, image_size], method="bilinear", antialias=True)
+
+
+def random_flip(image: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
+    return tf.image.stateless_random_flip_left_right(image, seed)
+
+
+def center_crop(encoded: tf.Tensor, image_size: int | None,
+                resize_size: int | None = None) -> tf.Tensor:
+    """Test transform: shorter side to ``resize_size`` (default ``image_size / 0.875``,
+    i.e. 256 for 224), then the centre ``image_size`` square. ``image_size=None`` keeps the
+    original image. Returns float32 in [0, 255]."""
+    image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
+    image.set_shape([None, None, 3])
+    image = tf.cast(image, tf.float32)
+    if image_size is None:
+        return image
+    resize_size = resize_size or round(image_size / 0.875)
+    shape = tf.cast(tf.shape(image)[:2], tf.float32)
+    factor = resize_size / tf.reduce_min(shape)
+    new = tf.cast(tf.round(shape * factor), tf.int32)
+    new = tf.maximum(new, image_size)
+    image = tf.image.resize(image, new, method="bilinear", antialias=True)
+    return tf.image.resize_with_crop_or_pad(image, image_size, image_size)
+
+
+def normalize(image: tf.Tensor, mode: str | None) -> tf.Tensor:
+    """``mode=None``: unchanged raw [0, 255] pixels; ``"imagenet"``: (x/255 - mean) / std."""
+    if mode is None:
+        return image
+    if mode == "imagenet":
+        mean = tf.constant(IMAGENET_MEAN, image.dtype) * 255.0
+        std = tf.constant(IMAGENET_STD, image.dtype) * 255.0
+        return (image - mean) / std
+    raise ValueError(f"normalize must be None or 'imagenet', got {mode!r}")

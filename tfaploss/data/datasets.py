@@ -1,0 +1,174 @@
+"""Training and evaluation datasets: ``(images, labels)`` batches ready for a model."""
+
+from __future__ import annotations
+
+import logging
+
+import tensorflow as tf
+
+from tfaploss.data import augment as A
+from tfaploss.data import records as R
+from tfaploss.data import samplers as S
+
+LOG = logging.getLogger("tfaploss.data")
+
+
+def _eligible(manifest: dict, m: int) -> dict[int, int]:
+    """``{label: count}`` of the classes with at least m images."""
+    return {int(k): v for k, v in manifest.get("class_counts", {}).items()
+            if v >= m and int(k) >= 0}
+
+
+def _validate_sampler(manifest, sampler: str, batch_size: int, m: int) -> None:
+    if manifest is None:
+        LOG.warning("no manifest.json beside the data: cannot check that the %s sampler "
+                    "can fill a batch; it blocks forever if it cannot", sampler)
+        return
+    chunk = (manifest.get("by_class") or {}).get("chunk_size")
+    if chunk and chunk < 2 * m:
+        LOG.warning("class_chunk_size=%d < 2 m=%d: chunks of large classes may hold fewer "
+                    "than m images and are then skipped", chunk, 2 * m)
+    eligible = _eligible(manifest, m)
+    if sampler == "m_per_class" and len(eligible) < batch_size // m:
+        raise ValueError(
+            f"batch_size={batch_size} with m={m} needs {batch_size // m} classes with >= {m} "
+            f"images, the split has {len(eligible)}; lower batch_size or m")
+    if sampler == "hierarchical":
+        supers = manifest.get("class_super_labels") or {}
+        if not supers:
+            raise ValueError("sampler='hierarchical' needs super-class labels; this split has "
+                             "none (image/class/super_label is -1)")
+        per_super: dict[int, int] = {}
+        for label in eligible:
+            s = supers.get(str(label), -1)
+            if s >= 0:
+                per_super[s] = per_super.get(s, 0) + 1
+        half = batch_size // m // 2
+        usable = [s for s, n in per_super.items() if n >= half]
+        if len(usable) < 2:
+            raise ValueError(
+                f"sampler='hierarchical' with batch_size={batch_size}, m={m} needs two "
+                f"super-classes with >= {half} classes of >= {m} images; found {len(usable)}")
+    if sampler == "all_classes" and not eligible:
+        raise ValueError(f"sampler='all_classes': no class has >= m={m} images")
+
+
+def _augment_fn(image_size: int, augment: bool, crop_scale, normalize):
+    def fn(encoded, seed):
+        if augment:
+            image = A.random_resized_crop(encoded, image_size, seed, scale=crop_scale)
+            image = A.random_flip(image, seed + 1)
+        else:
+            image = A.center_crop(encoded, image_size)
+        image = tf.ensure_shape(image, [image_size, image_size, 3])
+        return A.normalize(image, normalize)
+    return fn
+
+
+def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_size: int = 32,
+                       m: int = 4, image_size: int = 224, augment: bool = True,
+                       crop_scale: tuple[float, float] = (0.16, 1.0), normalize: str | None = None,
+                       seed: int = 0, shuffle_buffer: int = 256, num_classes: int | None = None,
+                       with_ids: bool = False) -> tf.data.Dataset:
+    """Endless training batches ``(images float32 [B, S, S, 3], labels int32 [B])``.
+
+    Args:
+        path: a split folder written by a ``pipelines`` job (``OUT/train``) or a glob of
+            TFRecords (by-class files for a sampler, per-image files for ``sampler=None``).
+        sampler: ``"m_per_class"`` (P = B / m distinct classes x m images),
+            ``"hierarchical"`` (two super-classes, half the batch each),
+            ``"all_classes"`` (every class with >= m images, m each; B = C x m, so
+            ``batch_size`` is ignored) - all read the by-class layout, see
+            :mod:`tfaploss.data.samplers`; or ``None``: shuffled per-image records.
+            Sampled batches are class-major: image i belongs to the (i // m)-th class.
+        batch_size: images per batch B (a multiple of m for the samplers).
+        m: images per class in a batch.
+        image_size: side S of the square output images.
+        augment: RandomResizedCrop(``crop_scale``, ratio 3/4..4/3) + horizontal flip;
+            False: resize the shorter side to S / 0.875 and centre-crop S.
+        crop_scale: area range of the crop, (0.16, 1) (ROADMAP) or (0.08, 1) (torchvision).
+        normalize: ``None`` (default): raw float32 pixels in [0, 255], for models that
+            carry their own preprocessing; ``"imagenet"``: (x / 255 - mean) / std.
+        seed: makes the stream (class draws, image draws, crops, flips) reproducible: two
+            datasets built with the same seed give the same batches. Each new iterator
+            over one dataset reshuffles (like a new epoch), reproducibly too.
+        shuffle_buffer: records (class chunks or images) in the shuffle buffer; memory is
+            about this times the record size.
+        num_classes: for ``all_classes`` without a manifest.
+        with_ids: also return the image ids: ``(images, labels, ids)``.
+
+    Returns:
+        An infinite ``tf.data.Dataset``; use ``steps_per_epoch`` when fitting.
+    """
+    if sampler not in (None, *S.SAMPLERS):
+        raise ValueError(f"sampler must be one of {S.SAMPLERS} or None, got {sampler!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    A.normalize(tf.zeros([1, 1, 3]), normalize)  # validates `normalize` up front
+    manifest = R.read_manifest(path)
+    if sampler is None:
+        files = R.split_files(path, "images")
+        ds = tf.data.Dataset.from_tensor_slices(files).shuffle(len(files), seed=seed).repeat()
+        ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=max(1, min(8, len(files))),
+                           num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        ds = ds.shuffle(shuffle_buffer, seed=seed + 1).map(
+            R.parse_image_example, num_parallel_calls=tf.data.AUTOTUNE)
+        images = ds.map(lambda e: (e["encoded"], e["id"], e["label"]))
+        batch = batch_size
+    else:
+        _validate_sampler(manifest, sampler, batch_size, m)
+        chunks = S.class_chunk_stream(R.split_files(path, "by_class"), seed=seed,
+                                      shuffle_buffer=shuffle_buffer)
+        if sampler == "m_per_class":
+            batches = S.m_per_class(chunks, batch_size, m, seed)
+            batch = batch_size
+        elif sampler == "hierarchical":
+            batches = S.hierarchical(chunks, batch_size, m, seed)
+            batch = batch_size
+        else:
+            if num_classes is None:
+                if manifest is None:
+                    raise ValueError("sampler='all_classes' needs num_classes when the split "
+                                     "has no manifest.json")
+                num_classes = len(_eligible(manifest, m))
+            batches = S.all_classes(chunks, num_classes, m, seed)
+            batch = num_classes * m
+        images = batches.unbatch()
+    fn = _augment_fn(image_size, augment, crop_scale, normalize)
+
+    def load(i, elem):
+        encoded, ids, label = elem
+        image_seed = tf.stack([tf.cast(seed, tf.int64) + 7919, i])
+        return fn(encoded, image_seed), tf.cast(label, tf.int32), ids
+
+    ds = images.enumerate().map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    ds = ds.batch(batch, drop_remainder=True)
+    if not with_ids:
+        ds = ds.map(lambda x, y, i: (x, y))
+    return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def make_eval_dataset(path: str, *, image_size: int | None = 224, resize_size: int | None = None,
+                      batch_size: int = 64, normalize: str | None = None) -> tf.data.Dataset:
+    """Every image of a split once, in file order: ``(images, labels int32, ids string)``.
+
+    Args:
+        path: split folder or glob of per-image TFRecords.
+        image_size: centre-crop side S after resizing the shorter side to ``resize_size``
+            (default S / 0.875, e.g. 256 for 224); ``None`` keeps each image's own size
+            (landmarks), which needs ``batch_size=1``.
+        batch_size: images per batch; the last batch may be smaller.
+        normalize: ``None`` (default, raw [0, 255] float32 pixels) or ``"imagenet"``.
+    """
+    if image_size is None and batch_size != 1:
+        raise ValueError(f"image_size=None keeps every image's size, so batch_size must be 1, "
+                         f"got {batch_size}")
+    A.normalize(tf.zeros([1, 1, 3]), normalize)
+    ds = R.load_split(path, decode=False)
+
+    def load(e):
+        image = A.normalize(A.center_crop(e["encoded"], image_size, resize_size), normalize)
+        return image, e["label"], e["id"]
+
+    ds = ds.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return ds.batch(batch_size).prefetch(tf.data.AUTOTUNE)

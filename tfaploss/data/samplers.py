@@ -1,0 +1,151 @@
+"""Streaming class-balanced batch samplers over the by-class TFRecord layout.
+
+Why a by-class layout: drawing P classes x m images from per-image records needs
+either the whole index in memory or one reader per class (81k for GLDv2-clean). In
+``by_class/`` one record holds up to ``class_chunk_size`` images of ONE class (large
+classes are cut into balanced chunks of at least half that size). A sampler then
+streams records (files shuffled and interleaved, records shuffled in a bounded
+buffer), draws m distinct images from each record, and assembles batches, so memory is
+``shuffle_buffer x chunk bytes`` whatever the dataset size, and only the m chosen
+images of a chunk are ever decoded.
+
+Samplers work on a stream of *groups*: ``{"encoded": [m] bytes, "id": [m], "label",
+"super_label"}`` (m images of one class) and emit ``(encoded [B], ids [B], labels [B])``
+in class-major order (image ``i`` belongs to group ``i // m``):
+
+* :func:`m_per_class` - P = B / m distinct classes per batch (Smooth-AP, ROADMAP, PNP);
+  classes with fewer than m images are never drawn, as in the originals.
+* :func:`hierarchical` - two distinct super-classes per batch, B / 2 images from each,
+  (B / 2) / m distinct classes x m images within each half (ROADMAP/FastAP on SOP).
+* :func:`all_classes` - every eligible class in every batch, m images each, in label
+  order (Revaud et al.'s AP loss setting); B = C x m.
+
+Everything is deterministic given ``seed``: shuffles are seeded and per-record draws
+use stateless random ops keyed by the record's position in the stream.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tfaploss.data.records import parse_class_example
+
+SAMPLERS = ("m_per_class", "hierarchical", "all_classes")
+
+
+def class_chunk_stream(files: list[str], *, seed: int = 0, shuffle_buffer: int = 256,
+                       cycle_length: int = 8) -> tf.data.Dataset:
+    """Endless, shuffled stream of parsed by-class records."""
+    ds = tf.data.Dataset.from_tensor_slices(files)
+    ds = ds.shuffle(len(files), seed=seed, reshuffle_each_iteration=True).repeat()
+    ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=max(1, min(cycle_length, len(files))),
+                       block_length=1, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    ds = ds.shuffle(shuffle_buffer, seed=seed + 1, reshuffle_each_iteration=True)
+    return ds.map(parse_class_example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
+def draw_groups(chunks: tf.data.Dataset, m: int, seed: int = 0) -> tf.data.Dataset:
+    """Keep records with >= m images and draw m distinct images from each."""
+    chunks = chunks.filter(lambda c: tf.shape(c["encoded"])[0] >= m)
+
+    def take(i, c):
+        n = tf.shape(c["encoded"])[0]
+        keys = tf.random.stateless_uniform([n], seed=tf.stack([tf.cast(seed, tf.int64), i]))
+        pick = tf.argsort(keys)[:m]
+        return {"encoded": tf.ensure_shape(tf.gather(c["encoded"], pick), [m]),
+                "id": tf.ensure_shape(tf.gather(c["id"], pick), [m]),
+                "label": c["label"], "super_label": c["super_label"]}
+
+    return chunks.enumerate().map(take, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
+def distinct_runs(ds: tf.data.Dataset, group_size: int, key) -> tf.data.Dataset:
+    """Drop elements so that each consecutive run of ``group_size`` has distinct keys.
+
+    A ``scan`` keeps the keys of the run being filled; an element whose key is already
+    in it is dropped. Then ``batch(group_size)`` yields groups of distinct keys.
+    """
+    init = (tf.fill([group_size], tf.constant(-1, tf.int32)), tf.constant(0, tf.int32))
+
+    def step(state, elem):
+        keys, count = state
+        k = tf.cast(key(elem), tf.int32)
+        dup = tf.reduce_any(tf.equal(keys, k))
+        added = tf.tensor_scatter_nd_update(keys, [[count]], [k])
+        keys = tf.where(dup, keys, added)
+        count = tf.where(dup, count, count + 1)
+        full = tf.equal(count, group_size)
+        keys = tf.where(full, tf.fill([group_size], tf.constant(-1, tf.int32)), keys)
+        count = tf.where(full, 0, count)
+        return (keys, count), (elem, tf.logical_not(dup))
+
+    return (ds.scan(init, step)
+            .filter(lambda elem, keep: keep)
+            .map(lambda elem, keep: elem))
+
+
+def _flatten(groups: dict) -> tuple:
+    """Batched groups [P, m] -> class-major (encoded [P*m], ids [P*m], labels [P*m])."""
+    m = tf.shape(groups["encoded"])[1]
+    labels = tf.repeat(groups["label"], m)
+    return (tf.reshape(groups["encoded"], [-1]), tf.reshape(groups["id"], [-1]), labels)
+
+
+def _check(batch_size: int, m: int) -> int:
+    if m < 1:
+        raise ValueError(f"m (images per class) must be >= 1, got {m}")
+    if batch_size % m:
+        raise ValueError(f"batch_size must be a multiple of m={m}, got {batch_size}")
+    return batch_size // m
+
+
+def m_per_class(chunks: tf.data.Dataset, batch_size: int, m: int, seed: int = 0):
+    """P = batch_size / m distinct classes x m distinct images per batch."""
+    p = _check(batch_size, m)
+    groups = distinct_runs(draw_groups(chunks, m, seed), p, lambda g: g["label"])
+    return groups.batch(p, drop_remainder=True).map(_flatten)
+
+
+def hierarchical(chunks: tf.data.Dataset, batch_size: int, m: int, seed: int = 0):
+    """Two distinct super-classes per batch, each giving (batch_size / 2) / m classes."""
+    p = _check(batch_size, m)
+    if p % 2:
+        raise ValueError(f"hierarchical needs an even number of classes per batch "
+                         f"(batch_size / m), got batch_size={batch_size}, m={m}")
+    half = p // 2
+    window = 2 * half  # oversample so that a window usually holds `half` distinct classes
+    groups = draw_groups(chunks.filter(lambda c: c["super_label"] >= 0), m, seed)
+
+    def first_distinct(g):
+        uniq, idx = tf.unique(g["label"])
+        first = tf.math.unsorted_segment_min(tf.range(tf.size(idx)), idx, tf.size(uniq))
+        pick = first[:half]
+        out = {k: tf.gather(v, pick) for k, v in g.items()}
+        return out, tf.size(uniq) >= half
+
+    halves = (groups
+              .group_by_window(key_func=lambda g: tf.cast(g["super_label"], tf.int64),
+                               reduce_func=lambda _, w: w.batch(window), window_size=window)
+              .map(first_distinct)
+              .filter(lambda g, ok: ok)
+              .map(lambda g, ok: g))
+    pairs = distinct_runs(halves, 2, lambda g: g["super_label"][0]).batch(2, drop_remainder=True)
+
+    def merge(g):  # [2, half, ...] -> [p, ...]
+        flat = {k: tf.reshape(v, tf.concat([[p], tf.shape(v)[2:]], 0)) for k, v in g.items()}
+        return _flatten(flat)
+
+    return pairs.map(merge)
+
+
+def all_classes(chunks: tf.data.Dataset, num_classes: int, m: int, seed: int = 0):
+    """All ``num_classes`` eligible classes x m images per batch, sorted by label."""
+    if num_classes < 1:
+        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+    groups = distinct_runs(draw_groups(chunks, m, seed), num_classes, lambda g: g["label"])
+
+    def by_label(g):
+        order = tf.argsort(g["label"])
+        return _flatten({k: tf.gather(v, order) for k, v in g.items()})
+
+    return groups.batch(num_classes, drop_remainder=True).map(by_label)
