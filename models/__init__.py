@@ -1,5 +1,32 @@
-"""Retrieval models: backbones, pooling, heads and whitening."""
+"""Retrieval models: backbones, pooling, heads and whitening.
 
+``build_embedding_model`` is the entry point: raw images in [0, 255] -> L2-normalised
+embeddings, with the papers' architectures in ``PAPER_ARCHITECTURES``.
+"""
+
+from models.backbones import build_backbone, resolve_imagenet_weights, small_cnn
+from models.embedding import PAPER_ARCHITECTURES, build_embedding_model, build_paper_model
 from models.gem import GeM
+from models.heads import L2Normalize, build_head, build_pooling
+from models.lr_multipliers import LRMultiplierOptimizer, head_multipliers
+from models.preprocessing import ImageNetNormalization
+from models.whitening import PCAWhitening, fit_pca_whitening, with_whitening
 
-__all__ = ["GeM"]
+__all__ = [
+    "PAPER_ARCHITECTURES",
+    "GeM",
+    "ImageNetNormalization",
+    "L2Normalize",
+    "LRMultiplierOptimizer",
+    "PCAWhitening",
+    "build_backbone",
+    "build_embedding_model",
+    "build_head",
+    "build_paper_model",
+    "build_pooling",
+    "fit_pca_whitening",
+    "head_multipliers",
+    "resolve_imagenet_weights",
+    "small_cnn",
+    "with_whitening",
+]

@@ -21,6 +21,7 @@ class GeM(keras.layers.Layer):
         data_format: ``"channels_last"`` (default) or ``"channels_first"``.
 
     Input ``(B, H, W, C)`` (channels last); output ``(B, C)``. Cost: O(B·H·W·C).
+    Under mixed precision the power and the mean are computed in float32.
     """
 
     def __init__(self, p=3.0, eps=1e-6, trainable_p=True, data_format=None, **kwargs):
@@ -54,9 +55,14 @@ class GeM(keras.layers.Layer):
 
     def call(self, inputs):
         axes = (1, 2) if self.data_format == "channels_last" else (2, 3)
-        p = ops.cast(self.p, inputs.dtype)
-        x = ops.power(ops.maximum(inputs, self.eps), p)
-        return ops.power(ops.mean(x, axis=axes), 1.0 / p)
+        # x^p overflows float16 for activations above ~40 (p = 3): under mixed
+        # precision the power and the mean run in float32.
+        dtype = "float32" if inputs.dtype in ("float16", "bfloat16") else inputs.dtype
+        x = ops.cast(inputs, dtype)
+        p = ops.cast(self.p, dtype)
+        x = ops.power(ops.maximum(x, self.eps), p)
+        out = ops.power(ops.mean(x, axis=axes), 1.0 / p)
+        return ops.cast(out, self.compute_dtype)
 
     def compute_output_shape(self, input_shape):
         if self.data_format == "channels_last":

@@ -1,0 +1,139 @@
+"""``build_embedding_model``: raw images -> L2-normalised embeddings."""
+
+from __future__ import annotations
+
+import keras
+
+from models.backbones import BACKBONES, build_backbone
+from models.heads import L2Normalize, build_head, build_pooling
+from models.preprocessing import MODES, ImageNetNormalization
+
+# The papers' architectures, as keyword arguments of ``build_embedding_model``.
+PAPER_ARCHITECTURES = {
+    # Revaud et al. ICCV'19 (histogram AP, landmarks): ResNet-101, GeM (p learned,
+    # init 3), FC 2048 -> 2048 with bias, L2.
+    "revaud": {"backbone": "resnet101", "pooling": "gem", "embedding_dim": 2048, "head_bias": True},
+    # Smooth-AP, PNP, ROADMAP on SOP / iNaturalist: ResNet-50, average pooling,
+    # Dense 2048 -> 512, L2.
+    "smooth_ap": {"backbone": "resnet50", "pooling": "avg", "embedding_dim": 512},
+    "pnp": {"backbone": "resnet50", "pooling": "avg", "embedding_dim": 512},
+    "roadmap_sop": {"backbone": "resnet50", "pooling": "avg", "embedding_dim": 512},
+    # ROADMAP on CUB: ResNet-50, max pooling + LayerNorm without affine, Dense -> 512.
+    "roadmap_cub": {"backbone": "resnet50", "pooling": "max_ln", "embedding_dim": 512},
+    # FastAP: ResNet-50, average pooling, Dense -> 512.
+    "fastap": {"backbone": "resnet50", "pooling": "avg", "embedding_dim": 512},
+}
+
+# The normalisation each backbone's pretrained weights expect.
+DEFAULT_PREPROCESSING = {"resnet50": "caffe", "resnet101": "caffe", "small_cnn": "torch"}
+
+
+def build_embedding_model(
+    backbone="resnet50",
+    pooling="gem",
+    embedding_dim=512,
+    weights=None,
+    input_shape=(224, 224, 3),
+    head="linear",
+    head_bias=True,
+    gem_p=3.0,
+    gem_trainable_p=True,
+    freeze_bn=False,
+    preprocessing="auto",
+    backbone_kwargs=None,
+    name=None,
+):
+    """Build an image-retrieval embedding model.
+
+    The model is ``images -> [normalisation] -> backbone -> pooling -> [head] -> L2``.
+    It takes raw RGB images as float pixels in [0, 255], channels last
+    (``(B, H, W, 3)``), and returns L2-normalised embeddings ``(B, embedding_dim)``
+    in float32 (also under a ``mixed_float16`` policy).
+
+    Args:
+        backbone: ``"resnet50"``, ``"resnet101"`` (``keras.applications``) or
+            ``"small_cnn"`` (a small CNN with BatchNorm and no dropout for tests and
+            demos; works on inputs as small as 8x8, e.g. 32x32 digits).
+        pooling: ``"gem"`` (generalised mean, Revaud et al.), ``"avg"`` (global
+            average, Smooth-AP / PNP / ROADMAP-SOP / FastAP) or ``"max_ln"`` (global
+            max + LayerNorm without affine, ROADMAP-CUB).
+        embedding_dim: size of the embedding (output units of the linear head).
+        weights: backbone weights: ``None`` (random), ``"imagenet"`` (only from
+            Keras's local cache; otherwise a ``FileNotFoundError`` says which file to
+            get and from where) or a path to a backbone weights file (for ResNets the
+            ``*_weights_tf_dim_ordering_tf_kernels_notop.h5`` Keras uses). Nothing is
+            ever downloaded.
+        input_shape: ``(H, W, 3)`` of the input images; ``(None, None, 3)`` accepts any
+            size (the layers are all convolutional or global).
+        head: ``"linear"`` (a ``Dense`` layer named ``"head"``) or ``"identity"`` (no
+            projection: the pooled features are the embedding; ``embedding_dim`` must
+            be ``None`` or the backbone's channel count).
+        head_bias: whether the linear head has a bias (the papers' heads do).
+        gem_p: initial GeM exponent (``pooling="gem"`` only; the papers use 3).
+        gem_trainable_p: learn the GeM exponent with the network.
+        freeze_bn: make every BatchNorm use its moving statistics while gamma/beta stay
+            trainable (``tfaploss.training.freeze_batch_norm``), the papers' setting and
+            what multi-staged backpropagation needs for exact gradients.
+        preprocessing: the input normalisation layer: ``"auto"`` (what the backbone's
+            weights expect: ``"caffe"`` for the Keras ResNets, ``"torch"`` for
+            ``small_cnn``), ``"torch"`` (ImageNet mean/std on [0, 1] pixels),
+            ``"caffe"`` (BGR, mean subtracted) or ``None``/``False`` (the model takes
+            already-normalised inputs).
+        backbone_kwargs: extra arguments of the backbone (``small_cnn``: ``widths``).
+        name: model name (default ``"<backbone>_<pooling>_<embedding_dim>"``).
+
+    Returns:
+        A functional ``keras.Model``. Its layers are named ``"normalization"``,
+        ``<backbone>``, the pooling (``"gem"``, ``"avg_pool"`` or ``"max_ln"``),
+        ``"head"`` and ``"l2_normalize"``.
+    """
+    if backbone not in BACKBONES:
+        raise ValueError(f"`backbone` must be one of {BACKBONES}; received backbone={backbone!r}")
+    if len(input_shape) != 3 or input_shape[-1] != 3:
+        raise ValueError(
+            f"`input_shape` must be (H, W, 3) (RGB, channels last); received {input_shape!r}"
+        )
+    if preprocessing == "auto":
+        preprocessing = DEFAULT_PREPROCESSING[backbone]
+    if preprocessing not in (None, False) and preprocessing not in MODES:
+        raise ValueError(
+            f"`preprocessing` must be 'auto', one of {MODES}, or None; received "
+            f"preprocessing={preprocessing!r}"
+        )
+
+    features = build_backbone(backbone, input_shape=input_shape, weights=weights,
+                              **(backbone_kwargs or {}))
+    feature_dim = features.output_shape[-1]
+    pool = build_pooling(pooling, gem_p=gem_p, gem_trainable_p=gem_trainable_p)
+    projection = build_head(head, embedding_dim, head_bias, feature_dim=feature_dim)
+
+    inputs = keras.Input(shape=input_shape, name="images")
+    x = inputs
+    if preprocessing:
+        x = ImageNetNormalization(mode=preprocessing, name="normalization")(x)
+    x = features(x)
+    x = pool(x)
+    if projection is not None:
+        x = projection(x)
+    # The output stays float32 under mixed precision: the losses need it.
+    outputs = L2Normalize(name="l2_normalize",
+                          dtype=keras.config.dtype_policy().variable_dtype)(x)
+    dim = embedding_dim if projection is not None else feature_dim
+    model = keras.Model(inputs, outputs, name=name or f"{backbone}_{pooling}_{dim}")
+    if freeze_bn:
+        from tfaploss.training import freeze_batch_norm
+
+        freeze_batch_norm(model)
+    return model
+
+
+def build_paper_model(paper, **overrides):
+    """``build_embedding_model`` with a paper's architecture (see ``PAPER_ARCHITECTURES``).
+
+    ``overrides`` replace or add keyword arguments, e.g. ``weights="imagenet"``.
+    """
+    if paper not in PAPER_ARCHITECTURES:
+        raise ValueError(
+            f"`paper` must be one of {sorted(PAPER_ARCHITECTURES)}; received paper={paper!r}"
+        )
+    return build_embedding_model(**{**PAPER_ARCHITECTURES[paper], **overrides})

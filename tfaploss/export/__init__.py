@@ -1,0 +1,20 @@
+"""Export embedding models as SavedModels for TF Serving (see ``export_saved_model``)."""
+
+from tfaploss.export.image_ops import decode_images, resize_and_center_crop
+from tfaploss.export.saved_model import (
+    BYTES_SIGNATURE,
+    OUTPUT_KEY,
+    PIXELS_SIGNATURE,
+    export_saved_model,
+    next_version,
+)
+
+__all__ = [
+    "BYTES_SIGNATURE",
+    "OUTPUT_KEY",
+    "PIXELS_SIGNATURE",
+    "decode_images",
+    "export_saved_model",
+    "next_version",
+    "resize_and_center_crop",
+]

@@ -1,0 +1,96 @@
+"""Decoding and evaluation-style resizing of images, inside the serving graph.
+
+These functions use TensorFlow ops only, so that the SavedModel runs them in TF
+Serving; they are public so that callers can reproduce the served preprocessing.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+DEFAULT_CROP_FRACTION = 0.875  # resize the short side to 256, centre-crop 224
+
+
+def _check_image_size(image_size):
+    if len(image_size) != 2 or any(int(s) < 1 for s in image_size):
+        raise ValueError(f"`image_size` must be (height, width) > 0; received {image_size!r}")
+    return int(image_size[0]), int(image_size[1])
+
+
+def resize_and_center_crop(image, image_size=(224, 224), crop_fraction=DEFAULT_CROP_FRACTION,
+                           method="bilinear", antialias=True):
+    """Evaluation preprocessing of one image: aspect-preserving resize + centre crop.
+
+    The image ``(H, W, C)`` is scaled by ``max(round(h / crop_fraction) / H,
+    round(w / crop_fraction) / W)`` (for a square crop: the short side goes to
+    ``round(h / crop_fraction)``, e.g. 224 / 0.875 = 256), bilinear with antialiasing,
+    then the central ``h x w`` window is kept: the test transform of ``tfaploss.data``
+    (``center_crop``). ``crop_fraction=1`` fills the crop with the whole short side.
+    An image that already has the resized size is not resampled (bit-exact pixels).
+
+    Returns float32 ``(h, w, C)`` with the input's value range (0..255 for decoded
+    images). Cost: O(H·W + h·w) per image.
+    """
+    h, w = _check_image_size(image_size)
+    if not 0 < crop_fraction <= 1:
+        raise ValueError(f"`crop_fraction` must be in (0, 1]; received {crop_fraction!r}")
+    image = tf.convert_to_tensor(image)
+    size = tf.cast(tf.shape(image)[:2], tf.float32)
+    resize_to = tf.constant([round(h / crop_fraction), round(w / crop_fraction)], tf.float32)
+    factor = tf.reduce_max(resize_to / size)
+    new_size = tf.maximum(tf.cast(tf.round(size * factor), tf.int32), [h, w])
+    image = tf.cast(image, tf.float32)
+    image = tf.cond(
+        tf.reduce_all(tf.equal(new_size, tf.shape(image)[:2])),
+        lambda: image,
+        lambda: tf.image.resize(image, new_size, method=method, antialias=antialias),
+    )
+    top = (new_size[0] - h) // 2
+    left = (new_size[1] - w) // 2
+    image = image[top:top + h, left:left + w]
+    return tf.ensure_shape(image, [h, w, None])
+
+
+def decode_images(image_bytes, image_size=(224, 224), crop_fraction=DEFAULT_CROP_FRACTION,
+                  method="bilinear", antialias=True):
+    """Decode a batch of encoded images (JPEG, PNG, GIF, BMP) to ``(N, h, w, 3)`` float32.
+
+    Each image is decoded to RGB (grayscale is repeated, alpha dropped, the first
+    frame of a GIF kept) and passed through ``resize_and_center_crop``. Decoding runs
+    in parallel in a ``tf.data`` pipeline, in order.
+
+    Raises:
+        tf.errors.InvalidArgumentError: some inputs cannot be decoded; the message
+            names every bad index, e.g. ``could not decode the image(s) at index(es)
+            [1 3]``. The whole request fails (nothing is silently dropped) and a server
+            keeps running.
+    """
+    h, w = _check_image_size(image_size)
+    image_bytes = tf.convert_to_tensor(image_bytes, tf.string)
+    n = tf.shape(image_bytes, out_type=tf.int64)[0]
+    indices = tf.range(n)
+
+    def decode(data, index):
+        image = tf.io.decode_image(data, channels=3, expand_animations=False)
+        return resize_and_center_crop(image, (h, w), crop_fraction, method, antialias), index
+
+    # A decoding error would abort the batch without saying which image is bad:
+    # drop failures here, then name the missing indices in one assertion.
+    decoded = (
+        tf.data.Dataset.from_tensor_slices((image_bytes, indices))
+        .map(decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        .ignore_errors()
+    )
+    # A sentinel keeps the single batch non-empty when every image fails.
+    sentinel = tf.data.Dataset.from_tensors((tf.zeros([h, w, 3]), tf.constant(-1, tf.int64)))
+    images, decoded_indices = decoded.concatenate(sentinel).batch(n + 1).get_single_element()
+    images, decoded_indices = images[:-1], decoded_indices[:-1]
+    bad = tf.sparse.to_dense(tf.sets.difference(indices[None], decoded_indices[None]))[0]
+    check = tf.debugging.Assert(
+        tf.equal(tf.size(bad), 0),
+        ["image_bytes: could not decode the image(s) at index(es)", bad,
+         "of the batch; each input must be a complete JPEG, PNG, GIF or BMP file"],
+        summarize=64,
+    )
+    with tf.control_dependencies([check]):
+        return tf.identity(images)

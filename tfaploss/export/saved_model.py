@@ -1,0 +1,163 @@
+"""Export an embedding model as a SavedModel for TF Serving."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import keras
+import tensorflow as tf
+
+from tfaploss.export.image_ops import DEFAULT_CROP_FRACTION, decode_images
+
+BYTES_SIGNATURE = "serving_default"
+PIXELS_SIGNATURE = "embed_pixels"
+OUTPUT_KEY = "embedding"
+METADATA_FILE = os.path.join("assets.extra", "tfaploss_export.json")
+
+
+def next_version(path) -> int:
+    """1 + the largest integer-named sub-directory of ``path`` (1 when none)."""
+    versions = [int(d) for d in os.listdir(path) if d.isdigit()] if os.path.isdir(path) else []
+    return max(versions, default=0) + 1
+
+
+def _check_model(model, image_size):
+    shape = tuple(model.input_shape)
+    if len(shape) != 4 or shape[-1] != 3:
+        raise ValueError(
+            "export_saved_model: the model must take (B, H, W, 3) images; its input_shape "
+            f"is {shape}"
+        )
+    for got, want in zip(shape[1:3], image_size):
+        if got is not None and got != want:
+            raise ValueError(
+                f"export_saved_model: image_size={tuple(image_size)} does not match the "
+                f"model's input size {shape[1:3]}"
+            )
+
+
+def export_saved_model(
+    model,
+    path,
+    image_size=(224, 224),
+    version=None,
+    whitening=None,
+    crop_fraction=DEFAULT_CROP_FRACTION,
+    resize_method="bilinear",
+    antialias=True,
+    overwrite=False,
+    verbose=False,
+):
+    """Write ``model`` as a TF Serving SavedModel in ``path/<version>/``.
+
+    Signatures (``saved_model_cli show --dir path/<version> --all`` lists them):
+
+    - ``serving_default``: ``image_bytes`` string ``[None]`` (encoded JPEG, PNG, GIF or
+      BMP files; the ``_bytes`` suffix lets TF Serving's REST API take
+      ``{"b64": ...}``) -> ``{"embedding": float32 [None, D]}``. Each image is decoded
+      to RGB and preprocessed like evaluation: resized keeping its aspect so that
+      ``image_size`` covers ``crop_fraction`` of the short side (224 / 0.875 = 256),
+      then centre-cropped to ``image_size``
+      (``tfaploss.export.resize_and_center_crop``). A batch holding an undecodable
+      input fails with ``INVALID_ARGUMENT`` naming its index(es).
+    - ``embed_pixels``: ``images`` float32 ``[None, h, w, 3]``, RGB pixels in
+      [0, 255] already at ``image_size`` -> ``{"embedding": ...}`` (no resizing).
+
+    The model itself normalises the pixels (``build_embedding_model`` puts the
+    ImageNet normalisation inside it). The SavedModel needs only TensorFlow:
+    ``tf.saved_model.load(dir).signatures["serving_default"](image_bytes=...)``.
+
+    Args:
+        model: a Keras model from raw ``(B, H, W, 3)`` images in [0, 255] to
+            embeddings (e.g. from ``models.build_embedding_model``).
+        path: the model's base directory (TF Serving's ``--model_base_path``).
+        image_size: ``(height, width)`` the served images are cropped to.
+        version: integer version directory; ``None`` takes 1 + the largest existing.
+        whitening: optional ``models.PCAWhitening`` (from ``models.fit_pca_whitening``)
+            appended to the model before export.
+        crop_fraction: see above; 1.0 keeps the whole short side.
+        resize_method, antialias: passed to ``tf.image.resize``.
+        overwrite: replace an existing ``path/<version>``; otherwise it is an error.
+        verbose: print Keras's summary of the exported endpoints.
+
+    Returns:
+        The version directory (``str``) holding ``saved_model.pb`` and ``variables/``.
+
+    The version is written to a temporary directory and renamed into place, so a
+    server polling ``path`` never loads a half-written version. Cost: one trace of the
+    model per signature.
+    """
+    image_size = tuple(int(s) for s in image_size)
+    if whitening is not None:
+        from models.whitening import with_whitening
+
+        model = with_whitening(model, whitening)
+    _check_model(model, image_size)
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    version = next_version(path) if version is None else int(version)
+    if version < 0:
+        raise ValueError(f"export_saved_model: `version` must be >= 0; received {version!r}")
+    target = os.path.join(path, str(version))
+    if os.path.exists(target) and not overwrite:
+        raise FileExistsError(
+            f"export_saved_model: {target} already exists; pass another `version`, "
+            "version=None for the next one, or overwrite=True"
+        )
+
+    height, width = image_size
+
+    def embed(images):
+        return {OUTPUT_KEY: tf.cast(model(images, training=False), tf.float32)}
+
+    def serve_bytes(image_bytes):
+        images = decode_images(image_bytes, image_size, crop_fraction, resize_method,
+                               antialias)
+        return embed(images)
+
+    def serve_pixels(images):
+        return embed(images)
+
+    archive = keras.export.ExportArchive()
+    archive.track(model)
+    archive.add_endpoint(
+        BYTES_SIGNATURE, serve_bytes,
+        input_signature=[tf.TensorSpec([None], tf.string, name="image_bytes")],
+    )
+    archive.add_endpoint(
+        PIXELS_SIGNATURE, serve_pixels,
+        input_signature=[tf.TensorSpec([None, height, width, 3], tf.float32, name="images")],
+    )
+
+    tmp = tempfile.mkdtemp(prefix=f".tmp-{version}-", dir=path)
+    try:
+        archive.write_out(tmp, verbose=verbose)
+        os.makedirs(os.path.join(tmp, "assets.extra"), exist_ok=True)
+        with open(os.path.join(tmp, METADATA_FILE), "w", encoding="utf-8") as f:
+            json.dump(
+                {
+                    "signatures": {
+                        BYTES_SIGNATURE: {"input": "image_bytes", "output": OUTPUT_KEY},
+                        PIXELS_SIGNATURE: {"input": "images", "output": OUTPUT_KEY},
+                    },
+                    "image_size": list(image_size),
+                    "crop_fraction": crop_fraction,
+                    "resize_method": resize_method,
+                    "antialias": antialias,
+                    "embedding_dim": int(model.output_shape[-1]),
+                    "whitening": whitening is not None,
+                    "model_name": model.name,
+                },
+                f,
+                indent=2,
+            )
+        if os.path.exists(target):
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
