@@ -49,15 +49,13 @@ from apache_beam.ml.inference.base import (
 )
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from pipelines.transforms import TooManyFailuresError, main_wrapper
+
 LOG = logging.getLogger("pipelines.embed")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".bmp")
 DEAD_LETTERS = "dead_letters.jsonl"
 MANIFEST = "manifest.json"
 _COUNTER_NS = "tfaploss.embed"
-
-
-class TooManyFailuresError(RuntimeError):
-    """More inputs failed than ``--max_failure_fraction`` allows."""
 
 
 class _LoadedModel:
@@ -369,7 +367,7 @@ def run(argv: list[str] | None = None) -> dict:
     if total and len(failures) > args.max_failure_fraction * total:
         raise TooManyFailuresError(
             f"{len(failures)} of {total} inputs failed (more than --max_failure_fraction="
-            f"{args.max_failure_fraction}); see {dead_path}")
+            f"{args.max_failure_fraction}); see {dead_path}", {"embed": manifest})
     return manifest
 
 
@@ -394,18 +392,10 @@ def _embedded_count(result, shards, output_dir) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    try:
-        manifest = run(argv)
-    except TooManyFailuresError as e:
-        LOG.error("%s", e)
-        return 1
-    except (ValueError, FileNotFoundError) as e:
-        LOG.error("%s", e)
-        return 2
-    print(f"{manifest['num_embedded']} embeddings, {manifest['num_failures']} failures -> "
-          f"{manifest['shards'][:1]}...")
-    return 0
+    return main_wrapper(
+        run, argv,
+        describe=lambda m: (f"{m['num_embedded']} embeddings, {m['num_failures']} failures -> "
+                            f"{m['shards'][:1]}..."))
 
 
 if __name__ == "__main__":

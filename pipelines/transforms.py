@@ -623,18 +623,28 @@ def _finish_split(gfile, job: str, plan: SplitPlan, args, report: list[dict],
     return manifest
 
 
-def main_wrapper(run_fn, argv: list[str] | None = None) -> int:
-    """Shared ``__main__``: logging on, exit 1 on too many failures or bad arguments."""
+def describe_manifests(manifests: dict[str, dict]) -> str:
+    """One line per split of a job's ``{split: manifest}`` result."""
+    return "\n".join(
+        f"{split}: {m['num_images']} images, {m['num_classes']} classes, "
+        f"{m['num_failures']} failures -> {m['shards'][:1]}..."
+        for split, m in manifests.items()
+    )
+
+
+def main_wrapper(run_fn, argv: list[str] | None = None, describe=describe_manifests) -> int:
+    """Shared ``__main__``: logging on, exit 1 on too many failures or bad arguments.
+
+    ``describe`` turns what ``run_fn`` returned into the summary printed on success.
+    """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        manifests = run_fn(argv)
+        result = run_fn(argv)
     except TooManyFailuresError as e:
         LOG.error("%s", e)
         return 1
     except (ValueError, FileNotFoundError) as e:
         LOG.error("%s", e)
         return 2
-    for split, m in manifests.items():
-        print(f"{split}: {m['num_images']} images, {m['num_classes']} classes, "
-              f"{m['num_failures']} failures -> {m['shards'][:1]}...")
+    print(describe(result))
     return 0
