@@ -6,5 +6,14 @@ Use integer class labels as ``y_true`` and embeddings as ``y_pred``::
 """
 
 from tfaploss.losses.base import RetrievalLoss
+from tfaploss.losses.baselines import ContrastiveLoss, TripletLoss
+from tfaploss.losses.blackbox import BlackBoxAPLoss
+from tfaploss.losses.fastap import FastAPLoss
+from tfaploss.losses.histogram import APLoss, TieAwareAPLoss
+from tfaploss.losses.pnp import PNPLoss
+from tfaploss.losses.roadmap import CalibrationLoss, ROADMAPLoss
+from tfaploss.losses.smooth_ap import SmoothAPLoss, SupAPLoss
 
-__all__ = ["RetrievalLoss"]
+__all__ = ["RetrievalLoss", "APLoss", "TieAwareAPLoss", "FastAPLoss", "BlackBoxAPLoss",
+           "ContrastiveLoss", "TripletLoss", "SmoothAPLoss", "SupAPLoss", "CalibrationLoss",
+           "ROADMAPLoss", "PNPLoss"]

@@ -36,8 +36,9 @@ def _warn_once_without_positives(has_positive_pair):
     """Warn (once per process) that a batch had no positive pair at all."""
     global _warned_no_positives
     message = (
-        "tfaploss: a batch had no pair of items with the same label, so every query "
-        "was left out and the loss is 0 with zero gradient. Use a class-balanced "
+        "tfaploss: a batch had no pair of items with the same label (for TripletLoss: "
+        "no anchor with both a positive and a negative), so every query was left out "
+        "and the loss is 0 with zero gradient. Use a class-balanced "
         "sampler (tfaploss.data, e.g. sampler='m_per_class') so that each batch holds "
         "at least two images per class."
     )
@@ -115,7 +116,9 @@ class RetrievalLoss(keras.losses.Loss):
         reduction, name, dtype: as for ``keras.losses.Loss``.
 
     Subclasses override :meth:`per_query` (or :meth:`loss_from_scores` for losses that
-    do not decompose per query) and extend :meth:`get_config`.
+    do not decompose per query) and extend :meth:`get_config`; distance-based losses
+    override :meth:`pairwise`. :meth:`other_positive_counts` tells, inside
+    ``per_query``, how many positives a query has besides itself.
     """
 
     def __init__(
@@ -135,6 +138,7 @@ class RetrievalLoss(keras.losses.Loss):
             )
         self.normalize = bool(normalize)
         self.include_self = bool(include_self)
+        self._self_ranked = False
 
     # -- Keras entry points -------------------------------------------------------
 
@@ -157,9 +161,14 @@ class RetrievalLoss(keras.losses.Loss):
                 f"embeddings; received shape {tuple(y_pred.shape)}."
             )
         labels = check_labels(y_true)
-        scores = pairwise_scores(y_pred, y_pred, normalize=self.normalize)
+        scores = self.pairwise(y_pred, y_pred)
         positives, candidates = label_masks(labels, labels, exclude_self=not self.include_self)
-        return self.loss_from_scores(scores, positives, candidates)
+        # Read by `other_positive_counts` while the subclass's code runs (or is traced).
+        self._self_ranked = self.include_self
+        try:
+            return self.loss_from_scores(scores, positives, candidates)
+        finally:
+            self._self_ranked = False
 
     def query_database_loss(self, query_labels, query_embeddings, db_labels, db_embeddings,
                             candidates=None):
@@ -172,7 +181,7 @@ class RetrievalLoss(keras.losses.Loss):
         """
         query_embeddings = ops.convert_to_tensor(query_embeddings, dtype=self.dtype)
         db_embeddings = ops.convert_to_tensor(db_embeddings, dtype=self.dtype)
-        scores = pairwise_scores(query_embeddings, db_embeddings, normalize=self.normalize)
+        scores = self.pairwise(query_embeddings, db_embeddings)
         positives, all_items = label_masks(check_labels(query_labels), check_labels(db_labels))
         if candidates is not None:
             candidates = ops.convert_to_tensor(candidates, dtype="bool")
@@ -182,6 +191,25 @@ class RetrievalLoss(keras.losses.Loss):
         return self.loss_from_scores(scores, positives, candidates)
 
     # -- what subclasses implement --------------------------------------------------
+
+    def pairwise(self, queries, database):
+        """The (Q, N) matrix the loss ranks by (higher = closer): cosine scores.
+
+        Distance-based losses override this (e.g. with minus the squared distance).
+        """
+        return pairwise_scores(queries, database, normalize=self.normalize)
+
+    def other_positive_counts(self, positives):
+        """Per query, the number of positives other than the query itself, shape (Q,).
+
+        With ``include_self=True`` a query ranked against its own batch is its own
+        positive; that one does not make the query informative, so losses use this
+        count (> 0) to decide which queries enter the mean.
+        """
+        counts = ops.sum(ops.cast(positives, "int32"), axis=-1)
+        if getattr(self, "_self_ranked", False):
+            counts = counts - 1
+        return counts
 
     def loss_from_scores(self, scores, positives, candidates):
         """Batch loss from a (Q, N) score matrix and its boolean masks."""

@@ -7,6 +7,49 @@ against itself or a batch against a memory bank of reference embeddings. The Ker
 loss classes in :mod:`tfaploss.losses` are thin wrappers around these functions.
 """
 
-from tfaploss.ops.masks import label_masks, pairwise_scores, safe_normalize
+from tfaploss.ops.blackbox import blackbox_ap, blackbox_ranks
+from tfaploss.ops.calibration import calibration_loss
+from tfaploss.ops.fastap import fastap
+from tfaploss.ops.histogram import (
+    histogram_ap,
+    soft_bins_dense,
+    soft_histograms,
+    tie_aware_histogram_ap,
+    two_bin_assignment,
+)
+from tfaploss.ops.masks import (
+    inverse_permutations,
+    label_masks,
+    pairwise_scores,
+    safe_normalize,
+)
+from tfaploss.ops.smooth_rank import (
+    pnp_penalty,
+    pnp_per_query,
+    positive_rank_terms,
+    sigmoid_tau,
+    smooth_ap_per_query,
+    sup_ap_per_query,
+)
 
-__all__ = ["label_masks", "pairwise_scores", "safe_normalize"]
+__all__ = [
+    "blackbox_ap",
+    "blackbox_ranks",
+    "calibration_loss",
+    "fastap",
+    "histogram_ap",
+    "inverse_permutations",
+    "label_masks",
+    "pairwise_scores",
+    "pnp_penalty",
+    "pnp_per_query",
+    "positive_rank_terms",
+    "safe_normalize",
+    "sigmoid_tau",
+    "smooth_ap_per_query",
+    "soft_bins_dense",
+    "soft_histograms",
+    "sup_ap_per_query",
+    "tie_aware_histogram_ap",
+    "two_bin_assignment",
+]

@@ -40,3 +40,17 @@ def label_masks(query_labels, db_labels, exclude_self=False):
     else:
         candidates = ops.ones_like(same, dtype="bool")
     return ops.logical_and(same, candidates), candidates
+
+
+def inverse_permutations(order):
+    """Row-wise inverse of a (Q, N) batch of permutations of ``range(N)``.
+
+    ``inverse[i, order[i, p]] = p``: turns a sort order into each item's position.
+    O(Q·N) time (one flat ``invert_permutation``), instead of a second sort; Q·N must
+    stay below 2**31.
+    """
+    # Static shapes where known: XLA cannot reshape to a shape computed at run time.
+    shape = order.shape if order.shape.is_fully_defined() else tf.shape(order)
+    offsets = tf.range(shape[0], dtype=order.dtype)[:, None] * tf.cast(shape[1], order.dtype)
+    flat = tf.reshape(order + offsets, [-1])
+    return tf.reshape(tf.math.invert_permutation(flat), shape) - offsets

@@ -1,0 +1,230 @@
+"""Time and peak memory of every loss in ``tfaploss.losses``, forward + backward.
+
+Measured as ``../shared/docs/performance-anchors.md`` measures the originals: the loss
+alone, gradient w.r.t. the embeddings, D=512 float32, labels = classes of 4 images,
+median of ``--repeats`` (>= 5) runs after a warm-up, one fresh process per cell (a
+child forked after the TensorFlow import and before any op ran, so the import is paid
+once) and the peak resident memory of that process. Each cell runs under ``tf.function``, and
+again with ``jit_compile=True`` (XLA).
+
+    python benchmarks/losses.py                      # all losses, B in 256 1024 4096
+    python benchmarks/losses.py --losses APLoss --sizes 256 --modes graph
+
+Prints a table beside the anchors and writes JSON to ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+FLOOR = "scores_only"  # S = X X^T alone, the floor of every loss
+
+# Figures of the original implementations (performance-anchors.md): seconds and GB.
+ANCHORS = {
+    FLOOR: ("S = XX^T alone", ["0.002 s", "0.022 s", "0.39 s, 0.35 GB"]),
+    "APLoss": ("histogram AP (Revaud, dense quantiser)",
+               ["0.026 s", "0.88 s, 0.87 GB", "20.3 s, 8.7 GB"]),
+    "SmoothAPLoss": ("Smooth-AP (ROADMAP repo)", ["0.63 s, 0.8 GB", "OOM (>16 GB)", "OOM"]),
+    "SupAPLoss": ("SupAP (ROADMAP repo)", ["2.23 s, 1.2 GB", "OOM", "OOM"]),
+    "PNPLoss": ("PNP-Dq (PML 2.9)", ["0.69 s, 0.93 GB", "OOM", "OOM"]),
+    "FastAPLoss": ("FastAP (PML 2.9)", ["0.011 s", "0.30 s", "5.6 s, 3.4 GB"]),
+    "BlackBoxAPLoss": ("BlackBox AP (ROADMAP repo)", ["0.012 s", "0.21 s", "5.0 s, 1.1 GB"]),
+}
+SIZES = (256, 1024, 4096)
+
+
+def _loss_names():
+    from tfaploss import losses
+    from tfaploss.losses.base import RetrievalLoss
+
+    names = []
+    for name in losses.__all__:
+        obj = getattr(losses, name)
+        if isinstance(obj, type) and issubclass(obj, RetrievalLoss) and obj is not RetrievalLoss:
+            names.append(name)
+    return names
+
+
+def _peak_rss_gb():
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _current_rss_gb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def run_cell(loss_name, batch, mode, repeats, dim=512):
+    """One measurement, in this (fresh) process. Returns a dict."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import numpy as np
+    import tensorflow as tf
+
+    rss_start = _current_rss_gb()
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal((batch, dim)).astype("float32"))
+    labels = tf.constant(np.repeat(np.arange(batch // 4), 4).astype("int32"))
+    if loss_name == FLOOR:
+        def loss_fn(y, e):
+            return tf.reduce_sum(tf.matmul(e, e, transpose_b=True))
+    else:
+        from tfaploss import losses
+
+        loss_fn = getattr(losses, loss_name)()
+
+    @tf.function(jit_compile=(mode == "xla"))
+    def step(y, e):
+        with tf.GradientTape() as tape:
+            tape.watch(e)
+            value = loss_fn(y, e)
+        return value, tape.gradient(value, e)
+
+    start = time.perf_counter()
+    value, grad = step(labels, x)
+    _ = grad.numpy()
+    warmup = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        value, grad = step(labels, x)
+        _ = grad.numpy()
+        times.append(time.perf_counter() - start)
+    return {
+        "loss": loss_name, "batch": batch, "mode": mode, "dim": dim,
+        "median_s": statistics.median(times), "times_s": times, "warmup_s": warmup,
+        "peak_rss_gb": _peak_rss_gb(), "rss_at_start_gb": rss_start, "value": float(value),
+        "grad_finite": bool(np.isfinite(grad.numpy()).all()), "status": "ok",
+    }
+
+
+def _child(conn, loss_name, batch, mode, repeats):
+    try:
+        conn.send(run_cell(loss_name, batch, mode, repeats))
+    except Exception as exc:  # noqa: BLE001 - report any failure, do not hang the parent
+        status = "out of memory" if "OOM" in repr(exc) or isinstance(exc, MemoryError) else (
+            "failed")
+        conn.send({"loss": loss_name, "batch": batch, "mode": mode, "status": status,
+                   "error": repr(exc)[-500:]})
+    finally:
+        conn.close()
+
+
+def _spawn(loss_name, batch, mode, repeats, timeout):
+    """Run one cell in a fresh child process and return its result.
+
+    The parent has imported TensorFlow but run no op, so a forked child starts from
+    the state of a fresh process (no graphs, no thread pools, no buffers) without
+    paying the import again; its peak RSS is that of the cell alone plus the import.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    parent_conn, child_conn = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(child_conn, loss_name, batch, mode, repeats))
+    proc.start()
+    child_conn.close()
+    if parent_conn.poll(timeout):
+        try:
+            result = parent_conn.recv()
+        except EOFError:
+            result = None
+    else:
+        result = {"loss": loss_name, "batch": batch, "mode": mode,
+                  "status": f"timeout>{timeout}s"}
+    proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    if result is None:
+        status = "out of memory" if proc.exitcode in (-9, 137) else f"failed (exit {proc.exitcode})"
+        result = {"loss": loss_name, "batch": batch, "mode": mode, "status": status}
+    return result
+
+
+def _fmt(cell):
+    if cell is None:
+        return "-"
+    if cell["status"] != "ok":
+        return cell["status"]
+    return f"{cell['median_s']:.3g} s, {cell['peak_rss_gb']:.2f} GB"
+
+
+def print_table(results, sizes, modes):
+    by_key = {(r["loss"], r["batch"], r["mode"]): r for r in results}
+    names = list(dict.fromkeys(r["loss"] for r in results))
+    header = ["loss", "mode"] + [f"B={b}" for b in sizes] + ["original (anchors), " + "; ".join(
+        f"B={b}" for b in sizes)]
+    rows = []
+    for name in names:
+        anchor = ANCHORS.get(name)
+        anchor_text = f"{anchor[0]}: " + "; ".join(anchor[1]) if anchor else "-"
+        for i, mode in enumerate(modes):
+            rows.append([name if i == 0 else "", mode]
+                        + [_fmt(by_key.get((name, b, mode))) for b in sizes]
+                        + [anchor_text if i == 0 else ""])
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--losses", nargs="*", help="loss class names (default: all exported)")
+    parser.add_argument("--sizes", nargs="*", type=int, default=list(SIZES))
+    parser.add_argument("--modes", nargs="*", default=["graph", "xla"], choices=["graph", "xla"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cell-timeout", type=int, default=300,
+                        help="seconds allowed for one cell (process start, warm-up, runs)")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--cell", nargs=3, metavar=("LOSS", "BATCH", "MODE"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.repeats < 5:
+        parser.error(f"--repeats must be >= 5 (a median of at least 5); received {args.repeats}")
+
+    if args.cell:
+        name, batch, mode = args.cell
+        print(json.dumps(run_cell(name, int(batch), mode, args.repeats)), flush=True)
+        return 0
+
+    names = [FLOOR] + (args.losses or _loss_names())  # imports TF and tfaploss once
+    results = []
+    total = len(names) * len(args.sizes) * len(args.modes)
+    done = 0
+    for name in names:
+        for batch in args.sizes:
+            for mode in args.modes:
+                done += 1
+                print(f"[{done}/{total}] {name} B={batch} {mode} ...", end=" ", flush=True)
+                cell = _spawn(name, batch, mode, args.repeats, args.cell_timeout)
+                results.append(cell)
+                print(_fmt(cell), flush=True)
+    print()
+    print_table(results, args.sizes, args.modes)
+
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out = args.out or RESULTS_DIR / f"losses-{stamp}.json"
+    meta = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "repeats": args.repeats, "dim": 512, "labels": "classes of 4 images",
+            "measure": "forward+backward w.r.t. embeddings; median after warm-up; "
+                       "peak RSS of a fresh process per cell"}
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Pair and triplet baselines: ``ContrastiveLoss`` and ``TripletLoss``.
+
+TensorFlow Addons' ``contrastive_loss``, ``triplet_semihard_loss`` and
+``triplet_hard_loss`` no longer import with Keras 3; these are the same definitions
+on a batch of embeddings, written without (B, B, B) tensors.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from tfaploss.losses.base import RetrievalLoss, _in_xla_context
+from tfaploss.ops.masks import inverse_permutations, safe_normalize
+
+_MINING = ("semihard", "hard", "all")
+
+
+def _distances(neg_sq_distances):
+    """Euclidean distances from minus the squared distances, with a finite gradient at 0."""
+    sq = ops.maximum(-neg_sq_distances, 0.0)
+    positive = sq > 0
+    return ops.where(positive, ops.sqrt(ops.where(positive, sq, ops.ones_like(sq))),
+                     ops.zeros_like(sq))
+
+
+def _negatives_below(distances, query_values, queries, negatives):
+    """Per row, for each query entry j: the number of negatives n with
+    ``d_n <= query_values_j``, the sum of their distances, and the distance of the
+    next negative (the smallest ``d_n > query_values_j``; +inf if none), each (Q, N).
+
+    One merged sort of the row's negative distances and query values (negatives
+    first among ties; ``top_k`` keeps the lower index first), cumulative sums and
+    two inverse permutations: O(Q·N·log N) time, O(Q·N) memory.
+    """
+    inf = ops.full_like(distances, float("inf"))
+    keys = ops.concatenate([ops.where(negatives, distances, inf),
+                            ops.where(queries, query_values, inf)], axis=-1)
+    n2 = keys.shape[-1] if keys.shape[-1] is not None else tf.shape(keys)[-1]
+    order = tf.math.top_k(-keys, k=n2).indices  # ascending; ties keep the lower index
+    position = inverse_permutations(order)
+    zeros = ops.zeros_like(distances)
+    is_negative = ops.concatenate([ops.cast(negatives, distances.dtype), zeros], axis=-1)
+    negative_values = ops.concatenate([ops.where(negatives, distances, zeros), zeros], axis=-1)
+    negative_sorted = tf.gather(is_negative, order, batch_dims=1)
+    counts = ops.cumsum(negative_sorted, axis=-1)
+    sums = ops.cumsum(tf.gather(negative_values, order, batch_dims=1), axis=-1)
+    n_neg = counts[:, -1:]
+    n = distances.shape[-1] if distances.shape[-1] is not None else tf.shape(distances)[-1]
+    query_position = position[:, n:]
+    below = tf.gather(counts, query_position, batch_dims=1)
+    if _in_xla_context():
+        # XLA cannot lower the second InvertPermutation below: sort the negatives.
+        ascending = -tf.math.top_k(-keys[:, :n], k=n).values
+        next_value = tf.gather(ascending, ops.minimum(ops.cast(below, "int32"), n - 1),
+                               batch_dims=1)
+    else:
+        # Where the k-th negative sits in the merged order: number the negatives
+        # 0..n-1 in order and the rest after them; the inverse permutation lists them.
+        slot = ops.where(negative_sorted > 0, counts - 1.0,
+                         n_neg + ops.cast(tf.range(n2)[None, :], counts.dtype) - counts)
+        negative_at = inverse_permutations(ops.cast(slot, "int32"))
+        sorted_keys = tf.gather(keys, order, batch_dims=1)
+        next_slot = ops.minimum(ops.cast(below, "int32"), n2 - 1)
+        next_value = tf.gather(sorted_keys, tf.gather(negative_at, next_slot, batch_dims=1),
+                               batch_dims=1)
+    next_value = ops.where(below < n_neg, next_value, inf)
+    return below, tf.gather(sums, query_position, batch_dims=1), next_value
+
+
+class _DistanceLoss(RetrievalLoss):
+    """Losses on Euclidean distances: ``pairwise`` returns minus the squared distance."""
+
+    def pairwise(self, queries, database):
+        if self.normalize:
+            queries = safe_normalize(queries)
+            database = safe_normalize(database)
+        sq_q = ops.sum(ops.square(queries), axis=-1, keepdims=True)
+        sq_d = ops.sum(ops.square(database), axis=-1, keepdims=True)
+        sq = sq_q + ops.transpose(sq_d) - 2.0 * ops.matmul(queries, ops.transpose(database))
+        return -ops.maximum(sq, 0.0)
+
+
+@keras.saving.register_keras_serializable(package="tfaploss")
+class ContrastiveLoss(_DistanceLoss):
+    """Contrastive loss (Hadsell, Chopra, LeCun, CVPR 2006), as TF Addons defines it.
+
+    Over the ordered pairs (i, j), j != i, of the batch with Euclidean distance
+    ``d_ij`` between the (L2-normalised) embeddings::
+
+        l_ij = d_ij²                      if y_i = y_j
+        l_ij = max(margin - d_ij, 0)²     otherwise
+
+    and the loss is the mean of ``l_ij`` over all pairs whose query i has a positive
+    (TF Addons' ``contrastive_loss`` with the mean reduction; the pairs of queries
+    without any positive are left out, as in every loss of this library).
+
+    Cost: O(B²·D) for the distances, O(B²) time and memory.
+
+    Args:
+        margin: distance below which negative pairs are penalised.
+        normalize, include_self, reduction, name, dtype: see ``RetrievalLoss``.
+    """
+
+    def __init__(self, margin=1.0, normalize=True, include_self=False,
+                 reduction="sum_over_batch_size", name="contrastive_loss", dtype=None):
+        super().__init__(normalize=normalize, include_self=include_self,
+                         reduction=reduction, name=name, dtype=dtype)
+        self.margin = float(margin)
+
+    def per_query(self, scores, positives, candidates):
+        d = _distances(scores)
+        pair = ops.where(positives, ops.square(d), ops.square(ops.relu(self.margin - d)))
+        cand = ops.cast(candidates, d.dtype)
+        n_cand = ops.sum(cand, axis=-1)
+        values = ops.sum(pair * cand, axis=-1) / ops.maximum(n_cand, 1.0)
+        has_positive = ops.cast(self.other_positive_counts(positives) > 0, d.dtype)
+        return values, n_cand * has_positive
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(margin=self.margin)
+        return config
+
+
+@keras.saving.register_keras_serializable(package="tfaploss")
+class TripletLoss(_DistanceLoss):
+    """Triplet margin loss (Schroff, Kalenichenko, Philbin, CVPR 2015) with batch mining.
+
+    With Euclidean distances ``d`` between the (L2-normalised) embeddings and
+    ``l(a, p, n) = max(d_ap - d_an + margin, 0)``:
+
+    * ``mining="semihard"`` (TF Addons ``triplet_semihard_loss``): for every positive
+      pair (a, p), n is the closest negative FARTHER than p (``d_an > d_ap``); if
+      there is none, the farthest negative (TF Addons' choice). Mean over positive
+      pairs. Cost: O(B²·log B) time (one sort per row), O(B²) memory.
+    * ``mining="hard"`` (TF Addons ``triplet_hard_loss``, ``soft=False``): per
+      anchor, the farthest positive and the closest negative; mean over anchors.
+      Cost: O(B²) time and memory.
+    * ``mining="all"``: mean of ``l`` over every valid triplet (a, p, n) ("batch
+      all", Hermans et al. 2017, zero-loss triplets included), computed with one
+      merged sort per row instead of the (B, B, B) tensor: O(B²·log B) time, O(B²)
+      memory.
+
+    Anchors without a positive or without a negative form no triplet and are left
+    out (TF Addons keeps them with a degenerate distance); a batch without any
+    triplet gives 0.
+
+    Args:
+        margin: the triplet margin (TF Addons' default 1.0).
+        mining: ``"semihard"``, ``"hard"`` or ``"all"``.
+        normalize, include_self, reduction, name, dtype: see ``RetrievalLoss``.
+    """
+
+    def __init__(self, margin=1.0, mining="semihard", normalize=True, include_self=False,
+                 reduction="sum_over_batch_size", name="triplet_loss", dtype=None):
+        super().__init__(normalize=normalize, include_self=include_self,
+                         reduction=reduction, name=name, dtype=dtype)
+        if mining not in _MINING:
+            raise ValueError(f"mining must be one of {_MINING}; received mining={mining!r}.")
+        self.margin = float(margin)
+        self.mining = mining
+
+    def per_query(self, scores, positives, candidates):
+        d = _distances(scores)
+        dtype = d.dtype
+        negatives = ops.logical_and(candidates, ops.logical_not(positives))
+        if getattr(self, "_self_ranked", False):
+            # A query ranked against itself is no positive of its own triplets.
+            eye = ops.cast(ops.eye(ops.shape(d)[0], ops.shape(d)[1]), "bool")
+            positives = ops.logical_and(positives, ops.logical_not(eye))
+        n_pos = ops.sum(ops.cast(positives, dtype), axis=-1)
+        n_neg = ops.sum(ops.cast(negatives, dtype), axis=-1)
+        valid = ops.cast(ops.logical_and(n_pos > 0, n_neg > 0), dtype)
+        inf = ops.full_like(d, float("inf"))
+        zeros = ops.zeros_like(d)
+        has_neg = ops.expand_dims(n_neg > 0, -1)
+
+        if self.mining == "hard":
+            hardest_pos = ops.max(ops.where(positives, d, -inf), axis=-1)
+            hardest_neg = ops.min(ops.where(negatives, d, inf), axis=-1)
+            ok = valid > 0
+            gap = ops.where(ok, hardest_pos - hardest_neg, ops.zeros_like(hardest_pos))
+            return ops.where(ok, ops.relu(gap + self.margin), 0.0), valid
+
+        if self.mining == "all":
+            counts, sums, _ = _negatives_below(d, d + self.margin, positives, negatives)
+            per_pos = ops.where(positives, counts * (d + self.margin) - sums, zeros)
+            n_triplets = n_pos * n_neg
+            values = ops.sum(per_pos, axis=-1) / ops.maximum(n_triplets, 1.0)
+            return values, n_triplets * valid
+
+        # semihard: the closest negative strictly farther than the positive.
+        counts, _, outside = _negatives_below(d, d, positives, negatives)
+        farthest = ops.max(ops.where(negatives, d, -inf), axis=-1, keepdims=True)
+        farthest = ops.where(has_neg, farthest, ops.zeros_like(farthest))
+        has_outside = counts < ops.expand_dims(n_neg, -1)
+        chosen = ops.where(has_outside, ops.where(has_outside, outside, zeros), farthest)
+        pair_loss = ops.where(positives, ops.relu(self.margin + d - chosen), zeros)
+        values = ops.sum(pair_loss, axis=-1) / ops.maximum(n_pos, 1.0)
+        return values, n_pos * valid
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(margin=self.margin, mining=self.mining)
+        return config

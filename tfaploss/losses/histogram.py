@@ -1,0 +1,109 @@
+"""Histogram-binned AP losses: ``APLoss`` ("mAP_Q") and ``TieAwareAPLoss`` ("mAP_T").
+
+Revaud, Almazán, Rezende, de Souza, "Learning with Average Precision: Training Image
+Retrieval with a Listwise Loss", ICCV 2019.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+from tfaploss.losses.base import RetrievalLoss
+from tfaploss.ops.histogram import _check_bins, histogram_ap, tie_aware_histogram_ap
+
+
+@keras.saving.register_keras_serializable(package="tfaploss")
+class APLoss(RetrievalLoss):
+    """Histogram-binned AP loss, "mAP_Q" (Revaud et al., ICCV 2019, Eq. 5-12).
+
+    Each image is a query ranked against the other images of the batch. Its cosine
+    scores are quantised into ``num_bins`` triangular bins over ``score_range``
+    (centres from the top down, ``delta = (hi - lo) / (M - 1)``)::
+
+        c_m  = sum_j delta(s_ij, m),   c+_m = sum_{j in P_i} delta(s_ij, m)
+        AP_i = sum_m (C+_m / C_m) * c+_m / |P_i|     (C = cumulative sums from the top)
+        L    = 1 - sum_i w_i AP_i / sum_i w_i
+
+    over the queries with at least one positive (the original returns NaN for the
+    others). ``w_i = 1`` or, with ``class_balanced=True`` (paper §4.2), ``1 / n_{y_i}``
+    where ``n_{y_i}`` is the size of the query's class (itself counted).
+
+    Each score feeds only its two adjacent bins (the O(B·M) per-query form, equal to
+    the paper's dense quantiser): a call costs O(B²·D) for the scores plus O(B²)
+    time and memory for the binning and O(B·M) for the APs; no (B, M, B) tensor.
+
+    Args:
+        num_bins: number of bins M (paper: 20; the authors' code defaults to 25).
+        score_range: ``(low, high)`` of the quantised scores (paper: ``(-1, 1)``;
+            the authors' code: ``(0, 1)``).
+        class_balanced: weight each query by the inverse size of its class.
+        normalize, include_self, reduction, name, dtype: see ``RetrievalLoss``. The
+            paper ranks each query against the OTHER images (``include_self=False``).
+    """
+
+    def __init__(self, num_bins=20, score_range=(-1.0, 1.0), class_balanced=False,
+                 normalize=True, include_self=False, reduction="sum_over_batch_size",
+                 name="ap_loss", dtype=None):
+        super().__init__(normalize=normalize, include_self=include_self,
+                         reduction=reduction, name=name, dtype=dtype)
+        self.num_bins, lo, hi = _check_bins(num_bins, score_range)
+        self.score_range = (lo, hi)
+        self.class_balanced = bool(class_balanced)
+
+    def query_ap(self, scores, positives, candidates):
+        """Per-query AP estimate, shape (Q,)."""
+        return histogram_ap(scores, positives, candidates, self.num_bins, self.score_range)
+
+    def query_weights(self, positives, dtype):
+        """``[query has a positive]``, divided by its class size when class-balanced."""
+        others = self.other_positive_counts(positives)
+        has_positive = ops.cast(others > 0, dtype)
+        if not self.class_balanced:
+            return has_positive
+        class_size = ops.cast(others + 1, dtype)  # the query itself counted once
+        return has_positive / class_size
+
+    def per_query(self, scores, positives, candidates):
+        ap = self.query_ap(scores, positives, candidates)
+        return 1.0 - ap, self.query_weights(positives, ap.dtype)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(num_bins=self.num_bins, score_range=list(self.score_range),
+                      class_balanced=self.class_balanced)
+        return config
+
+
+@keras.saving.register_keras_serializable(package="tfaploss")
+class TieAwareAPLoss(APLoss):
+    """Tie-aware histogram AP loss, "mAP_T" (Revaud et al., ICCV 2019, §3.2).
+
+    As :class:`APLoss`, but the precision inside a bin accounts for the ties the
+    quantisation creates. ``simplified=True`` is the paper's Eq. 13::
+
+        AP_i = sum_m c+_m (1 + C+_{m-1} + C+_m) / (1 + C_{m-1} + C_m) / |P_i|
+
+    ``simplified=False`` (the authors' default) is the expected AP under a random
+    order of the items inside each bin, the harmonic sum approximated by
+    ``ln((C_m + 1) / (C_{m-1} + 1))`` (see :func:`tfaploss.ops.tie_aware_histogram_ap`).
+    Cost as :class:`APLoss`: O(B²) time and memory beyond the scores.
+    """
+
+    def __init__(self, num_bins=20, score_range=(-1.0, 1.0), simplified=False,
+                 class_balanced=False, normalize=True, include_self=False,
+                 reduction="sum_over_batch_size", name="tie_aware_ap_loss", dtype=None):
+        super().__init__(num_bins=num_bins, score_range=score_range,
+                         class_balanced=class_balanced, normalize=normalize,
+                         include_self=include_self, reduction=reduction, name=name,
+                         dtype=dtype)
+        self.simplified = bool(simplified)
+
+    def query_ap(self, scores, positives, candidates):
+        return tie_aware_histogram_ap(scores, positives, candidates, self.num_bins,
+                                      self.score_range, simplified=self.simplified)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(simplified=self.simplified)
+        return config

@@ -1,0 +1,145 @@
+"""ROADMAP (Ramzi et al., "Robust and Decomposable Average Precision for Image
+Retrieval", NeurIPS 2021): SupAP plus a calibration term."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tfaploss.losses.base import RetrievalLoss
+from tfaploss.ops.calibration import CALIBRATION_AVERAGING, calibration_loss
+from tfaploss.ops.smooth_rank import SupAPUpperStep, sup_ap_per_query
+
+
+def _check_margins(owner, pos_margin, neg_margin, averaging):
+    for arg, value in (("pos_margin", pos_margin), ("neg_margin", neg_margin)):
+        if not isinstance(value, (int, float)):
+            raise ValueError(f"{owner}: {arg} must be a number; received {value!r}.")  # noqa: TRY004
+    if averaging not in CALIBRATION_AVERAGING:
+        raise ValueError(f"{owner}: averaging must be one of {CALIBRATION_AVERAGING}; "
+                         f"received {averaging!r}.")
+    return float(pos_margin), float(neg_margin), averaging
+
+
+def _broadcast_scalar(value, scores):
+    return tf.fill(tf.shape(scores)[:1], value)
+
+
+@keras.saving.register_keras_serializable(package="tfaploss")
+class CalibrationLoss(RetrievalLoss):
+    """ROADMAP's calibration loss.
+
+    Over ordered pairs i != j of the batch:
+
+        l+ = [pos_margin - s_ij]_+ (same label),  l- = [s_ij - neg_margin]_+ (other)
+        L  = mean of the non-zero l+  +  mean of the non-zero l-
+
+    (the authors' code; each mean is 0 when nothing violates its margin).
+    ``averaging="per_query"`` gives the paper's Eq. 7 instead: per query the mean of
+    ``l+`` over its positives plus the mean of ``l-`` over its negatives, averaged
+    over queries with a positive. The two agree only when every pair violates its
+    margin; the code form weighs a few violating pairs much more.
+
+    A batch without any positive pair gives 0 (zero gradient, a warning once), as
+    every loss of the library does. Cost: O(B²) time and memory.
+
+    Args:
+        pos_margin: alpha, the score positives should reach (0.9).
+        neg_margin: beta, the score negatives should stay below (0.6).
+        averaging: ``"nonzero_pairs"`` (code) or ``"per_query"`` (paper Eq. 7).
+        normalize: L2-normalise embeddings first.
+    """
+
+    def __init__(self, pos_margin=0.9, neg_margin=0.6, averaging="nonzero_pairs",
+                 normalize=True, reduction="sum_over_batch_size", name="calibration_loss",
+                 dtype=None):
+        super().__init__(normalize=normalize, include_self=False, reduction=reduction,
+                         name=name, dtype=dtype)
+        self.pos_margin, self.neg_margin, self.averaging = _check_margins(
+            "CalibrationLoss", pos_margin, neg_margin, averaging)
+
+    def per_query(self, scores, positives, candidates):
+        # The code's reduction runs over pairs, not queries: every query carries the
+        # batch value, so the base's weighted mean returns it (and still applies the
+        # no-positive-pair rule).
+        total = calibration_loss(scores, positives, candidates, self.pos_margin,
+                                 self.neg_margin, self.averaging)
+        any_pair = tf.reduce_any(tf.logical_and(tf.cast(positives, bool),
+                                                tf.cast(candidates, bool)))
+        values = _broadcast_scalar(total, scores)
+        return values, _broadcast_scalar(tf.cast(any_pair, scores.dtype), scores)
+
+    def get_config(self):
+        config = super().get_config()
+        config.pop("include_self", None)  # always False: pairs i != j
+        config.update(pos_margin=self.pos_margin, neg_margin=self.neg_margin,
+                      averaging=self.averaging)
+        return config
+
+
+@keras.saving.register_keras_serializable(package="tfaploss")
+class ROADMAPLoss(RetrievalLoss):
+    """ROADMAP: ``L = (1 - lambda_) * SupAP + lambda_ * Calibration`` (paper, λ = 0.5).
+
+    SupAP is :class:`~tfaploss.losses.SupAPLoss` (query included as its own positive);
+    the calibration term is :class:`CalibrationLoss` over pairs i != j. The authors'
+    code sums both terms with weight 1, i.e. twice this loss at ``lambda_=0.5``
+    (same gradient direction, twice the step at a given learning rate).
+
+    Cost: that of SupAP, O(B·m·B) time and O(chunk·B + B²) memory (m = largest class
+    in the batch), plus O(B²) for calibration.
+
+    Args:
+        lambda_: weight of the calibration term, in [0, 1].
+        temperature, rho, delta, start, offset: SupAP's upper bound (see
+            :class:`~tfaploss.losses.SupAPLoss`).
+        pos_margin, neg_margin, averaging: calibration (see :class:`CalibrationLoss`).
+        include_self, normalize, pairs_per_block: as for SupAP.
+    """
+
+    def __init__(self, lambda_=0.5, temperature=0.01, rho=100.0, delta=0.05, start=0.5,
+                 offset=None, pos_margin=0.9, neg_margin=0.6, averaging="nonzero_pairs",
+                 include_self=True, normalize=True, pairs_per_block=None,
+                 reduction="sum_over_batch_size", name="roadmap_loss", dtype=None):
+        super().__init__(normalize=normalize, include_self=include_self,
+                         reduction=reduction, name=name, dtype=dtype)
+        if not (isinstance(lambda_, (int, float)) and 0.0 <= lambda_ <= 1.0):
+            raise ValueError(f"ROADMAPLoss: lambda_ must be in [0, 1]; received {lambda_!r}.")
+        try:
+            SupAPUpperStep(temperature, rho, delta, start, offset)  # validates
+        except ValueError as err:
+            raise ValueError(f"ROADMAPLoss: {err}") from None
+        self.lambda_ = float(lambda_)
+        self.temperature, self.rho, self.delta = float(temperature), float(rho), float(delta)
+        self.start = float(start)
+        self.offset = None if offset is None else float(offset)
+        self.pos_margin, self.neg_margin, self.averaging = _check_margins(
+            "ROADMAPLoss", pos_margin, neg_margin, averaging)
+        self.pairs_per_block = pairs_per_block
+
+    def per_query(self, scores, positives, candidates):
+        ap, counts = sup_ap_per_query(scores, positives, candidates, self.temperature,
+                                      self.rho, self.delta, self.start, self.offset,
+                                      self.pairs_per_block)
+        # Calibration runs over pairs i != j: drop the query itself when it is ranked.
+        pair_candidates = tf.cast(candidates, bool)
+        if getattr(self, "_self_ranked", False):  # set by RetrievalLoss.call
+            shape = tf.shape(scores)
+            not_self = tf.logical_not(tf.eye(shape[0], shape[1], dtype=tf.bool))
+            pair_candidates = tf.logical_and(pair_candidates, not_self)
+        others = tf.logical_and(tf.cast(positives, bool), pair_candidates)
+        calibration = calibration_loss(scores, others, pair_candidates, self.pos_margin,
+                                       self.neg_margin, self.averaging)
+        # Every weighted query carries the batch-level calibration value, so the base's
+        # weighted mean gives (1 - lambda) * SupAP + lambda * calibration.
+        values = (1.0 - self.lambda_) * (1.0 - ap) + self.lambda_ * calibration
+        any_pair = tf.cast(tf.reduce_any(others), ap.dtype)
+        return values, tf.cast(counts > 0, ap.dtype) * any_pair
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(lambda_=self.lambda_, temperature=self.temperature, rho=self.rho,
+                      delta=self.delta, start=self.start, offset=self.offset,
+                      pos_margin=self.pos_margin, neg_margin=self.neg_margin,
+                      averaging=self.averaging, pairs_per_block=self.pairs_per_block)
+        return config

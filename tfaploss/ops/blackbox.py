@@ -1,0 +1,104 @@
+"""Black-box differentiated AP (Rolínek, Musil, Paulus, Vlastelica, Michaelis, Martius,
+"Optimizing Rank-based Metrics with Blackbox Differentiation", CVPR 2020), as in the
+ROADMAP repository.
+
+Forward: the exact AP from the ranks of the scores. Backward: the ranking is treated
+as a black-box combinatorial solver (Vlastelica et al., ICLR 2020): with the incoming
+gradient ``g = dL/dr`` the scores are perturbed to ``s' = s + lambda * g`` and
+``dL/ds = -(r - rank(s')) / lambda``, a piecewise-constant interpolation. Ranks are
+normalised by the number of candidates, as the original's ``rank_normalised``.
+
+Cost: one sort per row forward and one backward, O(Q·N·log N) time, O(Q·N) memory.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+from keras import ops
+
+from tfaploss.ops.masks import inverse_permutations
+
+
+def _order_and_ranks(scores):
+    """Per row: the indices by decreasing score, and each entry's 0-based position.
+
+    Ties are broken by index (``top_k`` puts the lower index first). One sort per row.
+    """
+    order = tf.math.top_k(scores, k=tf.shape(scores)[-1], sorted=True).indices
+    return order, inverse_permutations(order)
+
+
+def _masked_scores(scores, candidates):
+    lowest = ops.full_like(scores, float("-inf"))
+    return ops.where(candidates, scores, lowest)
+
+
+def _ranker(scores, candidates, lambda_, ranks=None):
+    lambda_ = float(lambda_)
+    candidates = ops.cast(candidates, "bool")
+
+    @tf.custom_gradient
+    def ranker(s):
+        dtype = s.dtype
+        n_cand = ops.maximum(ops.sum(ops.cast(candidates, dtype), axis=-1, keepdims=True), 1.0)
+
+        def normalised(values, int_ranks=None):
+            if int_ranks is None:
+                _, int_ranks = _order_and_ranks(_masked_scores(values, candidates))
+            return (ops.cast(int_ranks, dtype) + 1.0) / n_cand
+
+        r = normalised(s, ranks)
+
+        def grad(upstream):
+            # Non-candidates sit at -inf: a perturbation cannot move them.
+            perturbed = normalised(s + lambda_ * ops.where(candidates, upstream, 0.0))
+            return ops.where(candidates, -(r - perturbed) / lambda_, ops.zeros_like(s))
+
+        return r, grad
+
+    return ranker(scores)
+
+
+def blackbox_ranks(scores, candidates, lambda_=4.0):
+    """Normalised descending ranks ``(rank + 1) / n_candidates`` with the black-box
+    gradient ``-(r - r(s + lambda * g)) / lambda``.
+
+    Non-candidates are ranked last, receive no gradient, and do not count in the
+    normaliser. Cost: one sort per row forward and one backward, O(Q·N·log N) time,
+    O(Q·N) memory.
+    """
+    return _ranker(scores, candidates, lambda_)
+
+
+def blackbox_ap(scores, positives, candidates=None, lambda_=4.0, margin=0.0, noise=None):
+    """Exact AP per query with the black-box gradient, shape (Q,).
+
+    ``AP_i = sum_{k in P_i} rank+_ik / rank_ik / (|P_i| + 1e-5)``, with ``rank`` the
+    position among the candidates and ``rank+`` the position among the positives
+    (the ``1e-5`` is the original's). With ``margin > 0`` the ranks are computed on
+    ``s - margin * noise * (y - 0.5)``, where ``noise`` (default ``|N(0, 1)|``, pass a
+    tensor to control it) lowers positives and raises negatives: a stochastic margin.
+    Only ``rank`` carries a gradient; ``rank+`` is a constant, as in the original.
+
+    Cost: O(Q·N·log N) time and O(Q·N) memory, forward and backward.
+    """
+    scores = ops.convert_to_tensor(scores)
+    dtype = scores.dtype
+    if candidates is None:
+        candidates = ops.ones_like(positives, dtype="bool")
+    candidates = ops.cast(candidates, "bool")
+    positives = ops.logical_and(ops.cast(positives, "bool"), candidates)
+    target = ops.cast(positives, dtype)
+    if margin:
+        if noise is None:
+            noise = ops.abs(tf.random.normal(tf.shape(scores), dtype=dtype))
+        scores = scores - float(margin) * ops.cast(noise, dtype) * (target - 0.5)
+    order, order_ranks = _order_and_ranks(_masked_scores(tf.stop_gradient(scores), candidates))
+    ranks = _ranker(scores, candidates, lambda_, order_ranks)
+    # Position among the positives: cumulative count of positives in ranking order.
+    positives_in_order = tf.gather(target, order, batch_dims=1)
+    cum_positives = ops.cumsum(positives_in_order, axis=-1)
+    n_cand = ops.maximum(ops.sum(ops.cast(candidates, dtype), axis=-1, keepdims=True), 1.0)
+    ranks_within = tf.gather(cum_positives, order_ranks, batch_dims=1) / n_cand
+    ratios = ops.where(positives, ranks_within / ranks, ops.zeros_like(ranks))
+    return ops.sum(ratios, axis=-1) / (ops.sum(target, axis=-1) + 1e-5)
