@@ -60,3 +60,17 @@ def aploss_goldens() -> dict:
 @pytest.fixture(scope="session")
 def retrieval_goldens() -> dict:
     return load_golden("retrieval_metrics.json")
+
+
+@pytest.fixture(scope="session")
+def two_replica_strategy():
+    """One 2-replica MirroredStrategy on the two logical CPUs, shared by every test.
+
+    Each strategy numbers its collective operations from the same starting key, so two
+    strategies in one process can hand the runtime two different collectives under one
+    key ("Collective instance ... expected type"); sharing one strategy avoids that.
+    """
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
+    if len(devices) < 2:
+        pytest.fail("tests/conftest.py should have configured two logical CPU devices")
+    return tf.distribute.MirroredStrategy(devices)

@@ -116,10 +116,8 @@ def _per_sample_loss(y_true, y_pred):
     return y_pred[:, 0] + tf.reduce_sum(y_pred[:, 1:] ** 2, axis=1)
 
 
-def test_mirrored_strategy_two_replicas():
-    if len(tf.config.list_logical_devices("CPU")) < 2:
-        pytest.fail("conftest.py should configure two logical CPU devices")
-    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+def test_mirrored_strategy_two_replicas(two_replica_strategy):
+    strategy = two_replica_strategy
     x = _data()
     deltas = []
     for multipliers in (None, models.head_multipliers(K)):

@@ -1,0 +1,86 @@
+"""Exactness guards for multi-staged backpropagation.
+
+Multi-staged backpropagation embeds every chunk twice (stage 1 without a tape, stage 3
+with one) and is exact only when both passes give the same embeddings: the model must
+be deterministic in training mode. Layers that break this: dropout and noise layers,
+random augmentation layers inside the model, and BatchNormalization using batch
+statistics (its output then depends on which images share the chunk).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+
+from tfaploss.training.batch_norm import FrozenBatchNormalization
+
+_NONDETERMINISTIC_CHOICES = ("warn", "raise", "ignore")
+
+
+class NondeterministicModelWarning(UserWarning):
+    """A model used for multi-staged backpropagation is random in training mode."""
+
+
+def _owns_seed_generator(layer) -> bool:
+    return any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values())
+
+
+def find_nondeterministic_layers(model: keras.layers.Layer) -> list[str]:
+    """Describe each layer of ``model`` whose training-mode output is not reproducible.
+
+    Returns one human-readable line per offending layer (empty when the model is safe
+    for multi-staged backpropagation): BatchNormalization layers that use batch
+    statistics, and layers drawing random numbers in training (dropout, noise,
+    augmentation), unless their rate is 0.
+    """
+    problems = []
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        if isinstance(layer, keras.layers.BatchNormalization):
+            if layer.trainable and not isinstance(layer, FrozenBatchNormalization):
+                problems.append(
+                    f"{layer.name} ({type(layer).__name__}) normalises with batch "
+                    "statistics in training mode; call "
+                    "tfaploss.training.freeze_batch_norm(model) first"
+                )
+        elif _owns_seed_generator(layer):
+            rate = getattr(layer, "rate", None)
+            if rate is not None and float(rate) == 0.0:
+                continue
+            problems.append(
+                f"{layer.name} ({type(layer).__name__}) draws random numbers in "
+                "training mode; remove it (augment in the input pipeline, before the "
+                "step) or set its rate to 0"
+            )
+    return problems
+
+
+def check_deterministic(model: keras.layers.Layer, on_nondeterministic: str = "warn") -> list[str]:
+    """Warn about, raise on, or ignore layers that make stage 1 and stage 3 differ.
+
+    Args:
+        model: the embedding model.
+        on_nondeterministic: ``"warn"`` (a :class:`NondeterministicModelWarning`),
+            ``"raise"`` (a ``ValueError``) or ``"ignore"``.
+
+    Returns the list of problems found (see :func:`find_nondeterministic_layers`).
+    """
+    if on_nondeterministic not in _NONDETERMINISTIC_CHOICES:
+        raise ValueError(
+            f"`on_nondeterministic` must be one of {_NONDETERMINISTIC_CHOICES}, "
+            f"received on_nondeterministic={on_nondeterministic!r}"
+        )
+    problems = find_nondeterministic_layers(model)
+    if not problems or on_nondeterministic == "ignore":
+        return problems
+    message = (
+        f"Multi-staged backpropagation is exact only for a model that is deterministic "
+        f"in training mode, but {model.name!r} has {len(problems)} layer(s) that are "
+        "not, so stage 3 would backpropagate through different embeddings than the "
+        "loss saw:\n  - " + "\n  - ".join(problems) + "\nPass "
+        "on_nondeterministic='ignore' to accept an approximate gradient."
+    )
+    if on_nondeterministic == "raise":
+        raise ValueError(message)
+    warnings.warn(message, NondeterministicModelWarning, stacklevel=3)
+    return problems

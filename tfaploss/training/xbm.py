@@ -1,0 +1,108 @@
+"""Cross-batch memory (XBM; Wang et al., "Cross-Batch Memory for Embedding Learning",
+CVPR 2020), used as a baseline in ROADMAP (Ramzi et al., NeurIPS 2021, Table 2).
+
+The memory is a ring buffer of the last ``size`` embeddings and labels seen in
+training, held detached in non-trainable variables so that it works in graph mode,
+under XLA and under ``tf.distribute``. Each batch's queries are then also ranked
+against the memory, which shows the loss many more negatives for the cost of a
+(B x size) score matrix instead of a bigger batch.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+
+@keras.saving.register_keras_serializable(package="tfaploss")
+class CrossBatchMemory(keras.layers.Layer):
+    """Ring buffer of the last ``size`` (embedding, label) pairs, without gradients.
+
+    ``enqueue(embeddings, labels)`` writes a batch (its last ``size`` rows if the batch
+    is larger than the memory) over the oldest entries. ``query_loss(loss, labels,
+    embeddings)`` is ``loss.query_database_loss`` of the queries against the filled
+    slots, with the gradient stopped on the memory side; it is 0 while the memory is
+    empty.
+
+    Under a distribution strategy every replica must enqueue the same (global) batch:
+    the variables keep the first replica's write.
+
+    Args:
+        size: number of slots, >= 1.
+        embedding_dim: width of the stored embeddings.
+
+    Memory: ``size * (embedding_dim * 4 + 8)`` bytes.
+    """
+
+    def __init__(self, size: int, embedding_dim: int, **kwargs):
+        kwargs.setdefault("dtype", "float32")
+        kwargs.setdefault("trainable", False)
+        super().__init__(**kwargs)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"CrossBatchMemory: `size` must be an int >= 1, received size={size!r}")
+        if not isinstance(embedding_dim, int) or embedding_dim < 1:
+            raise ValueError(
+                "CrossBatchMemory: `embedding_dim` must be an int >= 1, received "
+                f"embedding_dim={embedding_dim!r}"
+            )
+        self.size = size
+        self.embedding_dim = embedding_dim
+        # Replicas all write the same global batch; keep one copy of the write.
+        common = {"trainable": False, "aggregation": "only_first_replica"}
+        self.embeddings = self.add_weight(
+            name="embeddings", shape=(size, embedding_dim), initializer="zeros",
+            dtype="float32", **common)
+        self.labels = self.add_weight(
+            name="labels", shape=(size,), initializer="zeros", dtype="int64", **common)
+        self.pointer = self.add_weight(
+            name="pointer", shape=(), initializer="zeros", dtype="int32", **common)
+        self.filled = self.add_weight(
+            name="filled", shape=(), initializer="zeros", dtype="int32", **common)
+        self.built = True
+
+    def valid_mask(self):
+        """Bool (size,): which slots hold an entry."""
+        return tf.range(self.size) < tf.convert_to_tensor(self.filled)
+
+    def enqueue(self, embeddings, labels):
+        """Write ``embeddings`` (B, D) and ``labels`` (B,) over the oldest slots."""
+        embeddings = tf.cast(tf.stop_gradient(embeddings), "float32")
+        labels = tf.cast(tf.reshape(labels, [-1]), "int64")
+        n = tf.shape(embeddings)[0]
+        k = tf.minimum(n, self.size)
+        embeddings, labels = embeddings[n - k:], labels[n - k:]
+        pointer = tf.convert_to_tensor(self.pointer)
+        slots = tf.math.floormod(pointer + tf.range(k), self.size)[:, None]
+        self.embeddings.assign(
+            tf.tensor_scatter_nd_update(tf.convert_to_tensor(self.embeddings), slots, embeddings))
+        self.labels.assign(
+            tf.tensor_scatter_nd_update(tf.convert_to_tensor(self.labels), slots, labels))
+        self.pointer.assign(tf.math.floormod(pointer + k, self.size))
+        self.filled.assign(tf.minimum(tf.convert_to_tensor(self.filled) + k, self.size))
+
+    def query_loss(self, loss, query_labels, query_embeddings):
+        """``loss.query_database_loss`` of the queries against the memory (0 if empty).
+
+        Cost: that of ``loss`` on a (B, size) score matrix.
+        """
+        memory = tf.stop_gradient(tf.convert_to_tensor(self.embeddings))
+        memory_labels = tf.stop_gradient(tf.convert_to_tensor(self.labels))
+        query_labels = tf.reshape(query_labels, [-1])
+        if query_labels.dtype.is_integer:
+            memory_labels = tf.cast(memory_labels, query_labels.dtype)
+        else:  # float label ids (Keras may hand y as float32): compare as int64
+            query_labels = tf.cast(query_labels, "int64")
+        candidates = tf.tile(self.valid_mask()[None, :], [tf.shape(query_labels)[0], 1])
+
+        def with_memory():
+            value = loss.query_database_loss(
+                query_labels, query_embeddings, memory_labels, memory, candidates=candidates)
+            return tf.cast(value, "float32")
+
+        return tf.cond(tf.convert_to_tensor(self.filled) > 0, with_memory,
+                       lambda: tf.zeros((), "float32"))
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(size=self.size, embedding_dim=self.embedding_dim)
+        return config
