@@ -1,0 +1,381 @@
+"""The ``tfaploss`` command: train, evaluate, export, demo.
+
+    tfaploss demo                                     # the 3-minute end-to-end tour
+    tfaploss train --config configs/roadmap_sop_resnet50.yaml --set data.train=sop/train
+    tfaploss evaluate --model runs/x/model.keras --data sop/test --protocol sop
+    tfaploss export --model runs/x/model.keras --out serving/sop
+    tfaploss config --config configs/pnp_sop_resnet50_dq.yaml   # print it, validated
+
+The Beam preprocessing jobs are separate: ``python -m pipelines.<name> --help``.
+Heavy imports (TensorFlow, Keras) happen inside the commands so ``--help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import textwrap
+import warnings
+
+_SET_HELP = (
+    "override one config key, YAML-typed; repeatable. Examples: --set training.epochs=3 "
+    "--set optimizer.lr=2e-5 --set evaluation.ks=[1,10] --set model.weights=null "
+    "--set loss.temperature=0.05"
+)
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def _add_train(sub):
+    p = sub.add_parser(
+        "train", formatter_class=_Formatter,
+        help="train an embedding model from a YAML recipe",
+        description=textwrap.dedent("""\
+            Train an embedding model from a run config (a recipe of configs/).
+
+            The config names the TFRecords (data.train, data.test; write them with a
+            pipelines job), the model, the loss, the optimizer and how long to train.
+            A batch larger than training.chunk_size is trained with multi-stage
+            backpropagation (tfaploss.training.MultiStageModel): same gradient as
+            one pass over the whole batch, the memory of one chunk.
+
+            Everything goes to the run directory (run_dir, or --run-dir):
+              config.yaml    the validated config        logs/        TensorBoard
+              epochs.jsonl   per-epoch loss/lr/metrics   model.keras  the model
+              backup/        checkpoint of the last finished epoch
+              summary.json   epochs, steps, timings, final metrics
+            A killed run resumes from its last finished epoch when you run the same
+            command again."""),
+        epilog=textwrap.dedent("""\
+            examples:
+              tfaploss train --config configs/demo_digits.yaml   (after `tfaploss demo`)
+              tfaploss train --config configs/smoothap_sop_resnet50.yaml \\
+                  --set data.train=data/sop/train --set data.test=data/sop/test \\
+                  --set model.weights=path/to/resnet50_notop.h5
+              tensorboard --logdir runs/"""))
+    p.add_argument("--config", required=True, metavar="YAML", help="run config file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=_SET_HELP)
+    p.add_argument("--run-dir", default=None, metavar="DIR",
+                   help="where checkpoints, logs and the model go (default: the config's "
+                        "run_dir)")
+    p.add_argument("--quiet", action="store_true",
+                   help="one line per epoch instead of a progress bar")
+    p.set_defaults(func=cmd_train)
+
+
+def _add_evaluate(sub):
+    p = sub.add_parser(
+        "evaluate", formatter_class=_Formatter,
+        help="retrieval metrics of a model on a TFRecord split",
+        description=textwrap.dedent("""\
+            Embed a split with a model and report retrieval metrics (Recall@K,
+            Precision@1, MAP@R, R-precision, mAP; mAP/mP@K for revisited
+            Oxford/Paris), as a table on screen and metrics.json + figures in --out.
+
+            --model: a .keras file (e.g. RUN_DIR/model.keras) or a SavedModel written
+            by `tfaploss export` (its version folder or the folder holding versions).
+            --data:  a split folder written by a pipelines job (holds manifest.json).
+            Without --query each image of --data queries all the others."""),
+        epilog=textwrap.dedent("""\
+            examples:
+              tfaploss evaluate --model runs/sop/model.keras --data data/sop/test --protocol sop
+              tfaploss evaluate --model serving/roxf/1 --data data/roxford5k/database \\
+                  --query data/roxford5k/queries --gnd data/roxford5k/gnd_roxford5k.json \\
+                  --protocol revisited --image-size original"""))
+    p.add_argument("--model", required=True, help=".keras file or exported SavedModel")
+    p.add_argument("--data", required=True, metavar="SPLIT_DIR",
+                   help="database split (TFRecord folder)")
+    p.add_argument("--protocol", default="retrieval",
+                   help="retrieval (default; ks 1,10,100), sop (1,10,100,1000), "
+                        "inaturalist (1,4,16,32), cub, cars, revisited / roxford / rparis, "
+                        "gldv2")
+    p.add_argument("--query", default=None, metavar="SPLIT_DIR",
+                   help="separate query split (revisited, gldv2, or any query/database set)")
+    p.add_argument("--gnd", default=None,
+                   help="ground truth for revisited (the pipelines job's JSON, or gnd_*.pkl "
+                        "read with a restricted unpickler) or gldv2")
+    p.add_argument("--ks", default=None, help="comma-separated cut-offs, e.g. 1,10,100 "
+                                              "(default: the protocol's)")
+    p.add_argument("--backend", default="exact", choices=("exact", "scann", "scann_ah"),
+                   help="search backend (scann_ah: approximate, for large databases)")
+    p.add_argument("--image-size", default=None,
+                   help="side of the centre crop the images are resized to, or 'original' "
+                        "(default: the model's input size, else 224)")
+    p.add_argument("--batch-size", type=int, default=64, help="images embedded at once")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write metrics.json and figures here (default: eval_<split> "
+                        "beside the model)")
+    p.set_defaults(func=cmd_evaluate)
+
+
+def _add_export(sub):
+    p = sub.add_parser(
+        "export", formatter_class=_Formatter,
+        help="write a SavedModel for TF Serving",
+        description=textwrap.dedent("""\
+            Export a trained model as a TF Serving SavedModel in OUT/<version>/.
+
+            Signatures: serving_default takes encoded images (JPEG/PNG, input
+            'image_bytes', so the REST API accepts {"b64": ...}) and returns
+            {"embedding": float32 [N, D]}; embed_pixels takes float RGB pixels.
+            Serve it with:
+              tensorflow_model_server --rest_api_port=8501 \\
+                  --model_name=retrieval --model_base_path=$PWD/OUT"""),
+        epilog="example:\n  tfaploss export --model runs/sop/model.keras --out serving/sop")
+    p.add_argument("--model", required=True, help="a .keras model (e.g. RUN_DIR/model.keras)")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="model base directory; the version folder is created inside")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="side of the square crop served images are resized to (default: the "
+                        "model's input size, else 224)")
+    p.add_argument("--version", type=int, default=None,
+                   help="version number (default: one more than the largest in OUT)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing version")
+    p.set_defaults(func=cmd_export)
+
+
+def _add_demo(sub):
+    p = sub.add_parser(
+        "demo", formatter_class=_Formatter,
+        help="end-to-end demo on scikit-learn's handwritten digits (offline, ~3 min)",
+        description=textwrap.dedent("""\
+            The whole library on real data that ships with scikit-learn (1,797
+            scanned 8x8 digits), offline, in a few minutes on a laptop CPU:
+
+              1. write the digits as PNG files, one folder per class
+              2. run the Beam `folder` job: PNGs -> TFRecords (train: 0-5, test: 6-9)
+              3. evaluate a random small CNN on the unseen digits 6-9 (ScaNN)
+              4. train it with APLoss and multi-stage backpropagation on digits 0-5
+              5. evaluate again: Recall@1, MAP@R, mAP; figures and JSON
+              6. export a SavedModel, reload it with plain TensorFlow and embed a PNG
+              7. print a summary table
+
+            Everything lands in one folder (--out, default ./demo_output)."""))
+    p.add_argument("--out", default="demo_output", metavar="DIR",
+                   help="output folder (default: ./demo_output); replaced if it exists")
+    p.add_argument("--quick", action="store_true",
+                   help="reduced run for CI (fewer training steps)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="total training steps (overrides the default and --quick)")
+    p.set_defaults(func=cmd_demo)
+
+
+def _add_config(sub):
+    p = sub.add_parser(
+        "config", formatter_class=_Formatter,
+        help="validate a run config and print it with every default filled in",
+        description="Load a run config, apply --set overrides, validate it, and print "
+                    "the result as YAML. Exits 2 with the offending key named when the "
+                    "config is invalid.")
+    p.add_argument("--config", required=True, metavar="YAML")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=_SET_HELP)
+    p.set_defaults(func=cmd_config)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tfaploss", formatter_class=_Formatter,
+        description=textwrap.dedent("""\
+            tfaploss: train image-retrieval embeddings by directly optimising Average
+            Precision (histogram AP, FastAP, Smooth-AP, ROADMAP, PNP) in Keras 3.
+
+            New here? Run `tfaploss demo`, then read README.md. Data preparation is
+            done by the Beam jobs: python -m pipelines.<sop|inaturalist|gldv2|
+            revisited|folder|tfds_source> --help"""))
+    from tfaploss import __version__
+
+    parser.add_argument("--version", action="version", version=f"tfaploss {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_demo(sub)
+    _add_train(sub)
+    _add_evaluate(sub)
+    _add_export(sub)
+    _add_config(sub)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def _quiet_tensorflow():
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+
+def _show_config_warnings():
+    from tfaploss.config import ConfigWarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, ConfigWarning):
+            print(f"note: {message}", file=sys.stderr)
+        else:
+            print(warnings.formatwarning(message, category, filename, lineno, line),
+                  file=sys.stderr, end="")
+
+    warnings.showwarning = show
+
+
+def cmd_config(args) -> int:
+    import yaml
+
+    from tfaploss.config import load_config
+
+    _show_config_warnings()
+    cfg = load_config(args.config, args.set)
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from tfaploss.config import load_config
+
+    _show_config_warnings()
+    cfg = load_config(args.config, args.set)
+    from tfaploss.config.trainer import train
+
+    train(cfg, run_dir=args.run_dir, verbose=2 if args.quiet else "auto")
+    return 0
+
+
+def load_any_model(path: str):
+    """A callable images -> embeddings from a ``.keras`` file or an exported SavedModel.
+
+    Returns ``(callable, input_size)`` where ``input_size`` is the model's fixed square
+    input side, or None.
+    """
+    if os.path.isfile(path) and path.endswith(".keras"):
+        import keras
+
+        import models  # noqa: F401  (registers the custom layers)
+        import tfaploss.losses
+        import tfaploss.training
+
+        model = keras.saving.load_model(path, compile=False)
+        if isinstance(model, tfaploss.training.MultiStageModel):
+            model = model.embedding_model
+        shape = tuple(model.input_shape)
+        return model, (shape[1] if shape[1] is not None and shape[1] == shape[2] else None)
+    if os.path.isdir(path):
+        import tensorflow as tf
+
+        from tfaploss.export import OUTPUT_KEY, PIXELS_SIGNATURE
+
+        version_dir = path
+        if not os.path.exists(os.path.join(path, "saved_model.pb")):
+            versions = sorted((int(d) for d in os.listdir(path) if d.isdigit()), reverse=True)
+            if not versions:
+                raise SystemExit(f"error: --model {path!r} is neither a .keras file nor a "
+                                 "SavedModel folder (no saved_model.pb, no version folders)")
+            version_dir = os.path.join(path, str(versions[0]))
+        loaded = tf.saved_model.load(version_dir)
+        signature = loaded.signatures[PIXELS_SIGNATURE]
+        spec = signature.structured_input_signature[1]["images"]
+        size = spec.shape[1]
+
+        def embed(images):
+            return signature(images=tf.cast(images, tf.float32))[OUTPUT_KEY]
+
+        embed.loaded = loaded  # keep the SavedModel alive
+        return embed, size
+    raise SystemExit(f"error: --model {path!r} does not exist or is not a .keras file / "
+                     "SavedModel folder")
+
+
+def _evaluate_fn():
+    from tfaploss.evaluation import evaluate
+
+    return evaluate
+
+
+def cmd_evaluate(args) -> int:
+    from tfaploss.data import make_eval_dataset
+
+    model, model_size = load_any_model(args.model)
+    if args.image_size in (None, ""):
+        size = model_size or 224
+    elif args.image_size == "original":
+        size = None
+    else:
+        try:
+            size = int(args.image_size)
+        except ValueError:
+            raise SystemExit(f"error: --image-size must be an integer or 'original'; "
+                             f"received {args.image_size!r}") from None
+    batch = args.batch_size if size else 1
+    ks = None
+    if args.ks:
+        try:
+            ks = [int(k) for k in args.ks.split(",") if k.strip()]
+        except ValueError:
+            raise SystemExit(f"error: --ks must be comma-separated integers, e.g. 1,10,100; "
+                             f"received {args.ks!r}") from None
+
+    for name in ("data", "query"):
+        value = getattr(args, name)
+        if value is not None and not os.path.exists(value):
+            raise SystemExit(f"error: --{name} {value!r} does not exist (a split folder "
+                             "written by a pipelines job)")
+    database = make_eval_dataset(args.data, image_size=size, batch_size=batch)
+    query = make_eval_dataset(args.query, image_size=size, batch_size=batch) \
+        if args.query else None
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.model)),
+                                   "eval_" + os.path.basename(os.path.normpath(args.data)))
+    evaluate = _evaluate_fn()
+    result = evaluate(model, database, protocol=args.protocol, query=query, gnd=args.gnd,
+                      ks=ks, backend=args.backend, output_dir=out, verbose=1)
+    print(f"\nWrote {os.path.join(out, 'metrics.json')}"
+          + (f" and {len(result.figures)} figure(s)" if result.figures else ""))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from tfaploss.export import export_saved_model
+
+    if not (os.path.isfile(args.model) and args.model.endswith(".keras")):
+        raise SystemExit(f"error: --model {args.model!r} is not a .keras file (train one "
+                         "with `tfaploss train`; it writes RUN_DIR/model.keras)")
+    model, size = load_any_model(args.model)
+    size = args.image_size or size or 224
+    target = export_saved_model(model, args.out, image_size=(size, size),
+                                version=args.version, overwrite=args.overwrite)
+    print(f"Exported SavedModel to {target}")
+    print(f"  serve: tensorflow_model_server --rest_api_port=8501 --model_name=retrieval "
+          f"--model_base_path={os.path.abspath(args.out)}")
+    print("  query: POST http://localhost:8501/v1/models/retrieval:predict "
+          '{"instances": [{"b64": "<base64 JPEG>"}]}')
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from tfaploss.demo import run_demo
+
+    return run_demo(out=args.out, quick=args.quick, steps=args.steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    _quiet_tensorflow()
+    from tfaploss.config import ConfigError
+
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Run configurations: the YAML recipes of ``configs/``, validated, and their builders.
+
+See :mod:`tfaploss.config.schema` for the keys and :mod:`tfaploss.config.build` for how
+a config becomes a model, a loss and an optimizer.
+"""
+
+from tfaploss.config.schema import (
+    AugmentationConfig,
+    Config,
+    ConfigError,
+    ConfigWarning,
+    DataConfig,
+    EvaluationConfig,
+    LossConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ScheduleConfig,
+    TrainingConfig,
+    XBMConfig,
+    apply_overrides,
+    config_from_dict,
+    config_notes,
+    load_config,
+    loss_class,
+    loss_classes,
+    loss_parameters,
+    parse_override,
+)
+
+__all__ = [
+    "AugmentationConfig",
+    "Config",
+    "ConfigError",
+    "ConfigWarning",
+    "DataConfig",
+    "EvaluationConfig",
+    "LossConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ScheduleConfig",
+    "TrainingConfig",
+    "XBMConfig",
+    "apply_overrides",
+    "config_from_dict",
+    "config_notes",
+    "load_config",
+    "loss_class",
+    "loss_classes",
+    "loss_parameters",
+    "parse_override",
+]

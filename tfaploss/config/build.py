@@ -1,0 +1,201 @@
+"""Turn a validated :class:`~tfaploss.config.Config` into Keras objects.
+
+``build_model``, ``build_loss`` and ``build_optimizer`` are what ``tfaploss train``
+calls; they are importable so a notebook can start from a recipe and change one thing.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tfaploss.config.schedule import RecipeSchedule
+from tfaploss.config.schema import Config, ConfigError, loss_class
+
+
+def build_model(cfg: Config, input_shape=None, weights="config", calibrate=True):
+    """The embedding model of ``cfg.model`` (``models.build_embedding_model``).
+
+    ``input_shape`` defaults to the training crops, ``(*data.image_size, 3)``;
+    ``weights="config"`` uses ``model.weights`` (pass ``None`` for random weights).
+    With ``model.bn_calibration_images > 0`` (and ``calibrate``) the frozen BatchNorm
+    statistics are then estimated on that many training images
+    (:func:`calibrate_batch_norm`), the same images for the same ``data.seed``.
+    """
+    from models import build_embedding_model
+
+    m = cfg.model
+    if input_shape is None:
+        input_shape = (*cfg.image_shape, 3)
+    model = build_embedding_model(
+        backbone=m.backbone,
+        pooling=m.pooling,
+        embedding_dim=m.embedding_dim,
+        weights=m.weights if weights == "config" else weights,
+        input_shape=tuple(input_shape),
+        freeze_bn=m.freeze_bn,
+    )
+    if calibrate and m.bn_calibration_images:
+        calibrate_batch_norm(model, calibration_images(cfg, m.bn_calibration_images))
+    return model
+
+
+def calibration_images(cfg: Config, count: int):
+    """``count`` augmented training images (a fixed draw for a given ``data.seed``)."""
+    import tensorflow as tf
+
+    batches = build_train_dataset(cfg, seed_offset=_CALIBRATION_SEED_OFFSET)
+    needed = -(-count // cfg.data.batch_size)
+    images = tf.concat([x for x, _ in batches.take(needed)], axis=0)
+    return images[:count]
+
+
+_CALIBRATION_SEED_OFFSET = 7919
+
+
+def calibrate_batch_norm(model, images) -> int:
+    """Set every BatchNorm's moving statistics to those of ``images``, in place.
+
+    One forward pass in training mode with momentum 0, layer after layer as BatchNorm
+    defines them; frozen layers (``FrozenBatchNormalization``) stay frozen afterwards.
+    This gives a randomly initialised network with frozen BatchNorm (as multi-stage
+    backpropagation needs) the normalisation a pretrained one would bring. Returns the
+    number of layers set. Cost: one forward pass over ``images`` (their activations).
+    """
+    import keras
+
+    from tfaploss.training import FrozenBatchNormalization
+
+    layers = [layer for layer in model._flatten_layers(include_self=True, recursive=True)
+              if isinstance(layer, keras.layers.BatchNormalization)]
+    saved = [(layer.__class__, layer.momentum) for layer in layers]
+    try:
+        for layer in layers:
+            if isinstance(layer, FrozenBatchNormalization):
+                layer.__class__ = keras.layers.BatchNormalization
+            layer.momentum = 0.0
+        model(images, training=True)
+    finally:
+        for layer, (cls, momentum) in zip(layers, saved):
+            layer.__class__ = cls
+            layer.momentum = momentum
+    return len(layers)
+
+
+def build_loss(cfg: Config):
+    """``tfaploss.losses.<loss.name>(**kwargs)``; a bad value is reported with its key."""
+    cls = loss_class(cfg.loss.name)
+    try:
+        return cls(**cfg.loss.kwargs)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"config section 'loss' ({cfg.loss.name}): {err}") from None
+
+
+def total_steps(cfg: Config, steps_per_epoch: int) -> int:
+    return cfg.training.epochs * steps_per_epoch
+
+
+def build_schedule(cfg: Config, steps_per_epoch: int):
+    """The learning rate as a :class:`RecipeSchedule` over the run's updates."""
+    opt, sched = cfg.optimizer, cfg.optimizer.schedule
+    end_lr = sched.end_lr if sched.end_lr is not None else 0.0
+    return RecipeSchedule(
+        kind=sched.name,
+        lr=opt.lr,
+        total_steps=total_steps(cfg, steps_per_epoch),
+        end_lr=end_lr,
+        warmup_steps=int(math.ceil(opt.warmup_epochs * steps_per_epoch)),
+        boundaries=[e * steps_per_epoch for e in (sched.step_epochs or ())],
+        gamma=sched.gamma if sched.gamma is not None else 0.1,
+    )
+
+
+def build_optimizer(cfg: Config, steps_per_epoch: int):
+    """The optimizer of ``cfg.optimizer`` with its schedule and head multiplier."""
+    import keras
+
+    opt = cfg.optimizer
+    lr = build_schedule(cfg, steps_per_epoch)
+    common = dict(learning_rate=lr, clipnorm=opt.clipnorm)
+    if opt.weight_decay:
+        common["weight_decay"] = opt.weight_decay
+    extra = {k: getattr(opt, k) for k in ("beta_1", "beta_2", "epsilon", "momentum",
+                                          "nesterov") if getattr(opt, k) is not None}
+    cls = {"adam": keras.optimizers.Adam, "adamw": keras.optimizers.AdamW,
+           "sgd": keras.optimizers.SGD}[opt.name]
+    if opt.name == "adamw" and "weight_decay" not in common:
+        common["weight_decay"] = 0.0  # AdamW's own default (0.004) would be a hidden setting
+    optimizer = cls(**common, **extra)
+    if cfg.model.head_lr_multiplier != 1.0:
+        from models.lr_multipliers import LRMultiplierOptimizer, head_multipliers
+
+        optimizer = LRMultiplierOptimizer(
+            optimizer, head_multipliers(cfg.model.head_lr_multiplier,
+                                        include_gem=False))
+    return optimizer
+
+
+def _manifest(path: str) -> dict | None:
+    from tfaploss.data import read_manifest
+
+    return read_manifest(path)
+
+
+def steps_per_epoch(cfg: Config) -> int:
+    """``training.steps_per_epoch``, or the training split's images / batch size."""
+    if cfg.training.steps_per_epoch is not None:
+        return cfg.training.steps_per_epoch
+    manifest = _manifest(cfg.data.train)
+    if not manifest or "num_images" not in manifest:
+        raise ConfigError(
+            "config key 'training.steps_per_epoch' is null, which means one pass over "
+            f"the training split, but {cfg.data.train!r} has no manifest.json giving its "
+            "size; set training.steps_per_epoch.")
+    return max(1, int(manifest["num_images"]) // cfg.data.batch_size)
+
+
+def check_data(cfg: Config) -> None:
+    """Check the config against the training split's manifest before any training."""
+    if cfg.data.train is None:
+        raise ConfigError("config key 'data.train' is null: set it to a training split "
+                          "folder written by a pipelines job (e.g. --set data.train=out/train).")
+    from pathlib import Path
+
+    if "://" not in cfg.data.train and not Path(cfg.data.train).exists():
+        raise ConfigError(f"config key 'data.train': {cfg.data.train!r} does not exist. "
+                          "Write it with a pipelines job first (see README: Preparing data).")
+    if cfg.data.sampler == "all_classes":
+        manifest = _manifest(cfg.data.train) or {}
+        counts = manifest.get("class_counts", {})
+        eligible = sum(1 for k, v in counts.items() if int(k) >= 0 and v >= cfg.data.m)
+        if eligible and eligible * cfg.data.m != cfg.data.batch_size:
+            raise ConfigError(
+                f"config key 'data.batch_size': the all_classes sampler puts all {eligible} "
+                f"classes with >= m={cfg.data.m} images in every batch, i.e. "
+                f"{eligible * cfg.data.m} images, not {cfg.data.batch_size}; set "
+                f"data.batch_size={eligible * cfg.data.m} or change data.m.")
+
+
+def build_train_dataset(cfg: Config, seed_offset: int = 0):
+    """Endless ``(images, labels)`` batches of ``cfg.data`` (``tfaploss.data``).
+
+    ``seed_offset`` shifts ``data.seed``; a resumed run passes the epoch it resumes at
+    so that it does not replay the batches of the first epochs.
+    """
+    from tfaploss.data import make_train_dataset
+
+    d = cfg.data
+    aug = d.augmentation
+    kwargs = dict(sampler=d.sampler, batch_size=d.batch_size, m=d.m,
+                  image_size=d.image_size, augment=aug.crop == "random_resized_crop",
+                  seed=d.seed + 1009 * seed_offset)
+    if aug.scale is not None:
+        kwargs["crop_scale"] = tuple(aug.scale)
+    return make_train_dataset(d.train, **kwargs)
+
+
+def build_eval_dataset(cfg: Config, path: str, batch_size: int = 64):
+    """Every image of a split once: ``(images, labels, ids)`` batches."""
+    from tfaploss.data import make_eval_dataset
+
+    size = cfg.test_image_size
+    return make_eval_dataset(path, image_size=size, batch_size=batch_size if size else 1)

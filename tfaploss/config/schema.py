@@ -1,0 +1,787 @@
+"""Run configurations: a typed schema for the YAML recipes in ``configs/``.
+
+A run is described by one YAML file with the sections ``data``, ``model``, ``loss``,
+``optimizer``, ``training`` and ``evaluation`` plus ``run_dir``::
+
+    cfg = load_config("configs/smoothap_sop_resnet50.yaml",
+                      overrides=["optimizer.lr=2e-5", "training.epochs=3"])
+    cfg.optimizer.lr        # 2e-05
+    cfg.to_dict()           # plain dict, ready for yaml.safe_dump / json.dump
+
+The file is read with ``yaml.safe_load`` only. Validation is strict so that a typo
+never silently trains something else: an unknown key, a value of the wrong type or a
+value outside its allowed set raises :class:`ConfigError` with the dotted key (e.g.
+``optimizer.schedule.end_lr``) and what is allowed there. Settings that would be
+ignored are refused too (``momentum`` for Adam, a ``step`` parameter on a ``linear``
+schedule, ...); a ``training.chunk_size`` that does not split the batch gives a
+:class:`ConfigWarning` saying multi-stage backpropagation is off.
+
+``loss`` names a class of :mod:`tfaploss.losses`; its other keys are that class's
+constructor arguments, checked against its signature (``loss.num_bins=25``).
+
+Overrides (``--set`` on the command line) are ``dotted.key=value`` strings whose value
+is parsed as YAML (``training.epochs=3`` gives an int, ``evaluation.ks=[1,10]`` a list,
+``model.weights=null`` None).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import re
+import types
+import typing
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+__all__ = [
+    "AugmentationConfig",
+    "Config",
+    "ConfigError",
+    "ConfigWarning",
+    "DataConfig",
+    "EvaluationConfig",
+    "LossConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ScheduleConfig",
+    "TrainingConfig",
+    "XBMConfig",
+    "apply_overrides",
+    "config_from_dict",
+    "load_config",
+    "loss_class",
+    "loss_classes",
+    "parse_override",
+]
+
+
+class ConfigError(ValueError):
+    """A run configuration that cannot be used as written; the message says what to fix."""
+
+
+class ConfigWarning(UserWarning):
+    """A configuration that is valid but probably not what was meant."""
+
+
+# ---------------------------------------------------------------------------------------
+# Schema
+# ---------------------------------------------------------------------------------------
+
+Backbone = Literal["resnet50", "resnet101", "small_cnn"]
+Pooling = Literal["gem", "avg", "max_ln"]
+Sampler = Literal["m_per_class", "hierarchical", "all_classes"]
+Crop = Literal["random_resized_crop", "center_crop"]
+OptimizerName = Literal["adam", "adamw", "sgd"]
+ScheduleName = Literal["constant", "linear", "cosine", "step"]
+Backend = Literal["exact", "scann", "scann_ah"]
+
+# Which schedule takes which parameter; any other parameter set on a schedule is an error.
+SCHEDULE_PARAMS = {
+    "constant": (),
+    "linear": ("end_lr",),
+    "cosine": ("end_lr",),
+    "step": ("step_epochs", "gamma"),
+}
+# Optimizer settings that only some optimizers use.
+OPTIMIZER_PARAMS = {
+    "adam": ("beta_1", "beta_2", "epsilon"),
+    "adamw": ("beta_1", "beta_2", "epsilon"),
+    "sgd": ("momentum", "nesterov"),
+}
+
+
+@dataclass
+class AugmentationConfig:
+    """Training-time augmentation, done in the input pipeline (never inside the model,
+    so multi-stage backpropagation sees the same pixels twice).
+
+    ``crop``: ``random_resized_crop`` (a window covering ``scale`` of the area, aspect
+    3/4..4/3, resized to ``image_size``, then a random horizontal flip: the papers'
+    recipes) or ``center_crop`` (no randomness: shorter side to ``image_size / 0.875``,
+    centre crop). ``scale`` is refused with ``center_crop``.
+    """
+
+    crop: Crop = "random_resized_crop"
+    scale: tuple[float, float] | None = None
+
+
+@dataclass
+class DataConfig:
+    """Where the TFRecords are and how batches are drawn.
+
+    ``train`` / ``test``: a split folder written by a ``pipelines`` job (the folder that
+    holds ``manifest.json``). ``m``: images per class in a batch; the batch holds
+    ``batch_size / m`` classes (``m_per_class``), two super-classes of
+    ``batch_size / 2`` images each (``hierarchical``), or every class with at least m
+    images (``all_classes``, where ``batch_size`` must then equal classes x m).
+    ``image_size``: side of the square training crops. ``test_image_size``: side of the
+    square test crops (default ``image_size``), or ``original`` to embed test images at
+    their own size (landmarks).
+    """
+
+    train: str | None = None
+    test: str | None = None
+    sampler: Sampler = "m_per_class"
+    batch_size: int = 128
+    m: int = 4
+    image_size: int = 224
+    test_image_size: int | Literal["original"] | None = None
+    augmentation: AugmentationConfig = field(default_factory=AugmentationConfig)
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    """The embedding network: backbone → pooling → Dense head → L2 normalisation.
+
+    ``weights``: ``null`` (random init), ``imagenet`` (Keras's cache) or the path of a
+    weights file. ``freeze_bn`` keeps BatchNorm statistics fixed (gamma/beta still
+    train), as the papers do and as multi-stage backpropagation needs to be exact.
+    ``head_lr_multiplier``: the head learns this many times faster than the backbone.
+    ``bn_calibration_images``: with ``freeze_bn`` and no pretrained statistics (random
+    init), first estimate the frozen BatchNorm statistics from this many training
+    images (one forward pass in training mode); 0 keeps the weights' statistics.
+    """
+
+    backbone: Backbone = "resnet50"
+    pooling: Pooling = "avg"
+    embedding_dim: int = 512
+    weights: str | None = None
+    freeze_bn: bool = True
+    head_lr_multiplier: float = 1.0
+    bn_calibration_images: int = 0
+
+
+@dataclass
+class LossConfig:
+    """A class of :mod:`tfaploss.losses` (``name``) and its constructor arguments."""
+
+    name: str = "APLoss"
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning-rate schedule over the run's updates (batches, not chunks).
+
+    ``constant``; ``linear`` from ``optimizer.lr`` to ``end_lr``; ``cosine`` from
+    ``optimizer.lr`` to ``end_lr``; ``step``: multiply by ``gamma`` at each epoch listed
+    in ``step_epochs``. An optional linear warm-up (``optimizer.warmup_epochs``) comes
+    first.
+    """
+
+    name: ScheduleName = "constant"
+    end_lr: float | None = None
+    step_epochs: list[int] | None = None
+    gamma: float | None = None
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer and learning rate. ``weight_decay`` is Keras's decoupled decay."""
+
+    name: OptimizerName = "adam"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    warmup_epochs: float = 0.0
+    beta_1: float | None = None
+    beta_2: float | None = None
+    epsilon: float | None = None
+    momentum: float | None = None
+    nesterov: bool | None = None
+    clipnorm: float | None = None
+
+
+@dataclass
+class XBMConfig:
+    """Cross-batch memory (Wang et al. CVPR'20): each batch's queries are also ranked
+    against the last ``size`` embeddings of earlier batches; that loss is added with
+    ``weight``. ``size: 0`` turns it off."""
+
+    size: int = 0
+    weight: float = 1.0
+
+
+@dataclass
+class TrainingConfig:
+    """How long and how to train.
+
+    ``steps_per_epoch``: updates per epoch (``null``: the training split's image count
+    divided by the batch size). ``chunk_size``: images embedded at once by multi-stage
+    backpropagation; a batch larger than it is trained with
+    :class:`tfaploss.training.MultiStageModel`, giving the same gradient as one pass.
+    """
+
+    epochs: int = 1
+    steps_per_epoch: int | None = None
+    chunk_size: int | None = None
+    mixed_precision: bool = False
+    jit_compile: bool = False
+    xbm: XBMConfig = field(default_factory=XBMConfig)
+    seed: int = 0
+
+
+@dataclass
+class EvaluationConfig:
+    """Retrieval evaluation on ``data.test`` (each image queries all the others).
+
+    ``every_n_epochs``: evaluate during training every N epochs (0: only at the end,
+    if ``at_end``). ``max_images``: evaluate on at most this many test images during
+    training (the final evaluation uses all of them).
+    """
+
+    every_n_epochs: int = 0
+    at_end: bool = True
+    ks: list[int] = field(default_factory=lambda: [1, 10, 100])
+    backend: Backend = "exact"
+    max_images: int | None = None
+
+
+@dataclass
+class Config:
+    """A whole run. ``run_dir`` receives checkpoints, logs, the model and summary.json."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    run_dir: str = "runs/default"
+    description: str | None = None
+
+    def to_dict(self) -> dict:
+        """Plain, YAML/JSON-serialisable dict; ``config_from_dict`` reads it back."""
+        return _to_plain(self)
+
+    @property
+    def uses_multistage(self) -> bool:
+        """True when batches are split into chunks (``MultiStageModel``)."""
+        chunk = self.training.chunk_size
+        return chunk is not None and self.data.batch_size > chunk
+
+    @property
+    def image_shape(self) -> tuple[int, int]:
+        """(height, width) of the training crops."""
+        return (self.data.image_size, self.data.image_size)
+
+    @property
+    def test_image_size(self) -> int | None:
+        """Side of the test crops; None keeps each test image's own size."""
+        size = self.data.test_image_size
+        if size == "original":
+            return None
+        return self.data.image_size if size is None else size
+
+
+def _to_plain(value):
+    if isinstance(value, LossConfig):
+        return {"name": value.name, **{k: _to_plain(v) for k, v in value.kwargs.items()}}
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    return value
+
+
+# ---------------------------------------------------------------------------------------
+# Generic typed conversion
+# ---------------------------------------------------------------------------------------
+
+_FLOAT_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+
+
+def _describe(tp) -> str:
+    origin = typing.get_origin(tp)
+    if tp is type(None):
+        return "null"
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin in (list, tuple):
+        args = typing.get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return f"a list of {len(args)} values, each {_describe(args[0])}"
+        return f"a list of {_describe(args[0])}" if args else "a list"
+    if origin is dict or tp is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping with keys " + ", ".join(f.name for f in dataclasses.fields(tp))
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
+
+
+def _type_name(value) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "a list", dict: "a mapping"}.get(type(value), type(value).__name__)
+
+
+def _fail(path: str, value, tp, extra: str = "") -> typing.NoReturn:
+    raise ConfigError(
+        f"config key '{path}': expected {_describe(tp)}, received {_type_name(value)} "
+        f"{value!r}.{(' ' + extra) if extra else ''}"
+    )
+
+
+def _convert(value, tp, path: str):
+    """Check ``value`` against the annotation ``tp`` and return it in canonical form."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            _fail(path, value, tp)
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, path)
+            except ConfigError as err:
+                errors.append(err)
+        if len(errors) == 1:
+            raise errors[0]
+        # Several alternatives failed: a nested error (bad enum inside a mapping) is
+        # more useful than "expected X or Y".
+        for err in errors:
+            if not str(err).startswith(f"config key '{path}': expected"):
+                raise err
+        _fail(path, value, tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
+            raise ConfigError(
+                f"config key '{path}': {value!r} is not allowed; choose one of "
+                f"{', '.join(repr(a) for a in allowed)}."
+            )
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            _fail(path, value, tp)
+        return _build_dataclass(tp, value, path)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            _fail(path, value, tp)
+        args = typing.get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                _fail(path, value, tp, f"It needs exactly {len(args)} values.")
+            return tuple(_convert(v, a, f"{path}[{i}]") for i, (v, a) in
+                         enumerate(zip(value, args)))
+        item = args[0] if args else Any
+        items = [_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            _fail(path, value, tp)
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            _fail(path, value, tp)
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            _fail(path, value, tp)
+        return value
+    if tp is float:
+        if isinstance(value, bool):
+            _fail(path, value, tp)
+        if isinstance(value, (int, float)):
+            if not math.isfinite(value):
+                _fail(path, value, tp, "It must be finite.")
+            return float(value)
+        # PyYAML reads `1e-4` (no dot) as a string; accept that spelling of a number.
+        if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
+            return float(value)
+        _fail(path, value, tp)
+    if tp is str:
+        if not isinstance(value, str):
+            _fail(path, value, tp)
+        return value
+    raise TypeError(f"unsupported schema annotation {tp!r} at {path}")  # a bug here
+
+
+def _build_dataclass(cls, raw: dict, path: str):
+    if cls is LossConfig:
+        return _build_loss(raw, path)
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    # The loss last: checking it imports TensorFlow, other mistakes are reported first.
+    for key, value in sorted(raw.items(), key=lambda item: item[0] == "loss"):
+        where = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            suggestion = _close_match(str(key), names)
+            raise ConfigError(
+                f"unknown config key '{where}'.{suggestion} Allowed keys"
+                f"{' in ' + repr(path) if path else ''}: {', '.join(names)}."
+            )
+        kwargs[key] = _convert(value, hints[key], where)
+    return cls(**kwargs)
+
+
+def _close_match(key: str, names) -> str:
+    import difflib
+
+    match = difflib.get_close_matches(key, list(names), n=1)
+    return f" Did you mean '{match[0]}'?" if match else ""
+
+
+# ---------------------------------------------------------------------------------------
+# Losses
+# ---------------------------------------------------------------------------------------
+
+_LOSS_BASE_ARGS = ("self", "reduction", "name", "dtype")
+
+
+def loss_classes() -> dict[str, type]:
+    """The loss classes :mod:`tfaploss.losses` exports, by name."""
+    import keras
+
+    from tfaploss import losses
+
+    names = getattr(losses, "__all__", dir(losses))
+    found = {}
+    for name in names:
+        obj = getattr(losses, name, None)
+        if (inspect.isclass(obj) and issubclass(obj, keras.losses.Loss)
+                and not inspect.isabstract(obj) and name != "RetrievalLoss"):
+            found[name] = obj
+    return found
+
+
+def loss_class(name: str, path: str = "loss.name") -> type:
+    """The class ``tfaploss.losses.<name>``, or a ConfigError listing what exists."""
+    classes = loss_classes()
+    if name not in classes:
+        raise ConfigError(
+            f"config key '{path}': {name!r} is not a loss of tfaploss.losses."
+            f"{_close_match(name, classes)} Available: "
+            f"{', '.join(sorted(classes)) or '(none yet)'}."
+        )
+    return classes[name]
+
+
+def loss_parameters(cls: type) -> dict[str, inspect.Parameter]:
+    """Constructor arguments a config may set for the loss class ``cls``."""
+    params = {}
+    for klass in inspect.getmro(cls):
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        signature = inspect.signature(init)
+        for name, param in signature.parameters.items():
+            if name in _LOSS_BASE_ARGS or param.kind in (param.VAR_POSITIONAL,
+                                                         param.VAR_KEYWORD):
+                continue
+            params.setdefault(name, param)
+        # Stop at the first __init__ that does not forward **kwargs to its parent.
+        if not any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values()):
+            break
+    return params
+
+
+def _build_loss(raw: dict, path: str) -> LossConfig:
+    if not isinstance(raw, dict):
+        _fail(path, raw, dict)
+    raw = dict(raw)
+    if "name" not in raw:
+        raise ConfigError(
+            f"config key '{path}.name' is missing: name a loss class of tfaploss.losses "
+            f"(available: {', '.join(sorted(loss_classes())) or '(none yet)'})."
+        )
+    name = _convert(raw.pop("name"), str, f"{path}.name")
+    if "kwargs" in raw and isinstance(raw["kwargs"], dict) and len(raw) == 1:
+        raw = dict(raw["kwargs"])  # also accept {name: X, kwargs: {...}}
+    cls = loss_class(name, f"{path}.name")
+    params = loss_parameters(cls)
+    kwargs = {}
+    for key, value in raw.items():
+        where = f"{path}.{key}"
+        if key not in params:
+            raise ConfigError(
+                f"unknown config key '{where}': {name} has no argument {key!r}."
+                f"{_close_match(str(key), params)} Allowed: {', '.join(params) or '(none)'}."
+            )
+        default = params[key].default
+        kwargs[key] = _check_like_default(value, default, params[key].annotation, where)
+    return LossConfig(name=name, kwargs=kwargs)
+
+
+def _check_like_default(value, default, annotation, path):
+    """Type-check a loss argument against its default (annotations are often strings)."""
+    if value is None or default is inspect.Parameter.empty or default is None:
+        return value
+    if isinstance(default, bool):
+        return _convert(value, bool, path)
+    if isinstance(default, int) and not isinstance(value, float):
+        return _convert(value, int, path)
+    if isinstance(default, (int, float)):
+        return _convert(value, float, path)
+    if isinstance(default, str):
+        return _convert(value, str, path)
+    if isinstance(default, (tuple, list)):
+        if not isinstance(value, (list, tuple)) or len(value) != len(default):
+            raise ConfigError(
+                f"config key '{path}': expected a list of {len(default)} values like "
+                f"{list(default)!r}, received {value!r}."
+            )
+        return tuple(_check_like_default(v, d, None, f"{path}[{i}]")
+                     for i, (v, d) in enumerate(zip(value, default)))
+    return value
+
+
+# ---------------------------------------------------------------------------------------
+# Cross-field checks
+# ---------------------------------------------------------------------------------------
+
+
+def _check_consistency(cfg: Config) -> list[str]:
+    """Raise on settings that would be ignored; return notes worth telling the user."""
+    notes = []
+    data, opt, train = cfg.data, cfg.optimizer, cfg.training
+
+    for key in ("batch_size", "m"):
+        if getattr(data, key) < 1:
+            raise ConfigError(f"config key 'data.{key}': must be >= 1, received "
+                              f"{getattr(data, key)}.")
+    if data.m < 2:
+        raise ConfigError(
+            f"config key 'data.m': {data.m} image per class gives no positive pairs; an "
+            "AP loss needs m >= 2 images of each class in a batch.")
+    if data.sampler in ("m_per_class", "hierarchical") and data.batch_size % data.m:
+        raise ConfigError(
+            f"config key 'data.batch_size': {data.batch_size} is not a multiple of "
+            f"data.m={data.m}; the {data.sampler} sampler draws batch_size/m classes of "
+            f"m images. Use e.g. {data.batch_size - data.batch_size % data.m or data.m}.")
+    if data.sampler == "hierarchical" and data.batch_size % (2 * data.m):
+        raise ConfigError(
+            f"config key 'data.batch_size': the hierarchical sampler splits a batch "
+            f"between two super-classes of whole classes, so batch_size must be a "
+            f"multiple of 2*m={2 * data.m}; received {data.batch_size}.")
+    for key in ("image_size", "test_image_size"):
+        size = getattr(data, key)
+        if isinstance(size, int) and size < 8:
+            raise ConfigError(f"config key 'data.{key}': {size!r} is too small (>= 8).")
+
+    aug = data.augmentation
+    if aug.scale is not None:
+        if aug.crop != "random_resized_crop":
+            raise ConfigError(
+                "config key 'data.augmentation.scale' is only used by crop "
+                f"'random_resized_crop', but crop is {aug.crop!r}; remove it.")
+        if not 0 < aug.scale[0] <= aug.scale[1] <= 1:
+            raise ConfigError("config key 'data.augmentation.scale': needs 0 < low <= high "
+                              f"<= 1, received {list(aug.scale)}.")
+
+    if cfg.model.embedding_dim < 1:
+        raise ConfigError("config key 'model.embedding_dim': must be >= 1, received "
+                          f"{cfg.model.embedding_dim}.")
+    if cfg.model.head_lr_multiplier <= 0:
+        raise ConfigError("config key 'model.head_lr_multiplier': must be > 0, received "
+                          f"{cfg.model.head_lr_multiplier}.")
+    if cfg.model.bn_calibration_images < 0:
+        raise ConfigError("config key 'model.bn_calibration_images': must be >= 0, received "
+                          f"{cfg.model.bn_calibration_images}.")
+    if cfg.model.bn_calibration_images and not cfg.model.freeze_bn:
+        raise ConfigError(
+            "config key 'model.bn_calibration_images' only sets the statistics of frozen "
+            "BatchNorm layers, but model.freeze_bn is false (the statistics then follow "
+            "each batch); remove it or set model.freeze_bn: true.")
+    if cfg.model.backbone == "small_cnn" and cfg.model.weights == "imagenet":
+        raise ConfigError("config key 'model.weights': the small_cnn backbone has no "
+                          "ImageNet weights; use null or a file path.")
+
+    if opt.lr <= 0:
+        raise ConfigError(f"config key 'optimizer.lr': must be > 0, received {opt.lr}.")
+    if opt.weight_decay < 0:
+        raise ConfigError("config key 'optimizer.weight_decay': must be >= 0, received "
+                          f"{opt.weight_decay}.")
+    for name, keys in OPTIMIZER_PARAMS.items():
+        if name == opt.name:
+            continue
+        for key in keys:
+            if key not in OPTIMIZER_PARAMS[opt.name] and getattr(opt, key) is not None:
+                users = [n for n, k in OPTIMIZER_PARAMS.items() if key in k]
+                raise ConfigError(
+                    f"config key 'optimizer.{key}' is only used by optimizer "
+                    f"{' / '.join(users)}, but optimizer.name is {opt.name!r}; remove it "
+                    f"or change the optimizer.")
+
+    sched = opt.schedule
+    used = SCHEDULE_PARAMS[sched.name]
+    for key in ("end_lr", "step_epochs", "gamma"):
+        if getattr(sched, key) is not None and key not in used:
+            raise ConfigError(
+                f"config key 'optimizer.schedule.{key}' is not used by the "
+                f"{sched.name!r} schedule (it takes: {', '.join(used) or 'no parameters'}); "
+                "remove it or change optimizer.schedule.name.")
+    if sched.name == "step":
+        if not sched.step_epochs:
+            raise ConfigError("config key 'optimizer.schedule.step_epochs' is required by "
+                              "the 'step' schedule (e.g. [30, 70]).")
+        if sorted(sched.step_epochs) != list(sched.step_epochs) or min(sched.step_epochs) < 1:
+            raise ConfigError("config key 'optimizer.schedule.step_epochs': needs increasing "
+                              f"epochs >= 1, received {sched.step_epochs}.")
+        if max(sched.step_epochs) >= train.epochs:
+            notes.append(
+                f"optimizer.schedule.step_epochs={sched.step_epochs} reaches past "
+                f"training.epochs={train.epochs}: those steps never happen.")
+        if sched.gamma is None:
+            raise ConfigError("config key 'optimizer.schedule.gamma' is required by the "
+                              "'step' schedule (the factor applied at each step, e.g. 0.1).")
+    if sched.end_lr is not None and sched.end_lr < 0:
+        raise ConfigError(f"config key 'optimizer.schedule.end_lr': must be >= 0, received "
+                          f"{sched.end_lr}.")
+    if opt.warmup_epochs < 0 or (opt.warmup_epochs and opt.warmup_epochs >= train.epochs):
+        raise ConfigError(
+            f"config key 'optimizer.warmup_epochs': {opt.warmup_epochs} must be >= 0 "
+            f"and shorter than training.epochs={train.epochs}.")
+
+    if train.epochs < 1:
+        raise ConfigError(f"config key 'training.epochs': must be >= 1, received "
+                          f"{train.epochs}.")
+    if train.steps_per_epoch is not None and train.steps_per_epoch < 1:
+        raise ConfigError("config key 'training.steps_per_epoch': must be >= 1 or null, "
+                          f"received {train.steps_per_epoch}.")
+    if train.chunk_size is not None:
+        if train.chunk_size < 1:
+            raise ConfigError("config key 'training.chunk_size': must be >= 1 or null, "
+                              f"received {train.chunk_size}.")
+        if train.chunk_size >= data.batch_size:
+            notes.append(
+                f"training.chunk_size={train.chunk_size} >= data.batch_size="
+                f"{data.batch_size}: multi-stage backpropagation is off, each batch is "
+                "one ordinary forward/backward pass.")
+    xbm = train.xbm
+    if xbm.size < 0:
+        raise ConfigError(f"config key 'training.xbm.size': must be >= 0, received {xbm.size}.")
+    if xbm.size == 0 and xbm.weight != 1.0:
+        raise ConfigError(
+            "config key 'training.xbm.weight' is set but training.xbm.size is 0 (no "
+            "memory), so it would be ignored; set a size or remove it.")
+
+    ev = cfg.evaluation
+    if any(k < 1 for k in ev.ks) or not ev.ks:
+        raise ConfigError(f"config key 'evaluation.ks': needs ranks >= 1, received {ev.ks}.")
+    if ev.every_n_epochs < 0:
+        raise ConfigError("config key 'evaluation.every_n_epochs': must be >= 0, received "
+                          f"{ev.every_n_epochs}.")
+    if data.test is None and (ev.every_n_epochs > 0):
+        notes.append("evaluation.every_n_epochs is set but data.test is null: no "
+                     "evaluation will run during training.")
+    if ev.max_images is not None and ev.max_images < 2:
+        raise ConfigError("config key 'evaluation.max_images': must be >= 2 or null, "
+                          f"received {ev.max_images}.")
+    return notes
+
+
+# ---------------------------------------------------------------------------------------
+# Loading and overrides
+# ---------------------------------------------------------------------------------------
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"optimizer.lr=1e-5"`` → (["optimizer", "lr"], 1e-05); the value is YAML."""
+    if "=" not in text:
+        raise ConfigError(
+            f"--set {text!r}: expected KEY=VALUE with a dotted key, e.g. "
+            "--set optimizer.lr=1e-5 or --set evaluation.ks=[1,10]")
+    key, _, value = text.partition("=")
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set {text!r}: the key {key!r} is not a dotted key like "
+                          "'training.epochs'.")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--set {text!r}: the value is not valid YAML ({err}).") from None
+    return key.split("."), parsed
+
+
+def apply_overrides(raw: dict, overrides) -> dict:
+    """Apply ``dotted.key=value`` strings to a raw config dict (a deep copy is returned)."""
+    import copy
+
+    raw = copy.deepcopy(raw) if raw else {}
+    for text in overrides or ():
+        keys, value = parse_override(text)
+        node = raw
+        for i, key in enumerate(keys[:-1]):
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+            elif isinstance(child, str) and key == "schedule":
+                child = node[key] = {"name": child}
+            elif not isinstance(child, dict):
+                raise ConfigError(
+                    f"--set {text!r}: '{'.'.join(keys[:i + 1])}' holds {child!r}, not a "
+                    "section, so it has no key "
+                    f"{keys[i + 1]!r}.")
+            node = child
+        node[keys[-1]] = value
+    return raw
+
+
+def _normalise_raw(raw: dict) -> dict:
+    opt = raw.get("optimizer")
+    if isinstance(opt, dict) and isinstance(opt.get("schedule"), str):
+        opt = raw["optimizer"] = dict(opt)
+        opt["schedule"] = {"name": opt["schedule"]}
+    return raw
+
+
+def config_from_dict(raw: dict | None, overrides=None, *, warn: bool = True) -> Config:
+    """Validate a raw dict (as read from YAML) plus overrides into a :class:`Config`."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a run configuration must be a mapping of sections "
+                          f"({', '.join(f.name for f in dataclasses.fields(Config))}); "
+                          f"received {_type_name(raw)}.")
+    raw = _normalise_raw(apply_overrides(raw, overrides))
+    raw.setdefault("loss", {"name": LossConfig.name})  # validate the default loss too
+    cfg = _build_dataclass(Config, raw, "")
+    for note in _check_consistency(cfg):
+        if warn:
+            warnings.warn(note, ConfigWarning, stacklevel=3)
+    return cfg
+
+
+def load_config(path: str | Path, overrides=None, *, warn: bool = True) -> Config:
+    """Read a YAML run configuration (``yaml.safe_load``), apply overrides, validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist (see configs/ for "
+                          "the recipes).")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+    try:
+        return config_from_dict(raw, overrides, warn=warn)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+
+
+def config_notes(cfg: Config) -> list[str]:
+    """The non-fatal remarks validation makes about ``cfg`` (see :class:`ConfigWarning`)."""
+    return _check_consistency(cfg)
