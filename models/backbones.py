@@ -50,7 +50,7 @@ def resolve_imagenet_weights(backbone: str) -> str:
         f"cache ({keras_cache_dir()}), and tfaploss never downloads weights. Fetch it on "
         f"a machine with network access from {KERAS_WEIGHTS_BASE_URL}{file_name} and "
         "either put it in that cache directory (or $KERAS_HOME/models) or pass its path "
-        "as weights='/path/to/" + file_name + "'. Use weights=None for random weights."
+        f"as weights='path/to/{file_name}'. Use weights=None for random weights."
     )
 
 

@@ -82,18 +82,18 @@ def test_bad_bytes_get_a_code(data, code):
     assert info.value.code == code
 
 
-def test_size_sanity_limits():
+def test_size_sanity_limits(tmp_path):
     data = _bytes(Image.new("RGB", (40, 3)))
     with pytest.raises(T.ImageError, match="too_small: 40x3 is below --min_side=4"):
         T.process_image_bytes(data, min_side=4)
     with pytest.raises(T.ImageError, match="too_large"):
         T.process_image_bytes(data, max_pixels=100)
     with pytest.raises(T.ImageError, match="missing_file"):
-        T.read_bytes("/nonexistent/dir/x.jpg")
+        T.read_bytes(str(tmp_path / "nonexistent" / "x.jpg"))
 
 
 def test_hand_written_example_parses_in_tensorflow():
-    record = {"id": "a/b", "path": "/x/a/b.jpg", "relpath": "a/b.jpg", "index": 7, "label": 3,
+    record = {"id": "a/b", "path": "images/a/b.jpg", "relpath": "a/b.jpg", "index": 7, "label": 3,
               "super_label": -1, "class_text": "n01", "bbox": [1.5, 2.0, 3.25, 300.0]}
     raw = T.image_example(record, b"\xff\xd8jpeg", 300, 2**40)
     ex = tf.train.Example.FromString(raw)
