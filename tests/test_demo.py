@@ -35,3 +35,14 @@ def test_quick_demo_improves_recall_on_unseen_digits(tmp_path, capsys):
     assert (out / "evaluation" / "metrics.json").is_file()
     assert list((out / "evaluation").glob("*.png"))
     assert list((out / "saved_model").glob("*/saved_model.pb"))
+
+
+def test_demo_refuses_to_replace_a_folder_it_did_not_write(tmp_path):
+    from tfaploss.demo import run_demo
+
+    precious = tmp_path / "my_photos"
+    precious.mkdir()
+    (precious / "holiday.jpg").write_bytes(b"not the demo's")
+    with pytest.raises(SystemExit, match="not written by the demo"):
+        run_demo(out=str(precious), quick=True)
+    assert (precious / "holiday.jpg").read_bytes() == b"not the demo's"

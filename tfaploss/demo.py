@@ -96,6 +96,27 @@ def _metrics_row(metrics: dict) -> dict:
     return {k: metrics[k] for k in ("recall@1", "map@r", "map") if k in metrics}
 
 
+_MARKER = ".tfaploss-demo"
+
+
+def _prepare_output_dir(out: Path) -> None:
+    """Empty ``out`` for a new run, but only if an earlier demo made it (or it is empty).
+
+    The folder is replaced on every run, so a mistyped ``--out`` pointing at the user's
+    own files must not be wiped: anything without the demo's marker file is refused.
+    """
+    if out.exists():
+        if not out.is_dir():
+            raise SystemExit(f"tfaploss demo: --out {out} exists and is not a folder")
+        if any(out.iterdir()) and not (out / _MARKER).exists():
+            raise SystemExit(
+                f"tfaploss demo: --out {out} is not empty and was not written by the demo; "
+                "refusing to replace it. Pick a new or empty folder.")
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    (out / _MARKER).write_text("written by `tfaploss demo`; the demo replaces this folder\n")
+
+
 def run_demo(out: str = "demo_output", quick: bool = False, steps: int | None = None) -> int:
     """Run the demo into ``out``; returns 0 on success (any failure raises)."""
     import numpy as np
@@ -103,9 +124,7 @@ def run_demo(out: str = "demo_output", quick: bool = False, steps: int | None = 
     total = 7
     started = time.time()
     out = Path(out)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    _prepare_output_dir(out)
     timings = {}
 
     print("tfaploss demo: retrieval of handwritten digits never seen in training")
