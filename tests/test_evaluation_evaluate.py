@@ -123,3 +123,13 @@ def test_evaluate_with_query_expansion_excludes_self():
     assert got.metrics == pytest.approx(want)
     assert got.details["query_expansion"] == {"alpha": 2.0, "k": 3}
     assert got.metrics != pytest.approx(evaluate(x, y, ks=(1, 5), verbose=0).metrics)
+
+
+def test_figure_titles_name_the_class_from_a_label_map():
+    from tfaploss.evaluation.evaluator import _label_title
+
+    # A manifest's label_map read from JSON has string keys: test label 0 is digit "6".
+    assert _label_title(np.int64(0), {"0": "6", "1": "7"}) == "class 6"
+    assert _label_title(1, {1: "bicycle"}) == "class bicycle"
+    assert _label_title(5, {"0": "6"}) == "label 5"
+    assert _label_title(2, None) == "label 2"

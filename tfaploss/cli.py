@@ -291,7 +291,7 @@ def _evaluate_fn():
 
 
 def cmd_evaluate(args) -> int:
-    from tfaploss.data import make_eval_dataset
+    from tfaploss.data import make_eval_dataset, read_manifest
 
     model, model_size = load_any_model(args.model)
     if args.image_size in (None, ""):
@@ -324,8 +324,10 @@ def cmd_evaluate(args) -> int:
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.model)),
                                    "eval_" + os.path.basename(os.path.normpath(args.data)))
     evaluate = _evaluate_fn()
+    label_names = (read_manifest(args.data) or {}).get("label_map")
     result = evaluate(model, database, protocol=args.protocol, query=query, gnd=args.gnd,
-                      ks=ks, backend=args.backend, output_dir=out, verbose=1)
+                      ks=ks, backend=args.backend, output_dir=out, label_names=label_names,
+                      verbose=1)
     print(f"\nWrote {os.path.join(out, 'metrics.json')}"
           + (f" and {len(result.figures)} figure(s)" if result.figures else ""))
     return 0

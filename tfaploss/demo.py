@@ -206,7 +206,7 @@ def run_demo(out: str = "demo_output", quick: bool = False, steps: int | None = 
     result = _evaluate_fn()(model, B.build_eval_dataset(cfg, cfg.data.test),
                             protocol="retrieval", ks=cfg.evaluation.ks,
                             backend=cfg.evaluation.backend, output_dir=str(evaluation_dir),
-                            verbose=0)
+                            label_names=manifests["test"]["label_map"], verbose=0)
     timings["evaluate_after"] = time.time() - t
     for path in result.figures:
         print(f"  figure: {path}")

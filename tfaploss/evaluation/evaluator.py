@@ -215,7 +215,7 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
              qe_k: int = 10, whitening=None, depth: int | None = None,
              output_dir: str | None = None,
              figures: bool = True, num_examples: int = 6, examples_k: int = 5,
-             verbose: int = 1, **searcher_kwargs) -> EvaluationResult:
+             label_names=None, verbose: int = 1, **searcher_kwargs) -> EvaluationResult:
     """Evaluate retrieval and return an :class:`EvaluationResult`.
 
     Args:
@@ -242,6 +242,8 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
       output_dir: where to write ``metrics.json`` and the figures.
       figures: write figures into ``output_dir`` (retrieval examples when a dataset
         of images was given; per-query AP for revisited).
+      label_names: optional mapping label -> class name shown in the figures (e.g. a
+        split manifest's ``label_map``).
       verbose: progress bars and the table printed at the end.
     """
     if protocol not in PROTOCOLS:
@@ -293,7 +295,7 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
         if output_dir and figures and model is not None and _is_dataset(dataset):
             figure_paths.append(_retrieval_figure(
                 searcher, db, db_labels, q, q_labels, dataset, query, output_dir,
-                num_examples, examples_k))
+                num_examples, examples_k, label_names))
         details.pop("per_query", None)
     details["query_expansion"] = ({"alpha": qe_alpha, "k": qe_k} if query_expansion else None)
     details["whitening"] = whitening is not None
@@ -397,7 +399,7 @@ def _gather_images(dataset, wanted: np.ndarray) -> dict[int, np.ndarray]:
 
 
 def _retrieval_figure(searcher, db, db_labels, q, q_labels, dataset, query, output_dir,
-                      num_examples, k):
+                      num_examples, k, label_names=None):
     from tfaploss.evaluation.figures import plot_retrieval_examples
 
     self_mode = query is None
@@ -415,4 +417,14 @@ def _retrieval_figure(searcher, db, db_labels, q, q_labels, dataset, query, outp
     return plot_retrieval_examples(
         [q_imgs[int(i)] for i in chosen],
         [[db_imgs[int(j)] for j in row] for row in idx], rel, path, scores=scores,
-        query_titles=[f"query {int(i)} (label {qlab[i]})" for i in chosen])
+        query_titles=[f"query {int(i)} ({_label_title(qlab[i], label_names)})"
+                      for i in chosen])
+
+
+def _label_title(label, label_names) -> str:
+    """``class NAME`` from a label map (JSON keys are strings), else ``label N``."""
+    if label_names:
+        name = label_names.get(int(label), label_names.get(str(int(label))))
+        if name is not None:
+            return f"class {name}"
+    return f"label {label}"
