@@ -24,7 +24,7 @@ class CandidateMinusPositiveScore(RetrievalLoss):
     Linear in the scores, so its value and gradient are easy to derive by hand.
     """
 
-    def per_query(self, scores, positives, candidates):
+    def per_query(self, scores, positives, candidates, self_pairs=None):
         p = ops.cast(positives, scores.dtype)
         c = ops.cast(candidates, scores.dtype)
         n_p = ops.sum(p, axis=1)

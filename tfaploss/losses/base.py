@@ -16,7 +16,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from tfaploss.ops.masks import label_masks, pairwise_scores
+from tfaploss.ops.masks import label_masks, pairwise_scores, self_pair_mask
 
 # Label ids above 2**24 are not exact in float32, the dtype Keras gives a loss's y_true.
 _NARROW_FLOATS = ("float16", "bfloat16")
@@ -117,8 +117,10 @@ class RetrievalLoss(keras.losses.Loss):
 
     Subclasses override :meth:`per_query` (or :meth:`loss_from_scores` for losses that
     do not decompose per query) and extend :meth:`get_config`; distance-based losses
-    override :meth:`pairwise`. :meth:`other_positive_counts` tells, inside
-    ``per_query``, how many positives a query has besides itself.
+    override :meth:`pairwise`. ``per_query`` also receives ``self_pairs``: the (Q, N)
+    mask of each query paired with itself when the batch is ranked against itself with
+    ``include_self=True``, else None; :meth:`other_positive_counts` uses it to count the
+    positives a query has besides itself.
     """
 
     def __init__(
@@ -138,7 +140,6 @@ class RetrievalLoss(keras.losses.Loss):
             )
         self.normalize = bool(normalize)
         self.include_self = bool(include_self)
-        self._self_ranked = False
 
     # -- Keras entry points -------------------------------------------------------
 
@@ -163,12 +164,8 @@ class RetrievalLoss(keras.losses.Loss):
         labels = check_labels(y_true)
         scores = self.pairwise(y_pred, y_pred)
         positives, candidates = label_masks(labels, labels, exclude_self=not self.include_self)
-        # Read by `other_positive_counts` while the subclass's code runs (or is traced).
-        self._self_ranked = self.include_self
-        try:
-            return self.loss_from_scores(scores, positives, candidates)
-        finally:
-            self._self_ranked = False
+        self_pairs = self_pair_mask(tf.shape(labels)[0]) if self.include_self else None
+        return self.loss_from_scores(scores, positives, candidates, self_pairs)
 
     def query_database_loss(self, query_labels, query_embeddings, db_labels, db_embeddings,
                             candidates=None):
@@ -199,21 +196,31 @@ class RetrievalLoss(keras.losses.Loss):
         """
         return pairwise_scores(queries, database, normalize=self.normalize)
 
-    def other_positive_counts(self, positives):
+    @staticmethod
+    def without_self_pairs(mask, self_pairs=None):
+        """A (Q, N) ``mask`` without each query's pairing with itself (when it is ranked)."""
+        if self_pairs is None:
+            return mask
+        return ops.logical_and(mask, ops.logical_not(self_pairs))
+
+    @staticmethod
+    def other_positive_counts(positives, self_pairs=None):
         """Per query, the number of positives other than the query itself, shape (Q,).
 
         With ``include_self=True`` a query ranked against its own batch is its own
         positive; that one does not make the query informative, so losses use this
         count (> 0) to decide which queries enter the mean.
         """
-        counts = ops.sum(ops.cast(positives, "int32"), axis=-1)
-        if getattr(self, "_self_ranked", False):
-            counts = counts - 1
-        return counts
+        others = RetrievalLoss.without_self_pairs(positives, self_pairs)
+        return ops.sum(ops.cast(others, "int32"), axis=-1)
 
-    def loss_from_scores(self, scores, positives, candidates):
-        """Batch loss from a (Q, N) score matrix and its boolean masks."""
-        values, weights = self.per_query(scores, positives, candidates)
+    def loss_from_scores(self, scores, positives, candidates, self_pairs=None):
+        """Batch loss from a (Q, N) score matrix and its boolean masks.
+
+        ``self_pairs``: the (Q, N) mask of queries paired with themselves, when they
+        are ranked (batch against itself, ``include_self=True``); else None.
+        """
+        values, weights = self.per_query(scores, positives, candidates, self_pairs)
         weights = ops.cast(weights, values.dtype)
         total = ops.sum(weights)
         has_queries = _warn_once_without_positives(total > 0)
@@ -222,7 +229,7 @@ class RetrievalLoss(keras.losses.Loss):
         return ops.where(has_queries, ops.sum(weights * values) / safe_total,
                          ops.zeros_like(total))
 
-    def per_query(self, scores, positives, candidates):
+    def per_query(self, scores, positives, candidates, self_pairs=None):
         """Per-query loss values (Q,) and weights (Q,); weight 0 leaves a query out."""
         raise NotImplementedError(f"{type(self).__name__} must implement per_query")
 

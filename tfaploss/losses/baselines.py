@@ -109,13 +109,13 @@ class ContrastiveLoss(_DistanceLoss):
                          reduction=reduction, name=name, dtype=dtype)
         self.margin = float(margin)
 
-    def per_query(self, scores, positives, candidates):
+    def per_query(self, scores, positives, candidates, self_pairs=None):
         d = _distances(scores)
         pair = ops.where(positives, ops.square(d), ops.square(ops.relu(self.margin - d)))
         cand = ops.cast(candidates, d.dtype)
         n_cand = ops.sum(cand, axis=-1)
         values = ops.sum(pair * cand, axis=-1) / ops.maximum(n_cand, 1.0)
-        has_positive = ops.cast(self.other_positive_counts(positives) > 0, d.dtype)
+        has_positive = ops.cast(self.other_positive_counts(positives, self_pairs) > 0, d.dtype)
         return values, n_cand * has_positive
 
     def get_config(self):
@@ -162,14 +162,12 @@ class TripletLoss(_DistanceLoss):
         self.margin = float(margin)
         self.mining = mining
 
-    def per_query(self, scores, positives, candidates):
+    def per_query(self, scores, positives, candidates, self_pairs=None):
         d = _distances(scores)
         dtype = d.dtype
         negatives = ops.logical_and(candidates, ops.logical_not(positives))
-        if getattr(self, "_self_ranked", False):
-            # A query ranked against itself is no positive of its own triplets.
-            eye = ops.cast(ops.eye(ops.shape(d)[0], ops.shape(d)[1]), "bool")
-            positives = ops.logical_and(positives, ops.logical_not(eye))
+        # A query ranked against itself is no positive of its own triplets.
+        positives = self.without_self_pairs(positives, self_pairs)
         n_pos = ops.sum(ops.cast(positives, dtype), axis=-1)
         n_neg = ops.sum(ops.cast(negatives, dtype), axis=-1)
         valid = ops.cast(ops.logical_and(n_pos > 0, n_neg > 0), dtype)

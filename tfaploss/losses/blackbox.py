@@ -55,14 +55,14 @@ class BlackBoxAPLoss(RetrievalLoss):
         self.seed = seed
         self._seed_generator = keras.random.SeedGenerator(seed) if self.margin else None
 
-    def per_query(self, scores, positives, candidates):
+    def per_query(self, scores, positives, candidates, self_pairs=None):
         noise = None
         if self.margin:
             noise = ops.abs(keras.random.normal(ops.shape(scores), dtype=scores.dtype,
                                                 seed=self._seed_generator))
         ap = blackbox_ap(scores, positives, candidates, lambda_=self.lambda_,
                          margin=self.margin, noise=noise)
-        weights = ops.cast(self.other_positive_counts(positives) > 0, ap.dtype)
+        weights = ops.cast(self.other_positive_counts(positives, self_pairs) > 0, ap.dtype)
         # Without a negative the exact AP is 1 whatever the order; the black-box
         # gradient (and the original's 1e-5) would not be 0 there.
         has_negative = ops.any(ops.logical_and(candidates, ops.logical_not(positives)), axis=-1)

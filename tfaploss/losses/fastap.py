@@ -41,9 +41,9 @@ class FastAPLoss(RetrievalLoss):
             raise ValueError(f"num_bins must be an integer >= 1; received num_bins={num_bins!r}.")
         self.num_bins = int(num_bins)
 
-    def per_query(self, scores, positives, candidates):
+    def per_query(self, scores, positives, candidates, self_pairs=None):
         ap = fastap(scores, positives, candidates, self.num_bins)
-        weights = ops.cast(self.other_positive_counts(positives) > 0, ap.dtype)
+        weights = ops.cast(self.other_positive_counts(positives, self_pairs) > 0, ap.dtype)
         return 1.0 - ap, weights
 
     def get_config(self):

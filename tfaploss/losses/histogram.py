@@ -55,18 +55,18 @@ class APLoss(RetrievalLoss):
         """Per-query AP estimate, shape (Q,)."""
         return histogram_ap(scores, positives, candidates, self.num_bins, self.score_range)
 
-    def query_weights(self, positives, dtype):
+    def query_weights(self, positives, dtype, self_pairs=None):
         """``[query has a positive]``, divided by its class size when class-balanced."""
-        others = self.other_positive_counts(positives)
+        others = self.other_positive_counts(positives, self_pairs)
         has_positive = ops.cast(others > 0, dtype)
         if not self.class_balanced:
             return has_positive
         class_size = ops.cast(others + 1, dtype)  # the query itself counted once
         return has_positive / class_size
 
-    def per_query(self, scores, positives, candidates):
+    def per_query(self, scores, positives, candidates, self_pairs=None):
         ap = self.query_ap(scores, positives, candidates)
-        return 1.0 - ap, self.query_weights(positives, ap.dtype)
+        return 1.0 - ap, self.query_weights(positives, ap.dtype, self_pairs)
 
     def get_config(self):
         config = super().get_config()

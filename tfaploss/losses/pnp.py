@@ -54,11 +54,11 @@ class PNPLoss(RetrievalLoss):
         self.b, self.alpha, self.temperature = float(b), float(alpha), float(temperature)
         self.pairs_per_block = pairs_per_block
 
-    def per_query(self, scores, positives, candidates):
+    def per_query(self, scores, positives, candidates, self_pairs=None):
         values, _ = pnp_per_query(scores, positives, candidates, self.variant, self.b,
                                   self.alpha, self.temperature, self.pairs_per_block)
         # A query needs a positive other than itself (the original drops the others).
-        return values, tf.cast(self.other_positive_counts(positives) > 0, values.dtype)
+        return values, tf.cast(self.other_positive_counts(positives, self_pairs) > 0, values.dtype)
 
     def get_config(self):
         config = super().get_config()

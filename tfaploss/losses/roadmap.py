@@ -58,7 +58,7 @@ class CalibrationLoss(RetrievalLoss):
         self.pos_margin, self.neg_margin, self.averaging = _check_margins(
             "CalibrationLoss", pos_margin, neg_margin, averaging)
 
-    def per_query(self, scores, positives, candidates):
+    def per_query(self, scores, positives, candidates, self_pairs=None):
         # The code's reduction runs over pairs, not queries: every query carries the
         # batch value, so the base's weighted mean returns it (and still applies the
         # no-positive-pair rule).
@@ -117,16 +117,12 @@ class ROADMAPLoss(RetrievalLoss):
             "ROADMAPLoss", pos_margin, neg_margin, averaging)
         self.pairs_per_block = pairs_per_block
 
-    def per_query(self, scores, positives, candidates):
+    def per_query(self, scores, positives, candidates, self_pairs=None):
         ap, counts = sup_ap_per_query(scores, positives, candidates, self.temperature,
                                       self.rho, self.delta, self.start, self.offset,
                                       self.pairs_per_block)
         # Calibration runs over pairs i != j: drop the query itself when it is ranked.
-        pair_candidates = tf.cast(candidates, bool)
-        if getattr(self, "_self_ranked", False):  # set by RetrievalLoss.call
-            shape = tf.shape(scores)
-            not_self = tf.logical_not(tf.eye(shape[0], shape[1], dtype=tf.bool))
-            pair_candidates = tf.logical_and(pair_candidates, not_self)
+        pair_candidates = self.without_self_pairs(tf.cast(candidates, bool), self_pairs)
         others = tf.logical_and(tf.cast(positives, bool), pair_candidates)
         calibration = calibration_loss(scores, others, pair_candidates, self.pos_margin,
                                        self.neg_margin, self.averaging)

@@ -25,10 +25,10 @@ class _SmoothRankAPLoss(RetrievalLoss):
     def _ap(self, scores, positives, candidates):
         raise NotImplementedError
 
-    def per_query(self, scores, positives, candidates):
+    def per_query(self, scores, positives, candidates, self_pairs=None):
         ap, counts = self._ap(scores, positives, candidates)
         # `other_positive_counts` leaves out the query itself when it is ranked.
-        any_pair = tf.reduce_any(self.other_positive_counts(positives) > 0)
+        any_pair = tf.reduce_any(self.other_positive_counts(positives, self_pairs) > 0)
         weights = tf.cast(counts > 0, ap.dtype) * tf.cast(any_pair, ap.dtype)
         return 1.0 - ap, weights
 

@@ -23,6 +23,12 @@ def pairwise_scores(queries, database, normalize=True):
     return ops.matmul(queries, ops.transpose(database))
 
 
+def self_pair_mask(n):
+    """The (n, n) boolean mask of each query paired with itself (the diagonal)."""
+    index = tf.range(n)
+    return ops.equal(ops.expand_dims(index, 1), ops.expand_dims(index, 0))
+
+
 def label_masks(query_labels, db_labels, exclude_self=False):
     """Boolean ``positives`` and ``candidates`` masks, shape (Q, N).
 
@@ -35,8 +41,7 @@ def label_masks(query_labels, db_labels, exclude_self=False):
     """
     same = ops.equal(ops.expand_dims(query_labels, 1), ops.expand_dims(db_labels, 0))
     if exclude_self:
-        index = tf.range(tf.shape(query_labels)[0])
-        candidates = ops.not_equal(ops.expand_dims(index, 1), ops.expand_dims(index, 0))
+        candidates = ops.logical_not(self_pair_mask(tf.shape(query_labels)[0]))
     else:
         candidates = ops.ones_like(same, dtype="bool")
     return ops.logical_and(same, candidates), candidates
