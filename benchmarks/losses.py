@@ -1,6 +1,6 @@
 """Time and peak memory of every loss in ``tfaploss.losses``, forward + backward.
 
-Measured as ``../shared/docs/performance-anchors.md`` measures the originals: the loss
+Measured the way the originals were measured for the anchors in the README: the loss
 alone, gradient w.r.t. the embeddings, D=512 float32, labels = classes of 4 images,
 median of ``--repeats`` (>= 5) runs after a warm-up, one fresh process per cell (a
 child forked after the TensorFlow import and before any op ran, so the import is paid

@@ -2,8 +2,8 @@
 
 Two logical CPU devices are configured before TensorFlow initialises its devices, so
 that ``tf.distribute.MirroredStrategy`` tests can run with two replicas on a CPU-only
-machine. Golden numbers from the original implementations live in ``shared/goldens``
-beside the repository root.
+machine. Golden numbers from the original implementations live in ``tests/goldens``
+(see its README).
 """
 
 import json
@@ -27,7 +27,7 @@ except RuntimeError:
     pass
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-GOLDENS_DIR = Path(os.environ.get("TFAPLOSS_GOLDENS", REPO_ROOT.parent / "shared" / "goldens"))
+GOLDENS_DIR = Path(__file__).resolve().parent / "goldens"
 
 
 def load_golden(name: str) -> dict:
@@ -35,8 +35,8 @@ def load_golden(name: str) -> dict:
     path = GOLDENS_DIR / name
     if not path.exists():
         raise FileNotFoundError(
-            f"golden file {name} not found in {GOLDENS_DIR}; the goldens live in "
-            "shared/goldens beside the repository (or set TFAPLOSS_GOLDENS)"
+            f"golden file {name} not found in {GOLDENS_DIR}; it is part of the "
+            "repository (tests/goldens), so the checkout is incomplete"
         )
     with open(path, encoding="utf-8") as f:
         return json.load(f)

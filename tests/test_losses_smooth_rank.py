@@ -1,7 +1,7 @@
 """Smooth-AP and SupAP: goldens from the original code, properties, and the gathered /
 blocked implementation against a dense B×B×B reference.
 
-Golden conventions (shared/goldens/README.md): the references computed the loss on
+Golden conventions (tests/goldens/README.md): the references computed the loss on
 the given (unit-norm) X without re-normalising, so ``normalize=False`` must reproduce
 their full gradient, and our default ``normalize=True`` its tangential part.
 """

@@ -138,28 +138,13 @@ def _add_export(sub):
 
 
 def _add_demo(sub):
+    from tfaploss.demo import DEMO_DESCRIPTION, add_demo_arguments
+
     p = sub.add_parser(
         "demo", formatter_class=_Formatter,
         help="end-to-end demo on scikit-learn's handwritten digits (offline, ~3 min)",
-        description=textwrap.dedent("""\
-            The whole library on real data that ships with scikit-learn (1,797
-            scanned 8x8 digits), offline, in a few minutes on a laptop CPU:
-
-              1. write the digits as PNG files, one folder per class
-              2. run the Beam `folder` job: PNGs -> TFRecords (train: 0-5, test: 6-9)
-              3. evaluate a random small CNN on the unseen digits 6-9 (ScaNN)
-              4. train it with APLoss and multi-stage backpropagation on digits 0-5
-              5. evaluate again: Recall@1, MAP@R, mAP; figures and JSON
-              6. export a SavedModel, reload it with plain TensorFlow and embed a PNG
-              7. print a summary table
-
-            Everything lands in one folder (--out, default ./demo_output)."""))
-    p.add_argument("--out", default="demo_output", metavar="DIR",
-                   help="output folder (default: ./demo_output); replaced if it exists")
-    p.add_argument("--quick", action="store_true",
-                   help="reduced run for CI (fewer training steps)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="total training steps (overrides the default and --quick)")
+        description=DEMO_DESCRIPTION)
+    add_demo_arguments(p)
     p.set_defaults(func=cmd_demo)
 
 
@@ -284,12 +269,6 @@ def load_any_model(path: str):
                      "SavedModel folder")
 
 
-def _evaluate_fn():
-    from tfaploss.evaluation import evaluate
-
-    return evaluate
-
-
 def cmd_evaluate(args) -> int:
     from tfaploss.data import make_eval_dataset, read_manifest
 
@@ -323,7 +302,8 @@ def cmd_evaluate(args) -> int:
         if args.query else None
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.model)),
                                    "eval_" + os.path.basename(os.path.normpath(args.data)))
-    evaluate = _evaluate_fn()
+    from tfaploss.evaluation import evaluate
+
     label_names = (read_manifest(args.data) or {}).get("label_map")
     result = evaluate(model, database, protocol=args.protocol, query=query, gnd=args.gnd,
                       ks=ks, backend=args.backend, output_dir=out, label_names=label_names,

@@ -18,10 +18,12 @@ the demo needs no download. It walks the production path:
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -200,10 +202,10 @@ def run_demo(out: str = "demo_output", quick: bool = False, steps: int | None = 
     model = keras.saving.load_model(summary["model"], compile=False)
     after = measure(model)
     print("  " + ", ".join(f"{k} {v:.3f}" for k, v in _metrics_row(after).items()))
-    from tfaploss.cli import _evaluate_fn
+    from tfaploss.evaluation import evaluate
 
     evaluation_dir = out / "evaluation"
-    result = _evaluate_fn()(model, B.build_eval_dataset(cfg, cfg.data.test),
+    result = evaluate(model, B.build_eval_dataset(cfg, cfg.data.test),
                             protocol="retrieval", ks=cfg.evaluation.ks,
                             backend=cfg.evaluation.backend, output_dir=str(evaluation_dir),
                             label_names=manifests["test"]["label_map"], verbose=0)
@@ -270,10 +272,38 @@ def run_demo(out: str = "demo_output", quick: bool = False, steps: int | None = 
     return 0
 
 
-def main(argv=None) -> int:  # python -m tfaploss.demo
-    from tfaploss.cli import main as cli_main
+DEMO_DESCRIPTION = textwrap.dedent("""\
+    The whole library on real data that ships with scikit-learn (1,797
+    scanned 8x8 digits), offline, in a few minutes on a laptop CPU:
 
-    return cli_main(["demo", *(argv if argv is not None else sys.argv[1:])])
+      1. write the digits as PNG files, one folder per class
+      2. run the Beam `folder` job: PNGs -> TFRecords (train: 0-5, test: 6-9)
+      3. evaluate a random small CNN on the unseen digits 6-9 (ScaNN)
+      4. train it with APLoss and multi-stage backpropagation on digits 0-5
+      5. evaluate again: Recall@1, MAP@R, mAP; figures and JSON
+      6. export a SavedModel, reload it with plain TensorFlow and embed a PNG
+      7. print a summary table
+
+    Everything lands in one folder (--out, default ./demo_output).""")
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's options, shared by ``tfaploss demo`` and ``python -m tfaploss.demo``."""
+    parser.add_argument("--out", default="demo_output", metavar="DIR",
+                        help="output folder (default: ./demo_output); replaced if it exists")
+    parser.add_argument("--quick", action="store_true",
+                        help="reduced run for CI (fewer training steps)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="total training steps (overrides the default and --quick)")
+
+
+def main(argv=None) -> int:  # python -m tfaploss.demo
+    parser = argparse.ArgumentParser(
+        prog="python -m tfaploss.demo", description=DEMO_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_demo_arguments(parser)
+    args = parser.parse_args(argv)
+    return run_demo(out=args.out, quick=args.quick, steps=args.steps)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ a smoothed step function of the score differences ``t = s_ij - s_ik``:
 
 (``P_i`` the query's positives, ``N_i`` its other candidates). Smooth-AP and SupAP
 then take ``AP_i = mean_k (1 + pos_above) / (1 + pos_above + neg_above)``; PNP applies
-its penalty ``f`` to ``neg_above``. See ``docs/losses-math.md`` (shared docs) §3-§5.
+its penalty ``f`` to ``neg_above``. See ``docs/losses.md``.
 
 Memory. The dense form builds a Q x N x N tensor (64 GiB in float32 at B=4096). Here
 only the positive pairs ``(i, k)`` are ranked: they are enumerated in the (Q, N)
