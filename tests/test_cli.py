@@ -1,6 +1,8 @@
 """The ``tfaploss`` command in subprocesses, on tiny generated data.
 
-One module-scoped run covers train -> (killed after epoch 1) -> resume -> evaluate ->
+One module-scoped run covers train -> (killed five times, at five different points:
+inside the checkpoint write, inside the index write, a real SIGKILL mid-epoch, inside
+the model.keras write, during the backup deletion) -> resumed each time -> evaluate ->
 export, because every subprocess pays TensorFlow's import.
 """
 
@@ -8,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,15 +21,38 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-EPOCHS, STEPS = 2, 3
+EPOCHS, STEPS = 4, 2
+ESCAPES = ("\x1b", "\r", "\x08")  # what a progress bar writes into a log
+
+
+def _env(env=None):
+    return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": "",
+            **(env or {})}
 
 
 def tfaploss(*args, env=None, timeout=240):
-    full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": "",
-                **(env or {})}
     return subprocess.run([sys.executable, "-m", "tfaploss.cli", *map(str, args)],
-                          capture_output=True, text=True, cwd=REPO, env=full_env,
+                          capture_output=True, text=True, cwd=REPO, env=_env(env),
                           timeout=timeout)
+
+
+def tfaploss_killed_at(line_start: str, *args, timeout=240):
+    """Run the command and SIGKILL it as soon as it prints a line starting so."""
+    proc = subprocess.Popen([sys.executable, "-m", "tfaploss.cli", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=REPO, env=_env({"PYTHONUNBUFFERED": "1"}))
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith(line_start):
+                proc.send_signal(signal.SIGKILL)
+                break
+        lines.append(proc.communicate(timeout=timeout)[0])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(lines), "")
 
 
 def _write_tree(root: Path, classes: int, per_class: int, seed: int) -> None:
@@ -62,7 +89,7 @@ def workspace(tmp_path_factory):
         "loss": {"name": "APLoss"},
         "optimizer": {"name": "adam", "lr": 1e-3, "schedule": {"name": "linear",
                                                                "end_lr": 0.0}},
-        "training": {"epochs": EPOCHS, "steps_per_epoch": STEPS, "chunk_size": 3},
+        "training": {"epochs": EPOCHS, "steps_per_epoch": STEPS, "chunk_size": 4},
         "evaluation": {"every_n_epochs": 1, "ks": [1, 2], "backend": "exact"},
     }
     path = root / "tiny.yaml"
@@ -95,38 +122,110 @@ def test_unknown_config_key_fails_naming_the_key(tmp_path, workspace, capsys):
     assert "'model.pooling'" in capsys.readouterr().err
 
 
+def _resumed_after(stdout: str) -> int:
+    """Epochs a process found done in the checkpoint it resumed from (0: fresh start)."""
+    match = re.search(r"resuming from its last checkpoint: epoch (\d+) done", stdout)
+    return int(match.group(1)) if match else 0
+
+
+def _epochs_begun(stdout: str) -> list[int]:
+    return [int(k) for k in re.findall(rf"^Epoch (\d+)/{EPOCHS}$", stdout, re.M)]
+
+
+# (fault, what a kill there should cost): the kill points of the resume test.
+KILLS = [
+    ("checkpoint_write:1", 1),  # epoch 1 trained, its checkpoint half-written
+    ("metadata_write:2", 0),    # checkpoint 2 complete, its index half-written
+    ("SIGKILL at 'Epoch 3/4'", None),  # a real signal, mid-epoch 3: 0 or 1
+    ("model_write", 0),         # all epochs done, model.keras half-written
+    ("backup_delete", 0),       # summary written, backup renamed aside, not deleted
+]
+
+
 @pytest.fixture(scope="module")
 def trained_run(workspace):
-    """Train 2 epochs, killed right after epoch 1, then resumed by the same command."""
+    """Train EPOCHS epochs, killed at each point of KILLS and resumed by the same command
+    each time; then the same command once more, in this process, on the finished run."""
     root, config = workspace
     run_dir = root / "run"
-    killed = tfaploss("train", "--config", config, "--quiet",
-                      env={"TFAPLOSS_EXIT_AFTER_EPOCH": "1"})
-    return run_dir, killed, tfaploss("train", "--config", config, "--quiet")
+    runs = []
+    for fault, _ in KILLS:
+        if fault.startswith("SIGKILL"):
+            runs.append(tfaploss_killed_at(f"Epoch 3/{EPOCHS}", "train", "--config", config))
+        else:
+            runs.append(tfaploss("train", "--config", config, env={"TFAPLOSS_FAULT": fault}))
+        if fault.startswith("metadata_write"):
+            # As a crash on a file system without ordered writes can leave it: empty.
+            (run_dir / "backup" / "checkpoint.json").write_bytes(b"")
+    # The same command once more (in this process: the finished run trains nothing).
+    import contextlib
+    import io
+
+    from tfaploss.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["train", "--config", str(config)])
+    runs.append(subprocess.CompletedProcess("in-process", rc, out.getvalue(), err.getvalue()))
+    return run_dir, runs
 
 
-def test_train_killed_after_epoch_one_resumes_and_finishes(trained_run):
-    run_dir, killed, resumed = trained_run
-    assert killed.returncode == 75, killed.stdout + killed.stderr
-    assert "Epoch 1/2" in killed.stdout and "Epoch 2/2" not in killed.stdout
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "resuming from its last checkpoint" in resumed.stdout
-    # The second process ran only the missing epoch.
-    assert "Epoch 2/2" in resumed.stdout and "Epoch 1/2" not in resumed.stdout
+def test_train_killed_anywhere_resumes_and_loses_at_most_one_epoch(trained_run):
+    run_dir, runs = trained_run
+    outputs = [r.stdout + r.stderr for r in runs]
+    for (fault, _), run, out in zip(KILLS, runs, outputs):
+        expected = -signal.SIGKILL if fault.startswith("SIGKILL") else 75
+        assert run.returncode == expected, f"{fault}:\n{out}"
+        if not fault.startswith("SIGKILL"):
+            assert f"TFAPLOSS_FAULT={fault}: simulated kill" in out
+    assert runs[-1].returncode == 0, outputs[-1]
+
+    # Epochs redone after each kill: epochs the killed process began that the next one
+    # had to begin again. At most one per kill, exactly what each kill point allows.
+    starts = [_resumed_after(out) for out in outputs]
+    redone = [sum(1 for k in _epochs_begun(outputs[i]) if k > starts[i + 1])
+              for i in range(len(KILLS))]
+    for (fault, cost), lost in zip(KILLS, redone):
+        assert lost <= 1, (fault, redone)
+        if cost is not None:
+            assert lost == cost, (fault, redone)
+    assert starts[:3] == [0, 0, 2] and starts[4] == EPOCHS
+    began = sum(len(_epochs_begun(out)) for out in outputs)
+    assert began == EPOCHS + sum(redone)
+    # What each resume found and said.
+    assert "removed 1 unfinished file(s)" in outputs[1]          # the torn checkpoint
+    assert "checkpoint.json is unreadable (0 bytes" in outputs[2]  # the emptied index
+    assert "unfinished file(s) a killed run left: .model.tmp-" in outputs[4]
 
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["resumed"] and summary["multistage"] and summary["chunk_size"] == 3
+    assert summary["resumed"] and summary["multistage"] and summary["chunk_size"] == 4
     assert summary["epochs_completed"] == EPOCHS
-    assert [row["epoch"] for row in summary["history"]] == [1, 2]
-    # The optimizer state came back: updates count both processes' batches.
+    assert [row["epoch"] for row in summary["history"]] == list(range(1, EPOCHS + 1))
+    # What an uninterrupted run gives: every update done once, the optimizer state and
+    # the learning-rate schedule carried over every kill.
     assert summary["updates"] == EPOCHS * STEPS
-    # Linear decay to 0 over all 6 updates: lr after update 3 is half, after 6 it is 0.
     lrs = [row["learning_rate"] for row in summary["history"]]
-    assert lrs == pytest.approx([5e-4, 0.0], abs=1e-9)
+    assert lrs == pytest.approx([1e-3 * (1 - e / EPOCHS) for e in range(1, EPOCHS + 1)],
+                                abs=1e-9)
     assert all(0.0 <= row["val_recall@1"] <= 1.0 for row in summary["history"])
     assert set(summary["final_metrics"]) >= {"recall@1", "map@r", "map"}
     assert (run_dir / "model.keras").is_file() and (run_dir / "logs").is_dir()
     assert not (run_dir / "backup").exists()  # removed once training finished
+    leftovers = [p.name for p in run_dir.iterdir() if p.name.startswith(".")]
+    assert leftovers == []  # no temporary file, no half-deleted backup
+
+    # The last command found the run finished: it trained nothing.
+    assert "already holds this finished run" in outputs[-1]
+    assert _epochs_begun(outputs[-1]) == []
+
+
+def test_train_log_holds_no_terminal_escape_codes(trained_run):
+    """stdout is a pipe here, as when redirected to a log: one line per epoch."""
+    _, runs = trained_run
+    for run in runs:
+        for code in ESCAPES:
+            assert code not in run.stdout + run.stderr, repr(code)
+    assert re.search(rf"^{STEPS}/{STEPS} - .*loss: ", runs[1].stdout, re.M)
 
 
 # evaluate and export run through the CLI's entry point in this process: each extra

@@ -48,7 +48,11 @@ def _add_train(sub):
               backup/        checkpoint of the last finished epoch
               summary.json   epochs, steps, timings, final metrics
             A killed run resumes from its last finished epoch when you run the same
-            command again."""),
+            command again: every file is written to a temporary name and renamed into
+            place, so a kill at any moment loses at most the epoch in progress.
+            Training stops (exit status 3) at the first non-finite loss or weight,
+            and nothing non-finite is saved. With stdout not a terminal (a log file),
+            progress is one line per epoch."""),
         epilog=textwrap.dedent("""\
             examples:
               tfaploss train --config configs/demo_digits.yaml   (after `tfaploss demo`)
@@ -62,7 +66,8 @@ def _add_train(sub):
                    help="where checkpoints, logs and the model go (default: the config's "
                         "run_dir)")
     p.add_argument("--quiet", action="store_true",
-                   help="one line per epoch instead of a progress bar")
+                   help="one line per epoch instead of a progress bar (the default when "
+                        "stdout is not a terminal)")
     p.set_defaults(func=cmd_train)
 
 
@@ -77,17 +82,35 @@ def _add_evaluate(sub):
 
             --model: a .keras file (e.g. RUN_DIR/model.keras) or a SavedModel written
             by `tfaploss export` (its version folder or the folder holding versions).
+            Load only models you trust: a SavedModel can run arbitrary graph code.
+            --config instead of --model: the UNTRAINED model `tfaploss train` would
+            start from (same seed, weights and BatchNorm calibration), the baseline to
+            compare a trained model with; --data then defaults to the config's
+            data.test and --ks to its evaluation.ks.
             --data:  a split folder written by a pipelines job (holds manifest.json).
-            Without --query each image of --data queries all the others."""),
+            Without --query each image of --data queries all the others.
+
+            Preprocessing (printed in the header): the shorter side is resized to
+            image_size / 0.875 and the centre image_size square is kept (e.g. 64 px:
+            resize to 73, crop 64), which cuts the borders; --image-size original
+            embeds each image whole, at its own size."""),
         epilog=textwrap.dedent("""\
             examples:
               tfaploss evaluate --model runs/sop/model.keras --data data/sop/test --protocol sop
+              tfaploss evaluate --config configs/demo_digits.yaml   (untrained baseline)
               tfaploss evaluate --model serving/roxf/1 --data data/roxford5k/database \\
                   --query data/roxford5k/queries --gnd data/roxford5k/gnd_roxford5k.json \\
                   --protocol revisited --image-size original"""))
-    p.add_argument("--model", required=True, help=".keras file or exported SavedModel")
-    p.add_argument("--data", required=True, metavar="SPLIT_DIR",
-                   help="database split (TFRecord folder)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help=".keras file or exported SavedModel")
+    source.add_argument("--config", metavar="YAML",
+                        help="evaluate the untrained model `tfaploss train --config YAML` "
+                             "starts from (a baseline)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --config: " + _SET_HELP)
+    p.add_argument("--data", default=None, metavar="SPLIT_DIR",
+                   help="database split (TFRecord folder); with --config, default: its "
+                        "data.test")
     p.add_argument("--protocol", default="retrieval",
                    help="retrieval (default; ks 1,10,100), sop (1,10,100,1000), "
                         "inaturalist (1,4,16,32), cub, cars, revisited / roxford / rparis, "
@@ -99,15 +122,19 @@ def _add_evaluate(sub):
                         "read with a restricted unpickler) or gldv2")
     p.add_argument("--ks", default=None, help="comma-separated cut-offs, e.g. 1,10,100 "
                                               "(default: the protocol's)")
-    p.add_argument("--backend", default="exact", choices=("exact", "scann", "scann_ah"),
-                   help="search backend (scann_ah: approximate, for large databases)")
+    p.add_argument("--backend", default=None, choices=("exact", "scann", "scann_ah"),
+                   help="search backend (default exact, or the config's; scann_ah: "
+                        "approximate, for large databases)")
     p.add_argument("--image-size", default=None,
                    help="side of the centre crop the images are resized to, or 'original' "
                         "(default: the model's input size, else 224)")
     p.add_argument("--batch-size", type=int, default=64, help="images embedded at once")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write metrics.json and figures here (default: eval_<split> "
-                        "beside the model)")
+                        "beside the model; with --config, RUN_DIR/eval_untrained_<split>)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars, only the header and the table (progress bars "
+                        "are also off when stdout is not a terminal)")
     p.set_defaults(func=cmd_evaluate)
 
 
@@ -221,8 +248,13 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, args.set)
     from tfaploss.config.trainer import train
 
-    train(cfg, run_dir=args.run_dir, verbose=2 if args.quiet else "auto")
+    train(cfg, run_dir=args.run_dir, verbose=2 if args.quiet or not _is_terminal() else 1)
     return 0
+
+
+def _is_terminal() -> bool:
+    """Progress bars (carriage returns, colour codes) only on a terminal, never in a log."""
+    return hasattr(sys.stdout, "isatty") and sys.stdout.isatty()
 
 
 def load_any_model(path: str):
@@ -269,45 +301,117 @@ def load_any_model(path: str):
                      "SavedModel folder")
 
 
-def cmd_evaluate(args) -> int:
+def describe_preprocessing(size: int | None) -> str:
+    """How ``make_eval_dataset`` turns a stored image into model input, in words."""
+    if size is None:
+        return ("each image whole, at its own size (no resize, no crop; one image per "
+                "batch)")
+    resize = round(size / 0.875)  # tfaploss.data.center_crop's default resize
+    return (f"shorter side resized to {resize} px, then the centre {size}x{size} px kept: "
+            f"{resize - size} px of the shorter side and more of the longer one are cut "
+            "off at the borders (--image-size original embeds whole images)")
+
+
+def _eval_dataset(path: str, size: int | None, batch: int):
+    """``make_eval_dataset`` with its length set from manifest.json, so progress bars
+    show a total."""
+    import tensorflow as tf
+
     from tfaploss.data import make_eval_dataset, read_manifest
 
-    model, model_size = load_any_model(args.model)
-    if args.image_size in (None, ""):
-        size = model_size or 224
-    elif args.image_size == "original":
-        size = None
-    else:
-        try:
-            size = int(args.image_size)
-        except ValueError:
-            raise SystemExit(f"error: --image-size must be an integer or 'original'; "
-                             f"received {args.image_size!r}") from None
-    batch = args.batch_size if size else 1
-    ks = None
-    if args.ks:
-        try:
-            ks = [int(k) for k in args.ks.split(",") if k.strip()]
-        except ValueError:
-            raise SystemExit(f"error: --ks must be comma-separated integers, e.g. 1,10,100; "
-                             f"received {args.ks!r}") from None
+    dataset = make_eval_dataset(path, image_size=size, batch_size=batch)
+    # Only a split folder's own manifest counts its images (not one for a glob of files).
+    own = os.path.isdir(path) and os.path.isfile(os.path.join(path, "manifest.json"))
+    n = (read_manifest(path) or {}).get("num_images") if own else None
+    if isinstance(n, int) and n > 0:
+        dataset = dataset.apply(tf.data.experimental.assert_cardinality(-(-n // batch)))
+    return dataset, n
+
+
+def _parse_image_size(value, default):
+    if value in (None, ""):
+        return default
+    if value == "original":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"error: --image-size must be an integer or 'original'; "
+                         f"received {value!r}") from None
+
+
+def cmd_evaluate(args) -> int:
+    from tfaploss.data import read_manifest
+
+    if args.set and not args.config:
+        raise SystemExit("error: --set changes a run config; it needs --config")
+    cfg = None
+    if args.config:
+        from tfaploss.config import load_config
+
+        _show_config_warnings()
+        cfg = load_config(args.config, args.set)
+        if args.data is None:
+            if not cfg.data.test:
+                raise SystemExit(f"error: {args.config} has no data.test; give --data")
+            args.data = cfg.data.test
+    elif args.data is None:
+        raise SystemExit("error: --data is required with --model (the split to evaluate)")
 
     for name in ("data", "query"):
         value = getattr(args, name)
         if value is not None and not os.path.exists(value):
             raise SystemExit(f"error: --{name} {value!r} does not exist (a split folder "
                              "written by a pipelines job)")
-    database = make_eval_dataset(args.data, image_size=size, batch_size=batch)
-    query = make_eval_dataset(args.query, image_size=size, batch_size=batch) \
-        if args.query else None
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.model)),
-                                   "eval_" + os.path.basename(os.path.normpath(args.data)))
+    if cfg is not None:
+        from tfaploss.config.trainer import initial_model
+
+        model = initial_model(cfg)
+        size = _parse_image_size(args.image_size, cfg.test_image_size)
+        what = f"the untrained model of {args.config} (what `tfaploss train` starts from)"
+        default_out = os.path.join(cfg.run_dir, "eval_untrained_")
+    else:
+        model, model_size = load_any_model(args.model)
+        size = _parse_image_size(args.image_size, model_size or 224)
+        what = args.model
+        default_out = os.path.join(os.path.dirname(os.path.abspath(args.model)), "eval_")
+    batch = args.batch_size if size else 1
+    ks = cfg.evaluation.ks if cfg is not None else None
+    if args.ks:
+        try:
+            ks = [int(k) for k in args.ks.split(",") if k.strip()]
+        except ValueError:
+            raise SystemExit(f"error: --ks must be comma-separated integers, e.g. 1,10,100; "
+                             f"received {args.ks!r}") from None
+    backend = args.backend or (cfg.evaluation.backend if cfg is not None else "exact")
+
+    database, n_db = _eval_dataset(args.data, size, batch)
+    query, n_q = _eval_dataset(args.query, size, batch) if args.query else (None, None)
+    out = args.out or default_out + os.path.basename(os.path.normpath(args.data))
+    print(f"tfaploss evaluate: {what}")
+    print(f"  data           {args.data}" + (f" ({n_db} images)" if n_db else "")
+          + (f", queries {args.query}" + (f" ({n_q} images)" if n_q else "")
+             if args.query else ", each image queries all the others"))
+    print(f"  protocol       {args.protocol}, {backend} search"
+          + (f", ks {','.join(map(str, ks))}" if ks else ""))
+    print(f"  preprocessing  {describe_preprocessing(size)}", flush=True)
+
+    import tensorflow as tf
+
     from tfaploss.evaluation import evaluate
 
+    progress = not args.quiet and _is_terminal()
     label_names = (read_manifest(args.data) or {}).get("label_map")
-    result = evaluate(model, database, protocol=args.protocol, query=query, gnd=args.gnd,
-                      ks=ks, backend=args.backend, output_dir=out, label_names=label_names,
-                      verbose=1)
+    try:
+        result = evaluate(model, database, protocol=args.protocol, query=query,
+                          gnd=args.gnd, ks=ks, backend=backend, output_dir=out,
+                          label_names=label_names, verbose=1 if progress else 0)
+    except tf.errors.FailedPreconditionError as err:
+        raise SystemExit(f"error: a split holds another number of images than its "
+                         f"manifest.json says ({err.message.splitlines()[0]}); write it "
+                         "again with its pipelines job") from None
+    if not progress:
+        print(result.table())
     print(f"\nWrote {os.path.join(out, 'metrics.json')}"
           + (f" and {len(result.figures)} figure(s)" if result.figures else ""))
     return 0
@@ -357,6 +461,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as err:
+        guards = sys.modules.get("tfaploss.training.guards")  # loaded if training ran
+        if guards is not None and isinstance(err, guards.NonFiniteTrainingError):
+            print(f"error: {err}", file=sys.stderr)
+            return 3
+        raise
 
 
 if __name__ == "__main__":

@@ -163,6 +163,7 @@ def check_data(cfg: Config) -> None:
     if "://" not in cfg.data.train and not Path(cfg.data.train).exists():
         raise ConfigError(f"config key 'data.train': {cfg.data.train!r} does not exist. "
                           "Write it with a pipelines job first (see README: Preparing data).")
+    _check_class_chunks(cfg)
     if cfg.data.sampler == "all_classes":
         manifest = _manifest(cfg.data.train) or {}
         counts = manifest.get("class_counts", {})
@@ -173,6 +174,46 @@ def check_data(cfg: Config) -> None:
                 f"classes with >= m={cfg.data.m} images in every batch, i.e. "
                 f"{eligible * cfg.data.m} images, not {cfg.data.batch_size}; set "
                 f"data.batch_size={eligible * cfg.data.m} or change data.m.")
+
+
+def _largest_chunk(n: int, chunk_size: int) -> int:
+    """Images in the largest by-class record of a class of ``n`` images: the pipelines
+    cut it into ceil(n / chunk_size) balanced chunks (pipelines.transforms.class_chunks)."""
+    return -(-n // max(1, -(-n // chunk_size)))
+
+
+def _check_class_chunks(cfg: Config) -> None:
+    """Refuse a sampler that could never fill a batch from the split's by-class records.
+
+    A sampler draws the m images of a class from ONE record of ``by_class/``, which
+    holds at most ``class_chunk_size`` images; records with fewer than m are skipped. If
+    too few classes have a record of m images, the input pipeline waits forever before
+    the first batch, so this is checked from the manifest up front.
+    """
+    manifest = _manifest(cfg.data.train) or {}
+    chunk = (manifest.get("by_class") or {}).get("chunk_size")
+    counts = manifest.get("class_counts") or {}
+    if not chunk:
+        return
+    m, train = cfg.data.m, cfg.data.train
+    fix = (f"Rewrite the split with a larger --class_chunk_size (at least 2*m={2 * m}, e.g. "
+           f"python -m pipelines.folder ... --class_chunk_size {max(32, 2 * m)}) or lower "
+           f"data.m.")
+    if chunk < m:
+        raise ConfigError(
+            f"config key 'data.m': the {cfg.data.sampler} sampler draws m={m} images of a "
+            f"class from one by-class record, but {train!r} was written with "
+            f"class_chunk_size={chunk} (manifest.json), so no record holds {m} images and "
+            f"training would wait forever for its first batch. {fix}")
+    usable = sum(1 for k, n in counts.items()
+                 if int(k) >= 0 and int(n) >= m and _largest_chunk(int(n), chunk) >= m)
+    needed = cfg.data.batch_size // m if cfg.data.sampler == "m_per_class" else 1
+    if counts and usable < needed:
+        raise ConfigError(
+            f"config key 'data.m': with class_chunk_size={chunk} ({train!r}, "
+            f"manifest.json) only {usable} classes have a by-class record of m={m} "
+            f"images; the {cfg.data.sampler} sampler needs {needed}, so training would "
+            f"wait forever for its first batch. {fix}")
 
 
 def build_train_dataset(cfg: Config, seed_offset: int = 0):

@@ -3,13 +3,19 @@
 Run directory layout (``run_dir``)::
 
     config.yaml     the validated config of this run (a resumed run must match it)
-    backup/         keras.callbacks.BackupAndRestore state, saved every epoch; removed
-                    when training finishes. A killed run started again with the same
-                    command resumes at the first unfinished epoch.
+    backup/         checkpoint (model + optimizer) of the last finished epoch, written
+                    atomically every epoch (tfaploss.training.checkpoints); removed only
+                    once model.keras and summary.json are in place. A killed run started
+                    again with the same command resumes at the first unfinished epoch:
+                    a kill at any moment loses at most the epoch in progress.
     logs/           TensorBoard scalars (tensorboard --logdir RUN_DIR/logs)
     epochs.jsonl    one JSON line per finished epoch: loss, learning rate, evaluation
     model.keras     the trained embedding model (images -> L2-normalised embeddings)
     summary.json    config, epochs, steps, timings, final retrieval metrics
+
+Every file is written to a temporary name and renamed into place. Training stops with
+NonFiniteTrainingError at the first non-finite loss or weight; nothing non-finite is
+ever checkpointed or saved.
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -25,10 +30,7 @@ import yaml
 
 from tfaploss.config import build as B
 from tfaploss.config.schema import Config, ConfigError, config_from_dict
-
-# Fault injection for the resume test: the process exits (as if killed) right after
-# the given epoch (1-based) has been checkpointed.
-EXIT_AFTER_EPOCH_ENV = "TFAPLOSS_EXIT_AFTER_EPOCH"
+from tfaploss.training import checkpoints as C
 
 
 def _epoch_callbacks():
@@ -61,26 +63,50 @@ def _epoch_callbacks():
             opt = self.model.optimizer
             try:
                 row["learning_rate"] = float(keras.ops.convert_to_numpy(opt.learning_rate))
-            except Exception:  # a wrapped optimizer without a scalar learning rate
-                pass
+            except (TypeError, ValueError, AttributeError):
+                pass  # a wrapped optimizer without a scalar learning rate
             row.update({k: float(v) for k, v in (logs or {}).items()
                         if isinstance(v, (int, float)) or hasattr(v, "__float__")})
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(row) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
 
-    class ExitAfterEpoch(keras.callbacks.Callback):
-        def __init__(self, epoch):
+    class Checkpoint(keras.callbacks.Callback):
+        """Checkpoint model and optimizer after every epoch (:class:`RunBackup`), after
+        checking that the epoch's loss and every weight are finite."""
+
+        def __init__(self, backup):
             super().__init__()
-            self.epoch = epoch
+            self.backup = backup
 
         def on_epoch_end(self, epoch, logs=None):
-            if epoch + 1 == self.epoch:
-                print(f"{EXIT_AFTER_EPOCH_ENV}={self.epoch}: exiting after epoch "
-                      f"{self.epoch} as asked (simulated crash)", flush=True)
-                sys.stdout.flush()
-                os._exit(75)
+            from tfaploss.training.guards import NonFiniteTrainingError, check_finite_weights
 
-    return RetrievalEvaluation, EpochLog, ExitAfterEpoch
+            loss = (logs or {}).get("loss")
+            if loss is not None and not math.isfinite(float(loss)):
+                raise NonFiniteTrainingError(
+                    f"training stopped: the mean loss of epoch {epoch + 1} is {loss}; "
+                    "its checkpoint was not written.")
+            check_finite_weights(self.model, f"the checkpoint of epoch {epoch + 1}")
+            C.fault_point("epoch_end", epoch + 1)
+            self.backup.save(self.model, epoch + 1, extra={
+                "updates": int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))})
+
+    class Faults(keras.callbacks.Callback):
+        """``TFAPLOSS_FAULT=batch:E:B``: exit as if killed after batch B of epoch E;
+        ``nan_weights:E:B``: put a NaN in the first weight there."""
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._epoch = epoch + 1
+
+        def on_train_batch_end(self, batch, logs=None):
+            if C.requested_fault("nan_weights", self._epoch, batch + 1):
+                v = self.model.trainable_weights[0]
+                v.assign(keras.ops.full(v.shape, float("nan"), v.dtype))
+            C.fault_point("batch", self._epoch, batch + 1)
+
+    return RetrievalEvaluation, EpochLog, Checkpoint, Faults
 
 
 def embed_split(embedding_model, cfg: Config, path: str, max_images: int | None = None,
@@ -125,8 +151,7 @@ def _check_run_dir(run_dir: Path, cfg: Config) -> bool:
                 f"run_dir {str(run_dir)!r} holds an unfinished run made with a different "
                 f"config (differs in: {', '.join(changed)}). Resume it with the same "
                 "config, or use a new run_dir (--set run_dir=...).")
-    with open(snapshot, "w", encoding="utf-8") as f:
-        yaml.safe_dump(current, f, sort_keys=False)
+    C.atomic_write_text(snapshot, yaml.safe_dump(current, sort_keys=False))
     return resuming
 
 
@@ -138,49 +163,98 @@ def _diff_keys(a, b, prefix=""):
         yield prefix.rstrip(".")
 
 
-def _backup_epoch(run_dir: Path) -> int:
-    """The epoch BackupAndRestore will resume at (0 for a fresh run)."""
-    meta = run_dir / "backup" / "training_metadata.json"
-    try:
-        with open(meta, encoding="utf-8") as f:
-            return int(json.load(f).get("epoch", 0))
-    except (OSError, ValueError):
-        return 0
-
-
 def _read_epochs(path: Path) -> list[dict]:
+    """The rows of epochs.jsonl, one per epoch; a re-run epoch replaces the crashed
+    attempt's, and a line cut short by a kill is skipped."""
     if not path.exists():
         return []
     rows = {}
     with open(path, encoding="utf-8") as f:
         for line in f:
-            if line.strip():
+            try:
                 row = json.loads(line)
-                rows[row["epoch"]] = row  # a re-run epoch replaces the crashed attempt's
+                rows[int(row["epoch"])] = row
+            except (ValueError, KeyError, TypeError):
+                continue
     return [rows[k] for k in sorted(rows)]
 
 
+def _repair_epoch_log(path: Path) -> None:
+    """Drop a last line a kill cut short, so the next row starts on its own line."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        C.atomic_write(path, lambda tmp: Path(tmp).write_bytes(
+            data[:data.rfind(b"\n") + 1]))
+
+
+def initial_model(cfg: Config):
+    """The embedding model ``train`` starts from: same seed, same weights, same
+    BatchNorm calibration (what ``tfaploss evaluate --config`` evaluates)."""
+    import keras
+
+    keras.utils.set_random_seed(cfg.training.seed)
+    return B.build_model(cfg)
+
+
+def _finished_summary(run_dir: Path, cfg: Config) -> dict | None:
+    """The summary of a finished run of the same config in ``run_dir``, else None."""
+    try:
+        with open(run_dir / "summary.json", encoding="utf-8") as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if (run_dir / "backup").exists() or not (run_dir / "model.keras").is_file():
+        return None
+    if summary.get("config") != cfg.to_dict():
+        return None
+    if summary.get("epochs_completed") != cfg.training.epochs:
+        return None
+    return summary
+
+
 def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
-    """Train ``cfg``; returns the run summary (also written to ``run_dir/summary.json``)."""
+    """Train ``cfg``; returns the run summary (also written to ``run_dir/summary.json``).
+
+    A killed run resumes from its last checkpoint when called again with the same
+    config (at most the epoch in progress is lost, see
+    :mod:`tfaploss.training.checkpoints`); a finished one is not trained again. Raises
+    :class:`~tfaploss.training.guards.NonFiniteTrainingError` at the first non-finite
+    loss or weight, before anything is saved.
+    """
     import keras
 
     from tfaploss.training import MultiStageModel
+    from tfaploss.training.guards import StopOnNonFinite, check_finite_weights
 
     run_dir = Path(run_dir or cfg.run_dir)
     if run_dir != Path(cfg.run_dir):
         cfg = config_from_dict(cfg.to_dict(), [f"run_dir={run_dir}"], warn=False)
     run_dir.mkdir(parents=True, exist_ok=True)
+    C.RunBackup.remove_trash(run_dir)
+    removed = C.remove_temp_files(run_dir)
+    if removed:
+        print(f"note: removed unfinished file(s) a killed run left: {', '.join(removed)}",
+              flush=True)
+    done = _finished_summary(run_dir, cfg)
+    if done is not None:
+        print(f"{run_dir} already holds this finished run ({done['epochs_completed']} "
+              f"epochs): nothing to do. Model: {run_dir / 'model.keras'}. Use another "
+              "run_dir (--set run_dir=...) to train again.", flush=True)
+        return done
     B.check_data(cfg)
     resuming = _check_run_dir(run_dir, cfg)
     steps = B.steps_per_epoch(cfg)
+    epochs_log = run_dir / "epochs.jsonl"
+    _repair_epoch_log(epochs_log)
+    backup = C.RunBackup(run_dir / "backup", log=lambda line: print(line, flush=True))
     policy = keras.config.dtype_policy()
     started = time.time()
     try:
-        keras.utils.set_random_seed(cfg.training.seed)
         if cfg.training.mixed_precision:
             keras.config.set_dtype_policy("mixed_float16")
-        dataset = B.build_train_dataset(cfg, seed_offset=_backup_epoch(run_dir))
-        embedding_model = B.build_model(cfg)
+        embedding_model = initial_model(cfg)
         loss = B.build_loss(cfg)
         chunk = cfg.training.chunk_size if cfg.uses_multistage else None
         model = MultiStageModel(embedding_model, chunk_size=chunk,
@@ -190,28 +264,39 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
                       jit_compile=cfg.training.jit_compile)
         if not model.built:
             model.build((None, *cfg.image_shape, 3))
+        start_epoch = backup.restore(model) if resuming else 0
+        updates = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+        if updates != start_epoch * steps:
+            print(f"warning: the checkpoint of epoch {start_epoch} holds {updates} "
+                  f"optimizer updates, not {start_epoch} x {steps} steps per epoch; did the "
+                  "training split change? Continuing from it.", flush=True)
+        dataset = B.build_train_dataset(cfg, seed_offset=start_epoch)
 
-        print(_describe_run(cfg, steps, chunk, embedding_model, resuming), flush=True)
-        RetrievalEvaluation, EpochLog, ExitAfterEpoch = _epoch_callbacks()
-        callbacks = []
+        print(_describe_run(cfg, steps, chunk, embedding_model, resuming, start_epoch),
+              flush=True)
+        RetrievalEvaluation, EpochLog, Checkpoint, Faults = _epoch_callbacks()
+        callbacks = [StopOnNonFinite(steps, hint=f"optimizer.lr={cfg.optimizer.lr:g}")]
+        if os.environ.get(C.FAULT_ENV):
+            callbacks.append(Faults())
         if cfg.data.test and cfg.evaluation.every_n_epochs:
             callbacks.append(RetrievalEvaluation(
                 embedding_model,
                 lambda m: evaluate_split(m, cfg, cfg.data.test, cfg.evaluation.max_images),
                 cfg.evaluation.every_n_epochs))
         callbacks += [
-            EpochLog(run_dir / "epochs.jsonl"),
+            EpochLog(epochs_log),
             keras.callbacks.TensorBoard(log_dir=str(run_dir / "logs"), write_graph=False),
-            keras.callbacks.BackupAndRestore(str(run_dir / "backup"), save_freq="epoch"),
+            Checkpoint(backup),  # last: it saves what every other callback has seen
         ]
-        if os.environ.get(EXIT_AFTER_EPOCH_ENV):
-            callbacks.append(ExitAfterEpoch(int(os.environ[EXIT_AFTER_EPOCH_ENV])))
-        model.fit(dataset, epochs=cfg.training.epochs, steps_per_epoch=steps,
-                  callbacks=callbacks, verbose=verbose, shuffle=False)
+        if start_epoch < cfg.training.epochs:
+            model.fit(dataset, epochs=cfg.training.epochs, initial_epoch=start_epoch,
+                      steps_per_epoch=steps, callbacks=callbacks, verbose=verbose,
+                      shuffle=False)
         train_seconds = time.time() - started
 
         model_path = run_dir / "model.keras"
-        embedding_model.save(model_path)
+        check_finite_weights(embedding_model, str(model_path))
+        C.atomic_write(model_path, embedding_model.save, fault="model")
         final = None
         if cfg.data.test and cfg.evaluation.at_end:
             print(f"Evaluating on {cfg.data.test} ...", flush=True)
@@ -220,7 +305,7 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
     finally:
         keras.config.set_dtype_policy(policy)
 
-    epochs = _read_epochs(run_dir / "epochs.jsonl")
+    epochs = _read_epochs(epochs_log)
     summary = {
         "run_dir": str(run_dir),
         "config": cfg.to_dict(),
@@ -229,6 +314,7 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
         "steps_per_epoch": steps,
         "updates": int(keras.ops.convert_to_numpy(model.optimizer.iterations)),
         "resumed": resuming,
+        "resumed_after_epoch": start_epoch,
         "multistage": chunk is not None,
         "chunk_size": chunk,
         "batch_size": cfg.data.batch_size,
@@ -238,25 +324,29 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
         "train_seconds_this_process": round(train_seconds, 2),
         "model": str(model_path),
     }
-    with open(run_dir / "summary.json", "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=2)
+    C.atomic_write_json(run_dir / "summary.json", summary, fault="summary")
+    backup.discard()  # only now: model.keras and summary.json are in place
     print(f"Done: model {model_path}, summary {run_dir / 'summary.json'}", flush=True)
     return summary
 
 
-def _describe_run(cfg: Config, steps: int, chunk, model, resuming: bool) -> str:
+def _describe_run(cfg: Config, steps: int, chunk, model, resuming: bool,
+                  start_epoch: int = 0) -> str:
     params = sum(math.prod(v.shape) for v in model.trainable_weights)
     stage = (f"multi-stage, chunks of {chunk}" if chunk else "single pass")
     kwargs = ", ".join(f"{k}={v!r}" for k, v in cfg.loss.kwargs.items())
     lines = [
         f"tfaploss train: {cfg.description or cfg.run_dir}",
-        f"  data     {cfg.data.train} ({cfg.data.sampler}, batch {cfg.data.batch_size}, "
-        f"m={cfg.data.m}, {cfg.data.image_size}px)",
-        f"  model    {cfg.model.backbone}/{cfg.model.pooling} -> {cfg.model.embedding_dim}-d, "
-        f"{params:,} trainable parameters",
+        (f"  data     {cfg.data.train} ({cfg.data.sampler}, batch {cfg.data.batch_size}, "
+         f"m={cfg.data.m}, {cfg.data.image_size}px)"),
+        (f"  model    {cfg.model.backbone}/{cfg.model.pooling} -> "
+         f"{cfg.model.embedding_dim}-d, {params:,} trainable parameters"),
         f"  loss     {cfg.loss.name}({kwargs})",
-        f"  train    {cfg.training.epochs} epochs x {steps} steps, {stage}, "
-        f"{cfg.optimizer.name} lr {cfg.optimizer.lr:g} ({cfg.optimizer.schedule.name})",
-        f"  run_dir  {cfg.run_dir}" + ("  (resuming from its last checkpoint)" if resuming else ""),
+        (f"  train    {cfg.training.epochs} epochs x {steps} steps, {stage}, "
+         f"{cfg.optimizer.name} lr {cfg.optimizer.lr:g} ({cfg.optimizer.schedule.name})"),
+        f"  run_dir  {cfg.run_dir}" + (
+            f"  (resuming from its last checkpoint: epoch {start_epoch} done)"
+            if start_epoch else "  (no complete checkpoint: starting at epoch 1)"
+            if resuming else ""),
     ]
     return "\n".join(lines)

@@ -1,0 +1,110 @@
+"""Stop training loudly at the first non-finite loss or weight.
+
+A diverging run (a learning rate far too high, a float16 overflow) otherwise keeps going:
+the weights turn to NaN, some losses then report a finite number for NaN embeddings,
+and the run ends with exit status 0 and a NaN model on disk. :class:`StopOnNonFinite`
+checks after every batch that the loss and every model variable are finite and raises
+:class:`NonFiniteTrainingError` (naming the step, the epoch and the likely causes)
+before anything is checkpointed or saved.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """The loss or the weights became NaN/inf; the message says where and why."""
+
+
+def _variable_name(v) -> str:
+    return getattr(v, "path", None) or getattr(v, "name", "?")
+
+
+def _make_all_finite(variables):
+    """A function returning one boolean: are all ``variables`` finite?
+
+    One fused reduction per call (a tf.function on the TensorFlow backend). Cost: one
+    read of every variable, no copy.
+    """
+    def all_finite():
+        flags = [keras.ops.all(keras.ops.isfinite(v.value)) for v in variables]
+        return keras.ops.all(keras.ops.stack(flags)) if flags else True
+
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.function(all_finite)
+    return all_finite
+
+
+def nonfinite_variables(variables) -> list[str]:
+    """Names of the variables holding a NaN or an infinity (slow path, for messages)."""
+    import numpy as np
+
+    return [_variable_name(v) for v in variables
+            if not np.all(np.isfinite(keras.ops.convert_to_numpy(v.value)))]
+
+
+def check_finite_weights(model, what: str) -> None:
+    """Raise :class:`NonFiniteTrainingError` if a variable of ``model`` is not finite.
+
+    ``what`` names the artefact that is then not written ("model.keras", ...).
+    """
+    bad = nonfinite_variables(model.weights)
+    if bad:
+        raise NonFiniteTrainingError(
+            f"refusing to write {what}: {len(bad)} weight(s) of the model are NaN or "
+            f"infinite ({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}).")
+
+
+class StopOnNonFinite(keras.callbacks.Callback):
+    """Raise :class:`NonFiniteTrainingError` at the first batch whose loss or resulting
+    weights are not finite.
+
+    Args:
+        steps_per_epoch: batches per epoch (for the message).
+        hint: extra text for the message (e.g. the configured learning rate).
+
+    Cost per batch: one reduction over all model variables and one device-to-host copy
+    of a boolean and the loss.
+    """
+
+    def __init__(self, steps_per_epoch: int | None = None, hint: str = ""):
+        super().__init__()
+        self.steps_per_epoch = steps_per_epoch
+        self.hint = hint
+        self._epoch = 0
+        self._check = None
+
+    def on_train_begin(self, logs=None):
+        self._check = _make_all_finite(self.model.weights)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        loss = (logs or {}).get("loss")
+        loss_value = None if loss is None else float(keras.ops.convert_to_numpy(loss))
+        loss_ok = loss_value is None or math.isfinite(loss_value)
+        weights_ok = bool(keras.ops.convert_to_numpy(self._check()))
+        if loss_ok and weights_ok:
+            return
+        step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+        where = (f"update {step} (epoch {self._epoch + 1}, batch {batch + 1}"
+                 + (f" of {self.steps_per_epoch}" if self.steps_per_epoch else "") + ")")
+        if not loss_ok:
+            what = f"the loss is {loss_value} at {where}"
+        else:
+            bad = nonfinite_variables(self.model.weights)
+            what = (f"the loss is still finite ({loss_value:.4g}) but {len(bad)} weight(s) "
+                    f"became NaN or infinite at {where}: {', '.join(bad[:3])}"
+                    f"{', ...' if len(bad) > 3 else ''}")
+        raise NonFiniteTrainingError(
+            f"training stopped: {what}. Nothing from this epoch was checkpointed or "
+            "saved. Likely causes: a learning rate too high for this model and batch "
+            f"size{(' (' + self.hint + ')') if self.hint else ''}: try 10x lower, a "
+            "warm-up (optimizer.warmup_epochs) or gradient clipping (optimizer.clipnorm); "
+            "with training.mixed_precision, a float16 overflow; non-finite input pixels.")
