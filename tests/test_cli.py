@@ -236,13 +236,17 @@ def test_evaluate_prints_the_table_and_writes_json(trained_run, workspace, tmp_p
     from tfaploss.cli import main
 
     root, _ = workspace
-    run_dir, _, _ = trained_run
+    run_dir, _ = trained_run
     out = tmp_path / "eval"
     assert main(["evaluate", "--model", str(run_dir / "model.keras"),
                  "--data", str(root / "records" / "test"), "--ks", "1,2",
                  "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "recall@1" in printed and "map@r" in printed
+    # The header says what is done to the images: 16 px crops of an 18 px resize.
+    assert ("preprocessing  shorter side resized to 18 px, then the centre 16x16 px kept"
+            in printed)
+    assert "test (24 images)" in printed
     metrics = json.loads((out / "metrics.json").read_text())["metrics"]
     summary = json.loads((run_dir / "summary.json").read_text())
     # Same model, same test split, same exact search: the numbers train reported.
@@ -258,7 +262,7 @@ def test_export_writes_a_servable_savedmodel(trained_run, workspace, tmp_path):
     from tfaploss.data import center_crop
 
     root, _ = workspace
-    run_dir, _, _ = trained_run
+    run_dir, _ = trained_run
     out = tmp_path / "serving"
     assert main(["export", "--model", str(run_dir / "model.keras"), "--out", str(out)]) == 0
     assert (out / "1" / "saved_model.pb").is_file()
@@ -285,3 +289,106 @@ def test_readme_keras_example_runs_as_written():
     exec(compile(example, "README.md", "exec"), namespace)
     losses = namespace["history"].history["loss"]
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_evaluate_progress_bar_knows_its_total_and_quiet_silences_it(
+        trained_run, workspace, tmp_path, capsys, monkeypatch):
+    import tfaploss.cli as cli
+
+    root, _ = workspace
+    run_dir, _ = trained_run
+    args = ["evaluate", "--model", str(run_dir / "model.keras"), "--data",
+            str(root / "records" / "test"), "--ks", "1", "--batch-size", "5"]
+    monkeypatch.setattr(cli, "_is_terminal", lambda: True)  # as on a terminal
+    assert cli.main([*args, "--out", str(tmp_path / "a")]) == 0
+    printed = capsys.readouterr().out
+    assert "Unknown" not in printed
+    assert "5/5" in printed  # 24 test images in batches of 5: the total is known
+    assert cli.main([*args, "--out", str(tmp_path / "b"), "--quiet"]) == 0
+    quiet = capsys.readouterr().out
+    assert "5/5" not in quiet and "━" not in quiet
+    assert "recall@1" in quiet  # the table is still there
+
+
+def test_untrained_baseline_is_the_model_train_starts_from(workspace, tmp_path, capsys):
+    """`evaluate --config` gives the metrics of the model `train` starts from: a run
+    whose updates are too small to change a float32 weight ends where it started."""
+    from tfaploss.cli import main
+
+    root, config = workspace
+    run_dir = tmp_path / "still"
+    frozen = ["--set", f"run_dir={run_dir}", "--set", "optimizer.name=sgd",
+              "--set", "optimizer.lr=1e-30", "--set", "optimizer.schedule.name=constant",
+              "--set", "optimizer.schedule.end_lr=null", "--set", "training.epochs=1",
+              "--set", "training.steps_per_epoch=1", "--set", "evaluation.every_n_epochs=0"]
+    assert main(["train", "--config", str(config), *frozen]) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    capsys.readouterr()
+
+    assert main(["evaluate", "--config", str(config), "--set", f"run_dir={run_dir}"]) == 0
+    printed = capsys.readouterr().out
+    assert "untrained model" in printed and "map@r" in printed
+    out = run_dir / "eval_untrained_test"
+    metrics = json.loads((out / "metrics.json").read_text())["metrics"]
+    assert set(metrics) >= {"recall@1", "recall@2", "map@r"}  # the config's ks: [1, 2]
+    for key in ("recall@1", "recall@2", "map@r", "map"):
+        assert metrics[key] == pytest.approx(summary["final_metrics"][key], abs=1e-6)
+
+
+def test_diverging_learning_rate_stops_training_and_saves_nothing(workspace, tmp_path,
+                                                                   capsys):
+    from tfaploss.cli import main
+
+    _, config = workspace
+    run_dir = tmp_path / "diverged"
+    rc = main(["train", "--config", str(config), "--set", f"run_dir={run_dir}",
+               "--set", "loss.name=ContrastiveLoss", "--set", "optimizer.name=sgd",
+               "--set", "optimizer.lr=1e12", "--set", "optimizer.schedule.name=constant",
+               "--set", "optimizer.schedule.end_lr=null"])
+    err = capsys.readouterr().err
+    assert rc == 3, err
+    assert "training stopped" in err and "epoch 1" in err and "learning rate" in err
+    assert "optimizer.lr=1e+12" in err
+    assert not (run_dir / "model.keras").exists()
+    assert not (run_dir / "summary.json").exists()
+    assert not list(run_dir.glob("backup/*.weights.h5"))
+
+
+def test_nan_in_epoch_two_stops_before_its_checkpoint(workspace, tmp_path, capsys,
+                                                      monkeypatch):
+    from tfaploss.cli import main
+
+    _, config = workspace
+    run_dir = tmp_path / "nan"
+    monkeypatch.setenv("TFAPLOSS_FAULT", "nan_weights:2:1")
+    rc = main(["train", "--config", str(config), "--set", f"run_dir={run_dir}",
+               "--set", "evaluation.every_n_epochs=0"])
+    err = capsys.readouterr().err
+    assert rc == 3, err
+    # Batch 1 of epoch 2 ends with a NaN weight; batch 2 is where training stops.
+    assert f"update {STEPS + 2} (epoch 2, batch 2 of {STEPS})" in err
+    assert [p.name for p in run_dir.glob("backup/*.weights.h5")] == ["epoch-0001.weights.h5"]
+    assert not (run_dir / "model.keras").exists()
+
+
+def test_class_chunks_smaller_than_m_are_refused_up_front(tmp_path, workspace):
+    """Before: a warning, then an input pipeline waiting forever for its first batch.
+    Checked on the config (check_data is what `train` runs first), so that a regression
+    fails here instead of hanging."""
+    from tests.miniature import write_split_records
+    from tfaploss.config import ConfigError, load_config
+    from tfaploss.config import build as B
+
+    _, config = workspace
+    sizes = {k: 6 for k in range(4)}
+    for chunk, m, expected in ((2, 4, "class_chunk_size=2"), (5, 4, "class_chunk_size=5")):
+        split = tmp_path / f"chunks{chunk}"
+        write_split_records(str(split), sizes, chunk_size=chunk)
+        cfg = load_config(config, [f"data.train={split}", f"data.m={m}"])
+        with pytest.raises(ConfigError) as err:
+            B.check_data(cfg)
+        # Both values named: the split's chunk size and the sampler's m.
+        assert expected in str(err.value) and f"m={m}" in str(err.value)
+        assert "wait forever" in str(err.value)
+    # Chunks of 5 hold 3 images each for a class of 6: enough for m=2, so it is accepted.
+    B.check_data(load_config(config, [f"data.train={tmp_path / 'chunks5'}"]))
