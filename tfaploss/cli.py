@@ -3,6 +3,7 @@
     tfaploss demo                                     # the 3-minute end-to-end tour
     tfaploss train --config configs/roadmap_sop_resnet50.yaml --set data.train=sop/train
     tfaploss evaluate --model runs/x/model.keras --data sop/test --protocol sop
+    tfaploss evaluate --config configs/demo_digits.yaml   # the untrained baseline
     tfaploss export --model runs/x/model.keras --out serving/sop
     tfaploss config --config configs/pnp_sop_resnet50_dq.yaml   # print it, validated
 

@@ -23,12 +23,19 @@ def _variable_name(v) -> str:
     return getattr(v, "path", None) or getattr(v, "name", "?")
 
 
+def _float_variables(variables) -> list:
+    """The floating-point variables (counters and seeds are integers, always finite)."""
+    return [v for v in variables if "float" in str(v.dtype)]
+
+
 def _make_all_finite(variables):
     """A function returning one boolean: are all ``variables`` finite?
 
     One fused reduction per call (a tf.function on the TensorFlow backend). Cost: one
     read of every variable, no copy.
     """
+    variables = _float_variables(variables)
+
     def all_finite():
         flags = [keras.ops.all(keras.ops.isfinite(v.value)) for v in variables]
         return keras.ops.all(keras.ops.stack(flags)) if flags else True
@@ -44,7 +51,7 @@ def nonfinite_variables(variables) -> list[str]:
     """Names of the variables holding a NaN or an infinity (slow path, for messages)."""
     import numpy as np
 
-    return [_variable_name(v) for v in variables
+    return [_variable_name(v) for v in _float_variables(variables)
             if not np.all(np.isfinite(keras.ops.convert_to_numpy(v.value)))]
 
 
