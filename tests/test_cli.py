@@ -32,7 +32,7 @@ def _env(env=None):
 
 def tfaploss(*args, env=None, timeout=240):
     return subprocess.run([sys.executable, "-m", "tfaploss.cli", *map(str, args)],
-                          capture_output=True, text=True, cwd=REPO, env=_env(env),
+                          check=False, capture_output=True, text=True, cwd=REPO, env=_env(env),
                           timeout=timeout)
 
 
@@ -129,7 +129,7 @@ def _resumed_after(stdout: str) -> int:
 
 
 def _epochs_begun(stdout: str) -> list[int]:
-    return [int(k) for k in re.findall(rf"^Epoch (\d+)/{EPOCHS}$", stdout, re.M)]
+    return [int(k) for k in re.findall(rf"^Epoch (\d+)/{EPOCHS}$", stdout, re.MULTILINE)]
 
 
 # (fault, what a kill there should cost): the kill points of the resume test.
@@ -225,7 +225,7 @@ def test_train_log_holds_no_terminal_escape_codes(trained_run):
     for run in runs:
         for code in ESCAPES:
             assert code not in run.stdout + run.stderr, repr(code)
-    assert re.search(rf"^{STEPS}/{STEPS} - .*loss: ", runs[1].stdout, re.M)
+    assert re.search(rf"^{STEPS}/{STEPS} - .*loss: ", runs[1].stdout, re.MULTILINE)
 
 
 # evaluate and export run through the CLI's entry point in this process: each extra
@@ -293,7 +293,7 @@ def test_readme_keras_example_runs_as_written():
 
 def test_evaluate_progress_bar_knows_its_total_and_quiet_silences_it(
         trained_run, workspace, tmp_path, capsys, monkeypatch):
-    import tfaploss.cli as cli
+    from tfaploss import cli
 
     root, _ = workspace
     run_dir, _ = trained_run
@@ -315,7 +315,7 @@ def test_untrained_baseline_is_the_model_train_starts_from(workspace, tmp_path, 
     whose updates are too small to change a float32 weight ends where it started."""
     from tfaploss.cli import main
 
-    root, config = workspace
+    _, config = workspace
     run_dir = tmp_path / "still"
     frozen = ["--set", f"run_dir={run_dir}", "--set", "optimizer.name=sgd",
               "--set", "optimizer.lr=1e-30", "--set", "optimizer.schedule.name=constant",
