@@ -50,7 +50,8 @@ def _add_train(sub):
               summary.json   epochs, steps, timings, final metrics
             A killed run resumes from its last finished epoch when you run the same
             command again: every file is written to a temporary name and renamed into
-            place, so a kill at any moment loses at most the epoch in progress.
+            place, so a kill at any moment loses at most the epoch in progress; the
+            same command on a finished run does nothing.
             Training stops (exit status 3) at the first non-finite loss or weight,
             and nothing non-finite is saved. With stdout not a terminal (a log file),
             progress is one line per epoch."""),
