@@ -364,3 +364,13 @@ def test_tf_serving_rest_round_trip(exported):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_readme_warns_to_load_only_trusted_models():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Evaluating", 1)[1].split("\n## ", 1)[0]
+    warning = section.split("**Load only models you trust.**", 1)
+    assert len(warning) == 2, "the Evaluating section must carry the trusted-models warning"
+    paragraph = warning[1].split("\n\n", 1)[0]
+    assert "tfaploss evaluate" in paragraph and "pipelines.embed" in paragraph
+    assert "SavedModel" in paragraph and "run other code" in paragraph

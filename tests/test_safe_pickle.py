@@ -207,7 +207,7 @@ print("RESULT" + json.dumps(out))
 def _load_in_subprocess(paths):
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", _RUNNER, *map(str, paths)], env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, f"loader process died ({proc.returncode}): {proc.stderr[-2000:]}"
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
     return json.loads(line[len("RESULT"):])

@@ -59,8 +59,8 @@ __all__ = [
     "loss_class",
     "loss_classes",
     "loss_defaults",
-    "read_config_file",
     "parse_override",
+    "read_config_file",
 ]
 
 

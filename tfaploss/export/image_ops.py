@@ -102,8 +102,8 @@ def decode_images(image_bytes, image_size=(224, 224), crop_fraction=DEFAULT_CROP
         tf.equal(tf.size(too_big), 0),
         ["image_bytes: the image(s) at index(es)", too_big, "declare",
          tf.cast(tf.gather(pixels, too_big), tf.int64),
-         f"pixels, more than max_pixels={max_pixels}; downscale them before sending "
-         "(or export with a larger max_pixels)"],
+         (f"pixels, more than max_pixels={max_pixels}; downscale them before sending "
+          "(or export with a larger max_pixels)")],
         summarize=64,
     )
     with tf.control_dependencies([size_check]):

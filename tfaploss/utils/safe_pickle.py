@@ -517,7 +517,7 @@ class _Interpreter:
     def _check_output(self, value, where):
         # Depth is bounded by max_depth and every container is reached once (no shared
         # containers), so this walk costs at most the number of items made.
-        if isinstance(value, np.ndarray) or isinstance(value, _OUTPUT_ATOMS):
+        if isinstance(value, (np.ndarray, *_OUTPUT_ATOMS)):
             return
         if isinstance(value, dict):
             for key, item in value.items():
