@@ -20,12 +20,12 @@ from tfaploss.config.yaml_loader import YAMLLimitError, load_yaml_text
 
 
 def _bomb(levels: int, width: int) -> str:
-    """Billion laughs: each level is a list of `width` aliases of the level before."""
-    lines = ["a0: &a0 [lol]"]
+    """Billion laughs inside a valid key: each level is a list of `width` aliases of the
+    level before (the old loader spent minutes and gigabytes printing it in the error)."""
+    items = ["&a0 [lol]"]
     for i in range(1, levels + 1):
-        lines.append(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * width)}]")
-    lines.append(f"description: *a{levels}")
-    return "\n".join(lines) + "\n"
+        items.append(f"&a{i} [{', '.join([f'*a{i - 1}'] * width)}]")
+    return "description: [" + ",\n  ".join(items) + "]\n"
 
 
 def _load_error(tmp_path, text: str | bytes, name="bad.yaml") -> str:
