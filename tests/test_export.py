@@ -6,10 +6,12 @@ import json
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import time
 import urllib.request
+import zlib
 from pathlib import Path
 
 import keras
@@ -147,6 +149,103 @@ def test_corrupt_bytes_give_invalid_argument_naming_the_index(exported):
     assert fn(image_bytes=tf.constant([good]))["embedding"].shape == (1, 16)
 
 
+def _png_declaring(width, height, complete=False):
+    """A grey PNG whose IHDR declares ``width x height``. Its IDAT is 64 KiB of
+    compressed zeros, or with ``complete`` every row (a real decompression bomb: 97 KB
+    for 10000 x 10000, which decodes to 300 MB, 1.5 GB peak in the old serving graph)."""
+    def chunk(kind, data):
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data)))
+
+    if complete:
+        packer, row = zlib.compressobj(9), b"\0" * (width + 1)
+        idat = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
+    else:
+        idat = zlib.compress(b"\0" * (1 << 16), 9)
+    return (b"\x89PNG\r\n\x1a\n"
+            + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+
+
+def _encoded(fmt, height=37, width=53, frames=1, seed=0, **save):
+    rng = np.random.default_rng(seed)
+    images = [Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+              for _ in range(frames)]
+    buffer = io.BytesIO()
+    if frames > 1:
+        save.update(save_all=True, append_images=images[1:])
+    images[0].save(buffer, format=fmt, **save)
+    return buffer.getvalue()
+
+
+def test_decompression_bomb_is_refused_before_decoding(exported):
+    _, _, version_dir, _ = exported
+    fn = tf.saved_model.load(version_dir).signatures["serving_default"]
+    bomb = _png_declaring(10000, 10000, complete=True)
+    assert len(bomb) < 100_000
+    good = _jpeg_bytes()[0]
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        fn(image_bytes=tf.constant([good, bomb, good, bomb, b"not an image"]))
+    message = info.value.message
+    # Refused by the size check, which runs before (and instead of) any decoding: the
+    # undecodable index 4 is not even reached.
+    assert "the image(s) at index(es)] [1 3] [declare] [100000000 100000000]" in message
+    assert "max_pixels=40000000" in message and "could not decode" not in message
+    assert fn(image_bytes=tf.constant([good]))["embedding"].shape == (1, 16)
+
+
+def test_every_format_within_the_limit_embeds_as_before(exported):
+    model, _, version_dir, _ = exported
+    fn = tf.saved_model.load(version_dir).signatures["serving_default"]
+    encoded = [_encoded("PNG"), _encoded("GIF"), _encoded("BMP"), _encoded("WEBP"),
+               _encoded("GIF", frames=3, seed=1), _jpeg_bytes()[1]]
+    served = fn(image_bytes=tf.constant(encoded))["embedding"].numpy()
+    np.testing.assert_allclose(served, _reference(model, encoded), atol=1e-5)
+
+
+def test_declared_pixels_reads_each_header():
+    from tfaploss.export import declared_pixels
+
+    def pixels(data):
+        return float(declared_pixels(tf.constant(data)))
+
+    area = 37 * 53
+    for fmt, save in (("PNG", {}), ("JPEG", {}), ("JPEG", {"progressive": True}),
+                      ("BMP", {}), ("WEBP", {}), ("WEBP", {"lossless": True})):
+        assert pixels(_encoded(fmt, **save)) == area, (fmt, save)
+    assert pixels(_encoded("GIF")) == 2 * area  # logical screen + its one frame
+    assert pixels(_encoded("GIF", frames=3, seed=2)) == 4 * area
+    assert pixels(_encoded("WEBP", frames=3, seed=2)) == 3 * area
+    assert pixels(_jpeg_bytes()[0]) == 427 * 640
+    # A JPEG whose APP1 segment (an EXIF thumbnail, say) holds a start-of-frame marker
+    # of 9999 x 9999, and stray bytes before the next marker: the real frame counts.
+    jpeg = _encoded("JPEG")
+    fake_sof = b"\xff\xc0\x00\x11\x08" + struct.pack(">HH", 9999, 9999) + b"\0" * 10
+    app1 = b"\xff\xe1" + struct.pack(">H", 2 + len(fake_sof)) + fake_sof
+    assert pixels(jpeg[:2] + app1 + b"junk" + jpeg[2:]) == area
+    assert pixels(_png_declaring(10000, 10000)) == 1e8
+    assert pixels(_png_declaring(2**32 - 1, 2**32 - 1)) > 1e19  # no int64 overflow
+    assert pixels(b"this is not an image") == 0 and pixels(b"") == 0
+    assert pixels(b"\x89PNG\r\n\x1a\n") == -1  # a PNG without its IHDR: unreadable
+
+
+def test_max_pixels_option(tmp_path):
+    from tfaploss.export import decode_images
+
+    small, large = _encoded("PNG", 20, 20), _encoded("PNG", 50, 30)
+    out = decode_images(tf.constant([small]), (16, 16), max_pixels=400)
+    assert out.shape == (1, 16, 16, 3)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="max_pixels=400") as info:
+        decode_images(tf.constant([small, large]), (16, 16), max_pixels=400)
+    # eager mode prints the index and the declared size on their own lines
+    assert "index(es)'\n1\nb'declare'\n1500\n" in info.value.message
+    with pytest.raises(ValueError, match="max_pixels"):
+        decode_images(tf.constant([small]), (16, 16), max_pixels=0)
+    model = keras.Sequential([keras.Input((16, 16, 3)), keras.layers.GlobalAveragePooling2D()])
+    with pytest.raises(ValueError, match="max_pixels"):
+        export_saved_model(model, tmp_path / "m", image_size=(16, 16), max_pixels=-5)
+
+
 def test_whitening_is_applied_at_export(exported, tmp_path):
     model, _, _, _ = exported
     rng = np.random.default_rng(2)
@@ -265,3 +364,13 @@ def test_tf_serving_rest_round_trip(exported):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_readme_warns_to_load_only_trusted_models():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Evaluating", 1)[1].split("\n## ", 1)[0]
+    warning = section.split("**Load only models you trust.**", 1)
+    assert len(warning) == 2, "the Evaluating section must carry the trusted-models warning"
+    paragraph = warning[1].split("\n\n", 1)[0]
+    assert "tfaploss evaluate" in paragraph and "pipelines.embed" in paragraph
+    assert "SavedModel" in paragraph and "run other code" in paragraph

@@ -23,8 +23,10 @@ from tfaploss.config.schema import (
     load_config,
     loss_class,
     loss_classes,
+    loss_defaults,
     loss_parameters,
     parse_override,
+    read_config_file,
 )
 
 __all__ = [
@@ -46,6 +48,8 @@ __all__ = [
     "load_config",
     "loss_class",
     "loss_classes",
+    "loss_defaults",
     "loss_parameters",
     "parse_override",
+    "read_config_file",
 ]

@@ -6,9 +6,10 @@ A run is described by one YAML file with the sections ``data``, ``model``, ``los
     cfg = load_config("configs/smoothap_sop_resnet50.yaml",
                       overrides=["optimizer.lr=2e-5", "training.epochs=3"])
     cfg.optimizer.lr        # 2e-05
-    cfg.to_dict()           # plain dict, ready for yaml.safe_dump / json.dump
+    cfg.to_dict()           # plain dict, every default filled in (loss arguments too)
 
-The file is read with ``yaml.safe_load`` only. Validation is strict so that a typo
+The file is read with ``yaml.safe_load`` semantics only (no tags), bounded against alias
+bombs, with duplicate keys refused (:mod:`tfaploss.config.yaml_loader`). Validation is strict so that a typo
 never silently trains something else: an unknown key, a value of the wrong type or a
 value outside its allowed set raises :class:`ConfigError` with the dotted key (e.g.
 ``optimizer.schedule.end_lr``) and what is allowed there. Settings that would be
@@ -57,7 +58,9 @@ __all__ = [
     "load_config",
     "loss_class",
     "loss_classes",
+    "loss_defaults",
     "parse_override",
+    "read_config_file",
 ]
 
 
@@ -258,7 +261,8 @@ class Config:
     description: str | None = None
 
     def to_dict(self) -> dict:
-        """Plain, YAML/JSON-serialisable dict; ``config_from_dict`` reads it back."""
+        """Plain, YAML/JSON-serialisable dict with every default filled in, including the
+        loss class's constructor defaults; ``config_from_dict`` reads it back."""
         return _to_plain(self)
 
     @property
@@ -281,9 +285,18 @@ class Config:
         return self.data.image_size if size is None else size
 
 
+def loss_defaults(name: str) -> dict:
+    """Constructor defaults of the loss class ``name`` that a config may set."""
+    return {key: param.default for key, param in loss_parameters(loss_class(name)).items()
+            if param.default is not inspect.Parameter.empty}
+
+
 def _to_plain(value):
     if isinstance(value, LossConfig):
-        return {"name": value.name, **{k: _to_plain(v) for k, v in value.kwargs.items()}}
+        # Every argument, defaults filled in from the class signature: what prints is
+        # what trains, and a later change of a default shows up as a config change.
+        kwargs = {**loss_defaults(value.name), **value.kwargs}
+        return {"name": value.name, **{k: _to_plain(v) for k, v in kwargs.items()}}
     if dataclasses.is_dataclass(value):
         return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, (list, tuple)):
@@ -525,9 +538,31 @@ def _build_loss(raw: dict, path: str) -> LossConfig:
     return LossConfig(name=name, kwargs=kwargs)
 
 
+# Loss arguments whose default is ``None`` ("automatic"/"random"): the default says
+# nothing about the type, so the type of a value set in a config is given here.
+# tests/test_config.py checks that every such argument of every loss is listed.
+NONE_DEFAULT_LOSS_ARGS: dict[str, tuple[type, float | None]] = {
+    # name: (type, smallest allowed value or None)
+    "pairs_per_block": (int, 1),
+    "seed": (int, None),
+    "offset": (float, None),
+}
+
+
 def _check_like_default(value, default, annotation, path):
     """Type-check a loss argument against its default (annotations are often strings)."""
-    if value is None or default is inspect.Parameter.empty or default is None:
+    if value is None or default is inspect.Parameter.empty:
+        return value
+    if default is None:
+        name = path.rsplit(".", 1)[-1]
+        if name not in NONE_DEFAULT_LOSS_ARGS:
+            raise TypeError(f"loss argument {path!r} defaults to None and has no entry in "
+                            "NONE_DEFAULT_LOSS_ARGS")  # a bug here, caught by the tests
+        tp, low = NONE_DEFAULT_LOSS_ARGS[name]
+        value = _convert(value, tp, path)
+        if low is not None and value < low:
+            raise ConfigError(f"config key '{path}': must be at least {low} (or null for "
+                              f"the automatic choice); received {value!r}.")
         return value
     if isinstance(default, bool):
         return _convert(value, bool, path)
@@ -710,7 +745,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"--set {text!r}: the key {key!r} is not a dotted key like "
                           "'training.epochs'.")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
+        from tfaploss.config.yaml_loader import load_yaml_text
+
+        parsed = load_yaml_text(value) if value.strip() else None
     except yaml.YAMLError as err:
         raise ConfigError(f"--set {text!r}: the value is not valid YAML ({err}).") from None
     return key.split("."), parsed
@@ -765,17 +802,47 @@ def config_from_dict(raw: dict | None, overrides=None, *, warn: bool = True) -> 
     return cfg
 
 
-def load_config(path: str | Path, overrides=None, *, warn: bool = True) -> Config:
-    """Read a YAML run configuration (``yaml.safe_load``), apply overrides, validate."""
+def read_config_file(path: str | Path):
+    """The raw YAML of a config file, read with :mod:`tfaploss.config.yaml_loader`
+    (safe_load semantics, bounded alias expansion, duplicate keys refused); every
+    failure is a :class:`ConfigError` naming the file."""
+    from tfaploss.config.yaml_loader import MAX_CONFIG_BYTES, YAMLLimitError, load_yaml_text
+
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory; pass a YAML file "
+                          "(e.g. one of configs/*.yaml).")
+    if not path.exists():
         raise ConfigError(f"config file {str(path)!r} does not exist (see configs/ for "
                           "the recipes).")
     try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as err:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {err.strerror or err}."
+                          ) from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {str(path)!r} is larger than {MAX_CONFIG_BYTES} "
+                          "bytes; a run configuration is a short YAML file.")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text: byte 0x{data[err.start]:02x} on "
+            f"line {line} cannot be decoded. Save the file as UTF-8.") from None
+    try:
+        return load_yaml_text(text, name=str(path))
+    except YAMLLimitError as err:
+        raise ConfigError(f"config file {str(path)!r} is refused: {err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+
+
+def load_config(path: str | Path, overrides=None, *, warn: bool = True) -> Config:
+    """Read a YAML run configuration (see :func:`read_config_file`), apply overrides,
+    validate."""
+    raw = read_config_file(path)
     try:
         return config_from_dict(raw, overrides, warn=warn)
     except ConfigError as err:

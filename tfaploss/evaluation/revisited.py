@@ -160,41 +160,130 @@ def revisited_map_from_ranks(ranks, gnd, protocol: str = "medium", ks=(1, 5, 10)
     return result
 
 
+_GND_INDEX_KEYS = ("easy", "hard", "junk")
+_MAX_GND_BYTES = 64 << 20
+
+
 def load_revisited_gnd(path: str) -> dict:
     """Load ``gnd_roxford5k.pkl`` / ``gnd_rparis6k.pkl`` or a JSON conversion of it.
 
-    Pickles are read through :func:`tfaploss.utils.safe_pickle.safe_load_path`, which
-    refuses any pickle that would create objects other than plain containers,
-    numbers, strings and numpy arrays (a downloaded pickle can otherwise run code).
+    Pickles are read by :func:`tfaploss.utils.safe_pickle.safe_load_path`, a restricted
+    reader that can only make dicts, lists, strings, numbers and numeric numpy arrays
+    (a downloaded pickle can otherwise run code). The content is then checked by
+    :func:`check_revisited_gnd`. Anything unusable raises ``ValueError`` naming the file
+    (and the key, for a wrong structure).
 
     Returns a dict with ``imlist``, ``qimlist`` and ``gnd`` (a list of dicts whose
     ``easy``/``hard``/``junk`` are lists of ints and ``bbx`` a list of 4 floats when
     present).
     """
-    if str(path).endswith(".json"):
-        import json
-
-        import tensorflow as tf
-
-        with tf.io.gfile.GFile(path, "r") as f:
-            data = json.load(f)
+    path = str(path)
+    if path.endswith(".json"):
+        data = _load_json(path)
     else:
         from tfaploss.utils.safe_pickle import safe_load_path
 
         data = safe_load_path(path)
+    return check_revisited_gnd(data, path)
+
+
+def _load_json(path: str):
+    import json
+
+    import tensorflow as tf
+
+    with tf.io.gfile.GFile(path, "rb") as f:
+        raw = f.read(_MAX_GND_BYTES + 1)
+    if len(raw) > _MAX_GND_BYTES:
+        raise ValueError(f"{path}: more than {_MAX_GND_BYTES} bytes; not a ground-truth file.")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as err:  # bad UTF-8/JSON, absurd nesting
+        raise ValueError(f"{path}: not a readable JSON ground-truth file: "
+                         f"{type(err).__name__}: {str(err)[:200]}") from None
+
+
+def check_revisited_gnd(data, source: str = "ground truth") -> dict:
+    """Check the structure of a loaded revisited ground truth and return it as plain
+    Python data (see :func:`load_revisited_gnd`); ``source`` names it in errors."""
+    def fail(key: str, what: str) -> ValueError:
+        return ValueError(f"{source}: {key} {what}; a revisited ground truth is a dict "
+                          "with 'imlist' and 'qimlist' (lists of names) and 'gnd' (one dict "
+                          "per query with 'easy', 'hard', 'junk' index lists and 'bbx').")
+
     if not isinstance(data, dict) or "gnd" not in data:
-        raise ValueError(f"{path!r} is not a revisited ground-truth file: expected a dict "
-                         "with a 'gnd' list (and 'imlist', 'qimlist').")
+        raise fail("the top level", f"is {_kind(data)}" if not isinstance(data, dict)
+                   else "has no 'gnd' key")
+    names = {}
+    for key in ("imlist", "qimlist"):
+        value = data.get(key, [])
+        if not isinstance(value, (list, tuple)):
+            raise fail(f"'{key}'", f"is {_kind(value)}, not a list of names")
+        for i, name in enumerate(value):
+            if not isinstance(name, str):
+                raise fail(f"'{key}'[{i}]", f"is {_kind(name)}, not a name")
+        names[key] = list(value)
+    entries = data["gnd"]
+    if not isinstance(entries, (list, tuple)):
+        raise fail("'gnd'", f"is {_kind(entries)}, not a list")
+    if names["qimlist"] and len(entries) != len(names["qimlist"]):
+        raise fail("'gnd'", f"has {len(entries)} entries for {len(names['qimlist'])} "
+                   "queries in 'qimlist'")
+    database_size = len(names["imlist"])
     gnd = []
-    for i, entry in enumerate(data["gnd"]):
+    for i, entry in enumerate(entries):
+        where = f"'gnd'[{i}]"
         if not isinstance(entry, dict):
-            raise ValueError(  # noqa: TRY004 - bad file content, not a bad argument
-                f"{path!r}: gnd[{i}] is {type(entry).__name__}, not a dict.")
-        clean = {k: [int(v) for v in np.asarray(entry.get(k, []), dtype=np.int64).reshape(-1)]
-                 for k in ("easy", "hard", "junk")}
-        if "bbx" in entry and entry["bbx"] is not None:
-            clean["bbx"] = [float(v) for v in np.asarray(entry["bbx"]).reshape(-1)]
+            raise fail(where, f"is {_kind(entry)}, not a dict")
+        clean = {}
+        for key in _GND_INDEX_KEYS:
+            if key not in entry:
+                raise fail(where, f"has no {key!r} key")
+            clean[key] = _index_list(entry[key], f"{where}[{key!r}]", database_size, fail)
+        bbx = entry.get("bbx")
+        if bbx is not None:
+            clean["bbx"] = _box(bbx, f"{where}['bbx']", fail)
         gnd.append(clean)
-    return {"imlist": [str(s) for s in data.get("imlist", [])],
-            "qimlist": [str(s) for s in data.get("qimlist", [])],
-            "gnd": gnd}
+    return {"imlist": names["imlist"], "qimlist": names["qimlist"], "gnd": gnd}
+
+
+def _kind(value) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, np.ndarray):
+        return f"a {value.dtype} array of shape {value.shape}"
+    return f"{type(value).__name__} {str(value)[:40]!r}"
+
+
+def _index_list(value, where, database_size, fail) -> list[int]:
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iu" or value.ndim > 1:
+            raise fail(where, f"is {_kind(value)}, not a 1-D integer array")
+        out = [int(v) for v in value]
+    elif isinstance(value, (list, tuple)):
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            bad = next(v for v in value if not isinstance(v, int) or isinstance(v, bool))
+            raise fail(where, f"holds {_kind(bad)}, not a database index")
+        out = list(value)
+    else:
+        raise fail(where, f"is {_kind(value)}, not a list of database indices")
+    bad = [v for v in out if v < 0 or (database_size and v >= database_size)]
+    if bad:
+        raise fail(where, f"holds index {bad[0]}, outside the database "
+                   f"(0..{database_size - 1 if database_size else 'n'})")
+    return out
+
+
+def _box(value, where, fail) -> list[float]:
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iuf" or value.shape != (4,):
+            raise fail(where, f"is {_kind(value)}, not 4 numbers")
+        out = [float(v) for v in value]
+    elif isinstance(value, (list, tuple)) and len(value) == 4 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        out = [float(v) for v in value]
+    else:
+        raise fail(where, f"is {_kind(value)}, not a list of 4 numbers (x0, y0, x1, y1)")
+    if not all(np.isfinite(out)):
+        raise fail(where, f"holds a non-finite number {out}")
+    return out

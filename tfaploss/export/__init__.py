@@ -1,6 +1,7 @@
 """Export embedding models as SavedModels for TF Serving (see ``export_saved_model``)."""
 
-from tfaploss.export.image_ops import decode_images, resize_and_center_crop
+from tfaploss.export.image_header import declared_pixels
+from tfaploss.export.image_ops import DEFAULT_MAX_PIXELS, decode_images, resize_and_center_crop
 from tfaploss.export.saved_model import (
     BYTES_SIGNATURE,
     OUTPUT_KEY,
@@ -11,8 +12,10 @@ from tfaploss.export.saved_model import (
 
 __all__ = [
     "BYTES_SIGNATURE",
+    "DEFAULT_MAX_PIXELS",
     "OUTPUT_KEY",
     "PIXELS_SIGNATURE",
+    "declared_pixels",
     "decode_images",
     "export_saved_model",
     "next_version",

@@ -10,6 +10,14 @@ import tensorflow as tf
 
 DEFAULT_CROP_FRACTION = 0.875  # resize the short side to 256, centre-crop 224
 
+# Largest image (width x height, as its header declares it) the serving graph decodes.
+# 40 megapixels covers phone photos (12-50 MP sensors, 12 MP files by default) and most
+# camera files; decoding one costs ~120 MB as uint8 RGB and ~480 MB as the float32 copy
+# that is resized, so a handful in parallel fit a server. A retrieval model sees 224 to
+# ~1024 px: clients should downscale anything larger. Without a limit a 285 KB PNG
+# declaring 10000 x 10000 costs 1.3 GB, and a 30000² one kills the server.
+DEFAULT_MAX_PIXELS = 40_000_000
+
 
 def _check_image_size(image_size):
     if len(image_size) != 2 or any(int(s) < 1 for s in image_size):
@@ -51,24 +59,57 @@ def resize_and_center_crop(image, image_size=(224, 224), crop_fraction=DEFAULT_C
     return tf.ensure_shape(image, [h, w, None])
 
 
+def check_max_pixels(max_pixels) -> int:
+    """``max_pixels`` as a positive int, or a ValueError naming it."""
+    if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1:
+        raise ValueError(f"`max_pixels` must be a positive integer; received {max_pixels!r}")
+    return max_pixels
+
+
 def decode_images(image_bytes, image_size=(224, 224), crop_fraction=DEFAULT_CROP_FRACTION,
-                  method="bilinear", antialias=True):
-    """Decode a batch of encoded images (JPEG, PNG, GIF, BMP) to ``(N, h, w, 3)`` float32.
+                  method="bilinear", antialias=True, max_pixels=DEFAULT_MAX_PIXELS):
+    """Decode a batch of encoded images (JPEG, PNG, GIF, BMP, WebP) to ``(N, h, w, 3)``
+    float32.
 
     Each image is decoded to RGB (grayscale is repeated, alpha dropped, the first
     frame of a GIF kept) and passed through ``resize_and_center_crop``. Decoding runs
     in parallel in a ``tf.data`` pipeline, in order.
 
+    Before anything is decoded, the size each header declares is read
+    (:func:`tfaploss.export.image_header.declared_pixels`; for a GIF every frame
+    counts) and compared with ``max_pixels`` (default :data:`DEFAULT_MAX_PIXELS`, 40
+    megapixels), so a small file declaring a huge image costs nothing.
+
     Raises:
-        tf.errors.InvalidArgumentError: some inputs cannot be decoded; the message
-            names every bad index, e.g. ``could not decode the image(s) at index(es)
-            [1 3]``. The whole request fails (nothing is silently dropped) and a server
-            keeps running.
+        tf.errors.InvalidArgumentError: some inputs declare more than ``max_pixels``
+            pixels (``the image(s) at index(es) [2] declare [100000000] pixels, more
+            than max_pixels=...``; the request is refused before any decoding), or some
+            cannot be decoded (``could not decode the image(s) at index(es) [1 3]``).
+            The whole request fails (nothing is silently dropped) and a server keeps
+            running.
     """
+    from tfaploss.export.image_header import declared_pixels
+
     h, w = _check_image_size(image_size)
+    max_pixels = check_max_pixels(max_pixels)
     image_bytes = tf.convert_to_tensor(image_bytes, tf.string)
     n = tf.shape(image_bytes, out_type=tf.int64)[0]
     indices = tf.range(n)
+
+    pixels = tf.map_fn(declared_pixels, image_bytes, fn_output_signature=tf.float64)
+    too_big = tf.where(pixels > max_pixels)[:, 0]
+    size_check = tf.debugging.Assert(
+        tf.equal(tf.size(too_big), 0),
+        ["image_bytes: the image(s) at index(es)", too_big, "declare",
+         tf.cast(tf.gather(pixels, too_big), tf.int64),
+         (f"pixels, more than max_pixels={max_pixels}; downscale them before sending "
+          "(or export with a larger max_pixels)")],
+        summarize=64,
+    )
+    with tf.control_dependencies([size_check]):
+        # A known format whose size cannot be read is not decoded: it is reported with
+        # the undecodable inputs below.
+        readable = tf.identity(pixels >= 0)
 
     def decode(data, index):
         image = tf.io.decode_image(data, channels=3, expand_animations=False)
@@ -77,8 +118,9 @@ def decode_images(image_bytes, image_size=(224, 224), crop_fraction=DEFAULT_CROP
     # A decoding error would abort the batch without saying which image is bad:
     # drop failures here, then name the missing indices in one assertion.
     decoded = (
-        tf.data.Dataset.from_tensor_slices((image_bytes, indices))
-        .map(decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        tf.data.Dataset.from_tensor_slices((image_bytes, indices, readable))
+        .filter(lambda data, index, ok: ok)
+        .map(lambda data, index, ok: decode(data, index), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         .ignore_errors()
     )
     # A sentinel keeps the single batch non-empty when every image fails.
@@ -89,7 +131,7 @@ def decode_images(image_bytes, image_size=(224, 224), crop_fraction=DEFAULT_CROP
     check = tf.debugging.Assert(
         tf.equal(tf.size(bad), 0),
         ["image_bytes: could not decode the image(s) at index(es)", bad,
-         "of the batch; each input must be a complete JPEG, PNG, GIF or BMP file"],
+         "of the batch; each input must be a complete JPEG, PNG, GIF, BMP or WebP file"],
         summarize=64,
     )
     with tf.control_dependencies([check]):

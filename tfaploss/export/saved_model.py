@@ -10,7 +10,12 @@ import tempfile
 import keras
 import tensorflow as tf
 
-from tfaploss.export.image_ops import DEFAULT_CROP_FRACTION, decode_images
+from tfaploss.export.image_ops import (
+    DEFAULT_CROP_FRACTION,
+    DEFAULT_MAX_PIXELS,
+    check_max_pixels,
+    decode_images,
+)
 
 BYTES_SIGNATURE = "serving_default"
 PIXELS_SIGNATURE = "embed_pixels"
@@ -48,6 +53,7 @@ def export_saved_model(
     crop_fraction=DEFAULT_CROP_FRACTION,
     resize_method="bilinear",
     antialias=True,
+    max_pixels=DEFAULT_MAX_PIXELS,
     overwrite=False,
     verbose=False,
 ):
@@ -62,7 +68,8 @@ def export_saved_model(
       ``image_size`` covers ``crop_fraction`` of the short side (224 / 0.875 = 256),
       then centre-cropped to ``image_size``
       (``tfaploss.export.resize_and_center_crop``). A batch holding an undecodable
-      input fails with ``INVALID_ARGUMENT`` naming its index(es).
+      input fails with ``INVALID_ARGUMENT`` naming its index(es), and so does one whose
+      header declares more than ``max_pixels`` pixels (checked before decoding).
     - ``embed_pixels``: ``images`` float32 ``[None, h, w, 3]``, RGB pixels in
       [0, 255] already at ``image_size`` -> ``{"embedding": ...}`` (no resizing).
 
@@ -80,6 +87,9 @@ def export_saved_model(
             appended to the model before export.
         crop_fraction: see above; 1.0 keeps the whole short side.
         resize_method, antialias: passed to ``tf.image.resize``.
+        max_pixels: largest width x height (as the image header declares it; all frames
+            of a GIF together) that ``serving_default`` decodes; default 40 megapixels
+            (see ``tfaploss.export.image_ops.DEFAULT_MAX_PIXELS`` for why).
         overwrite: replace an existing ``path/<version>``; otherwise it is an error.
         verbose: print Keras's summary of the exported endpoints.
 
@@ -91,6 +101,7 @@ def export_saved_model(
     model per signature.
     """
     image_size = tuple(int(s) for s in image_size)
+    max_pixels = check_max_pixels(max_pixels)
     if whitening is not None:
         from models.whitening import with_whitening
 
@@ -115,7 +126,7 @@ def export_saved_model(
 
     def serve_bytes(image_bytes):
         images = decode_images(image_bytes, image_size, crop_fraction, resize_method,
-                               antialias)
+                               antialias, max_pixels)
         return embed(images)
 
     def serve_pixels(images):
@@ -147,6 +158,7 @@ def export_saved_model(
                     "crop_fraction": crop_fraction,
                     "resize_method": resize_method,
                     "antialias": antialias,
+                    "max_pixels": max_pixels,
                     "embedding_dim": int(model.output_shape[-1]),
                     "whitening": whitening is not None,
                     "model_name": model.name,
