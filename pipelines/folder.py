@@ -121,7 +121,8 @@ def _list_class(listing: Listing, cls: str, path: str, rel_cls: str) -> None:
 
     def visit(dirpath: str, rel_dir: str, real_dir: str) -> None:
         try:
-            entries = sorted(os.scandir(dirpath), key=lambda e: e.name)
+            # Real files before links to them, so a link is what gets reported.
+            entries = sorted(os.scandir(dirpath), key=lambda e: (e.is_symlink(), e.name))
         except OSError as e:
             listing.add_dead(cls, rel_dir + "/", I.UNREADABLE_FOLDER,
                              f"cannot list folder {rel_dir}/: {e.strerror or e}")

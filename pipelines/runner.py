@@ -310,8 +310,11 @@ def _layout(args, plan: SplitPlan) -> _Layout:
 
 def _batches(plan: SplitPlan, lay: _Layout, per_batch: int, root: str | None):
     n = len(plan.records)
-    for shard in range(lay.num_shards):
-        lo, hi = shard * n // lay.num_shards, (shard + 1) * n // lay.num_shards
+    bounds = collections.defaultdict(list)
+    for i in range(n):
+        bounds[shard_of(i, n, lay.num_shards)].append(i)
+    for shard, members in sorted(bounds.items()):
+        lo, hi = members[0], members[-1] + 1
         for start in range(lo, hi, per_batch):
             recs = plan.records[start:min(start + per_batch, hi)]
             yield {"split": plan.name, "shard": shard, "num_shards": lay.num_shards,
@@ -438,10 +441,11 @@ def run_job(job: str, plans: list[SplitPlan], args, options) -> dict[str, dict]:
         if m["failure_fraction"] > args.max_failure_fraction:
             too_many.append(f"{plan.name}: {m['num_failures']} of {m['num_inputs']} inputs "
                             f"failed ({m['failure_fraction']:.2%})")
-    LOG.info("%s: %d images in %.1f s (%.1f images/s; start-up %.1f s, then %.1f images/s "
-             "with %d image threads per worker)", job, timing["images"], timing["seconds"],
-             timing["images_per_second"], timing["startup_seconds"],
-             timing["steady_images_per_second"], threads)
+    steady = (f", then {timing['steady_images_per_second']:.1f} images/s"
+              if timing["steady_images_per_second"] else "")
+    LOG.info("%s: %d images in %.1f s (%.1f images/s; start-up %.1f s%s; %d image threads "
+             "per worker)", job, timing["images"], timing["seconds"],
+             timing["images_per_second"], timing["startup_seconds"], steady, threads)
     LAST_TIMING.clear()
     LAST_TIMING.update(timing, threads=threads)
     if too_many:
