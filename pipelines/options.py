@@ -82,7 +82,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None):
     args._started = started
     if not args.verbose and not any(a.startswith("--default_sdk_harness_log_level")
                                     for a in beam_argv):
-        beam_argv = [*beam_argv, "--default_sdk_harness_log_level", "WARNING"]
+        beam_argv = [*beam_argv, "--default_sdk_harness_log_level", "ERROR"]
     options = PipelineOptions(beam_argv)
     standard = options.view_as(StandardOptions)
     direct = options.view_as(DirectOptions)

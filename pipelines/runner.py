@@ -142,7 +142,8 @@ def _fault_after_images() -> int:
 class ProcessBatchDoFn(beam.DoFn):
     """A batch of work-list records -> per-image Examples, by-class items and a report.
 
-    Main output: ``((split, shard, num_shards), [(index, id, example), ...])``;
+    Main output: ``((split, shard, num_shards), [(index, id, framed example), ...])``
+    (framed: TFRecord length, CRCs and bytes, ready to be concatenated);
     ``classes``: ``((split, class_shard, num_class_shards), [(label, id, super, jpeg)])``
     for splits with a by-class layout; ``report``: one dict per batch with the counts
     per (label, super_label), the dead letters and the batch's wall-clock span.
@@ -167,6 +168,9 @@ class ProcessBatchDoFn(beam.DoFn):
         if getattr(self, "pool", None) is not None:
             self.pool.shutdown(wait=False)
 
+    def start_bundle(self):
+        self.pending = collections.deque()
+
     def _one(self, record: dict):
         s = self.settings
         try:
@@ -176,16 +180,35 @@ class ProcessBatchDoFn(beam.DoFn):
             jpeg, h, w = I.process_image_bytes(
                 data, max_side=s["max_side"], jpeg_quality=s["jpeg_quality"],
                 min_side=s["min_side"], max_pixels=s["max_pixels"], bbox=record.get("bbox"))
-            return jpeg, X.image_example(record, jpeg, h, w)
+            # Framed (with its CRCs) here, on the pool, not later in the single writer.
+            return jpeg, X.frame_record(X.image_example(record, jpeg, h, w))
         except I.ImageError as e:
             return dead_letter(record, e.code, e.detail)
         except Exception as e:  # noqa: BLE001 - one odd file must not stop the job
             return dead_letter(record, I.UNDECODABLE, f"{type(e).__name__}: {e}")
 
     def process(self, batch: dict):
-        t0 = time.time()
+        # Batches are submitted as they come and emitted two behind, so the threads never
+        # wait for the slowest image of a batch before starting the next one.
         records = batch["records"]
-        results = (list(self.pool.map(self._one, records)) if self.pool
+        futures = [self.pool.submit(self._one, r) for r in records] if self.pool else None
+        self.pending.append((batch, futures, time.time()))
+        while len(self.pending) > 2:
+            yield from self._emit(*self.pending.popleft())
+
+    def finish_bundle(self):
+        from apache_beam.transforms.window import GlobalWindows
+
+        while self.pending:
+            for out in self._emit(*self.pending.popleft()):
+                if isinstance(out, beam.pvalue.TaggedOutput):
+                    yield beam.pvalue.TaggedOutput(out.tag, GlobalWindows.windowed_value(out.value))
+                else:
+                    yield GlobalWindows.windowed_value(out)
+
+    def _emit(self, batch: dict, futures, t0: float):
+        records = batch["records"]
+        results = ([f.result() for f in futures] if futures is not None
                    else [self._one(r) for r in records])
         split = batch["split"]
         examples, dead, counts, classes = [], [], collections.Counter(), {}
@@ -193,9 +216,9 @@ class ProcessBatchDoFn(beam.DoFn):
             if isinstance(res, dict):
                 dead.append(res)
                 continue
-            jpeg, example = res
+            jpeg, framed = res
             label, sup = int(r.get("label", -1)), int(r.get("super_label", -1))
-            examples.append((int(r["index"]), r["id"], example))
+            examples.append((int(r["index"]), r["id"], framed))
             counts[(label, sup)] += 1
             if batch.get("num_class_shards") and label >= 0:
                 cs = shard_of(label, batch["num_labels"], batch["num_class_shards"])
@@ -224,7 +247,7 @@ class WriteShardDoFn(beam.DoFn):
         (split, shard, num_shards), batches = keyed
         items = sorted((t for b in batches for t in b), key=lambda t: (t[0], t[1]))
         name = f"images-{shard:05d}-of-{num_shards:05d}.tfrecord"
-        _write_records(join(self.stage, split, name), [t[2] for t in items])
+        _write_file(join(self.stage, split, name), b"".join(t[2] for t in items))
         yield split, name, len(items)
 
 
@@ -245,7 +268,8 @@ class WriteClassShardDoFn(beam.DoFn):
         records = [r for label in sorted(per_class)
                    for r in X.class_chunk_examples(label, per_class[label], self.chunk_size)]
         name = f"classes-{shard:05d}-of-{num_shards:05d}.tfrecord"
-        _write_records(join(self.stage, split, "by_class", name), records)
+        _write_file(join(self.stage, split, "by_class", name),
+                    b"".join(X.frame_record(r) for r in records))
         yield split, name, len(records)
 
 
@@ -260,13 +284,10 @@ class WriteReportDoFn(beam.DoFn):
         yield self.path
 
 
-def _write_records(path: str, records: list[bytes]) -> None:
-    import io
-
-    buf = io.BytesIO()
-    X.write_tfrecords(buf, records)
-    storage.makedirs(os.path.dirname(path)) if not storage.is_url(path) else None
-    storage.write_atomic(path, buf.getvalue())
+def _write_file(path: str, data: bytes) -> None:
+    if not storage.is_url(path):
+        storage.makedirs(os.path.dirname(path))
+    storage.write_atomic(path, data)
 
 
 # ------------------------------------------------------------------------------- running

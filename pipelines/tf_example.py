@@ -167,12 +167,17 @@ def _masked_crc(data: bytes) -> bytes:
     return struct.pack("<I", (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF)
 
 
+def frame_record(data: bytes) -> bytes:
+    """One TFRecord: length, its masked CRC-32C, the bytes, their masked CRC-32C."""
+    length = struct.pack("<Q", len(data))
+    return length + _masked_crc(length) + data + _masked_crc(data)
+
+
 def write_tfrecords(f: BinaryIO, records: Iterable[bytes]) -> int:
     """Write ``records`` to the open binary file ``f`` in TFRecord framing; returns how
     many were written."""
     n = 0
     for data in records:
-        length = struct.pack("<Q", len(data))
-        f.write(length + _masked_crc(length) + data + _masked_crc(data))
+        f.write(frame_record(data))
         n += 1
     return n
