@@ -44,7 +44,7 @@ from PIL import Image
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from pipelines import folder, runner  # noqa: E402
+from pipelines import folder, images, runner  # noqa: E402
 
 
 def generate(root: str, num_images: int, num_classes: int, size=(800, 600)) -> None:
@@ -165,6 +165,11 @@ def main(argv=None) -> int:
         for path in files:  # page cache
             with open(path, "rb") as f:
                 f.read()
+        for path in files[:20]:  # the floor does the job's work, byte for byte
+            with open(path, "rb") as f:
+                job_jpeg = images.process_image_bytes(f.read(), max_side=args.max_side)[0]
+            if job_jpeg != bare_image_work(path, args.max_side):
+                raise SystemExit(f"the floor loop and the job encode {path} differently")
         print("one-core floor (bare PIL loop)...", flush=True)
         floor_rate, floor_cpu = floor(files, args.max_side)
         rows.append(("one-core floor: PIL decode+RGB+resize+JPEG encode", floor_rate,
@@ -203,14 +208,14 @@ def main(argv=None) -> int:
             shutil.rmtree(work, ignore_errors=True)
 
     width = max(len(r[0]) for r in rows)
-    print(f"\n{args.num_images} images 800x600 -> --max_side {args.max_side}, "
+    print(f"\n{len(files)} images 800x600 -> --max_side {args.max_side}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     print(f"{'measurement'.ljust(width)}  {'value':>8}  {'unit':8}  x floor")
     for name, value, unit, base in rows:
         ratio = f"{value / base:6.2f}" if base else ""
         print(f"{name.ljust(width)}  {value:8.2f}  {unit:8}  {ratio}")
     os.makedirs(args.results, exist_ok=True)
-    result = {"args": vars(args), "cpus": os.cpu_count(), "machine": platform.platform(),
+    result = {"args": vars(args), "num_images": len(files), "cpus": os.cpu_count(), "machine": platform.platform(),
               "load_average": os.getloadavg()[0],
               "rows": [{"measurement": n, "value": v, "unit": u,
                         "ratio_to_floor": (v / b if b else None)} for n, v, u, b in rows]}
