@@ -44,7 +44,7 @@ from PIL import Image
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from pipelines import folder, images, runner  # noqa: E402
+from pipelines import folder, images, runner
 
 
 def generate(root: str, num_images: int, num_classes: int, size=(800, 600)) -> None:
@@ -201,8 +201,8 @@ def main(argv=None) -> int:
             print("m_per_class input pipeline...", flush=True)
             bps = input_pipeline(os.path.join(work, "out", "train"), args.batch_size, args.m,
                                  args.batches)
-            rows.append((f"m_per_class sampler, B={args.batch_size} (m={args.m}), 224x224 "
-                         "augmented", bps, "batches/s", None))
+            name = f"m_per_class sampler, B={args.batch_size} (m={args.m}), 224x224 augmented"
+            rows.append((name, bps, "batches/s", None))
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

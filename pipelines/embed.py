@@ -49,15 +49,15 @@ from pipelines import console, storage
 
 beam = console.import_beam_quietly()
 
-from apache_beam.ml.inference.base import (  # noqa: E402
+from apache_beam.ml.inference.base import (
     KeyedModelHandler,
     ModelHandler,
     PredictionResult,
     RunInference,
 )
-from apache_beam.options.pipeline_options import PipelineOptions  # noqa: E402
+from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipelines.runner import TooManyFailuresError, main_wrapper  # noqa: E402
+from pipelines.runner import TooManyFailuresError, main_wrapper
 
 LOG = logging.getLogger("pipelines.embed")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".bmp")

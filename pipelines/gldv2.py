@@ -27,8 +27,8 @@ import io
 import json
 import sys
 
-from pipelines import options as opts
 from pipelines import images as I
+from pipelines import options as opts
 from pipelines import runner as R
 from pipelines import storage
 

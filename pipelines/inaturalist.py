@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import sys
 
-from pipelines import options as opts
 from pipelines import images as I
+from pipelines import options as opts
 from pipelines import runner as R
 from pipelines import storage
 

@@ -14,7 +14,7 @@ from pipelines import console
 
 console.import_beam_quietly()
 
-from apache_beam.options.pipeline_options import (  # noqa: E402
+from apache_beam.options.pipeline_options import (
     DirectOptions,
     PipelineOptions,
     StandardOptions,

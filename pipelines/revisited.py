@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import sys
 
-from pipelines import options as opts
 from pipelines import images as I
+from pipelines import options as opts
 from pipelines import runner as R
 from pipelines import storage
 from tfaploss.utils import safe_pickle

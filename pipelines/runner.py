@@ -39,9 +39,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from pipelines import console
+from pipelines import console, storage
 from pipelines import images as I
-from pipelines import storage
 from pipelines import tf_example as X
 
 beam = console.import_beam_quietly()
@@ -322,7 +321,7 @@ def _layout(args, plan: SplitPlan) -> _Layout:
     n = plan.num_records_hint or len(plan.records)
     num_shards = max(1, min(_num_shards(args, n), n or 1))
     labels = [r.get("label", -1) for r in plan.records]
-    num_labels = max([len(plan.label_map), *(x + 1 for x in labels)] or [1]) or 1
+    num_labels = max(1, len(plan.label_map), *(x + 1 for x in labels))
     planned_classes = len({x for x in labels if x >= 0}) or len(plan.label_map) or 1
     class_shards = (max(1, min(num_shards, planned_classes))
                     if _wants_by_class(args, plan) else 0)

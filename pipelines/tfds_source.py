@@ -22,9 +22,7 @@ import sys
 import apache_beam as beam
 
 from pipelines import options as opts
-from pipelines import images as I
 from pipelines import runner as R
-from pipelines import storage
 
 
 def parser():

@@ -11,7 +11,7 @@ It is now split by what it does:
 * :mod:`pipelines.storage`: files, atomic writes and the staged publish.
 """
 
-from pipelines.images import *  # noqa: F403
+from pipelines.images import *
 from pipelines.images import ImageError, process_image_bytes, read_bytes  # noqa: F401
 from pipelines.runner import (  # noqa: F401
     SplitPlan,
