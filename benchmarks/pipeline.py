@@ -107,6 +107,7 @@ def job_in_process(root: str, out: str, max_side: int, extra: list[str]) -> dict
     timing = dict(runner.LAST_TIMING)
     cpu = (c2.ru_utime - c.ru_utime) + (c2.ru_stime - c.ru_stime)
     return {"images": n, "wall": wall, "rate": n / wall, "startup": timing["startup_seconds"],
+            "finish": timing["finish_seconds"],
             "steady": timing["steady_images_per_second"], "threads": timing["threads"],
             "cpu_per_image": cpu / n}
 
@@ -180,6 +181,8 @@ def main(argv=None) -> int:
         rows += [(f"{label}, incl. start-up", r["rate"], "images/s", floor_rate),
                  (f"{label}, steady state", r["steady"], "images/s", floor_rate),
                  (f"{label}, start-up", r["startup"], "s", None),
+                 (f"{label}, finish (write shards, manifest, publish)", r["finish"], "s",
+                  None),
                  (f"{label}, CPU per image (floor: {1000 * floor_cpu:.1f} ms)",
                   1000 * r["cpu_per_image"], "ms", None)]
         print("folder job, defaults, python -m pipelines.folder...", flush=True)

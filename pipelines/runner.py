@@ -452,6 +452,8 @@ def run_job(job: str, plans: list[SplitPlan], args, options) -> dict[str, dict]:
         storage.publish(join(stage, plan.name), join(out, plan.name))
     storage.remove_tree(stage)
     timing["seconds"] = time.time() - started
+    # Grouping, writing the shards and by-class records, manifests and publish.
+    timing["finish_seconds"] = time.time() - timing.pop("_last_batch_end", started)
     timing["images_per_second"] = timing["images"] / max(timing["seconds"], 1e-9)
     for plan in plans:
         m = manifests[plan.name]
@@ -479,7 +481,8 @@ def run_job(job: str, plans: list[SplitPlan], args, options) -> dict[str, dict]:
 LAST_TIMING: dict = {}
 """Wall-clock figures of the last :func:`run_job` in this process (for benchmarks):
 ``images``, ``seconds``, ``images_per_second``, ``startup_seconds`` (job start to the
-first image work), ``steady_images_per_second`` (after the first batch finished)."""
+first image work), ``steady_images_per_second`` (after the first batch finished),
+``finish_seconds`` (last batch to published), ``planning_seconds``, ``threads``."""
 
 
 def _timing(report: list[dict], started: float, beam_started: float) -> dict:
@@ -492,7 +495,8 @@ def _timing(report: list[dict], started: float, beam_started: float) -> dict:
     after = sum(r["n"] for r in report if r["t1"] > first_end)
     steady = after / (last_end - first_end) if last_end > first_end else 0.0
     return {"images": n, "startup_seconds": min(r["t0"] for r in report) - started,
-            "steady_images_per_second": steady, "planning_seconds": beam_started - started}
+            "steady_images_per_second": steady, "planning_seconds": beam_started - started,
+            "_last_batch_end": last_end}
 
 
 def _finish_split(job: str, plan: SplitPlan, args, report: list[dict], split_dir: str) -> dict:
