@@ -11,8 +11,29 @@ It is now split by what it does:
 * :mod:`pipelines.storage`: files, atomic writes and the staged publish.
 """
 
-from pipelines.images import *
-from pipelines.images import ImageError, process_image_bytes, read_bytes  # noqa: F401
+from pipelines.images import (  # noqa: F401
+    BAD_ANNOTATION,
+    BAD_BOX,
+    BAD_FILE_NAME,
+    DUPLICATE_ID,
+    EMPTY_FILE,
+    IMAGE_EXTENSIONS,
+    MISSING_FILE,
+    TOO_LARGE,
+    TOO_SMALL,
+    TRUNCATED,
+    UNDECODABLE,
+    UNREADABLE_FOLDER,
+    UNSAFE_PATH,
+    ImageError,
+    crop_box,
+    decode_image,
+    encode_jpeg,
+    process_image_bytes,
+    read_bytes,
+    resize_max_side,
+    to_rgb,
+)
 from pipelines.runner import (  # noqa: F401
     SplitPlan,
     TooManyFailuresError,
