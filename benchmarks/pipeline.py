@@ -1,28 +1,39 @@
-"""Benchmark: the folder Beam job and the m_per_class input pipeline.
+"""Benchmark: the folder Beam job against the one-core floor, and the input pipeline.
 
 1. Generates ``--num_images`` 800x600 JPEGs (smooth colour fields plus noise, so they
-   compress like photos) in a class-per-folder tree of ``--num_classes`` classes.
-2. Images per second of a plain single-process Python loop doing the job's per-image
-   work (read, decode, RGB, EXIF, resize to ``--max_side``, JPEG encode, Example): the
-   speed limit of one core.
-3. Images per second of ``python -m pipelines.folder --max_side 512`` on the local
-   DirectRunner (multi_processing) with 1 and 2 workers, wall clock including Beam's
-   start-up, the by_class layout and the manifest.
-4. Batches per second of ``tfaploss.data.make_train_dataset(sampler="m_per_class")``
-   feeding 224x224 RandomResizedCrop + flip images from those TFRecords.
+   compress like photos) in a class-per-folder tree of ``--num_classes`` classes, and
+   reads them once so that every measurement finds them in the page cache.
+2. **Floor**: one core running the bare PIL loop the job cannot avoid (decode with
+   JPEG draft, RGB, BICUBIC resize to ``--max_side``, JPEG encode at quality 90), with
+   the same settings as the job, so the same output bytes.
+3. **Job**: ``pipelines.folder --max_side 512`` with its defaults (the local
+   DirectRunner in one process, image work on one thread per core), in-process:
+   images/s including start-up (planning, Beam set-up, the by_class layout, manifest,
+   publish), start-up seconds (job start to the first image work) and steady-state
+   images/s (after the first batch), each with its ratio to the floor. Also the same
+   job through ``python -m pipelines.folder`` (adds the interpreter and imports), and
+   any extra ``--modes`` (e.g. Beam's multi_processing with 2 workers).
+4. CPU-seconds per image of the job against the floor: a figure a busy machine does
+   not distort as much as wall-clock rates.
+5. Optionally (``--input_pipeline``) batches per second of
+   ``tfaploss.data.make_train_dataset(sampler="m_per_class")``.
 
 Prints a table and writes ``benchmarks/results/pipeline.json``.
 
-    python benchmarks/pipeline.py --num_images 2000
+    python benchmarks/pipeline.py --num_images 600
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import math
 import os
 import platform
+import resource
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,10 +41,10 @@ import time
 import numpy as np
 from PIL import Image
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
-from pipelines import folder
-from pipelines import transforms as T
+from pipelines import folder, images, runner
 
 
 def generate(root: str, num_images: int, num_classes: int, size=(800, 600)) -> None:
@@ -54,24 +65,63 @@ def generate(root: str, num_images: int, num_classes: int, size=(800, 600)) -> N
             print(f"  generated {i + 1}/{num_images}", flush=True)
 
 
-def plain_loop(root: str, max_side: int) -> float:
-    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)
-    t = time.perf_counter()
-    for i, path in enumerate(files):
-        jpeg, hh, ww = T.process_image_bytes(T.read_bytes(path), max_side=max_side,
-                                             jpeg_quality=90)
-        T.image_example({"id": path, "path": path, "label": 0}, jpeg, hh, ww)
-    return len(files) / (time.perf_counter() - t)
+def _files(root: str) -> list[str]:
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)
 
 
-def beam_job(root: str, out: str, max_side: int, workers: int) -> tuple[float, dict]:
+def bare_image_work(path: str, max_side: int) -> bytes:
+    """The floor's per-image work: what no job can skip."""
+    with open(path, "rb") as f:
+        img = Image.open(io.BytesIO(f.read()))
+    w, h = img.size
+    s = max_side / max(w, h)
+    img.draft("RGB", (math.ceil(w * s), math.ceil(h * s)))
+    img = img.convert("RGB")
+    w, h = img.size
+    s = max_side / max(w, h)
+    img = img.resize((round(w * s), round(h * s)), Image.Resampling.BICUBIC, reducing_gap=3.0)
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=90, optimize=False)
+    return buf.getvalue()
+
+
+def floor(files: list[str], max_side: int) -> tuple[float, float]:
+    """(images/s, CPU-seconds per image) of the bare loop on one core."""
+    for path in files[:20]:
+        bare_image_work(path, max_side)  # warm-up: code paths, allocator
+    t, c = time.perf_counter(), time.process_time()
+    for path in files:
+        bare_image_work(path, max_side)
+    return len(files) / (time.perf_counter() - t), (time.process_time() - c) / len(files)
+
+
+def job_in_process(root: str, out: str, max_side: int, extra: list[str]) -> dict:
     shutil.rmtree(out, ignore_errors=True)
+    c = resource.getrusage(resource.RUSAGE_SELF)
     t = time.perf_counter()
     manifests = folder.run(["--input_dir", root, "--output_dir", out, "--max_side",
-                            str(max_side), "--direct_running_mode", "multi_processing",
-                            "--direct_num_workers", str(workers)])
-    elapsed = time.perf_counter() - t
-    return manifests["train"]["num_images"] / elapsed, manifests["train"]
+                            str(max_side), *extra])
+    wall = time.perf_counter() - t
+    c2 = resource.getrusage(resource.RUSAGE_SELF)
+    n = manifests["train"]["num_images"]
+    timing = dict(runner.LAST_TIMING)
+    cpu = (c2.ru_utime - c.ru_utime) + (c2.ru_stime - c.ru_stime)
+    return {"images": n, "wall": wall, "rate": n / wall, "startup": timing["startup_seconds"],
+            "finish": timing["finish_seconds"],
+            "steady": timing["steady_images_per_second"], "threads": timing["threads"],
+            "cpu_per_image": cpu / n}
+
+
+def job_cli(root: str, out: str, max_side: int) -> tuple[float, int]:
+    shutil.rmtree(out, ignore_errors=True)
+    t = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "pipelines.folder", "--input_dir", root,
+                           "--output_dir", out, "--max_side", str(max_side)], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": REPO}, capture_output=True,
+                          text=True, check=True)
+    wall = time.perf_counter() - t
+    n = int(done.stdout.split()[1])
+    return n / wall, n
 
 
 def input_pipeline(split_dir: str, batch_size: int, m: int, batches: int) -> float:
@@ -91,10 +141,13 @@ def input_pipeline(split_dir: str, batch_size: int, m: int, batches: int) -> flo
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--num_images", type=int, default=2000)
+    p.add_argument("--num_images", type=int, default=600)
     p.add_argument("--num_classes", type=int, default=50)
     p.add_argument("--max_side", type=int, default=512)
-    p.add_argument("--workers", default="1,2", help="DirectRunner worker counts to time")
+    p.add_argument("--modes", default="multi_processing:2",
+                   help="extra DirectRunner modes to time, e.g. multi_processing:2 ('' none)")
+    p.add_argument("--input_pipeline", action="store_true",
+                   help="also time the m_per_class input pipeline (imports TensorFlow)")
     p.add_argument("--batch_size", type=int, default=32)
     p.add_argument("--m", type=int, default=4)
     p.add_argument("--batches", type=int, default=30)
@@ -104,41 +157,71 @@ def main(argv=None) -> int:
 
     work = args.workdir or tempfile.mkdtemp(prefix="tfaploss_bench_")
     root = os.path.join(work, "images")
-    rows = []
+    rows = []  # (measurement, value, unit, floor or None)
     try:
         if not os.path.isdir(root):
             print(f"generating {args.num_images} 800x600 JPEGs in {root}", flush=True)
             generate(root, args.num_images, args.num_classes)
-        print("plain Python loop...", flush=True)
-        rate = plain_loop(root, args.max_side)
-        rows.append(("plain Python loop (1 process)", "images/s", rate))
-        manifest = None
-        for workers in [int(w) for w in args.workers.split(",")]:
-            print(f"folder job, DirectRunner multi_processing, {workers} worker(s)...",
-                  flush=True)
-            rate, manifest = beam_job(root, os.path.join(work, f"out{workers}"),
-                                      args.max_side, workers)
-            rows.append((f"folder job, DirectRunner, {workers} worker(s)", "images/s", rate))
-        print("m_per_class input pipeline...", flush=True)
-        last = os.path.join(work, f"out{args.workers.split(',')[-1]}", "train")
-        bps = input_pipeline(last, args.batch_size, args.m, args.batches)
-        name = f"m_per_class sampler, B={args.batch_size} (m={args.m}), 224x224 augmented"
-        rows.append((name, "batches/s", bps))
-        rows.append(("  same, in images", "images/s", bps * args.batch_size))
+        files = _files(root)
+        for path in files:  # page cache
+            with open(path, "rb") as f:
+                f.read()
+        for path in files[:20]:  # the floor does the job's work, byte for byte
+            with open(path, "rb") as f:
+                job_jpeg = images.process_image_bytes(f.read(), max_side=args.max_side)[0]
+            if job_jpeg != bare_image_work(path, args.max_side):
+                raise SystemExit(f"the floor loop and the job encode {path} differently")
+        print("one-core floor (bare PIL loop)...", flush=True)
+        floor_rate, floor_cpu = floor(files, args.max_side)
+        rows.append(("one-core floor: PIL decode+RGB+resize+JPEG encode", floor_rate,
+                     "images/s", None))
+        print("folder job, defaults, in-process...", flush=True)
+        r = job_in_process(root, os.path.join(work, "out"), args.max_side, [])
+        label = f"folder job (1 process, {r['threads']} image threads)"
+        rows += [(f"{label}, incl. start-up", r["rate"], "images/s", floor_rate),
+                 (f"{label}, steady state", r["steady"], "images/s", floor_rate),
+                 (f"{label}, start-up", r["startup"], "s", None),
+                 (f"{label}, finish (write shards, manifest, publish)", r["finish"], "s",
+                  None),
+                 (f"{label}, CPU per image (floor: {1000 * floor_cpu:.1f} ms)",
+                  1000 * r["cpu_per_image"], "ms", None)]
+        print("folder job, defaults, python -m pipelines.folder...", flush=True)
+        rate, _ = job_cli(root, os.path.join(work, "out_cli"), args.max_side)
+        rows.append(("python -m pipelines.folder, incl. interpreter and imports", rate,
+                     "images/s", floor_rate))
+        for mode in filter(None, args.modes.split(",")):
+            name, _, workers = mode.partition(":")
+            extra = ["--direct_running_mode", name]
+            if workers:
+                extra += ["--direct_num_workers", workers]
+            print(f"folder job, {mode}...", flush=True)
+            r = job_in_process(root, os.path.join(work, f"out_{name}"), args.max_side, extra)
+            label = f"folder job ({name}, {workers or 1} workers x {r['threads']} threads)"
+            rows += [(f"{label}, incl. start-up", r["rate"], "images/s", floor_rate),
+                     (f"{label}, steady state", r["steady"], "images/s", floor_rate),
+                     (f"{label}, start-up", r["startup"], "s", None)]
+        if args.input_pipeline:
+            print("m_per_class input pipeline...", flush=True)
+            bps = input_pipeline(os.path.join(work, "out", "train"), args.batch_size, args.m,
+                                 args.batches)
+            name = f"m_per_class sampler, B={args.batch_size} (m={args.m}), 224x224 augmented"
+            rows.append((name, bps, "batches/s", None))
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
 
     width = max(len(r[0]) for r in rows)
-    print(f"\n{args.num_images} images 800x600 -> --max_side {args.max_side}, "
-          f"{os.cpu_count()} CPUs")
-    print(f"{'measurement'.ljust(width)}  {'value':>9}  unit")
-    for name, unit, value in rows:
-        print(f"{name.ljust(width)}  {value:9.2f}  {unit}")
+    print(f"\n{len(files)} images 800x600 -> --max_side {args.max_side}, "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    print(f"{'measurement'.ljust(width)}  {'value':>8}  {'unit':8}  x floor")
+    for name, value, unit, base in rows:
+        ratio = f"{value / base:6.2f}" if base else ""
+        print(f"{name.ljust(width)}  {value:8.2f}  {unit:8}  {ratio}")
     os.makedirs(args.results, exist_ok=True)
-    result = {"args": vars(args), "cpus": os.cpu_count(), "machine": platform.platform(),
-              "num_images_written": manifest["num_images"] if manifest else None,
-              "rows": [{"measurement": n, "unit": u, "value": v} for n, u, v in rows]}
+    result = {"args": vars(args), "num_images": len(files), "cpus": os.cpu_count(), "machine": platform.platform(),
+              "load_average": os.getloadavg()[0],
+              "rows": [{"measurement": n, "value": v, "unit": u,
+                        "ratio_to_floor": (v / b if b else None)} for n, v, u, b in rows]}
     with open(os.path.join(args.results, "pipeline.json"), "w") as f:
         json.dump(result, f, indent=1)
     return 0

@@ -1,6 +1,8 @@
 """Apache Beam jobs that turn raw image datasets into sharded TFRecords.
 
-One job per source, all sharing :mod:`pipelines.transforms`::
+One job per source, all sharing :mod:`pipelines.runner` (plan -> Beam -> publish),
+:mod:`pipelines.images` (the per-image work) and :mod:`pipelines.tf_example` (the
+record format)::
 
     python -m pipelines.sop          --input_dir SOP_ROOT    --output_dir OUT [Beam options]
     python -m pipelines.inaturalist  --input_dir INAT_ROOT   --output_dir OUT
@@ -12,8 +14,8 @@ One job per source, all sharing :mod:`pipelines.transforms`::
 Each module also exposes ``run(argv: list[str] | None = None) -> dict`` that runs the
 job in-process and returns ``{split: manifest_dict}``. Beam's own options
 (``--runner``, ``--direct_num_workers``, ``--project``, ``--setup_file ./setup.py``, ...)
-pass through; without ``--runner`` the job runs on the local DirectRunner in
-multi-process mode with one worker per CPU.
+pass through; without ``--runner`` the job runs on the local DirectRunner in one
+process whose image work runs on one thread per CPU (``--image_threads``).
 
 Output layout (one folder per split)::
 
@@ -22,8 +24,13 @@ Output layout (one folder per split)::
                                                    one record per class chunk (train splits)
     OUT/<split>/manifest.json                      counts, label map, options, failures
     OUT/<split>/dead_letters.jsonl                 one JSON object per rejected input
+    OUT/<split>/ignored_files.jsonl                files deliberately left out, with why
 
-Per-image ``tf.train.Example`` schema (:data:`pipelines.transforms.IMAGE_FEATURES`):
+Record ``i`` of a split's ``n`` (sorted by id) is in shard ``i * num_shards // n``; a
+shard with no record is not written. A rerun writes into ``OUT/.incoming/`` and swaps
+each split in only when it is complete (:mod:`pipelines.storage`).
+
+Per-image ``tf.train.Example`` schema (:data:`pipelines.tf_example.IMAGE_FEATURES`):
 
 =========================== ========= ===================================================
 key                         type      meaning
@@ -45,7 +52,7 @@ key                         type      meaning
                                       images cropped to a box (revisited queries)
 =========================== ========= ===================================================
 
-Per-class ("by_class") record schema (:data:`pipelines.transforms.CLASS_FEATURES`), the
+Per-class ("by_class") record schema (:data:`pipelines.tf_example.CLASS_FEATURES`), the
 layout :mod:`tfaploss.data` samples P classes x m images from while streaming:
 
 ============================ ========= ==================================================

@@ -24,6 +24,11 @@ path to ``tfaploss.evaluation.evaluate``)::
                                              could not be read or decoded
     EMB/manifest.json                        counts, model, options
 
+A re-run writes the new version into ``.EMB.incoming`` beside ``EMB`` and swaps it in
+only when the embeddings, dead letters and manifest are all written
+(:func:`pipelines.storage.publish`): killed midway, the previous output stays intact.
+``EMB`` must be new, empty, or an earlier output of this job.
+
 An undecodable image does not stop the job or the batch: the batch is retried image
 by image and the bad one goes to the dead letters. The job exits 1 when more than
 ``--max_failure_fraction`` of the inputs fail. Without ``--runner`` the local
@@ -40,7 +45,10 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import apache_beam as beam
+from pipelines import console, storage
+
+beam = console.import_beam_quietly()
+
 from apache_beam.ml.inference.base import (
     KeyedModelHandler,
     ModelHandler,
@@ -49,7 +57,7 @@ from apache_beam.ml.inference.base import (
 )
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipelines.transforms import TooManyFailuresError, main_wrapper
+from pipelines.runner import TooManyFailuresError, main_wrapper
 
 LOG = logging.getLogger("pipelines.embed")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".bmp")
@@ -251,6 +259,11 @@ class ToExampleDoFn(beam.DoFn):
     def __init__(self):
         self.ok = beam.metrics.Metrics.counter(_COUNTER_NS, "embedded")
 
+    def setup(self):
+        spec = os.environ.get(storage.FAULT_ENV, "")
+        self.fault_after = int(spec.split(":", 1)[1]) if spec.startswith("images:") else 0
+        self.done = 0
+
     def process(self, keyed):
         from tfaploss.evaluation.embedding_files import embedding_example
 
@@ -261,6 +274,9 @@ class ToExampleDoFn(beam.DoFn):
                                                       "reason": inference["error"]})
             return
         self.ok.inc()
+        self.done += 1
+        if self.fault_after and self.done >= self.fault_after:
+            storage.fault_point(os.environ[storage.FAULT_ENV])  # crash tests only
         yield embedding_example(inference, image_id, label)
 
 
@@ -287,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch_size", type=int, default=32, help="largest RunInference batch")
     p.add_argument("--num_shards", type=int, default=0, help="output shards (0: Beam decides)")
     p.add_argument("--max_failure_fraction", type=float, default=0.01)
+    p.add_argument("--verbose", action="store_true", help="also show Beam's INFO logging")
     return p
 
 
@@ -307,9 +324,13 @@ def run(argv: list[str] | None = None) -> dict:
         raise FileNotFoundError(f"--model {args.model!r} is not a SavedModel directory "
                                 "(no saved_model.pb); pass the version folder, e.g. export/1.")
     kind, inputs, _ = list_inputs(args.input, args.input_format)
-    gfile.makedirs(args.output)
-    for old in gfile.glob(os.path.join(args.output, "embeddings-*")):
-        gfile.remove(old)  # a re-run must not mix old shards with new ones
+    final = args.output.rstrip("/")
+    storage.recover(final)
+    storage.check_owned(final)
+    parent, base = os.path.split(final)
+    stage = storage.join(parent or ".", f".{base}.incoming")
+    storage.remove_tree(stage)  # what a killed run left; never the live output
+    storage.makedirs(stage)
 
     handler = KeyedModelHandler(SavedModelBytesHandler(
         args.model, args.signature, args.input_key, args.output_key,
@@ -333,25 +354,25 @@ def run(argv: list[str] | None = None) -> dict:
                 | "ToExample" >> beam.ParDo(ToExampleDoFn()).with_outputs(
                     "failed", main="ok"))
     _ = embedded.ok | "WriteEmbeddings" >> beam.io.WriteToTFRecord(
-        os.path.join(args.output, "embeddings"), file_name_suffix=".tfrecord",
+        os.path.join(stage, "embeddings"), file_name_suffix=".tfrecord",
         num_shards=args.num_shards)
     _ = ((parsed.failed, embedded.failed) | "AllFailures" >> beam.Flatten()
          | "FailuresToJson" >> beam.Map(_jsonl)
          | "WriteFailures" >> beam.io.WriteToText(
-             os.path.join(args.output, DEAD_LETTERS), shard_name_template="",
+             os.path.join(stage, DEAD_LETTERS), shard_name_template="",
              num_shards=1))
     result = pipeline.run()
     result.wait_until_finish()
 
-    dead_path = os.path.join(args.output, DEAD_LETTERS)
+    dead_path = os.path.join(stage, DEAD_LETTERS)
     failures = []
     if gfile.exists(dead_path):
         with gfile.GFile(dead_path, "r") as f:
             failures = [json.loads(line) for line in f if line.strip()]
     shards = sorted(os.path.basename(p)
-                    for p in gfile.glob(os.path.join(args.output, "embeddings-*")))
+                    for p in gfile.glob(os.path.join(stage, "embeddings-*")))
     num_inputs = None if kind == "tfrecord" else len(inputs)
-    embedded_count = _embedded_count(result, shards, args.output)
+    embedded_count = _embedded_count(result, shards, stage)
     total = embedded_count + len(failures)
     manifest = {
         "input": args.input, "input_format": kind, "model": args.model,
@@ -360,8 +381,9 @@ def run(argv: list[str] | None = None) -> dict:
         "shards": shards, "dead_letters": DEAD_LETTERS,
         "format": "tfaploss.evaluation.embedding_files",
     }
-    with gfile.GFile(os.path.join(args.output, MANIFEST), "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
+    storage.write_json(os.path.join(stage, MANIFEST), manifest, indent=1, sort_keys=True)
+    storage.publish(stage, final)
+    dead_path = os.path.join(final, DEAD_LETTERS)
     LOG.info("embedded %d images, %d failures -> %s", embedded_count, len(failures),
              args.output)
     if total and len(failures) > args.max_failure_fraction * total:

@@ -12,7 +12,7 @@ manifest, not failures). Labels are contiguous ``0..C-1`` (sorted landmark id).
 (``id,landmark_id``); ``test`` queries (``test/a/b/c/<id>.jpg``) come from
 ``retrieval_solution_v2.1.csv`` (``id,images,Usage``; ``images`` are the relevant index
 ids or ``None``) and get the label of their relevant index images. The ground truth is
-written as JSON to ``OUTPUT_DIR/test/ground_truth.json``:
+written as JSON to ``OUTPUT_DIR/test/ground_truth.json`` (published with the test records):
 ``[{"id", "relevant": [index ids], "usage"}]``.
 
     python -m pipelines.gldv2 --input_dir gldv2 --output_dir out/gldv2 \\
@@ -27,8 +27,10 @@ import io
 import json
 import sys
 
+from pipelines import images as I
 from pipelines import options as opts
-from pipelines import transforms as T
+from pipelines import runner as R
+from pipelines import storage
 
 
 def parser():
@@ -48,21 +50,19 @@ def parser():
 
 def image_path(root: str, folder: str, image_id: str) -> tuple[str, str]:
     rel = f"{folder}/{image_id[0]}/{image_id[1]}/{image_id[2]}/{image_id}.jpg"
-    return T.join(root, rel), rel
+    return storage.join(root, rel), rel
 
 
 def _read_csv(path: str) -> tuple[list[str], list[tuple[int, list[str]]]]:
-    gfile = T._gfile()
-    if not gfile.exists(path):
+    if not storage.exists(path):
         raise FileNotFoundError(f"GLDv2 file not found: {path}")
-    with gfile.GFile(path) as f:
-        reader = csv.reader(io.StringIO(f.read()))
-        header = next(reader, [])
-        return header, [(i, row) for i, row in enumerate(reader, start=2)]
+    reader = csv.reader(io.StringIO(storage.read_text(path)))
+    header = next(reader, [])
+    return header, [(i, row) for i, row in enumerate(reader, start=2)]
 
 
 def _bad(path: str, lineno: int, row, why: str) -> dict:
-    return {"id": f"line {lineno}", "path": ",".join(row)[:200], "reason": T.BAD_ANNOTATION,
+    return {"id": f"line {lineno}", "path": ",".join(row)[:200], "reason": I.BAD_ANNOTATION,
             "detail": f"{path}:{lineno}: {why}"}
 
 
@@ -94,26 +94,26 @@ def read_train(path: str) -> tuple[list[tuple[str, int]], list[dict]]:
     return pairs, bad
 
 
-def plan_train(args) -> list[T.SplitPlan]:
-    pairs, bad = read_train(T.join(args.input_dir, args.train_csv))
+def plan_train(args) -> list[R.SplitPlan]:
+    pairs, bad = read_train(storage.join(args.input_dir, args.train_csv))
     counts = collections.Counter(lm for _, lm in pairs)
     keep = {lm for lm, n in counts.items() if n >= args.min_images_per_class}
-    labels = T.contiguous_labels(keep)
+    labels = R.contiguous_labels(keep)
     records = []
     for image_id, lm in pairs:
         if lm in keep:
             path, rel = image_path(args.input_dir, "train", image_id)
             records.append({"id": image_id, "path": path, "relpath": rel,
                             "label": labels[lm], "super_label": -1, "class_text": str(lm)})
-    records, dups = T.dedupe_and_index(records)
+    records, dups = R.dedupe_and_index(records)
     dropped = {"num_classes_below_min": len(counts) - len(keep),
                "num_images_below_min": sum(n for lm, n in counts.items() if lm not in keep)}
-    return [T.SplitPlan("train", records, bad + dups,
+    return [R.SplitPlan("train", records, bad + dups,
                         label_map={v: str(k) for k, v in labels.items()}, extra=dropped)]
 
 
-def plan_retrieval(args) -> list[T.SplitPlan]:
-    index_csv = T.join(args.input_dir, args.index_csv)
+def plan_retrieval(args) -> list[R.SplitPlan]:
+    index_csv = storage.join(args.input_dir, args.index_csv)
     header, rows = _read_csv(index_csv)
     if header[:2] != ["id", "landmark_id"]:
         raise ValueError(f"{index_csv}: expected header 'id,landmark_id', got {header}")
@@ -125,15 +125,15 @@ def plan_retrieval(args) -> list[T.SplitPlan]:
             index_lm[row[0]] = int(row[1].split()[0])
         except (ValueError, IndexError) as e:
             bad_index.append(_bad(index_csv, lineno, row, str(e)))
-    labels = T.contiguous_labels(index_lm.values())
+    labels = R.contiguous_labels(index_lm.values())
     index_records = []
     for image_id, lm in index_lm.items():
         path, rel = image_path(args.input_dir, "index", image_id)
         index_records.append({"id": image_id, "path": path, "relpath": rel,
                               "label": labels[lm], "super_label": -1, "class_text": str(lm)})
-    index_records, dups = T.dedupe_and_index(index_records)
+    index_records, dups = R.dedupe_and_index(index_records)
 
-    solution_csv = T.join(args.input_dir, args.solution_csv)
+    solution_csv = storage.join(args.input_dir, args.solution_csv)
     header, rows = _read_csv(solution_csv)
     if header[:2] != ["id", "images"]:
         raise ValueError(f"{solution_csv}: expected header 'id,images,Usage', got {header}")
@@ -153,16 +153,14 @@ def plan_retrieval(args) -> list[T.SplitPlan]:
         test_records.append({"id": row[0], "path": path, "relpath": rel, "label": label,
                              "super_label": -1,
                              "class_text": str(known[0]) if known else ""})
-    test_records, test_dups = T.dedupe_and_index(test_records)
-    gfile = T._gfile()
-    gfile.makedirs(T.join(args.output_dir, "test"))
-    with gfile.GFile(T.join(args.output_dir, "test", "ground_truth.json"), "w") as f:
-        json.dump(sorted(truth, key=lambda t: t["id"]), f, sort_keys=True)
+    test_records, test_dups = R.dedupe_and_index(test_records)
+    truth_json = json.dumps(sorted(truth, key=lambda t: t["id"]), sort_keys=True)
     label_map = {v: str(k) for k, v in labels.items()}
-    return [T.SplitPlan("index", index_records, bad_index + dups, label_map=label_map,
+    return [R.SplitPlan("index", index_records, bad_index + dups, label_map=label_map,
                         by_class=False),
-            T.SplitPlan("test", test_records, bad_test + test_dups, label_map=label_map,
-                        by_class=False, extra={"ground_truth": "ground_truth.json"})]
+            R.SplitPlan("test", test_records, bad_test + test_dups, label_map=label_map,
+                        by_class=False, extra={"ground_truth": "ground_truth.json"},
+                        files={"ground_truth.json": truth_json})]
 
 
 def run(argv: list[str] | None = None) -> dict[str, dict]:
@@ -171,8 +169,8 @@ def run(argv: list[str] | None = None) -> dict[str, dict]:
     if args.min_images_per_class < 1:
         raise ValueError(f"--min_images_per_class must be >= 1, got {args.min_images_per_class}")
     plans = plan_train(args) if args.subset == "train" else plan_retrieval(args)
-    return T.run_job("gldv2", plans, args, options)
+    return R.run_job("gldv2", plans, args, options)
 
 
 if __name__ == "__main__":
-    sys.exit(T.main_wrapper(run))
+    sys.exit(R.main_wrapper(run))

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import sys
 
+from pipelines import images as I
 from pipelines import options as opts
-from pipelines import transforms as T
+from pipelines import runner as R
+from pipelines import storage
 
 
 def parser():
@@ -30,11 +32,9 @@ def parser():
 
 
 def read_list(path: str) -> tuple[list[dict], list[dict]]:
-    gfile = T._gfile()
-    if not gfile.exists(path):
+    if not storage.exists(path):
         raise FileNotFoundError(f"iNaturalist split list not found: {path}")
-    with gfile.GFile(path) as f:
-        lines = f.read().splitlines()
+    lines = storage.read_text(path).splitlines()
     rows, bad = [], []
     for lineno, line in enumerate(lines, start=1):
         rel = line.strip()
@@ -42,7 +42,7 @@ def read_list(path: str) -> tuple[list[dict], list[dict]]:
             continue
         parts = rel.split("/")
         if len(parts) < 3 or not parts[-2].isdigit():
-            bad.append({"id": rel, "path": rel, "reason": T.BAD_ANNOTATION,
+            bad.append({"id": rel, "path": rel, "reason": I.BAD_ANNOTATION,
                         "detail": f"{path}:{lineno}: expected <supercategory>/<category id>/"
                                   "<file>.jpg at the end of the path"})
             continue
@@ -50,21 +50,21 @@ def read_list(path: str) -> tuple[list[dict], list[dict]]:
     return rows, bad
 
 
-def plan(args) -> list[T.SplitPlan]:
+def plan(args) -> list[R.SplitPlan]:
     lists = {"train": args.train_list, "test": args.test_list}
     plans = []
     for split in [s.strip() for s in args.splits.split(",") if s.strip()]:
         if split not in lists:
             raise ValueError(f"--splits: unknown split {split!r}; expected train and/or test")
-        rows, bad = read_list(T.join(args.input_dir, lists[split]))
-        labels = T.contiguous_labels(r["class_id"] for r in rows)
-        supers = T.contiguous_labels(r["super_name"] for r in rows)
-        records = [{"id": r["relpath"], "path": T.join(args.input_dir, r["relpath"]),
+        rows, bad = read_list(storage.join(args.input_dir, lists[split]))
+        labels = R.contiguous_labels(r["class_id"] for r in rows)
+        supers = R.contiguous_labels(r["super_name"] for r in rows)
+        records = [{"id": r["relpath"], "path": storage.join(args.input_dir, r["relpath"]),
                     "relpath": r["relpath"], "label": labels[r["class_id"]],
                     "super_label": supers[r["super_name"]], "class_text": str(r["class_id"])}
                    for r in rows]
-        records, dups = T.dedupe_and_index(records)
-        plans.append(T.SplitPlan(split, records, bad + dups,
+        records, dups = R.dedupe_and_index(records)
+        plans.append(R.SplitPlan(split, records, bad + dups,
                                  label_map={v: str(k) for k, v in labels.items()},
                                  super_label_map={v: k for k, v in supers.items()}))
     return plans
@@ -73,8 +73,8 @@ def plan(args) -> list[T.SplitPlan]:
 def run(argv: list[str] | None = None) -> dict[str, dict]:
     """Run the job in-process; returns ``{split: manifest}``."""
     args, options = opts.parse_args(parser(), argv)
-    return T.run_job("inaturalist", plan(args), args, options)
+    return R.run_job("inaturalist", plan(args), args, options)
 
 
 if __name__ == "__main__":
-    sys.exit(T.main_wrapper(run))
+    sys.exit(R.main_wrapper(run))

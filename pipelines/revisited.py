@@ -19,11 +19,12 @@ refuses anything but plain containers, numbers, strings and numpy arrays.
 
 from __future__ import annotations
 
-import json
 import sys
 
+from pipelines import images as I
 from pipelines import options as opts
-from pipelines import transforms as T
+from pipelines import runner as R
+from pipelines import storage
 from tfaploss.utils import safe_pickle
 
 DATASETS = ("roxford5k", "rparis6k")
@@ -65,37 +66,54 @@ def load_ground_truth(path: str) -> dict:
     return gnd
 
 
-def plan(args) -> list[T.SplitPlan]:
+def plan(args) -> tuple[list[R.SplitPlan], dict]:
+    """The two splits, and the ground truth (written by :func:`run` once they are out).
+
+    Image names come from the pickle, which is untrusted: a name that would leave
+    ``--input_dir/--images_subdir`` (``..``, an absolute path, a URL) is a dead letter
+    with reason ``unsafe_path``, and so is a file that is a symlink to elsewhere
+    (checked when it is read).
+    """
     gnd_name = f"gnd_{args.dataset}"
-    gnd = load_ground_truth(T.join(args.input_dir, f"{gnd_name}.pkl"))
-    gfile = T._gfile()
-    gfile.makedirs(args.output_dir)
-    with gfile.GFile(T.join(args.output_dir, f"{gnd_name}.json"), "w") as f:
-        json.dump(gnd, f)
+    gnd = load_ground_truth(storage.join(args.input_dir, f"{gnd_name}.pkl"))
 
     def records(names, boxes=None):
-        out = []
+        out, unsafe = [], []
         for i, name in enumerate(names):
             rel = f"{args.images_subdir}/{name}.jpg"
-            r = {"id": name, "path": T.join(args.input_dir, rel), "relpath": rel,
+            r = {"id": str(name), "path": storage.join(args.input_dir, rel), "relpath": rel,
                  "index": i, "label": -1, "super_label": -1, "class_text": ""}
+            why = I.safe_relpath(name)
+            if why is not None:
+                unsafe.append(R.dead_letter(r, I.UNSAFE_PATH, f"{name!r} in the ground "
+                                                              f"truth: {why}"))
+                continue
             if boxes is not None:
                 r["bbox"] = [float(v) for v in boxes[i]]
             out.append(r)
-        return T.dedupe_and_index(out)
+        kept, dups = R.dedupe_and_index(out)
+        return kept, unsafe + dups
 
     db, db_dups = records(gnd["imlist"])
     queries, q_dups = records(gnd["qimlist"], [q["bbx"] for q in gnd["gnd"]])
     extra = {"ground_truth": f"../{gnd_name}.json", "dataset": args.dataset}
-    return [T.SplitPlan("database", db, db_dups, extra=extra, by_class=False),
-            T.SplitPlan("queries", queries, q_dups, extra=extra, by_class=False)]
+    return [R.SplitPlan("database", db, db_dups, extra=extra, by_class=False),
+            R.SplitPlan("queries", queries, q_dups, extra=extra, by_class=False)], gnd
 
 
 def run(argv: list[str] | None = None) -> dict[str, dict]:
     """Run the job in-process; returns ``{"database": manifest, "queries": manifest}``."""
     args, options = opts.parse_args(parser(), argv)
-    return T.run_job("revisited", plan(args), args, options)
+    plans, gnd = plan(args)
+    truth = storage.join(args.output_dir, f"gnd_{args.dataset}.json")
+    try:
+        manifests = R.run_job("revisited", plans, args, options)
+    except R.TooManyFailuresError:
+        storage.write_json(truth, gnd)  # the splits were published
+        raise
+    storage.write_json(truth, gnd)
+    return manifests
 
 
 if __name__ == "__main__":
-    sys.exit(T.main_wrapper(run))
+    sys.exit(R.main_wrapper(run))

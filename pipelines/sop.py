@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import sys
 
+from pipelines import images as I
 from pipelines import options as opts
-from pipelines import transforms as T
+from pipelines import runner as R
+from pipelines import storage
 
 SPLIT_FILES = {"train": "Ebay_train.txt", "test": "Ebay_test.txt"}
 
@@ -28,12 +30,10 @@ def parser():
 
 def read_annotations(path: str) -> tuple[list[dict], list[dict]]:
     """Rows of an Ebay_*.txt file as dicts, and dead letters for malformed rows."""
-    gfile = T._gfile()
-    if not gfile.exists(path):
+    if not storage.exists(path):
         raise FileNotFoundError(f"SOP annotation file not found: {path}")
     rows, bad = [], []
-    with gfile.GFile(path) as f:
-        lines = f.read().splitlines()
+    lines = storage.read_text(path).splitlines()
     header = lines[0].split() if lines else []
     if header != ["image_id", "class_id", "super_class_id", "path"]:
         raise ValueError(f"{path}: expected header 'image_id class_id super_class_id path', "
@@ -48,28 +48,28 @@ def read_annotations(path: str) -> tuple[list[dict], list[dict]]:
             image_id, class_id, super_id = parts[0], int(parts[1]), int(parts[2])
         except ValueError as e:
             bad.append({"id": f"line {lineno}", "path": line.strip()[:200],
-                        "reason": T.BAD_ANNOTATION, "detail": f"{path}:{lineno}: {e}"})
+                        "reason": I.BAD_ANNOTATION, "detail": f"{path}:{lineno}: {e}"})
             continue
         rows.append({"id": image_id, "class_id": class_id, "super_id": super_id,
                      "relpath": parts[3], "super_name": parts[3].split("/")[0]})
     return rows, bad
 
 
-def plan(args) -> list[T.SplitPlan]:
+def plan(args) -> list[R.SplitPlan]:
     plans = []
     for split in [s.strip() for s in args.splits.split(",") if s.strip()]:
         if split not in SPLIT_FILES:
             raise ValueError(f"--splits: unknown split {split!r}; SOP has {list(SPLIT_FILES)}")
-        rows, bad = read_annotations(T.join(args.input_dir, SPLIT_FILES[split]))
-        labels = T.contiguous_labels(r["class_id"] for r in rows)
-        supers = T.contiguous_labels(r["super_id"] for r in rows)
+        rows, bad = read_annotations(storage.join(args.input_dir, SPLIT_FILES[split]))
+        labels = R.contiguous_labels(r["class_id"] for r in rows)
+        supers = R.contiguous_labels(r["super_id"] for r in rows)
         super_names = {supers[r["super_id"]]: r["super_name"] for r in rows}
-        records = [{"id": r["id"], "path": T.join(args.input_dir, r["relpath"]),
+        records = [{"id": r["id"], "path": storage.join(args.input_dir, r["relpath"]),
                     "relpath": r["relpath"], "label": labels[r["class_id"]],
                     "super_label": supers[r["super_id"]], "class_text": str(r["class_id"])}
                    for r in rows]
-        records, dups = T.dedupe_and_index(records)
-        plans.append(T.SplitPlan(split, records, bad + dups,
+        records, dups = R.dedupe_and_index(records)
+        plans.append(R.SplitPlan(split, records, bad + dups,
                                  label_map={v: str(k) for k, v in labels.items()},
                                  super_label_map=super_names))
     return plans
@@ -78,8 +78,8 @@ def plan(args) -> list[T.SplitPlan]:
 def run(argv: list[str] | None = None) -> dict[str, dict]:
     """Run the job in-process; returns ``{split: manifest}``."""
     args, options = opts.parse_args(parser(), argv)
-    return T.run_job("sop", plan(args), args, options)
+    return R.run_job("sop", plan(args), args, options)
 
 
 if __name__ == "__main__":
-    sys.exit(T.main_wrapper(run))
+    sys.exit(R.main_wrapper(run))

@@ -22,7 +22,7 @@ import sys
 import apache_beam as beam
 
 from pipelines import options as opts
-from pipelines import transforms as T
+from pipelines import runner as R
 
 
 def parser():
@@ -75,7 +75,7 @@ class ReadTfdsRange(beam.DoFn):
                    "class_text": str(label), "index": pos, "_bytes": ex[a.image_key]}
 
 
-def plan(args) -> list[T.SplitPlan]:
+def plan(args) -> list[R.SplitPlan]:
     builder = _builder(args.dataset, args.data_dir)
     info = builder.info
     splits = [s.strip() for s in args.splits.split(",") if s.strip()]
@@ -110,14 +110,14 @@ def plan(args) -> list[T.SplitPlan]:
         n = args.split_classes
         label_name = (lambda i: names[i]) if names else str
         return [
-            T.SplitPlan("train", [], label_map={i: label_name(i) for i in range(n)},
+            R.SplitPlan("train", [], label_map={i: label_name(i) for i in range(n)},
                         source=source(jobs, 0, (0, n)), num_records_hint=total),
-            T.SplitPlan("test", [], label_map={i - n: label_name(i)
+            R.SplitPlan("test", [], label_map={i - n: label_name(i)
                                                for i in range(n, num_classes)},
                         source=source(jobs, n, (n, num_classes)), num_records_hint=total),
         ]
     label_map = dict(enumerate(names))
-    return [T.SplitPlan(s, [], label_map=label_map,
+    return [R.SplitPlan(s, [], label_map=label_map,
                         source=source([j for j in jobs if j[0] == s], 0, None),
                         num_records_hint=info.splits[s].num_examples) for s in splits]
 
@@ -125,8 +125,8 @@ def plan(args) -> list[T.SplitPlan]:
 def run(argv: list[str] | None = None) -> dict[str, dict]:
     """Run the job in-process; returns ``{split: manifest}``."""
     args, options = opts.parse_args(parser(), argv)
-    return T.run_job("tfds_source", plan(args), args, options)
+    return R.run_job("tfds_source", plan(args), args, options)
 
 
 if __name__ == "__main__":
-    sys.exit(T.main_wrapper(run))
+    sys.exit(R.main_wrapper(run))

@@ -113,3 +113,39 @@ def test_embed_command_line_help_and_bad_model(tmp_path, monkeypatch, capsys):
     assert "--model" in out and "--input" in out and "--output" in out
     assert embed.main(["--input", str(tmp_path), "--model", str(tmp_path),
                        "--output", str(tmp_path / "o")]) == 2
+
+
+def test_embed_rerun_killed_midway_keeps_the_previous_output(tmp_path, exported):
+    import hashlib
+    import os
+    import subprocess
+
+    from pipelines import storage
+
+    root = tmp_path / "tree"
+    for cls, colour in (("cat", (220, 200, 20)), ("dog", (20, 20, 220))):
+        (root / cls).mkdir(parents=True)
+        for i in range(3):
+            (root / cls / f"{i}.jpg").write_bytes(_jpeg(colour, i))
+    out = tmp_path / "emb"
+    argv = ["--input", str(root), "--model", exported, "--output", str(out), "--batch_size", "2"]
+    first = embed.run(argv)
+
+    def snapshot():
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir()}
+
+    before = snapshot()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    killed = subprocess.run(
+        [sys.executable, "-m", "pipelines.embed", *argv, "--labels_from_folders"], cwd=repo,
+        env={**os.environ, "PYTHONPATH": repo, storage.FAULT_ENV: "images:3"},
+        capture_output=True, text=True, timeout=300, check=False)
+    assert killed.returncode == 75, killed.stderr[-2000:]
+    assert snapshot() == before
+    _, labels, ids = load_embeddings(str(out))
+    assert len(ids) == first["num_embedded"] == 6 and set(labels) == {-1}
+    # A complete rerun swaps the new output in (labels now from the folders).
+    embed.run([*argv, "--labels_from_folders"])
+    _, labels, _ = load_embeddings(str(out))
+    assert sorted(labels) == [0, 0, 0, 1, 1, 1]
+    assert not (tmp_path / ".emb.incoming").exists()

@@ -123,3 +123,40 @@ def test_class_chunks_are_balanced():
         [b"i0", b"i1", b"i2", b"i3"], [b"i4", b"i5", b"i6", b"i7", b"i8"]]
     assert [p["class/num_images"].int64_list.value[0] for p in parsed] == [9, 9]
     assert [p["class/chunk"].int64_list.value[0] for p in parsed] == [0, 1]
+
+
+def test_tfrecord_framing_is_byte_identical_to_tensorflow(tmp_path):
+    from pipelines import tf_example as X
+
+    records = [b"", b"x", T.serialize_example({"k": [1, 2]}), bytes(range(256)) * 300]
+    path = str(tmp_path / "tf.tfrecord")
+    with tf.io.TFRecordWriter(path) as w:
+        for r in records:
+            w.write(r)
+    buf = io.BytesIO()
+    assert X.write_tfrecords(buf, records) == 4
+    with open(path, "rb") as f:
+        assert buf.getvalue() == f.read()
+
+
+@pytest.mark.parametrize("fmt, exif", [("JPEG", None), ("JPEG", 1), ("JPEG", 6), ("PNG", None),
+                                       ("PNG", 3), ("WEBP", 8), ("TIFF", 6)])
+def test_orientation_fast_path_gives_what_exif_transpose_gives(fmt, exif):
+    from PIL import ImageOps
+
+    a = np.zeros((24, 32, 3), np.uint8)
+    a[:6, :6] = (255, 0, 0)
+    a[6:, 10:] = (10, 200, 30)
+    kw = {}
+    if exif is not None:
+        e = Image.Exif()
+        e[0x0112] = exif
+        kw["exif"] = e.tobytes()
+    data = _bytes(Image.fromarray(a), fmt, **kw)
+    got = T.process_image_bytes(data, max_side=16)
+    img = Image.open(io.BytesIO(data))
+    if fmt == "JPEG":
+        img.draft("RGB", (16, 12))  # what decode_image asks for 32x24 -> max_side 16
+    img = ImageOps.exif_transpose(img)  # the path before the fast one: always called
+    img = T.resize_max_side(img.convert("RGB"), 16)
+    assert got == (T.encode_jpeg(img, 90), img.size[1], img.size[0])

@@ -1,0 +1,210 @@
+"""Files for the jobs: local paths and Beam filesystem URLs, atomic writes, and the
+staged publish that keeps the previous dataset until the new one is complete.
+
+No TensorFlow here (its import costs seconds): local paths use ``os``, URLs
+(``gs://``, ``s3://``, ...) Beam's ``FileSystems``.
+
+A job writes a new version of each output folder into a staging folder beside it and
+calls :func:`publish` only when the records, dead letters and manifest are all there.
+Locally, publish exchanges the two folders in one ``renameat2(RENAME_EXCHANGE)`` call
+(Linux); elsewhere it renames the old folder aside, renames the new one in and then
+deletes the old one, and :func:`recover` (run at the start of every job) puts the old
+one back if a crash fell between the two renames. On object stores, where folders
+cannot be renamed, the old manifest is deleted first and the new one written last, so
+a manifest never describes records that are not there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import uuid
+
+FAULT_ENV = "TFAPLOSS_PIPELINES_FAULT"
+"""Fault injection for the crash tests: ``publish`` kills the process between the two
+renames of a publish; ``images:N`` (see :mod:`pipelines.runner`) after N images."""
+
+
+def fault_point(name: str) -> None:
+    if os.environ.get(FAULT_ENV) == name:
+        os._exit(75)
+
+
+def is_url(path: str) -> bool:
+    return "://" in path
+
+
+def join(root: str, *parts: str) -> str:
+    if is_url(root):
+        return "/".join([root.rstrip("/"), *parts])
+    return os.path.join(root, *parts)
+
+
+def _fs():
+    from apache_beam.io.filesystems import FileSystems
+
+    return FileSystems
+
+
+def exists(path: str) -> bool:
+    return _fs().exists(path) if is_url(path) else os.path.exists(path)
+
+
+def isdir(path: str) -> bool:
+    if is_url(path):
+        return bool(_fs().match([path.rstrip("/") + "/*"])[0].metadata_list)
+    return os.path.isdir(path)
+
+
+def makedirs(path: str) -> None:
+    if is_url(path):
+        return  # object stores have no folders
+    os.makedirs(path, exist_ok=True)
+
+
+def glob(pattern: str) -> list[str]:
+    if is_url(pattern):
+        return sorted(m.path for m in _fs().match([pattern])[0].metadata_list)
+    import glob as globlib
+
+    return sorted(globlib.glob(pattern))
+
+
+def listdir(path: str) -> list[str]:
+    """Names directly inside ``path`` (files and folders)."""
+    if is_url(path):
+        prefix = path.rstrip("/") + "/"
+        names = set()
+        for p in glob(prefix + "**"):
+            names.add(p[len(prefix):].split("/")[0])
+        return sorted(names)
+    return sorted(os.listdir(path))
+
+
+def read_text(path: str) -> str:
+    if is_url(path):
+        with _fs().open(path) as f:
+            return f.read().decode("utf-8")
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def write_atomic(path: str, data: bytes | str) -> None:
+    """Write ``data`` to ``path`` through a temporary name, renamed into place when
+    complete (a retried or killed writer never leaves a half file under ``path``)."""
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    if is_url(path):
+        with _fs().create(tmp) as f:
+            f.write(data)
+        _fs().rename([tmp], [path])
+        return
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json(path: str, obj, **kwargs) -> None:
+    write_atomic(path, json.dumps(obj, **kwargs))
+
+
+def remove_tree(path: str) -> None:
+    if is_url(path):
+        files = glob(path.rstrip("/") + "/**")
+        if files:
+            _fs().delete(files)
+        return
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _previous(final: str) -> str:
+    parent, base = os.path.split(final.rstrip("/"))
+    return os.path.join(parent, f".{base}.previous")
+
+
+def check_owned(folder: str, marker_keys=("job", "format")) -> None:
+    """Refuse to replace ``folder`` unless it is absent, empty, or was written by one of
+    these jobs (its ``manifest.json`` says so): a mistyped output path must not wipe a
+    user's own files."""
+    if not exists(folder) or not listdir(folder):
+        return
+    manifest = join(folder, "manifest.json")
+    try:
+        m = json.loads(read_text(manifest))
+        ours = any(str(m.get(k, "")).startswith(("pipelines.", "tfaploss."))
+                   for k in marker_keys)
+    except (OSError, ValueError):
+        ours = False
+    if not ours:
+        raise ValueError(
+            f"{folder!r} exists and was not written by a tfaploss pipelines job (no "
+            "manifest.json of ours); it would be replaced. Choose a new or empty output "
+            "folder, or delete it yourself.")
+
+
+def recover(final: str) -> None:
+    """Undo a publish that was killed between its two renames (local folders)."""
+    if is_url(final):
+        return
+    previous = _previous(final)
+    if os.path.exists(previous):
+        if os.path.exists(final):
+            shutil.rmtree(previous)
+        else:
+            os.rename(previous, final)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    if os.environ.get(FAULT_ENV) == "publish":
+        return False  # the crash test exercises the two-rename path
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    ok = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+    return ok
+
+
+def publish(staged: str, final: str) -> None:
+    """Replace the folder ``final`` by the complete folder ``staged`` (see module doc)."""
+    if is_url(final):
+        _publish_objects(staged, final)
+        return
+    if not os.path.exists(final):
+        os.rename(staged, final)
+        return
+    if _exchange(staged, final):
+        shutil.rmtree(staged)  # now holds the old version
+        return
+    previous = _previous(final)
+    shutil.rmtree(previous, ignore_errors=True)
+    os.rename(final, previous)
+    fault_point("publish")
+    os.rename(staged, final)
+    shutil.rmtree(previous)
+
+
+def _publish_objects(staged: str, final: str) -> None:
+    fs = _fs()
+    prefix = staged.rstrip("/") + "/"
+    new = [p for p in glob(prefix + "**")]
+    old = glob(final.rstrip("/") + "/**")
+    manifest = join(final, "manifest.json")
+    if manifest in old:
+        fs.delete([manifest])
+    stale = [p for p in old if p != manifest]
+    if stale:
+        fs.delete(stale)
+    rest = [p for p in new if not p.endswith("/manifest.json")]
+    last = [p for p in new if p.endswith("/manifest.json")]
+    for group in (rest, last):
+        if group:
+            fs.rename(group, [join(final, p[len(prefix):]) for p in group])
