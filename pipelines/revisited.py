@@ -25,6 +25,7 @@ from pipelines import images as I
 from pipelines import options as opts
 from pipelines import runner as R
 from pipelines import storage
+from tfaploss.evaluation.revisited import check_revisited_gnd
 from tfaploss.utils import safe_pickle
 
 DATASETS = ("roxford5k", "rparis6k")
@@ -38,31 +39,20 @@ def parser():
     return p
 
 
-def _plain(value):
-    """numpy arrays/scalars -> lists/numbers, recursively, for JSON."""
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return value
-
-
 def load_ground_truth(path: str) -> dict:
-    """Safely load and check a ``gnd_*.pkl``; returns it as plain JSON-able data."""
-    gnd = _plain(safe_pickle.safe_load_path(path))
-    missing = [k for k in ("imlist", "qimlist", "gnd") if k not in gnd]
+    """Safely load and check a ``gnd_*.pkl``; returns it as plain JSON-able data.
+
+    The pickle is untrusted: :mod:`tfaploss.utils.safe_pickle` builds nothing but plain
+    data, and :func:`check_revisited_gnd` refuses a wrong structure with a ValueError
+    naming the file and the key. The job also needs every query's box, to crop it.
+    """
+    gnd = check_revisited_gnd(safe_pickle.safe_load_path(path), path)
+    missing = [k for k in ("imlist", "qimlist") if not gnd[k]]
     if missing:
-        raise ValueError(f"{path}: ground truth lacks {missing}")
-    if len(gnd["gnd"]) != len(gnd["qimlist"]):
-        raise ValueError(f"{path}: {len(gnd['gnd'])} gnd entries for "
-                         f"{len(gnd['qimlist'])} queries")
+        raise ValueError(f"{path}: ground truth lacks (or has empty) {missing}")
     for i, q in enumerate(gnd["gnd"]):
-        if "bbx" not in q or len(q["bbx"]) != 4:
-            raise ValueError(f"{path}: query {i} has no 4-number 'bbx'")
+        if "bbx" not in q:
+            raise ValueError(f"{path}: 'gnd'[{i}] has no 'bbx' (the query's box)")
     return gnd
 
 

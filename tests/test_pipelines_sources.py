@@ -138,3 +138,20 @@ def test_revisited_refuses_a_pickle_carrying_a_callable(tmp_path):
         revisited.run(["--input_dir", str(root), "--output_dir", str(tmp_path / "out"),
                        "--dataset", "roxford5k", *IN_MEMORY])
     assert not (tmp_path / "out" / "gnd_roxford5k.json").exists()
+
+
+@pytest.mark.parametrize("gnd, key", [
+    ([1], r"'gnd'\[0\]"),
+    ([None], r"'gnd'\[0\]"),
+    ([{"easy": [0], "hard": [], "junk": [], "bbx": ["a", 1, 2, 3]}], r"'gnd'\[0\]\['bbx'\]"),
+    ([{"easy": [0], "hard": [], "junk": []}], r"'gnd'\[0\] has no 'bbx'"),
+])
+def test_revisited_job_names_file_and_key_for_a_wrong_structure(tmp_path, gnd, key):
+    root = tmp_path / "bad"
+    root.mkdir()
+    payload = {"imlist": ["a"], "qimlist": ["q"], "gnd": gnd}
+    (root / "gnd_roxford5k.pkl").write_bytes(pickle.dumps(payload, protocol=2))
+    with pytest.raises(ValueError, match=key) as err:
+        revisited.run(["--input_dir", str(root), "--output_dir", str(tmp_path / "out"),
+                       "--dataset", "roxford5k", *IN_MEMORY])
+    assert "gnd_roxford5k.pkl" in str(err.value)
