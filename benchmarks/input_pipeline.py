@@ -15,7 +15,8 @@ pipeline against the same step fed from batches cached in memory.
    ``build_model``, ``build_loss``, ``build_optimizer``, ``MultiStageModel.compile``),
    with ``data.train`` pointed at the generated split, random weights and
    ``--set`` overrides.
-3. Times ``model.fit`` for ``--steps`` steps (after ``--warmup`` steps) on
+3. Times ``model.fit`` for ``--steps`` steps (after ``--warmup`` steps), ``--rounds``
+   times alternately, on
    * the real pipeline, and
    * ``--cached`` batches taken from that same pipeline beforehand and replayed from
      memory (the floor: the same step with no input work),
@@ -127,6 +128,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--cached", type=int, default=4, help="distinct batches replayed")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="interleaved (cached, pipeline) timings; the best of each is kept")
     p.add_argument("--num_images", type=int, default=1200)
     p.add_argument("--num_classes", type=int, default=100)
     p.add_argument("--image_size_on_disk", default="500x375", help="WxH of the JPEGs")
@@ -168,10 +171,16 @@ def main(argv=None) -> int:
         ys = tf.stack([y for _, y in cached])
         cached_ds = tf.data.Dataset.from_tensor_slices((xs, ys)).repeat().prefetch(2)
 
-        floor = fit_rate(model, cached_ds, args.steps, args.warmup, b)
-        print(f"  step on cached batches      {floor:8.2f} images/s (the floor)", flush=True)
-        real = fit_rate(model, dataset, args.steps, args.warmup, b)
-        print(f"  step on the input pipeline  {real:8.2f} images/s", flush=True)
+        floor = real = 0.0
+        for r in range(args.rounds):  # interleaved, best of each: load on a shared
+            # machine hits both alike
+            c = fit_rate(model, cached_ds, args.steps, args.warmup, b)
+            print(f"  round {r + 1}: step on cached batches      {c:8.2f} images/s", flush=True)
+            x = fit_rate(model, dataset, args.steps, args.warmup, b)
+            print(f"  round {r + 1}: step on the input pipeline  {x:8.2f} images/s", flush=True)
+            floor, real = max(floor, c), max(real, x)
+        print(f"  best: cached {floor:.2f} images/s (the floor), input pipeline "
+              f"{real:.2f} images/s", flush=True)
         ratio = real / floor
         verdict = "met" if ratio >= 0.9 else "NOT met"
         print(f"\nratio real / cached = {ratio:.3f} (target >= 0.9: {verdict})")

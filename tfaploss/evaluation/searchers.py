@@ -33,7 +33,7 @@ import json
 import math
 import os
 import sys
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -202,7 +202,8 @@ class ExactSearcher(Searcher):
 
     backend = "exact"
     _returns_tie_order = True  # both engines order ties by index (see _tf_chunk_topk)
-    _DEFAULT_CHUNKS = {"numpy": (128, 8192), "tensorflow": (1024, 65536)}
+    _DEFAULT_CHUNKS: ClassVar[dict[str, tuple[int, int]]] = {
+        "numpy": (128, 8192), "tensorflow": (1024, 65536)}
 
     def __init__(self, database, query_chunk: int | None = None,
                  database_chunk: int | None = None, engine: str = "auto",
