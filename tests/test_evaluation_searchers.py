@@ -175,3 +175,15 @@ def test_exact_k_larger_than_database_and_exclusion_of_unreturned_index():
     want[exclude < 0] = _reference(q, db, 29)[exclude < 0]
     np.testing.assert_array_equal(idx, want)
     assert not np.any(idx == exclude[:, None])
+
+
+def test_score_blocks_cover_every_query_in_order_in_a_thread_pool():
+    from tfaploss.evaluation.exact_search import score_blocks
+
+    rng = np.random.default_rng(8)
+    db, q = _unit(rng, 50, 8), _unit(rng, 37, 8)
+    # 5 rows of 50 scores per block: 8 blocks, the last one short, over 2 threads.
+    parts = score_blocks(q, db, lambda q0, s: (q0, s.copy()), max_block_bytes=5 * 50 * 4,
+                         threads=2)
+    assert [p[0] for p in parts] == list(range(0, 37, 5))
+    np.testing.assert_allclose(np.concatenate([p[1] for p in parts]), q @ db.T, rtol=1e-6)
