@@ -14,6 +14,8 @@ TFDS = ["tensorflow-datasets>=4.9", "importlib_resources"]
 VIZ = ["matplotlib>=3.7"]
 DEMO = ["scikit-learn>=1.3"]
 TEST = ["pytest>=8", "pytest-xdist>=3"]
+# benchmarks/: faiss beside ScaNN (search.py), the PyTorch peers of the losses (losses.py).
+BENCH = ["faiss-cpu>=1.8", "torch", "pytorch-metric-learning>=2.9"]
 
 setup(
     name="tfaploss",
@@ -42,6 +44,7 @@ setup(
         "scann": SCANN,
         "tfds": TFDS,
         "viz": VIZ,
+        "bench": BENCH,
         "demo": DEMO + BEAM + SCANN + VIZ,
         "all": BEAM + SCANN + TFDS + VIZ + DEMO,
         "dev": BEAM + SCANN + TFDS + VIZ + DEMO + TEST + ["ruff"],

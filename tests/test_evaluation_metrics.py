@@ -137,3 +137,57 @@ def test_exclude_by_index_with_separate_database_equals_self_retrieval(smooth_ra
     assert separate == pytest.approx(self_mode)
     # Without the exclusion every query finds itself first.
     assert retrieval_metrics(x, y, x, y, ks=(1,))["recall@1"] == 1.0
+
+
+def _reference_per_query(q, q_y, db, db_y, exclude, depth, ks):
+    """Full (score desc, index asc) sort in float64 -> relevance matrix -> metrics."""
+    s = q.astype(np.float64) @ db.T.astype(np.float64)
+    rel_all = db_y[None, :] == q_y[:, None]
+    if exclude is not None:
+        rows = np.flatnonzero(exclude >= 0)
+        s[rows, exclude[rows]] = -np.inf
+        rel_all[rows, exclude[rows]] = False
+    order = np.lexsort((np.broadcast_to(np.arange(len(db)), s.shape), -s), axis=1)
+    n_avail = len(db) - (exclude is not None and np.any(exclude >= 0))
+    rel = np.take_along_axis(rel_all, order, 1)[:, :min(depth, n_avail)]
+    return per_query_metrics(rel, rel_all.sum(1), ks), rel_all.sum(1)
+
+
+@pytest.mark.parametrize("num_classes", [3, 60])  # classes of ~100 (sort) and ~5 (compare)
+@pytest.mark.parametrize("depth", [None, 7])
+def test_exact_metrics_from_positive_ranks_equal_full_sort_with_ties(num_classes, depth):
+    rng = np.random.default_rng(num_classes)
+    # Integer vectors: many exactly tied scores, across blocks and within positives.
+    db = rng.integers(-1, 2, (300, 3)).astype(np.float32)
+    db_y = rng.integers(0, num_classes, 300)
+    q = rng.integers(-1, 2, (41, 3)).astype(np.float32)
+    q_y = rng.integers(0, num_classes + 1, 41)  # label num_classes: a lone query
+    exclude = rng.integers(-1, 300, 41)
+    ks = (1, 5, 50)
+    got, details = retrieval_metrics(q, q_y, db, db_y, ks=ks, exclude=exclude,
+                                     map_depth=depth, return_details=True)
+    ref, r = _reference_per_query(q, q_y, db, db_y, exclude, depth or 300, ks)
+    valid = r > 0
+    assert details["lone_queries"] == int((~valid).sum()) > 0
+    for k in ks:
+        assert got[f"recall@{k}"] == pytest.approx(ref[f"hit@{k}"].mean(), abs=1e-12)
+    assert got["precision@1"] == pytest.approx(ref["p@1"][valid].mean(), abs=1e-12)
+    assert got["map@r"] == pytest.approx(ref["ap@r"][valid].mean(), abs=1e-12)
+    assert got["r_precision"] == pytest.approx(ref["r_prec"][valid].mean(), abs=1e-12)
+    assert got["map"] == pytest.approx(ref["ap"][valid].mean(), abs=1e-12)
+    np.testing.assert_allclose(details["per_query"]["ap"], ref["ap"], atol=1e-12)
+
+
+def test_metrics_from_ranks_equal_relevance_matrix_metrics():
+    from tfaploss.evaluation.metrics import metrics_from_ranks
+
+    rng = np.random.default_rng(11)
+    rel_full = rng.random((30, 40)) < 0.2
+    rel_full[3] = False  # a query without positives
+    num_relevant = rel_full.sum(1)
+    query, ranks = np.nonzero(rel_full)
+    for depth in (1, 9, 40):
+        want = per_query_metrics(rel_full[:, :depth], num_relevant, (1, 3, 20))
+        got = metrics_from_ranks(ranks + 1, query, 30, num_relevant, depth, (1, 3, 20))
+        for key, value in want.items():
+            np.testing.assert_allclose(got[key], value, atol=1e-12, err_msg=f"{key} {depth}")

@@ -3,8 +3,9 @@
 Three backends share one small interface (:class:`Searcher`):
 
 * ``"exact"`` -- :class:`ExactSearcher`: inner products by matrix multiplication and
-  a top-k, chunked over queries *and* database so that a 1M x 512 database never
-  needs a (queries x database) matrix in memory. TensorFlow (default) or NumPy.
+  a top-k, blocked over queries *and* database so that a 1M x 512 database never
+  needs a (queries x database) matrix in memory. NumPy/BLAS with a threshold top-k
+  on CPUs (close to the bare product's speed), TensorFlow on a GPU.
 * ``"scann"`` -- :class:`ScannSearcher` with ``mode="brute_force"``: ScaNN's exact
   float32 brute force.
 * ``"scann_ah"`` -- :class:`ScannSearcher` with ``mode="ah"``: ScaNN's partitioning
@@ -31,7 +32,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any
+import sys
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -89,6 +91,8 @@ class Searcher:
     """
 
     backend: str = "base"
+    # True when _search already returns rows sorted by (score desc, index asc).
+    _returns_tie_order: bool = False
 
     def __init__(self, database):
         database = _as_matrix(database, "database")
@@ -136,9 +140,16 @@ class Searcher:
         idx, sc = self._search(queries, fetch)
         idx = np.asarray(idx, np.int64)
         sc = np.asarray(sc, np.float32)
+        if self._returns_tie_order:
+            if exclude is not None:
+                # Move the excluded index (where it was returned) to the end, keeping
+                # the order of the rest; otherwise the last result is dropped (one
+                # more than needed was fetched).
+                order = np.argsort(idx == exclude[:, None], axis=1, kind="stable")
+                idx = np.take_along_axis(idx, order, 1)
+                sc = np.take_along_axis(sc, order, 1)
+            return np.ascontiguousarray(idx[:, :k]), np.ascontiguousarray(sc[:, :k])
         if exclude is not None:
-            # Drop the excluded index where it was returned; otherwise drop the last
-            # result (we fetched one more than needed).
             hit = idx == exclude[:, None]
             sc = np.where(hit, -np.inf, sc)
             idx = np.where(hit, -1, idx)
@@ -164,39 +175,72 @@ class Searcher:
 
 
 class ExactSearcher(Searcher):
-    """Exact inner-product search: chunked matmul + top-k.
+    """Exact inner-product search: blocked products + top-k.
+
+    Engines:
+
+    * ``"numpy"``: BLAS products over (query block x database block) tiles and a
+      threshold top-k that looks at most scores once (see
+      :mod:`tfaploss.evaluation.exact_search`), in a thread pool. On a CPU this runs
+      at close to the speed of the bare product ``queries @ database.T``.
+    * ``"tensorflow"``: ``tf.matmul`` + ``tf.math.top_k`` per chunk (use it on a GPU).
+    * ``"auto"`` (default): ``"tensorflow"`` when TensorFlow is already imported and
+      sees a GPU, else ``"numpy"``.
 
     Cost: ``O(Q * N * D)`` multiply-adds; memory ``O(query_chunk * database_chunk)``
-    for the score block plus ``O(query_chunk * k)`` for the running top-k, so a
-    1M x 512 database (2 GB of float32) is searched with a few hundred MB on top.
+    per thread for the score tile plus ``O(Q * k)`` for the results, so a 1M x 512
+    database (2 GB of float32) is searched with a few tens of MB on top.
 
     Args:
       database: (N, D) embeddings (copied to float32).
-      query_chunk: queries scored at once.
+      query_chunk: queries scored at once (default 128 numpy, 1024 tensorflow).
       database_chunk: database rows scored at once; the running top-k of earlier
-        chunks is merged with each new chunk.
-      engine: ``"tensorflow"`` (uses a GPU when TensorFlow sees one) or ``"numpy"``.
+        chunks is merged with each new chunk (default 8192 numpy, 65536 tensorflow).
+      engine: ``"auto"``, ``"numpy"`` or ``"tensorflow"``.
+      num_threads: threads of the numpy engine (0: every core this process may use).
     """
 
     backend = "exact"
+    _returns_tie_order = True  # both engines order ties by index (see _tf_chunk_topk)
+    _DEFAULT_CHUNKS: ClassVar[dict[str, tuple[int, int]]] = {
+        "numpy": (128, 8192), "tensorflow": (1024, 65536)}
 
-    def __init__(self, database, query_chunk: int = 1024, database_chunk: int = 65536,
-                 engine: str = "tensorflow"):
+    def __init__(self, database, query_chunk: int | None = None,
+                 database_chunk: int | None = None, engine: str = "auto",
+                 num_threads: int = 0):
         super().__init__(database)
-        if engine not in ("tensorflow", "numpy"):
-            raise ValueError(f"`engine` must be 'tensorflow' or 'numpy'; received {engine!r}.")
+        if engine not in ("auto", "tensorflow", "numpy"):
+            raise ValueError(f"`engine` must be 'auto', 'tensorflow' or 'numpy'; "
+                             f"received {engine!r}.")
         for name, v in (("query_chunk", query_chunk), ("database_chunk", database_chunk)):
-            if not isinstance(v, (int, np.integer)) or v < 1:
+            if v is not None and (not isinstance(v, (int, np.integer)) or v < 1):
                 raise ValueError(f"`{name}` must be a positive integer; received {v!r}.")
+        if not isinstance(num_threads, (int, np.integer)) or num_threads < 0:
+            raise ValueError(f"`num_threads` must be an integer >= 0; received {num_threads!r}.")
         self.database = _as_matrix(database, "database")
-        self.query_chunk = int(query_chunk)
-        self.database_chunk = int(database_chunk)
         self.engine = engine
+        self.query_chunk = None if query_chunk is None else int(query_chunk)
+        self.database_chunk = None if database_chunk is None else int(database_chunk)
+        self.num_threads = int(num_threads)
         self._tf_db = None
+
+    @property
+    def resolved_engine(self) -> str:
+        """The engine searches run on (``"auto"`` resolved)."""
+        if self.engine != "auto":
+            return self.engine
+        tf = sys.modules.get("tensorflow")
+        if tf is not None and tf.config.list_physical_devices("GPU"):
+            return "tensorflow"
+        return "numpy"
+
+    def _chunks(self, engine: str) -> tuple[int, int]:
+        q, d = self._DEFAULT_CHUNKS[engine]
+        return self.query_chunk or q, self.database_chunk or d
 
     def _config(self):
         return {"query_chunk": self.query_chunk, "database_chunk": self.database_chunk,
-                "engine": self.engine}
+                "engine": self.engine, "num_threads": self.num_threads}
 
     def _save(self, directory):
         np.save(os.path.join(directory, "database.npy"), self.database)
@@ -205,63 +249,30 @@ class ExactSearcher(Searcher):
     def _load(cls, directory, meta):
         db = np.load(os.path.join(directory, "database.npy"), allow_pickle=False)
         return cls(db, query_chunk=meta["query_chunk"], database_chunk=meta["database_chunk"],
-                   engine=meta["engine"])
+                   engine=meta["engine"], num_threads=meta.get("num_threads", 0))
 
     def _search(self, queries, k):
-        if self.engine == "numpy":
-            return self._search_numpy(queries, k)
+        engine = self.resolved_engine
+        if engine == "numpy":
+            from tfaploss.evaluation.exact_search import exact_topk
+
+            qc, dc = self._chunks(engine)
+            scores, idx = exact_topk(queries, self.database, k, query_block=qc,
+                                     database_block=dc, threads=self.num_threads)
+            return idx, scores
         return self._search_tf(queries, k)
-
-    def _search_numpy(self, queries, k):
-        out_i, out_s = [], []
-        for q0 in range(0, len(queries), self.query_chunk):
-            q = queries[q0:q0 + self.query_chunk]
-            best_i = np.full((len(q), 0), -1, np.int64)
-            best_s = np.full((len(q), 0), -np.inf, np.float32)
-            for d0 in range(0, self.size, self.database_chunk):
-                s = q @ self.database[d0:d0 + self.database_chunk].T
-                kk = min(k, s.shape[1])
-                part = np.argpartition(-s, kk - 1, axis=1)[:, :kk] if kk < s.shape[1] else (
-                    np.broadcast_to(np.arange(s.shape[1]), s.shape))
-                cand_i = np.concatenate([best_i, part + d0], axis=1)
-                cand_s = np.concatenate([best_s, np.take_along_axis(s, part, 1)], axis=1)
-                # argpartition may cut a tie group arbitrarily; re-rank the candidates
-                # with the lowest-index rule, then fix the boundary ties exactly.
-                cand_i, cand_s = sort_by_score_then_index(cand_i, cand_s)
-                best_i, best_s = cand_i[:, :k], cand_s[:, :k]
-                best_i, best_s = self._fix_boundary_ties(best_i, best_s, s, d0, k)
-            out_i.append(best_i)
-            out_s.append(best_s)
-        return np.concatenate(out_i), np.concatenate(out_s)
-
-    @staticmethod
-    def _fix_boundary_ties(best_i, best_s, s, d0, k):
-        # Rows whose k-th score also occurs in this chunk at a lower index than the
-        # one kept: recompute those rows with a full stable sort of the chunk.
-        kth = best_s[:, -1:]
-        ties = (s == kth).sum(1) > ((best_s == kth) & (best_i >= d0)).sum(1)
-        if not np.any(ties):
-            return best_i, best_s
-        for r in np.nonzero(ties)[0]:
-            row_i = np.concatenate([best_i[r], np.arange(s.shape[1]) + d0])
-            row_s = np.concatenate([best_s[r], s[r]])
-            row_i, uniq = np.unique(row_i, return_index=True)
-            row_s = row_s[uniq]
-            o = np.lexsort((row_i, -row_s.astype(np.float64)))[:k]
-            best_i[r], best_s[r] = row_i[o], row_s[o]
-        return best_i, best_s
 
     def _search_tf(self, queries, k):
         import tensorflow as tf
 
+        qc, dc = self._chunks("tensorflow")
         if self._tf_db is None:
-            self._tf_db = [tf.constant(self.database[d0:d0 + self.database_chunk])
-                           for d0 in range(0, self.size, self.database_chunk)]
-        offsets = list(range(0, self.size, self.database_chunk))
+            self._tf_db = [tf.constant(self.database[d0:d0 + dc])
+                           for d0 in range(0, self.size, dc)]
+        offsets = list(range(0, self.size, dc))
         out_i, out_s = [], []
-        for q0 in range(0, len(queries), self.query_chunk):
-            i, s = _tf_chunk_topk(tf.constant(queries[q0:q0 + self.query_chunk]),
-                                  self._tf_db, offsets, k)
+        for q0 in range(0, len(queries), qc):
+            i, s = _tf_chunk_topk(tf.constant(queries[q0:q0 + qc]), self._tf_db, offsets, k)
             out_i.append(i.numpy())
             out_s.append(s.numpy())
         return np.concatenate(out_i), np.concatenate(out_s)
@@ -293,32 +304,45 @@ def _tf_chunk_topk(q, db_chunks, offsets, k):
 def scann_ah_params(num_database: int, dim: int) -> dict[str, Any]:
     """Tree + AH + reorder parameters for a database of ``num_database`` x ``dim``.
 
-    Follows ScaNN's own recipe (``docs/algorithms.md``): about sqrt(N) leaves
-    (1,000 at 1M), a search of 10 % of them, 2 dimensions per AH block, anisotropic
-    threshold 0.2 for unit-norm data, and exact re-ordering of at least 250
-    candidates (``10 * k`` when more are asked for: on random 100k x 64 data with
-    every leaf searched, re-ordering 400 candidates gives recall@100 0.91, 2,000 give
-    0.999).
+    * ``num_leaves`` about sqrt(N) (548 at 300k, 1,000 at 1M; at most 4,000), and
+      ``num_leaves_to_search`` = max(50, 5 % of them): a leaf holds about sqrt(N)
+      points, so a fixed number of leaves keeps the scanned share falling with N
+      (9 % at 300k, 5 % at 1M) at the same recall.
+    * ``tree_training_sample_size`` = 250 points per leaf (all of a smaller set). This
+      is what recall depends on most: k-means trained on 55 points per leaf (30k
+      points, the former 10 % rule, at 300k) put the neighbours of a query into many
+      more leaves -- clustered 300k x 128, 55 of 548 leaves searched: recall@10 0.87
+      against 0.98 with 250 per leaf, at the same speed.
+    * AH: 2 dimensions per 4-bit block, anisotropic threshold 0.2 (unit-norm data),
+      codebooks trained on at most 100k points (``training_sample_size``); the
+      anisotropic loss costs nothing measurable in build time at 1M x 128.
+    * exact re-ordering of at least 250 candidates (``10 * k`` when more are asked
+      for: on random 100k x 64 data with every leaf searched, re-ordering 400
+      candidates gives recall@100 0.91, 2,000 give 0.999).
+
     Below 100,000 points the tree is skipped: scanning every 4-bit AH code is already
     fast there (20k x 64: ~0.1 ms per query) and a tree costs recall, badly so on
     embeddings without cluster structure (random 20k x 64, 141 leaves, 20 % searched:
     recall@10 0.68 against 0.995 without the tree).
+
+    Measured by ``benchmarks/search.py`` (clustered and random unit data, recall@10
+    against exact search, with faiss beside it).
     """
     n = int(num_database)
     params: dict[str, Any] = {
         "dimensions_per_block": 2,
         "anisotropic_quantization_threshold": 0.2,
         "reorder_num_neighbors": 250,
-        # Codebooks and k-means centres need ~10 % of a large set (ScaNN's 1M example
-        # trains on 100k); at least 10k points, or all of a small set.
-        "training_sample_size": min(n, max(10_000, min(100_000, n // 10))),
+        "training_sample_size": min(n, 100_000),
         "num_leaves": None,
         "num_leaves_to_search": None,
+        "tree_training_sample_size": None,
     }
     if n >= 100_000:
         num_leaves = int(min(round(math.sqrt(n)), 4000))
         params["num_leaves"] = num_leaves
-        params["num_leaves_to_search"] = math.ceil(num_leaves * 0.1)
+        params["num_leaves_to_search"] = min(num_leaves, max(50, math.ceil(0.05 * num_leaves)))
+        params["tree_training_sample_size"] = min(n, 250 * num_leaves)
     return params
 
 
@@ -336,15 +360,16 @@ class ScannSearcher(Searcher):
       mode: ``"brute_force"`` or ``"ah"``.
       num_neighbors: default k stored in the ScaNN config (searches may ask more).
       num_leaves, num_leaves_to_search, dimensions_per_block,
-      anisotropic_quantization_threshold, reorder_num_neighbors, training_sample_size:
-        ScaNN parameters (``mode="ah"`` only); ``num_leaves=None`` disables the tree.
+      anisotropic_quantization_threshold, reorder_num_neighbors, training_sample_size
+        (AH codebooks), tree_training_sample_size (k-means of the tree): ScaNN
+        parameters (``mode="ah"`` only); ``num_leaves=None`` disables the tree.
       num_threads: search/training threads (0 = ScaNN's default, all cores).
     """
 
     backend = "scann"
     _AH_KEYS = ("num_leaves", "num_leaves_to_search", "dimensions_per_block",
                 "anisotropic_quantization_threshold", "reorder_num_neighbors",
-                "training_sample_size")
+                "training_sample_size", "tree_training_sample_size")
 
     def __init__(self, database, mode: str = "ah", num_neighbors: int = 100,
                  num_threads: int = 0, _searcher=None, **ah_params):
@@ -375,6 +400,9 @@ class ScannSearcher(Searcher):
                                      f"database size); received {leaves!r}.")
                 if not self.params.get("num_leaves_to_search"):
                     self.params["num_leaves_to_search"] = math.ceil(0.1 * int(leaves))
+                if "tree_training_sample_size" not in ah_params:
+                    self.params["tree_training_sample_size"] = min(database.shape[0],
+                                                                   250 * int(leaves))
         self._searcher = self._build(database)
 
     def _build(self, db):
@@ -390,7 +418,7 @@ class ScannSearcher(Searcher):
                 builder = builder.tree(
                     num_leaves=int(p["num_leaves"]),
                     num_leaves_to_search=int(p["num_leaves_to_search"]),
-                    training_sample_size=int(p["training_sample_size"]))
+                    training_sample_size=int(p["tree_training_sample_size"]))
             builder = builder.score_ah(
                 int(p["dimensions_per_block"]),
                 anisotropic_quantization_threshold=float(p["anisotropic_quantization_threshold"]),
