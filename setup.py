@@ -38,6 +38,8 @@ setup(
         "numpy>=2",
         "pyyaml>=6",
         "pillow>=10",
+        # lets exact search run its selection threads with single-threaded BLAS
+        "threadpoolctl>=3",
     ],
     extras_require={
         "beam": BEAM,
