@@ -7,7 +7,8 @@ Run directory layout (``run_dir``)::
                     when training finishes. A killed run started again with the same
                     command resumes at the first unfinished epoch.
     logs/           TensorBoard scalars (tensorboard --logdir RUN_DIR/logs)
-    epochs.jsonl    one JSON line per finished epoch: loss, learning rate, evaluation
+    epochs.jsonl    one JSON line per finished epoch: loss, learning rate, batch health
+                    (emb_cos, emb_cos_std, chance_ap: tfaploss.training.health), evaluation
     model.keras     the trained embedding model (images -> L2-normalised embeddings)
     summary.json    config, epochs, steps, timings, final retrieval metrics
 """
@@ -164,7 +165,7 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
     """Train ``cfg``; returns the run summary (also written to ``run_dir/summary.json``)."""
     import keras
 
-    from tfaploss.training import MultiStageModel
+    from tfaploss.training import MultiStageModel, TrainingHealthMonitor, health_metrics
 
     run_dir = Path(run_dir or cfg.run_dir)
     if run_dir != Path(cfg.run_dir):
@@ -187,7 +188,7 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
                                 xbm_size=cfg.training.xbm.size,
                                 xbm_weight=cfg.training.xbm.weight)
         model.compile(optimizer=B.build_optimizer(cfg, steps), loss=loss,
-                      jit_compile=cfg.training.jit_compile)
+                      metrics=health_metrics(), jit_compile=cfg.training.jit_compile)
         if not model.built:
             model.build((None, *cfg.image_shape, 3))
 
@@ -200,6 +201,7 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
                 lambda m: evaluate_split(m, cfg, cfg.data.test, cfg.evaluation.max_images),
                 cfg.evaluation.every_n_epochs))
         callbacks += [
+            TrainingHealthMonitor(),  # warns on collapsed embeddings or a flat loss
             EpochLog(run_dir / "epochs.jsonl"),
             keras.callbacks.TensorBoard(log_dir=str(run_dir / "logs"), write_graph=False),
             keras.callbacks.BackupAndRestore(str(run_dir / "backup"), save_freq="epoch"),

@@ -205,6 +205,8 @@ def _find_metrics(model) -> dict:
 
 
 def _float(x) -> float:
+    if isinstance(x, keras.Variable):
+        x = x.value
     return float(keras.ops.convert_to_numpy(x))
 
 
@@ -279,7 +281,7 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
     # -- state ----------------------------------------------------------------------
 
     def on_train_begin(self, logs=None):
-        self._metrics = _find_metrics(self.model)
+        self._metrics = None  # compiled metrics are built by the first step: look then
         self._step = 0
         self._collapsed_for = 0
         self._first_cos = None
@@ -304,6 +306,8 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
 
     def _health(self):
         """(cos_mean, cos_std, chance_ap, steps covered) of this step, or None."""
+        if self._metrics is None:
+            self._metrics = _find_metrics(self.model)
         if EmbeddingCosineMean in self._metrics:
             get = self._metrics.get
             std = get(EmbeddingCosineSpread)
