@@ -132,7 +132,7 @@ def main():
           f"{args.lr:g}, collinear offset {args.collinear:g}")
     variants = {
         "SupAPLoss": SupAPLoss(),
-        "ROADMAPLoss (lambda 0.5, default)": ROADMAPLoss(),
+        "ROADMAPLoss (default lambda 0.5)": ROADMAPLoss(),
         "CalibrationLoss": CalibrationLoss(),
         "ROADMAPLoss lambda 0.1": ROADMAPLoss(lambda_=0.1),
         "ROADMAPLoss per_query calib.": ROADMAPLoss(averaging="per_query"),

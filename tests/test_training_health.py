@@ -12,6 +12,7 @@ import pytest
 from tests import miniature as mini
 from tfaploss.losses import SupAPLoss
 from tfaploss.training import (
+    BatchHealthMetric,
     MultiStageModel,
     TrainingHealthMonitor,
     TrainingHealthWarning,
@@ -181,6 +182,8 @@ def test_monitor_arguments_are_checked():
         TrainingHealthMonitor(action="raise")
     with pytest.raises(ValueError, match="max_queries must be an int >= 2"):
         health_metrics(max_queries=1)
+    with pytest.raises(ValueError, match="statistic must be one of"):
+        BatchHealthMetric("cosine")
 
 
 def test_tfaploss_train_logs_health_and_warns_on_collapse(tmp_path, monkeypatch):

@@ -13,9 +13,7 @@ from tfaploss.training.checks import (
     find_nondeterministic_layers,
 )
 from tfaploss.training.health import (
-    ChanceAPFraction,
-    EmbeddingCosineMean,
-    EmbeddingCosineSpread,
+    BatchHealthMetric,
     TrainingHealthMonitor,
     TrainingHealthWarning,
     batch_health,
@@ -25,10 +23,8 @@ from tfaploss.training.multistage import MultiStageModel
 from tfaploss.training.xbm import CrossBatchMemory
 
 __all__ = [
-    "ChanceAPFraction",
+    "BatchHealthMetric",
     "CrossBatchMemory",
-    "EmbeddingCosineMean",
-    "EmbeddingCosineSpread",
     "FrozenBatchNormalization",
     "MultiStageModel",
     "NondeterministicModelWarning",

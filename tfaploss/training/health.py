@@ -115,27 +115,45 @@ def batch_health(embeddings, labels, max_queries=DEFAULT_MAX_QUERIES) -> dict:
             "chance_ap": chance_ap_fraction(embeddings, labels, max_queries)}
 
 
-class _BatchHealthMetric(keras.metrics.Metric):
-    """Mean over the epoch of a per-batch statistic; ``last`` holds the latest batch's.
+# The statistics a BatchHealthMetric can track, by metric name.
+STATISTICS = {
+    "emb_cos": lambda e, y, q: cosine_stats(e, y, q)[0],
+    "emb_cos_std": lambda e, y, q: cosine_stats(e, y, q)[1],
+    "chance_ap": chance_ap_fraction,
+}
+
+
+@keras.saving.register_keras_serializable(package="tfaploss")
+class BatchHealthMetric(keras.metrics.Metric):
+    """One batch-health statistic (see the module docstring), averaged over the epoch;
+    ``last`` holds the latest batch's value.
 
     ``y_true`` = integer labels, ``y_pred`` = embeddings, as the tfaploss losses take.
+
+    Args:
+        statistic: ``"emb_cos"`` (mean off-diagonal cosine), ``"emb_cos_std"`` (their
+            spread) or ``"chance_ap"`` (fraction of queries at chance AP).
+        max_queries: rows of the batch used as queries (cost O(max_queries·B·d)).
+        name: metric name (default: ``statistic``).
     """
 
-    def __init__(self, max_queries=DEFAULT_MAX_QUERIES, name=None, dtype=None):
-        super().__init__(name=name, dtype=dtype)
+    def __init__(self, statistic="emb_cos", max_queries=DEFAULT_MAX_QUERIES, name=None,
+                 dtype=None):
+        if statistic not in STATISTICS:
+            raise ValueError(f"BatchHealthMetric: statistic must be one of "
+                             f"{sorted(STATISTICS)}, received statistic={statistic!r}")
         if not isinstance(max_queries, int) or isinstance(max_queries, bool) or max_queries < 2:
-            raise ValueError(f"{type(self).__name__}: max_queries must be an int >= 2, "
+            raise ValueError("BatchHealthMetric: max_queries must be an int >= 2, "
                              f"received max_queries={max_queries!r}")
-        self.max_queries = max_queries
+        super().__init__(name=name or statistic, dtype=dtype)
+        self.statistic, self.max_queries = statistic, max_queries
         self.total = self.add_variable((), initializer="zeros", name="total")
         self.count = self.add_variable((), initializer="zeros", name="count")
         self.last = self.add_variable((), initializer="zeros", name="last")
 
-    def value(self, labels, embeddings):
-        raise NotImplementedError
-
     def update_state(self, y_true, y_pred, sample_weight=None):
-        v = ops.cast(self.value(y_true, y_pred), self.dtype)
+        v = STATISTICS[self.statistic](y_pred, y_true, self.max_queries)
+        v = ops.cast(v, self.dtype)
         self.total.assign_add(v)
         self.count.assign_add(ops.cast(1.0, self.dtype))
         self.last.assign(v)
@@ -148,58 +166,25 @@ class _BatchHealthMetric(keras.metrics.Metric):
             v.assign(ops.zeros((), v.dtype))
 
     def get_config(self):
-        return {**super().get_config(), "max_queries": self.max_queries}
-
-
-@keras.saving.register_keras_serializable(package="tfaploss")
-class EmbeddingCosineMean(_BatchHealthMetric):
-    """Mean cosine between the embeddings of different images of a batch (see module)."""
-
-    def __init__(self, max_queries=DEFAULT_MAX_QUERIES, name="emb_cos", dtype=None):
-        super().__init__(max_queries, name=name, dtype=dtype)
-
-    def value(self, labels, embeddings):
-        return cosine_stats(embeddings, labels, self.max_queries)[0]
-
-
-@keras.saving.register_keras_serializable(package="tfaploss")
-class EmbeddingCosineSpread(_BatchHealthMetric):
-    """Standard deviation of the cosines between different images of a batch."""
-
-    def __init__(self, max_queries=DEFAULT_MAX_QUERIES, name="emb_cos_std", dtype=None):
-        super().__init__(max_queries, name=name, dtype=dtype)
-
-    def value(self, labels, embeddings):
-        return cosine_stats(embeddings, labels, self.max_queries)[1]
-
-
-@keras.saving.register_keras_serializable(package="tfaploss")
-class ChanceAPFraction(_BatchHealthMetric):
-    """Fraction of a batch's queries whose AP is no better than a random ranking's."""
-
-    def __init__(self, max_queries=DEFAULT_MAX_QUERIES, name="chance_ap", dtype=None):
-        super().__init__(max_queries, name=name, dtype=dtype)
-
-    def value(self, labels, embeddings):
-        return chance_ap_fraction(embeddings, labels, self.max_queries)
+        return {**super().get_config(), "statistic": self.statistic,
+                "max_queries": self.max_queries}
 
 
 def health_metrics(max_queries=DEFAULT_MAX_QUERIES):
     """The three batch-health metrics, for ``model.compile(metrics=...)``."""
-    return [EmbeddingCosineMean(max_queries), EmbeddingCosineSpread(max_queries),
-            ChanceAPFraction(max_queries)]
+    return [BatchHealthMetric(s, max_queries) for s in STATISTICS]
 
 
 def _find_metrics(model) -> dict:
-    """The compiled health metrics of ``model`` by class (searched recursively)."""
+    """The compiled health metrics of ``model`` by statistic (searched recursively)."""
     found, stack, seen = {}, list(getattr(model, "metrics", [])), set()
     while stack:
         m = stack.pop()
         if id(m) in seen:
             continue
         seen.add(id(m))
-        if isinstance(m, _BatchHealthMetric):
-            found.setdefault(type(m), m)
+        if isinstance(m, BatchHealthMetric):
+            found.setdefault(m.statistic, m)
         stack.extend(getattr(m, "metrics", []) or [])
     return found
 
@@ -308,13 +293,9 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         """(cos_mean, cos_std, chance_ap, steps covered) of this step, or None."""
         if self._metrics is None:
             self._metrics = _find_metrics(self.model)
-        if EmbeddingCosineMean in self._metrics:
-            get = self._metrics.get
-            std = get(EmbeddingCosineSpread)
-            chance = get(ChanceAPFraction)
-            return (_float(self._metrics[EmbeddingCosineMean].last),
-                    None if std is None else _float(std.last),
-                    None if chance is None else _float(chance.last), 1)
+        if "emb_cos" in self._metrics:
+            last = {k: _float(m.last) for k, m in self._metrics.items()}
+            return last["emb_cos"], last.get("emb_cos_std"), last.get("chance_ap"), 1
         if self.data is not None and (self._step == 1 or self._step % self.every == 0):
             images, labels = self.data
             h = batch_health(self.model(images, training=False), labels)
