@@ -106,9 +106,16 @@ def run(name, loss, steps, lr, seed, data, collinear=0.0):
         losses.append(float(step(x, y)))
     end_cos, end_std = mean_cos(model, probe)
     r1 = recall_at_1(model, xte, yte)
+    # Pooled features (the head's input): their spread across images, relative to their
+    # size. ~0 means the backbone outputs the same vector for every image (dead ReLUs),
+    # so every embedding is the head's bias: an exact collapse with zero gradient.
+    head = model.get_layer("head")
+    feats = np.asarray(keras.Model(model.input, head.input)(probe))
+    spread = float(np.mean(feats.std(axis=0)) / (np.mean(np.abs(feats)) + 1e-12))
     print(f"{name:34s} cos {start_cos:.4f} -> {end_cos:.4f} (std {end_std:.4f})  "
           f"loss {losses[0]:.3f} -> {np.mean(losses[-10:]):.3f}  "
-          f"R@1 {start_r1:.3f} (untrained floor) -> {r1:.3f}", flush=True)
+          f"R@1 {start_r1:.3f} (untrained floor) -> {r1:.3f}  feature spread {spread:.3g}",
+          flush=True)
     return dict(name=name, start_cos=start_cos, end_cos=end_cos, r1=r1, untrained=start_r1)
 
 

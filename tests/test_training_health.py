@@ -175,6 +175,15 @@ def test_flat_check_follows_the_per_step_loss_through_running_means():
     assert feed([[0.5] * 3, [0.5] * 3], flat_steps=5) == ["flat"]
 
 
+def test_non_finite_health_is_not_called_a_collapse():
+    monitor = TrainingHealthMonitor(patience=1, flat_steps=0)
+    monitor.on_train_begin()
+    monitor._check_collapse(float("nan"), float("nan"), 1.0)
+    assert monitor.events == []
+    with pytest.warns(TrainingHealthWarning):
+        monitor._check_collapse(0.999, 0.0, 1.0)
+
+
 def test_monitor_arguments_are_checked():
     with pytest.raises(ValueError, match="patience must be an int >= 0, received patience=-1"):
         TrainingHealthMonitor(patience=-1)

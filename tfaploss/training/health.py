@@ -81,8 +81,10 @@ def random_ranking_ap(num_candidates, num_positives):
     """
     n = ops.cast(num_candidates, "float32")
     p = ops.cast(num_positives, "float32")
-    harmonic = ops.sum(1.0 / ops.arange(1, ops.cast(num_candidates, "int32") + 1,
-                                        dtype="float32"))
+    if isinstance(num_candidates, int):  # a static batch size (always under JAX)
+        harmonic = math.fsum(1.0 / k for k in range(1, num_candidates + 1))
+    else:
+        harmonic = ops.sum(1.0 / ops.arange(1, num_candidates + 1, dtype="float32"))
     slope = ops.where(n > 1, (p - 1.0) / ops.maximum(n - 1.0, 1.0), 0.0)
     return (harmonic + slope * (n - harmonic)) / n
 
@@ -196,13 +198,14 @@ def _float(x) -> float:
 
 
 COLLAPSE_CAUSES = (
-    "Usual causes: (1) the learning rate is too high (try it 10x lower); (2) a "
-    "near-collinear start: a network trained from scratch puts every embedding in a "
-    "narrow cone (non-negative ReLU features), which SupAPLoss escapes but a "
-    "calibration term can hold together; start from pretrained weights "
-    "(model.weights: imagenet) or train with SupAPLoss; (3) the calibration weight: "
-    "ROADMAPLoss pulls every pair towards its margins; lower loss.lambda_ (e.g. 0.1) "
-    "or use SupAPLoss until the embeddings spread out.")
+    "Usual causes: (1) the learning rate is too high (try it 10x lower; from scratch "
+    "keep it at 1e-3 or below); (2) a near-collinear start: a network trained from "
+    "scratch puts every embedding in a narrow cone (non-negative ReLU features), which "
+    "SupAPLoss escapes but a calibration term can close; start from pretrained weights "
+    "(model.weights: imagenet) or train with SupAPLoss first; (3) the calibration "
+    "weight: CalibrationLoss alone, or ROADMAPLoss with a large lambda_, pushes every "
+    "pair towards its margins; lower loss.lambda_ (e.g. 0.1). See the ROADMAPLoss "
+    "docstring for measurements.")
 FLAT_CAUSES = (
     "Usual causes: (1) the learning rate is too high and the model jumped to a "
     "degenerate solution (APLoss at 1 - 1/(B-1): every similarity in one histogram bin), "
@@ -272,6 +275,7 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         self._first_cos = None
         self._warned = {"collapse": False, "flat": False}
         self._losses = deque(maxlen=max(self.flat_steps, 1))
+        self.on_epoch_begin(0)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._previous_mean = None
@@ -279,7 +283,7 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._step += 1
-        self._epoch_step = getattr(self, "_epoch_step", 0) + 1
+        self._epoch_step += 1
         logs = logs or {}
         if self.flat_steps and "loss" in logs:
             self._check_flat(_float(logs["loss"]))
@@ -305,6 +309,8 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         return None
 
     def _check_collapse(self, cos_mean, cos_std, chance, steps=1):
+        if not math.isfinite(cos_mean):
+            return  # non-finite embeddings are not a collapse; the loss reports them
         if self._first_cos is None:
             self._first_cos = cos_mean
         if cos_mean < self.collapse_cosine:
