@@ -165,7 +165,7 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
     """Train ``cfg``; returns the run summary (also written to ``run_dir/summary.json``)."""
     import keras
 
-    from tfaploss.training import MultiStageModel, TrainingHealthMonitor, health_metrics
+    from tfaploss.training import MultiStageModel
 
     run_dir = Path(run_dir or cfg.run_dir)
     if run_dir != Path(cfg.run_dir):
@@ -187,6 +187,8 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
         model = MultiStageModel(embedding_model, chunk_size=chunk,
                                 xbm_size=cfg.training.xbm.size,
                                 xbm_weight=cfg.training.xbm.weight)
+        from tfaploss.training.health import TrainingHealthMonitor, health_metrics
+
         model.compile(optimizer=B.build_optimizer(cfg, steps), loss=loss,
                       metrics=health_metrics(), jit_compile=cfg.training.jit_compile)
         if not model.built:
@@ -200,8 +202,8 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
                 embedding_model,
                 lambda m: evaluate_split(m, cfg, cfg.data.test, cfg.evaluation.max_images),
                 cfg.evaluation.every_n_epochs))
+        callbacks.append(TrainingHealthMonitor())  # warns: collapsed embeddings, flat loss
         callbacks += [
-            TrainingHealthMonitor(),  # warns on collapsed embeddings or a flat loss
             EpochLog(run_dir / "epochs.jsonl"),
             keras.callbacks.TensorBoard(log_dir=str(run_dir / "logs"), write_graph=False),
             keras.callbacks.BackupAndRestore(str(run_dir / "backup"), save_freq="epoch"),
