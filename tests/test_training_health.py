@@ -173,6 +173,8 @@ def test_flat_check_follows_the_per_step_loss_through_running_means():
     assert feed([noisy[:20], noisy[20:]], flat_steps=5) == []
     # The window runs across epochs.
     assert feed([[0.5] * 3, [0.5] * 3], flat_steps=5) == ["flat"]
+    # A loss at its minimum, 0, has converged: silent.
+    assert feed([[0.2, 0.05] + [0.0] * 8], flat_steps=5) == []
 
 
 def test_non_finite_health_is_not_called_a_collapse():

@@ -224,6 +224,7 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
     * flat loss: the training loss of the last ``flat_steps`` steps varied by less
       than ``flat_rtol`` of its value. Real batches differ, so a healthy loss moves
       from batch to batch even on a plateau; a constant one means a degenerate state.
+      A loss at 0 (every batch ranked perfectly) is converged and not reported.
 
     The per-step loss is recovered from Keras's running epoch mean (equal batch sizes
     assumed); its float32 rounding, about ``k * 6e-8`` relative at step ``k`` of an
@@ -347,6 +348,8 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         if len(self._losses) < self.flat_steps:
             return
         lo, hi = min(self._losses), max(self._losses)
+        if max(abs(lo), abs(hi)) <= 1e-6:
+            return  # a loss at 0 (every batch ranked perfectly) has converged, not stalled
         scale = max(abs(running_mean), 1e-12)
         tolerance = self.flat_rtol * scale + 4 * k * 2.0 ** -24 * scale
         if hi - lo > tolerance:
