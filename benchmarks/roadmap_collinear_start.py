@@ -24,8 +24,8 @@ import time
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
 
 def digits(size=16):
@@ -116,7 +116,8 @@ def run(name, loss, steps, lr, seed, data, collinear=0.0):
           f"loss {losses[0]:.3f} -> {np.mean(losses[-10:]):.3f}  "
           f"R@1 {start_r1:.3f} (untrained floor) -> {r1:.3f}  feature spread {spread:.3g}",
           flush=True)
-    return dict(name=name, start_cos=start_cos, end_cos=end_cos, r1=r1, untrained=start_r1)
+    return {"name": name, "start_cos": start_cos, "end_cos": end_cos, "r1": r1,
+            "untrained": start_r1}
 
 
 def main():

@@ -21,7 +21,7 @@ registers every Keras class the library saves (as soon as Keras is loaded, see
 import importlib
 
 from tfaploss._registration import install as _install_registration
-from tfaploss._registration import register_keras_objects
+from tfaploss._registration import register_keras_objects as register_keras_objects
 
 __version__ = "0.1.0"
 

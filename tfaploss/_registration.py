@@ -46,9 +46,9 @@ def _ours(name: str) -> bool:
 def _half_imported() -> bool:
     """Is keras or a module of ours still executing its import?"""
     for name, module in list(sys.modules.items()):
-        if name == "keras" or _ours(name):
-            if getattr(getattr(module, "__spec__", None), "_initializing", False):
-                return True
+        if (name == "keras" or _ours(name)) and getattr(
+                getattr(module, "__spec__", None), "_initializing", False):
+            return True
     return False
 
 
