@@ -272,10 +272,11 @@ def make_revisited(root: str, dataset: str = "roxford5k", num_db: int = 12,
 
 def write_split_records(split_dir: str, class_sizes: dict[int, int],
                         super_labels: dict[int, int] | None = None, chunk_size: int = 8,
-                        size: tuple[int, int] = (W, H)) -> dict:
+                        size: tuple[int, int] = (W, H), image_fn=None) -> dict:
     """Write a split the way the Beam jobs lay it out, without Beam (fast sampler tests).
 
-    Image ``f"{label}/{n}"`` is a flat JPEG of the class colour. Writes
+    Image ``f"{label}/{n}"`` is a flat JPEG of the class colour, or
+    ``image_fn(label, size)`` (a PIL image) when given. Writes
     ``images-00000-of-00001.tfrecord``, ``by_class/classes-00000-of-00001.tfrecord``
     and ``manifest.json``; returns the manifest.
     """
@@ -294,7 +295,9 @@ def write_split_records(split_dir: str, class_sizes: dict[int, int],
         index = 0
         for label, n in sorted(class_sizes.items()):
             buf = io.BytesIO()
-            Image.new("RGB", size, class_colour(label)).save(buf, format="JPEG", quality=95)
+            image = (image_fn(label, size) if image_fn else
+                     Image.new("RGB", size, class_colour(label)))
+            image.save(buf, format="JPEG", quality=95)
             jpeg = buf.getvalue()
             items = []
             for i in range(n):

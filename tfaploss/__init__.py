@@ -7,9 +7,21 @@ The data's path through the library::
 
 Subpackages are imported on first use so that ``import tfaploss`` stays cheap and
 optional dependencies (ScaNN, Beam, matplotlib) are only needed where they are used.
+
+``import tfaploss`` is also all it takes to load a saved model in plain Keras: it
+registers every Keras class the library saves (as soon as Keras is loaded, see
+:mod:`tfaploss._registration`)::
+
+    import keras
+    import tfaploss
+
+    model = keras.saving.load_model("runs/my_run/model.keras")
 """
 
 import importlib
+
+from tfaploss._registration import install as _install_registration
+from tfaploss._registration import register_keras_objects as register_keras_objects
 
 __version__ = "0.1.0"
 
@@ -20,6 +32,9 @@ def __getattr__(name):
     if name in _SUBMODULES:
         return importlib.import_module(f"tfaploss.{name}")
     raise AttributeError(f"module 'tfaploss' has no attribute {name!r}")
+
+
+_install_registration()
 
 
 def __dir__():

@@ -108,10 +108,17 @@ class AugmentationConfig:
     3/4..4/3, resized to ``image_size``, then a random horizontal flip: the papers'
     recipes) or ``center_crop`` (no randomness: shorter side to ``image_size / 0.875``,
     centre crop). ``scale`` is refused with ``center_crop``.
+
+    ``flip``: random horizontal flip after the crop. ``null`` (default) follows the
+    crop: flip after ``random_resized_crop`` (the papers), none after ``center_crop``.
+    ``false`` never flips: set it when classes are mirror images of each other
+    (left/right arrows, rtl/ltr icons, text glyphs), which a flip would mislabel.
+    ``true`` flips after either crop.
     """
 
     crop: Crop = "random_resized_crop"
     scale: tuple[float, float] | None = None
+    flip: bool | None = None
 
 
 @dataclass

@@ -9,7 +9,8 @@ Run directory layout (``run_dir``)::
                     again with the same command resumes at the first unfinished epoch:
                     a kill at any moment loses at most the epoch in progress.
     logs/           TensorBoard scalars (tensorboard --logdir RUN_DIR/logs)
-    epochs.jsonl    one JSON line per finished epoch: loss, learning rate, evaluation
+    epochs.jsonl    one JSON line per finished epoch: loss, learning rate, batch health
+                    (emb_cos, emb_cos_std, chance_ap: tfaploss.training.health), evaluation
     model.keras     the trained embedding model (images -> L2-normalised embeddings)
     summary.json    config, epochs, steps, timings, final retrieval metrics
 
@@ -260,8 +261,10 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
         model = MultiStageModel(embedding_model, chunk_size=chunk,
                                 xbm_size=cfg.training.xbm.size,
                                 xbm_weight=cfg.training.xbm.weight)
+        from tfaploss.training.health import TrainingHealthMonitor, health_metrics
+
         model.compile(optimizer=B.build_optimizer(cfg, steps), loss=loss,
-                      jit_compile=cfg.training.jit_compile)
+                      metrics=health_metrics(), jit_compile=cfg.training.jit_compile)
         if not model.built:
             model.build((None, *cfg.image_shape, 3))
         start_epoch = backup.restore(model) if resuming else 0
@@ -283,6 +286,7 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
                 embedding_model,
                 lambda m: evaluate_split(m, cfg, cfg.data.test, cfg.evaluation.max_images),
                 cfg.evaluation.every_n_epochs))
+        callbacks.append(TrainingHealthMonitor())  # warns: collapsed embeddings, flat loss
         callbacks += [
             EpochLog(epochs_log),
             keras.callbacks.TensorBoard(log_dir=str(run_dir / "logs"), write_graph=False),

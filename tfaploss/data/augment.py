@@ -2,7 +2,8 @@
 
 Train: RandomResizedCrop (scale (0.16, 1) as in ROADMAP/Smooth-AP, or (0.08, 1) as
 torchvision's default; aspect ratio (3/4, 4/3)) decoded straight from the JPEG crop
-window (``decode_and_crop_jpeg``: only the crop is decoded), then a horizontal flip.
+window (``decode_and_crop_jpeg``: only the crop is decoded), then (optionally, see
+:func:`random_flip`) a horizontal flip.
 Test: resize the shorter side to ``resize_size`` and take the centre ``image_size``
 crop, or keep the original size (landmarks).
 
@@ -64,6 +65,12 @@ def random_resized_crop(encoded: tf.Tensor, image_size: int, seed: tf.Tensor,
 
 
 def random_flip(image: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
+    """Mirror left-right with probability 1/2 (stateless: the same seed, the same choice).
+
+    Separate from the crops so that it can be turned off (``flip=False`` of
+    ``make_train_dataset``, config key ``data.augmentation.flip``): flipping mislabels
+    classes that are mirror images of each other (left/right arrows, text glyphs).
+    """
     return tf.image.stateless_random_flip_left_right(image, seed)
 
 

@@ -53,13 +53,16 @@ def _validate_sampler(manifest, sampler: str, batch_size: int, m: int) -> None:
         raise ValueError(f"sampler='all_classes': no class has >= m={m} images")
 
 
-def _augment_fn(image_size: int, augment: bool, crop_scale, normalize):
+def _augment_fn(image_size: int, augment: bool, crop_scale, normalize, flip=None):
+    flip = augment if flip is None else bool(flip)
+
     def fn(encoded, seed):
         if augment:
             image = A.random_resized_crop(encoded, image_size, seed, scale=crop_scale)
-            image = A.random_flip(image, seed + 1)
         else:
             image = A.center_crop(encoded, image_size)
+        if flip:
+            image = A.random_flip(image, seed + 1)
         image = tf.ensure_shape(image, [image_size, image_size, 3])
         return A.normalize(image, normalize)
     return fn
@@ -69,7 +72,7 @@ def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_
                        m: int = 4, image_size: int = 224, augment: bool = True,
                        crop_scale: tuple[float, float] = (0.16, 1.0), normalize: str | None = None,
                        seed: int = 0, shuffle_buffer: int = 256, num_classes: int | None = None,
-                       with_ids: bool = False) -> tf.data.Dataset:
+                       with_ids: bool = False, flip: bool | None = None) -> tf.data.Dataset:
     """Endless training batches ``(images float32 [B, S, S, 3], labels int32 [B])``.
 
     Args:
@@ -84,8 +87,8 @@ def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_
         batch_size: images per batch B (a multiple of m for the samplers).
         m: images per class in a batch.
         image_size: side S of the square output images.
-        augment: RandomResizedCrop(``crop_scale``, ratio 3/4..4/3) + horizontal flip;
-            False: resize the shorter side to S / 0.875 and centre-crop S.
+        augment: RandomResizedCrop(``crop_scale``, ratio 3/4..4/3) (+ horizontal flip,
+            see ``flip``); False: resize the shorter side to S / 0.875 and centre-crop S.
         crop_scale: area range of the crop, (0.16, 1) (ROADMAP) or (0.08, 1) (torchvision).
         normalize: ``None`` (default): raw float32 pixels in [0, 255], for models that
             carry their own preprocessing; ``"imagenet"``: (x / 255 - mean) / std.
@@ -96,6 +99,10 @@ def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_
             about this times the record size.
         num_classes: for ``all_classes`` without a manifest.
         with_ids: also return the image ids: ``(images, labels, ids)``.
+        flip: random horizontal flip (probability 1/2) after the crop. ``None``
+            (default) flips exactly when ``augment`` (the papers' recipes); ``False``
+            never flips, for classes that are mirror images of each other (left/right
+            arrows, text glyphs); ``True`` flips after either crop.
 
     Returns:
         An infinite ``tf.data.Dataset``; use ``steps_per_epoch`` when fitting.
@@ -134,7 +141,7 @@ def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_
             batches = S.all_classes(chunks, num_classes, m, seed)
             batch = num_classes * m
         images = batches.unbatch()
-    fn = _augment_fn(image_size, augment, crop_scale, normalize)
+    fn = _augment_fn(image_size, augment, crop_scale, normalize, flip)
 
     def load(i, elem):
         encoded, ids, label = elem

@@ -1,5 +1,6 @@
 """Training: multi-staged backpropagation for very large batches, cross-batch memory,
-and the BatchNorm freezing that makes both exact."""
+the BatchNorm freezing that makes both exact, and batch-health metrics with a callback
+that warns when a run has collapsed or stalled."""
 
 from tfaploss.training.batch_norm import (
     FrozenBatchNormalization,
@@ -11,16 +12,28 @@ from tfaploss.training.checks import (
     check_deterministic,
     find_nondeterministic_layers,
 )
+from tfaploss.training.health import (
+    BatchHealthMetric,
+    TrainingHealthMonitor,
+    TrainingHealthWarning,
+    batch_health,
+    health_metrics,
+)
 from tfaploss.training.multistage import MultiStageModel
 from tfaploss.training.xbm import CrossBatchMemory
 
 __all__ = [
+    "BatchHealthMetric",
     "CrossBatchMemory",
     "FrozenBatchNormalization",
     "MultiStageModel",
     "NondeterministicModelWarning",
+    "TrainingHealthMonitor",
+    "TrainingHealthWarning",
+    "batch_health",
     "check_deterministic",
     "find_nondeterministic_layers",
     "freeze_batch_norm",
     "has_training_batch_norm",
+    "health_metrics",
 ]
