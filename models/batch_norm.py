@@ -8,6 +8,7 @@ it matters. Backend-agnostic: works under ``KERAS_BACKEND`` tensorflow, jax and 
 from __future__ import annotations
 
 import keras
+from keras import ops
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
@@ -21,7 +22,18 @@ class FrozenBatchNormalization(keras.layers.BatchNormalization):
     """
 
     def call(self, inputs, training=None, mask=None):
-        return super().call(inputs, training=False, mask=mask)
+        if keras.backend.standardize_dtype(inputs.dtype) != "float64":
+            return super().call(inputs, training=False, mask=mask)
+        # Keras's BatchNormalization computes in result_type(inputs, float32), which
+        # on JAX and torch is float32 even for float64 inputs; the moving statistics
+        # need no batch reduction, so float64 is kept here (the same formula).
+        def param(weight):
+            return None if weight is None else ops.cast(weight, "float64")
+
+        return ops.batch_normalization(
+            inputs, param(self.moving_mean), param(self.moving_variance), axis=self.axis,
+            offset=param(self.beta if self.center else None),
+            scale=param(self.gamma if self.scale else None), epsilon=self.epsilon)
 
 
 def freeze_batch_norm(model: keras.layers.Layer) -> keras.layers.Layer:
