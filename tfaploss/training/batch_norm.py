@@ -5,7 +5,7 @@ Kept so that ``tfaploss.training.freeze_batch_norm`` and
 runs from training to models.
 """
 
-from models.batch_norm import (  # noqa: F401
+from models.batch_norm import (
     FrozenBatchNormalization,
     freeze_batch_norm,
     has_training_batch_norm,

@@ -53,7 +53,7 @@ def _backend_steps():
     elif backend == "torch":
         from tfaploss.training.multistage_torch import TorchSteps as steps
     else:
-        class steps:  # noqa: N801 - a placeholder mix-in, named like the others
+        class steps:
             def train_step(self, *args, **kwargs):
                 raise NotImplementedError(
                     "MultiStageModel trains on the tensorflow, jax and torch backends; "
