@@ -210,3 +210,19 @@ def test_save_and_load_keep_the_wrapper_and_its_memory(tmp_path):
                                to_numpy(model.predict(images, verbose=0)), rtol=1e-6)
     np.testing.assert_array_equal(to_numpy(loaded.memory.embeddings),
                                   to_numpy(wrapper.memory.embeddings))
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="the lax.scan chunk loop is JAX's")
+def test_jax_scan_chunk_loop_equals_plain_step(monkeypatch):
+    # On CPU the chunks are unrolled; accelerators use lax.scan: check that path here.
+    from tfaploss.training import multistage_jax
+
+    monkeypatch.setattr(multistage_jax, "SCAN_CHUNKS", True)
+    images, labels = make_batch()
+    with float64_policy():
+        initial = build_model().get_weights()
+        expected, _ = plain_reference(initial, images, labels)
+        model = build_model()
+        model.set_weights(initial)
+        fit_once(MultiStageModel(model, chunk_size=5), SoftNeighbourLoss(), images, labels)
+    assert_weights_equal(weights_of(model), expected)

@@ -6,15 +6,20 @@ Under ``tf.distribute`` the replicas all-gather embeddings and labels so that th
 ranks the global batch (see ``MultiStageModel``).
 
 Graph mode: with a batch size known when the step is traced (the usual case: a
-``tf.data`` pipeline with ``drop_remainder=True``, or XLA) the chunks are unrolled, each
-one a call of the same traced chunk function; with an unknown batch size a
-``tf.while_loop`` walks the full chunks (one at a time) and a ``tf.cond`` the tail.
+``tf.data`` pipeline with ``drop_remainder=True``, or XLA) and at most ``UNROLL_CHUNKS``
+chunks, the chunks are unrolled into the graph; otherwise a ``tf.while_loop`` walks the
+full chunks one at a time (its body traced once, so tracing time does not grow with the
+batch) and the tail is a separate call (a ``tf.cond`` when the batch size is unknown).
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 from keras import tree
+
+
+# Beyond this many chunks the step uses a tf.while_loop rather than unrolled chunks.
+UNROLL_CHUNKS = 8
 
 
 def _rows(x, start, size):
@@ -53,12 +58,20 @@ class TensorFlowSteps:
             lambda t: keras.KerasTensor((rows,) + tuple(t.shape[1:]), dtype=t.dtype.name), x)
         return self.embedding_model.compute_output_spec(spec)
 
+    def _unrolled(self, batch):
+        return isinstance(batch, int) and len(self._chunk_bounds(batch)) <= UNROLL_CHUNKS
+
     def _embed_in_chunks(self, x):
         """Stage 1: embeddings of the whole batch, no activations kept."""
         batch = _batch_size(x)
-        if isinstance(batch, int):
-            return tf.concat([self._embed(_slice(x, a, b)) for a, b in self._chunk_bounds(batch)],
-                             axis=0)
+        if self._unrolled(batch):
+            parts = []
+            for a, b in self._chunk_bounds(batch):
+                # In order, one chunk at a time: a graph would otherwise run chunks side
+                # by side and keep their activations alive together.
+                with tf.control_dependencies(parts[-1:]):
+                    parts.append(self._embed(_slice(x, a, b)))
+            return tf.concat(parts, axis=0)
         c = self.chunk_size
         n_full = batch // c
         spec = self._embedding_spec(x, c)
@@ -72,6 +85,10 @@ class TensorFlowSteps:
                                  parallel_iterations=1)
         full = tf.reshape(parts.stack(), (-1,) + tuple(spec.shape[1:]))
         start = n_full * c
+        if isinstance(batch, int):
+            if batch == start:
+                return full
+            return tf.concat([full, self._embed(_slice(x, start, None))], axis=0)
         width = tuple(spec.shape[1:])
         tail = tf.cond(batch > start, lambda: self._embed(_slice(x, start, None)),
                        lambda: tf.zeros((0,) + width, spec.dtype))
@@ -92,11 +109,12 @@ class TensorFlowSteps:
         batch = _batch_size(x)
         acc = [tf.zeros(v.shape, v.dtype) for v in variables]
         diff = tf.constant(0.0)
-        if isinstance(batch, int):
-            for a, b in self._chunk_bounds(batch):
-                grads, d = self._backprop_chunk(_slice(x, a, b), grad_embeddings[a:b],
-                                                embeddings[a:b], variables)
-                acc = [s + g for s, g in zip(acc, grads)]
+        if self._unrolled(batch):
+            for i, (a, b) in enumerate(self._chunk_bounds(batch)):
+                with tf.control_dependencies(acc if i else []):  # one chunk at a time
+                    grads, d = self._backprop_chunk(_slice(x, a, b), grad_embeddings[a:b],
+                                                    embeddings[a:b], variables)
+                acc = grads if i == 0 else [s + g for s, g in zip(acc, grads)]
                 diff = tf.maximum(diff, d)
             return acc, diff
 
@@ -119,6 +137,8 @@ class TensorFlowSteps:
                 _slice(x, start, None), grad_embeddings[start:], embeddings[start:], variables)
             return [a + g for a, g in zip(acc, grads)], tf.maximum(diff, d)
 
+        if isinstance(batch, int):
+            return tail() if batch > start else (acc, diff)
         return tf.cond(batch > start, tail, lambda: (acc, diff))
 
     def _gather(self, embeddings, y, sample_weight):
