@@ -176,7 +176,7 @@ def run_child(args, cell: str, size: int) -> dict:
                "--size", str(size), "--dim", str(args.dim), "--repeats", str(args.repeats)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
-                              cwd=REPO_ROOT)
+                              check=False, cwd=REPO_ROOT)
     except subprocess.TimeoutExpired:
         return {"loss": cell, "batch": size, "status": f"timeout ({args.timeout:g} s)"}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]

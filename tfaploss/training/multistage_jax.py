@@ -49,7 +49,7 @@ def _scan(body, carry, xs, n):
         return jax.lax.scan(body, carry, xs)
     outputs = []
     for i in range(n):
-        carry, out = body(carry, jax.tree_util.tree_map(lambda t: t[i], xs))
+        carry, out = body(carry, jax.tree_util.tree_map(lambda t, i=i: t[i], xs))
         outputs.append(out)
     if outputs[0] is None:
         return carry, None

@@ -17,7 +17,6 @@ from __future__ import annotations
 import tensorflow as tf
 from keras import tree
 
-
 # Beyond this many chunks the step uses a tf.while_loop rather than unrolled chunks.
 UNROLL_CHUNKS = 8
 
