@@ -23,10 +23,11 @@ from tests.backend_support import (
     float64_policy,
     to_numpy,
 )
+from tests.test_training_common import IMAGE_SHAPE, build_exactness_model
 from tfaploss.training import MultiStageModel, NondeterministicModelWarning
 
 BATCH = 12
-IMAGE_SHAPE = (8, 8, 3)
+
 TOLERANCE = {"rtol": 1e-9, "atol": 1e-9}
 if BACKEND == "torch":
     # Keras's torch ops compute float64 matmuls in float32 (keras.backend.result_type
@@ -38,27 +39,8 @@ if BACKEND == "torch":
 
 
 def build_model(seed=0, dropout=0.0):
-    """Conv -> frozen BN -> ReLU -> Conv -> GeM(p learned) -> Dense (L2-regularised) -> L2.
-
-    The frozen BatchNorm gets random moving statistics, so that using them matters.
-    """
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input(IMAGE_SHAPE)
-    x = keras.layers.Conv2D(4, 3, padding="same")(inputs)
-    x = keras.layers.BatchNormalization(name="bn")(x)
-    x = keras.layers.ReLU()(x)
-    x = keras.layers.Conv2D(6, 3, padding="same")(x)
-    if dropout:
-        x = keras.layers.Dropout(dropout)(x)
-    x = models.GeM(name="gem")(x)
-    # A weight regulariser: its gradient bypasses G = dL/dE and must still be applied.
-    x = keras.layers.Dense(5, kernel_regularizer=keras.regularizers.L2(0.05), name="head")(x)
-    model = keras.Model(inputs, models.L2Normalize(name="l2")(x), name="exactness_model")
-    bn = model.get_layer("bn")
-    rng = np.random.default_rng(seed)
-    bn.moving_mean.assign(rng.normal(size=4) * 0.3)
-    bn.moving_variance.assign(rng.uniform(0.5, 2.0, size=4))
-    return models.freeze_batch_norm(model)
+    """The exactness model (tests/test_training_common.py) in the policy's dtype."""
+    return build_exactness_model(seed, dropout=dropout, output_dtype=None)
 
 
 def make_batch(n=BATCH, classes=4, seed=0):
