@@ -16,6 +16,20 @@ OOM), so that a plain step that would not fit does not take a shared machine dow
         --backbone small_cnn                              # a quick smoke run
 
 Prints a table and writes JSON to ``benchmarks/results/multistage.json``.
+
+``--stages`` instead times, in ONE process and interleaved (so that a shared machine
+disturbs them alike), what a multi-stage step is made of, beside the plain step:
+
+    python benchmarks/multistage.py --stages --batch 32 --chunk 16      # ResNet-50 224²
+    python benchmarks/multistage.py --stages --backbone small_cnn --image-size 32 \
+        --batch 256 --chunk 64
+
+It prints the forward of the whole batch, the plain step, stage 1 (embed in chunks),
+stage 2 (loss and G), stage 3 (re-embed and backprop each chunk) and the whole
+multi-stage step, each as a multiple of the plain step, and the floor a multi-stage
+step cannot beat: one forward more than the plain step (forward + plain step).
+``--dynamic-batch`` traces the steps for any batch size (what the grid above does);
+``--unroll-chunks 0`` forces the ``tf.while_loop`` path.
 """
 
 from __future__ import annotations
@@ -135,6 +149,94 @@ def run_cell(args) -> None:
     print(json.dumps(result), flush=True)
 
 
+# -- per-stage timing, one process --------------------------------------------------------
+
+
+def run_stages(args) -> dict:
+    """Time the stages of a multi-stage step beside the plain step (see module doc)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tfaploss.losses import APLoss
+    from tfaploss.training import MultiStageModel, multistage_tf
+
+    if args.unroll_chunks is not None:
+        multistage_tf.UNROLL_CHUNKS = args.unroll_chunks
+    size, batch, chunk = args.image_size, args.batch, args.chunk
+    keras.utils.set_random_seed(0)
+    plain = _build_model(args.backbone, size, args.embedding_dim)
+    keras.utils.set_random_seed(0)
+    multi = MultiStageModel(_build_model(args.backbone, size, args.embedding_dim),
+                            chunk_size=chunk)
+    for model in (plain, multi):
+        model.compile(optimizer=keras.optimizers.SGD(1e-6), loss=APLoss())
+        model.optimizer.build(model.trainable_variables)
+    rng = np.random.default_rng(0)
+    images = tf.constant(rng.uniform(0, 255, (batch, size, size, 3)).astype("float32"))
+    labels = tf.constant((np.arange(batch) // 4).astype("int32"))
+    variables = multi.trainable_variables
+    rows = None if args.dynamic_batch else batch
+    x_spec = tf.TensorSpec((rows, size, size, 3), "float32")
+    y_spec = tf.TensorSpec((rows,), "int32")
+    e_spec = tf.TensorSpec((rows, args.embedding_dim), "float32")
+
+    def function(fn, *specs):
+        return tf.function(fn, input_signature=specs, jit_compile=args.jit_compile)
+
+    steps = {
+        "forward of the batch (no tape)": (
+            function(lambda x: plain.embedding_model(x, training=True)
+                     if hasattr(plain, "embedding_model") else plain(x, training=True),
+                     x_spec), (images,)),
+        "plain step": (function(lambda x, y: plain.train_step((x, y))["loss"],
+                                x_spec, y_spec), (images, labels)),
+        "stage 1: embed in chunks": (function(multi._embed_in_chunks, x_spec), (images,)),
+    }
+    embeddings = steps["stage 1: embed in chunks"][0](images)
+    grad = tf.random.normal(embeddings.shape) * 1e-3
+    steps["stage 2: loss and G"] = (
+        function(lambda y, e: multi._loss_and_output_gradient(y, e, None, variables)[2],
+                 y_spec, e_spec), (labels, embeddings))
+    steps["stage 3: re-embed + backprop"] = (
+        function(lambda x, g, e: multi._backprop_in_chunks(x, g, e, variables)[0],
+                 x_spec, e_spec, e_spec), (images, grad, embeddings))
+    steps["multi-stage step"] = (function(lambda x, y: multi.train_step((x, y))["loss"],
+                                          x_spec, y_spec), (images, labels))
+
+    def run(fn, inputs):
+        start = time.perf_counter()
+        tree_out = fn(*inputs)
+        tf.nest.map_structure(lambda t: t.numpy(), tree_out)
+        return time.perf_counter() - start
+
+    first = {name: run(fn, inputs) for name, (fn, inputs) in steps.items()}  # trace + warm
+    times = {name: [] for name in steps}
+    for _ in range(args.steps):  # interleaved: a disturbance hits every row alike
+        for name, (fn, inputs) in steps.items():
+            times[name].append(run(fn, inputs))
+    best = {name: min(ts) for name, ts in times.items()}
+    plain_s = best["plain step"]
+    floor = best["forward of the batch (no tape)"] + plain_s
+    stage_sum = sum(best[n] for n in best if n.startswith("stage"))
+    print(f"\n{args.backbone} {size}x{size}, B={batch}, chunk={chunk} "
+          f"({-(-batch // chunk)} chunks), {'dynamic' if args.dynamic_batch else 'static'} "
+          f"batch, jit_compile={args.jit_compile}, best of {args.steps} (first call incl. "
+          "tracing in brackets)")
+    print(f"{'':34s} {'s':>8s} {'x plain step':>13s}")
+    for name, value in best.items():
+        print(f"{name:34s} {value:8.3f} {value / plain_s:13.2f}   ({first[name]:.1f} s)")
+    print(f"{'sum of stages 1-3':34s} {stage_sum:8.3f} {stage_sum / plain_s:13.2f}")
+    print(f"{'floor: forward + plain step':34s} {floor:8.3f} {floor / plain_s:13.2f}")
+    ratio = best["multi-stage step"] / plain_s
+    print(f"multi-stage / plain = {ratio:.2f}   (floor {floor / plain_s:.2f}, "
+          f"target <= 1.40)")
+    return {"config": {k: v for k, v in vars(args).items() if k not in ("cell", "mode")},
+            "best_s": best, "first_call_s": first, "ratio": ratio,
+            "floor_ratio": floor / plain_s}
+
+
 # -- the grid, one child process per cell ----------------------------------------------
 
 
@@ -209,12 +311,28 @@ def main(argv=None):
     parser.add_argument("--max-rss-gb", type=float, default=15.0,
                         help="stop a cell above this RSS and report it as OOM")
     parser.add_argument("--jit-compile", action="store_true")
+    parser.add_argument("--stages", action="store_true",
+                        help="time the stages of one multi-stage step beside the plain "
+                        "step, in this process (uses --batch, --chunk)")
+    parser.add_argument("--dynamic-batch", action="store_true",
+                        help="--stages: trace for any batch size (None) instead of --batch")
+    parser.add_argument("--unroll-chunks", type=int, default=None,
+                        help="--stages: unroll at most this many chunks (0: tf.while_loop)")
     parser.add_argument("--output", default=str(RESULTS / "multistage.json"))
     # Internal: run one cell in this process and print its JSON.
     parser.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=["plain", "multistage"], help=argparse.SUPPRESS)
-    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=32,
+                        help="--stages: batch size (the grid uses --batch-sizes)")
     args = parser.parse_args(argv)
+
+    if args.stages:
+        result = run_stages(args)
+        out = Path(args.output).with_name("multistage_stages.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {out}")
+        return
 
     if args.cell:
         run_cell(args)

@@ -2,9 +2,17 @@
 
 ``build_embedding_model`` is the entry point: raw images in [0, 255] -> L2-normalised
 embeddings, with the papers' architectures in ``PAPER_ARCHITECTURES``.
+
+Every layer here is written with ``keras.ops`` only, so the models build and train
+under ``KERAS_BACKEND`` tensorflow, jax and torch (export stays TensorFlow-only).
 """
 
 from models.backbones import build_backbone, resolve_imagenet_weights, small_cnn
+from models.batch_norm import (
+    FrozenBatchNormalization,
+    freeze_batch_norm,
+    has_training_batch_norm,
+)
 from models.embedding import PAPER_ARCHITECTURES, build_embedding_model, build_paper_model
 from models.gem import GeM
 from models.heads import L2Normalize, build_head, build_pooling
@@ -14,6 +22,7 @@ from models.whitening import PCAWhitening, fit_pca_whitening, with_whitening
 
 __all__ = [
     "PAPER_ARCHITECTURES",
+    "FrozenBatchNormalization",
     "GeM",
     "ImageNetNormalization",
     "L2Normalize",
@@ -25,6 +34,8 @@ __all__ = [
     "build_paper_model",
     "build_pooling",
     "fit_pca_whitening",
+    "freeze_batch_norm",
+    "has_training_batch_norm",
     "head_multipliers",
     "resolve_imagenet_weights",
     "small_cnn",

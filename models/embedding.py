@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 
 from models.backbones import BACKBONES, build_backbone
+from models.batch_norm import freeze_batch_norm
 from models.heads import L2Normalize, build_head, build_pooling
 from models.preprocessing import MODES, ImageNetNormalization
 
@@ -72,7 +73,7 @@ def build_embedding_model(
         gem_p: initial GeM exponent (``pooling="gem"`` only; the papers use 3).
         gem_trainable_p: learn the GeM exponent with the network.
         freeze_bn: make every BatchNorm use its moving statistics while gamma/beta stay
-            trainable (``tfaploss.training.freeze_batch_norm``), the papers' setting and
+            trainable (``models.freeze_batch_norm``), the papers' setting and
             what multi-staged backpropagation needs for exact gradients.
         preprocessing: the input normalisation layer: ``"auto"`` (what the backbone's
             weights expect: ``"caffe"`` for the Keras ResNets, ``"torch"`` for
@@ -121,8 +122,6 @@ def build_embedding_model(
     dim = embedding_dim if projection is not None else feature_dim
     model = keras.Model(inputs, outputs, name=name or f"{backbone}_{pooling}_{dim}")
     if freeze_bn:
-        from tfaploss.training import freeze_batch_norm
-
         freeze_batch_norm(model)
     return model
 

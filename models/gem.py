@@ -60,8 +60,13 @@ class GeM(keras.layers.Layer):
         dtype = "float32" if inputs.dtype in ("float16", "bfloat16") else inputs.dtype
         x = ops.cast(inputs, dtype)
         p = ops.cast(self.p, dtype)
-        x = ops.power(ops.maximum(x, self.eps), p)
-        out = ops.power(ops.mean(x, axis=axes), 1.0 / p)
+        # clip, not ops.maximum: Keras's binary ops on JAX/torch promote float64 to
+        # float32 (keras.backend.result_type); clip keeps the input's dtype.
+        x = ops.power(ops.clip(x, self.eps, float("inf")), p)
+        # sum / count, not ops.mean: on JAX and torch Keras computes the mean of a
+        # float64 tensor in float32 (float64 GeM would then be batch-dependent at 1e-7).
+        count = ops.cast(ops.shape(x)[axes[0]] * ops.shape(x)[axes[1]], dtype)
+        out = ops.power(ops.sum(x, axis=axes) / count, 1.0 / p)
         return ops.cast(out, self.compute_dtype)
 
     def compute_output_shape(self, input_shape):

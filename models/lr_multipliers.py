@@ -106,6 +106,23 @@ class LRMultiplierOptimizer(keras.optimizers.Optimizer):
             return base_update_step(inner, gradient, variable, learning_rate)
 
         inner.update_step = update_step
+        if hasattr(inner, "_parallel_update_step"):
+            # PyTorch's Keras optimizers update all variables in one fused call instead
+            # of calling update_step per variable: run it once per multiplier group.
+            base_backend_step = type(inner)._backend_update_step
+
+            def backend_update_step(grads, variables, learning_rate):
+                groups = {}
+                for grad, variable in zip(grads, variables):
+                    factor = factors[inner._get_variable_index(variable)]
+                    groups.setdefault(factor, ([], []))
+                    groups[factor][0].append(grad)
+                    groups[factor][1].append(variable)
+                for factor, (group_grads, group_vars) in groups.items():
+                    rate = learning_rate if factor == 1.0 else learning_rate * factor
+                    base_backend_step(inner, group_grads, group_vars, rate)
+
+            inner._backend_update_step = backend_update_step
         super().build(var_list)
 
     @property

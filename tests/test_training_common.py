@@ -7,15 +7,19 @@ trainable p, a Dense head (L2 weight-regularised) and L2 normalisation, on 8x8 i
 import keras
 import numpy as np
 
+from models.batch_norm import freeze_batch_norm
 from models.gem import GeM
-from tfaploss.training import freeze_batch_norm
 
 IMAGE_SHAPE = (8, 8, 3)
 EMBEDDING_DIM = 5
 
 
-def build_exactness_model(seed=0, dropout=0.0, freeze=True):
-    """Small CNN -> BN -> ReLU -> CNN -> GeM(p trainable) -> Dense -> L2; random BN stats."""
+def build_exactness_model(seed=0, dropout=0.0, freeze=True, output_dtype="float32"):
+    """Small CNN -> BN -> ReLU -> CNN -> GeM(p trainable) -> Dense -> L2; random BN stats.
+
+    ``output_dtype=None`` keeps the global dtype policy's (float64 in the exactness
+    tests of every backend, tests/test_training_backends.py).
+    """
     keras.utils.set_random_seed(seed)
     inputs = keras.Input(IMAGE_SHAPE)
     x = keras.layers.Conv2D(4, 3, padding="same")(inputs)
@@ -28,7 +32,7 @@ def build_exactness_model(seed=0, dropout=0.0, freeze=True):
     # A weight regulariser: its gradient bypasses G = dL/dE and must still be applied.
     x = keras.layers.Dense(EMBEDDING_DIM, kernel_regularizer=keras.regularizers.L2(0.05))(x)
     # Float32 output: under mixed_float16 the loss then sees float32 embeddings.
-    outputs = keras.layers.UnitNormalization(dtype="float32")(x)
+    outputs = keras.layers.UnitNormalization(dtype=output_dtype)(x)
     model = keras.Model(inputs, outputs, name="exactness_model")
     bn = model.get_layer("bn")
     rng = np.random.default_rng(seed)

@@ -1,48 +1,14 @@
-"""BatchNorm with frozen statistics and trainable affine parameters."""
+"""Re-export of the frozen BatchNorm, which lives in ``models.batch_norm``.
 
-from __future__ import annotations
+Kept so that ``tfaploss.training.freeze_batch_norm`` and
+``tfaploss.training.batch_norm.FrozenBatchNormalization`` keep working; the dependency
+runs from training to models.
+"""
 
-import keras
+from models.batch_norm import (
+    FrozenBatchNormalization,
+    freeze_batch_norm,
+    has_training_batch_norm,
+)
 
-
-@keras.saving.register_keras_serializable(package="tfaploss")
-class FrozenBatchNormalization(keras.layers.BatchNormalization):
-    """BatchNormalization that always normalises with its moving statistics.
-
-    ``gamma`` and ``beta`` stay trainable; the moving mean and variance never change.
-    This is the setting of the original AP-loss papers, and what makes a layer
-    deterministic in training mode, which multi-staged backpropagation needs. Keras's
-    ``trainable=False`` would freeze gamma and beta as well.
-    """
-
-    def call(self, inputs, training=None, mask=None):
-        return super().call(inputs, training=False, mask=mask)
-
-
-def freeze_batch_norm(model: keras.layers.Layer) -> keras.layers.Layer:
-    """Make every BatchNormalization in ``model`` use its moving statistics, in place.
-
-    Gamma and beta stay trainable. Works on functional, sequential and subclassed
-    models and on nested models (e.g. a ``keras.applications`` backbone inside an
-    embedding model). The change survives ``.keras`` saving and loading.
-
-    Returns the same model, for chaining.
-    """
-    count = 0
-    for layer in model._flatten_layers(include_self=True, recursive=True):
-        if type(layer) is keras.layers.BatchNormalization:
-            # Re-classing keeps the layer's weights, name and place in the graph.
-            layer.__class__ = FrozenBatchNormalization
-            count += 1
-    model._tfaploss_frozen_bn_count = count
-    return model
-
-
-def has_training_batch_norm(model: keras.layers.Layer) -> bool:
-    """Whether ``model`` holds a BatchNormalization that uses batch statistics."""
-    return any(
-        isinstance(layer, keras.layers.BatchNormalization)
-        and not isinstance(layer, FrozenBatchNormalization)
-        and layer.trainable
-        for layer in model._flatten_layers(include_self=True, recursive=True)
-    )
+__all__ = ["FrozenBatchNormalization", "freeze_batch_norm", "has_training_batch_norm"]

@@ -13,7 +13,7 @@ import warnings
 
 import keras
 
-from tfaploss.training.batch_norm import FrozenBatchNormalization
+from models.batch_norm import FrozenBatchNormalization
 
 _NONDETERMINISTIC_CHOICES = ("warn", "raise", "ignore")
 

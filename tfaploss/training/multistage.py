@@ -23,47 +23,46 @@ losses, while AP must rank over the whole batch.
 Exact only if stage 3 sees what stage 1 saw: augment in the input pipeline (never
 inside the model), no dropout, and BatchNorm with frozen statistics
 (:func:`tfaploss.training.freeze_batch_norm`).
+
+Backends. The stages above are backend-neutral (this module: chunking, the loss on the
+embeddings, metrics); only "take G" and "pull G back through one chunk" need the
+backend's autodiff, and each backend has a small module for them:
+``multistage_tf`` (``tf.GradientTape`` with ``output_gradients``, ``tf.distribute``),
+``multistage_jax`` (stateless calls, ``jax.vjp`` per chunk inside ``lax.scan``) and
+``multistage_torch`` (``Tensor.backward(gradient)`` per chunk). ``MultiStageModel``
+takes the one of the backend Keras was imported with.
 """
 
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
-from keras import tree
+from keras import ops, tree
 from keras.src.losses.loss import unscale_loss_for_distribution
 
 from tfaploss.training.checks import check_deterministic
 from tfaploss.training.xbm import CrossBatchMemory
 
 
-def _rows(x, start, size):
-    """Rows ``start:start+size`` of every tensor in ``x``, with a static row count."""
-    # `start + range(size)` keeps the shape a compile-time constant under XLA.
-    index = start + tf.range(size)
-    return tree.map_structure(lambda t: tf.gather(t, index), x)
-
-
-def _tail(x, start):
-    return tree.map_structure(lambda t: t[start:], x)
-
-
-def _batch_size(x):
-    """Static batch size if known, else a scalar tensor."""
-    first = tree.flatten(x)[0]
-    static = first.shape[0]
-    return static if static is not None else tf.shape(first)[0]
-
-
-def _dense(gradient, variable):
-    if gradient is None:
-        return tf.zeros(variable.shape, variable.dtype)
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.convert_to_tensor(gradient)
-    return gradient
+def _backend_steps():
+    """The ``train_step`` mix-in of the backend Keras runs on."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        from tfaploss.training.multistage_tf import TensorFlowSteps as steps
+    elif backend == "jax":
+        from tfaploss.training.multistage_jax import JaxSteps as steps
+    elif backend == "torch":
+        from tfaploss.training.multistage_torch import TorchSteps as steps
+    else:
+        class steps:
+            def train_step(self, *args, **kwargs):
+                raise NotImplementedError(
+                    "MultiStageModel trains on the tensorflow, jax and torch backends; "
+                    f"KERAS_BACKEND is {backend!r}")
+    return steps
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
-class MultiStageModel(keras.Model):
+class MultiStageModel(_backend_steps(), keras.Model):
     """Train an embedding model on very large batches with the exact batch gradient.
 
     Wraps ``embedding_model`` (images -> embeddings); ``compile`` it with a batch-level
@@ -84,6 +83,9 @@ class MultiStageModel(keras.Model):
     parts into the global gradient. The compiled losses must then be batch-level
     ranking losses (``tfaploss.losses.RetrievalLoss``), which Keras does not rescale
     per replica. ``evaluate`` stays per replica.
+
+    The same exact step runs on the TensorFlow, JAX and PyTorch backends; distribution
+    strategies (global-batch ranking across replicas) are TensorFlow-only.
 
     Mixed precision (``mixed_float16``): the losses compute in float32, the loss is
     scaled by the (``LossScaleOptimizer``) optimizer before ``G`` is taken, and the
@@ -108,7 +110,8 @@ class MultiStageModel(keras.Model):
             ``chunk_size`` is set: ``"warn"`` (default), ``"raise"`` or ``"ignore"``.
         check_stages: debug check; stage 3 also measures the largest absolute
             difference between its embeddings and stage 1's, asserts it is <=
-            ``stage_atol`` (outside XLA, where asserts are dropped) and reports it as
+            ``stage_atol`` (TensorFlow outside XLA and PyTorch; JAX and XLA only
+            report it, since a compiled step cannot raise) and reports it as
             the metric ``stage_max_abs_diff`` (per-step maximum, averaged over the
             epoch).
         stage_atol: tolerance of ``check_stages``.
@@ -120,6 +123,10 @@ class MultiStageModel(keras.Model):
         trainer.compile(optimizer=keras.optimizers.Adam(1e-4), loss=APLoss())
         trainer.fit(dataset_of_4096_image_batches, epochs=...)
         model.save("embedder.keras")  # the plain embedding model, for export
+
+    Only weight regularisers (``kernel_regularizer``...) are added to the loss; losses
+    that layers create in ``call`` (activity regularisers, ``add_loss``) are not
+    supported, since no single call sees the whole batch.
 
     Cost per step with chunk size c: 2 forward passes + 1 backward pass of the
     embedding model, one loss evaluation with its gradient; activation memory of one
@@ -212,109 +219,21 @@ class MultiStageModel(keras.Model):
     def compute_output_shape(self, input_shape):
         return self.embedding_model.compute_output_shape(input_shape)
 
-    # -- training -------------------------------------------------------------------
+    # -- training: the backend-neutral part ---------------------------------------
+    # The backend modules (multistage_tf/_jax/_torch) provide ``train_step`` and call
+    # these helpers; everything here is keras.ops.
 
     def _embed(self, x):
         return self.embedding_model(x, training=True)
 
-    def _embedding_spec(self, x, rows):
-        spec = tree.map_structure(
-            lambda t: keras.KerasTensor((rows,) + tuple(t.shape[1:]), dtype=t.dtype.name), x)
-        return self.embedding_model.compute_output_spec(spec)
+    def _chunk_bounds(self, batch: int) -> list[tuple[int, int]]:
+        """``[(start, stop), ...]`` of the chunks of a batch of static size ``batch``."""
+        c = self.chunk_size or batch
+        return [(start, min(start + c, batch)) for start in range(0, batch, c)]
 
-    def _embed_in_chunks(self, x):
-        """Stage 1: embeddings of the whole batch, no activations kept."""
-        c = self.chunk_size
-        batch = _batch_size(x)
-        n_full = batch // c
-        spec = self._embedding_spec(x, c)
-
-        def body(i, parts):
-            return i + 1, parts.write(i, self._embed(_rows(x, i * c, c)))
-
-        parts = tf.TensorArray(spec.dtype, size=n_full, element_shape=spec.shape)
-        # One chunk at a time: parallel iterations would keep several chunks alive.
-        _, parts = tf.while_loop(lambda i, _: i < n_full, body, (tf.constant(0), parts),
-                                 parallel_iterations=1)
-        full = tf.reshape(parts.stack(), (-1,) + tuple(spec.shape[1:]))
-        start = n_full * c
-        width = tuple(spec.shape[1:])
-        if isinstance(batch, int):
-            if batch == start:
-                return full
-            return tf.concat([full, self._embed(_tail(x, start))], axis=0)
-        tail = tf.cond(batch > start, lambda: self._embed(_tail(x, start)),
-                       lambda: tf.zeros((0,) + width, spec.dtype))
-        return tf.concat([full, tail], axis=0)
-
-    def _backprop_chunk(self, x_chunk, g_chunk, e_stage1, variables):
-        with tf.GradientTape() as tape:
-            e_chunk = self._embed(x_chunk)
-        grads = tape.gradient(e_chunk, variables, output_gradients=g_chunk)
-        grads = [_dense(g, v) for g, v in zip(grads, variables)]
-        diff = tf.constant(0.0)
-        if self.check_stages:
-            gap = tf.abs(tf.cast(e_chunk, "float32") - tf.cast(e_stage1, "float32"))
-            diff = tf.reduce_max(tf.concat([tf.reshape(gap, [-1]), [0.0]], axis=0))
-        return grads, diff
-
-    def _backprop_in_chunks(self, x, grad_embeddings, embeddings, variables):
-        """Stage 3: sum over chunks of (d e_chunk/d theta)^T G[chunk]."""
-        c = self.chunk_size
-        batch = _batch_size(x)
-        n_full = batch // c
-
-        def body(i, acc, diff):
-            grads, d = self._backprop_chunk(
-                _rows(x, i * c, c), _rows(grad_embeddings, i * c, c),
-                _rows(embeddings, i * c, c), variables)
-            return i + 1, [a + g for a, g in zip(acc, grads)], tf.maximum(diff, d)
-
-        zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
-        _, acc, diff = tf.while_loop(
-            lambda i, *_: i < n_full, body, (tf.constant(0), zeros, tf.constant(0.0)),
-            parallel_iterations=1)
-        start = n_full * c
-
-        def tail():
-            grads, d = self._backprop_chunk(
-                _tail(x, start), grad_embeddings[start:], embeddings[start:], variables)
-            return [a + g for a, g in zip(acc, grads)], tf.maximum(diff, d)
-
-        if isinstance(batch, int):
-            if batch > start:
-                acc, diff = tail()
-        else:
-            acc, diff = tf.cond(batch > start, tail, lambda: (acc, diff))
-        return acc, diff
-
-    def _gather(self, embeddings, y, sample_weight):
-        """All-gather the replicas' rows; returns global tensors and this replica's offset."""
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        if replicas == 1:
-            return embeddings, y, sample_weight, 0
-        self._check_distributed_losses()
-        context = tf.distribute.get_replica_context()
-        local = tf.shape(embeddings)[0]
-        sizes = context.all_gather(tf.reshape(local, [1]), axis=0)
-        offset = tf.reduce_sum(sizes[: context.replica_id_in_sync_group])
-
-        def gather(t):
-            return None if t is None else context.all_gather(t, axis=0)
-
-        return (gather(embeddings), tree.map_structure(gather, y),
-                tree.map_structure(gather, sample_weight), offset)
-
-    def _check_distributed_losses(self):
-        losses = [l for l in tree.flatten(self.loss) if l is not None]
-        bad = [l for l in losses if not hasattr(l, "query_database_loss")]
-        if bad:
-            raise ValueError(
-                "MultiStageModel ranks the global batch under a distribution strategy, "
-                "which needs batch-level ranking losses (tfaploss.losses.RetrievalLoss); "
-                f"received loss={bad[0]!r}. Compile with a tfaploss loss or train on "
-                "one replica."
-            )
+    def _check_trainable(self):
+        if not self.trainable_variables:
+            raise ValueError("MultiStageModel: the embedding model has no trainable weights.")
 
     def _memory_loss_fn(self):
         if self.xbm_loss is not None:
@@ -328,80 +247,53 @@ class MultiStageModel(keras.Model):
             f"Compiled loss: {self.loss!r}"
         )
 
-    def _loss_and_output_gradient(self, y, embeddings, sample_weight):
-        """Stage 2: the loss on the (global) embeddings and G = d(scaled loss)/dE.
+    def _objective(self, y, embeddings, sample_weight):
+        """Stage 2's function of the (global) embeddings: what G differentiates.
 
-        Weight regularisation losses depend on the variables directly; their gradient
-        is returned alongside, computed from the same tape.
+        Returns ``(scaled, (total, memory_loss))``: ``scaled`` is the optimizer-scaled
+        loss to differentiate (with respect to the embeddings, and to the variables
+        through the weight regularisers); ``total`` the loss to report (regularisers
+        unscaled for distribution); ``memory_loss`` the unweighted cross-batch memory
+        term (0 without memory). Metric updates are left to the caller.
         """
-        variables = self.trainable_variables
         memory_loss_fn = self._memory_loss_fn() if self.memory is not None else None
-        with tf.GradientTape() as tape:
-            tape.watch(embeddings)
-            loss = self._compile_loss(y, embeddings, sample_weight)
-            if loss is None:
-                raise ValueError(
-                    "MultiStageModel: no loss to compute. Provide `loss` in `compile()`.")
-            tracked = loss
-            if self.memory is not None:
-                memory_loss = self.memory.query_loss(memory_loss_fn, y, embeddings)
-                self.xbm_loss_tracker.update_state(memory_loss)
-                memory_loss = tf.cast(memory_loss, loss.dtype) * self.xbm_weight
-                loss = loss + memory_loss
-                tracked = tracked + memory_loss
-            for extra in self.losses:
-                extra = self._aggregate_additional_loss(extra)
-                loss = loss + extra
-                tracked = tracked + unscale_loss_for_distribution(extra)
-            scaled = self.optimizer.scale_loss(loss) if self.optimizer is not None else loss
-        grads = tape.gradient(scaled, [embeddings] + list(variables))
-        direct = [_dense(g, v) for g, v in zip(grads[1:], variables)]
-        return tracked, grads[0], direct
-
-    def train_step(self, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        variables = self.trainable_variables
-        if not variables:
-            raise ValueError("MultiStageModel: the embedding model has no trainable weights.")
-
-        if self.chunk_size is None:
-            with tf.GradientTape() as tape:
-                embeddings = self._embed(x)
-        else:
-            embeddings = self._embed_in_chunks(x)
-        local = tf.shape(embeddings)[0]
-        all_embeddings, all_y, all_weights, offset = self._gather(
-            tf.stop_gradient(embeddings), y, sample_weight)
-
-        loss, all_grad_embeddings, direct = self._loss_and_output_gradient(
-            all_y, all_embeddings, all_weights)
-        if isinstance(offset, int) and offset == 0 and all_y is y:
-            grad_embeddings = all_grad_embeddings
-        else:
-            grad_embeddings = all_grad_embeddings[offset: offset + local]
-        grad_embeddings = tf.cast(grad_embeddings, embeddings.dtype)
-
-        if self.chunk_size is None:
-            grads = tape.gradient(embeddings, variables, output_gradients=grad_embeddings)
-            grads = [_dense(g, v) for g, v in zip(grads, variables)]
-        else:
-            grads, diff = self._backprop_in_chunks(x, grad_embeddings, embeddings, variables)
-            if self.check_stages:
-                self.stage_diff_tracker.update_state(diff)
-                check = tf.debugging.assert_less_equal(
-                    diff, tf.constant(self.stage_atol, diff.dtype),
-                    message="MultiStageModel(check_stages=True): stage-3 embeddings differ "
-                    "from stage-1 embeddings; the model is not deterministic in training "
-                    "mode (dropout? batch-statistics BatchNorm? augmentation in the model?)")
-                with tf.control_dependencies([check]):
-                    grads = [tf.identity(g) for g in grads]
-        grads = [g + d for g, d in zip(grads, direct)]
-        self.optimizer.apply(grads, variables)
-
+        loss = self._compile_loss(y, embeddings, sample_weight)
+        if loss is None:
+            raise ValueError("MultiStageModel: no loss to compute. Provide `loss` in `compile()`.")
+        total = loss
+        memory_loss = ops.zeros((), "float32")
         if self.memory is not None:
-            self.memory.enqueue(all_embeddings, all_y)
-        self._loss_tracker.update_state(loss, sample_weight=local)
-        return self.compute_metrics(x, y, embeddings, sample_weight=sample_weight)
+            memory_loss = self.memory.query_loss(memory_loss_fn, y, embeddings)
+            weighted = ops.cast(memory_loss, loss.dtype) * self.xbm_weight
+            loss = loss + weighted
+            total = total + weighted
+        for extra in self._get_regularization_losses():
+            extra = self._aggregate_additional_loss(extra)
+            loss = loss + ops.cast(extra, loss.dtype)
+            total = total + ops.cast(unscale_loss_for_distribution(extra), total.dtype)
+        scaled = self.optimizer.scale_loss(loss) if self.optimizer is not None else loss
+        return scaled, (total, memory_loss)
+
+    def _update_trackers(self, total, memory_loss, diff, batch):
+        """The step's own metrics: loss, memory loss, stage-1/stage-3 gap."""
+        self._loss_tracker.update_state(total, sample_weight=batch)
+        if self.memory is not None:
+            self.xbm_loss_tracker.update_state(memory_loss)
+        if self.check_stages:
+            self.stage_diff_tracker.update_state(diff)
+
+    @staticmethod
+    def _max_abs_diff(a, b):
+        """Largest |a - b| (float32 scalar), the debug check of ``check_stages``."""
+        gap = ops.abs(ops.cast(a, "float32") - ops.cast(b, "float32"))
+        return ops.max(ops.concatenate([ops.reshape(gap, (-1,)), ops.zeros((1,), "float32")]))
+
+    def _stage_check_message(self, diff=None) -> str:
+        by = "" if diff is None else f" by {float(diff):.3g}"
+        return (f"MultiStageModel(check_stages=True): stage-3 embeddings differ from "
+                f"stage-1 embeddings{by} (more than stage_atol={self.stage_atol:g}); the "
+                "model is not deterministic in training mode (dropout? batch-statistics "
+                "BatchNorm? augmentation in the model?)")
 
     # -- serialisation --------------------------------------------------------------
 

@@ -3,7 +3,8 @@ CVPR 2020), used as a baseline in ROADMAP (Ramzi et al., NeurIPS 2021, Table 2).
 
 The memory is a ring buffer of the last ``size`` embeddings and labels seen in
 training, held detached in non-trainable variables so that it works in graph mode,
-under XLA and under ``tf.distribute``. Each batch's queries are then also ranked
+under XLA and under ``tf.distribute``, and (``keras.ops`` only) on the JAX and PyTorch
+backends, where ``MultiStageModel`` threads its variables through the stateless step. Each batch's queries are then also ranked
 against the memory, which shows the loss many more negatives for the cost of a
 (B x size) score matrix instead of a bigger batch.
 """
@@ -11,7 +12,7 @@ against the memory, which shows the loss many more negatives for the cost of a
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
@@ -62,45 +63,51 @@ class CrossBatchMemory(keras.layers.Layer):
 
     def valid_mask(self):
         """Bool (size,): which slots hold an entry."""
-        return tf.range(self.size) < tf.convert_to_tensor(self.filled)
+        return ops.arange(self.size, dtype="int32") < ops.convert_to_tensor(self.filled)
 
     def enqueue(self, embeddings, labels):
         """Write ``embeddings`` (B, D) and ``labels`` (B,) over the oldest slots."""
-        embeddings = tf.cast(tf.stop_gradient(embeddings), "float32")
-        labels = tf.cast(tf.reshape(labels, [-1]), "int64")
-        n = tf.shape(embeddings)[0]
-        k = tf.minimum(n, self.size)
+        embeddings = ops.cast(ops.stop_gradient(embeddings), "float32")
+        labels = ops.cast(ops.reshape(labels, (-1,)), "int64")
+        n = embeddings.shape[0]
+        if n is None:  # a TF graph traced for any batch size
+            n = ops.shape(embeddings)[0]
+            k = ops.minimum(n, self.size)
+        else:
+            k = min(n, self.size)
         embeddings, labels = embeddings[n - k:], labels[n - k:]
-        pointer = tf.convert_to_tensor(self.pointer)
-        slots = tf.math.floormod(pointer + tf.range(k), self.size)[:, None]
+        pointer = ops.convert_to_tensor(self.pointer)
+        slots = ops.mod(pointer + ops.arange(k, dtype="int32"), self.size)[:, None]
         self.embeddings.assign(
-            tf.tensor_scatter_nd_update(tf.convert_to_tensor(self.embeddings), slots, embeddings))
+            ops.scatter_update(ops.convert_to_tensor(self.embeddings), slots, embeddings))
         self.labels.assign(
-            tf.tensor_scatter_nd_update(tf.convert_to_tensor(self.labels), slots, labels))
-        self.pointer.assign(tf.math.floormod(pointer + k, self.size))
-        self.filled.assign(tf.minimum(tf.convert_to_tensor(self.filled) + k, self.size))
+            ops.scatter_update(ops.convert_to_tensor(self.labels), slots, labels))
+        self.pointer.assign(ops.mod(pointer + ops.cast(k, "int32"), self.size))
+        self.filled.assign(
+            ops.minimum(ops.convert_to_tensor(self.filled) + ops.cast(k, "int32"), self.size))
 
     def query_loss(self, loss, query_labels, query_embeddings):
         """``loss.query_database_loss`` of the queries against the memory (0 if empty).
 
         Cost: that of ``loss`` on a (B, size) score matrix.
         """
-        memory = tf.stop_gradient(tf.convert_to_tensor(self.embeddings))
-        memory_labels = tf.stop_gradient(tf.convert_to_tensor(self.labels))
-        query_labels = tf.reshape(query_labels, [-1])
-        if query_labels.dtype.is_integer:
-            memory_labels = tf.cast(memory_labels, query_labels.dtype)
+        memory = ops.stop_gradient(ops.convert_to_tensor(self.embeddings))
+        memory_labels = ops.stop_gradient(ops.convert_to_tensor(self.labels))
+        query_labels = ops.reshape(query_labels, (-1,))
+        if "int" in keras.backend.standardize_dtype(query_labels.dtype):
+            memory_labels = ops.cast(memory_labels, query_labels.dtype)
         else:  # float label ids (Keras may hand y as float32): compare as int64
-            query_labels = tf.cast(query_labels, "int64")
-        candidates = tf.tile(self.valid_mask()[None, :], [tf.shape(query_labels)[0], 1])
+            query_labels = ops.cast(query_labels, "int64")
+        candidates = ops.broadcast_to(self.valid_mask()[None, :],
+                                      (ops.shape(query_labels)[0], self.size))
 
         def with_memory():
             value = loss.query_database_loss(
                 query_labels, query_embeddings, memory_labels, memory, candidates=candidates)
-            return tf.cast(value, "float32")
+            return ops.cast(value, "float32")
 
-        return tf.cond(tf.convert_to_tensor(self.filled) > 0, with_memory,
-                       lambda: tf.zeros((), "float32"))
+        return ops.cond(ops.convert_to_tensor(self.filled) > 0, with_memory,
+                        lambda: ops.zeros((), "float32"))
 
     def get_config(self):
         config = super().get_config()

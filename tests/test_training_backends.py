@@ -1,0 +1,210 @@
+"""MultiStageModel on every Keras backend: one multi-stage step equals one plain step.
+
+Float64 throughout, so that "equal" means 1e-9, not a float32 tolerance that a slightly
+wrong gradient could pass. The reference is the backend's own ``keras.Model.fit`` step
+on the whole batch (TF: a tape; JAX: ``jax.value_and_grad``; torch: ``backward``), from
+the same weights, with SGD(lr=1), so the update is the gradient. The loss is
+``SoftNeighbourLoss`` (keras.ops only, see tests/backend_support.py); the exactness
+property does not depend on which batch-level loss it is.
+
+Runs under the process's KERAS_BACKEND: on TensorFlow in the main ``make test`` run, on
+JAX in its second run, on PyTorch with ``make test-torch``.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import models
+from tests.backend_support import (
+    BACKEND,
+    SoftNeighbourLoss,
+    WithFixedMemory,
+    float64_policy,
+    to_numpy,
+)
+from tests.test_training_common import IMAGE_SHAPE, build_exactness_model
+from tfaploss.training import MultiStageModel, NondeterministicModelWarning
+
+BATCH = 12
+
+TOLERANCE = {"rtol": 1e-9, "atol": 1e-9}
+if BACKEND == "torch":
+    # Keras's torch ops compute float64 matmuls in float32 (keras.backend.result_type
+    # maps float64 to float32 outside TensorFlow, and torch's `matmul` casts to it), so
+    # Dense layers round to float32 in the plain step and in the chunks alike; the
+    # sums then differ at float32 rounding (1e-9 after one step, 1e-7 after three).
+    # A wrong gradient moves the weights by > 1e-2 (checked below).
+    TOLERANCE = {"rtol": 1e-6, "atol": 1e-6}
+
+
+def build_model(seed=0, dropout=0.0):
+    """The exactness model (tests/test_training_common.py) in the policy's dtype."""
+    return build_exactness_model(seed, dropout=dropout, output_dtype=None)
+
+
+def make_batch(n=BATCH, classes=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n,) + IMAGE_SHAPE), (np.arange(n) % classes).astype("int32")
+
+
+def weights_of(model):
+    return [np.array(w, dtype=np.float64) for w in model.get_weights()]
+
+
+def assert_weights_equal(actual, expected):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        np.testing.assert_allclose(a, e, **TOLERANCE)
+
+
+def fit_once(model, loss, images, labels, optimizer=None, batch_size=BATCH, **compile_kwargs):
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(1.0), loss=loss, **compile_kwargs)
+    history = model.fit(images, labels, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    return history.history
+
+
+def plain_reference(initial, images, labels, loss=None, optimizer=None, batch_size=BATCH):
+    model = build_model()
+    model.set_weights(initial)
+    logs = fit_once(model, loss or SoftNeighbourLoss(), images, labels, optimizer=optimizer,
+                    batch_size=batch_size)
+    return weights_of(model), logs
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, BATCH, None])
+def test_multistage_step_equals_plain_step_float64(chunk_size):
+    images, labels = make_batch()
+    with float64_policy():
+        initial = build_model().get_weights()
+        assert initial[0].dtype == np.float64
+        expected, plain_logs = plain_reference(initial, images, labels)
+        model = build_model()
+        model.set_weights(initial)
+        wrapper = MultiStageModel(model, chunk_size=chunk_size)
+        logs = fit_once(wrapper, SoftNeighbourLoss(), images, labels)
+    # The update must be large enough that a wrong gradient cannot pass.
+    assert max(np.abs(a - b).max() for a, b in zip(initial, expected)) > 1e-2
+    assert_weights_equal(weights_of(model), expected)
+    assert logs["loss"][0] == pytest.approx(plain_logs["loss"][0], rel=1e-9)
+    assert int(to_numpy(wrapper.optimizer.iterations)) == 1
+
+
+def test_gem_p_frozen_bn_affine_and_regularised_head_all_move():
+    images, labels = make_batch()
+    with float64_policy():
+        model = build_model()
+        before = {v.path: to_numpy(v).copy() for v in model.weights}
+        wrapper = MultiStageModel(model, chunk_size=5)
+        fit_once(wrapper, SoftNeighbourLoss(), images, labels)
+    changed = {v.path for v in model.weights
+               if np.abs(to_numpy(v) - before[v.path]).max() > 0}
+    assert any(p.endswith("gem/p") for p in changed), changed
+    assert any(p.endswith("bn/gamma") for p in changed), changed
+    assert not any("moving" in p for p in changed), changed
+
+
+def test_three_batches_with_a_schedule_count_batches_not_chunks():
+    images, labels = make_batch(3 * BATCH, seed=1)
+
+    def optimizer():
+        # lr 1 for the first update, 0.1 after: counting chunks would switch too early.
+        return keras.optimizers.SGD(
+            keras.optimizers.schedules.PiecewiseConstantDecay([1], [1.0, 0.1]))
+
+    with float64_policy():
+        initial = build_model().get_weights()
+        expected, _ = plain_reference(initial, images, labels, optimizer=optimizer())
+        model = build_model()
+        model.set_weights(initial)
+        wrapper = MultiStageModel(model, chunk_size=5)
+        fit_once(wrapper, SoftNeighbourLoss(), images, labels, optimizer=optimizer())
+    assert int(to_numpy(wrapper.optimizer.iterations)) == 3
+    assert_weights_equal(weights_of(model), expected)
+
+
+def test_cross_batch_memory_step_equals_plain_step_with_that_memory():
+    images, labels = make_batch(2 * BATCH, seed=3)
+    first, second = slice(0, BATCH), slice(BATCH, 2 * BATCH)
+    size, weight = 8, 0.5
+    with float64_policy():
+        initial = build_model().get_weights()
+        # By hand: step 1 is plain (empty memory); the memory then holds the last 8
+        # stage-1 embeddings of batch 1, computed before the update and stored in
+        # float32; step 2 adds weight * loss(batch 2 vs memory), memory side fixed.
+        reference = build_model()
+        reference.set_weights(initial)
+        memory = to_numpy(reference(images[first], training=True))[-size:]
+        memory = memory.astype(np.float32).astype(np.float64)
+        fit_once(reference, SoftNeighbourLoss(), images[first], labels[first])
+        fit_once(reference, WithFixedMemory(SoftNeighbourLoss(), labels[first][-size:],
+                                            memory, weight), images[second], labels[second])
+        next_memory = to_numpy(reference(images[second], training=True))  # after step 2
+
+        model = build_model()
+        model.set_weights(initial)
+        wrapper = MultiStageModel(model, chunk_size=5, xbm_size=size, xbm_weight=weight)
+        logs = fit_once(wrapper, SoftNeighbourLoss(), images, labels)
+    assert_weights_equal(weights_of(model), weights_of(reference))
+    assert logs["xbm_loss"][0] > 0.0
+    np.testing.assert_array_equal(to_numpy(wrapper.memory.labels), labels[second][-size:])
+    assert int(to_numpy(wrapper.memory.filled)) == size
+    # The memory holds batch 2's stage-1 embeddings (before update 2), not these.
+    stored = to_numpy(wrapper.memory.embeddings)
+    assert np.abs(stored - next_memory[-size:]).max() > 1e-4
+
+
+def test_stage_check_catches_a_nondeterministic_model():
+    images, labels = make_batch()
+    with pytest.warns(NondeterministicModelWarning, match="Dropout"):
+        MultiStageModel(build_model(dropout=0.5), chunk_size=4)
+    wrapper = MultiStageModel(build_model(dropout=0.5), chunk_size=4,
+                              on_nondeterministic="ignore", check_stages=True)
+    wrapper.compile(optimizer=keras.optimizers.SGD(1.0), loss=SoftNeighbourLoss())
+    if BACKEND == "jax":  # a compiled JAX step cannot raise: it reports the gap
+        logs = wrapper.fit(images, labels, batch_size=BATCH, verbose=0).history
+        assert logs["stage_max_abs_diff"][0] > 1e-3
+    else:
+        with pytest.raises(Exception, match="stage-3 embeddings differ"):
+            wrapper.fit(images, labels, batch_size=BATCH, verbose=0)
+
+
+def test_deterministic_model_passes_the_stage_check():
+    images, labels = make_batch()
+    wrapper = MultiStageModel(build_model(), chunk_size=5, check_stages=True)
+    logs = fit_once(wrapper, SoftNeighbourLoss(), images.astype("float32"), labels)
+    assert logs["stage_max_abs_diff"][0] <= 1e-6
+
+
+def test_save_and_load_keep_the_wrapper_and_its_memory(tmp_path):
+    images, labels = make_batch()
+    images = images.astype("float32")
+    model = build_model()
+    wrapper = MultiStageModel(model, chunk_size=5, xbm_size=6)
+    fit_once(wrapper, SoftNeighbourLoss(), images, labels)
+    path = tmp_path / "multistage.keras"
+    wrapper.save(path)
+    loaded = keras.saving.load_model(path)
+    assert isinstance(loaded, MultiStageModel)
+    assert (loaded.chunk_size, loaded.xbm_size) == (5, 6)
+    assert isinstance(loaded.embedding_model.get_layer("bn"), models.FrozenBatchNormalization)
+    np.testing.assert_allclose(to_numpy(loaded.predict(images, verbose=0)),
+                               to_numpy(model.predict(images, verbose=0)), rtol=1e-6)
+    np.testing.assert_array_equal(to_numpy(loaded.memory.embeddings),
+                                  to_numpy(wrapper.memory.embeddings))
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="the lax.scan chunk loop is JAX's")
+def test_jax_scan_chunk_loop_equals_plain_step(monkeypatch):
+    # On CPU the chunks are unrolled; accelerators use lax.scan: check that path here.
+    from tfaploss.training import multistage_jax
+
+    monkeypatch.setattr(multistage_jax, "SCAN_CHUNKS", True)
+    images, labels = make_batch()
+    with float64_policy():
+        initial = build_model().get_weights()
+        expected, _ = plain_reference(initial, images, labels)
+        model = build_model()
+        model.set_weights(initial)
+        fit_once(MultiStageModel(model, chunk_size=5), SoftNeighbourLoss(), images, labels)
+    assert_weights_equal(weights_of(model), expected)
