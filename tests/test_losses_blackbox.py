@@ -147,11 +147,16 @@ def test_all_positive_and_singleton_queries():
     assert value == 0.0 and np.all(grad == 0.0)
     value, grad = _loss_and_grad(BlackBoxAPLoss(dtype="float64"), np.arange(6), x)
     assert value == 0.0 and np.all(grad == 0.0)
-    # Singleton queries (only themselves) are left out of the mean.
+    # Singleton queries (only themselves) stay in the mean, as in the original, with
+    # AP 1/(1 + 1e-5); drop_lone_queries=True leaves them out.
     labels = np.array([0, 0, 0, 1, 2, 3])
+    ap = reference.batch_average_precision(x, labels, include_self=True)
     value, _ = _loss_and_grad(BlackBoxAPLoss(margin=0.0, dtype="float64"), labels, x)
-    ap = reference.batch_average_precision(x, labels, include_self=True)[:3]
-    np.testing.assert_allclose(value, 1.0 - np.mean(ap * 3 / (3 + 1e-5)), rtol=1e-13)
+    np.testing.assert_allclose(value, 1.0 - np.mean(np.r_[ap[:3] * 3 / (3 + 1e-5),
+                                                          ap[3:] / (1 + 1e-5)]), rtol=1e-13)
+    value, _ = _loss_and_grad(BlackBoxAPLoss(margin=0.0, dtype="float64",
+                                             drop_lone_queries=True), labels, x)
+    np.testing.assert_allclose(value, 1.0 - np.mean(ap[:3] * 3 / (3 + 1e-5)), rtol=1e-13)
 
 
 def test_bad_arguments():

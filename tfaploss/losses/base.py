@@ -113,6 +113,19 @@ class RetrievalLoss(keras.losses.Loss):
         include_self: rank each query against itself too (it counts as its own
             positive), as Smooth-AP's and ROADMAP's code do. Otherwise the query is
             left out of its own ranking, as the histogram-AP paper describes.
+        drop_lone_queries: leave out of the mean every "lone" query, one whose class
+            has no other item in the batch (with ``include_self=True`` its only
+            positive is itself). By default such a query is kept, as the originals
+            of histogram AP, Smooth-AP, SupAP/ROADMAP and BlackBox AP keep it: its
+            AP is below 1 wherever negatives score close to it, so its gradient
+            pushes them away. Its AP is ~1 whatever the embedding does for ranking
+            OTHER items, though, and with BlackBox AP it gets a black-box gradient
+            that reflects only the query's own self-score; drop such queries when
+            the sampler can leave classes with one image in a batch and that signal
+            is unwanted. ``PNPLoss`` drops them by default (its original does).
+            Without ``include_self`` (and for a memory bank) a lone query has no
+            positive and is always left out; pair and triplet losses never use
+            lone queries either way.
         reduction, name, dtype: as for ``keras.losses.Loss``.
 
     Subclasses override :meth:`per_query` (or :meth:`loss_from_scores` for losses that
@@ -130,6 +143,7 @@ class RetrievalLoss(keras.losses.Loss):
         reduction="sum_over_batch_size",
         name=None,
         dtype=None,
+        drop_lone_queries: bool = False,
     ):
         super().__init__(name=name, reduction=reduction, dtype=dtype)
         if self.dtype in _NARROW_FLOATS:
@@ -140,6 +154,7 @@ class RetrievalLoss(keras.losses.Loss):
             )
         self.normalize = bool(normalize)
         self.include_self = bool(include_self)
+        self.drop_lone_queries = bool(drop_lone_queries)
 
     # -- Keras entry points -------------------------------------------------------
 
@@ -209,7 +224,7 @@ class RetrievalLoss(keras.losses.Loss):
 
         With ``include_self=True`` a query ranked against its own batch is its own
         positive; that one does not make the query informative, so losses use this
-        count (> 0) to decide which queries enter the mean.
+        count (> 0) to tell lone queries (see ``drop_lone_queries``).
         """
         others = RetrievalLoss.without_self_pairs(positives, self_pairs)
         return ops.sum(ops.cast(others, "int32"), axis=-1)
@@ -222,6 +237,12 @@ class RetrievalLoss(keras.losses.Loss):
         """
         values, weights = self.per_query(scores, positives, candidates, self_pairs)
         weights = ops.cast(weights, values.dtype)
+        # A query with a positive other than itself makes the batch informative; a
+        # batch with none (every class alone) gives 0 whatever `drop_lone_queries`.
+        informative = self.other_positive_counts(positives, self_pairs) > 0
+        if self.drop_lone_queries:
+            weights = ops.where(informative, weights, ops.zeros_like(weights))
+        weights = ops.where(ops.any(informative), weights, ops.zeros_like(weights))
         total = ops.sum(weights)
         has_queries = _warn_once_without_positives(total > 0)
         # The `where` keeps the 0/0 branch out of the gradient.
@@ -236,5 +257,5 @@ class RetrievalLoss(keras.losses.Loss):
     def get_config(self):
         config = super().get_config()
         config.update(normalize=self.normalize, include_self=self.include_self,
-                      dtype=self.dtype)
+                      drop_lone_queries=self.drop_lone_queries, dtype=self.dtype)
         return config

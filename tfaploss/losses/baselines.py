@@ -120,6 +120,7 @@ class ContrastiveLoss(_DistanceLoss):
 
     def get_config(self):
         config = super().get_config()
+        config.pop("drop_lone_queries", None)  # a lone query forms no pair
         config.update(margin=self.margin)
         return config
 
@@ -201,5 +202,6 @@ class TripletLoss(_DistanceLoss):
 
     def get_config(self):
         config = super().get_config()
+        config.pop("drop_lone_queries", None)  # a lone query forms no triplet
         config.update(margin=self.margin, mining=self.mining)
         return config

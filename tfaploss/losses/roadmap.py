@@ -71,7 +71,9 @@ class CalibrationLoss(RetrievalLoss):
 
     def get_config(self):
         config = super().get_config()
-        config.pop("include_self", None)  # always False: pairs i != j
+        # Always False: pairs i != j, so no query is ever "lone" with itself.
+        config.pop("include_self", None)
+        config.pop("drop_lone_queries", None)
         config.update(pos_margin=self.pos_margin, neg_margin=self.neg_margin,
                       averaging=self.averaging)
         return config
@@ -94,15 +96,17 @@ class ROADMAPLoss(RetrievalLoss):
         temperature, rho, delta, start, offset: SupAP's upper bound (see
             :class:`~tfaploss.losses.SupAPLoss`).
         pos_margin, neg_margin, averaging: calibration (see :class:`CalibrationLoss`).
-        include_self, normalize, pairs_per_block: as for SupAP.
+        include_self, normalize, pairs_per_block, drop_lone_queries: as for SupAP.
     """
 
     def __init__(self, lambda_=0.5, temperature=0.01, rho=100.0, delta=0.05, start=0.5,
                  offset=None, pos_margin=0.9, neg_margin=0.6, averaging="nonzero_pairs",
                  include_self=True, normalize=True, pairs_per_block=None,
-                 reduction="sum_over_batch_size", name="roadmap_loss", dtype=None):
+                 reduction="sum_over_batch_size", name="roadmap_loss", dtype=None,
+                 drop_lone_queries=False):
         super().__init__(normalize=normalize, include_self=include_self,
-                         reduction=reduction, name=name, dtype=dtype)
+                         reduction=reduction, name=name, dtype=dtype,
+                         drop_lone_queries=drop_lone_queries)
         if not (isinstance(lambda_, (int, float)) and 0.0 <= lambda_ <= 1.0):
             raise ValueError(f"ROADMAPLoss: lambda_ must be in [0, 1]; received {lambda_!r}.")
         try:
@@ -129,8 +133,7 @@ class ROADMAPLoss(RetrievalLoss):
         # Every weighted query carries the batch-level calibration value, so the base's
         # weighted mean gives (1 - lambda) * SupAP + lambda * calibration.
         values = (1.0 - self.lambda_) * (1.0 - ap) + self.lambda_ * calibration
-        any_pair = tf.cast(tf.reduce_any(others), ap.dtype)
-        return values, tf.cast(counts > 0, ap.dtype) * any_pair
+        return values, tf.cast(counts > 0, ap.dtype)
 
     def get_config(self):
         config = super().get_config()
