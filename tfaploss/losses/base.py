@@ -88,6 +88,48 @@ def check_labels(y_true):
     return labels
 
 
+def _check_sizes(owner, labels, embeddings, labels_name, embeddings_name):
+    """``labels``, checked to hold one label per row of ``embeddings``.
+
+    Statically where both sizes are known; otherwise (a TensorFlow graph with an
+    unknown batch size) with a run-time assertion carrying the same message.
+    """
+    n_labels, n_rows = labels.shape[0], embeddings.shape[0]
+    message = (f"{owner}: {labels_name} holds {{}} labels but {embeddings_name} holds {{}} "
+               "embeddings; pass exactly one label per embedding.")
+    if n_labels is not None and n_rows is not None:
+        if int(n_labels) != int(n_rows):
+            raise ValueError(message.format(n_labels, n_rows))
+        return labels
+    if keras.backend.backend() != "tensorflow":
+        return labels  # JAX traces and torch tensors always have static sizes
+    import tensorflow as tf
+
+    sizes = tf.stack([tf.shape(labels)[0], tf.shape(embeddings)[0]])
+    check = tf.debugging.Assert(
+        tf.equal(sizes[0], sizes[1]),
+        [tf.constant(f"ValueError: {owner}: {labels_name} and {embeddings_name} differ "
+                     "in size (one label per embedding needed); sizes:"), sizes])
+    with tf.control_dependencies([check]):
+        return tf.identity(labels)
+
+
+def _finite_or_zero(*embeddings):
+    """``(all finite, embeddings)``, every embedding zeroed when any value is not finite.
+
+    Non-finite embeddings must give a non-finite loss, never a finite loss with a NaN
+    gradient, and must not reach the binning or sorting ops (a NaN bin index crashes
+    a bincount). The loss is computed on zeros instead and replaced by NaN at the end
+    (:func:`_nan_unless`); its gradient is then 0. Cost: one pass over the inputs.
+    """
+    finite = ops.all(ops.stack([ops.all(ops.isfinite(e)) for e in embeddings]))
+    return finite, tuple(ops.where(finite, e, ops.zeros_like(e)) for e in embeddings)
+
+
+def _nan_unless(finite, loss):
+    return ops.where(finite, loss, ops.full_like(loss, float("nan")))
+
+
 @keras.saving.register_keras_serializable(package="tfaploss")
 class RetrievalLoss(keras.losses.Loss):
     """Base class of the ranking losses: integer labels in, one batch loss out.
@@ -171,16 +213,23 @@ class RetrievalLoss(keras.losses.Loss):
             return self.call(labels, y_pred)
 
     def call(self, y_true, y_pred):
-        if len(y_pred.shape) != 2:
-            raise ValueError(
-                f"{type(self).__name__} expects y_pred of shape (batch, dim) holding "
-                f"embeddings; received shape {tuple(y_pred.shape)}."
-            )
-        labels = check_labels(y_true)
+        y_pred = self._check_embeddings(y_pred, "y_pred")
+        labels = _check_sizes(type(self).__name__, check_labels(y_true), y_pred,
+                              "y_true", "y_pred")
+        finite, (y_pred,) = _finite_or_zero(y_pred)
         scores = self.pairwise(y_pred, y_pred)
         positives, candidates = label_masks(labels, labels, exclude_self=not self.include_self)
-        self_pairs = self_pair_mask(tf.shape(labels)[0]) if self.include_self else None
-        return self.loss_from_scores(scores, positives, candidates, self_pairs)
+        self_pairs = self_pair_mask(ops.shape(labels)[0]) if self.include_self else None
+        return _nan_unless(finite, self.loss_from_scores(scores, positives, candidates,
+                                                         self_pairs))
+
+    def _check_embeddings(self, embeddings, name):
+        if len(embeddings.shape) != 2:
+            raise ValueError(
+                f"{type(self).__name__} expects {name} of shape (batch, dim) holding "
+                f"embeddings; received shape {tuple(embeddings.shape)}."
+            )
+        return embeddings
 
     def query_database_loss(self, query_labels, query_embeddings, db_labels, db_embeddings,
                             candidates=None):
@@ -191,16 +240,25 @@ class RetrievalLoss(keras.losses.Loss):
         gradient flows into both inputs; stop it on the database side for a detached
         memory bank. Cost: that of the loss on a (Q, N) score matrix.
         """
-        query_embeddings = ops.convert_to_tensor(query_embeddings, dtype=self.dtype)
-        db_embeddings = ops.convert_to_tensor(db_embeddings, dtype=self.dtype)
+        owner = type(self).__name__
+        query_embeddings = self._check_embeddings(
+            ops.convert_to_tensor(query_embeddings, dtype=self.dtype), "query_embeddings")
+        db_embeddings = self._check_embeddings(
+            ops.convert_to_tensor(db_embeddings, dtype=self.dtype), "db_embeddings")
+        query_labels = _check_sizes(owner, check_labels(query_labels), query_embeddings,
+                                    "query_labels", "query_embeddings")
+        db_labels = _check_sizes(owner, check_labels(db_labels), db_embeddings,
+                                 "db_labels", "db_embeddings")
+        finite, (query_embeddings, db_embeddings) = _finite_or_zero(query_embeddings,
+                                                                    db_embeddings)
         scores = self.pairwise(query_embeddings, db_embeddings)
-        positives, all_items = label_masks(check_labels(query_labels), check_labels(db_labels))
+        positives, all_items = label_masks(query_labels, db_labels)
         if candidates is not None:
             candidates = ops.convert_to_tensor(candidates, dtype="bool")
             positives = ops.logical_and(positives, candidates)
         else:
             candidates = all_items
-        return self.loss_from_scores(scores, positives, candidates)
+        return _nan_unless(finite, self.loss_from_scores(scores, positives, candidates))
 
     # -- what subclasses implement --------------------------------------------------
 
