@@ -13,9 +13,10 @@ from __future__ import annotations
 import warnings
 
 import keras
-import tensorflow as tf
+import numpy as np
 from keras import ops
 
+from tfaploss.ops.backend import on_tensorflow
 from tfaploss.ops.masks import label_masks, pairwise_scores, self_pair_mask
 
 # Label ids above 2**24 are not exact in float32, the dtype Keras gives a loss's y_true.
@@ -24,12 +25,25 @@ _warned_no_positives = False
 
 
 def _in_xla_context() -> bool:
-    try:
-        from tensorflow.python.ops import control_flow_util
-
-        return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
-    except Exception:  # private API moved: fall back to warning where we can
+    """True while TensorFlow traces for XLA (always False on the other backends)."""
+    if not on_tensorflow():
         return False
+    from tfaploss.ops import tensorflow_kernels
+
+    return tensorflow_kernels.in_xla_context()
+
+
+def _concrete(value):
+    """``value`` as a NumPy scalar when it is known now (eager), else None (traced)."""
+    if on_tensorflow():
+        import tensorflow as tf
+
+        return value.numpy() if tf.executing_eagerly() else None
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return None if isinstance(value, jax.core.Tracer) else np.asarray(value)
+    return ops.convert_to_numpy(value)
 
 
 def _warn_once_without_positives(has_positive_pair):
@@ -42,47 +56,54 @@ def _warn_once_without_positives(has_positive_pair):
         "sampler (tfaploss.data, e.g. sampler='m_per_class') so that each batch holds "
         "at least two images per class."
     )
-    if tf.executing_eagerly():
-        if not _warned_no_positives and not bool(has_positive_pair):
+    known = _concrete(has_positive_pair)
+    if known is not None:
+        if not _warned_no_positives and not bool(known):
             _warned_no_positives = True
             warnings.warn(message, RuntimeWarning, stacklevel=3)
         return has_positive_pair
-    if _in_xla_context():
-        return has_positive_pair  # XLA cannot print; the loss value (0) still says it
-    return tf.cond(
-        has_positive_pair,
-        lambda: has_positive_pair,
-        lambda: _print_then(message, has_positive_pair),
-    )
+    if not on_tensorflow() or _in_xla_context():
+        return has_positive_pair  # a traced JAX/XLA step cannot print; the 0 says it
+    from tfaploss.ops import tensorflow_kernels
+
+    return tensorflow_kernels.print_unless(has_positive_pair, "WARNING: " + message)
 
 
-def _print_then(message, value):
-    with tf.control_dependencies([tf.print("WARNING:", message)]):
-        return tf.identity(value)
+def _dtype_name(values):
+    dtype = getattr(values, "dtype", None)
+    if dtype is None:
+        dtype = np.asarray(values).dtype
+    if isinstance(dtype, np.dtype) and dtype.kind in "USO":
+        return "string"
+    try:
+        return keras.backend.standardize_dtype(dtype)
+    except ValueError:
+        return str(getattr(dtype, "name", dtype))
 
 
 def check_labels(y_true):
     """Return labels as a rank-1 tensor, refusing shapes and dtypes that lose ids."""
-    labels = tf.convert_to_tensor(y_true)
-    if labels.dtype.name in _NARROW_FLOATS:
+    name = _dtype_name(y_true)
+    if name in _NARROW_FLOATS:
         raise ValueError(
             f"Ranking losses need labels that represent class ids exactly; received "
-            f"y_true of dtype {labels.dtype.name}, which only holds integers up to "
-            f"{'2048' if labels.dtype.name == 'float16' else '256'} exactly. Pass "
+            f"y_true of dtype {name}, which only holds integers up to "
+            f"{'2048' if name == 'float16' else '256'} exactly. Pass "
             "integer labels (int32/int64) or float32."
         )
-    if not (labels.dtype.is_integer or labels.dtype.is_floating):
+    if not ("int" in name or "float" in name):
         raise ValueError(
             f"Ranking losses expect integer class labels as y_true; received dtype "
-            f"{labels.dtype.name}. Map string or one-hot labels to integer ids first."
+            f"{name}. Map string or one-hot labels to integer ids first."
         )
-    rank = labels.shape.rank
-    if rank == 2 and labels.shape[-1] == 1:
-        labels = tf.squeeze(labels, axis=-1)
-    elif rank != 1:
+    labels = ops.convert_to_tensor(y_true)
+    shape = tuple(labels.shape)
+    if len(shape) == 2 and shape[-1] == 1:
+        labels = ops.squeeze(labels, axis=-1)
+    elif len(shape) != 1:
         raise ValueError(
             "Ranking losses expect y_true of shape (batch,) or (batch, 1) holding "
-            f"integer class labels; received shape {labels.shape}. One-hot labels: "
+            f"integer class labels; received shape {shape}. One-hot labels: "
             "pass `argmax(y, axis=-1)` instead."
         )
     return labels
@@ -101,17 +122,13 @@ def _check_sizes(owner, labels, embeddings, labels_name, embeddings_name):
         if int(n_labels) != int(n_rows):
             raise ValueError(message.format(n_labels, n_rows))
         return labels
-    if keras.backend.backend() != "tensorflow":
+    if not on_tensorflow():
         return labels  # JAX traces and torch tensors always have static sizes
-    import tensorflow as tf
+    from tfaploss.ops import tensorflow_kernels
 
-    sizes = tf.stack([tf.shape(labels)[0], tf.shape(embeddings)[0]])
-    check = tf.debugging.Assert(
-        tf.equal(sizes[0], sizes[1]),
-        [tf.constant(f"ValueError: {owner}: {labels_name} and {embeddings_name} differ "
-                     "in size (one label per embedding needed); sizes:"), sizes])
-    with tf.control_dependencies([check]):
-        return tf.identity(labels)
+    return tensorflow_kernels.assert_same_rows(
+        labels, embeddings, f"ValueError: {owner}: {labels_name} and {embeddings_name} "
+        "differ in size (one label per embedding needed); sizes:")
 
 
 def _finite_or_zero(*embeddings):
@@ -207,7 +224,7 @@ class RetrievalLoss(keras.losses.Loss):
                 "per-sample `sample_weight`; received a sample_weight. Remove it from the "
                 "dataset (or use class_balanced=True where the loss offers it)."
             )
-        with tf.name_scope(self.name):
+        with keras.name_scope(self.name):
             labels = check_labels(y_true)
             y_pred = ops.convert_to_tensor(y_pred, dtype=self.dtype)
             return self.call(labels, y_pred)

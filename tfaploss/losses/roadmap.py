@@ -4,7 +4,7 @@ Retrieval", NeurIPS 2021): SupAP plus a calibration term."""
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from tfaploss.losses.base import RetrievalLoss
 from tfaploss.ops.calibration import CALIBRATION_AVERAGING, calibration_loss
@@ -22,7 +22,7 @@ def _check_margins(owner, pos_margin, neg_margin, averaging):
 
 
 def _broadcast_scalar(value, scores):
-    return tf.fill(tf.shape(scores)[:1], value)
+    return ops.broadcast_to(value, ops.shape(scores)[:1])
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
@@ -64,10 +64,10 @@ class CalibrationLoss(RetrievalLoss):
         # no-positive-pair rule).
         total = calibration_loss(scores, positives, candidates, self.pos_margin,
                                  self.neg_margin, self.averaging)
-        any_pair = tf.reduce_any(tf.logical_and(tf.cast(positives, bool),
-                                                tf.cast(candidates, bool)))
+        any_pair = ops.any(ops.logical_and(ops.cast(positives, "bool"),
+                                           ops.cast(candidates, "bool")))
         values = _broadcast_scalar(total, scores)
-        return values, _broadcast_scalar(tf.cast(any_pair, scores.dtype), scores)
+        return values, _broadcast_scalar(ops.cast(any_pair, scores.dtype), scores)
 
     def get_config(self):
         config = super().get_config()
@@ -126,14 +126,14 @@ class ROADMAPLoss(RetrievalLoss):
                                       self.rho, self.delta, self.start, self.offset,
                                       self.pairs_per_block)
         # Calibration runs over pairs i != j: drop the query itself when it is ranked.
-        pair_candidates = self.without_self_pairs(tf.cast(candidates, bool), self_pairs)
-        others = tf.logical_and(tf.cast(positives, bool), pair_candidates)
+        pair_candidates = self.without_self_pairs(ops.cast(candidates, "bool"), self_pairs)
+        others = ops.logical_and(ops.cast(positives, "bool"), pair_candidates)
         calibration = calibration_loss(scores, others, pair_candidates, self.pos_margin,
                                        self.neg_margin, self.averaging)
         # Every weighted query carries the batch-level calibration value, so the base's
         # weighted mean gives (1 - lambda) * SupAP + lambda * calibration.
         values = (1.0 - self.lambda_) * (1.0 - ap) + self.lambda_ * calibration
-        return values, tf.cast(counts > 0, ap.dtype)
+        return values, ops.cast(counts > 0, ap.dtype)
 
     def get_config(self):
         config = super().get_config()
