@@ -10,11 +10,13 @@ PYTEST_ARGS ?=
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export PYTHONUNBUFFERED = 1
 
-.PHONY: demo test install bench clean help
+.PHONY: demo test test-jax test-torch install bench clean help
 
 help:
 	@echo "make demo   - set up .venv and run the end-to-end demo on bundled data"
-	@echo "make test   - set up .venv and run the test suite"
+	@echo "make test   - set up .venv and run the test suite (TensorFlow, then the loss"
+	@echo "              goldens and properties again on JAX)"
+	@echo "make test-torch - the loss goldens and properties on PyTorch (needs torch)"
 	@echo "make bench  - run the benchmarks in benchmarks/ (long)"
 
 $(BIN)/python:
@@ -30,8 +32,22 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tfaploss demo
 
+# tests/backend_agnostic uses no backend API: the main run checks it on TensorFlow,
+# test-jax and test-torch on the other Keras backends (--noconftest: tests/conftest.py
+# sets up TensorFlow devices, which these runs neither need nor import).
+BACKEND_TESTS := tests/backend_agnostic
+
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(MAKE) test-jax
+
+test-jax: $(STAMP)
+	KERAS_BACKEND=jax $(BIN)/python -m pytest --noconftest $(PYTEST_ARGS) $(BACKEND_TESTS)
+
+test-torch: $(STAMP)
+	@$(BIN)/python -c "import torch" 2>/dev/null || { echo "make test-torch needs PyTorch: \
+	$(BIN)/python -m pip install torch --index-url https://download.pytorch.org/whl/cpu"; exit 1; }
+	KERAS_BACKEND=torch $(BIN)/python -m pytest --noconftest $(PYTEST_ARGS) $(BACKEND_TESTS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/losses.py

@@ -34,8 +34,8 @@ def _make(cls):
     return cls(margin=0.0) if cls.__name__ == "BlackBoxAPLoss" else cls()
 
 
-# NaN in every mode; infinities in eager mode (the guard is the same code).
-CASES = [(mode, np.nan) for mode in MODES] + [("eager", np.inf), ("eager", -np.inf)]
+# NaN in every mode; infinities in one mode (the guard is the same code).
+CASES = [(mode, np.nan) for mode in MODES] + [(MODES[-1], np.inf), (MODES[-1], -np.inf)]
 
 
 @params
@@ -48,7 +48,7 @@ def test_non_finite_embedding_gives_non_finite_loss(cls, mode, bad):
 
 
 @params
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES[-1:])
 def test_non_finite_memory_bank_gives_non_finite_loss(cls, mode):
     q, db = _batch(2)[:5], _batch(3)
     db[7, 0] = np.nan

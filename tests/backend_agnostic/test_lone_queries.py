@@ -9,7 +9,7 @@ their code (float64, dense, :mod:`tfaploss.reference`), loss and gradient.
 import numpy as np
 import pytest
 
-from tests.backend_agnostic.backend import MODES, loss_value_and_grad
+from tests.backend_agnostic.backend import DTYPE, GRAD_RTOL, LOSS_RTOL, MODES, loss_value_and_grad
 from tfaploss import reference
 from tfaploss.losses import (APLoss, BlackBoxAPLoss, PNPLoss, SmoothAPLoss, SupAPLoss,
                              TieAwareAPLoss)
@@ -53,8 +53,9 @@ CASES = {
 
 
 def _close(value, grad, ref_value, ref_grad, grad_rtol):
-    np.testing.assert_allclose(value, ref_value, rtol=1e-9)
-    np.testing.assert_allclose(grad, ref_grad, rtol=0, atol=grad_rtol * np.abs(ref_grad).max())
+    np.testing.assert_allclose(value, ref_value, rtol=LOSS_RTOL)
+    atol = max(grad_rtol, GRAD_RTOL) * np.abs(ref_grad).max()
+    np.testing.assert_allclose(grad, ref_grad, rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -63,7 +64,7 @@ def _close(value, grad, ref_value, ref_grad, grad_rtol):
 def test_smooth_and_histogram_losses_match_original(key, drop, mode):
     cls, kwargs, ref = CASES[key]
     x = _batch()
-    loss = cls(dtype="float64", drop_lone_queries=drop, **kwargs)
+    loss = cls(dtype=DTYPE, drop_lone_queries=drop, **kwargs)
     value, grad = loss_value_and_grad(loss, LABELS, x, mode)
     queries = ~LONE if drop else None
     ref_grad = reference.numerical_gradient(lambda z: ref(z, queries), x)
@@ -81,7 +82,7 @@ def test_lone_queries_change_the_loss():
 @pytest.mark.parametrize("drop", [False, True], ids=["kept", "dropped"])
 def test_blackbox_matches_original(drop, mode):
     x = _batch(1)
-    loss = BlackBoxAPLoss(margin=0.0, dtype="float64", drop_lone_queries=drop)
+    loss = BlackBoxAPLoss(margin=0.0, dtype=DTYPE, drop_lone_queries=drop)
     value, grad = loss_value_and_grad(loss, LABELS, x, mode)
     xn = x / np.linalg.norm(x, axis=1, keepdims=True)
     ref_value, d_scores = reference.blackbox_ap_reference(
@@ -99,7 +100,7 @@ def test_pnp_drops_lone_queries_by_default(drop, mode):
     """The PNP original drops them: that stays PNPLoss's default."""
     x = _batch(2)
     kwargs = {} if drop is None else {"drop_lone_queries": drop}
-    value, grad = loss_value_and_grad(PNPLoss(dtype="float64", **kwargs), LABELS, x, mode)
+    value, grad = loss_value_and_grad(PNPLoss(dtype=DTYPE, **kwargs), LABELS, x, mode)
     queries = None if drop is False else ~LONE
 
     def ref(z):
@@ -114,5 +115,5 @@ def test_switch_round_trips_and_all_lone_batch_is_zero(cls):
     loss = cls(drop_lone_queries=True)
     assert cls.from_config(loss.get_config()).drop_lone_queries is True
     x = _batch(3)[:5]
-    value, grad = loss_value_and_grad(cls(dtype="float64", include_self=True), np.arange(5), x)
+    value, grad = loss_value_and_grad(cls(dtype=DTYPE, include_self=True), np.arange(5), x)
     assert value == 0.0 and np.all(grad == 0.0)
