@@ -42,6 +42,16 @@ def ascending_order(keys):
     return ops.argsort(keys, axis=-1)
 
 
+def take(x, indices, axis=0):
+    """``ops.take`` for in-range indices (TensorFlow: a bare ``tf.gather``, without the
+    negative-index fix-up pass ``keras.ops.take`` adds)."""
+    if on_tensorflow():
+        import tensorflow as tf
+
+        return tf.gather(x, indices, axis=axis)
+    return ops.take(x, indices, axis=axis)
+
+
 def gather_rows(x, indices):
     """``out[i, j] = x[i, indices[i, j]]`` (row-wise gather, ``take_along_axis``)."""
     if on_tensorflow():

@@ -41,7 +41,7 @@ import math
 
 from keras import ops
 
-from tfaploss.ops.backend import on_tensorflow
+from tfaploss.ops.backend import on_tensorflow, take
 
 # Elements of one (pairs_per_block, N) block when pairs_per_block is left to us:
 # 4M floats keeps each temporary at 16 MiB (float32) whatever the batch size.
@@ -195,9 +195,9 @@ def _block_kernels(positive_step, negative_step):
     def geometry(s, kind, flat):
         num_items = s.shape[1] if s.shape[1] is not None else ops.shape(s)[1]
         rows = flat // num_items
-        own = ops.take(ops.reshape(s, [-1]), flat)
-        t = ops.take(s, rows, axis=0) - own[:, None]
-        return rows, t, ops.take(kind, rows, axis=0)
+        own = take(ops.reshape(s, [-1]), flat)
+        t = take(s, rows, axis=0) - own[:, None]
+        return rows, t, take(kind, rows, axis=0)
 
     def masked_row_sum(mask, values):
         return ops.sum(ops.where(mask, values, ops.zeros_like(values)), axis=1)
@@ -221,10 +221,10 @@ def _block_kernels(positive_step, negative_step):
         rows, t, kinds = geometry(s, kind, flat)
         zero = ops.zeros_like(t[:, 0])
         _, slope = negative_step.value_and_slope(t)
-        g_n = ops.where(valid, ops.take(ops.reshape(g_neg, [-1]), flat), zero)[:, None]
+        g_n = ops.where(valid, take(ops.reshape(g_neg, [-1]), flat), zero)[:, None]
         if pos_slopes:
             # Includes j = k, whose row and pair contributions cancel.
-            g_p = ops.where(valid, ops.take(ops.reshape(g_pos, [-1]), flat), zero)[:, None]
+            g_p = ops.where(valid, take(ops.reshape(g_pos, [-1]), flat), zero)[:, None]
             if same_step:
                 w = ops.where(kinds == 2, g_n, ops.where(kinds == 1, g_p, 0.0 * g_p)) * slope
             else:
@@ -266,7 +266,7 @@ class _Blocks:
 
     def to_matrix(self, per_block, like):
         """(blocks, block) results in pair order -> (Q, N), zero off the pairs."""
-        values = ops.take(ops.reshape(per_block, [-1]), self.pair_order)
+        values = take(ops.reshape(per_block, [-1]), self.pair_order)
         values = ops.where(self.flat_positives, values, ops.zeros_like(values))
         return ops.reshape(values, ops.shape(like))
 
