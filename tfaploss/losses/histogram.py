@@ -61,10 +61,10 @@ class APLoss(RetrievalLoss):
 
     def query_weights(self, positives, dtype, self_pairs=None):
         """``[query has a positive]``, divided by its class size when class-balanced."""
-        others = self.other_positive_counts(positives, self_pairs)
         has_positive = ops.cast(ops.any(positives, axis=-1), dtype)
         if not self.class_balanced:
             return has_positive
+        others = self.other_positive_counts(positives, self_pairs)
         class_size = ops.cast(others + 1, dtype)  # the query itself counted once
         return has_positive / class_size
 
