@@ -118,7 +118,7 @@ def _spawn_pml(loss_name, batch, repeats, timeout, memory_cap_gb):
     cmd = [sys.executable, os.path.abspath(__file__), "--pml-cell", loss_name, str(batch),
            "--repeats", str(repeats)]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         return {**base, "status": f"timeout>{timeout}s"}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]

@@ -11,8 +11,7 @@ import pytest
 
 from tests.backend_agnostic.backend import DTYPE, GRAD_RTOL, LOSS_RTOL, MODES, loss_value_and_grad
 from tfaploss import reference
-from tfaploss.losses import (APLoss, BlackBoxAPLoss, PNPLoss, SmoothAPLoss, SupAPLoss,
-                             TieAwareAPLoss)
+from tfaploss.losses import APLoss, BlackBoxAPLoss, PNPLoss, SmoothAPLoss, SupAPLoss, TieAwareAPLoss
 
 # Three classes of one image (labels 5, 9 and 11) among 14; not contiguous.
 LABELS = np.array([7, 7, 5, 2, 7, 2, 40_000_001, 9, 7, 2, 40_000_001, 11, 7, 3, 3])

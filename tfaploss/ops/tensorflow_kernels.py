@@ -46,7 +46,7 @@ def in_xla_context() -> bool:
         from tensorflow.python.ops import control_flow_util
 
         return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
-    except Exception:  # private API moved: fall back to warning where we can
+    except Exception:  # noqa: BLE001 - private API moved: fall back to warning
         return False
 
 
