@@ -10,17 +10,14 @@ PYTEST_ARGS ?=
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export PYTHONUNBUFFERED = 1
 
-.PHONY: demo test install bench clean help
-.PHONY: test-torch
-# Tests that run on every Keras backend (Keras fixes its backend at import, so each
-# backend gets its own pytest process): JAX inside `make test`, PyTorch opt-in.
-MULTIBACKEND_TESTS := tests/test_models_backends.py tests/test_training_backends.py
+.PHONY: demo test test-jax test-torch install bench clean help
 
 help:
 	@echo "make demo   - set up .venv and run the end-to-end demo on bundled data"
-	@echo "make test   - set up .venv and run the test suite"
+	@echo "make test   - set up .venv and run the test suite (TensorFlow, then the loss,"
+	@echo "              model and multi-stage tests again on JAX)"
+	@echo "make test-torch - the loss, model and multi-stage tests on PyTorch (needs torch)"
 	@echo "make bench  - run the benchmarks in benchmarks/ (long)"
-	@echo "make test-torch - the multi-backend model/training tests on PyTorch (CPU)"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,12 +32,24 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tfaploss demo
 
+# Tests that use no backend API: the main run checks them on TensorFlow, test-jax and
+# test-torch on the other Keras backends (Keras fixes its backend at import, so each
+# backend gets its own process; --noconftest: tests/conftest.py sets up TensorFlow
+# devices, which these runs neither need nor import).
+BACKEND_TESTS := tests/backend_agnostic tests/test_models_backends.py \
+	tests/test_training_backends.py
+
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
-	KERAS_BACKEND=jax $(BIN)/python -m pytest $(PYTEST_ARGS) $(MULTIBACKEND_TESTS)
+	$(MAKE) test-jax
+
+test-jax: $(STAMP)
+	KERAS_BACKEND=jax $(BIN)/python -m pytest --noconftest $(PYTEST_ARGS) $(BACKEND_TESTS)
 
 test-torch: $(STAMP)
-	KERAS_BACKEND=torch $(BIN)/python -m pytest $(PYTEST_ARGS) $(MULTIBACKEND_TESTS)
+	@$(BIN)/python -c "import torch" 2>/dev/null || { echo "make test-torch needs PyTorch: \
+	$(BIN)/python -m pip install torch --index-url https://download.pytorch.org/whl/cpu"; exit 1; }
+	KERAS_BACKEND=torch $(BIN)/python -m pytest --noconftest $(PYTEST_ARGS) $(BACKEND_TESTS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/losses.py

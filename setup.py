@@ -48,8 +48,8 @@ setup(
         "viz": VIZ,
         "bench": BENCH,
         "demo": DEMO + BEAM + SCANN + VIZ,
-        "all": BEAM + SCANN + TFDS + VIZ + DEMO,
-        "dev": BEAM + SCANN + TFDS + VIZ + DEMO + TEST + ["ruff"],
+        "all": BEAM + SCANN + TFDS + VIZ + DEMO + ["jax[cpu]"],
+        "dev": BEAM + SCANN + TFDS + VIZ + DEMO + TEST + ["ruff", "jax[cpu]"],
     },
     entry_points={"console_scripts": ["tfaploss=tfaploss.cli:main"]},
     classifiers=[

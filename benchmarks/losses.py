@@ -9,6 +9,12 @@ again with ``jit_compile=True`` (XLA).
 
     python benchmarks/losses.py                      # all losses, B in 256 1024 4096
     python benchmarks/losses.py --losses APLoss --sizes 256 --modes graph
+    python benchmarks/losses.py --compare            # beside pytorch-metric-learning
+
+``--compare`` runs pytorch-metric-learning's FastAPLoss, SmoothAPLoss and PNPLoss (torch
+on CPU, the optional ``bench`` extra) on the same inputs, each cell in a fresh process,
+and prints tfaploss's time over theirs per cell. Their Smooth-AP and PNP build B x B x B
+tensors: a cell whose estimate exceeds ``--pml-memory-cap-gb`` is reported, not run.
 
 Prints a table beside the anchors and writes JSON to ``benchmarks/results/``.
 """
@@ -41,6 +47,86 @@ ANCHORS = {
 }
 SIZES = (256, 1024, 4096)
 
+# tfaploss loss -> pytorch-metric-learning's loss of the same definition, its arguments,
+# and how many float32 B x B x B tensors it holds at once (0: none; ~B^2 memory).
+PML_PEERS = {
+    "FastAPLoss": ("FastAPLoss", {"num_bins": 10}, 0),
+    "SmoothAPLoss": ("SmoothAPLoss", {"temperature": 0.01}, 6),
+    "PNPLoss": ("PNPLoss", {"b": 2, "alpha": 4, "anneal": 0.01, "variant": "Dq"}, 4),
+}
+
+
+def _inputs(batch, dim):
+    """The same embeddings and labels (classes of 4, contiguous) for every library."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, dim)).astype("float32")
+    return x, np.repeat(np.arange(batch // 4), 4).astype("int64")
+
+
+def run_pml_cell(loss_name, batch, repeats, dim=512):
+    """One pytorch-metric-learning measurement in this (fresh) process."""
+    import numpy as np
+    import torch
+    from pytorch_metric_learning import losses as pml_losses
+
+    rss_start = _current_rss_gb()
+    x_np, y_np = _inputs(batch, dim)
+    labels = torch.from_numpy(y_np)
+    if loss_name == FLOOR:  # torch's own floor: S = X X^T, forward and backward
+        peer = "floor"
+
+        def loss_fn(x, _):
+            return (x @ x.T).sum()
+    else:
+        peer, kwargs, _ = PML_PEERS[loss_name]
+        loss_fn = getattr(pml_losses, peer)(**kwargs)
+
+    def step():
+        x = torch.from_numpy(x_np).requires_grad_(True)
+        value = loss_fn(x, labels)
+        value.backward()
+        return float(value), x.grad
+
+    start = time.perf_counter()
+    step()
+    warmup = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        value, grad = step()
+        times.append(time.perf_counter() - start)
+    return {
+        "loss": f"pml:{peer}", "batch": batch, "mode": "torch-cpu", "dim": dim,
+        "median_s": statistics.median(times), "times_s": times, "warmup_s": warmup,
+        "peak_rss_gb": _peak_rss_gb(), "rss_at_start_gb": rss_start, "value": value,
+        "grad_finite": bool(np.isfinite(grad.numpy()).all()), "status": "ok",
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _spawn_pml(loss_name, batch, repeats, timeout, memory_cap_gb):
+    """Run one pytorch-metric-learning cell in a fresh interpreter (no TF loaded)."""
+    import subprocess
+
+    peer, _, cubes = PML_PEERS.get(loss_name, ("floor", None, 0))
+    need_gb = cubes * 4 * batch**3 / 2**30
+    base = {"loss": f"pml:{peer}", "batch": batch, "mode": "torch-cpu"}
+    if need_gb > memory_cap_gb:
+        return {**base, "status": f"not run: needs ~{need_gb:.0f} GB (B^3 tensors)"}
+    cmd = [sys.executable, os.path.abspath(__file__), "--pml-cell", loss_name, str(batch),
+           "--repeats", str(repeats)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {**base, "status": f"timeout>{timeout}s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {**base, "status": f"failed (exit {done.returncode})",
+                "error": done.stderr[-500:]}
+    return json.loads(lines[-1])
+
 
 def _loss_names():
     from tfaploss import losses
@@ -72,9 +158,9 @@ def run_cell(loss_name, batch, mode, repeats, dim=512):
     import tensorflow as tf
 
     rss_start = _current_rss_gb()
-    rng = np.random.default_rng(0)
-    x = tf.constant(rng.standard_normal((batch, dim)).astype("float32"))
-    labels = tf.constant(np.repeat(np.arange(batch // 4), 4).astype("int32"))
+    x_np, y_np = _inputs(batch, dim)
+    x = tf.constant(x_np)
+    labels = tf.constant(y_np.astype("int32"))
     if loss_name == FLOOR:
         def loss_fn(y, e):
             return tf.reduce_sum(tf.matmul(e, e, transpose_b=True))
@@ -162,7 +248,7 @@ def _fmt(cell):
 
 def print_table(results, sizes, modes):
     by_key = {(r["loss"], r["batch"], r["mode"]): r for r in results}
-    names = list(dict.fromkeys(r["loss"] for r in results))
+    names = list(dict.fromkeys(r["loss"] for r in results if not r["loss"].startswith("pml:")))
     header = ["loss", "mode"] + [f"B={b}" for b in sizes] + ["original (anchors), " + "; ".join(
         f"B={b}" for b in sizes)]
     rows = []
@@ -179,6 +265,32 @@ def print_table(results, sizes, modes):
         print("| " + " | ".join(row) + " |")
 
 
+def print_comparison(results, sizes, modes):
+    """tfaploss beside pytorch-metric-learning, same inputs, with the floor of each run."""
+    by_key = {(r["loss"], r["batch"], r["mode"]): r for r in results}
+    print("| loss | B | floor S=XX^T (TF graph) | tfaploss "
+          + " | tfaploss ".join(modes) + " | floor S=XX^T (torch) | pytorch-metric-learning "
+          "(torch CPU) | " + " | ".join(f"ratio {m} (tfaploss / PML)" for m in modes) + " |")
+    print("|" + "---|" * (5 + 2 * len(modes)))
+    for name, (peer, _, _) in PML_PEERS.items():
+        for batch in sizes:
+            peer_cell = by_key.get((f"pml:{peer}", batch, "torch-cpu"))
+            if peer_cell is None:
+                continue
+            ours = [by_key.get((name, batch, m)) for m in modes]
+            ratios = []
+            for cell in ours:
+                if cell and cell["status"] == "ok" and peer_cell["status"] == "ok":
+                    ratios.append(f"{cell['median_s'] / peer_cell['median_s']:.3g}")
+                else:
+                    ratios.append("-")
+            torch_floor = by_key.get(("pml:floor", batch, "torch-cpu"))
+            print(f"| {name} | {batch} | {_fmt(by_key.get((FLOOR, batch, modes[0])))} | "
+                  + " | ".join(_fmt(c) for c in ours)
+                  + f" | {_fmt(torch_floor)} | {_fmt(peer_cell)} | "
+                  + " | ".join(ratios) + " |")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--losses", nargs="*", help="loss class names (default: all exported)")
@@ -190,6 +302,13 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--cell", nargs=3, metavar=("LOSS", "BATCH", "MODE"),
                         help=argparse.SUPPRESS)
+    parser.add_argument("--compare", action="store_true",
+                        help="also run pytorch-metric-learning's FastAP, Smooth-AP and PNP "
+                             "(torch CPU) and print the ratio per cell")
+    parser.add_argument("--pml-memory-cap-gb", type=float, default=16.0,
+                        help="do not start a peer cell whose B^3 tensors need more")
+    parser.add_argument("--pml-cell", nargs=2, metavar=("LOSS", "BATCH"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats < 5:
         parser.error(f"--repeats must be >= 5 (a median of at least 5); received {args.repeats}")
@@ -198,8 +317,12 @@ def main(argv=None):
         name, batch, mode = args.cell
         print(json.dumps(run_cell(name, int(batch), mode, args.repeats)), flush=True)
         return 0
+    if args.pml_cell:
+        name, batch = args.pml_cell
+        print(json.dumps(run_pml_cell(name, int(batch), args.repeats)), flush=True)
+        return 0
 
-    names = [FLOOR] + (args.losses or _loss_names())  # imports TF and tfaploss once
+    names = [FLOOR] + (args.losses or (list(PML_PEERS) if args.compare else _loss_names()))
     results = []
     total = len(names) * len(args.sizes) * len(args.modes)
     done = 0
@@ -211,8 +334,23 @@ def main(argv=None):
                 cell = _spawn(name, batch, mode, args.repeats, args.cell_timeout)
                 results.append(cell)
                 print(_fmt(cell), flush=True)
+    if args.compare:
+        for name in names:
+            if name not in PML_PEERS and name != FLOOR:
+                continue
+            for batch in args.sizes:
+                peer = PML_PEERS[name][0] if name in PML_PEERS else "floor S=XX^T (torch)"
+                print(f"[peer] pytorch-metric-learning {peer} B={batch} ...",
+                      end=" ", flush=True)
+                cell = _spawn_pml(name, batch, args.repeats, args.cell_timeout,
+                                  args.pml_memory_cap_gb)
+                results.append(cell)
+                print(_fmt(cell), flush=True)
     print()
     print_table(results, args.sizes, args.modes)
+    if args.compare:
+        print()
+        print_comparison(results, args.sizes, args.modes)
 
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")

@@ -23,24 +23,6 @@ def _loss_and_grad(loss, labels, x, dtype="float64"):
     return value.numpy(), tape.gradient(value, x).numpy()
 
 
-def _numpy_blackbox(s, t, lambda_=4.0):
-    """The original algorithm (ranks normalised by N, black-box backward), float64."""
-    q, n = s.shape
-
-    def rank_normalised(v):
-        return (np.argsort(np.argsort(-v, axis=1, kind="stable"), axis=1) + 1) / n
-
-    r = rank_normalised(s)
-    order = np.argsort(-s, axis=1, kind="stable")
-    cum = np.cumsum(np.take_along_axis(t, order, 1), 1)
-    within = np.take_along_axis(cum, np.argsort(order, 1), 1) / n
-    denom = t.sum(1) + 1e-5
-    loss = 1.0 - np.mean((within / r * t).sum(1) / denom)
-    g = (within / r**2) * t / denom[:, None] / q  # dL/dr
-    r_prime = rank_normalised(s + lambda_ * g)
-    return loss, -(r - r_prime) / lambda_
-
-
 def _float32_ratio_loss(x, labels):
     """The original's forward with its float32 rank ratios (explains the 5e-9)."""
     s = x @ x.T
@@ -102,7 +84,7 @@ def test_matches_numpy_port_on_irregular_labels():
         s = np.tanh(rng.normal(size=(9, 25)))
         t = (rng.random((9, 25)) < 0.3).astype(float)
         t[:, 3] = 1.0
-        expected_loss, expected_grad = _numpy_blackbox(s, t, lambda_)
+        expected_loss, expected_grad = reference.blackbox_ap_reference(s, t, lambda_)
         st = tf.constant(s)
         with tf.GradientTape() as tape:
             tape.watch(st)
@@ -147,11 +129,16 @@ def test_all_positive_and_singleton_queries():
     assert value == 0.0 and np.all(grad == 0.0)
     value, grad = _loss_and_grad(BlackBoxAPLoss(dtype="float64"), np.arange(6), x)
     assert value == 0.0 and np.all(grad == 0.0)
-    # Singleton queries (only themselves) are left out of the mean.
+    # Singleton queries (only themselves) stay in the mean, as in the original, with
+    # AP 1/(1 + 1e-5); drop_lone_queries=True leaves them out.
     labels = np.array([0, 0, 0, 1, 2, 3])
+    ap = reference.batch_average_precision(x, labels, include_self=True)
     value, _ = _loss_and_grad(BlackBoxAPLoss(margin=0.0, dtype="float64"), labels, x)
-    ap = reference.batch_average_precision(x, labels, include_self=True)[:3]
-    np.testing.assert_allclose(value, 1.0 - np.mean(ap * 3 / (3 + 1e-5)), rtol=1e-13)
+    np.testing.assert_allclose(value, 1.0 - np.mean(np.r_[ap[:3] * 3 / (3 + 1e-5),
+                                                          ap[3:] / (1 + 1e-5)]), rtol=1e-13)
+    value, _ = _loss_and_grad(BlackBoxAPLoss(margin=0.0, dtype="float64",
+                                             drop_lone_queries=True), labels, x)
+    np.testing.assert_allclose(value, 1.0 - np.mean(ap[:3] * 3 / (3 + 1e-5)), rtol=1e-13)
 
 
 def test_bad_arguments():

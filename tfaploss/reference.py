@@ -171,3 +171,135 @@ def triplet_all_reference(embeddings, labels, margin=1.0):
     t = np.maximum(d[:, :, None] - d[:, None, :] + margin, 0.0)
     valid = pos[:, :, None] & ~same[:, None, :]
     return t[valid].mean()
+
+
+# -- the originals' batch losses, lone queries included (float64, dense) ---------------
+
+
+def _unit_scores(embeddings, normalize=True):
+    x = np.asarray(embeddings, dtype=np.float64)
+    if normalize:
+        x = x / np.linalg.norm(x, axis=1, keepdims=True)
+    return x @ x.T
+
+
+def _mean_over(values, queries):
+    values = np.asarray(values, dtype=np.float64)
+    return float(np.mean(values if queries is None else values[np.asarray(queries, bool)]))
+
+
+def histogram_ap_loss_reference(embeddings, labels, num_bins=20, score_range=(-1.0, 1.0),
+                                tie_aware=None, queries=None):
+    """``1 - mAP`` of Revaud et al.'s ``APLoss`` on a batch, the query in its own list.
+
+    As the authors' training code: scores ``x xᵀ`` of the normalised batch, relevance
+    ``y_i == y_j`` with the diagonal kept, every query in the mean (a query alone in
+    its class has one positive: itself). ``queries``: a boolean mask of the queries
+    to average over instead (None: all).
+    """
+    y = np.asarray(labels).reshape(-1)
+    ap = histogram_ap_dense(_unit_scores(embeddings), y[:, None] == y[None, :],
+                            num_bins=num_bins, score_range=score_range, tie_aware=tie_aware)
+    return 1.0 - _mean_over(ap, queries)
+
+
+def sigmoid_step(temperature=0.01):
+    """The originals' ``sigmoid(clip(t / temperature, -50, 50))``."""
+    return lambda t: 1.0 / (1.0 + np.exp(-np.clip(t / temperature, -50.0, 50.0)))
+
+
+def heaviside_step(t):
+    """ROADMAP's ``heaviside(t)`` with value 1 at 0."""
+    return (t >= 0).astype(np.float64)
+
+
+def sup_ap_upper_step(temperature=0.01, rho=100.0, delta=0.05, start=0.5, offset=None):
+    """ROADMAP's upper bound of the step on negative pairs (see ``SupAPLoss``)."""
+    if offset is None:
+        offset = start + 1.0 / (1.0 + np.exp(-min(delta / temperature, 50.0)))
+    sig = sigmoid_step(temperature)
+    return lambda t: np.where(t <= 0, sig(t), np.where(t <= delta, start + sig(t),
+                                                       rho * (t - delta) + offset))
+
+
+def smooth_rank_ap_loss_reference(embeddings, labels, positive_step, negative_step,
+                                  queries=None):
+    """``1 - mean_i AP_i`` of ROADMAP's Smooth-AP/SupAP code, dense (B, B, B).
+
+    Every item is in every query's ranking (the query too, as its own positive);
+    ``AP_i = mean_{k in P_i} (1 + sum_{j in P_i, j!=k} h+(s_ij - s_ik))
+    / (1 + sum_{j in P_i, j!=k} h+(.) + sum_{j not in P_i} h-(.))``; every query counts.
+    """
+    s = _unit_scores(embeddings)
+    y = np.asarray(labels).reshape(-1)
+    same = y[:, None] == y[None, :]
+    t = s[:, None, :] - s[:, :, None]  # t[i, k, j] = s_ij - s_ik
+    not_k = ~np.eye(len(y), dtype=bool)[None]
+    pos = (positive_step(t) * (same[:, None, :] & not_k)).sum(-1)
+    neg = (negative_step(t) * ~same[:, None, :]).sum(-1)
+    precision = (1.0 + pos) / (1.0 + pos + neg)
+    ap = (precision * same).sum(1) / same.sum(1)
+    return 1.0 - _mean_over(ap, queries)
+
+
+def pnp_dq_loss_reference(embeddings, labels, alpha=4.0, temperature=0.01, queries=None):
+    """PNP-Dq (Li et al.): ``mean_i mean_{k in P_i} 1 - (1 + R_ik)^-alpha``, dense.
+
+    ``R_ik`` sums ``sigmoid_tau(s_ij - s_ik)`` over the negatives j of query i; the
+    query is its own positive (k = i included), as the authors' code.
+    """
+    s = _unit_scores(embeddings)
+    y = np.asarray(labels).reshape(-1)
+    same = y[:, None] == y[None, :]
+    t = s[:, None, :] - s[:, :, None]
+    r = (sigmoid_step(temperature)(t) * ~same[:, None, :]).sum(-1)
+    values = ((1.0 - (1.0 + r) ** -alpha) * same).sum(1) / same.sum(1)
+    return _mean_over(values, queries)
+
+
+def blackbox_ap_reference(scores, relevance, lambda_=4.0, queries=None):
+    """ROADMAP's BlackBoxAP (margin 0): the loss and its black-box ``dL/dS``.
+
+    Ranks of all N items normalised by N (ties by index), ``AP_i = sum_{k in P_i}
+    rank+_ik / rank_ik / (|P_i| + 1e-5)``, ``L = 1 - mean_i AP_i`` over every query;
+    backward ``-(r - rank(s + lambda dL/dr)) / lambda``. ``queries``: a boolean mask
+    of the queries to average over (None: all).
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    t = np.asarray(relevance, dtype=np.float64)
+    n = s.shape[1]
+    keep = np.ones(len(s), bool) if queries is None else np.asarray(queries, bool)
+
+    def rank_normalised(v):
+        return (np.argsort(np.argsort(-v, axis=1, kind="stable"), axis=1) + 1) / n
+
+    r = rank_normalised(s)
+    order = np.argsort(-s, axis=1, kind="stable")
+    cum = np.cumsum(np.take_along_axis(t, order, 1), 1)
+    within = np.take_along_axis(cum, np.argsort(order, 1), 1) / n
+    denom = t.sum(1) + 1e-5
+    loss = 1.0 - np.mean(((within / r * t).sum(1) / denom)[keep])
+    g = (within / r**2) * t / denom[:, None] / keep.sum() * keep[:, None]  # dL/dr
+    return float(loss), -(r - rank_normalised(s + lambda_ * g)) / lambda_
+
+
+def score_gradient_to_embeddings(embeddings, d_scores, normalize=True):
+    """Chain ``dL/dS`` of ``S = n nᵀ`` (``n`` the normalised rows) back to ``dL/dx``."""
+    x = np.asarray(embeddings, dtype=np.float64)
+    norm = np.linalg.norm(x, axis=1, keepdims=True) if normalize else np.ones((len(x), 1))
+    n = x / norm
+    d_n = (d_scores + d_scores.T) @ n
+    if not normalize:
+        return d_n
+    return (d_n - (d_n * n).sum(1, keepdims=True) * n) / norm
+
+
+def numerical_gradient(fn, x, h=1e-6):
+    """Central finite differences of a scalar ``fn`` at ``x`` (float64)."""
+    x = np.array(x, dtype=np.float64)
+    grad = np.zeros_like(x)
+    for index in np.ndindex(x.shape):
+        step = np.zeros_like(x)
+        step[index] = h
+        grad[index] = (fn(x + step) - fn(x - step)) / (2 * h)
+    return grad

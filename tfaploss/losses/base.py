@@ -13,9 +13,10 @@ from __future__ import annotations
 import warnings
 
 import keras
-import tensorflow as tf
+import numpy as np
 from keras import ops
 
+from tfaploss.ops.backend import on_tensorflow
 from tfaploss.ops.masks import label_masks, pairwise_scores, self_pair_mask
 
 # Label ids above 2**24 are not exact in float32, the dtype Keras gives a loss's y_true.
@@ -24,12 +25,25 @@ _warned_no_positives = False
 
 
 def _in_xla_context() -> bool:
-    try:
-        from tensorflow.python.ops import control_flow_util
-
-        return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
-    except Exception:  # private API moved: fall back to warning where we can
+    """True while TensorFlow traces for XLA (always False on the other backends)."""
+    if not on_tensorflow():
         return False
+    from tfaploss.ops import tensorflow_kernels
+
+    return tensorflow_kernels.in_xla_context()
+
+
+def _concrete(value):
+    """``value`` as a NumPy scalar when it is known now (eager), else None (traced)."""
+    if on_tensorflow():
+        import tensorflow as tf
+
+        return value.numpy() if tf.executing_eagerly() else None
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return None if isinstance(value, jax.core.Tracer) else np.asarray(value)
+    return ops.convert_to_numpy(value)
 
 
 def _warn_once_without_positives(has_positive_pair):
@@ -42,50 +56,95 @@ def _warn_once_without_positives(has_positive_pair):
         "sampler (tfaploss.data, e.g. sampler='m_per_class') so that each batch holds "
         "at least two images per class."
     )
-    if tf.executing_eagerly():
-        if not _warned_no_positives and not bool(has_positive_pair):
+    known = _concrete(has_positive_pair)
+    if known is not None:
+        if not _warned_no_positives and not bool(known):
             _warned_no_positives = True
             warnings.warn(message, RuntimeWarning, stacklevel=3)
         return has_positive_pair
-    if _in_xla_context():
-        return has_positive_pair  # XLA cannot print; the loss value (0) still says it
-    return tf.cond(
-        has_positive_pair,
-        lambda: has_positive_pair,
-        lambda: _print_then(message, has_positive_pair),
-    )
+    if not on_tensorflow() or _in_xla_context():
+        return has_positive_pair  # a traced JAX/XLA step cannot print; the 0 says it
+    from tfaploss.ops import tensorflow_kernels
+
+    return tensorflow_kernels.print_unless(has_positive_pair, "WARNING: " + message)
 
 
-def _print_then(message, value):
-    with tf.control_dependencies([tf.print("WARNING:", message)]):
-        return tf.identity(value)
+def _dtype_name(values):
+    dtype = getattr(values, "dtype", None)
+    if dtype is None:
+        dtype = np.asarray(values).dtype
+    if isinstance(dtype, np.dtype) and dtype.kind in "USO":
+        return "string"
+    try:
+        return keras.backend.standardize_dtype(dtype)
+    except ValueError:
+        return str(getattr(dtype, "name", dtype))
 
 
 def check_labels(y_true):
     """Return labels as a rank-1 tensor, refusing shapes and dtypes that lose ids."""
-    labels = tf.convert_to_tensor(y_true)
-    if labels.dtype.name in _NARROW_FLOATS:
+    name = _dtype_name(y_true)
+    if name in _NARROW_FLOATS:
         raise ValueError(
             f"Ranking losses need labels that represent class ids exactly; received "
-            f"y_true of dtype {labels.dtype.name}, which only holds integers up to "
-            f"{'2048' if labels.dtype.name == 'float16' else '256'} exactly. Pass "
+            f"y_true of dtype {name}, which only holds integers up to "
+            f"{'2048' if name == 'float16' else '256'} exactly. Pass "
             "integer labels (int32/int64) or float32."
         )
-    if not (labels.dtype.is_integer or labels.dtype.is_floating):
+    if not ("int" in name or "float" in name):
         raise ValueError(
             f"Ranking losses expect integer class labels as y_true; received dtype "
-            f"{labels.dtype.name}. Map string or one-hot labels to integer ids first."
+            f"{name}. Map string or one-hot labels to integer ids first."
         )
-    rank = labels.shape.rank
-    if rank == 2 and labels.shape[-1] == 1:
-        labels = tf.squeeze(labels, axis=-1)
-    elif rank != 1:
+    labels = ops.convert_to_tensor(y_true)
+    shape = tuple(labels.shape)
+    if len(shape) == 2 and shape[-1] == 1:
+        labels = ops.squeeze(labels, axis=-1)
+    elif len(shape) != 1:
         raise ValueError(
             "Ranking losses expect y_true of shape (batch,) or (batch, 1) holding "
-            f"integer class labels; received shape {labels.shape}. One-hot labels: "
+            f"integer class labels; received shape {shape}. One-hot labels: "
             "pass `argmax(y, axis=-1)` instead."
         )
     return labels
+
+
+def _check_sizes(owner, labels, embeddings, labels_name, embeddings_name):
+    """``labels``, checked to hold one label per row of ``embeddings``.
+
+    Statically where both sizes are known; otherwise (a TensorFlow graph with an
+    unknown batch size) with a run-time assertion carrying the same message.
+    """
+    n_labels, n_rows = labels.shape[0], embeddings.shape[0]
+    message = (f"{owner}: {labels_name} holds {{}} labels but {embeddings_name} holds {{}} "
+               "embeddings; pass exactly one label per embedding.")
+    if n_labels is not None and n_rows is not None:
+        if int(n_labels) != int(n_rows):
+            raise ValueError(message.format(n_labels, n_rows))
+        return labels
+    if not on_tensorflow():
+        return labels  # JAX traces and torch tensors always have static sizes
+    from tfaploss.ops import tensorflow_kernels
+
+    return tensorflow_kernels.assert_same_rows(
+        labels, embeddings, f"ValueError: {owner}: {labels_name} and {embeddings_name} "
+        "differ in size (one label per embedding needed); sizes:")
+
+
+def _finite_or_zero(*embeddings):
+    """``(all finite, embeddings)``, every embedding zeroed when any value is not finite.
+
+    Non-finite embeddings must give a non-finite loss, never a finite loss with a NaN
+    gradient, and must not reach the binning or sorting ops (a NaN bin index crashes
+    a bincount). The loss is computed on zeros instead and replaced by NaN at the end
+    (:func:`_nan_unless`); its gradient is then 0. Cost: one pass over the inputs.
+    """
+    finite = ops.all(ops.stack([ops.all(ops.isfinite(e)) for e in embeddings]))
+    return finite, tuple(ops.where(finite, e, ops.zeros_like(e)) for e in embeddings)
+
+
+def _nan_unless(finite, loss):
+    return ops.where(finite, loss, ops.full_like(loss, float("nan")))
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
@@ -113,6 +172,19 @@ class RetrievalLoss(keras.losses.Loss):
         include_self: rank each query against itself too (it counts as its own
             positive), as Smooth-AP's and ROADMAP's code do. Otherwise the query is
             left out of its own ranking, as the histogram-AP paper describes.
+        drop_lone_queries: leave out of the mean every "lone" query, one whose class
+            has no other item in the batch (with ``include_self=True`` its only
+            positive is itself). By default such a query is kept, as the originals
+            of histogram AP, Smooth-AP, SupAP/ROADMAP and BlackBox AP keep it: its
+            AP is below 1 wherever negatives score close to it, so its gradient
+            pushes them away. Its AP is ~1 whatever the embedding does for ranking
+            OTHER items, though, and with BlackBox AP it gets a black-box gradient
+            that reflects only the query's own self-score; drop such queries when
+            the sampler can leave classes with one image in a batch and that signal
+            is unwanted. ``PNPLoss`` drops them by default (its original does).
+            Without ``include_self`` (and for a memory bank) a lone query has no
+            positive and is always left out; pair and triplet losses never use
+            lone queries either way.
         reduction, name, dtype: as for ``keras.losses.Loss``.
 
     Subclasses override :meth:`per_query` (or :meth:`loss_from_scores` for losses that
@@ -130,6 +202,7 @@ class RetrievalLoss(keras.losses.Loss):
         reduction="sum_over_batch_size",
         name=None,
         dtype=None,
+        drop_lone_queries: bool = False,
     ):
         super().__init__(name=name, reduction=reduction, dtype=dtype)
         if self.dtype in _NARROW_FLOATS:
@@ -140,6 +213,7 @@ class RetrievalLoss(keras.losses.Loss):
             )
         self.normalize = bool(normalize)
         self.include_self = bool(include_self)
+        self.drop_lone_queries = bool(drop_lone_queries)
 
     # -- Keras entry points -------------------------------------------------------
 
@@ -150,22 +224,29 @@ class RetrievalLoss(keras.losses.Loss):
                 "per-sample `sample_weight`; received a sample_weight. Remove it from the "
                 "dataset (or use class_balanced=True where the loss offers it)."
             )
-        with tf.name_scope(self.name):
+        with keras.name_scope(self.name):
             labels = check_labels(y_true)
             y_pred = ops.convert_to_tensor(y_pred, dtype=self.dtype)
             return self.call(labels, y_pred)
 
     def call(self, y_true, y_pred):
-        if len(y_pred.shape) != 2:
-            raise ValueError(
-                f"{type(self).__name__} expects y_pred of shape (batch, dim) holding "
-                f"embeddings; received shape {tuple(y_pred.shape)}."
-            )
-        labels = check_labels(y_true)
+        y_pred = self._check_embeddings(y_pred, "y_pred")
+        labels = _check_sizes(type(self).__name__, check_labels(y_true), y_pred,
+                              "y_true", "y_pred")
+        finite, (y_pred,) = _finite_or_zero(y_pred)
         scores = self.pairwise(y_pred, y_pred)
         positives, candidates = label_masks(labels, labels, exclude_self=not self.include_self)
-        self_pairs = self_pair_mask(tf.shape(labels)[0]) if self.include_self else None
-        return self.loss_from_scores(scores, positives, candidates, self_pairs)
+        self_pairs = self_pair_mask(ops.shape(labels)[0]) if self.include_self else None
+        return _nan_unless(finite, self.loss_from_scores(scores, positives, candidates,
+                                                         self_pairs))
+
+    def _check_embeddings(self, embeddings, name):
+        if len(embeddings.shape) != 2:
+            raise ValueError(
+                f"{type(self).__name__} expects {name} of shape (batch, dim) holding "
+                f"embeddings; received shape {tuple(embeddings.shape)}."
+            )
+        return embeddings
 
     def query_database_loss(self, query_labels, query_embeddings, db_labels, db_embeddings,
                             candidates=None):
@@ -176,16 +257,25 @@ class RetrievalLoss(keras.losses.Loss):
         gradient flows into both inputs; stop it on the database side for a detached
         memory bank. Cost: that of the loss on a (Q, N) score matrix.
         """
-        query_embeddings = ops.convert_to_tensor(query_embeddings, dtype=self.dtype)
-        db_embeddings = ops.convert_to_tensor(db_embeddings, dtype=self.dtype)
+        owner = type(self).__name__
+        query_embeddings = self._check_embeddings(
+            ops.convert_to_tensor(query_embeddings, dtype=self.dtype), "query_embeddings")
+        db_embeddings = self._check_embeddings(
+            ops.convert_to_tensor(db_embeddings, dtype=self.dtype), "db_embeddings")
+        query_labels = _check_sizes(owner, check_labels(query_labels), query_embeddings,
+                                    "query_labels", "query_embeddings")
+        db_labels = _check_sizes(owner, check_labels(db_labels), db_embeddings,
+                                 "db_labels", "db_embeddings")
+        finite, (query_embeddings, db_embeddings) = _finite_or_zero(query_embeddings,
+                                                                    db_embeddings)
         scores = self.pairwise(query_embeddings, db_embeddings)
-        positives, all_items = label_masks(check_labels(query_labels), check_labels(db_labels))
+        positives, all_items = label_masks(query_labels, db_labels)
         if candidates is not None:
             candidates = ops.convert_to_tensor(candidates, dtype="bool")
             positives = ops.logical_and(positives, candidates)
         else:
             candidates = all_items
-        return self.loss_from_scores(scores, positives, candidates)
+        return _nan_unless(finite, self.loss_from_scores(scores, positives, candidates))
 
     # -- what subclasses implement --------------------------------------------------
 
@@ -209,7 +299,7 @@ class RetrievalLoss(keras.losses.Loss):
 
         With ``include_self=True`` a query ranked against its own batch is its own
         positive; that one does not make the query informative, so losses use this
-        count (> 0) to decide which queries enter the mean.
+        count (> 0) to tell lone queries (see ``drop_lone_queries``).
         """
         others = RetrievalLoss.without_self_pairs(positives, self_pairs)
         return ops.sum(ops.cast(others, "int32"), axis=-1)
@@ -222,6 +312,12 @@ class RetrievalLoss(keras.losses.Loss):
         """
         values, weights = self.per_query(scores, positives, candidates, self_pairs)
         weights = ops.cast(weights, values.dtype)
+        # A query with a positive other than itself makes the batch informative; a
+        # batch with none (every class alone) gives 0 whatever `drop_lone_queries`.
+        informative = self.other_positive_counts(positives, self_pairs) > 0
+        if self.drop_lone_queries:
+            weights = ops.where(informative, weights, ops.zeros_like(weights))
+        weights = ops.where(ops.any(informative), weights, ops.zeros_like(weights))
         total = ops.sum(weights)
         has_queries = _warn_once_without_positives(total > 0)
         # The `where` keeps the 0/0 branch out of the gradient.
@@ -236,5 +332,5 @@ class RetrievalLoss(keras.losses.Loss):
     def get_config(self):
         config = super().get_config()
         config.update(normalize=self.normalize, include_self=self.include_self,
-                      dtype=self.dtype)
+                      drop_lone_queries=self.drop_lone_queries, dtype=self.dtype)
         return config

@@ -8,11 +8,11 @@ on a batch of embeddings, written without (B, B, B) tensors.
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
 from keras import ops
 
 from tfaploss.losses.base import RetrievalLoss, _in_xla_context
-from tfaploss.ops.masks import inverse_permutations, safe_normalize
+from tfaploss.ops.backend import ascending_order, gather_rows, inverse_permutations
+from tfaploss.ops.masks import safe_normalize
 
 _MINING = ("semihard", "hard", "all")
 
@@ -37,36 +37,34 @@ def _negatives_below(distances, query_values, queries, negatives):
     inf = ops.full_like(distances, float("inf"))
     keys = ops.concatenate([ops.where(negatives, distances, inf),
                             ops.where(queries, query_values, inf)], axis=-1)
-    n2 = keys.shape[-1] if keys.shape[-1] is not None else tf.shape(keys)[-1]
-    order = tf.math.top_k(-keys, k=n2).indices  # ascending; ties keep the lower index
+    n2 = keys.shape[-1] if keys.shape[-1] is not None else ops.shape(keys)[-1]
+    order = ascending_order(keys)  # ties keep the lower index first
     position = inverse_permutations(order)
     zeros = ops.zeros_like(distances)
     is_negative = ops.concatenate([ops.cast(negatives, distances.dtype), zeros], axis=-1)
     negative_values = ops.concatenate([ops.where(negatives, distances, zeros), zeros], axis=-1)
-    negative_sorted = tf.gather(is_negative, order, batch_dims=1)
+    negative_sorted = gather_rows(is_negative, order)
     counts = ops.cumsum(negative_sorted, axis=-1)
-    sums = ops.cumsum(tf.gather(negative_values, order, batch_dims=1), axis=-1)
+    sums = ops.cumsum(gather_rows(negative_values, order), axis=-1)
     n_neg = counts[:, -1:]
-    n = distances.shape[-1] if distances.shape[-1] is not None else tf.shape(distances)[-1]
+    n = distances.shape[-1] if distances.shape[-1] is not None else ops.shape(distances)[-1]
     query_position = position[:, n:]
-    below = tf.gather(counts, query_position, batch_dims=1)
+    below = gather_rows(counts, query_position)
     if _in_xla_context():
         # XLA cannot lower the second InvertPermutation below: sort the negatives.
-        ascending = -tf.math.top_k(-keys[:, :n], k=n).values
-        next_value = tf.gather(ascending, ops.minimum(ops.cast(below, "int32"), n - 1),
-                               batch_dims=1)
+        ascending = ops.sort(keys[:, :n], axis=-1)
+        next_value = gather_rows(ascending, ops.minimum(ops.cast(below, "int32"), n - 1))
     else:
         # Where the k-th negative sits in the merged order: number the negatives
         # 0..n-1 in order and the rest after them; the inverse permutation lists them.
         slot = ops.where(negative_sorted > 0, counts - 1.0,
-                         n_neg + ops.cast(tf.range(n2)[None, :], counts.dtype) - counts)
+                         n_neg + ops.cast(ops.arange(n2)[None, :], counts.dtype) - counts)
         negative_at = inverse_permutations(ops.cast(slot, "int32"))
-        sorted_keys = tf.gather(keys, order, batch_dims=1)
+        sorted_keys = gather_rows(keys, order)
         next_slot = ops.minimum(ops.cast(below, "int32"), n2 - 1)
-        next_value = tf.gather(sorted_keys, tf.gather(negative_at, next_slot, batch_dims=1),
-                               batch_dims=1)
+        next_value = gather_rows(sorted_keys, gather_rows(negative_at, next_slot))
     next_value = ops.where(below < n_neg, next_value, inf)
-    return below, tf.gather(sums, query_position, batch_dims=1), next_value
+    return below, gather_rows(sums, query_position), next_value
 
 
 class _DistanceLoss(RetrievalLoss):
@@ -120,6 +118,7 @@ class ContrastiveLoss(_DistanceLoss):
 
     def get_config(self):
         config = super().get_config()
+        config.pop("drop_lone_queries", None)  # a lone query forms no pair
         config.update(margin=self.margin)
         return config
 
@@ -201,5 +200,6 @@ class TripletLoss(_DistanceLoss):
 
     def get_config(self):
         config = super().get_config()
+        config.pop("drop_lone_queries", None)  # a lone query forms no triplet
         config.update(margin=self.margin, mining=self.mining)
         return config

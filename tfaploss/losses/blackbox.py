@@ -26,10 +26,11 @@ class BlackBoxAPLoss(RetrievalLoss):
     loss deterministic). Backward: ``dL/ds = -(r - rank(s + lambda_ * dL/dr)) /
     lambda_`` with ranks normalised by the number of candidates.
 
-    Queries without a positive other than themselves are left out of the mean (the
-    original keeps them with AP ~ 1 and a spurious black-box gradient); a batch
-    without any positive pair gives 0. A query without negatives has loss exactly 0
-    and zero gradient (the original: ~1e-5 and a non-zero black-box gradient).
+    A query alone in its class (only itself as positive) stays in the mean, as in the
+    original, with AP ~ 1 and a black-box gradient that only reflects its own
+    self-score; ``drop_lone_queries=True`` leaves such queries out. A batch without
+    any positive pair gives 0. A query without negatives has loss exactly 0 and zero
+    gradient (the original: ~1e-5 and a non-zero black-box gradient).
 
     Cost: O(B²·D) for the scores plus two sorts per row, O(B²·log B) time and O(B²)
     memory, forward and backward; no (B, B, B) tensor.
@@ -38,14 +39,16 @@ class BlackBoxAPLoss(RetrievalLoss):
         lambda_: interpolation strength of the black-box gradient.
         margin: scale of the stochastic margin (0 for deterministic).
         seed: seed of the margin noise (``None``: random).
-        normalize, include_self, reduction, name, dtype: see ``RetrievalLoss``.
+        normalize, include_self, drop_lone_queries, reduction, name, dtype: see
+            ``RetrievalLoss``.
     """
 
     def __init__(self, lambda_=4.0, margin=0.02, seed=None, normalize=True,
                  include_self=True, reduction="sum_over_batch_size",
-                 name="blackbox_ap_loss", dtype=None):
+                 name="blackbox_ap_loss", dtype=None, drop_lone_queries=False):
         super().__init__(normalize=normalize, include_self=include_self,
-                         reduction=reduction, name=name, dtype=dtype)
+                         reduction=reduction, name=name, dtype=dtype,
+                         drop_lone_queries=drop_lone_queries)
         if not lambda_ > 0:
             raise ValueError(f"lambda_ must be > 0; received lambda_={lambda_!r}.")
         if not margin >= 0:
@@ -62,7 +65,7 @@ class BlackBoxAPLoss(RetrievalLoss):
                                                 seed=self._seed_generator))
         ap = blackbox_ap(scores, positives, candidates, lambda_=self.lambda_,
                          margin=self.margin, noise=noise)
-        weights = ops.cast(self.other_positive_counts(positives, self_pairs) > 0, ap.dtype)
+        weights = ops.cast(ops.any(positives, axis=-1), ap.dtype)
         # Without a negative the exact AP is 1 whatever the order; the black-box
         # gradient (and the original's 1e-5) would not be 0 there.
         has_negative = ops.any(ops.logical_and(candidates, ops.logical_not(positives)), axis=-1)

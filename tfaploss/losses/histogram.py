@@ -26,7 +26,9 @@ class APLoss(RetrievalLoss):
         L    = 1 - sum_i w_i AP_i / sum_i w_i
 
     over the queries with at least one positive (the original returns NaN for the
-    others). ``w_i = 1`` or, with ``class_balanced=True`` (paper §4.2), ``1 / n_{y_i}``
+    others). With ``include_self=True`` (the authors' training code: the query is in
+    its own ranking) a query alone in its class keeps its positive, itself, and stays
+    in the mean as in the original; ``drop_lone_queries=True`` leaves it out. ``w_i = 1`` or, with ``class_balanced=True`` (paper §4.2), ``1 / n_{y_i}``
     where ``n_{y_i}`` is the size of the query's class (itself counted).
 
     Each score feeds only its two adjacent bins (the O(B·M) per-query form, equal to
@@ -38,15 +40,17 @@ class APLoss(RetrievalLoss):
         score_range: ``(low, high)`` of the quantised scores (paper: ``(-1, 1)``;
             the authors' code: ``(0, 1)``).
         class_balanced: weight each query by the inverse size of its class.
-        normalize, include_self, reduction, name, dtype: see ``RetrievalLoss``. The
-            paper ranks each query against the OTHER images (``include_self=False``).
+        normalize, include_self, drop_lone_queries, reduction, name, dtype: see
+            ``RetrievalLoss``. The paper ranks each query against the OTHER images
+            (``include_self=False``).
     """
 
     def __init__(self, num_bins=20, score_range=(-1.0, 1.0), class_balanced=False,
                  normalize=True, include_self=False, reduction="sum_over_batch_size",
-                 name="ap_loss", dtype=None):
+                 name="ap_loss", dtype=None, drop_lone_queries=False):
         super().__init__(normalize=normalize, include_self=include_self,
-                         reduction=reduction, name=name, dtype=dtype)
+                         reduction=reduction, name=name, dtype=dtype,
+                         drop_lone_queries=drop_lone_queries)
         self.num_bins, lo, hi = _check_bins(num_bins, score_range)
         self.score_range = (lo, hi)
         self.class_balanced = bool(class_balanced)
@@ -57,10 +61,10 @@ class APLoss(RetrievalLoss):
 
     def query_weights(self, positives, dtype, self_pairs=None):
         """``[query has a positive]``, divided by its class size when class-balanced."""
-        others = self.other_positive_counts(positives, self_pairs)
-        has_positive = ops.cast(others > 0, dtype)
+        has_positive = ops.cast(ops.any(positives, axis=-1), dtype)
         if not self.class_balanced:
             return has_positive
+        others = self.other_positive_counts(positives, self_pairs)
         class_size = ops.cast(others + 1, dtype)  # the query itself counted once
         return has_positive / class_size
 
@@ -92,11 +96,12 @@ class TieAwareAPLoss(APLoss):
 
     def __init__(self, num_bins=20, score_range=(-1.0, 1.0), simplified=False,
                  class_balanced=False, normalize=True, include_self=False,
-                 reduction="sum_over_batch_size", name="tie_aware_ap_loss", dtype=None):
+                 reduction="sum_over_batch_size", name="tie_aware_ap_loss", dtype=None,
+                 drop_lone_queries=False):
         super().__init__(num_bins=num_bins, score_range=score_range,
                          class_balanced=class_balanced, normalize=normalize,
                          include_self=include_self, reduction=reduction, name=name,
-                         dtype=dtype)
+                         dtype=dtype, drop_lone_queries=drop_lone_queries)
         self.simplified = bool(simplified)
 
     def query_ap(self, scores, positives, candidates):

@@ -4,7 +4,7 @@ Penalizing Negative Instances before Positive Ones is Enough", AAAI 2022)."""
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from tfaploss.losses.base import RetrievalLoss
 from tfaploss.ops.smooth_rank import PNP_VARIANTS, pnp_per_query
@@ -23,8 +23,8 @@ class PNPLoss(RetrievalLoss):
     with ``f`` per ``variant``: ``"O"`` R; ``"Iu"`` (1+R)·ln(1+R);
     ``"Ib"`` (bR - ln(1+bR))/b²; ``"Ds"`` ln(1+R); ``"Dq"`` 1 - (1+R)^-alpha (the
     paper's best, SOP 80.1 R@1). Queries whose class has no other member in the batch
-    are left out (the original drops them too); labels need not be contiguous or
-    equally sized.
+    are left out by default (``drop_lone_queries=True``: the original drops them
+    too); labels need not be contiguous or equally sized.
 
     Cost: O(B·m·B) time (m = largest class; only positive pairs are ranked),
     O(chunk·B + B²) memory with chunk = ``pairs_per_block`` (default ~4M/B pairs);
@@ -37,13 +37,15 @@ class PNPLoss(RetrievalLoss):
         temperature: sigmoid temperature.
         include_self: include the query's own term (k = i).
         normalize, pairs_per_block: as for :class:`~tfaploss.losses.SmoothAPLoss`.
+        drop_lone_queries: see ``RetrievalLoss`` (default True here, as the original).
     """
 
     def __init__(self, variant="Dq", b=2.0, alpha=4.0, temperature=0.01, include_self=True,
                  normalize=True, pairs_per_block=None, reduction="sum_over_batch_size",
-                 name="pnp_loss", dtype=None):
+                 name="pnp_loss", dtype=None, drop_lone_queries=True):
         super().__init__(normalize=normalize, include_self=include_self,
-                         reduction=reduction, name=name, dtype=dtype)
+                         reduction=reduction, name=name, dtype=dtype,
+                         drop_lone_queries=drop_lone_queries)
         if variant not in PNP_VARIANTS:
             raise ValueError(f"PNPLoss: variant must be one of {PNP_VARIANTS}; received "
                              f"{variant!r}.")
@@ -55,10 +57,9 @@ class PNPLoss(RetrievalLoss):
         self.pairs_per_block = pairs_per_block
 
     def per_query(self, scores, positives, candidates, self_pairs=None):
-        values, _ = pnp_per_query(scores, positives, candidates, self.variant, self.b,
-                                  self.alpha, self.temperature, self.pairs_per_block)
-        # A query needs a positive other than itself (the original drops the others).
-        return values, tf.cast(self.other_positive_counts(positives, self_pairs) > 0, values.dtype)
+        values, counts = pnp_per_query(scores, positives, candidates, self.variant, self.b,
+                                       self.alpha, self.temperature, self.pairs_per_block)
+        return values, ops.cast(counts > 0, values.dtype)
 
     def get_config(self):
         config = super().get_config()

@@ -4,7 +4,7 @@ Retrieval", NeurIPS 2021): SupAP plus a calibration term."""
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from tfaploss.losses.base import RetrievalLoss
 from tfaploss.ops.calibration import CALIBRATION_AVERAGING, calibration_loss
@@ -22,7 +22,7 @@ def _check_margins(owner, pos_margin, neg_margin, averaging):
 
 
 def _broadcast_scalar(value, scores):
-    return tf.fill(tf.shape(scores)[:1], value)
+    return ops.broadcast_to(value, ops.shape(scores)[:1])
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
@@ -64,14 +64,16 @@ class CalibrationLoss(RetrievalLoss):
         # no-positive-pair rule).
         total = calibration_loss(scores, positives, candidates, self.pos_margin,
                                  self.neg_margin, self.averaging)
-        any_pair = tf.reduce_any(tf.logical_and(tf.cast(positives, bool),
-                                                tf.cast(candidates, bool)))
+        any_pair = ops.any(ops.logical_and(ops.cast(positives, "bool"),
+                                           ops.cast(candidates, "bool")))
         values = _broadcast_scalar(total, scores)
-        return values, _broadcast_scalar(tf.cast(any_pair, scores.dtype), scores)
+        return values, _broadcast_scalar(ops.cast(any_pair, scores.dtype), scores)
 
     def get_config(self):
         config = super().get_config()
-        config.pop("include_self", None)  # always False: pairs i != j
+        # Always False: pairs i != j, so no query is ever "lone" with itself.
+        config.pop("include_self", None)
+        config.pop("drop_lone_queries", None)
         config.update(pos_margin=self.pos_margin, neg_margin=self.neg_margin,
                       averaging=self.averaging)
         return config
@@ -119,15 +121,17 @@ class ROADMAPLoss(RetrievalLoss):
         temperature, rho, delta, start, offset: SupAP's upper bound (see
             :class:`~tfaploss.losses.SupAPLoss`).
         pos_margin, neg_margin, averaging: calibration (see :class:`CalibrationLoss`).
-        include_self, normalize, pairs_per_block: as for SupAP.
+        include_self, normalize, pairs_per_block, drop_lone_queries: as for SupAP.
     """
 
     def __init__(self, lambda_=0.5, temperature=0.01, rho=100.0, delta=0.05, start=0.5,
                  offset=None, pos_margin=0.9, neg_margin=0.6, averaging="nonzero_pairs",
                  include_self=True, normalize=True, pairs_per_block=None,
-                 reduction="sum_over_batch_size", name="roadmap_loss", dtype=None):
+                 reduction="sum_over_batch_size", name="roadmap_loss", dtype=None,
+                 drop_lone_queries=False):
         super().__init__(normalize=normalize, include_self=include_self,
-                         reduction=reduction, name=name, dtype=dtype)
+                         reduction=reduction, name=name, dtype=dtype,
+                         drop_lone_queries=drop_lone_queries)
         if not (isinstance(lambda_, (int, float)) and 0.0 <= lambda_ <= 1.0):
             raise ValueError(f"ROADMAPLoss: lambda_ must be in [0, 1]; received {lambda_!r}.")
         try:
@@ -147,15 +151,14 @@ class ROADMAPLoss(RetrievalLoss):
                                       self.rho, self.delta, self.start, self.offset,
                                       self.pairs_per_block)
         # Calibration runs over pairs i != j: drop the query itself when it is ranked.
-        pair_candidates = self.without_self_pairs(tf.cast(candidates, bool), self_pairs)
-        others = tf.logical_and(tf.cast(positives, bool), pair_candidates)
+        pair_candidates = self.without_self_pairs(ops.cast(candidates, "bool"), self_pairs)
+        others = ops.logical_and(ops.cast(positives, "bool"), pair_candidates)
         calibration = calibration_loss(scores, others, pair_candidates, self.pos_margin,
                                        self.neg_margin, self.averaging)
         # Every weighted query carries the batch-level calibration value, so the base's
         # weighted mean gives (1 - lambda) * SupAP + lambda * calibration.
         values = (1.0 - self.lambda_) * (1.0 - ap) + self.lambda_ * calibration
-        any_pair = tf.cast(tf.reduce_any(others), ap.dtype)
-        return values, tf.cast(counts > 0, ap.dtype) * any_pair
+        return values, ops.cast(counts > 0, ap.dtype)
 
     def get_config(self):
         config = super().get_config()

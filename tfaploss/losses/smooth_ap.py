@@ -8,7 +8,7 @@ gradient) is :func:`tfaploss.ops.smooth_rank.positive_rank_terms`.
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from tfaploss.losses.base import RetrievalLoss
 from tfaploss.ops.smooth_rank import SupAPUpperStep, smooth_ap_per_query, sup_ap_per_query
@@ -18,8 +18,9 @@ class _SmoothRankAPLoss(RetrievalLoss):
     """Shared reduction of Smooth-AP and SupAP: ``L = 1 - mean_i AP_i``.
 
     Every query with a positive counts, including one whose only positive is itself
-    (AP ~ 1), as in the original code. A batch without any positive pair between two
-    different items gives 0 (zero gradient, a warning once).
+    (AP ~ 1), as in the original code (``drop_lone_queries=True`` leaves those out).
+    A batch without any positive pair between two different items gives 0 (zero
+    gradient, a warning once).
     """
 
     def _ap(self, scores, positives, candidates):
@@ -27,10 +28,7 @@ class _SmoothRankAPLoss(RetrievalLoss):
 
     def per_query(self, scores, positives, candidates, self_pairs=None):
         ap, counts = self._ap(scores, positives, candidates)
-        # `other_positive_counts` leaves out the query itself when it is ranked.
-        any_pair = tf.reduce_any(self.other_positive_counts(positives, self_pairs) > 0)
-        weights = tf.cast(counts > 0, ap.dtype) * tf.cast(any_pair, ap.dtype)
-        return 1.0 - ap, weights
+        return 1.0 - ap, ops.cast(counts > 0, ap.dtype)
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
@@ -51,7 +49,8 @@ class SmoothAPLoss(_SmoothRankAPLoss):
     Cost: O(B·m·B) time (m = largest class in the batch; only positive pairs are
     ranked) and O(chunk·B + B²) memory with chunk = ``pairs_per_block`` (default ~4M/B
     pairs, i.e. ~16 MiB per temporary in float32); never a B×B×B tensor. Runs under
-    ``jit_compile=True`` (a ``tf.while_loop`` over fixed-size blocks). Measured (B=4096,
+    ``jit_compile=True`` and ``jax.jit`` (a while loop over fixed-size blocks with a
+    hand-written gradient). Measured (B=4096,
     D=512, 64 per class, float32, forward + backward, 2 shared CPU cores): ~6-9 s
     with ``jit_compile=True``, ~15-18 s without; peak RSS under 2 GB.
 
@@ -60,13 +59,15 @@ class SmoothAPLoss(_SmoothRankAPLoss):
         include_self: the query is its own positive and is ranked (original code).
         normalize: L2-normalise embeddings first.
         pairs_per_block: positive pairs ranked per loop step (``None``: automatic).
+        drop_lone_queries: see ``RetrievalLoss``.
     """
 
     def __init__(self, temperature=0.01, include_self=True, normalize=True,
                  pairs_per_block=None, reduction="sum_over_batch_size", name="smooth_ap_loss",
-                 dtype=None):
+                 dtype=None, drop_lone_queries=False):
         super().__init__(normalize=normalize, include_self=include_self,
-                         reduction=reduction, name=name, dtype=dtype)
+                         reduction=reduction, name=name, dtype=dtype,
+                         drop_lone_queries=drop_lone_queries)
         if not (isinstance(temperature, (int, float)) and temperature > 0):
             raise ValueError(f"SmoothAPLoss: temperature must be > 0; received {temperature!r}.")
         self.temperature = float(temperature)
@@ -103,14 +104,17 @@ class SupAPLoss(_SmoothRankAPLoss):
 
     Args:
         temperature, rho, delta, start, offset: the upper bound's parameters.
-        include_self, normalize, pairs_per_block: as for :class:`SmoothAPLoss`.
+        include_self, normalize, pairs_per_block, drop_lone_queries: as for
+            :class:`SmoothAPLoss`.
     """
 
     def __init__(self, temperature=0.01, rho=100.0, delta=0.05, start=0.5, offset=None,
                  include_self=True, normalize=True, pairs_per_block=None,
-                 reduction="sum_over_batch_size", name="sup_ap_loss", dtype=None):
+                 reduction="sum_over_batch_size", name="sup_ap_loss", dtype=None,
+                 drop_lone_queries=False):
         super().__init__(normalize=normalize, include_self=include_self,
-                         reduction=reduction, name=name, dtype=dtype)
+                         reduction=reduction, name=name, dtype=dtype,
+                         drop_lone_queries=drop_lone_queries)
         try:
             SupAPUpperStep(temperature, rho, delta, start, offset)  # validates
         except ValueError as err:

@@ -13,18 +13,18 @@ Cost: one sort per row forward and one backward, O(Q·N·log N) time, O(Q·N) me
 
 from __future__ import annotations
 
-import tensorflow as tf
+import keras
 from keras import ops
 
-from tfaploss.ops.masks import inverse_permutations
+from tfaploss.ops.backend import descending_order, gather_rows, inverse_permutations
 
 
 def _order_and_ranks(scores):
     """Per row: the indices by decreasing score, and each entry's 0-based position.
 
-    Ties are broken by index (``top_k`` puts the lower index first). One sort per row.
+    Ties are broken by index (the lower index first). One sort per row.
     """
-    order = tf.math.top_k(scores, k=tf.shape(scores)[-1], sorted=True).indices
+    order = descending_order(scores)
     return order, inverse_permutations(order)
 
 
@@ -37,7 +37,7 @@ def _ranker(scores, candidates, lambda_, ranks=None):
     lambda_ = float(lambda_)
     candidates = ops.cast(candidates, "bool")
 
-    @tf.custom_gradient
+    @ops.custom_gradient
     def ranker(s):
         dtype = s.dtype
         n_cand = ops.maximum(ops.sum(ops.cast(candidates, dtype), axis=-1, keepdims=True), 1.0)
@@ -49,7 +49,9 @@ def _ranker(scores, candidates, lambda_, ranks=None):
 
         r = normalised(s, ranks)
 
-        def grad(upstream):
+        def grad(*args, upstream=None):
+            if upstream is None:  # TensorFlow and JAX pass it positionally
+                (upstream,) = args
             # Non-candidates sit at -inf: a perturbation cannot move them.
             perturbed = normalised(s + lambda_ * ops.where(candidates, upstream, 0.0))
             return ops.where(candidates, -(r - perturbed) / lambda_, ops.zeros_like(s))
@@ -91,14 +93,14 @@ def blackbox_ap(scores, positives, candidates=None, lambda_=4.0, margin=0.0, noi
     target = ops.cast(positives, dtype)
     if margin:
         if noise is None:
-            noise = ops.abs(tf.random.normal(tf.shape(scores), dtype=dtype))
+            noise = ops.abs(keras.random.normal(ops.shape(scores), dtype=dtype))
         scores = scores - float(margin) * ops.cast(noise, dtype) * (target - 0.5)
-    order, order_ranks = _order_and_ranks(_masked_scores(tf.stop_gradient(scores), candidates))
+    order, order_ranks = _order_and_ranks(_masked_scores(ops.stop_gradient(scores), candidates))
     ranks = _ranker(scores, candidates, lambda_, order_ranks)
     # Position among the positives: cumulative count of positives in ranking order.
-    positives_in_order = tf.gather(target, order, batch_dims=1)
+    positives_in_order = gather_rows(target, order)
     cum_positives = ops.cumsum(positives_in_order, axis=-1)
     n_cand = ops.maximum(ops.sum(ops.cast(candidates, dtype), axis=-1, keepdims=True), 1.0)
-    ranks_within = tf.gather(cum_positives, order_ranks, batch_dims=1) / n_cand
+    ranks_within = gather_rows(cum_positives, order_ranks) / n_cand
     ratios = ops.where(positives, ranks_within / ranks, ops.zeros_like(ranks))
     return ops.sum(ratios, axis=-1) / (ops.sum(target, axis=-1) + 1e-5)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import tensorflow as tf
+from keras import ops
 
 CALIBRATION_AVERAGING = ("nonzero_pairs", "per_query")
 
@@ -28,20 +28,20 @@ def calibration_loss(scores, positives, candidates, pos_margin=0.9, neg_margin=0
     if averaging not in CALIBRATION_AVERAGING:
         raise ValueError(f"averaging must be one of {CALIBRATION_AVERAGING}; received "
                          f"{averaging!r}.")
-    scores = tf.convert_to_tensor(scores)
-    candidates = tf.cast(candidates, tf.bool)
-    positives = tf.logical_and(tf.cast(positives, tf.bool), candidates)
-    negatives = tf.logical_and(candidates, tf.logical_not(positives))
-    zeros = tf.zeros_like(scores)
-    pos_terms = tf.where(positives, tf.nn.relu(pos_margin - scores), zeros)
-    neg_terms = tf.where(negatives, tf.nn.relu(scores - neg_margin), zeros)
+    scores = ops.convert_to_tensor(scores)
+    candidates = ops.cast(candidates, "bool")
+    positives = ops.logical_and(ops.cast(positives, "bool"), candidates)
+    negatives = ops.logical_and(candidates, ops.logical_not(positives))
+    zeros = ops.zeros_like(scores)
+    pos_terms = ops.where(positives, ops.relu(pos_margin - scores), zeros)
+    neg_terms = ops.where(negatives, ops.relu(scores - neg_margin), zeros)
 
     def mean_of(terms, mask, axis=None):
-        count = tf.reduce_sum(tf.cast(mask, scores.dtype), axis=axis)
-        return tf.reduce_sum(terms, axis=axis) / tf.maximum(count, 1.0)
+        count = ops.sum(ops.cast(mask, scores.dtype), axis=axis)
+        return ops.sum(terms, axis=axis) / ops.maximum(count, 1.0)
 
     if averaging == "nonzero_pairs":
         return mean_of(pos_terms, pos_terms > 0) + mean_of(neg_terms, neg_terms > 0)
     per_query = mean_of(pos_terms, positives, axis=1) + mean_of(neg_terms, negatives, axis=1)
-    has_positive = tf.reduce_any(positives, axis=1)
-    return mean_of(tf.where(has_positive, per_query, tf.zeros_like(per_query)), has_positive)
+    has_positive = ops.any(positives, axis=1)
+    return mean_of(ops.where(has_positive, per_query, ops.zeros_like(per_query)), has_positive)

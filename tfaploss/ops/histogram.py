@@ -18,8 +18,9 @@ ranking), so a batch can be ranked against itself or against a memory bank.
 
 from __future__ import annotations
 
-import tensorflow as tf
 from keras import ops
+
+from tfaploss.ops.backend import two_bin_counts
 
 
 def _check_bins(num_bins, score_range):
@@ -50,7 +51,7 @@ def two_bin_assignment(scores, num_bins=20, score_range=(-1.0, 1.0)):
     scores = ops.convert_to_tensor(scores)
     delta = (hi - lo) / (num_bins - 1)
     u = ops.clip((hi - scores) / delta, 0.0, float(num_bins - 1))
-    index = tf.stop_gradient(ops.minimum(ops.floor(u), float(num_bins - 2)))
+    index = ops.stop_gradient(ops.minimum(ops.floor(u), float(num_bins - 2)))
     return ops.cast(index, "int32"), u - index
 
 
@@ -59,30 +60,6 @@ def soft_bins_dense(scores, num_bins=20, score_range=(-1.0, 1.0)):
     index, frac = two_bin_assignment(scores, num_bins, score_range)
     return (ops.one_hot(index, num_bins, dtype=frac.dtype) * ops.expand_dims(1.0 - frac, -1)
             + ops.one_hot(index + 1, num_bins, dtype=frac.dtype) * ops.expand_dims(frac, -1))
-
-
-def _two_bin_counts(index, upper, lower, num_bins):
-    """Per row, ``out[i, m] = sum_j upper_ij [index_ij = m] + lower_ij [index_ij + 1 = m]``.
-
-    A weighted bincount forward (one pass, parallel, also under XLA); the backward
-    is a gather of the incoming (Q, M) gradient at the two bins of each entry.
-    TF's CPU segment sum is single-threaded and 10-20x slower at B=4096.
-    """
-
-    @tf.custom_gradient
-    def counts(upper, lower):
-        indices = tf.concat([index, index + 1], axis=-1)
-        weights = tf.concat([upper, lower], axis=-1)
-        out = tf.raw_ops.DenseBincount(input=indices, size=tf.constant(num_bins, tf.int32),
-                                       weights=weights, binary_output=False)
-
-        def grad(upstream):
-            return (tf.gather(upstream, index, batch_dims=1),
-                    tf.gather(upstream, index + 1, batch_dims=1))
-
-        return out, grad
-
-    return counts(upper, lower)
 
 
 def soft_histograms(scores, positives, candidates=None, num_bins=20, score_range=(-1.0, 1.0)):
@@ -103,9 +80,13 @@ def soft_histograms(scores, positives, candidates=None, num_bins=20, score_range
     upper, lower = 1.0 - frac, frac
     cand = ops.cast(candidates, dtype)
     pos = ops.cast(positives, dtype)
-    counts = _two_bin_counts(index, upper * cand, lower * cand, num_bins)
-    pos_counts = _two_bin_counts(index, upper * pos, lower * pos, num_bins)
+    counts = two_bin_counts(index, upper * cand, lower * cand, num_bins)
+    pos_counts = two_bin_counts(index, upper * pos, lower * pos, num_bins)
     return counts, pos_counts
+
+
+def _shift_right(x):
+    return ops.pad(x[:, :-1], [[0, 0], [1, 0]])
 
 
 def _positive_counts(positives, candidates, dtype):
@@ -156,8 +137,8 @@ def tie_aware_histogram_ap(scores, positives, candidates=None, num_bins=20,
     c, cp = soft_histograms(scores, positives, candidates, num_bins, score_range)
     big_c = ops.cumsum(c, axis=-1)
     big_cp = ops.cumsum(cp, axis=-1)
-    prev_c = tf.math.cumsum(c, axis=-1, exclusive=True)
-    prev_cp = tf.math.cumsum(cp, axis=-1, exclusive=True)
+    prev_c = _shift_right(big_c)  # the counts above bin m (exclusive cumsum)
+    prev_cp = _shift_right(big_cp)
     if simplified:
         terms = cp * (prev_cp + big_cp + 1.0) / (prev_c + big_c + 1.0)
     else:

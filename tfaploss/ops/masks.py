@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import tensorflow as tf
 from keras import ops
+
+from tfaploss.ops.backend import inverse_permutations  # noqa: F401  (re-exported)
 
 # Below this norm an embedding is treated as zero; keeps the gradient finite.
 _NORM_EPSILON = 1e-12
@@ -25,7 +26,7 @@ def pairwise_scores(queries, database, normalize=True):
 
 def self_pair_mask(n):
     """The (n, n) boolean mask of each query paired with itself (the diagonal)."""
-    index = tf.range(n)
+    index = ops.arange(n)
     return ops.equal(ops.expand_dims(index, 1), ops.expand_dims(index, 0))
 
 
@@ -41,21 +42,7 @@ def label_masks(query_labels, db_labels, exclude_self=False):
     """
     same = ops.equal(ops.expand_dims(query_labels, 1), ops.expand_dims(db_labels, 0))
     if exclude_self:
-        candidates = ops.logical_not(self_pair_mask(tf.shape(query_labels)[0]))
+        candidates = ops.logical_not(self_pair_mask(ops.shape(query_labels)[0]))
     else:
         candidates = ops.ones_like(same, dtype="bool")
     return ops.logical_and(same, candidates), candidates
-
-
-def inverse_permutations(order):
-    """Row-wise inverse of a (Q, N) batch of permutations of ``range(N)``.
-
-    ``inverse[i, order[i, p]] = p``: turns a sort order into each item's position.
-    O(Q·N) time (one flat ``invert_permutation``), instead of a second sort; Q·N must
-    stay below 2**31.
-    """
-    # Static shapes where known: XLA cannot reshape to a shape computed at run time.
-    shape = order.shape if order.shape.is_fully_defined() else tf.shape(order)
-    offsets = tf.range(shape[0], dtype=order.dtype)[:, None] * tf.cast(shape[1], order.dtype)
-    flat = tf.reshape(order + offsets, [-1])
-    return tf.reshape(tf.math.invert_permutation(flat), shape) - offsets

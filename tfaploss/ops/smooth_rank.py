@@ -13,29 +13,35 @@ its penalty ``f`` to ``neg_above``. See ``docs/losses.md``.
 Memory. The dense form builds a Q x N x N tensor (64 GiB in float32 at B=4096). Here
 only the positive pairs ``(i, k)`` are ranked: they are enumerated in the (Q, N)
 mask's row-major order and processed in blocks of ``pairs_per_block`` pairs inside a
-``tf.while_loop`` (a data-dependent trip count with static block shapes, so it also
-compiles under XLA). A block is a (pairs_per_block, N) tensor; the default block size
+while loop (a data-dependent trip count with static block shapes, so it also compiles
+under XLA and ``jax.jit``). A block is a (pairs_per_block, N) tensor; the default block size
 keeps it at about 4M elements (16 MiB in float32). The gradient is written by hand
-(:func:`positive_rank_terms` is a ``tf.custom_gradient``) and recomputes each block in
-a second loop, so nothing of size O(P·N) is kept for the backward pass either.
+(:func:`positive_rank_terms` has a custom gradient, so no backend ever differentiates
+the loop: JAX could not) and recomputes each block in a second loop, so nothing of
+size O(P·N) is kept for the backward pass either.
 
 Cost: O(P·N) time with P = number of positive pairs <= Q·m (m = most positives of any
 query), i.e. O(B·m·B) for a batch, and O(pairs_per_block·N + Q·N) memory, for the
 forward pass and again for the backward pass. Nothing depends on how labels are laid
-out: classes need not be contiguous nor equally sized. Inside a graph each block's
-elementwise chain runs as one jit-compiled (fused) kernel, about twice as fast on CPU
-as separate TensorFlow ops; ``jit_compile=True`` on the whole step is faster still.
+out: classes need not be contiguous nor equally sized. The block computations are
+``keras.ops``; the loop around them is ``tf.while_loop`` with TensorArrays on
+TensorFlow (:mod:`tfaploss.ops.tensorflow_kernels`: inside a graph each block's
+elementwise chain runs as one jit-compiled kernel, about twice as fast on CPU as
+separate TensorFlow ops) and ``keras.ops.while_loop`` with preallocated buffers on JAX
+and PyTorch.
 
-Use a non-persistent ``tf.GradientTape`` (as Keras does): inside a ``tf.function`` a
-persistent tape makes TensorFlow keep every loop iteration's intermediates, which
-brings back O(P·N) memory (and does not compile under XLA).
+On TensorFlow use a non-persistent ``tf.GradientTape`` (as Keras does): inside a
+``tf.function`` a persistent tape makes TensorFlow keep every loop iteration's
+intermediates, which brings back O(P·N) memory (and does not compile under XLA).
 """
 
 from __future__ import annotations
 
 import math
 
-import tensorflow as tf
+from keras import ops
+
+from tfaploss.ops.backend import on_tensorflow, take
 
 # Elements of one (pairs_per_block, N) block when pairs_per_block is left to us:
 # 4M floats keeps each temporary at 16 MiB (float32) whatever the batch size.
@@ -47,7 +53,7 @@ PNP_VARIANTS = ("O", "Iu", "Ib", "Ds", "Dq")
 
 def sigmoid_tau(t, temperature):
     """``sigmoid(clip(t / temperature, -50, 50))``, the originals' smoothed step."""
-    return tf.sigmoid(tf.clip_by_value(t / temperature, -_CLIP, _CLIP))
+    return ops.sigmoid(ops.clip(t / temperature, -_CLIP, _CLIP))
 
 
 def _check_temperature(temperature):
@@ -70,10 +76,10 @@ class SigmoidStep:
 
     def value_and_slope(self, t):
         z = t / self.temperature
-        v = tf.sigmoid(tf.clip_by_value(z, -_CLIP, _CLIP))
+        v = ops.sigmoid(ops.clip(z, -_CLIP, _CLIP))
         # Past the clip the originals' autograd gives zero slope; so do we.
-        slope = tf.where(tf.abs(z) <= _CLIP, v * (1.0 - v) / self.temperature,
-                         tf.zeros_like(v))
+        slope = ops.where(ops.abs(z) <= _CLIP, v * (1.0 - v) / self.temperature,
+                          ops.zeros_like(v))
         return v, slope
 
 
@@ -84,11 +90,11 @@ class HeavisideStep:
     key = ("heaviside",)
 
     def value(self, t):
-        return tf.cast(t >= 0, t.dtype)
+        return ops.cast(t >= 0, t.dtype)
 
     def value_and_slope(self, t):
         v = self.value(t)
-        return v, tf.zeros_like(v)
+        return v, ops.zeros_like(v)
 
 
 class SupAPUpperStep:
@@ -119,11 +125,10 @@ class SupAPUpperStep:
 
     def _pieces(self, t):
         sig, sig_slope = SigmoidStep(self.temperature).value_and_slope(t)
-        value = tf.where(t <= 0, sig,
-                         tf.where(t <= self.delta, self.start + sig,
-                                  self.rho * (t - self.delta) + self.offset))
-        slope = tf.where(t > self.delta, tf.fill(tf.shape(t), tf.cast(self.rho, t.dtype)),
-                         sig_slope)
+        value = ops.where(t <= 0, sig,
+                          ops.where(t <= self.delta, self.start + sig,
+                                    self.rho * (t - self.delta) + self.offset))
+        slope = ops.where(t > self.delta, ops.full_like(t, self.rho), sig_slope)
         return value, slope
 
     def value(self, t):
@@ -135,7 +140,7 @@ class SupAPUpperStep:
 
 def _static_or_dynamic(x, axis):
     static = x.shape[axis]
-    return int(static) if static is not None else tf.shape(x)[axis]
+    return int(static) if static is not None else ops.shape(x)[axis]
 
 
 def _block_size(num_queries, num_items, pairs_per_block):
@@ -148,7 +153,7 @@ def _block_size(num_queries, num_items, pairs_per_block):
     elif isinstance(num_items, int):
         block = max(1, _ELEMENTS_PER_BLOCK // max(num_items, 1))
     else:
-        block = tf.maximum(1, _ELEMENTS_PER_BLOCK // num_items)
+        block = ops.maximum(1, _ELEMENTS_PER_BLOCK // num_items)
     if isinstance(block, int) and isinstance(num_queries, int) and isinstance(num_items, int):
         block = max(1, min(block, num_queries * num_items))  # never pad past the matrix
     return block
@@ -161,24 +166,18 @@ def _enumerate_pairs(positives, block):
     the p-th positive pair for ``p < num_pairs``; later entries are padding. Built
     with a cumulative sum and one scatter (static shapes, O(Q·N)).
     """
-    flat = tf.reshape(positives, [-1])
-    flat_int = tf.cast(flat, tf.int32)
-    size = tf.size(flat_int)
-    num_pairs = tf.reduce_sum(flat_int)
+    flat = ops.reshape(positives, [-1])
+    flat_int = ops.cast(flat, "int32")
+    size = flat_int.shape[0] if flat_int.shape[0] is not None else ops.size(flat_int)
+    num_pairs = ops.sum(flat_int)
     padded = ((size + block - 1) // block) * block
     # Non-positive entries are sent to one dummy slot past the end (then dropped).
-    target = tf.where(flat, tf.cumsum(flat_int) - 1, tf.fill(tf.shape(flat_int), padded))
-    updates = tf.where(flat, tf.range(size), tf.zeros_like(flat_int))
-    pair_index = tf.scatter_nd(target[:, None], updates, shape=padded[None] + 1)
+    target = ops.where(flat, ops.cumsum(flat_int) - 1, ops.full_like(flat_int, padded))
+    updates = ops.where(flat, ops.arange(size, dtype="int32"), ops.zeros_like(flat_int))
+    length = (padded + 1,) if isinstance(padded, int) else ops.reshape(padded + 1, [1])
+    pair_index = ops.scatter_update(ops.zeros(length, "int32"),
+                                    target[:, None], updates, reduction="add")
     return pair_index, num_pairs
-
-
-# jit-compiled block kernels, shared by every call with the same steps. Outside XLA
-# the TensorFlow runtime runs each elementwise op of a block as its own pass over a
-# (pairs_per_block, N) tensor; compiling the block fuses them (~2x faster on CPU).
-# Set to False on a device without XLA support.
-FUSE_BLOCKS = True
-_KERNELS = {}
 
 
 def _block_kernels(positive_step, negative_step):
@@ -187,64 +186,141 @@ def _block_kernels(positive_step, negative_step):
     ``forward(s, kind, flat, valid) -> (pos_sums, neg_sums)``, each (block,);
     ``backward(s, kind, flat, valid, g_pos, g_neg) -> (rows, w, col)`` with ``w``
     (block, N) the gradient reaching row ``rows[p]`` of the scores and ``col`` (block,)
-    the one reaching the pair's own entry. In eager mode the plain Python functions
-    are returned (no compilation per shape); in a graph they are jit-compiled.
+    the one reaching the pair's own entry.
     """
     use_positive = positive_step is not None
     same_step = positive_step is negative_step
     pos_slopes = use_positive and positive_step.differentiable
 
     def geometry(s, kind, flat):
-        num_items = tf.shape(s)[1]
+        num_items = s.shape[1] if s.shape[1] is not None else ops.shape(s)[1]
         rows = flat // num_items
-        pairs = tf.stack([rows, flat % num_items], axis=1)
-        t = tf.gather(s, rows) - tf.gather_nd(s, pairs)[:, None]
-        return rows, pairs, t, tf.gather(kind, rows)
+        own = take(ops.reshape(s, [-1]), flat)
+        t = take(s, rows, axis=0) - own[:, None]
+        return rows, t, take(kind, rows, axis=0)
 
     def masked_row_sum(mask, values):
-        return tf.reduce_sum(tf.where(mask, values, tf.zeros_like(values)), axis=1)
+        return ops.sum(ops.where(mask, values, ops.zeros_like(values)), axis=1)
 
     def forward(s, kind, flat, valid):
-        _, _, t, kinds = geometry(s, kind, flat)
-        zero = tf.zeros_like(t[:, 0])
+        _, t, kinds = geometry(s, kind, flat)
+        zero = ops.zeros_like(t[:, 0])
         neg_values = negative_step.value(t)
-        neg = tf.where(valid, masked_row_sum(kinds == 2, neg_values), zero)
+        neg = ops.where(valid, masked_row_sum(kinds == 2, neg_values), zero)
         if not use_positive:
             return zero, neg
         # Smooth-AP uses one step for both sums: evaluate it once. The sum over
         # positives runs over j = k too (t = 0); its term is taken off afterwards,
         # cheaper than masking the diagonal of every block.
         pos_values = neg_values if same_step else positive_step.value(t)
-        self_term = positive_step.value(tf.zeros([], s.dtype))
+        self_term = positive_step.value(ops.zeros((), s.dtype))
         pos = masked_row_sum(kinds == 1, pos_values) - self_term
-        return tf.where(valid, pos, zero), neg
+        return ops.where(valid, pos, zero), neg
 
     def backward(s, kind, flat, valid, g_pos, g_neg):
-        rows, pairs, t, kinds = geometry(s, kind, flat)
-        zero = tf.zeros_like(t[:, 0])
+        rows, t, kinds = geometry(s, kind, flat)
+        zero = ops.zeros_like(t[:, 0])
         _, slope = negative_step.value_and_slope(t)
-        g_n = tf.where(valid, tf.gather_nd(g_neg, pairs), zero)[:, None]
+        g_n = ops.where(valid, take(ops.reshape(g_neg, [-1]), flat), zero)[:, None]
         if pos_slopes:
             # Includes j = k, whose row and pair contributions cancel.
-            g_p = tf.where(valid, tf.gather_nd(g_pos, pairs), zero)[:, None]
+            g_p = ops.where(valid, take(ops.reshape(g_pos, [-1]), flat), zero)[:, None]
             if same_step:
-                w = tf.where(kinds == 2, g_n, tf.where(kinds == 1, g_p, 0.0 * g_p)) * slope
+                w = ops.where(kinds == 2, g_n, ops.where(kinds == 1, g_p, 0.0 * g_p)) * slope
             else:
                 _, p_slope = positive_step.value_and_slope(t)
-                w = (tf.where(kinds == 2, g_n * slope, tf.zeros_like(t))
-                     + tf.where(kinds == 1, g_p * p_slope, tf.zeros_like(t)))
+                w = (ops.where(kinds == 2, g_n * slope, ops.zeros_like(t))
+                     + ops.where(kinds == 1, g_p * p_slope, ops.zeros_like(t)))
         else:
-            w = tf.where(kinds == 2, g_n * slope, tf.zeros_like(t))
-        return rows, w, -tf.reduce_sum(w, axis=1)
+            w = ops.where(kinds == 2, g_n * slope, ops.zeros_like(t))
+        return rows, w, -ops.sum(w, axis=1)
 
-    if tf.executing_eagerly() or not FUSE_BLOCKS:
-        return forward, backward
-    key = (None if positive_step is None else positive_step.key, negative_step.key,
-           same_step)
-    if key not in _KERNELS:
-        _KERNELS[key] = (tf.function(forward, jit_compile=True, autograph=False),
-                         tf.function(backward, jit_compile=True, autograph=False))
-    return _KERNELS[key]
+    return forward, backward
+
+
+class _Blocks:
+    """The enumeration of the positive pairs into fixed-size blocks, shared by the
+    forward and backward loops of every backend."""
+
+    def __init__(self, positives, block):
+        self.block = block
+        self.pair_index, self.num_pairs = _enumerate_pairs(positives, block)
+        self.num_blocks = (self.num_pairs + block - 1) // block
+        size = self.pair_index.shape[0]
+        # Static when the shapes are (always on JAX and PyTorch).
+        self.max_blocks = (size // block if size is not None and isinstance(block, int)
+                           else ops.size(self.pair_index) // block)
+        # Where pair (i, k) sits in the enumeration, to read per-pair results back.
+        self.flat_positives = ops.reshape(positives, [-1])
+        self.pair_order = ops.maximum(
+            ops.cumsum(ops.cast(self.flat_positives, "int32")) - 1, 0)
+
+    def pairs(self, b):
+        """Flat indices of block ``b``'s pairs and which of them are real pairs."""
+        offset = b * self.block
+        flat = ops.slice(self.pair_index, ops.reshape(offset, [1]),
+                         ops.reshape(self.block, [1]) if not isinstance(self.block, int)
+                         else [self.block])
+        valid = (ops.arange(self.block, dtype="int32") + offset) < self.num_pairs
+        return flat, valid
+
+    def to_matrix(self, per_block, like):
+        """(blocks, block) results in pair order -> (Q, N), zero off the pairs."""
+        values = take(ops.reshape(per_block, [-1]), self.pair_order)
+        values = ops.where(self.flat_positives, values, ops.zeros_like(values))
+        return ops.reshape(values, ops.shape(like))
+
+
+def _keras_rank_terms(scores, kind, blocks, use_positive, forward_block, backward_block):
+    """The blocked loop with ``keras.ops`` (JAX, PyTorch): results go into
+    (max_blocks, block) buffers, the backward into a scatter-add."""
+    block, max_blocks = blocks.block, blocks.max_blocks
+
+    def run(step, init):
+        def body(b, *state):
+            return (b + 1, *step(b, *state))
+
+        out = ops.while_loop(lambda b, *_: b < blocks.num_blocks, body,
+                             (ops.convert_to_tensor(0, "int32"), *init),
+                             maximum_iterations=max_blocks)
+        return out[1:]
+
+    def write(buffer, b, values):
+        return ops.slice_update(buffer, (b, b * 0), ops.expand_dims(values, 0))  # same int type
+
+    @ops.custom_gradient
+    def terms(s):
+        def forward(b, pos_buf, neg_buf):
+            flat, valid = blocks.pairs(b)
+            pos, neg = forward_block(s, kind, flat, valid)
+            return write(pos_buf, b, pos), write(neg_buf, b, neg)
+
+        empty = ops.zeros((max_blocks, block), s.dtype)
+        pos_buf, neg_buf = run(forward, (empty, empty))
+        neg_above = blocks.to_matrix(neg_buf, s)
+        pos_above = blocks.to_matrix(pos_buf, s) if use_positive else ops.zeros_like(s)
+
+        def grad(*args, upstream=None):
+            if upstream is None:  # JAX passes it positionally
+                (upstream,) = args
+            g_pos, g_neg = upstream[0], upstream[1]
+
+            def backward(b, d_s, col_buf):
+                flat, valid = blocks.pairs(b)
+                rows, w, col = backward_block(s, kind, flat, valid, g_pos, g_neg)
+                # d t_ij / d s_ij = 1: whole rows, added here; d t_ij / d s_ik = -1:
+                # one number per pair, scattered once after the loop.
+                d_s = ops.scatter_update(d_s, rows[:, None], w, reduction="add")
+                return d_s, write(col_buf, b, col)
+
+            d_rows, col_buf = run(backward, (ops.zeros_like(s), empty))
+            return d_rows + blocks.to_matrix(col_buf, s)
+
+        # One output (the portable form of keras.ops.custom_gradient): both sums stacked.
+        return ops.stack([pos_above, neg_above]), grad
+
+    both = terms(scores)
+    return both[0], both[1]
 
 
 def positive_rank_terms(scores, positives, candidates, positive_step, negative_step,
@@ -270,14 +346,14 @@ def positive_rank_terms(scores, positives, candidates, positive_step, negative_s
     Cost: O(P·N) time (P positive pairs), O(pairs_per_block·N + Q·N) memory, forward
     and backward alike.
     """
-    scores = tf.convert_to_tensor(scores)
-    candidates = tf.cast(candidates, tf.bool)
-    positives = tf.logical_and(tf.cast(positives, tf.bool), candidates)
+    scores = ops.convert_to_tensor(scores)
+    candidates = ops.cast(candidates, "bool")
+    positives = ops.logical_and(ops.cast(positives, "bool"), candidates)
     # One int8 code per item (1 positive, 2 negative, 0 out of the ranking): a block
     # gathers one byte per element instead of two masks.
-    kind = tf.where(positives, tf.ones_like(positives, tf.int8),
-                    tf.where(candidates, tf.fill(tf.shape(positives), tf.constant(2, tf.int8)),
-                             tf.zeros_like(positives, tf.int8)))
+    kind = ops.where(positives, ops.ones_like(positives, "int8"),
+                     ops.where(candidates, ops.full_like(positives, 2, "int8"),
+                               ops.zeros_like(positives, "int8")))
     num_queries = _static_or_dynamic(scores, 0)
     num_items = _static_or_dynamic(scores, 1)
     if isinstance(num_queries, int) and isinstance(num_items, int) and (
@@ -285,81 +361,28 @@ def positive_rank_terms(scores, positives, candidates, positive_step, negative_s
         raise ValueError(  # pairs are addressed by int32 flat indices
             f"positive_rank_terms: a {num_queries} x {num_items} score matrix is too "
             "large (queries x items must stay below 2**31); rank fewer queries per call.")
-    block = _block_size(num_queries, num_items, pairs_per_block)
-    pair_index, num_pairs = _enumerate_pairs(positives, block)
-    num_blocks = (num_pairs + block - 1) // block
-    max_blocks = tf.size(pair_index) // block  # static when the shapes are
-    # Where pair (i, k) sits in the enumeration, to read per-pair results back.
-    flat_positives = tf.reshape(positives, [-1])
-    pair_order = tf.maximum(tf.cumsum(tf.cast(flat_positives, tf.int32)) - 1, 0)
-    use_positive = positive_step is not None
+    blocks = _Blocks(positives, _block_size(num_queries, num_items, pairs_per_block))
     forward_block, backward_block = _block_kernels(positive_step, negative_step)
+    use_positive = positive_step is not None
+    if on_tensorflow():
+        from tfaploss.ops import tensorflow_kernels
 
-    def block_pairs(b):
-        offset = b * block
-        flat = tf.slice(pair_index, offset[None], tf.reshape(block, [1]))
-        valid = (tf.range(block) + offset) < num_pairs
-        return flat, valid
-
-    def per_pair_to_matrix(per_block, like):
-        """(max_blocks, block) results in pair order -> (Q, N), zero off the pairs."""
-        flat = tf.reshape(per_block, [-1])
-        values = tf.gather(flat, pair_order)
-        values = tf.where(flat_positives, values, tf.zeros_like(values))
-        return tf.reshape(values, tf.shape(like))
-
-    def new_array(dtype):
-        return tf.TensorArray(dtype, size=max_blocks, element_shape=[block]
-                              if isinstance(block, int) else None)
-
-    @tf.custom_gradient
-    def terms(s):
-        def body(b, pos_arr, neg_arr):
-            flat, valid = block_pairs(b)
-            pos, neg = forward_block(s, kind, flat, valid)
-            if use_positive:
-                pos_arr = pos_arr.write(b, pos)
-            return b + 1, pos_arr, neg_arr.write(b, neg)
-
-        _, pos_arr, neg_arr = tf.while_loop(
-            lambda b, *_: b < num_blocks, body,
-            (tf.constant(0), new_array(s.dtype), new_array(s.dtype)),
-            parallel_iterations=1, maximum_iterations=max_blocks)
-        neg_above = per_pair_to_matrix(neg_arr.stack(), s)
-        pos_above = (per_pair_to_matrix(pos_arr.stack(), s) if use_positive
-                     else tf.zeros_like(s))
-
-        def grad(g_pos, g_neg):
-            g_neg = tf.zeros_like(s) if g_neg is None else g_neg
-            g_pos = tf.zeros_like(s) if g_pos is None else g_pos
-
-            def back(b, d_s, col_arr):
-                flat, valid = block_pairs(b)
-                rows, w, col = backward_block(s, kind, flat, valid, g_pos, g_neg)
-                # d t_ij / d s_ij = 1: whole rows, added here; d t_ij / d s_ik = -1:
-                # one number per pair, scattered once after the loop.
-                d_s = tf.tensor_scatter_nd_add(d_s, rows[:, None], w)
-                return b + 1, d_s, col_arr.write(b, col)
-
-            _, d_rows, col_arr = tf.while_loop(
-                lambda b, *_: b < num_blocks, back,
-                (tf.constant(0), tf.zeros_like(s), new_array(s.dtype)),
-                parallel_iterations=1, maximum_iterations=max_blocks)
-            return d_rows + per_pair_to_matrix(col_arr.stack(), s)
-
-        return (pos_above, neg_above), grad
-
-    return terms(scores)
+        key = (None if positive_step is None else positive_step.key, negative_step.key,
+               positive_step is negative_step)
+        return tensorflow_kernels.blocked_rank_terms(
+            scores, kind, blocks, use_positive, key, forward_block, backward_block)
+    return _keras_rank_terms(scores, kind, blocks, use_positive, forward_block,
+                             backward_block)
 
 
 def _positive_count(positives, candidates):
-    positives = tf.logical_and(tf.cast(positives, tf.bool), tf.cast(candidates, tf.bool))
-    return positives, tf.reduce_sum(tf.cast(positives, tf.int32), axis=1)
+    positives = ops.logical_and(ops.cast(positives, "bool"), ops.cast(candidates, "bool"))
+    return positives, ops.sum(ops.cast(positives, "int32"), axis=1)
 
 
 def _mean_over_positives(positives, values, counts):
-    total = tf.reduce_sum(tf.where(positives, values, tf.zeros_like(values)), axis=1)
-    return total / tf.cast(tf.maximum(counts, 1), values.dtype)
+    total = ops.sum(ops.where(positives, values, ops.zeros_like(values)), axis=1)
+    return total / ops.cast(ops.maximum(counts, 1), values.dtype)
 
 
 def _precision(pos_above, neg_above):
@@ -412,13 +435,13 @@ def pnp_penalty(r, variant="Dq", b=2.0, alpha=4.0):
     if variant == "O":
         return r
     if variant == "Iu":
-        return (1.0 + r) * tf.math.log1p(r)
+        return (1.0 + r) * ops.log1p(r)
     if variant == "Ib":
-        return (b * r - tf.math.log1p(b * r)) / (b * b)
+        return (b * r - ops.log1p(b * r)) / (b * b)
     if variant == "Ds":
-        return tf.math.log1p(r)
+        return ops.log1p(r)
     if variant == "Dq":
-        return 1.0 - tf.pow(1.0 + r, -alpha)
+        return 1.0 - ops.power(1.0 + r, -alpha)
     raise ValueError(f"variant must be one of {PNP_VARIANTS}; received {variant!r}.")
 
 

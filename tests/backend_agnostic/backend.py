@@ -1,0 +1,82 @@
+"""Value and gradient of a loss on whichever Keras backend runs the tests.
+
+The modules of this folder use no backend API themselves, so one file checks the
+losses on TensorFlow (``make test``), JAX (``KERAS_BACKEND=jax``, also in ``make
+test``) and PyTorch (``make test-torch``). Each backend's import stays inside the
+function that needs it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import keras
+import numpy as np
+
+BACKEND = keras.backend.backend()
+if BACKEND == "jax":
+    import jax
+
+    jax.config.update("jax_enable_x64", True)  # the float64 goldens need it
+
+# Execution modes worth checking on each backend.
+MODES = {"tensorflow": ("eager", "graph", "xla"), "jax": ("eager", "jit"),
+         "torch": ("eager",)}[BACKEND]
+GOLDENS_DIR = Path(__file__).resolve().parents[1] / "goldens"
+
+# Keras 3.15 promotes float64 to float32 in the PyTorch backend's ops (its type lattice
+# maps 64-bit results to 32-bit outside TensorFlow; JAX with x64 keeps float64). There
+# the float64 goldens are checked in float32 with the float32 tolerances of
+# tests/goldens/README.md.
+FLOAT64 = BACKEND != "torch"
+DTYPE = "float64" if FLOAT64 else "float32"
+LOSS_RTOL = 1e-9 if FLOAT64 else 1e-5
+GRAD_RTOL = 1e-12 if FLOAT64 else 1e-5  # of max |G|
+
+
+def load_golden(name):
+    with open(GOLDENS_DIR / name, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def value_and_grad(fn, x, mode="eager"):
+    """``fn(x)`` and its gradient with respect to ``x`` (a NumPy array), as NumPy."""
+    x = np.asarray(x)
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        def run(xt):
+            with tf.GradientTape() as tape:
+                tape.watch(xt)
+                value = fn(xt)
+            return value, tape.gradient(value, xt)
+
+        if mode != "eager":
+            run = tf.function(run, jit_compile=(mode == "xla"), autograph=False)
+        value, grad = run(tf.constant(x))
+        return np.asarray(value), np.asarray(grad)
+    if BACKEND == "jax":
+        import jax
+
+        run = jax.value_and_grad(lambda z: fn(z))
+        if mode == "jit":
+            run = jax.jit(run)
+        value, grad = run(jax.numpy.asarray(x))
+        return np.asarray(value), np.asarray(grad)
+    import torch
+
+    xt = torch.tensor(x if FLOAT64 else x.astype("float32"), requires_grad=True)
+    value = fn(xt)
+    (grad,) = torch.autograd.grad(value, xt)
+    return value.detach().cpu().numpy(), grad.cpu().numpy()
+
+
+def loss_value_and_grad(loss, labels, x, mode="eager"):
+    labels = np.asarray(labels)
+    return value_and_grad(lambda z: loss(labels, z), x, mode)
+
+
+def to_numpy(value):
+    return np.asarray(keras.ops.convert_to_numpy(value))
+

@@ -1,0 +1,98 @@
+"""The few primitives whose fastest form differs between Keras backends.
+
+Everything in :mod:`tfaploss.ops` is written with ``keras.ops``. Three primitives have a
+TensorFlow kernel that ``keras.ops`` does not reach and that the TensorFlow path needs
+to stay as fast as before (a weighted bincount, ``invert_permutation``, a fused
+``top_k`` sort); on TensorFlow they come from :mod:`tfaploss.ops.tensorflow_kernels`,
+which is imported only there, so JAX and PyTorch never import TensorFlow.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+
+def on_tensorflow() -> bool:
+    return keras.backend.backend() == "tensorflow"
+
+
+def static_or_dynamic_shape(x):
+    """The shape of ``x`` as Python ints where known, else the run-time shape."""
+    if all(d is not None for d in x.shape):
+        return tuple(int(d) for d in x.shape)
+    return ops.shape(x)
+
+
+def descending_order(scores):
+    """Per row, the indices by decreasing score; ties keep the lower index first."""
+    if on_tensorflow():
+        from tfaploss.ops import tensorflow_kernels
+
+        return tensorflow_kernels.descending_order(scores)
+    return ops.argsort(-scores, axis=-1)  # a stable sort on every other backend
+
+
+def ascending_order(keys):
+    """Per row, the indices by increasing key; ties keep the lower index first."""
+    if on_tensorflow():
+        from tfaploss.ops import tensorflow_kernels
+
+        return tensorflow_kernels.descending_order(-keys)
+    return ops.argsort(keys, axis=-1)
+
+
+def take(x, indices, axis=0):
+    """``ops.take`` for in-range indices (TensorFlow: a bare ``tf.gather``, without the
+    negative-index fix-up pass ``keras.ops.take`` adds)."""
+    if on_tensorflow():
+        import tensorflow as tf
+
+        return tf.gather(x, indices, axis=axis)
+    return ops.take(x, indices, axis=axis)
+
+
+def gather_rows(x, indices):
+    """``out[i, j] = x[i, indices[i, j]]`` (row-wise gather, ``take_along_axis``)."""
+    if on_tensorflow():
+        import tensorflow as tf
+
+        return tf.gather(x, indices, batch_dims=1)
+    return ops.take_along_axis(x, indices, axis=-1)
+
+
+def inverse_permutations(order):
+    """Row-wise inverse of a (Q, N) batch of permutations of ``range(N)``.
+
+    ``inverse[i, order[i, p]] = p``: turns a sort order into each item's position.
+    O(Q·N) time (a scatter, or TensorFlow's ``invert_permutation``), not a second sort.
+    """
+    if on_tensorflow():
+        from tfaploss.ops import tensorflow_kernels
+
+        return tensorflow_kernels.inverse_permutations(order)
+    order = ops.cast(order, "int32")
+    rows, cols = ops.shape(order)
+    row_index = ops.broadcast_to(ops.arange(rows, dtype="int32")[:, None], (rows, cols))
+    positions = ops.broadcast_to(ops.arange(cols, dtype="int32")[None, :], (rows, cols))
+    indices = ops.stack([ops.reshape(row_index, [-1]), ops.reshape(order, [-1])], axis=1)
+    return ops.scatter_update(ops.zeros((rows, cols), "int32"), indices,
+                              ops.reshape(positions, [-1]))
+
+
+def two_bin_counts(index, upper, lower, num_bins):
+    """Per row, ``out[i, m] = sum_j upper_ij [index_ij = m] + lower_ij [index_ij + 1 = m]``.
+
+    Differentiable in ``upper`` and ``lower`` (the backward is a gather of the (Q, M)
+    gradient at each entry's two bins). O(Q·N) time and memory, no (Q, N, M) tensor.
+    """
+    if on_tensorflow():
+        from tfaploss.ops import tensorflow_kernels
+
+        return tensorflow_kernels.two_bin_counts(index, upper, lower, num_bins)
+    rows = ops.shape(index)[0]
+    offsets = ops.arange(rows, dtype="int32")[:, None] * num_bins
+    flat_index = ops.reshape(ops.concatenate([index + offsets, index + 1 + offsets], -1), [-1])
+    weights = ops.reshape(ops.concatenate([upper, lower], axis=-1), [-1])
+    counts = ops.segment_sum(weights, flat_index, num_segments=rows * num_bins)
+    return ops.reshape(counts, (rows, num_bins))
