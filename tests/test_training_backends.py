@@ -90,6 +90,26 @@ def test_multistage_step_equals_plain_step_float64(chunk_size):
     assert int(to_numpy(wrapper.optimizer.iterations)) == 1
 
 
+@pytest.mark.parametrize("loss_name", ["APLoss", "FastAPLoss", "SmoothAPLoss"])
+def test_multistage_step_with_the_library_losses_float64(loss_name):
+    """The AP surrogates themselves (keras.ops on every backend) through the stages."""
+    import tfaploss.losses
+
+    def make_loss():
+        return getattr(tfaploss.losses, loss_name)(dtype="float64")
+
+    images, labels = make_batch()
+    with float64_policy():
+        initial = build_model().get_weights()
+        expected, plain_logs = plain_reference(initial, images, labels, loss=make_loss())
+        model = build_model()
+        model.set_weights(initial)
+        logs = fit_once(MultiStageModel(model, chunk_size=5), make_loss(), images, labels)
+    assert max(np.abs(a - b).max() for a, b in zip(initial, expected)) > 1e-6
+    assert_weights_equal(weights_of(model), expected)
+    assert logs["loss"][0] == pytest.approx(plain_logs["loss"][0], rel=1e-9)
+
+
 def test_gem_p_frozen_bn_affine_and_regularised_head_all_move():
     images, labels = make_batch()
     with float64_policy():
