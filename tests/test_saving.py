@@ -122,6 +122,11 @@ def _library_keras_classes():
 
     saveable = (keras.layers.Layer, keras.losses.Loss, keras.optimizers.Optimizer,
                 keras.metrics.Metric, keras.optimizers.schedules.LearningRateSchedule)
+    # MultiStageModel's per-backend steps import their framework (torch, jax), which a
+    # TensorFlow-only install lacks; they define no saveable class.
+    other_backends = {f"tfaploss.training.multistage_{b}" for b in ("tf", "jax", "torch")}
+    other_backends.discard("tfaploss.training.multistage_" + {
+        "tensorflow": "tf", "jax": "jax", "torch": "torch"}[keras.backend.backend()])
     found = {}
     for root in REGISTERING_MODULES:
         module = importlib.import_module(root)
@@ -129,6 +134,8 @@ def _library_keras_classes():
         if hasattr(module, "__path__"):
             names += [f"{root}.{m.name}" for m in pkgutil.iter_modules(module.__path__)]
         for name in names:
+            if name in other_backends:
+                continue
             for cls_name, cls in inspect.getmembers(importlib.import_module(name),
                                                     inspect.isclass):
                 if (issubclass(cls, saveable) and cls.__module__ == name
