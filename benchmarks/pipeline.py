@@ -5,16 +5,23 @@
    reads them once so that every measurement finds them in the page cache.
 2. **Floor**: one core running the bare PIL loop the job cannot avoid (decode with
    JPEG draft, RGB, BICUBIC resize to ``--max_side``, JPEG encode at quality 90), with
-   the same settings as the job, so the same output bytes.
+   the same settings as the job, so the same output bytes. Beside it, the two-core
+   ceiling: the same loop in one process per core, all at once (what the cores give
+   when nothing else runs).
 3. **Job**: ``pipelines.folder --max_side 512`` with its defaults (the local
-   DirectRunner in one process, image work on one thread per core), in-process:
-   images/s including start-up (planning, Beam set-up, the by_class layout, manifest,
-   publish), start-up seconds (job start to the first image work) and steady-state
-   images/s (after the first batch), each with its ratio to the floor. Also the same
-   job through ``python -m pipelines.folder`` (adds the interpreter and imports), and
-   any extra ``--modes`` (e.g. Beam's multi_processing with 2 workers).
-4. CPU-seconds per image of the job against the floor: a figure a busy machine does
-   not distort as much as wall-clock rates.
+   DirectRunner in one process, image work in one forked process per core),
+   in-process: images/s including start-up (planning, Beam set-up, the by_class
+   layout, manifest, publish), start-up seconds (job start to the first image work),
+   steady-state images/s (after the first batch) and finish seconds (last image to
+   published), each rate with its ratio to the floor. Floor and job alternate for
+   ``--rounds`` rounds (a shared machine's speed drifts by 20 % between minutes): each
+   round's ratio pairs figures taken seconds apart, and the table shows every round
+   and their median. Also the same job through ``python -m pipelines.folder`` (adds
+   the interpreter and imports), and any extra ``--modes`` (``threads``: the image
+   work on threads of the Beam process, ``--image_processes 1``; ``multi_processing:2``:
+   Beam's own multi-process mode).
+4. CPU-seconds per image of the job (its image processes included) against the
+   floor: a figure a busy machine does not distort as much as wall-clock rates.
 5. Optionally (``--input_pipeline``) batches per second of
    ``tfaploss.data.make_train_dataset(sampler="m_per_class")``.
 
@@ -29,10 +36,12 @@ import argparse
 import io
 import json
 import math
+import multiprocessing
 import os
 import platform
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -95,21 +104,52 @@ def floor(files: list[str], max_side: int) -> tuple[float, float]:
     return len(files) / (time.perf_counter() - t), (time.process_time() - c) / len(files)
 
 
+def two_core_ceiling(files: list[str], max_side: int) -> float:
+    """images/s of the bare loop in one process per core, all at once."""
+    cores = len(os.sched_getaffinity(0))
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=lambda part: [bare_image_work(p, max_side) for p in part],
+                         args=(files[i::cores],)) for i in range(cores)]
+    t = time.perf_counter()
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+    return len(files) / (time.perf_counter() - t)
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its reaped children (the image processes)."""
+    return sum(r.ru_utime + r.ru_stime for r in (
+        resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
 def job_in_process(root: str, out: str, max_side: int, extra: list[str]) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    c = resource.getrusage(resource.RUSAGE_SELF)
+    c = _cpu_seconds()
     t = time.perf_counter()
     manifests = folder.run(["--input_dir", root, "--output_dir", out, "--max_side",
                             str(max_side), *extra])
     wall = time.perf_counter() - t
-    c2 = resource.getrusage(resource.RUSAGE_SELF)
     n = manifests["train"]["num_images"]
     timing = dict(runner.LAST_TIMING)
-    cpu = (c2.ru_utime - c.ru_utime) + (c2.ru_stime - c.ru_stime)
+    cpu = _cpu_seconds() - c
     return {"images": n, "wall": wall, "rate": n / wall, "startup": timing["startup_seconds"],
             "finish": timing["finish_seconds"],
             "steady": timing["steady_images_per_second"], "threads": timing["threads"],
+            "processes": timing["processes"],
             "cpu_per_image": cpu / n}
+
+
+def _workers(r: dict) -> str:
+    if r["processes"] > 1:
+        return f"1 Beam process, {r['processes']} image processes"
+    return f"1 process, {r['threads']} image threads"
+
+
+def _median_ratio(rounds, key: str) -> float:
+    """Median over rounds of the job's ``key`` figure / that round's floor."""
+    return statistics.median(r[key] / f for f, _, r in rounds)
 
 
 def job_cli(root: str, out: str, max_side: int) -> tuple[float, int]:
@@ -144,8 +184,11 @@ def main(argv=None) -> int:
     p.add_argument("--num_images", type=int, default=600)
     p.add_argument("--num_classes", type=int, default=50)
     p.add_argument("--max_side", type=int, default=512)
-    p.add_argument("--modes", default="multi_processing:2",
-                   help="extra DirectRunner modes to time, e.g. multi_processing:2 ('' none)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="alternating (floor, job) rounds; the table shows their median")
+    p.add_argument("--modes", default="threads,multi_processing:2",
+                   help="extra ways to run the job: threads (--image_processes 1), "
+                        "multi_processing:N (Beam's own); '' none")
     p.add_argument("--input_pipeline", action="store_true",
                    help="also time the m_per_class input pipeline (imports TensorFlow)")
     p.add_argument("--batch_size", type=int, default=32)
@@ -171,32 +214,54 @@ def main(argv=None) -> int:
                 job_jpeg = images.process_image_bytes(f.read(), max_side=args.max_side)[0]
             if job_jpeg != bare_image_work(path, args.max_side):
                 raise SystemExit(f"the floor loop and the job encode {path} differently")
-        print("one-core floor (bare PIL loop)...", flush=True)
-        floor_rate, floor_cpu = floor(files, args.max_side)
-        rows.append(("one-core floor: PIL decode+RGB+resize+JPEG encode", floor_rate,
-                     "images/s", None))
-        print("folder job, defaults, in-process...", flush=True)
-        r = job_in_process(root, os.path.join(work, "out"), args.max_side, [])
-        label = f"folder job (1 process, {r['threads']} image threads)"
-        rows += [(f"{label}, incl. start-up", r["rate"], "images/s", floor_rate),
-                 (f"{label}, steady state", r["steady"], "images/s", floor_rate),
-                 (f"{label}, start-up", r["startup"], "s", None),
-                 (f"{label}, finish (write shards, manifest, publish)", r["finish"], "s",
-                  None),
-                 (f"{label}, CPU per image (floor: {1000 * floor_cpu:.1f} ms)",
-                  1000 * r["cpu_per_image"], "ms", None)]
+        floor(files[:60], args.max_side)  # warm-up: code paths, allocator
+        rounds = []
+        for k in range(args.rounds):
+            print(f"round {k + 1}/{args.rounds}: one-core floor, then the folder job...",
+                  flush=True)
+            floor_rate, floor_cpu = floor(files, args.max_side)
+            r = job_in_process(root, os.path.join(work, "out"), args.max_side, [])
+            rounds.append((floor_rate, floor_cpu, r))
+        ceiling = two_core_ceiling(files, args.max_side)
+        floor_rate = statistics.median(f for f, _, _ in rounds)
+        floor_cpu = statistics.median(c for _, c, _ in rounds)
+        r = rounds[-1][2]
+        label = f"folder job ({_workers(r)})"
+        for k, (f, _, jr) in enumerate(rounds):
+            rows += [(f"round {k + 1}: one-core floor", f, "images/s", None),
+                     (f"round {k + 1}: {label}, incl. start-up", jr["rate"], "images/s", f),
+                     (f"round {k + 1}: {label}, steady state", jr["steady"], "images/s", f)]
+        rows += [
+            ("median one-core floor: PIL decode+RGB+resize+JPEG encode", floor_rate,
+             "images/s", None),
+            ("two-core ceiling: the floor loop in a process per core", ceiling, "images/s",
+             floor_rate),
+            (f"median {label}, incl. start-up", _median_ratio(rounds, "rate") * floor_rate,
+             "images/s", floor_rate),
+            (f"median {label}, steady state", _median_ratio(rounds, "steady") * floor_rate,
+             "images/s", floor_rate),
+            (f"median {label}, start-up", statistics.median(x["startup"] for *_, x in rounds),
+             "s", None),
+            (f"median {label}, finish (write shards, manifest, publish)",
+             statistics.median(x["finish"] for *_, x in rounds), "s", None),
+            (f"median {label}, CPU per image (floor: {1000 * floor_cpu:.1f} ms)",
+             1000 * statistics.median(x["cpu_per_image"] for *_, x in rounds), "ms", None)]
         print("folder job, defaults, python -m pipelines.folder...", flush=True)
         rate, _ = job_cli(root, os.path.join(work, "out_cli"), args.max_side)
         rows.append(("python -m pipelines.folder, incl. interpreter and imports", rate,
                      "images/s", floor_rate))
         for mode in filter(None, args.modes.split(",")):
             name, _, workers = mode.partition(":")
-            extra = ["--direct_running_mode", name]
-            if workers:
-                extra += ["--direct_num_workers", workers]
+            if name == "threads":
+                extra = ["--image_processes", "1"]
+            else:
+                extra = ["--direct_running_mode", name]
+                if workers:
+                    extra += ["--direct_num_workers", workers]
             print(f"folder job, {mode}...", flush=True)
             r = job_in_process(root, os.path.join(work, f"out_{name}"), args.max_side, extra)
-            label = f"folder job ({name}, {workers or 1} workers x {r['threads']} threads)"
+            label = (f"folder job ({_workers(r)})" if name == "threads" else
+                     f"folder job ({name}, {workers or 1} workers x {r['threads']} threads)")
             rows += [(f"{label}, incl. start-up", r["rate"], "images/s", floor_rate),
                      (f"{label}, steady state", r["steady"], "images/s", floor_rate),
                      (f"{label}, start-up", r["startup"], "s", None)]

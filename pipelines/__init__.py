@@ -15,7 +15,8 @@ Each module also exposes ``run(argv: list[str] | None = None) -> dict`` that run
 job in-process and returns ``{split: manifest_dict}``. Beam's own options
 (``--runner``, ``--direct_num_workers``, ``--project``, ``--setup_file ./setup.py``, ...)
 pass through; without ``--runner`` the job runs on the local DirectRunner in one
-process whose image work runs on one thread per CPU (``--image_threads``).
+process whose image work runs in one forked process per CPU (``--image_processes``; see
+:mod:`pipelines.image_workers`).
 
 Output layout (one folder per split)::
 

@@ -2,7 +2,7 @@
 
 Pure PIL, no Beam and no TensorFlow, so it is cheap to import in a worker. PIL releases
 the GIL while it decodes, resizes and encodes, so several threads of one worker process
-share the cores (see :class:`pipelines.runner.ProcessBatchDoFn`).
+share the cores (see :mod:`pipelines.image_workers`).
 """
 
 from __future__ import annotations
@@ -43,6 +43,12 @@ class ImageError(Exception):
         super().__init__(f"{code}: {detail}")
         self.code = code
         self.detail = detail
+
+
+def dead_letter(record: dict, code: str, detail: str) -> dict:
+    """The dead-letter entry of a work-list ``record`` that failed with ``code``."""
+    return {"id": record.get("id", ""), "path": record.get("relpath", record.get("path", "")),
+            "reason": code, "detail": detail}
 
 
 def read_bytes(path: str, root: str | None = None) -> bytes:

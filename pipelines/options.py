@@ -24,8 +24,8 @@ _BEAM_EPILOG = (
     "Any other option is passed to Apache Beam, e.g. --runner DataflowRunner --project P "
     "--region R --temp_location gs://... --setup_file ./setup.py, or for the local "
     "DirectRunner --direct_running_mode in_memory|multi_processing --direct_num_workers N "
-    "(default when no runner is given: in_memory, one process whose --image_threads "
-    "threads use every core)."
+    "(default when no runner is given: in_memory, one Beam process whose image work "
+    "runs in --image_processes forked processes, one per core)."
 )
 
 
@@ -63,9 +63,15 @@ def build_parser(description: str, *, input_dir_required: bool = True) -> argpar
     parser.add_argument("--images_per_batch", type=int, default=32,
                         help="images handed to a worker as one Beam element (Beam's "
                              "per-element cost is paid per batch, not per image)")
+    parser.add_argument("--image_processes", type=int, default=0,
+                        help="on the local DirectRunner (in-memory mode): processes forked "
+                             "for the image work; 0: one per core; 1: none, the image work "
+                             "runs on --image_threads threads of the Beam process")
     parser.add_argument("--image_threads", type=int, default=0,
-                        help="threads decoding and encoding images in each worker (PIL "
-                             "releases the GIL); 0: one per core on the local DirectRunner")
+                        help="threads decoding and encoding images in each Beam worker "
+                             "when no image processes are used (remote runners, Beam's "
+                             "multi_processing mode, --image_processes 1); 0: one per core "
+                             "on the local DirectRunner")
     parser.add_argument("--verbose", action="store_true",
                         help="also show Apache Beam's own INFO logging")
     parser.add_argument("--max_failure_fraction", type=float, default=0.01,
@@ -88,8 +94,9 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None):
     direct = options.view_as(DirectOptions)
     runner = (standard.runner or "DirectRunner").lower()
     if "direct" in runner and not any(a.startswith("--direct_running_mode") for a in beam_argv):
-        # One process, its image work on --image_threads threads: Beam's multi-process
-        # mode costs a second of start-up per worker and a gRPC copy of every record.
+        # One Beam process, its image work in forked processes (pipelines.image_workers):
+        # Beam's multi-process mode costs a second of start-up per worker and a gRPC copy
+        # of every record.
         direct.direct_running_mode = "in_memory"
         if not any(a.startswith("--direct_num_workers") for a in beam_argv):
             direct.direct_num_workers = 1
@@ -102,8 +109,9 @@ def _validate(args) -> None:
     for name in ("max_side", "num_shards"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
-    if args.image_threads < 0:
-        raise ValueError(f"--image_threads must be >= 0, got {args.image_threads}")
+    for name in ("image_threads", "image_processes"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
     for name in ("records_per_shard", "class_chunk_size", "min_side", "max_pixels",
                  "images_per_batch"):
         if getattr(args, name) < 1:

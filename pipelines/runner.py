@@ -11,12 +11,17 @@ that point nowhere and names that would leave the input folder, and hands
 2. writes the work list as JSON lines of *batches* (``--images_per_batch`` images of one
    shard) into a staging folder, so neither the job graph nor Beam's per-element cost
    grows with the number of images;
-3. runs one Beam pipeline: each batch is decoded, resized and re-encoded by a thread
-   pool inside the worker (:class:`ProcessBatchDoFn`; PIL releases the GIL, so the
-   threads share the cores), grouped by shard, and written by :class:`WriteShardDoFn`
-   (per-image records in index order) and :class:`WriteClassShardDoFn` (by-class
-   records in label, chunk order) under temporary names renamed into place;
-4. writes ``dead_letters.jsonl`` and ``manifest.json`` into each staged split and only
+3. on the local DirectRunner, forks one image process per core
+   (:mod:`pipelines.image_workers`) before Beam starts its threads;
+4. runs one Beam pipeline: :class:`ProcessBatchDoFn` hands each batch to the image
+   processes (or, on other runners, to threads of the Beam worker), which decode,
+   resize and re-encode the images and write their framed records to part files in the
+   staging folder; only where each record lies travels through Beam, grouped by output
+   file, and :class:`WriteOutputsDoFn` has the per-image shards (records in index
+   order) and the by-class shards (label, chunk order) assembled from the parts
+   (:mod:`pipelines.shard_writers`), side by side on the same workers, under temporary
+   names renamed into place;
+5. writes ``dead_letters.jsonl`` and ``manifest.json`` into each staged split and only
    then publishes it over the old one (:func:`pipelines.storage.publish`): a killed or
    failed run leaves the previous dataset as it was.
 
@@ -36,11 +41,12 @@ import sys
 import time
 import zlib
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pipelines import console, storage
+from pipelines import image_workers as W
 from pipelines import images as I
+from pipelines import shard_writers as S
 from pipelines import tf_example as X
 
 beam = console.import_beam_quietly()
@@ -95,9 +101,7 @@ class SplitPlan:
     files: dict[str, str] = field(default_factory=dict)
 
 
-def dead_letter(record: dict, code: str, detail: str) -> dict:
-    return {"id": record.get("id", ""), "path": record.get("relpath", record.get("path", "")),
-            "reason": code, "detail": detail}
+dead_letter = I.dead_letter
 
 
 def dedupe_and_index(records: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -139,154 +143,153 @@ def _fault_after_images() -> int:
 
 
 class ProcessBatchDoFn(beam.DoFn):
-    """A batch of work-list records -> per-image Examples, by-class items and a report.
+    """A batch of work-list records -> descriptions of the output files' contents.
 
-    Main output: ``((split, shard, num_shards), [(index, id, framed example), ...])``
-    (framed: TFRecord length, CRCs and bytes, ready to be concatenated);
-    ``classes``: ``((split, class_shard, num_class_shards), [(label, id, super, jpeg)])``
-    for splits with a by-class layout; ``report``: one dict per batch with the counts
-    per (label, super_label), the dead letters and the batch's wall-clock span.
-    ``threads`` images are processed at once (PIL releases the GIL while it decodes,
-    resizes and encodes).
+    The image work runs in :mod:`pipelines.image_workers` (a pool of local processes
+    when ``pool_token`` names one in this process, else ``threads`` threads), which
+    writes the framed records into part files under ``parts_dir``. Every output is keyed
+    by the file it belongs to:
+
+    * ``(IMAGES, split, shard, num_shards)``: ``[(index, id, part, offset, length)]``;
+    * ``(CLASSES, split, class_shard, num_class_shards)``: ``[(label, id, super, part,
+      jpeg_offset, jpeg_length)]``, for splits with a by-class layout;
+    * ``(REPORT,)``: one dict per batch with the counts per (label, super_label), the
+      dead letters and the batch's wall-clock span.
     """
 
-    CLASSES = "classes"
-    REPORT = "report"
-
-    def __init__(self, settings: dict, threads: int, root: str | None):
+    def __init__(self, settings: dict, threads: int, root: str | None, parts_dir: str,
+                 pool_token: str | None = None):
         self.settings = settings
         self.threads = max(1, threads)
         self.root = root
+        self.parts_dir = parts_dir
+        self.pool_token = pool_token
 
     def setup(self):
-        self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        processes = W.local_pool(self.pool_token)
+        self.own_pool = None if processes else W.thread_pool(self.threads)
+        self.pool = processes or self.own_pool
+        self.task_images = W.PROCESS_TASK_IMAGES if processes else None
         self.fault_after = _fault_after_images()
         self.progress = console.Progress("images processed")
 
     def teardown(self):
-        if getattr(self, "pool", None) is not None:
-            self.pool.shutdown(wait=False)
+        if getattr(self, "own_pool", None) is not None:
+            self.own_pool.shutdown(wait=False)
 
     def start_bundle(self):
         self.pending = collections.deque()
 
-    def _one(self, record: dict):
-        s = self.settings
-        try:
-            data = record.pop("_bytes", None)
-            if data is None:
-                data = I.read_bytes(record["path"], record.get("root", self.root))
-            jpeg, h, w = I.process_image_bytes(
-                data, max_side=s["max_side"], jpeg_quality=s["jpeg_quality"],
-                min_side=s["min_side"], max_pixels=s["max_pixels"], bbox=record.get("bbox"))
-            # Framed (with its CRCs) here, on the pool, not later in the single writer.
-            return jpeg, X.frame_record(X.image_example(record, jpeg, h, w))
-        except I.ImageError as e:
-            return dead_letter(record, e.code, e.detail)
-        except Exception as e:  # noqa: BLE001 - one odd file must not stop the job
-            return dead_letter(record, I.UNDECODABLE, f"{type(e).__name__}: {e}")
-
     def process(self, batch: dict):
-        # Batches are submitted as they come and emitted two behind, so the threads never
-        # wait for the slowest image of a batch before starting the next one.
+        # Tasks are submitted as batches come and emitted two batches behind, so the
+        # workers never wait for the slowest image of a batch before starting the next.
         records = batch["records"]
-        futures = [self.pool.submit(self._one, r) for r in records] if self.pool else None
-        self.pending.append((batch, futures, time.time()))
+        size = self.task_images or max(1, math.ceil(len(records) / self.threads))
+        tasks = [records[i:i + size] for i in range(0, len(records), size)]
+        paths = [W.part_path(self.parts_dir, batch["split"], t) for t in tasks]
+        futures = ([self.pool.submit(W.process_task, t, self.settings, self.root, path)
+                    for t, path in zip(tasks, paths)] if self.pool is not None else None)
+        self.pending.append((batch, tasks, paths, futures, time.time()))
         while len(self.pending) > 2:
             yield from self._emit(*self.pending.popleft())
 
     def finish_bundle(self):
-        from apache_beam.transforms.window import GlobalWindows
-
         while self.pending:
             for out in self._emit(*self.pending.popleft()):
-                if isinstance(out, beam.pvalue.TaggedOutput):
-                    yield beam.pvalue.TaggedOutput(out.tag, GlobalWindows.windowed_value(out.value))
-                else:
-                    yield GlobalWindows.windowed_value(out)
+                yield _windowed(out)
 
-    def _emit(self, batch: dict, futures, t0: float):
-        records = batch["records"]
-        results = ([f.result() for f in futures] if futures is not None
-                   else [self._one(r) for r in records])
+    def _emit(self, batch: dict, tasks: list, paths: list, futures, t0: float):
         split = batch["split"]
+        by_class = batch.get("num_class_shards")
         examples, dead, counts, classes = [], [], collections.Counter(), {}
-        for r, res in zip(records, results):
-            if isinstance(res, dict):
-                dead.append(res)
-                continue
-            jpeg, framed = res
-            label, sup = int(r.get("label", -1)), int(r.get("super_label", -1))
-            examples.append((int(r["index"]), r["id"], framed))
-            counts[(label, sup)] += 1
-            if batch.get("num_class_shards") and label >= 0:
-                cs = shard_of(label, batch["num_labels"], batch["num_class_shards"])
-                classes.setdefault(cs, []).append((label, r["id"], sup, jpeg))
+        for i, (task, path) in enumerate(zip(tasks, paths)):
+            results = (futures[i].result() if futures is not None
+                       else W.process_task(task, self.settings, self.root, path))
+            for r, res in zip(task, results):
+                if isinstance(res, dict):
+                    dead.append(res)
+                    continue
+                offset, length, jpeg_offset, jpeg_length = res
+                label, sup = int(r.get("label", -1)), int(r.get("super_label", -1))
+                examples.append((int(r["index"]), r["id"], path, offset, length))
+                counts[(label, sup)] += 1
+                if by_class and label >= 0:
+                    cs = shard_of(label, batch["num_labels"], batch["num_class_shards"])
+                    classes.setdefault(cs, []).append(
+                        (label, r["id"], sup, path, jpeg_offset, jpeg_length))
         if examples:
-            yield (split, batch["shard"], batch["num_shards"]), examples
+            yield (IMAGES, split, batch["shard"], batch["num_shards"]), examples
         for cs, items in sorted(classes.items()):
-            yield beam.pvalue.TaggedOutput(
-                self.CLASSES, ((split, cs, batch["num_class_shards"]), items))
-        yield beam.pvalue.TaggedOutput(self.REPORT, {
-            "split": split, "counts": sorted([k[0], k[1], n] for k, n in counts.items()),
-            "dead": dead, "n": len(records), "t0": t0, "t1": time.time()})
-        self.progress.add(len(records))
+            yield (CLASSES, split, cs, batch["num_class_shards"]), items
+        n = sum(len(t) for t in tasks)
+        yield (REPORT,), {
+            "split": split, "counts": sorted([k[0], k[1], c] for k, c in counts.items()),
+            "dead": dead, "n": n, "t0": t0, "t1": time.time()}
+        self.progress.add(n)
         if self.fault_after and self.progress.done >= self.fault_after:
             storage.fault_point(os.environ[storage.FAULT_ENV])
 
 
-class WriteShardDoFn(beam.DoFn):
-    """``((split, shard, num_shards), [batches])`` -> one per-image TFRecord file, its
-    records in index order, written under a temporary name and renamed into place."""
+IMAGES, CLASSES, REPORT = "images", "classes", "report"
 
-    def __init__(self, stage: str):
+
+def _windowed(value):
+    from apache_beam.transforms.window import GlobalWindows
+
+    return GlobalWindows.windowed_value(value)
+
+
+class WriteOutputsDoFn(beam.DoFn):
+    """``(key, [values])`` from :class:`ProcessBatchDoFn`, grouped -> the split's files.
+
+    The TFRecord files are assembled by :mod:`pipelines.shard_writers` on the same pool
+    as the image work, so they are written side by side; the report (one JSON line per
+    batch) goes to ``report_path``. Yields ``(kind, split, file name, records)``.
+    """
+
+    def __init__(self, stage: str, report_path: str, chunk_size: int, threads: int,
+                 pool_token: str | None = None):
         self.stage = stage
-
-    def process(self, keyed):
-        (split, shard, num_shards), batches = keyed
-        items = sorted((t for b in batches for t in b), key=lambda t: (t[0], t[1]))
-        name = f"images-{shard:05d}-of-{num_shards:05d}.tfrecord"
-        _write_file(join(self.stage, split, name), b"".join(t[2] for t in items))
-        yield split, name, len(items)
-
-
-class WriteClassShardDoFn(beam.DoFn):
-    """``((split, shard, num_shards), [batches of (label, id, super, jpeg)])`` -> one
-    by-class TFRecord file, its records in (label, chunk) order."""
-
-    def __init__(self, stage: str, chunk_size: int):
-        self.stage = stage
+        self.report_path = report_path
         self.chunk_size = chunk_size
+        self.threads = max(1, threads)
+        self.pool_token = pool_token
+
+    def setup(self):
+        processes = W.local_pool(self.pool_token)
+        self.own_pool = None if processes else W.thread_pool(self.threads)
+        self.pool = processes or self.own_pool
+
+    def teardown(self):
+        if getattr(self, "own_pool", None) is not None:
+            self.own_pool.shutdown(wait=False)
+
+    def start_bundle(self):
+        self.pending = []
 
     def process(self, keyed):
-        (split, shard, num_shards), batches = keyed
-        per_class: dict[int, list] = collections.defaultdict(list)
-        for b in batches:
-            for label, image_id, sup, jpeg in b:
-                per_class[label].append((image_id, sup, jpeg))
-        records = [r for label in sorted(per_class)
-                   for r in X.class_chunk_examples(label, per_class[label], self.chunk_size)]
-        name = f"classes-{shard:05d}-of-{num_shards:05d}.tfrecord"
-        _write_file(join(self.stage, split, "by_class", name),
-                    b"".join(X.frame_record(r) for r in records))
-        yield split, name, len(records)
+        key, groups = keyed
+        if key[0] == REPORT:
+            rows = "".join(json.dumps(r, sort_keys=True) + "\n" for r in groups)
+            storage.write_atomic(self.report_path, rows)
+            return
+        kind, split, shard, num_shards = key
+        items = [t for group in groups for t in group]
+        if kind == IMAGES:
+            name = f"images-{shard:05d}-of-{num_shards:05d}.tfrecord"
+            call = (S.write_image_shard, join(self.stage, split, name), items)
+        else:
+            name = f"classes-{shard:05d}-of-{num_shards:05d}.tfrecord"
+            call = (S.write_class_shard, join(self.stage, split, "by_class", name), items,
+                    self.chunk_size)
+        if self.pool is None:
+            yield kind, split, name, call[0](*call[1:])
+        else:
+            self.pending.append(((kind, split, name), self.pool.submit(*call)))
 
-
-class WriteReportDoFn(beam.DoFn):
-    def __init__(self, path: str):
-        self.path = path
-
-    def process(self, keyed):
-        _, rows = keyed
-        storage.write_atomic(self.path, "".join(json.dumps(r, sort_keys=True) + "\n"
-                                                 for r in rows))
-        yield self.path
-
-
-def _write_file(path: str, data: bytes) -> None:
-    if not storage.is_url(path):
-        storage.makedirs(os.path.dirname(path))
-    storage.write_atomic(path, data)
+    def finish_bundle(self):
+        for out, future in self.pending:
+            yield _windowed((*out, future.result()))
 
 
 # ------------------------------------------------------------------------------- running
@@ -363,20 +366,46 @@ def _source_batches(p, plan: SplitPlan, lay: _Layout, per_batch: int):
             | f"{s}/Batch" >> beam.FlatMap(to_batches))
 
 
-def image_threads(args, options) -> int:
-    """``--image_threads``, or the cores this worker may use when it is 0."""
-    if getattr(args, "image_threads", 0):
-        return args.image_threads
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _direct_mode(options) -> str | None:
+    """The DirectRunner's running mode, or None for any other runner."""
     from apache_beam.options.pipeline_options import DirectOptions, StandardOptions
 
     runner = (options.view_as(StandardOptions).runner or "DirectRunner").lower()
     if "direct" not in runner:
+        return None
+    return options.view_as(DirectOptions).direct_running_mode or "in_memory"
+
+
+def image_threads(args, options) -> int:
+    """``--image_threads``, or the cores this worker may use when it is 0."""
+    if getattr(args, "image_threads", 0):
+        return args.image_threads
+    mode = _direct_mode(options)
+    if mode is None:
         return 2  # remote workers already run one process per core
-    direct = options.view_as(DirectOptions)
-    cpus = os.cpu_count() or 1
-    if direct.direct_running_mode == "multi_processing":
-        return max(1, cpus // max(1, direct.direct_num_workers or cpus))
+    cpus = _cores()
+    if mode == "multi_processing":
+        from apache_beam.options.pipeline_options import DirectOptions
+
+        workers = options.view_as(DirectOptions).direct_num_workers
+        return max(1, cpus // max(1, workers or cpus))
     return cpus
+
+
+def image_processes(args, options) -> int:
+    """How many forked processes do the image work: ``--image_processes``, or one per
+    core when it is 0, on the local DirectRunner in its in-memory mode where ``fork``
+    exists; 1 (threads in the Beam worker) everywhere else."""
+    if _direct_mode(options) != "in_memory" or not W.can_fork():
+        return 1
+    return getattr(args, "image_processes", 0) or _cores()
 
 
 def run_job(job: str, plans: list[SplitPlan], args, options) -> dict[str, dict]:
@@ -410,36 +439,35 @@ def run_job(job: str, plans: list[SplitPlan], args, options) -> dict[str, dict]:
                  job, plan.name, plan.num_records_hint or len(plan.records),
                  len(plan.failures), len(plan.ignored))
     threads = image_threads(args, options)
+    processes = image_processes(args, options)
     settings = {k: getattr(args, k) for k in ("max_side", "jpeg_quality", "min_side",
                                                "max_pixels")}
     report_path = join(work, "report.jsonl")
+    parts_dir = join(work, "parts")
+    storage.makedirs(parts_dir)
+    pool_token = W.start_local_pool(processes) if processes > 1 else None
     beam_started = time.time()
-    with beam.Pipeline(options=options) as p:
-        inputs = []
-        if any(plan.source is None for plan in plans):
-            inputs.append(p
-                          | "ReadWorkLists" >> beam.io.ReadFromText(
-                              join(work, "*-batches.jsonl"))
-                          | "Parse" >> beam.Map(json.loads))
-        for plan in plans:
-            if plan.source is not None:
-                inputs.append(_source_batches(p, plan, layouts[plan.name], per_batch))
-        batches = inputs[0] if len(inputs) == 1 else tuple(inputs) | "Inputs" >> beam.Flatten()
-        results = batches | "Process" >> beam.ParDo(
-            ProcessBatchDoFn(settings, threads, root)).with_outputs(
-                ProcessBatchDoFn.CLASSES, ProcessBatchDoFn.REPORT, main="images")
-        _ = (results.images
-             | "GroupByShard" >> beam.GroupByKey()
-             | "WriteShards" >> beam.ParDo(WriteShardDoFn(stage)))
-        if any(lay.num_class_shards for lay in layouts.values()):
-            _ = (results[ProcessBatchDoFn.CLASSES]
-                 | "GroupByClassShard" >> beam.GroupByKey()
-                 | "WriteClassShards" >> beam.ParDo(
-                     WriteClassShardDoFn(stage, args.class_chunk_size)))
-        _ = (results[ProcessBatchDoFn.REPORT]
-             | "KeyReport" >> beam.Map(lambda r: (None, r))
-             | "GroupReport" >> beam.GroupByKey()
-             | "WriteReport" >> beam.ParDo(WriteReportDoFn(report_path)))
+    try:
+        with beam.Pipeline(options=options) as p:
+            inputs = []
+            if any(plan.source is None for plan in plans):
+                inputs.append(p
+                              | "ReadWorkLists" >> beam.io.ReadFromText(
+                                  join(work, "*-batches.jsonl"))
+                              | "Parse" >> beam.Map(json.loads))
+            for plan in plans:
+                if plan.source is not None:
+                    inputs.append(_source_batches(p, plan, layouts[plan.name], per_batch))
+            batches = (inputs[0] if len(inputs) == 1
+                       else tuple(inputs) | "Inputs" >> beam.Flatten())
+            _ = (batches
+                 | "Process" >> beam.ParDo(
+                     ProcessBatchDoFn(settings, threads, root, parts_dir, pool_token))
+                 | "GroupByFile" >> beam.GroupByKey()
+                 | "WriteFiles" >> beam.ParDo(WriteOutputsDoFn(
+                     stage, report_path, args.class_chunk_size, threads, pool_token)))
+    finally:
+        W.stop_local_pool(pool_token)
 
     report = [json.loads(line) for line in storage.read_text(report_path).splitlines()
               if line.strip()]
@@ -465,11 +493,13 @@ def run_job(job: str, plans: list[SplitPlan], args, options) -> dict[str, dict]:
                             f"failed ({m['failure_fraction']:.2%})")
     steady = (f", then {timing['steady_images_per_second']:.1f} images/s"
               if timing["steady_images_per_second"] else "")
-    LOG.info("%s: %d images in %.1f s (%.1f images/s; start-up %.1f s%s; %d image threads "
-             "per worker)", job, timing["images"], timing["seconds"],
-             timing["images_per_second"], timing["startup_seconds"], steady, threads)
+    workers = (f"{processes} image processes" if processes > 1
+               else f"{threads} image threads per worker")
+    LOG.info("%s: %d images in %.1f s (%.1f images/s; start-up %.1f s%s; %s)", job,
+             timing["images"], timing["seconds"], timing["images_per_second"],
+             timing["startup_seconds"], steady, workers)
     LAST_TIMING.clear()
-    LAST_TIMING.update(timing, threads=threads)
+    LAST_TIMING.update(timing, threads=threads, processes=processes)
     if too_many:
         raise TooManyFailuresError(
             "more failures than --max_failure_fraction="

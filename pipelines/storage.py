@@ -91,9 +91,21 @@ def read_text(path: str) -> str:
         return f.read()
 
 
-def write_atomic(path: str, data: bytes | str) -> None:
+def read_binary(path: str) -> bytes:
+    if is_url(path):
+        with _fs().open(path) as f:
+            return f.read()
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def write_atomic(path: str, data: bytes | str, *, durable: bool = True) -> None:
     """Write ``data`` to ``path`` through a temporary name, renamed into place when
-    complete (a retried or killed writer never leaves a half file under ``path``)."""
+    complete (a retried or killed writer never leaves a half file under ``path``).
+
+    ``durable=False`` skips the fsync: for intermediate files of a run, which a crash
+    discards with the rest of the staging folder anyway.
+    """
     if isinstance(data, str):
         data = data.encode("utf-8")
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
@@ -104,8 +116,9 @@ def write_atomic(path: str, data: bytes | str) -> None:
         return
     with open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

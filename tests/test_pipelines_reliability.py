@@ -8,6 +8,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -34,6 +35,24 @@ def _job(module, argv, env_extra=None, timeout=300):
     return subprocess.run([sys.executable, "-m", f"pipelines.{module}", *argv], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=timeout,
                           check=False)
+
+
+def _processes_running_with(arg, wait=5.0):
+    """Pids of live processes with ``arg`` on their command line, after up to ``wait`` s
+    for them to go (a dying process takes a moment)."""
+    deadline = time.time() + wait
+    while True:
+        pids = []
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if arg.encode() in f.read().split(b"\0"):
+                        pids.append(int(entry))
+            except (OSError, ValueError):
+                continue
+        if not pids or time.time() > deadline:
+            return pids
+        time.sleep(0.1)
 
 
 def _check_manifest_matches_records(split_dir):
@@ -83,13 +102,22 @@ def test_shards_are_deterministic_and_never_empty(tmp_path):
     tree = mini.make_folder(str(tmp_path / "tree"))
     args = ["--input_dir", tree.root, "--records_per_shard", "4", "--class_chunk_size", "2",
             "--max_failure_fraction", "0.5", "--images_per_batch", "3"]
-    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    a = str(tmp_path / "a")
     folder.run([*args, "--output_dir", a, *IN_MEMORY])
-    folder.run([*args, "--output_dir", b, "--direct_running_mode", "multi_processing",
-                "--direct_num_workers", "2"])
-    files_a, files_b = _snapshot(os.path.join(a, "train")), _snapshot(os.path.join(b, "train"))
-    files_a.pop("manifest.json"), files_b.pop("manifest.json")  # options differ
-    assert files_a == files_b
+    assert runner.LAST_TIMING["processes"] == len(os.sched_getaffinity(0))  # one per core
+    files_a = _snapshot(os.path.join(a, "train"))
+    files_a.pop("manifest.json")  # the options differ
+    # Every way the image work can run writes the same bytes: forked processes (above),
+    # threads of the Beam process, inline, and Beam's own worker processes.
+    for name, how in [("threads", ["--image_processes", "1", "--image_threads", "2"]),
+                      ("inline", ["--image_processes", "1", "--image_threads", "1"]),
+                      ("beam_workers", ["--direct_running_mode", "multi_processing",
+                                        "--direct_num_workers", "2"])]:
+        b = str(tmp_path / name)
+        folder.run([*args, "--output_dir", b, *how])
+        files_b = _snapshot(os.path.join(b, "train"))
+        files_b.pop("manifest.json")
+        assert files_b == files_a, name
     shards = sorted(glob.glob(os.path.join(a, "train", "images-*.tfrecord")))
     by_class = sorted(glob.glob(os.path.join(a, "train", "by_class", "*.tfrecord")))
     # 29 listed images (the broken link is a dead letter while planning): ceil(29 / 4)
@@ -120,8 +148,9 @@ def test_rerun_killed_midway_leaves_the_previous_dataset_intact(tmp_path):
 
     # A rerun with other settings, killed after 6 images (os._exit: no clean-up at all).
     killed = _job("folder", [*base, "--max_side", "16", "--images_per_batch", "2"],
-                  {storage.FAULT_ENV: "images:6"})
+                  {storage.FAULT_ENV: "images:6"}, timeout=120)
     assert killed.returncode == 75, killed.stderr
+    assert _processes_running_with(out) == []  # its image processes died with it
     assert {s: _snapshot(os.path.join(out, s)) for s in ("train", "test")} == before
     for s in ("train", "test"):
         _check_manifest_matches_records(os.path.join(out, s))
