@@ -122,6 +122,8 @@ def _spawn_pml(loss_name, batch, repeats, timeout, memory_cap_gb):
     except subprocess.TimeoutExpired:
         return {**base, "status": f"timeout>{timeout}s"}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode in (-9, 137):  # the kernel's OOM killer
+        return {**base, "status": f"out of memory (killed; its B^3 tensors need ~{need_gb:.0f} GB)"}
     if done.returncode != 0 or not lines:
         return {**base, "status": f"failed (exit {done.returncode})",
                 "error": done.stderr[-500:]}

@@ -74,3 +74,29 @@ def test_config_key_reaches_the_dataset(split):
     assert not _mirrored(images(False)).any()
     with pytest.raises(ConfigError, match="data.augmentation.flip"):
         config_from_dict({"data": {"augmentation": {"flip": "sometimes"}}})
+
+
+def test_a_shrinking_crop_is_antialiased_and_an_enlarging_one_bilinear():
+    import tensorflow as tf
+
+    from tfaploss.data import augment as A
+
+    # 1-pixel black/white columns shrunk 64 -> 15: an antialiased resize gives near-flat
+    # grey (as TF's antialiased bilinear filter does); point sampling (bilinear without
+    # antialiasing) gives stripes from 8 to 246.
+    stripes = np.zeros((64, 64, 3), np.uint8)
+    stripes[:, 1::2] = 255
+    small = A._resize(tf.constant(stripes), 15, shrinks=tf.constant(True)).numpy()
+    np.testing.assert_allclose(small, 127.5, atol=10)
+    aliased = tf.image.resize(stripes, [15, 15], method="bilinear").numpy()
+    assert aliased.min() < 20 and aliased.max() > 235
+    # smooth content: within a grey level or two of TF's antialiased bilinear filter
+    ramp = np.asarray(_ramp(0, (96, 96)))
+    ours = A._resize(tf.constant(ramp), 24, shrinks=tf.constant(True)).numpy()
+    theirs = tf.image.resize(ramp, [24, 24], antialias=True).numpy()
+    assert np.abs(ours - theirs).mean() < 2.0
+    # enlarging: plain bilinear, exactly
+    tiny = ramp[::8, ::8]
+    np.testing.assert_array_equal(
+        A._resize(tf.constant(tiny), 24, shrinks=tf.constant(False)).numpy(),
+        tf.image.resize(tiny, [24, 24], method="bilinear").numpy())

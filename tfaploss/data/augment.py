@@ -52,7 +52,11 @@ def random_resized_crop(encoded: tf.Tensor, image_size: int, seed: tf.Tensor,
 
     Samples a window covering ``scale`` of the area with aspect ratio in ``ratio`` (10
     attempts, then the whole image, as ``tf.image.sample_distorted_bounding_box`` does),
-    decodes only that window and resizes it bilinearly (antialiased).
+    decodes only that window and resizes it: averaged over each output pixel's box of
+    input pixels when the window shrinks in both directions (``area``), bilinear
+    otherwise. Costs one JPEG decode of the window: TensorFlow's antialiased bilinear
+    filter would cost about as much again (``benchmarks/input_pipeline.py``), and a
+    CPU training step shares its cores with the input pipeline.
     """
     shape = image_shape(encoded)
     begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
@@ -61,7 +65,16 @@ def random_resized_crop(encoded: tf.Tensor, image_size: int, seed: tf.Tensor,
         max_attempts=10, use_image_if_no_bounding_boxes=True)
     window = tf.stack([begin[0], begin[1], size[0], size[1]])
     image = _decode_window(encoded, window)
-    return tf.image.resize(image, [image_size, image_size], method="bilinear", antialias=True)
+    return _resize(image, image_size, shrinks=tf.reduce_all(size[:2] >= image_size))
+
+
+def _resize(image: tf.Tensor, image_size: int, shrinks: tf.Tensor) -> tf.Tensor:
+    """Square resize: box-averaged when ``shrinks`` (an antialiased shrink at a third of
+    the antialiased bilinear filter's cost), else bilinear (enlarging needs no
+    antialiasing)."""
+    size = [image_size, image_size]
+    return tf.cond(shrinks, lambda: tf.image.resize(image, size, method="area"),
+                   lambda: tf.image.resize(image, size, method="bilinear"))
 
 
 def random_flip(image: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
