@@ -214,7 +214,6 @@ def main(argv=None) -> int:
                 job_jpeg = images.process_image_bytes(f.read(), max_side=args.max_side)[0]
             if job_jpeg != bare_image_work(path, args.max_side):
                 raise SystemExit(f"the floor loop and the job encode {path} differently")
-        floor(files[:60], args.max_side)  # warm-up: code paths, allocator
         rounds = []
         for k in range(args.rounds):
             print(f"round {k + 1}/{args.rounds}: one-core floor, then the folder job...",

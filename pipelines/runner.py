@@ -142,7 +142,26 @@ def _fault_after_images() -> int:
     return int(spec.split(":", 1)[1]) if spec.startswith("images:") else 0
 
 
-class ProcessBatchDoFn(beam.DoFn):
+class _PooledDoFn(beam.DoFn):
+    """A DoFn whose work runs on the image workers' pool: the local processes that
+    ``pool_token`` names in this process, else ``threads`` threads of its own (none for
+    one thread: the work then runs inline)."""
+
+    def __init__(self, threads: int, pool_token: str | None):
+        self.threads = max(1, threads)
+        self.pool_token = pool_token
+
+    def setup(self):
+        self.processes = W.local_pool(self.pool_token)
+        self.own_pool = None if self.processes else W.thread_pool(self.threads)
+        self.pool = self.processes or self.own_pool
+
+    def teardown(self):
+        if getattr(self, "own_pool", None) is not None:
+            self.own_pool.shutdown(wait=False)
+
+
+class ProcessBatchDoFn(_PooledDoFn):
     """A batch of work-list records -> descriptions of the output files' contents.
 
     The image work runs in :mod:`pipelines.image_workers` (a pool of local processes
@@ -159,23 +178,16 @@ class ProcessBatchDoFn(beam.DoFn):
 
     def __init__(self, settings: dict, threads: int, root: str | None, parts_dir: str,
                  pool_token: str | None = None):
+        super().__init__(threads, pool_token)
         self.settings = settings
-        self.threads = max(1, threads)
         self.root = root
         self.parts_dir = parts_dir
-        self.pool_token = pool_token
 
     def setup(self):
-        processes = W.local_pool(self.pool_token)
-        self.own_pool = None if processes else W.thread_pool(self.threads)
-        self.pool = processes or self.own_pool
-        self.task_images = W.PROCESS_TASK_IMAGES if processes else None
+        super().setup()
+        self.task_images = W.PROCESS_TASK_IMAGES if self.processes else None
         self.fault_after = _fault_after_images()
         self.progress = console.Progress("images processed")
-
-    def teardown(self):
-        if getattr(self, "own_pool", None) is not None:
-            self.own_pool.shutdown(wait=False)
 
     def start_bundle(self):
         self.pending = collections.deque()
@@ -221,7 +233,7 @@ class ProcessBatchDoFn(beam.DoFn):
             yield (IMAGES, split, batch["shard"], batch["num_shards"]), examples
         for cs, items in sorted(classes.items()):
             yield (CLASSES, split, cs, batch["num_class_shards"]), items
-        n = sum(len(t) for t in tasks)
+        n = len(batch["records"])
         yield (REPORT,), {
             "split": split, "counts": sorted([k[0], k[1], c] for k, c in counts.items()),
             "dead": dead, "n": n, "t0": t0, "t1": time.time()}
@@ -239,7 +251,7 @@ def _windowed(value):
     return GlobalWindows.windowed_value(value)
 
 
-class WriteOutputsDoFn(beam.DoFn):
+class WriteOutputsDoFn(_PooledDoFn):
     """``(key, [values])`` from :class:`ProcessBatchDoFn`, grouped -> the split's files.
 
     The TFRecord files are assembled by :mod:`pipelines.shard_writers` on the same pool
@@ -249,20 +261,10 @@ class WriteOutputsDoFn(beam.DoFn):
 
     def __init__(self, stage: str, report_path: str, chunk_size: int, threads: int,
                  pool_token: str | None = None):
+        super().__init__(threads, pool_token)
         self.stage = stage
         self.report_path = report_path
         self.chunk_size = chunk_size
-        self.threads = max(1, threads)
-        self.pool_token = pool_token
-
-    def setup(self):
-        processes = W.local_pool(self.pool_token)
-        self.own_pool = None if processes else W.thread_pool(self.threads)
-        self.pool = processes or self.own_pool
-
-    def teardown(self):
-        if getattr(self, "own_pool", None) is not None:
-            self.own_pool.shutdown(wait=False)
 
     def start_bundle(self):
         self.pending = []
@@ -270,8 +272,7 @@ class WriteOutputsDoFn(beam.DoFn):
     def process(self, keyed):
         key, groups = keyed
         if key[0] == REPORT:
-            rows = "".join(json.dumps(r, sort_keys=True) + "\n" for r in groups)
-            storage.write_atomic(self.report_path, rows)
+            storage.write_atomic(self.report_path, _to_json_lines(groups))
             return
         kind, split, shard, num_shards = key
         items = [t for group in groups for t in group]

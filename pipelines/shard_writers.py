@@ -39,6 +39,5 @@ def write_class_shard(path: str, items: list[tuple], chunk_size: int) -> int:
 
 
 def _write(path: str, data: bytes) -> None:
-    if not storage.is_url(path):
-        storage.makedirs(os.path.dirname(path))
+    storage.makedirs(os.path.dirname(path))  # nothing to make on object stores
     storage.write_atomic(path, data)
