@@ -110,6 +110,49 @@ def test_multistage_step_with_the_library_losses_float64(loss_name):
     assert logs["loss"][0] == pytest.approx(plain_logs["loss"][0], rel=1e-9)
 
 
+class ChunkedForward(keras.Model):
+    """The single-pass reference of ghost batch norm: ``inner`` applied to each chunk of
+    the batch separately (so BatchNorm uses each chunk's statistics), concatenated."""
+
+    def __init__(self, inner, chunk, **kwargs):
+        super().__init__(**kwargs)
+        self.inner, self.chunk = inner, chunk
+
+    def call(self, x, training=None):
+        n = x.shape[0]
+        parts = [self.inner(x[i:i + self.chunk], training=training)
+                 for i in range(0, n, self.chunk)]
+        return keras.ops.concatenate(parts, axis=0)
+
+
+@pytest.mark.parametrize("chunk_size", [4, 5])
+def test_batch_statistics_batch_norm_gives_the_exact_ghost_batch_norm_step(chunk_size):
+    """BatchNorm with batch statistics (a network trained from scratch): stage 1 and
+    stage 3 normalise the same chunk, so the multi-stage step equals the plain step of
+    the network that normalises chunk by chunk, on every backend."""
+    images, labels = make_batch()
+
+    def trainable(model):
+        return [np.array(to_numpy(v), np.float64) for v in model.trainable_weights]
+
+    with float64_policy():
+        initial = build_exactness_model(output_dtype=None, freeze=False).get_weights()
+        reference = build_exactness_model(output_dtype=None, freeze=False)
+        reference.set_weights(initial)
+        fit_once(ChunkedForward(reference, chunk_size), SoftNeighbourLoss(), images, labels)
+        whole = build_exactness_model(output_dtype=None, freeze=False)
+        whole.set_weights(initial)
+        fit_once(whole, SoftNeighbourLoss(), images, labels)
+        model = build_exactness_model(output_dtype=None, freeze=False)
+        model.set_weights(initial)
+        fit_once(MultiStageModel(model, chunk_size=chunk_size), SoftNeighbourLoss(),
+                 images, labels)
+    # Chunk statistics differ from whole-batch ones: confusing the two would fail here.
+    assert max(np.abs(a - b).max() for a, b in zip(trainable(reference),
+                                                   trainable(whole))) > 1e-4
+    assert_weights_equal(trainable(model), trainable(reference))
+
+
 def test_gem_p_frozen_bn_affine_and_regularised_head_all_move():
     images, labels = make_batch()
     with float64_policy():

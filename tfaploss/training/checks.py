@@ -3,8 +3,17 @@
 Multi-staged backpropagation embeds every chunk twice (stage 1 without a tape, stage 3
 with one) and is exact only when both passes give the same embeddings: the model must
 be deterministic in training mode. Layers that break this: dropout and noise layers,
-random augmentation layers inside the model, and BatchNormalization using batch
-statistics (its output then depends on which images share the chunk).
+and random augmentation layers inside the model.
+
+BatchNormalization with batch statistics does not break it: both stages normalise the
+same chunk with that chunk's statistics, so the step is the exact gradient of the
+network whose BatchNorm normalises each chunk of ``chunk_size`` images on its own
+("ghost batch normalisation", Hoffer, Hubara & Soudry, NeurIPS 2017), not of one that
+normalises over the whole batch. :func:`ghost_batch_norm_layers` lists those layers.
+Why allow it: a network trained from scratch with frozen BatchNorm has no working
+normalisation once its weights move (its statistics stay those of the random
+initialisation), and on the glyph set it trained far worse and collapsed at learning
+rates that the same network with batch statistics handles (``docs/batch_sweep.md``).
 """
 
 from __future__ import annotations
@@ -30,20 +39,15 @@ def find_nondeterministic_layers(model: keras.layers.Layer) -> list[str]:
     """Describe each layer of ``model`` whose training-mode output is not reproducible.
 
     Returns one human-readable line per offending layer (empty when the model is safe
-    for multi-staged backpropagation): BatchNormalization layers that use batch
-    statistics, and layers drawing random numbers in training (dropout, noise,
-    augmentation), unless their rate is 0.
+    for multi-staged backpropagation): layers drawing random numbers in training
+    (dropout, noise, augmentation), unless their rate is 0. BatchNorm with batch
+    statistics is deterministic per chunk (see :func:`ghost_batch_norm_layers`).
     """
     problems = []
     for layer in model._flatten_layers(include_self=True, recursive=True):
         if isinstance(layer, keras.layers.BatchNormalization):
-            if layer.trainable and not isinstance(layer, FrozenBatchNormalization):
-                problems.append(
-                    f"{layer.name} ({type(layer).__name__}) normalises with batch "
-                    "statistics in training mode; call "
-                    "tfaploss.training.freeze_batch_norm(model) first"
-                )
-        elif _owns_seed_generator(layer):
+            continue
+        if _owns_seed_generator(layer):
             rate = getattr(layer, "rate", None)
             if rate is not None and float(rate) == 0.0:
                 continue
@@ -53,6 +57,19 @@ def find_nondeterministic_layers(model: keras.layers.Layer) -> list[str]:
                 "step) or set its rate to 0"
             )
     return problems
+
+
+def ghost_batch_norm_layers(model: keras.layers.Layer) -> list[str]:
+    """Names of the BatchNorm layers of ``model`` that use batch statistics in training.
+
+    Under multi-staged backpropagation each of them normalises every chunk with the
+    chunk's own statistics (ghost batch normalisation); its moving statistics follow
+    the chunks. Frozen layers (:func:`tfaploss.training.freeze_batch_norm`) are not
+    listed.
+    """
+    return [layer.name for layer in model._flatten_layers(include_self=True, recursive=True)
+            if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
+            and not isinstance(layer, FrozenBatchNormalization)]
 
 
 def check_deterministic(model: keras.layers.Layer, on_nondeterministic: str = "warn") -> list[str]:

@@ -21,8 +21,13 @@ Keras's ``gradient_accumulation_steps`` is not this: it averages separate per-ch
 losses, while AP must rank over the whole batch.
 
 Exact only if stage 3 sees what stage 1 saw: augment in the input pipeline (never
-inside the model), no dropout, and BatchNorm with frozen statistics
-(:func:`tfaploss.training.freeze_batch_norm`).
+inside the model) and no dropout. BatchNorm may be frozen
+(:func:`tfaploss.training.freeze_batch_norm`, the papers' setting for pretrained
+backbones), in which case the step equals the single-pass step on the whole batch; or
+it may use batch statistics (the setting for a network trained from scratch), in which
+case each chunk is normalised with its own statistics in both stages, and the step is
+the exact gradient of that "ghost batch norm" network (Hoffer et al., NeurIPS 2017):
+the single pass that embeds the batch chunk by chunk under one tape.
 
 Backends. The stages above are backend-neutral (this module: chunking, the loss on the
 embeddings, metrics); only "take G" and "pull G back through one chunk" need the
@@ -35,12 +40,16 @@ takes the one of the backend Keras was imported with.
 
 from __future__ import annotations
 
+import logging
+
 import keras
 from keras import ops, tree
 from keras.src.losses.loss import unscale_loss_for_distribution
 
-from tfaploss.training.checks import check_deterministic
+from tfaploss.training.checks import check_deterministic, ghost_batch_norm_layers
 from tfaploss.training.xbm import CrossBatchMemory
+
+logger = logging.getLogger(__name__)
 
 
 def _backend_steps():
@@ -186,6 +195,13 @@ class MultiStageModel(_backend_steps(), keras.Model):
         problems = check_deterministic(
             embedding_model, on_nondeterministic if chunk_size is not None else "ignore")
         self.nondeterministic_layers = tuple(problems)
+        ghosts = ghost_batch_norm_layers(embedding_model) if chunk_size is not None else []
+        if ghosts:
+            logger.info(
+                "MultiStageModel: %d BatchNorm layer(s) use batch statistics, so each "
+                "normalises every chunk of %d images on its own (ghost batch norm; the "
+                "gradient is exact for that network): %s", len(ghosts), chunk_size,
+                ", ".join(ghosts))
 
         self.memory = None
         if xbm_size:
