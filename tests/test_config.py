@@ -202,6 +202,36 @@ def test_batch_not_multiple_of_m_and_unused_xbm_weight_are_errors():
         {**MINIMAL, "data": {"augmentation": {"crop": "center_crop", "scale": [0.5, 1.0]}}})
 
 
+def test_training_health_section_defaults_overrides_and_bad_values():
+    cfg = config_from_dict(MINIMAL)
+    health = cfg.to_dict()["training"]["health"]
+    assert health == {"enabled": True, "collapse_cosine": 0.99, "collapse_fraction": 0.8,
+                      "window_share": 0.1, "min_window_images": 8192, "stop_share": 0.25,
+                      "stop_chance_ap": 0.5}
+    cfg = config_from_dict(MINIMAL, ["training.health.stop_share=null",
+                                     "training.health.min_window_images=4096"])
+    assert cfg.training.health.stop_share is None
+    assert cfg.training.health.min_window_images == 4096
+    message = _error({**MINIMAL, "training": {"health": {"stop_share": 0.05}}})
+    assert message == (
+        "config key 'training.health.stop_share': must be between "
+        "training.health.window_share=0.1 (stop at the first warning) and 1, or null "
+        "(never stop, only warn); received 0.05.")
+    assert "'training.health.collapse_fraction': must be in (0, 1]" in _error(
+        MINIMAL, ["training.health.collapse_fraction=1.5"])
+    assert "'training.health.collapse_cosine': must be in (-1, 1]" in _error(
+        MINIMAL, ["training.health.collapse_cosine=-1"])
+    assert "'training.health.stop_chance_ap': must be in [0, 1]" in _error(
+        MINIMAL, ["training.health.stop_chance_ap=2"])
+    assert "'training.health.min_window_images': expected an integer" in _error(
+        MINIMAL, ["training.health.min_window_images=many"])
+    assert "Did you mean 'stop_share'" in _error(MINIMAL, ["training.health.stop_shar=0.3"])
+    assert "'training.health.stop_share' is set but training.health.enabled is false" in \
+        _error({**MINIMAL, "training": {"health": {"enabled": False, "stop_share": 0.5}}})
+    assert not config_from_dict(MINIMAL, ["training.health.enabled=false"]
+                                ).training.health.enabled
+
+
 # -- overrides --------------------------------------------------------------------------
 
 

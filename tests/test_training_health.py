@@ -1,8 +1,12 @@
 """Batch health (issue 14, item 1): the metrics' values, the warning on a constructed
 collapse or flat loss (plain fit, MultiStageModel, held batch, `tfaploss train`), and
-silence on a healthy run."""
+silence on a healthy run. Patience is counted in images, as a share of the run: the
+reported runs (100 steps of 920 collapsed from the start; 690 steps of 128 at
+>= 0.99 with dips for 400 steps) are replayed step by step, as are healthy runs that
+start in a narrow cone and runs with single-step spikes."""
 
 import json
+import types
 import warnings
 
 import keras
@@ -19,7 +23,7 @@ from tfaploss.training import (
     batch_health,
     health_metrics,
 )
-from tfaploss.training.health import random_ranking_ap
+from tfaploss.training.health import COLLAPSE_CAUSES, _find_metrics, random_ranking_ap
 
 LABELS = np.repeat(np.arange(4), 4).astype("int32")
 
@@ -97,41 +101,82 @@ def _fit(model, monitor, epochs=1, metrics=True, lr=0.0, x=None, y=None):
 
 
 def test_collapse_warning_fires_in_plain_fit_and_names_the_causes():
-    monitor = TrainingHealthMonitor(patience=3, flat_steps=0)
-    history, messages = _fit(_constant_model(), monitor, epochs=2)
+    # 4 steps of 16 images per epoch, 2 epochs: 128 images. Window: 48 images = 3 steps.
+    monitor = TrainingHealthMonitor(min_window_images=48, window_share=0.0, flat_rtol=None)
+    model = _constant_model()
+    history, messages = _fit(model, monitor, epochs=2)
     assert len(messages) == 1, messages  # once, not every step
     text = messages[0]
     assert "collapsed" in text and "learning rate" in text
     assert "near-collinear start" in text and "lambda_" in text
+    assert "emb_cos" in text and "the last 48 training images (3 steps, 38% of the run's 128)" \
+        in text
     assert [e[:2] for e in monitor.events] == [(3, "collapse")]
-    # The metrics reach the logs (progress bar, TensorBoard, epochs.jsonl).
+    assert monitor.stopped is None  # action="warn" and no stop_share: never stops
+    assert int(model.optimizer.iterations) == 8
+    # The metrics reach the logs (progress bar, TensorBoard, epochs.jsonl), with the
+    # latest batch's size (what the monitor counts images with).
     assert history.history["emb_cos"][0] == pytest.approx(1.0, abs=1e-5)
     assert history.history["chance_ap"][0] == 1.0
+    found = _find_metrics(model)
+    assert sorted(found) == ["chance_ap", "emb_cos", "emb_cos_std"]
+    assert {float(m.images) for m in found.values()} == {16.0}
 
 
 def test_collapse_warning_fires_for_multistage_model():
-    monitor = TrainingHealthMonitor(patience=2, flat_steps=0)
+    monitor = TrainingHealthMonitor(min_window_images=32, window_share=0.0, flat_rtol=None)
     trainer = MultiStageModel(_constant_model(), chunk_size=5)
     history, messages = _fit(trainer, monitor)
     assert len(messages) == 1 and "collapsed" in messages[0]
+    # A multi-stage step is one whole batch of 16 (not a chunk of 5): 32 images = step 2.
+    assert [e[:2] for e in monitor.events] == [(2, "collapse")]
     assert history.history["emb_cos"][0] == pytest.approx(1.0, abs=1e-5)
 
 
 def test_collapse_warning_from_a_held_batch_without_compiled_metrics():
     x, y = _data()
-    monitor = TrainingHealthMonitor(patience=4, flat_steps=0, data=(x[:16], y[:16]),
-                                    every=2)
+    # Checked at steps 1, 2, 4: 16 + 2 x 16 + 2 x 16 images; 64 are reached at step 4.
+    monitor = TrainingHealthMonitor(min_window_images=64, window_share=0.0, flat_rtol=None,
+                                    data=(x[:16], y[:16]), every=2)
     _, messages = _fit(_constant_model(), monitor, metrics=False)
     assert len(messages) == 1 and "collapsed" in messages[0]
+    assert [e[:2] for e in monitor.events] == [(4, "collapse")]
 
 
 def test_flat_loss_warning_and_stop():
-    # A cosine threshold of 1 turns the collapse check off: only the loss speaks.
-    monitor = TrainingHealthMonitor(collapse_cosine=1.0, flat_steps=3, action="stop")
-    history, messages = _fit(_constant_model(), monitor, epochs=3)
-    assert len(messages) == 1 and "has not moved for 3 steps" in messages[0]
+    # Compiled without the health metrics: only the loss speaks. Window: 3 steps.
+    monitor = TrainingHealthMonitor(min_window_images=48, window_share=0.0, action="stop",
+                                    batch_size=16)
+    model = _constant_model()
+    history, messages = _fit(model, monitor, epochs=3, metrics=False)
+    assert len(messages) == 1 and "training stopped" in messages[0]
+    assert "has not moved over the last 48 training images (3 steps" in messages[0]
     assert "learning rate" in messages[0]
     assert len(history.history["loss"]) == 1  # action="stop" ended training in epoch 1
+    assert int(model.optimizer.iterations) == 3
+    assert monitor.stopped["kind"] == "flat" and monitor.stopped["step"] == 3
+
+
+def test_real_fit_of_a_collapsed_model_is_stopped_at_the_expected_step():
+    """model.fit of a model whose output is one constant direction: 20 steps of 16
+    images (320). Window max(64, 10 % of 320) = 64 images = 4 steps."""
+    x, y = _data(n=320)
+    model = _constant_model()
+    monitor = TrainingHealthMonitor(min_window_images=64, action="stop")
+    _, messages = _fit(model, monitor, x=x, y=y)
+    assert int(model.optimizer.iterations) == 4  # the step it stopped at
+    assert monitor.stopped["step"] == 4 and monitor.stopped["kind"] == "collapse"
+    assert len(messages) == 1 and messages[0].startswith("tfaploss: training stopped")
+    # Warn first, stop when it still holds over 25 % of the run (80 images = 5 steps).
+    model = _constant_model()
+    monitor = TrainingHealthMonitor(min_window_images=64, stop_share=0.25)
+    _, messages = _fit(model, monitor, x=x, y=y)
+    assert int(model.optimizer.iterations) == 5
+    assert [(r["step"], r["kind"], r["stop"]) for r in monitor.records] == [
+        (4, "collapse", False), (4, "flat", False), (5, "collapse", True)]
+    assert "will be stopped if the collapse, with retrieval at chance, holds over 25% of " \
+        "the run" in messages[0]
+    assert monitor.stopped["images"] == 80 and monitor.stopped["share_of_run"] == 0.25
 
 
 def _healthy_model():
@@ -141,7 +186,7 @@ def _healthy_model():
 
 
 def test_healthy_run_stays_silent():
-    monitor = TrainingHealthMonitor(patience=2, flat_steps=3)
+    monitor = TrainingHealthMonitor(min_window_images=32, window_share=0.0, stop_share=0.5)
     history, messages = _fit(_healthy_model(), monitor, epochs=4, lr=0.05)
     assert messages == [] and monitor.events == []
     cos = history.history["emb_cos"]
@@ -149,11 +194,204 @@ def test_healthy_run_stays_silent():
     assert history.history["chance_ap"][-1] < 0.5
 
 
+# -- replayed runs: per-step (emb_cos, loss, batch size) fed to the callback ------------
+
+
+def _replay(cosines, batch, losses=None, steps_per_epoch=None, epochs=1, chance=None,
+            **kw):
+    """Feed the callback a run step by step, as model.fit does: the compiled metrics'
+    latest values (emb_cos; chance_ap if given) and batch size, the running mean of the
+    loss. Stops where the callback stops training. Returns the monitor and the number
+    of steps run."""
+    metric = BatchHealthMetric("emb_cos")
+    chance_metric = BatchHealthMetric("chance_ap")
+    metrics = [metric] if chance is None else [metric, chance_metric]
+    model = types.SimpleNamespace(metrics=metrics, stop_training=False)
+    monitor = TrainingHealthMonitor(**kw)
+    monitor.set_model(model)
+    steps_per_epoch = steps_per_epoch or len(cosines) // epochs
+    monitor.set_params({"epochs": epochs, "steps": steps_per_epoch, "verbose": 0})
+    monitor.on_train_begin()
+    step = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TrainingHealthWarning)
+        for epoch in range(epochs):
+            monitor.on_epoch_begin(epoch)
+            start = epoch * steps_per_epoch
+            for k in range(steps_per_epoch):
+                metric.last.assign(cosines[start + k])
+                metric.images.assign(batch)
+                if chance is not None:
+                    chance_metric.last.assign(chance[start + k])
+                    chance_metric.images.assign(batch)
+                logs = {} if losses is None else {
+                    "loss": float(np.mean(losses[start:start + k + 1]))}
+                monitor.on_train_batch_end(k, logs)
+                step += 1
+                if model.stop_training:
+                    return monitor, step
+    return monitor, step
+
+
+def _kinds(monitor):
+    return [(r["step"], r["kind"], r["stop"]) for r in monitor.records]
+
+
+def _trained(n, rng, start=0.55, end=0.25):
+    """A healthy run's cosines: falling from `start` to `end`, with batch noise."""
+    return list(np.linspace(start, end, n) + 0.03 * rng.standard_normal(n))
+
+
+def _noisy_loss(n, rng, start=0.9, end=0.5):
+    return list(np.linspace(start, end, n) + 0.01 * rng.standard_normal(n))
+
+
+def test_large_batch_run_collapsed_from_the_start_is_reported_at_a_tenth():
+    """The report: APLoss, batch 920, 100 steps, every embedding at one point (cosine
+    1.0000) and the loss at 0.992 for the whole run. 200 consecutive steps never came."""
+    cos, loss = [1.0] * 100, [0.992] * 100
+    monitor, steps = _replay(cos, 920, loss)
+    assert _kinds(monitor) == [(10, "collapse", False), (10, "flat", False)]
+    assert steps == 100 and monitor.stopped is None  # warns only, by default
+    text = monitor.records[0]["message"]
+    assert "emb_cos" in text and ">= 0.99" in text
+    assert "the last 9,200 training images (10 steps, 10% of the run's 92,000)" in text
+    assert COLLAPSE_CAUSES in text
+    assert monitor.records[0]["share_of_run"] == 0.1
+    # tfaploss train's default: warned at 10 %, stopped at 25 % of the run, as every
+    # query of a batch at one point ranks at chance (ties count against it).
+    monitor, steps = _replay(cos, 920, loss, chance=[1.0] * 100, stop_share=0.25)
+    assert steps == 25
+    assert _kinds(monitor) == [(10, "collapse", False), (10, "flat", False),
+                               (25, "collapse", True)]
+    assert monitor.stopped["images"] == 23000 and monitor.stopped["share_of_run"] == 0.25
+    text = monitor.stopped["message"]
+    assert text.startswith("tfaploss: training stopped: the embeddings have collapsed")
+    assert "the last 23,000 training images (25 steps, 25% of the run's 92,000)" in text
+    assert "chance_ap" in text and COLLAPSE_CAUSES in text
+    # The same cosines with most queries still beating chance (a model learning in a
+    # narrow cone, as digits runs at lr 1e-2 did before escaping): warned, not stopped.
+    monitor, steps = _replay(cos, 920, loss, chance=[0.2] * 100, stop_share=0.25)
+    assert steps == 100 and monitor.stopped is None
+    assert _kinds(monitor) == [(10, "collapse", False), (10, "flat", False)]
+    assert "most queries still rank better than chance" in monitor.records[0]["message"]
+    # The old rule (200 consecutive steps) is silent on this run: the bug.
+    with pytest.warns(DeprecationWarning, match="patience"):
+        legacy = TrainingHealthMonitor(patience=200)
+    assert legacy.patience == 200
+    with pytest.warns(DeprecationWarning):
+        monitor, _ = _replay(cos, 920, patience=200, flat_rtol=None)
+    assert monitor.events == []
+
+
+@pytest.mark.parametrize("dips", ["every_7th", "random_15pct"])
+def test_long_collapse_with_dips_is_reported_and_stopped(dips):
+    """The report: ROADMAP, batch 128, ~690 steps, ~400 of them at mean cosine >= 0.99
+    with dips below it (which reset the old consecutive count)."""
+    rng = np.random.default_rng(0)
+    if dips == "every_7th":
+        stretch = [0.985 if i % 7 == 0 else 0.996 for i in range(400)]
+    else:
+        stretch = list(np.where(rng.random(400) < 0.15, 0.97, 0.997))
+    cos = _trained(100, rng, 0.95, 0.9) + stretch + _trained(190, rng, 0.9, 0.6)
+    loss = _noisy_loss(690, rng)
+    chance = [0.1] * 100 + [0.9] * 400 + [0.1] * 190  # ranking at chance in the stretch
+    monitor, steps = _replay(cos, 128, loss, chance=chance, stop_share=0.25)
+    # Window: 10 % of 88,320 images = 8,832 = 69 steps, of which >= 80 % (56) collapsed:
+    # reported 56 to ~75 steps into the stretch (steps 101-500).
+    warned, stopped = monitor.records[0], monitor.stopped
+    assert warned["kind"] == "collapse" and not warned["stop"]
+    assert 156 <= warned["step"] <= 175, warned["step"]
+    # Stopped once it holds over 25 % of the run (173 steps), well inside the stretch.
+    assert stopped is not None and stopped["kind"] == "collapse"
+    assert 238 <= stopped["step"] <= 300 and steps == stopped["step"]
+    # The old rule never fires here: no 200 consecutive collapsed steps.
+    with pytest.warns(DeprecationWarning):
+        legacy, _ = _replay(cos, 128, loss, patience=200, flat_rtol=None)
+    assert legacy.events == []
+    # With the queries beating chance in the stretch: warned only.
+    monitor, steps = _replay(cos, 128, loss, chance=[0.1] * 690, stop_share=0.25)
+    assert [r["kind"] for r in monitor.records] == ["collapse"]
+    assert monitor.stopped is None and steps == 690
+    # stop_chance_ap=0: the cosine alone stops it.
+    monitor, _ = _replay(cos, 128, loss, chance=[0.1] * 690, stop_share=0.25,
+                         stop_chance_ap=0.0)
+    assert monitor.stopped["step"] == stopped["step"]
+
+
+@pytest.mark.parametrize("steps,batch,cone", [
+    (690, 128, 20),  # ROADMAP-sized run, 3 % of it in the cone
+    (690, 128, 35),  # 5 %
+    (100, 920, 5),   # the large-batch run, 5 % of it in the cone
+    (100, 920, 7),   # 7 %
+    (150, 96, 17),   # the digits demo: CalibrationLoss lr 1e-3 sat >= 0.99 to step 17
+])
+def test_healthy_run_starting_in_a_narrow_cone_is_not_reported(steps, batch, cone):
+    """A network trained from scratch starts with every embedding in a narrow cone
+    (mean cosine 0.9-0.999) and leaves it within a few % of the run."""
+    rng = np.random.default_rng(steps + cone)
+    cos = list(np.linspace(0.999, 0.991, cone)) + _trained(steps - cone, rng, 0.93, 0.3)
+    loss = _noisy_loss(steps, rng)
+    monitor, run = _replay(cos, batch, loss, stop_share=0.25)
+    assert monitor.events == [] and run == steps
+    assert sum(c >= 0.99 for c in cos) >= cone  # the cone really was >= 0.99
+
+
+def test_a_cone_lasting_most_of_the_window_is_reported():
+    """The other side of the previous test: 9 of the large-batch run's first 10 steps
+    collapsed is 90 % of its window: warned (not stopped: it left before 25 %)."""
+    rng = np.random.default_rng(1)
+    cos = [0.999] * 9 + _trained(91, rng, 0.93, 0.3)
+    monitor, run = _replay(cos, 920, _noisy_loss(100, rng), stop_share=0.25)
+    assert _kinds(monitor) == [(10, "collapse", False)] and run == 100
+
+
+@pytest.mark.parametrize("period", [2, 4, 10])
+def test_single_step_spikes_are_not_reported(period):
+    """A healthy run whose cosine jumps to 1 for one step every `period` steps."""
+    rng = np.random.default_rng(period)
+    cos = [1.0 if k % period == 0 else c for k, c in enumerate(_trained(690, rng))]
+    monitor, run = _replay(cos, 128, _noisy_loss(690, rng), stop_share=0.25)
+    assert monitor.events == [] and run == 690
+    # "Spikes" in 9 steps of 10 are a collapse with dips: reported, then stopped.
+    cos = [c if k % 10 == 0 else 1.0 for k, c in enumerate(_trained(690, rng))]
+    monitor, _ = _replay(cos, 128, _noisy_loss(690, rng), stop_share=0.25)
+    assert [(r["kind"], r["stop"]) for r in monitor.records] == [("collapse", False),
+                                                                ("collapse", True)]
+
+
+def test_windows_follow_the_run_length_and_total_images():
+    rng = np.random.default_rng(0)
+    # A long run: 10 % of 20 epochs x 500 steps x 64 images = 64,000 images = 1,000 steps.
+    cos = [1.0] * 10000
+    monitor, _ = _replay(cos, 64, steps_per_epoch=500, epochs=20, flat_rtol=None)
+    assert monitor.records[0]["step"] == 1000 and monitor.records[0]["epoch"] == 2
+    # A short run: the minimum window (8,192 images = 128 steps of 64) decides.
+    monitor, _ = _replay(cos[:400], 64, flat_rtol=None)
+    assert monitor.records[0]["step"] == 128
+    # A run shorter than the minimum window is judged over the whole run, at its end;
+    # there is nothing left to stop, so it is a warning.
+    monitor, run = _replay(cos[:30], 64, flat_rtol=None, stop_share=0.25)
+    assert _kinds(monitor) == [(30, "collapse", False)] and run == 30
+    assert "the last 1,920 training images (30 steps, 100% of the run's 1,920)" in \
+        monitor.records[0]["message"]
+    healthy, _ = _replay(_trained(30, rng), 64, flat_rtol=None, stop_share=0.25)
+    assert healthy.events == []
+    # Without Keras's steps (a dataset of unknown length), total_images gives the run.
+    monitor = TrainingHealthMonitor(total_images=92000, flat_rtol=None)
+    monitor.set_model(types.SimpleNamespace(metrics=[], stop_training=False))
+    monitor.on_train_begin()
+    monitor._windows = monitor._make_windows(920)
+    assert monitor._windows["collapse"].size == 9200
+
+
 def test_flat_check_follows_the_per_step_loss_through_running_means():
     """The monitor recovers each step's loss from Keras's running mean."""
 
-    def feed(losses_per_epoch, **kw):
-        monitor = TrainingHealthMonitor(collapse_cosine=1.0, **kw)
+    def feed(losses_per_epoch, steps=5):
+        # No compiled metrics, no Keras params: a window of `steps` steps of 16 images.
+        monitor = TrainingHealthMonitor(min_window_images=16 * steps, window_share=0.0,
+                                        batch_size=16)
         monitor.set_model(_healthy_model())
         monitor.on_train_begin()
         with warnings.catch_warnings():
@@ -162,69 +400,116 @@ def test_flat_check_follows_the_per_step_loss_through_running_means():
                 monitor.on_epoch_begin(epoch)
                 for k, _ in enumerate(losses):
                     monitor.on_train_batch_end(k, {"loss": np.mean(losses[:k + 1])})
-        return [kind for _, kind, _ in monitor.events]
+        return [(step, kind) for step, kind, _ in monitor.events]
 
     # A loss that falls then sits at one value: the running mean keeps falling, yet
-    # the steps are flat from step 6 on.
-    assert feed([[0.9, 0.8, 0.7, 0.69, 0.6852] + [0.6851] * 6], flat_steps=5) == ["flat"]
+    # steps 5-9 (0.6852, then 0.6851) are within 0.1 % of each other.
+    assert feed([[0.9, 0.8, 0.7, 0.69, 0.6852] + [0.6851] * 6]) == [(9, "flat")]
     # A plateau with batch-to-batch noise (1%) is a learning model: silent.
     rng = np.random.default_rng(0)
     noisy = list(0.685 + 0.007 * rng.standard_normal(40))
-    assert feed([noisy[:20], noisy[20:]], flat_steps=5) == []
+    assert feed([noisy[:20], noisy[20:]]) == []
     # The window runs across epochs.
-    assert feed([[0.5] * 3, [0.5] * 3], flat_steps=5) == ["flat"]
+    assert feed([[0.5] * 3, [0.5] * 3]) == [(5, "flat")]
     # A loss at its minimum, 0, has converged: silent.
-    assert feed([[0.2, 0.05] + [0.0] * 8], flat_steps=5) == []
+    assert feed([[0.2, 0.05] + [0.0] * 8]) == []
 
 
 def test_non_finite_health_is_not_called_a_collapse():
-    monitor = TrainingHealthMonitor(patience=1, flat_steps=0)
-    monitor.on_train_begin()
-    monitor._check_collapse(float("nan"), float("nan"), 1.0)
-    assert monitor.events == []
-    with pytest.warns(TrainingHealthWarning):
-        monitor._check_collapse(0.999, 0.0, 1.0)
+    monitor, _ = _replay([float("nan")] * 20, 16, min_window_images=32, window_share=0.0)
+    assert monitor.events == []  # the non-finite guards report those, not this check
+    monitor, _ = _replay([float("nan")] * 10 + [0.999] * 10, 16, min_window_images=32,
+                         window_share=0.0)
+    assert _kinds(monitor) == [(12, "collapse", False)]
 
 
 def test_monitor_arguments_are_checked():
-    with pytest.raises(ValueError, match="patience must be an int >= 0, received patience=-1"):
+    with pytest.raises(ValueError, match="patience must be an int >= 0 or None, received "
+                                         "patience=-1"):
         TrainingHealthMonitor(patience=-1)
     with pytest.raises(ValueError, match="action must be 'warn' or 'stop'"):
         TrainingHealthMonitor(action="raise")
+    with pytest.raises(ValueError, match=r"stop_share must be a number in \[0.1, 1\]"):
+        TrainingHealthMonitor(stop_share=0.05)
+    with pytest.raises(ValueError, match="stop_share is only used with action='warn'"):
+        TrainingHealthMonitor(stop_share=0.5, action="stop")
+    with pytest.raises(ValueError, match=r"collapse_fraction must be a number in \(0, 1\]"):
+        TrainingHealthMonitor(collapse_fraction=0)
+    with pytest.raises(ValueError, match="min_window_images must be an int >= 1"):
+        TrainingHealthMonitor(min_window_images=0)
     with pytest.raises(ValueError, match="max_queries must be an int >= 2"):
         health_metrics(max_queries=1)
     with pytest.raises(ValueError, match="statistic must be one of"):
         BatchHealthMetric("cosine")
 
 
-def test_tfaploss_train_logs_health_and_warns_on_collapse(tmp_path, monkeypatch):
+def test_deprecated_step_arguments_keep_their_old_meaning():
+    """patience=k: k consecutive collapsed steps; flat_steps=k: a k-step window."""
+    with pytest.warns(DeprecationWarning, match="flat_steps"):
+        off = TrainingHealthMonitor(flat_steps=0)
+    assert off.flat_rtol is None
+    cos = [1.0] * 5 + [0.5] + [1.0] * 4
+    with pytest.warns(DeprecationWarning):
+        monitor, _ = _replay(cos, 16, [0.3] * 10, patience=3, flat_steps=4)
+    # Collapse at step 3, re-armed by the clean step 6, again at step 9; flat at 4.
+    assert [(s, k) for s, k, _ in monitor.events] == [(3, "collapse"), (4, "flat"),
+                                                      (9, "collapse")]
+
+
+def test_tfaploss_train_stops_a_collapsed_run_and_records_why(tmp_path, capsys):
     """`tfaploss train` compiles the metrics and runs the monitor: flat grey images
-    embed to one point, and the run says so."""
+    embed to one point; the run is warned about, stopped, and says so in summary.json
+    and epochs.jsonl."""
     from PIL import Image
 
     from tfaploss.config.schema import config_from_dict
     from tfaploss.config.trainer import train
-    from tfaploss.training import health
 
     split = tmp_path / "train"
     mini.write_split_records(str(split), {0: 4, 1: 4},
                              image_fn=lambda label, size: Image.new("RGB", size, (90,) * 3))
-    cfg = config_from_dict({
+    raw = {
         "run_dir": str(tmp_path / "run"),
         "data": {"train": str(split), "batch_size": 8, "m": 4, "image_size": 16,
                  "augmentation": {"crop": "center_crop"}},
         "model": {"backbone": "small_cnn", "embedding_dim": 8, "weights": None,
                   "bn_calibration_images": 0},
         "loss": {"name": "SupAPLoss"},
-        "training": {"epochs": 1, "steps_per_epoch": 3, "chunk_size": 4},
+        # 6 steps of 8 images (48): warned after 16 images (2 steps), stopped when it
+        # still holds over half of the run (24 images: step 3).
+        "training": {"epochs": 1, "steps_per_epoch": 6, "chunk_size": 4,
+                     "health": {"min_window_images": 16, "window_share": 0.25,
+                                "stop_share": 0.5}},
         "evaluation": {"at_end": False, "every_n_epochs": 0},
-    }, warn=False)
-    # The recipe's patience (200 steps) is longer than this run: shorten it.
-    defaults = list(health.TrainingHealthMonitor.__init__.__defaults__)
-    defaults[0] = 2
-    monkeypatch.setattr(health.TrainingHealthMonitor.__init__, "__defaults__", tuple(defaults))
+    }
+    cfg = config_from_dict(raw, warn=False)
     with pytest.warns(TrainingHealthWarning, match="embeddings have collapsed"):
-        train(cfg, verbose=0)
+        summary = train(cfg, verbose=0)
+    out = capsys.readouterr().out
+    assert "Training stopped by the batch-health check at step 3 of epoch 1" in out
+    assert "emb_cos" in out and "Usual causes" in out
+    stop = summary["stopped_early"]
+    assert (stop["by"], stop["reason"], stop["step"], stop["images"],
+            stop["share_of_run"]) == ("batch_health", "collapse", 3, 24, 0.5)
+    assert summary["updates"] == 3 and summary["epochs_completed"] == 0
+    # The loss of identical embeddings is constant too: flat, reported with the collapse.
+    assert [(e["step"], e["kind"], e["stop"]) for e in summary["health_events"]] == [
+        (2, "collapse", False), (2, "flat", False), (3, "collapse", True)]
+    on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert on_disk["stopped_early"] == stop
     row = json.loads((tmp_path / "run" / "epochs.jsonl").read_text().splitlines()[0])
     assert row["emb_cos"] == pytest.approx(1.0, abs=1e-4)
     assert row["chance_ap"] == 1.0
+    assert row["stopped_early"]["step"] == 3 and len(row["health"]) == 3
+    assert (tmp_path / "run" / "model.keras").is_file()
+    assert not (tmp_path / "run" / "backup").exists()
+    # The same command again: the stopped run is finished, not trained again ...
+    assert train(cfg, verbose=0)["stopped_early"] == stop
+    assert "stopped by the batch-health check after 3 updates" in capsys.readouterr().out
+    # ... also when its summary was written before training.health existed.
+    old = json.loads((tmp_path / "run" / "summary.json").read_text())
+    old["config"]["training"].pop("health")
+    (tmp_path / "run" / "summary.json").write_text(json.dumps(old))
+    default_cfg = config_from_dict({**raw, "training": {
+        k: v for k, v in raw["training"].items() if k != "health"}}, warn=False)
+    assert train(default_cfg, verbose=0)["stopped_early"] == stop

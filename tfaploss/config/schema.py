@@ -47,6 +47,7 @@ __all__ = [
     "ConfigWarning",
     "DataConfig",
     "EvaluationConfig",
+    "HealthConfig",
     "LossConfig",
     "ModelConfig",
     "OptimizerConfig",
@@ -220,6 +221,33 @@ class XBMConfig:
 
 
 @dataclass
+class HealthConfig:
+    """The batch-health check of ``tfaploss train``
+    (:class:`tfaploss.training.TrainingHealthMonitor`).
+
+    A step's images count as collapsed when the batch's mean cosine between different
+    images (``emb_cos``) is >= ``collapse_cosine``. The run is warned about when, over
+    the latest ``max(min_window_images, window_share x the run's images)`` images, at
+    least ``collapse_fraction`` of them were collapsed (or the loss stayed flat). It is
+    stopped, with the message on the console and the reason in summary.json
+    (``stopped_early``) and epochs.jsonl, when the collapse holds over ``stop_share``
+    of the run counting only steps where at least ``stop_chance_ap`` of the queries
+    rank no better than chance (``chance_ap``; 0: the cosine alone): a model can
+    still learn inside a narrow cone. ``stop_share: null`` only warns. ``enabled:
+    false`` turns the check off (the metrics are still logged). The defaults and the
+    measurements behind them: :class:`tfaploss.training.TrainingHealthMonitor`.
+    """
+
+    enabled: bool = True
+    collapse_cosine: float = 0.99
+    collapse_fraction: float = 0.8
+    window_share: float = 0.1
+    min_window_images: int = 8192
+    stop_share: float | None = 0.25
+    stop_chance_ap: float = 0.5
+
+
+@dataclass
 class TrainingConfig:
     """How long and how to train.
 
@@ -227,6 +255,8 @@ class TrainingConfig:
     divided by the batch size). ``chunk_size``: images embedded at once by multi-stage
     backpropagation; a batch larger than it is trained with
     :class:`tfaploss.training.MultiStageModel`, giving the same gradient as one pass.
+    ``health``: when to warn about, and stop, a run that has collapsed or stalled
+    (:class:`HealthConfig`).
     """
 
     epochs: int = 1
@@ -235,6 +265,7 @@ class TrainingConfig:
     mixed_precision: bool = False
     jit_compile: bool = False
     xbm: XBMConfig = field(default_factory=XBMConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     seed: int = 0
 
 
@@ -719,6 +750,7 @@ def _check_consistency(cfg: Config) -> list[str]:
         raise ConfigError(
             "config key 'training.xbm.weight' is set but training.xbm.size is 0 (no "
             "memory), so it would be ignored; set a size or remove it.")
+    _check_health(train.health)
 
     ev = cfg.evaluation
     if any(k < 1 for k in ev.ks) or not ev.ks:
@@ -733,6 +765,41 @@ def _check_consistency(cfg: Config) -> list[str]:
         raise ConfigError("config key 'evaluation.max_images': must be >= 2 or null, "
                           f"received {ev.max_images}.")
     return notes
+
+
+def _check_health(health: HealthConfig) -> None:
+    where = "config key 'training.health."
+    if not health.enabled:
+        changed = [f.name for f in dataclasses.fields(HealthConfig)
+                   if f.name != "enabled" and getattr(health, f.name) != f.default]
+        if changed:
+            raise ConfigError(
+                f"{where}{changed[0]}' is set but training.health.enabled is false (no "
+                "check), so it would be ignored; remove it or enable the check.")
+        return
+    if not -1.0 < health.collapse_cosine <= 1.0:
+        raise ConfigError(f"{where}collapse_cosine': must be in (-1, 1] (a mean cosine; "
+                          f"0.99 by default), received {health.collapse_cosine}.")
+    if not 0.0 < health.collapse_fraction <= 1.0:
+        raise ConfigError(
+            f"{where}collapse_fraction': must be in (0, 1] (the share of the window's "
+            f"images that must be collapsed), received {health.collapse_fraction}.")
+    if not 0.0 <= health.window_share <= 1.0:
+        raise ConfigError(f"{where}window_share': must be in [0, 1] (a share of the "
+                          f"run's images), received {health.window_share}.")
+    if health.min_window_images < 1:
+        raise ConfigError(f"{where}min_window_images': must be >= 1, received "
+                          f"{health.min_window_images}.")
+    if health.stop_share is not None and not (
+            health.window_share <= health.stop_share <= 1.0):
+        raise ConfigError(
+            f"{where}stop_share': must be between training.health.window_share="
+            f"{health.window_share:g} (stop at the first warning) and 1, or null (never "
+            f"stop, only warn); received {health.stop_share}.")
+    if not 0.0 <= health.stop_chance_ap <= 1.0:
+        raise ConfigError(
+            f"{where}stop_chance_ap': must be in [0, 1] (a share of the queries; 0 "
+            f"stops on the cosine alone), received {health.stop_chance_ap}.")
 
 
 # ---------------------------------------------------------------------------------------

@@ -10,13 +10,22 @@ Run directory layout (``run_dir``)::
                     a kill at any moment loses at most the epoch in progress.
     logs/           TensorBoard scalars (tensorboard --logdir RUN_DIR/logs)
     epochs.jsonl    one JSON line per finished epoch: loss, learning rate, batch health
-                    (emb_cos, emb_cos_std, chance_ap: tfaploss.training.health), evaluation
+                    (emb_cos, emb_cos_std, chance_ap: tfaploss.training.health), evaluation;
+                    ``health``: what the batch-health check reported in the epoch, and
+                    ``stopped_early`` on the row of the epoch it stopped
     model.keras     the trained embedding model (images -> L2-normalised embeddings)
-    summary.json    config, epochs, steps, timings, final retrieval metrics
+    summary.json    config, epochs, steps, timings, final retrieval metrics;
+                    ``stopped_early`` (null, or why and when the batch-health check
+                    stopped the run) and ``health_events``
 
 Every file is written to a temporary name and renamed into place. Training stops with
 NonFiniteTrainingError at the first non-finite loss or weight; nothing non-finite is
-ever checkpointed or saved.
+ever checkpointed or saved. A run whose embeddings stay collapsed (or whose loss stays
+flat) is warned about after 10 % of it; one whose embeddings stay collapsed with
+retrieval at chance is stopped after 25 % by the batch-health check
+(``training.health``, :class:`~tfaploss.training.TrainingHealthMonitor`): the model
+and summary are still written, and a later call with the same config does not train it
+again.
 """
 
 from __future__ import annotations
@@ -53,11 +62,14 @@ def _epoch_callbacks():
                 logs.update({f"val_{k}": v for k, v in metrics.items()})
 
     class EpochLog(keras.callbacks.Callback):
-        """Append each finished epoch's logs (and learning rate) to a JSON-lines file."""
+        """Append each finished epoch's logs (and learning rate) to a JSON-lines file,
+        with what the batch-health ``monitor`` reported during the epoch."""
 
-        def __init__(self, path):
+        def __init__(self, path, monitor=None):
             super().__init__()
             self.path = Path(path)
+            self.monitor = monitor
+            self._reported = 0
 
         def on_epoch_end(self, epoch, logs=None):
             row = {"epoch": epoch + 1}
@@ -68,6 +80,13 @@ def _epoch_callbacks():
                 pass  # a wrapped optimizer without a scalar learning rate
             row.update({k: float(v) for k, v in (logs or {}).items()
                         if isinstance(v, (int, float)) or hasattr(v, "__float__")})
+            if self.monitor is not None:
+                records = self.monitor.records[self._reported:]
+                self._reported = len(self.monitor.records)
+                if records:
+                    row["health"] = records
+                if any(r["stop"] for r in records):
+                    row["stopped_early"] = _stop_summary(self.monitor.stopped)
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(row) + "\n")
                 f.flush()
@@ -110,6 +129,27 @@ def _epoch_callbacks():
     return RetrievalEvaluation, EpochLog, Checkpoint, Faults
 
 
+def _stop_summary(record: dict) -> dict:
+    """What summary.json and epochs.jsonl say about a stop of the batch-health check."""
+    return {"by": "batch_health", "reason": record["kind"],
+            **{k: record[k] for k in ("epoch", "epoch_step", "step", "images",
+                                      "share_of_run", "run_images", "message")}}
+
+
+def _health_monitor(cfg: Config):
+    """The batch-health callback of ``cfg.training.health`` (None when disabled)."""
+    from tfaploss.training.health import TrainingHealthMonitor
+
+    h = cfg.training.health
+    if not h.enabled:
+        return None
+    return TrainingHealthMonitor(
+        collapse_cosine=h.collapse_cosine, collapse_fraction=h.collapse_fraction,
+        window_share=h.window_share, min_window_images=h.min_window_images,
+        stop_share=h.stop_share, stop_chance_ap=h.stop_chance_ap, action="warn",
+        batch_size=cfg.data.batch_size)
+
+
 def embed_split(embedding_model, cfg: Config, path: str, max_images: int | None = None,
                 verbose: int = 0):
     """Embeddings (N, D) and labels (N,) of every image of a split (at most ``max_images``)."""
@@ -145,7 +185,7 @@ def _check_run_dir(run_dir: Path, cfg: Config) -> bool:
     resuming = (run_dir / "backup").exists()
     if snapshot.exists():
         with open(snapshot, encoding="utf-8") as f:
-            previous = yaml.safe_load(f)
+            previous = _normalised(yaml.safe_load(f))
         if resuming and previous != current:
             changed = sorted(_diff_keys(previous, current))
             raise ConfigError(
@@ -208,11 +248,23 @@ def _finished_summary(run_dir: Path, cfg: Config) -> dict | None:
         return None
     if (run_dir / "backup").exists() or not (run_dir / "model.keras").is_file():
         return None
-    if summary.get("config") != cfg.to_dict():
+    if _normalised(summary.get("config")) != cfg.to_dict():
         return None
-    if summary.get("epochs_completed") != cfg.training.epochs:
+    if (summary.get("epochs_completed") != cfg.training.epochs
+            and not summary.get("stopped_early")):
         return None
     return summary
+
+
+def _normalised(raw):
+    """A config dict as this version writes it: keys added since (every default
+    filled in) do not make an older run's config differ. ``raw`` itself if invalid."""
+    if not isinstance(raw, dict):
+        return raw
+    try:
+        return config_from_dict(raw, warn=False).to_dict()
+    except (ConfigError, TypeError, ValueError):
+        return raw
 
 
 def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
@@ -222,7 +274,9 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
     config (at most the epoch in progress is lost, see
     :mod:`tfaploss.training.checkpoints`); a finished one is not trained again. Raises
     :class:`~tfaploss.training.guards.NonFiniteTrainingError` at the first non-finite
-    loss or weight, before anything is saved.
+    loss or weight, before anything is saved. A run stopped by the batch-health check
+    (``training.health``) is saved and summarised like a finished one, with
+    ``summary["stopped_early"]`` saying why.
     """
     import keras
 
@@ -240,9 +294,12 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
               flush=True)
     done = _finished_summary(run_dir, cfg)
     if done is not None:
-        print(f"{run_dir} already holds this finished run ({done['epochs_completed']} "
-              f"epochs): nothing to do. Model: {run_dir / 'model.keras'}. Use another "
-              "run_dir (--set run_dir=...) to train again.", flush=True)
+        how = (f"stopped by the batch-health check after {done['updates']} updates: "
+               f"{done['stopped_early']['reason']}; change the config to train again"
+               if done.get("stopped_early") else f"{done['epochs_completed']} epochs")
+        print(f"{run_dir} already holds this finished run ({how}): nothing to do. Model: "
+              f"{run_dir / 'model.keras'}. Use another run_dir (--set run_dir=...) to "
+              "train again.", flush=True)
         return done
     B.check_data(cfg)
     resuming = _check_run_dir(run_dir, cfg)
@@ -261,7 +318,7 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
         model = MultiStageModel(embedding_model, chunk_size=chunk,
                                 xbm_size=cfg.training.xbm.size,
                                 xbm_weight=cfg.training.xbm.weight)
-        from tfaploss.training.health import TrainingHealthMonitor, health_metrics
+        from tfaploss.training.health import health_metrics
 
         model.compile(optimizer=B.build_optimizer(cfg, steps), loss=loss,
                       metrics=health_metrics(), jit_compile=cfg.training.jit_compile)
@@ -286,9 +343,11 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
                 embedding_model,
                 lambda m: evaluate_split(m, cfg, cfg.data.test, cfg.evaluation.max_images),
                 cfg.evaluation.every_n_epochs))
-        callbacks.append(TrainingHealthMonitor())  # warns: collapsed embeddings, flat loss
+        monitor = _health_monitor(cfg)  # collapsed embeddings, flat loss: warn, stop
+        if monitor is not None:
+            callbacks.append(monitor)
         callbacks += [
-            EpochLog(epochs_log),
+            EpochLog(epochs_log, monitor),
             keras.callbacks.TensorBoard(log_dir=str(run_dir / "logs"), write_graph=False),
             Checkpoint(backup),  # last: it saves what every other callback has seen
         ]
@@ -297,6 +356,11 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
                       steps_per_epoch=steps, callbacks=callbacks, verbose=verbose,
                       shuffle=False)
         train_seconds = time.time() - started
+        stopped = monitor.stopped if monitor is not None else None
+        if stopped is not None:
+            print(f"Training stopped by the batch-health check at step "
+                  f"{stopped['epoch_step']} of epoch {stopped['epoch']}: "
+                  f"{stopped['message']}", flush=True)
 
         model_path = run_dir / "model.keras"
         check_finite_weights(embedding_model, str(model_path))
@@ -310,13 +374,17 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
         keras.config.set_dtype_policy(policy)
 
     epochs = _read_epochs(epochs_log)
+    updates = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
     summary = {
         "run_dir": str(run_dir),
         "config": cfg.to_dict(),
-        "epochs_completed": len(epochs),
+        # A stopped run's last row is the epoch it stopped in, cut short.
+        "epochs_completed": len(epochs) if stopped is None else updates // steps,
         "epochs_requested": cfg.training.epochs,
         "steps_per_epoch": steps,
-        "updates": int(keras.ops.convert_to_numpy(model.optimizer.iterations)),
+        "updates": updates,
+        "stopped_early": None if stopped is None else _stop_summary(stopped),
+        "health_events": [] if monitor is None else monitor.records,
         "resumed": resuming,
         "resumed_after_epoch": start_epoch,
         "multistage": chunk is not None,

@@ -18,12 +18,31 @@ logs them to the progress bar and TensorBoard, in plain ``model.fit`` and in
 :class:`~tfaploss.training.MultiStageModel` (whose ``train_step`` hands the compiled
 metrics the batch labels and embeddings). :class:`TrainingHealthMonitor` is the
 callback that reads them, and the loss, and warns (:class:`TrainingHealthWarning`)
-when the embeddings stay collapsed or the loss stays flat, naming the usual causes.
-``tfaploss train`` uses both.
+when the embeddings stay collapsed or the loss stays flat, naming the usual causes, and
+can stop the run. ``tfaploss train`` uses both (``training.health`` in the config).
+
+How long is "stays"? Patience is counted in training images, as a share of the run,
+not in consecutive steps: a run of 100 steps of 920 images must be judged as early as
+one of 10,000 steps of 64, and a collapsed run whose cosine dips below the threshold
+now and then is still collapsed. The rule (see :class:`TrainingHealthMonitor`):
+
+    collapse reported after step t  <=>  sum_{s in W_t} b_s [emb_cos_s >= c]  >=  f · sum_{s in W_t} b_s
+
+where ``b_s`` is the batch size of step ``s``, ``W_t`` the latest steps holding at least
+``max(min_window_images, window_share · N)`` images (``N``: the run's images), ``c`` =
+``collapse_cosine`` and ``f`` = ``collapse_fraction``; the flat-loss check uses the same
+window. Defaults: c = 0.99, f = 0.8, 10 % of the run, at least 8,192 images. A collapse
+that still holds over a longer window (``stop_share`` of the run; 25 % in ``tfaploss
+train``), counting only the steps whose queries also rank no better than chance
+(``chance_ap`` >= 0.5), stops the run. The class docstring gives the measurements
+behind these numbers. Non-finite values are not this module's business: a non-finite
+loss or weight stops ``tfaploss train`` with its own error
+(:mod:`tfaploss.training.guards`).
 
 Cost per step: with ``Q = min(B, max_queries)`` query rows, one Q x B x d matrix
 product per metric and, for ``chance_ap``, a Q x B sort (O(Q·B·log B)); O(Q·B) memory.
-No O(B³) tensor.
+No O(B³) tensor. The monitor adds O(1) amortised Python work per step and keeps one
+``(images, value)`` pair per step of its longest window (a few thousand at most).
 """
 
 from __future__ import annotations
@@ -128,7 +147,8 @@ STATISTICS = {
 @keras.saving.register_keras_serializable(package="tfaploss")
 class BatchHealthMetric(keras.metrics.Metric):
     """One batch-health statistic (see the module docstring), averaged over the epoch;
-    ``last`` holds the latest batch's value.
+    ``last`` holds the latest batch's value and ``images`` its size (what
+    :class:`TrainingHealthMonitor` counts patience in). Neither is saved with a model.
 
     ``y_true`` = integer labels, ``y_pred`` = embeddings, as the tfaploss losses take.
 
@@ -152,6 +172,7 @@ class BatchHealthMetric(keras.metrics.Metric):
         self.total = self.add_variable((), initializer="zeros", name="total")
         self.count = self.add_variable((), initializer="zeros", name="count")
         self.last = self.add_variable((), initializer="zeros", name="last")
+        self.images = self.add_variable((), initializer="zeros", name="images")
 
     def update_state(self, y_true, y_pred, sample_weight=None):
         v = STATISTICS[self.statistic](y_pred, y_true, self.max_queries)
@@ -159,12 +180,13 @@ class BatchHealthMetric(keras.metrics.Metric):
         self.total.assign_add(v)
         self.count.assign_add(ops.cast(1.0, self.dtype))
         self.last.assign(v)
+        self.images.assign(ops.cast(ops.shape(y_pred)[0], self.dtype))
 
     def result(self):
         return self.total / ops.maximum(self.count, 1.0)
 
     def reset_state(self):
-        for v in (self.total, self.count, self.last):
+        for v in (self.total, self.count, self.last, self.images):
             v.assign(ops.zeros((), v.dtype))
 
     def get_config(self):
@@ -194,7 +216,10 @@ def _find_metrics(model) -> dict:
 def _float(x) -> float:
     if isinstance(x, keras.Variable):
         x = x.value
-    return float(keras.ops.convert_to_numpy(x))
+    try:
+        return float(x)  # a scalar tensor or variable of any backend, a numpy value
+    except (TypeError, ValueError):
+        return float(keras.ops.convert_to_numpy(x))
 
 
 COLLAPSE_CAUSES = (
@@ -214,83 +239,353 @@ FLAT_CAUSES = (
     "(ROADMAPLoss lambda_) that keeps it there.")
 
 
+# Defaults of the patience rule (TrainingHealthMonitor's docstring says why).
+DEFAULT_COLLAPSE_COSINE = 0.99
+DEFAULT_COLLAPSE_FRACTION = 0.8
+DEFAULT_WINDOW_SHARE = 0.1
+DEFAULT_MIN_WINDOW_IMAGES = 8192
+DEFAULT_STOP_SHARE = 0.25  # tfaploss train's; the callback itself never stops by default
+DEFAULT_STOP_CHANCE_AP = 0.5
+DEFAULT_FLAT_RTOL = 1e-3
+# Images per step when nothing tells the monitor the training batch size.
+_ASSUMED_BATCH = 128
+
+
+class _Trailing:
+    """The latest steps holding at least ``size`` images: ``(images, value)`` per step,
+    with the image-weighted sum of the values and, for the flat check, their range
+    (monotonic queues: O(1) amortised per step)."""
+
+    def __init__(self, size, capped=False):
+        self.size = max(int(size), 1)
+        self.capped = capped  # the size is the whole run: judged at its last step
+        self.steps = deque()
+        self.images = 0
+        self.weighted = 0.0
+        self._added = 0
+        self._lo, self._hi = deque(), deque()
+
+    def add(self, images, value):
+        index, self._added = self._added, self._added + 1
+        self.steps.append((images, value))
+        self.images += images
+        self.weighted += images * value
+        while self._lo and self._lo[-1][1] >= value:
+            self._lo.pop()
+        self._lo.append((index, value))
+        while self._hi and self._hi[-1][1] <= value:
+            self._hi.pop()
+        self._hi.append((index, value))
+        while self.images - self.steps[0][0] >= self.size:
+            old_images, old_value = self.steps.popleft()
+            self.images -= old_images
+            self.weighted -= old_images * old_value
+        first = self._added - len(self.steps)
+        for queue in (self._lo, self._hi):
+            while queue[0][0] < first:
+                queue.popleft()
+
+    @property
+    def full(self) -> bool:
+        return self.images >= self.size
+
+    @property
+    def share(self) -> float:
+        """Image-weighted mean of the values (the collapsed share for 0/1 values)."""
+        return self.weighted / max(self.images, 1)
+
+    @property
+    def range(self) -> tuple[float, float]:
+        return self._lo[0][1], self._hi[0][1]
+
+
 class TrainingHealthMonitor(keras.callbacks.Callback):
-    """Warn when training has collapsed or stalled, and say what to try.
+    """Warn when training has collapsed or stalled, say what to try, and optionally stop.
 
-    Two checks, each warned once (again only after the condition cleared):
+    Patience is counted in training images, not in steps: each step adds its batch
+    size ``b`` to a trailing window of the latest steps holding at least
 
-    * collapse: the batch's mean off-diagonal cosine (``emb_cos``) has been
-      >= ``collapse_cosine`` for ``patience`` consecutive steps;
-    * flat loss: the training loss of the last ``flat_steps`` steps varied by less
-      than ``flat_rtol`` of its value. Real batches differ, so a healthy loss moves
-      from batch to batch even on a plateau; a constant one means a degenerate state.
-      A loss at 0 (every batch ranked perfectly) is converged and not reported.
+        ``W = max(min_window_images, window_share · N)``   images   (at most ``N``)
 
-    The per-step loss is recovered from Keras's running epoch mean (equal batch sizes
-    assumed); its float32 rounding, about ``k * 6e-8`` relative at step ``k`` of an
-    epoch, is added to the tolerance.
+    where ``N`` is the run's total (Keras's ``params``: ``epochs x steps`` x the batch
+    size of the first step; else ``total_images``). Two checks use it:
 
-    The cosine comes from the compiled :func:`health_metrics` (their latest batch). A
+    * collapse: a step counts as collapsed when its batch's mean off-diagonal cosine
+      (``emb_cos``) is >= ``collapse_cosine``; reported when at least
+      ``collapse_fraction`` of the window's images came from collapsed steps:
+      ``sum b·[emb_cos >= c] >= f · sum b`` over the window. Dips below the threshold
+      reset nothing: a run at >= 0.99 with one step in seven at 0.98 is 86 %
+      collapsed and is reported; single-step spikes to 1 in a healthy run are not.
+    * flat loss: the per-step training loss over the window varied by less than
+      ``flat_rtol`` of its level. Real batches differ, so a healthy loss moves from
+      batch to batch even on a plateau; a constant one means a degenerate state. A
+      loss at 0 (every batch ranked perfectly) is converged and not reported.
+
+    Each check is reported once, again only after it cleared (collapse: the window's
+    collapsed share fell below half of ``collapse_fraction``; flat: the range grew).
+    ``action="stop"`` stops training at the first report of either check. With
+    ``action="warn"``, ``stop_share`` stops a *collapse* that lasts: the same rule over
+    a longer window, ``max(min_window_images, stop_share · N)`` images, where a step
+    counts only if, besides its cosine, at least ``stop_chance_ap`` of its queries rank
+    no better than chance (``chance_ap``, when compiled or held). A flat loss alone
+    never triggers that stop, and nothing is stopped at the run's last step (nothing
+    is left to save: it is reported as a warning).
+
+    Defaults and why. Measured with the digits benchmark of
+    ``benchmarks/roadmap_collinear_start.py`` (small_cnn from scratch, B = 96, 150
+    steps, 4 losses x 3 seeds at lr 1e-3 and 1e-2, per-step statistics replayed through
+    this callback) and the two reported runs:
+
+    * ``collapse_cosine=0.99``: trained models sit far below (0.05-0.6); from scratch
+      the first batches are at 0.94-0.96, and at lr 1e-3 one run (CalibrationLoss)
+      passed through >= 0.99 for 9 % of the run (to step 17, 1,600 images) and then
+      trained normally (R@1 0.92).
+    * ``window_share=0.1``: a run collapsed from its start is reported after 10 % of it
+      (the B = 920, 100-step APLoss run: at step 10) and 90 % can still be saved.
+    * ``collapse_fraction=0.8``: the 690-step ROADMAP run that sat at >= 0.99 for ~400
+      steps with dips is reported whatever its dips, as long as they are under 20 % of
+      the steps; a start in the cone must last 8 % of the run and 6,554 images.
+    * ``min_window_images=8192``: a report needs about 6,500 collapsed images (51 steps
+      of 128), four times the longest healthy transient measured, and a short run is
+      not judged on a handful of steps (with a 15-step window, the transient above
+      would have been reported).
+    * ``stop_share=None`` here (the callback only warns unless told), 0.25 in
+      ``tfaploss train``: warned at 10 % of the run, stopped if it still holds over
+      25 %: a collapsed run costs a quarter of its budget instead of all of it.
+    * ``stop_chance_ap=0.5`` (random embeddings give about 0.5, a collapse to one point
+      1, a trained model about 0): a cosine >= 0.99 does not always mean retrieval is
+      lost. At lr 1e-2 all 12 digits runs sat at >= 0.99 for 19-99 % of their steps;
+      some still ranked most queries better than chance there and went on to train
+      (ROADMAP seed 1: 67 % of its steps at >= 0.99, R@1 0.80 untrained -> 0.93;
+      APLoss seed 2: cosine 1.0000 and its loss pinned at 0.842 for its first 40
+      steps, then R@1 0.89). Replayed with windows of 10 % and 25 % of the run, the
+      cosine alone stops 11 of the 12; with this condition 8 are stopped (SupAP x 3,
+      ROADMAP seed 2, APLoss seed 1, CalibrationLoss x 3: R@1 at or below the
+      untrained model's, or far below the 0.93-0.95 of lr 1e-3) and ROADMAP seeds 0-1
+      and APLoss seeds 0 and 2 train on. None of the 12 runs at lr 1e-3 is stopped.
+      For the same reason a flat loss only warns: APLoss seed 2's was flat for 40
+      steps before it escaped.
+
+    The cosine comes from the compiled :func:`health_metrics` (their latest batch, and
+    its size; :class:`~tfaploss.training.MultiStageModel`'s steps are whole batches). A
     model compiled without them can pass ``data=(images, labels)``: a held batch
-    embedded every ``every`` steps (inference mode) instead. Without either, only
-    the loss is checked.
+    embedded every ``every`` steps (inference mode), standing for the steps since the
+    previous one. Without either, only the loss is checked. The per-step loss is
+    recovered from Keras's running epoch mean (equal batch sizes assumed); its float32
+    rounding, about ``k * 6e-8`` of the mean at step ``k`` of an epoch, is added to the
+    tolerance. Non-finite values are left to :mod:`tfaploss.training.guards`.
+
+    Cost: O(1) amortised per step (a few Python operations and one read of the
+    metrics' ``last`` and ``images`` variables); memory, one pair per step of the
+    longest window.
 
     Args:
-        patience: consecutive collapsed steps before warning.
+        patience: deprecated; ``patience=k`` replaces the collapse rule by the old one,
+            ``k`` consecutive collapsed steps (which a dip resets and a run of fewer
+            than ``k`` large steps never reaches), with no chance_ap condition.
         collapse_cosine: mean cosine at or above which a batch counts as collapsed.
-        flat_steps: window of the flat-loss check (0 turns it off).
-        flat_rtol: relative range of the loss under which the window is flat.
+        flat_steps: deprecated; ``flat_steps=k`` gives the flat check a window of ``k``
+            steps (0 turns it off, as ``flat_rtol=None`` does).
+        flat_rtol: relative range of the loss under which the window is flat (None:
+            no flat-loss check).
         data: optional held batch ``(images, labels)``.
         every: steps between two held-batch evaluations.
         action: ``"warn"`` (a :class:`TrainingHealthWarning`) or ``"stop"`` (warn,
-            then set ``model.stop_training``).
+            then set ``model.stop_training``) at the first report.
+        window_share: share of the run's images the window covers (0: only
+            ``min_window_images``).
+        min_window_images: smallest window, in images.
+        collapse_fraction: share of the window's images that must be collapsed.
+        stop_share: with ``action="warn"``, stop when the collapse, with queries at
+            chance, holds over this share of the run (>= ``window_share``); None
+            never stops.
+        stop_chance_ap: the ``chance_ap`` at or above which a collapsed step counts
+            towards ``stop_share`` (0: the cosine alone).
+        total_images: the run's images when Keras's ``params`` do not tell (a dataset
+            of unknown length). Without either, the run is taken to be
+            ``min_window_images / window_share`` images long.
+        batch_size: images per step when the compiled metrics do not tell (held-batch
+            or loss-only monitoring); default the held batch's size, else 128.
 
-    ``events`` lists what was reported as ``(step, kind, message)``.
+    ``events`` lists what was reported as ``(step, kind, message)``, ``step`` counting
+    the steps of this ``fit``; ``records`` the same as dicts (with ``epoch``,
+    ``epoch_step``, ``images`` and ``steps`` of the window, ``run_images``,
+    ``share_of_run``, ``stop``), and ``stopped`` the record that stopped training, or
+    None.
     """
 
-    def __init__(self, patience=200, collapse_cosine=0.99, flat_steps=200, flat_rtol=1e-3,
-                 data=None, every=50, action="warn"):
+    def __init__(self, patience=None, collapse_cosine=DEFAULT_COLLAPSE_COSINE,
+                 flat_steps=None, flat_rtol=DEFAULT_FLAT_RTOL, data=None, every=50,
+                 action="warn", *, window_share=DEFAULT_WINDOW_SHARE,
+                 min_window_images=DEFAULT_MIN_WINDOW_IMAGES,
+                 collapse_fraction=DEFAULT_COLLAPSE_FRACTION, stop_share=None,
+                 stop_chance_ap=DEFAULT_STOP_CHANCE_AP, total_images=None, batch_size=None):
         super().__init__()
-        for arg, value in (("patience", patience), ("flat_steps", flat_steps),
-                           ("every", every)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"TrainingHealthMonitor: {arg} must be an int >= 0, "
-                                 f"received {arg}={value!r}")
-        if not -1.0 < collapse_cosine <= 1.0:
-            raise ValueError("TrainingHealthMonitor: collapse_cosine must be in (-1, 1], "
-                             f"received collapse_cosine={collapse_cosine!r}")
+
+        def count(arg, value, low, optional):
+            if optional and value is None:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"TrainingHealthMonitor: {arg} must be an int >= {low}"
+                                 f"{' or None' if optional else ''}, received "
+                                 f"{arg}={value!r}")
+
+        def share(arg, value, low, high, optional=False, low_open=False):
+            if optional and value is None:
+                return
+            ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+                  and (low < value if low_open else low <= value) and value <= high)
+            if not ok:
+                raise ValueError(
+                    f"TrainingHealthMonitor: {arg} must be a number in "
+                    f"{'(' if low_open else '['}{low:g}, {high:g}]"
+                    f"{' or None' if optional else ''}, received {arg}={value!r}")
+
+        count("patience", patience, 0, True)
+        count("flat_steps", flat_steps, 0, True)
+        count("every", every, 0, False)
+        count("min_window_images", min_window_images, 1, False)
+        count("total_images", total_images, 1, True)
+        count("batch_size", batch_size, 1, True)
+        share("collapse_cosine", collapse_cosine, -1.0, 1.0, low_open=True)
+        share("collapse_fraction", collapse_fraction, 0.0, 1.0, low_open=True)
+        share("window_share", window_share, 0.0, 1.0)
+        share("flat_rtol", flat_rtol, 0.0, math.inf, optional=True)
+        share("stop_chance_ap", stop_chance_ap, 0.0, 1.0)
         if action not in ("warn", "stop"):
             raise ValueError("TrainingHealthMonitor: action must be 'warn' or 'stop', "
                              f"received action={action!r}")
-        self.patience, self.collapse_cosine = max(patience, 1), float(collapse_cosine)
-        self.flat_steps, self.flat_rtol = flat_steps, float(flat_rtol)
+        if stop_share is not None:
+            share("stop_share", stop_share, window_share, 1.0)
+            if action == "stop":
+                raise ValueError(
+                    "TrainingHealthMonitor: stop_share is only used with action='warn' "
+                    "(action='stop' stops at the first report); received "
+                    f"stop_share={stop_share!r} with action='stop'")
+        for arg, value, new in (
+                ("patience", patience, ("min_window_images, window_share and "
+                                        "collapse_fraction (patience in images, as a "
+                                        "share of the run)")),
+                ("flat_steps", flat_steps, ("min_window_images and window_share "
+                                            "(flat_rtol=None turns the flat check off)"))):
+            if value is not None:
+                warnings.warn(f"TrainingHealthMonitor: {arg} (consecutive steps) is "
+                              f"deprecated; use {new}.", DeprecationWarning, stacklevel=2)
+        self.patience = None if patience is None else max(patience, 1)
+        self.flat_steps = flat_steps
+        self.collapse_cosine = float(collapse_cosine)
+        self.collapse_fraction = 1.0 if patience is not None else float(collapse_fraction)
+        self.flat_rtol = None if flat_rtol is None or flat_steps == 0 else float(flat_rtol)
+        self.window_share, self.min_window_images = float(window_share), min_window_images
+        self.stop_share = None if stop_share is None else float(stop_share)
+        # The deprecated rule stopped on the cosine alone.
+        self.stop_chance_ap = 0.0 if patience is not None else float(stop_chance_ap)
+        self.total_images, self.batch_size = total_images, batch_size
         self.data, self.every, self.action = data, max(every, 1), action
-        self.events = []
+        self.events, self.records, self.stopped = [], [], None
 
     # -- state ----------------------------------------------------------------------
 
     def on_train_begin(self, logs=None):
         self._metrics = None  # compiled metrics are built by the first step: look then
         self._step = 0
-        self._collapsed_for = 0
+        self._epoch = 0
         self._first_cos = None
         self._warned = {"collapse": False, "flat": False}
-        self._losses = deque(maxlen=max(self.flat_steps, 1))
+        self._windows = None  # sized at the first step, when the batch size is known
+        self._total = None
+        self.stopped = None
         self.on_epoch_begin(0)
 
     def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
         self._previous_mean = None
         self._epoch_step = 0
 
     def on_train_batch_end(self, batch, logs=None):
         self._step += 1
         self._epoch_step += 1
+        if self.stopped is not None:
+            return
         logs = logs or {}
-        if self.flat_steps and "loss" in logs:
-            self._check_flat(_float(logs["loss"]))
         health = self._health()
+        images = self._batch_images()
+        if self._windows is None:
+            self._windows = self._make_windows(images)
         if health is not None:
-            self._check_collapse(*health)
+            cos_mean, cos_std, chance, steps = health
+            self._check_collapse(cos_mean, cos_std, chance, steps * images)
+        if self.flat_rtol is not None and "loss" in logs:
+            self._check_flat(_float(logs["loss"]), images)
+
+    # -- windows --------------------------------------------------------------------
+
+    def _run_steps(self):
+        params = self.params or {}
+        epochs, steps = params.get("epochs"), params.get("steps")
+        if isinstance(epochs, int) and isinstance(steps, int) and epochs > 0 and steps > 0:
+            return epochs, steps
+        return None
+
+    def _run_images(self, images):
+        """The run's training images (None when unknown)."""
+        run = self._run_steps()
+        if run is not None:
+            return run[0] * run[1] * images
+        return self.total_images
+
+    def _make_windows(self, images):
+        total = self._run_images(images)
+
+        def window(share, legacy_steps):
+            if legacy_steps is not None:  # the deprecated consecutive-step rules
+                return _Trailing(legacy_steps * images)
+            if total is None:
+                scale = share / self.window_share if self.window_share > 0 else 1.0
+                return _Trailing(math.ceil(self.min_window_images * max(scale, 1.0)))
+            size = max(self.min_window_images, math.ceil(share * total))
+            return _Trailing(min(size, total), capped=size >= total)
+
+        windows = {"collapse": window(self.window_share, self.patience),
+                   "flat": window(self.window_share, self.flat_steps),
+                   # The warning's window, counting the steps also at chance.
+                   "collapse_chance": window(self.window_share, self.patience)}
+        if self.stop_share is not None:
+            windows["collapse_stop"] = window(self.stop_share, self.patience)
+        self._total = total
+        return windows
+
+    def _batch_images(self):
+        """Images of this step: the compiled metrics' batch, else ``batch_size``, else
+        the held batch's size, else 128."""
+        for m in (self._metrics or {}).values():
+            b = _float(m.images)
+            if b >= 1:
+                return round(b)
+        if self.batch_size is not None:
+            return self.batch_size
+        if self.data is not None:
+            return len(self.data[1])
+        return _ASSUMED_BATCH
+
+    def _last_step(self):
+        """True at the run's last step (nothing left for a stop to save)."""
+        run = self._run_steps()
+        return run is not None and self._epoch == run[0] - 1 and self._epoch_step >= run[1]
+
+    def _ready(self, window):
+        """Whether ``window`` holds enough images to be judged. A window as long as
+        the run (a run shorter than ``min_window_images``) is judged at its last step,
+        whatever its last batch held."""
+        return window is not None and (window.full or (window.capped and self._last_step()))
+
+    def _span(self, window):
+        """'the last 9,200 training images (10 steps, 10% of the run's 92,000)'"""
+        text = (f"the last {window.images:,} training images ({len(window.steps)} "
+                f"step{'s' if len(window.steps) != 1 else ''}")
+        if self._total:
+            text += f", {window.images / self._total:.0%} of the run's {self._total:,}"
+        return text + ")"
 
     # -- checks ---------------------------------------------------------------------
 
@@ -309,30 +604,66 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
             return _float(h["cos_mean"]), _float(h["cos_std"]), _float(h["chance_ap"]), steps
         return None
 
-    def _check_collapse(self, cos_mean, cos_std, chance, steps=1):
+    def _check_collapse(self, cos_mean, cos_std, chance, images):
         if not math.isfinite(cos_mean):
             return  # non-finite embeddings are not a collapse; the loss reports them
         if self._first_cos is None:
             self._first_cos = cos_mean
-        if cos_mean < self.collapse_cosine:
-            self._collapsed_for = 0
-            self._warned["collapse"] = False
+        collapsed = cos_mean >= self.collapse_cosine
+        # Towards a stop, the queries must also rank no better than chance (when known).
+        at_chance = collapsed and (
+            self.stop_chance_ap == 0 or chance is None or not math.isfinite(chance)
+            or chance >= self.stop_chance_ap)
+        w = self._windows
+        w["collapse"].add(images, float(collapsed))
+        w["collapse_chance"].add(images, float(at_chance))
+        if "collapse_stop" in w:
+            w["collapse_stop"].add(images, float(at_chance))
+        window = w["collapse"]
+        if not self._ready(window):
             return
-        self._collapsed_for += steps
-        if self._collapsed_for < self.patience or self._warned["collapse"]:
+        # The deprecated rule re-arms at any clean step, the share rule below half of it.
+        rearm = 1.0 if self.patience is not None else self.collapse_fraction / 2
+        if window.share < rearm:
+            self._warned["collapse"] = False
+        stop_window = w.get("collapse_stop")
+        stop = self._ready(stop_window) and stop_window.share >= self.collapse_fraction
+        if stop:
+            window = stop_window
+        elif window.share < self.collapse_fraction or self._warned["collapse"]:
             return
         detail = f"spread {cos_std:.2g}" if cos_std is not None else ""
         if chance is not None:
             detail += f"{', ' if detail else ''}{chance:.0%} of queries at chance AP"
+        rule = ("all" if self.patience is not None
+                else f"{window.share:.0%} (threshold {self.collapse_fraction:.0%})")
+        also = (f" and at least {self.stop_chance_ap:.0%} of queries ranked no better "
+                f"than chance (chance_ap)" if stop and self.stop_chance_ap else "")
         message = (
-            f"tfaploss: the embeddings have collapsed: for {self._collapsed_for} steps the "
-            f"mean cosine between different images of a batch has been >= "
-            f"{self.collapse_cosine:g} (now {cos_mean:.4f}{'; ' + detail if detail else ''}; "
-            f"it was {self._first_cos:.4f} at the first step). Every image sits at nearly "
-            f"the same point, so retrieval is close to chance. " + COLLAPSE_CAUSES)
-        self._report("collapse", message)
+            f"the embeddings have collapsed: over {self._span(window)}, {rule} of the "
+            f"images came from batches whose mean cosine between different images "
+            f"(emb_cos) was >= {self.collapse_cosine:g}{also} (now {cos_mean:.4f}"
+            f"{'; ' + detail if detail else ''}; it was {self._first_cos:.4f} at the "
+            f"first step). ")
+        at_chance_share = w["collapse_chance"].share
+        if stop or at_chance_share >= self.collapse_fraction:
+            message += ("Every image sits at nearly the same point, so retrieval is close "
+                        "to chance. ")
+        else:
+            message += (
+                f"Yet most queries still rank better than chance (only "
+                f"{at_chance_share:.0%} of these images came from batches with chance_ap "
+                f">= {self.stop_chance_ap:g}): the model may still be learning inside a "
+                f"narrow cone, as runs at too high a learning rate sometimes do before "
+                f"they escape. ")
+        message += COLLAPSE_CAUSES
+        if not stop and self.stop_share is not None:
+            message += (f" Training will be stopped if the collapse, with retrieval at "
+                        f"chance, holds over {self.stop_share:.0%} of the run "
+                        f"(stop_share).")
+        self._report("collapse", message, window, stop or self.action == "stop")
 
-    def _check_flat(self, running_mean):
+    def _check_flat(self, running_mean, images):
         k = self._epoch_step
         previous = self._previous_mean
         self._previous_mean = running_mean
@@ -344,29 +675,45 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
             loss = k * running_mean - (k - 1) * previous
         if not math.isfinite(loss):
             return
-        self._losses.append(loss)
-        if len(self._losses) < self.flat_steps:
+        window = self._windows["flat"]
+        window.add(images, loss)
+        if not self._ready(window):
             return
-        lo, hi = min(self._losses), max(self._losses)
-        if max(abs(lo), abs(hi)) <= 1e-6:
-            return  # a loss at 0 (every batch ranked perfectly) has converged, not stalled
-        scale = max(abs(running_mean), 1e-12)
-        tolerance = self.flat_rtol * scale + 4 * k * 2.0 ** -24 * scale
-        if hi - lo > tolerance:
+        lo, hi = window.range
+        level = max(abs(lo), abs(hi))
+        # Relative to the window's own level (a converged loss near 0 varies a lot
+        # relative to itself), plus the recovery's rounding, relative to the mean.
+        tolerance = self.flat_rtol * level + 4 * k * 2.0 ** -24 * abs(running_mean)
+        # A loss at 0 (every batch ranked perfectly) has converged, not stalled.
+        if level <= 1e-6 or hi - lo > tolerance:
             self._warned["flat"] = False
             return
         if self._warned["flat"]:
             return
         message = (
-            f"tfaploss: the training loss has not moved for {self.flat_steps} steps "
-            f"(every batch gave {lo:.6g} to {hi:.6g}, a relative range under "
-            f"{self.flat_rtol:g}). Batches differ, so a learning model's loss varies "
-            f"from batch to batch; a constant one means a degenerate state. " + FLAT_CAUSES)
-        self._report("flat", message)
+            f"the training loss has not moved over {self._span(window)}: every batch "
+            f"gave {lo:.6g} to {hi:.6g}, a relative range under {self.flat_rtol:g}. "
+            f"Batches differ, so a learning model's loss varies from batch to batch; a "
+            f"constant one means a degenerate state (though runs at too high a learning "
+            f"rate have escaped one). " + FLAT_CAUSES)
+        self._report("flat", message, window, self.action == "stop")
 
-    def _report(self, kind, message):
+    def _report(self, kind, message, window, stop=False):
         self._warned[kind] = True
+        if self.stopped is not None:
+            return  # stopped by the other check at this step: one reason is enough
+        stop = stop and not self._last_step()
+        message = ("tfaploss: training stopped: " if stop else "tfaploss: ") + message
+        record = {"step": self._step, "epoch": self._epoch + 1,
+                  "epoch_step": self._epoch_step, "kind": kind,
+                  "stop": stop, "images": window.images, "steps": len(window.steps),
+                  "run_images": self._total,
+                  "share_of_run": (round(window.images / self._total, 4)
+                                   if self._total else None),
+                  "message": message}
         self.events.append((self._step, kind, message))
+        self.records.append(record)
         warnings.warn(message, TrainingHealthWarning, stacklevel=2)
-        if self.action == "stop":
+        if stop:
+            self.stopped = record
             self.model.stop_training = True
