@@ -32,7 +32,7 @@ def build_model(cfg: Config, input_shape=None, weights="config", calibrate=True)
         embedding_dim=m.embedding_dim,
         weights=m.weights if weights == "config" else weights,
         input_shape=tuple(input_shape),
-        freeze_bn=m.freeze_bn,
+        freeze_bn=m.frozen_bn,
     )
     if calibrate and m.bn_calibration_images:
         calibrate_batch_norm(model, calibration_images(cfg, m.bn_calibration_images))
@@ -50,6 +50,60 @@ def calibration_images(cfg: Config, count: int):
 
 
 _CALIBRATION_SEED_OFFSET = 7919
+_PRECISE_BN_SEED_OFFSET = 7927
+
+
+def estimate_batch_norm_statistics(model, batches) -> int:
+    """Re-estimate the moving statistics of every BatchNorm that uses batch statistics
+    as the mean over ``batches`` of their batch statistics ("precise BN", Wu & Johnson,
+    "Rethinking 'Batch' in BatchNorm", 2021), in place; returns the number of layers.
+
+    Training leaves exponential running averages (momentum 0.99) that trail the
+    weights by a few hundred steps; a short run from scratch then evaluates with
+    statistics of a network it no longer is. Each batch should hold as many images
+    as training normalised together (the chunk under multi-stage backpropagation).
+    Frozen layers are left alone. Cost: one forward pass per batch.
+    """
+    import keras
+
+    from tfaploss.training.checks import ghost_batch_norm_layers
+
+    names = set(ghost_batch_norm_layers(model))
+    layers = [layer for layer in model._flatten_layers(include_self=True, recursive=True)
+              if layer.name in names and isinstance(layer, keras.layers.BatchNormalization)]
+    if not layers:
+        return 0
+    saved = [layer.momentum for layer in layers]
+    try:
+        for k, images in enumerate(batches):
+            for layer in layers:  # the k-th batch gets weight 1/(k+1): a plain mean
+                layer.momentum = k / (k + 1)
+            model(images, training=True)
+    finally:
+        for layer, momentum in zip(layers, saved):
+            layer.momentum = momentum
+    return len(layers)
+
+
+def precise_batch_norm(model, cfg: Config) -> int:
+    """:func:`estimate_batch_norm_statistics` on ``model.precise_bn_images`` training
+    images, in groups of the chunk size (or batch size) that training normalised over."""
+    count = cfg.model.precise_bn_images
+    if not count or cfg.model.frozen_bn:
+        return 0
+    group = cfg.training.chunk_size if cfg.uses_multistage else cfg.data.batch_size
+    batches = build_train_dataset(cfg, seed_offset=_PRECISE_BN_SEED_OFFSET)
+
+    def groups():
+        left = count
+        for images, _ in batches:
+            for i in range(0, images.shape[0], group):
+                if left <= 0:
+                    return
+                yield images[i:i + min(group, left)]
+                left -= group
+
+    return estimate_batch_norm_statistics(model, groups())
 
 
 def calibrate_batch_norm(model, images) -> int:

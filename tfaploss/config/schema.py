@@ -152,21 +152,41 @@ class ModelConfig:
     """The embedding network: backbone → pooling → Dense head → L2 normalisation.
 
     ``weights``: ``null`` (random init), ``imagenet`` (Keras's cache) or the path of a
-    weights file. ``freeze_bn`` keeps BatchNorm statistics fixed (gamma/beta still
-    train), as the papers do and as multi-stage backpropagation needs to be exact.
+    weights file. ``freeze_bn: true`` keeps BatchNorm statistics fixed (gamma/beta
+    still train), as the papers do when they fine-tune pretrained networks;
+    ``false`` normalises with batch statistics (under multi-stage backpropagation,
+    each chunk with its own: ghost batch norm, still exact, see
+    :mod:`tfaploss.training.multistage`). ``null`` (default) picks: frozen when
+    ``weights`` are loaded or ``bn_calibration_images`` is set, batch statistics for a
+    network trained from scratch. Why: frozen statistics of a random initialisation
+    stop normalising as soon as the weights move; on the glyph set that cost 8 points
+    of MAP@R and made higher learning rates collapse (``docs/batch_sweep.md``).
     ``head_lr_multiplier``: the head learns this many times faster than the backbone.
-    ``bn_calibration_images``: with ``freeze_bn`` and no pretrained statistics (random
-    init), first estimate the frozen BatchNorm statistics from this many training
+    ``bn_calibration_images``: with frozen BatchNorm and no pretrained statistics
+    (random init), first estimate the frozen statistics from this many training
     images (one forward pass in training mode); 0 keeps the weights' statistics.
+    ``precise_bn_images``: after training, BatchNorm layers that use batch statistics
+    get their moving statistics re-estimated on this many training images ("precise
+    BN", Wu & Johnson 2021), so that the saved model normalises as it trained; the
+    running averages lag far behind a network trained for a few hundred steps (on the
+    glyph set, MAP@R 49 with them, 72 after re-estimation). 0 keeps them.
     """
 
     backbone: Backbone = "resnet50"
     pooling: Pooling = "avg"
     embedding_dim: int = 512
     weights: str | None = None
-    freeze_bn: bool = True
+    freeze_bn: bool | None = None
     head_lr_multiplier: float = 1.0
     bn_calibration_images: int = 0
+    precise_bn_images: int = 4096
+
+    @property
+    def frozen_bn(self) -> bool:
+        """Whether BatchNorm statistics are frozen (``freeze_bn``, or its automatic value)."""
+        if self.freeze_bn is not None:
+            return self.freeze_bn
+        return self.weights is not None or self.bn_calibration_images > 0
 
 
 @dataclass
@@ -673,7 +693,10 @@ def _check_consistency(cfg: Config) -> list[str]:
     if cfg.model.bn_calibration_images < 0:
         raise ConfigError("config key 'model.bn_calibration_images': must be >= 0, received "
                           f"{cfg.model.bn_calibration_images}.")
-    if cfg.model.bn_calibration_images and not cfg.model.freeze_bn:
+    if cfg.model.precise_bn_images < 0:
+        raise ConfigError("config key 'model.precise_bn_images': must be >= 0, received "
+                          f"{cfg.model.precise_bn_images}.")
+    if cfg.model.bn_calibration_images and cfg.model.freeze_bn is False:
         raise ConfigError(
             "config key 'model.bn_calibration_images' only sets the statistics of frozen "
             "BatchNorm layers, but model.freeze_bn is false (the statistics then follow "

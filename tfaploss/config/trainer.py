@@ -363,6 +363,9 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
                   f"{stopped['message']}", flush=True)
 
         model_path = run_dir / "model.keras"
+        if B.precise_batch_norm(embedding_model, cfg):
+            print(f"BatchNorm statistics re-estimated on {cfg.model.precise_bn_images} "
+                  "training images (model.precise_bn_images)", flush=True)
         check_finite_weights(embedding_model, str(model_path))
         C.atomic_write(model_path, embedding_model.save, fault="model")
         final = None
