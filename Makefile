@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export PYTHONUNBUFFERED = 1
 
-.PHONY: demo test test-jax test-torch install bench clean help
+.PHONY: demo test test-jax test-torch install bench data-glyphs clean help
 
 help:
 	@echo "make demo   - set up .venv and run the end-to-end demo on bundled data"
@@ -18,6 +18,9 @@ help:
 	@echo "              model and multi-stage tests again on JAX)"
 	@echo "make test-torch - the loss, model and multi-stage tests on PyTorch (needs torch)"
 	@echo "make bench  - run the benchmarks in benchmarks/ (long)"
+	@echo "make data-glyphs - fetch Debian's CJK fonts (apt-get download, not installed)"
+	@echo "              and render the glyph retrieval set into data/glyphs/"
+	@echo "              (FONTS=folder: use your own font files instead)"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +56,22 @@ test-torch: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/losses.py
+
+# The glyph retrieval set (pipelines/glyphs.py): one class per CJK character, one image
+# per font face. Without FONTS, Debian's CJK font packages are downloaded and unpacked
+# into data/fonts/ (pipelines/fetch_fonts.sh; nothing is installed); FONTS=folder reads
+# any folder of .ttf/.otf/.ttc/.otc files instead. GLYPHS_ARGS: more job options.
+FONTS ?=
+GLYPHS_ARGS ?=
+data-glyphs: $(STAMP)
+ifeq ($(strip $(FONTS)),)
+	sh pipelines/fetch_fonts.sh data/fonts
+	$(BIN)/python -m pipelines.glyphs --input_dir data/fonts/extracted \
+		--output_dir data/glyphs $(GLYPHS_ARGS)
+else
+	$(BIN)/python -m pipelines.glyphs --input_dir $(FONTS) --output_dir data/glyphs \
+		$(GLYPHS_ARGS)
+endif
 
 clean:
 	rm -rf $(VENV) build *.egg-info

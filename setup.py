@@ -9,7 +9,8 @@ Beam preprocessing jobs). A Beam job ships them to its workers with
 from setuptools import find_packages, setup
 
 # google-crc32c: the record CRCs at ~10 GB/s instead of crcmod's ~0.5 GB/s.
-BEAM = ["apache-beam[tfrecord]>=2.60", "google-crc32c>=1.5"]
+# fonttools: pipelines.glyphs reads the fonts' cmaps and outlines with it.
+BEAM = ["apache-beam[tfrecord]>=2.60", "google-crc32c>=1.5", "fonttools>=4.40"]
 SCANN = ["scann==1.4.2; platform_system == 'Linux'"]
 TFDS = ["tensorflow-datasets>=4.9", "importlib_resources"]
 VIZ = ["matplotlib>=3.7"]

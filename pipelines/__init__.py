@@ -10,6 +10,7 @@ record format)::
     python -m pipelines.revisited    --input_dir ROXF_ROOT   --output_dir OUT --dataset roxford5k
     python -m pipelines.folder       --input_dir TREE        --output_dir OUT [--test_classes a,b]
     python -m pipelines.tfds_source  --dataset cars196 --data_dir TFDS_DIR --output_dir OUT
+    python -m pipelines.glyphs       --input_dir FONTS_DIR   --output_dir OUT [--charset cjk]
 
 Each module also exposes ``run(argv: list[str] | None = None) -> dict`` that runs the
 job in-process and returns ``{split: manifest_dict}``. Beam's own options

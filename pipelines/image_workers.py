@@ -1,6 +1,7 @@
 """Where the image work runs, and how its results reach the shard writers.
 
-A *task* is a few work-list records of one shard. A worker reads, decodes, resizes and
+A *task* is a few work-list records of one shard. A worker reads (or, for a record
+carrying a ``render`` recipe such as the glyphs job's, draws), decodes, resizes and
 re-encodes each image (:mod:`pipelines.images`), wraps it in its Example and TFRecord
 framing (:mod:`pipelines.tf_example`), and writes the framed records of the whole task
 to one *part file* in the run's staging folder. What goes back to Beam is four numbers
@@ -26,7 +27,9 @@ until the run is published, so a run needs free space for about twice its output
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
+import importlib
 import multiprocessing
 import os
 import signal
@@ -69,9 +72,7 @@ def process_task(records: list[dict], settings: dict, root: str | None,
 
 def _one(record: dict, s: dict, root: str | None):
     try:
-        data = record.pop("_bytes", None)
-        if data is None:
-            data = I.read_bytes(record["path"], record.get("root", root))
+        data = _image_bytes(record, root)
         jpeg, h, w = I.process_image_bytes(
             data, max_side=s["max_side"], jpeg_quality=s["jpeg_quality"],
             min_side=s["min_side"], max_pixels=s["max_pixels"], bbox=record.get("bbox"))
@@ -81,6 +82,28 @@ def _one(record: dict, s: dict, root: str | None):
         return I.dead_letter(record, e.code, e.detail)
     except Exception as e:  # noqa: BLE001 - one odd file must not stop the job
         return I.dead_letter(record, I.UNDECODABLE, f"{type(e).__name__}: {e}")
+
+
+def _image_bytes(record: dict, root: str | None) -> bytes:
+    """A record's encoded image: carried along under ``_bytes`` (TFDS), drawn from the
+    recipe under ``render`` (``{"fn": "pipelines.<module>:<function>", "args": {...}}``,
+    e.g. the glyphs job's fonts), or read from its ``path``."""
+    data = record.pop("_bytes", None)
+    if data is not None:
+        return data
+    recipe = record.get("render")
+    if recipe is not None:
+        return _renderer(recipe["fn"])(**recipe["args"])
+    return I.read_bytes(record["path"], record.get("root", root))
+
+
+@functools.cache
+def _renderer(name: str):
+    module, _, function = name.partition(":")
+    if not module.startswith("pipelines.") or not function:
+        raise ValueError(f"a render recipe names {name!r}; only functions of the "
+                         "pipelines package ('pipelines.<module>:<function>') are called")
+    return getattr(importlib.import_module(module), function)
 
 
 def _find(framed: bytes, jpeg: bytes) -> int:
