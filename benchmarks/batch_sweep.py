@@ -67,10 +67,10 @@ LOSSES = {
 }
 PAIR_LOSSES = ("Triplet-semihard", "Contrastive")  # the peers the AP losses must beat
 
-FULL = dict(batch_sizes="128,512,2048", seeds="0,1", images=65536, updates=64,
-            lr_exponents="0,0.5,1", image_size=32)
-QUICK = dict(batch_sizes="32,128", seeds="0", images=1024, updates=8, lr_exponents="0",
-             image_size=24)
+FULL = {"batch_sizes": "128,512,2048", "seeds": "0,1", "images": 49152, "updates": 96,
+        "lr_exponents": "0,0.5,1", "image_size": 32}
+QUICK = {"batch_sizes": "32,128", "seeds": "0", "images": 1024, "updates": 8,
+         "lr_exponents": "0", "image_size": 24}
 
 
 def parse_args(argv=None):
@@ -250,10 +250,11 @@ def run_cell(args, loss, batch, updates, lr, seed) -> dict:
 
 
 def plan(args):
-    """The tuning cells (first seed, every lr) per (loss, budget, batch)."""
-    for loss in args.losses:
+    """The (loss, budget, batch, updates) groups, smallest batch first: a sweep cut
+    short has every loss at the batches it reached."""
+    for batch in args.batch_sizes:
         for budget in args.budgets:
-            for batch in args.batch_sizes:
+            for loss in args.losses:
                 yield loss, budget, batch, updates_for(args, budget, batch)
 
 
@@ -318,14 +319,16 @@ def _cell_text(group, key):
 
 
 def markdown(args, results) -> str:
-    lines = [f"# Batch-size sweep on `{args.train}`", "",
-             f"Backbone small_cnn from scratch, {args.image_size}² crops, "
-             f"{args.embedding_dim}-d, m={args.m}, Adam + cosine, "
-             f"{'frozen BatchNorm (calibrated at init)' if args.freeze_bn else 'BatchNorm with batch statistics (ghost batches of --chunk-size under multi-stage)'}; "
+    bn = ("frozen BatchNorm (calibrated at init)" if args.freeze_bn else
+          "BatchNorm with batch statistics (per chunk under multi-stage), re-estimated "
+          "after training")
+    setup = (f"Backbone small_cnn from scratch, {args.image_size}² crops, "
+             f"{args.embedding_dim}-d, m={args.m}, Adam + cosine, {bn}; "
              f"lr grid {args.base_lr:g}·(B/{args.base_batch})^a, a ∈ {args.lr_exponents}, "
              f"picked on val MAP@R with seed {args.seeds[0]}; seeds {args.seeds}; "
              f"batches > {args.chunk_size} multi-staged. Values: mean ± half-range over "
-             "seeds, in %.", ""]
+             "seeds, in %.")
+    lines = [f"# Batch-size sweep on `{args.train}`", "", setup, ""]
     for budget in args.budgets:
         sub = [g for g in results if g["budget"] == budget]
         if not sub:
@@ -346,9 +349,9 @@ def markdown(args, results) -> str:
         lines += [f"Learning rate picked ({what}): " + "; ".join(
             f"{g['loss']} B={g['batch']}: {g['lr']:g} (a={g['lr_exponent']:g})"
             for g in sub), ""]
-    lines += ["## Every run", "", "| loss | B | updates | lr | seed | status | val MAP@R "
-              "| test MAP@R | test R@1 | final emb_cos | s |", "|---|---|---|---|---|---|---|"
-              "---|---|---|---|"]
+    header = ("| loss | B | updates | lr | seed | status | val MAP@R | test MAP@R | "
+              "test R@1 | final emb_cos | s |")
+    lines += ["## Every run", "", header, "|---" * 11 + "|"]
     seen = set()
     for g in results:
         for r in g["tried"] + g["runs"]:
@@ -397,8 +400,20 @@ def plot(args, results, path):
     plt.close(fig)
 
 
+def _shown(path):
+    """``path`` relative to the repository when inside it (reports carry no machine paths)."""
+    if path is None:
+        return None
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
 def write_report(args, results):
-    out = Path(args.report)
+    args = argparse.Namespace(**{**vars(args), **{k: _shown(getattr(args, k)) for k in
+                                                  ("train", "val", "test", "out", "report")}})
+    out = ROOT / args.report if not Path(args.report).is_absolute() else Path(args.report)
     out.mkdir(parents=True, exist_ok=True)
     text = markdown(args, results)
     for name, content in (("sweep.md", text),

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batch_sweep import DEFAULT_DATA, LOSSES  # noqa: E402
+from batch_sweep import DEFAULT_DATA, LOSSES
 
 
 def parse_args(argv=None):

@@ -68,4 +68,4 @@ layout :mod:`tfaploss.data` samples P classes x m images from while streaming:
 ============================ ========= ==================================================
 """
 
-JOBS = ("sop", "inaturalist", "gldv2", "revisited", "folder", "tfds_source")
+JOBS = ("sop", "inaturalist", "gldv2", "revisited", "folder", "tfds_source", "glyphs")

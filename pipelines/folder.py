@@ -80,15 +80,6 @@ class Listing:
         self.ignored.setdefault(cls, []).append({"path": rel, "reason": reason})
 
 
-def _printable(name: str) -> str | None:
-    """``None`` if ``name`` is valid UTF-8, else a printable form of its bytes."""
-    try:
-        name.encode("utf-8")
-        return None
-    except UnicodeEncodeError:
-        return os.fsencode(name).decode("utf-8", "backslashreplace")
-
-
 def _hidden_reason(name: str) -> str:
     return ("name starts with '.' (hidden)" if name.startswith(".")
             else "name starts with '_' (reserved, e.g. __MACOSX, _work)")
@@ -97,20 +88,6 @@ def _hidden_reason(name: str) -> str:
 def _inside(path: str, folder: str) -> bool:
     return os.path.commonpath([path, folder]) == folder
 
-
-def _walk_all(path: str, rel: str, emit) -> None:
-    """Call ``emit(rel)`` for every file below ``path`` (symlinks not followed)."""
-    try:
-        entries = sorted(os.scandir(path), key=lambda e: e.name)
-    except OSError:
-        emit(rel + "/")
-        return
-    for e in entries:
-        sub = f"{rel}/{_printable(e.name) or e.name}"
-        if e.is_dir(follow_symlinks=False):
-            _walk_all(e.path, sub, emit)
-        else:
-            emit(sub)
 
 
 def _list_class(listing: Listing, cls: str, path: str, rel_cls: str) -> None:
@@ -128,12 +105,12 @@ def _list_class(listing: Listing, cls: str, path: str, rel_cls: str) -> None:
                              f"cannot list folder {rel_dir}/: {e.strerror or e}")
             return
         for e in entries:
-            shown = _printable(e.name)
+            shown = storage.printable_name(e.name)
             rel = f"{rel_dir}/{shown or e.name}"
             is_dir = e.is_dir()  # follows symlinks
             if shown is not None:
                 if is_dir and not e.is_symlink():
-                    _walk_all(e.path, rel, lambda r: listing.add_dead(
+                    storage.walk_all_files(e.path, rel, lambda r: listing.add_dead(
                         cls, r, I.BAD_FILE_NAME, f"a folder name in {r!r} is not UTF-8"))
                 else:
                     listing.add_dead(cls, rel, I.BAD_FILE_NAME,
@@ -142,7 +119,7 @@ def _list_class(listing: Listing, cls: str, path: str, rel_cls: str) -> None:
             if e.name.startswith((".", "_")):
                 if is_dir and not e.is_symlink():
                     reason = f"inside {rel}/: " + _hidden_reason(e.name)
-                    _walk_all(e.path, rel, lambda r, why=reason: listing.add_ignored(
+                    storage.walk_all_files(e.path, rel, lambda r, why=reason: listing.add_ignored(
                         cls, r, why))
                 else:
                     listing.add_ignored(cls, rel, _hidden_reason(e.name))
@@ -208,18 +185,18 @@ def list_tree(input_dir: str, prefix: str = "") -> Listing:
         _list_url(listing, root, prefix)
         return listing
     for e in sorted(os.scandir(top), key=lambda e: e.name):
-        shown = _printable(e.name)
+        shown = storage.printable_name(e.name)
         rel = f"{prefix}/{shown or e.name}" if prefix else (shown or e.name)
         if shown is not None:
             if e.is_dir():
-                _walk_all(e.path, rel, lambda r: listing.add_dead(
+                storage.walk_all_files(e.path, rel, lambda r: listing.add_dead(
                     None, r, I.BAD_FILE_NAME, f"class folder name in {r!r} is not UTF-8"))
             else:
                 listing.add_dead(None, rel, I.BAD_FILE_NAME, f"{rel!r} is not valid UTF-8")
         elif e.name.startswith((".", "_")) or e.name == R.STAGING:
             if e.is_dir() and not e.is_symlink():
                 reason = f"inside {rel}/: " + _hidden_reason(e.name)
-                _walk_all(e.path, rel, lambda r, why=reason: listing.add_ignored(None, r, why))
+                storage.walk_all_files(e.path, rel, lambda r, why=reason: listing.add_ignored(None, r, why))
             else:
                 listing.add_ignored(None, rel, _hidden_reason(e.name))
         elif e.is_dir():

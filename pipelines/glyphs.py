@@ -229,15 +229,6 @@ class Listing:
         self.ignored.append({"path": rel, "reason": reason})
 
 
-def _printable(name: str) -> str | None:
-    """``None`` if ``name`` is valid UTF-8, else a printable form of its bytes."""
-    try:
-        name.encode("utf-8")
-        return None
-    except UnicodeEncodeError:
-        return os.fsencode(name).decode("utf-8", "backslashreplace")
-
-
 def _inside(path: str, folder: str) -> bool:
     return os.path.commonpath([path, folder]) == folder
 
@@ -251,20 +242,6 @@ def list_fonts(input_dir: str) -> Listing:
     visited = {root}
     seen: dict[str, str] = {}
 
-    def everything_below(path: str, rel: str, emit) -> None:
-        """``emit(rel)`` for every file below ``path`` (symlinks not followed)."""
-        try:
-            entries = sorted(os.scandir(path), key=lambda e: e.name)
-        except OSError:
-            emit(rel + "/")
-            return
-        for e in entries:
-            sub = f"{rel}/{_printable(e.name) or e.name}"
-            if e.is_dir(follow_symlinks=False):
-                everything_below(e.path, sub, emit)
-            else:
-                emit(sub)
-
     def visit(path: str, rel_dir: str, real_dir: str) -> None:
         try:
             # Real files before links to them, so a link is what gets reported.
@@ -274,12 +251,12 @@ def list_fonts(input_dir: str) -> Listing:
                              f"cannot list folder {rel_dir or '.'}/: {e.strerror or e}")
             return
         for e in entries:
-            shown = _printable(e.name)
+            shown = storage.printable_name(e.name)
             rel = f"{rel_dir}/{shown or e.name}" if rel_dir else (shown or e.name)
             is_dir = e.is_dir()  # follows symlinks
             if shown is not None:
                 if is_dir and not e.is_symlink():
-                    everything_below(e.path, rel, lambda r: listing.add_dead(
+                    storage.walk_all_files(e.path, rel, lambda r: listing.add_dead(
                         r, I.BAD_FILE_NAME, f"a folder name in {r!r} is not valid UTF-8"))
                 else:
                     listing.add_dead(rel, I.BAD_FILE_NAME, f"name {rel!r} is not valid UTF-8")
@@ -288,7 +265,7 @@ def list_fonts(input_dir: str) -> Listing:
                 why = ("name starts with '.' (hidden)" if e.name.startswith(".")
                        else "name starts with '_' (reserved, e.g. __MACOSX, _work)")
                 if is_dir and not e.is_symlink():
-                    everything_below(e.path, rel, lambda r, why=f"inside {rel}/: {why}":
+                    storage.walk_all_files(e.path, rel, lambda r, why=f"inside {rel}/: {why}":
                                      listing.add_ignored(r, why))
                 else:
                     listing.add_ignored(rel, why)

@@ -221,3 +221,28 @@ def _publish_objects(staged: str, final: str) -> None:
     for group in (rest, last):
         if group:
             fs.rename(group, [join(final, p[len(prefix):]) for p in group])
+
+
+def printable_name(name: str) -> str | None:
+    """``None`` if ``name`` is valid UTF-8, else a printable form of its bytes."""
+    try:
+        name.encode("utf-8")
+        return None
+    except UnicodeEncodeError:
+        return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
+def walk_all_files(path: str, rel: str, emit) -> None:
+    """Call ``emit(rel)`` for every file below ``path`` (symlinks not followed); a folder
+    that cannot be listed is emitted as ``rel + "/"``."""
+    try:
+        entries = sorted(os.scandir(path), key=lambda e: e.name)
+    except OSError:
+        emit(rel + "/")
+        return
+    for e in entries:
+        sub = f"{rel}/{printable_name(e.name) or e.name}"
+        if e.is_dir(follow_symlinks=False):
+            walk_all_files(e.path, sub, emit)
+        else:
+            emit(sub)
