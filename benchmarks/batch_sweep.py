@@ -9,7 +9,8 @@ Protocol (the same for every cell, stated in the report):
 
 * backbone ``small_cnn`` (3 stages of 2 conv-BN-ReLU, GeM, linear head to
   ``--embedding-dim``, L2), trained from scratch at ``--image-size`` with the same
-  random-resized-crop augmentation, Adam, cosine decay to 0, ``m=4`` images per class;
+  augmentation (random resized crops of 60-100 % of the area; no flips unless
+  ``--flip``), Adam, cosine decay to 0, ``m=4`` images per class;
 * two budgets, side by side: **equal images seen** (``--images`` per run, so a batch B
   gets ``images / B`` updates) and **equal updates** (``--updates`` per run);
 * learning rate: the grid ``base_lr * (B / base_batch) ** a`` for ``a`` in
@@ -104,6 +105,9 @@ def parse_args(argv=None):
     p.add_argument("--m", type=int, default=4, help="images per class in a batch")
     p.add_argument("--chunk-size", type=int, default=512,
                    help="batches larger than this use multi-staged backprop in chunks of it")
+    p.add_argument("--flip", action="store_true",
+                   help="random horizontal flips (off by default: a mirrored glyph is "
+                        "another character or none; turn on for natural images)")
     p.add_argument("--freeze-bn", action="store_true",
                    help="frozen BatchNorm with statistics calibrated at initialisation "
                         "(the setting before the from-scratch fix; for comparison)")
@@ -191,7 +195,8 @@ def cell_config(args, loss, batch, updates, lr, seed, run_dir):
         "run_dir": str(run_dir),
         "data": {"train": args.train, "test": args.test, "sampler": "m_per_class",
                  "batch_size": batch, "m": args.m, "image_size": args.image_size,
-                 "augmentation": {"crop": "random_resized_crop", "scale": [0.6, 1.0]},
+                 "augmentation": {"crop": "random_resized_crop", "scale": [0.6, 1.0],
+                                  "flip": args.flip},
                  "seed": seed},
         "model": {"backbone": "small_cnn", "pooling": "gem",
                   "embedding_dim": args.embedding_dim, "weights": None,
@@ -208,15 +213,50 @@ def cell_config(args, loss, batch, updates, lr, seed, run_dir):
     return config_from_dict(raw, warn=False)
 
 
+def _save(path: Path, row: dict) -> dict:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(row, indent=1))
+    os.replace(tmp, path)
+    return row
+
+
+def _evaluate(args, row, split, path):
+    """Add ``{split}_map@r`` and ``{split}_r@1`` of the cell's saved model to ``row``."""
+    import keras
+
+    from tfaploss.config.schema import load_config
+    from tfaploss.config.trainer import evaluate_split
+
+    run_dir = cell_dir(args, row["loss"], row["batch"], row["updates"], row["lr"],
+                       row["seed"])
+    cfg = load_config(run_dir / "config.yaml", warn=False)
+    started = time.time()
+    m = evaluate_split(keras.saving.load_model(run_dir / "model.keras"), cfg, path)
+    row[f"{split}_map@r"] = 100 * m["map@r"]
+    row[f"{split}_r@1"] = 100 * m["recall@1"]
+    row["seconds"] = round(row["seconds"] + time.time() - started, 1)
+
+
+def with_test(args, row) -> dict:
+    """``row`` with its test metrics (computed once, only for the runs reported)."""
+    if row["status"] == "non-finite" or "test_map@r" in row:
+        return row
+    _evaluate(args, row, "test", args.test)
+    run_dir = cell_dir(args, row["loss"], row["batch"], row["updates"], row["lr"],
+                       row["seed"])
+    return _save(run_dir / "metrics.json", row)
+
+
 def run_cell(args, loss, batch, updates, lr, seed) -> dict:
-    """Train one cell (or reuse it) and return its cached metrics."""
+    """Train one cell (or reuse it) and return its cached metrics: validation metrics
+    always (they pick the learning rate), test metrics through :func:`with_test`."""
     run_dir = cell_dir(args, loss, batch, updates, lr, seed)
     metrics_path = run_dir / "metrics.json"
     if metrics_path.is_file():
         return json.loads(metrics_path.read_text())
     import keras
 
-    from tfaploss.config.trainer import evaluate_split, train
+    from tfaploss.config.trainer import train
     from tfaploss.training.guards import NonFiniteTrainingError
 
     cfg = cell_config(args, loss, batch, updates, lr, seed, run_dir)
@@ -233,20 +273,12 @@ def run_cell(args, loss, batch, updates, lr, seed) -> dict:
         row.update(status=f"stopped: {stopped['reason']}" if stopped else "ok",
                    stopped_early=stopped, updates_done=summary.get("updates"),
                    final_loss=summary.get("final_loss"))
-        model = keras.saving.load_model(run_dir / "model.keras")
-        for split, path in (("val", args.val), ("test", args.test)):
-            if path is None:
-                continue
-            m = evaluate_split(model, cfg, path)
-            row[f"{split}_map@r"] = 100 * m["map@r"]
-            row[f"{split}_r@1"] = 100 * m["recall@1"]
         last = (summary.get("history") or [{}])[-1]
         row["emb_cos"] = last.get("emb_cos")
     row["seconds"] = round(time.time() - started, 1)
-    tmp = metrics_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(row, indent=1))
-    os.replace(tmp, metrics_path)
-    return row
+    if args.val is not None and row["status"] != "non-finite":
+        _evaluate(args, row, "val", args.val)
+    return _save(metrics_path, row)
 
 
 def plan(args):
@@ -284,11 +316,12 @@ def sweep(args):
             row["lr_exponent"] = exponent
             tried.append(row)
             progress(row)
-        best = max(tried, key=lambda r: (r.get("val_map@r") if args.val else 0) or -1)
-        chosen = [best] + [run_cell(args, loss, batch, updates, best["lr"], s)
-                           for s in others]
-        for row in chosen[1:]:
-            progress(row)
+        best = with_test(args, max(
+            tried, key=lambda r: (r.get("val_map@r") if args.val else 0) or -1))
+        chosen = [best]
+        for s in others:
+            chosen.append(with_test(args, run_cell(args, loss, batch, updates, best["lr"], s)))
+            progress(chosen[-1])
         results.append({"loss": loss, "budget": budget, "batch": batch, "updates": updates,
                         "lr": best["lr"], "lr_exponent": best["lr_exponent"],
                         "tried": tried, "runs": chosen})

@@ -72,7 +72,8 @@ def run(args, loss_name, bn, lr):
     cfg = config_from_dict({
         "data": {"train": args.train, "batch_size": args.batch, "m": 4,
                  "image_size": args.image_size, "seed": args.seed,
-                 "augmentation": {"crop": "random_resized_crop", "scale": [0.6, 1.0]}},
+                 "augmentation": {"crop": "random_resized_crop", "scale": [0.6, 1.0],
+                                  "flip": False}},
         "model": {"backbone": "small_cnn", "pooling": "gem",
                   "embedding_dim": args.embedding_dim, "weights": None,
                   "freeze_bn": bn == "frozen",

@@ -161,7 +161,11 @@ def embed_split(embedding_model, cfg: Config, path: str, max_images: int | None 
         ds = ds.unbatch().take(max_images).batch(batch)
     embeddings, labels = [], []
     for images, y, _ in ds:
-        embeddings.append(np.asarray(embedding_model(images, training=False), np.float32))
+        # Fixed-size batches go through Keras's compiled predict step (faster than an
+        # eager call); images of their original sizes would retrace it at every shape.
+        out = (embedding_model.predict_on_batch(images) if batch > 1
+               else embedding_model(images, training=False))
+        embeddings.append(np.asarray(out, np.float32))
         labels.append(y.numpy())
     if not embeddings:
         raise ConfigError(f"the split {path!r} holds no images to evaluate on.")
