@@ -69,9 +69,11 @@ LOSSES = {
 PAIR_LOSSES = ("Triplet-semihard", "Contrastive")  # the peers the AP losses must beat
 
 FULL = {"batch_sizes": "128,512,2048", "seeds": "0,1", "images": 49152, "updates": 96,
-        "lr_exponents": "0,0.5,1", "image_size": 32}
+        "lr_exponents": "0,0.5,1", "image_size": 32, "eval_images": 0,
+        "out": str(DEFAULT_OUT)}
 QUICK = {"batch_sizes": "32,128", "seeds": "0", "images": 1024, "updates": 8,
-         "lr_exponents": "0", "image_size": 24}
+         "lr_exponents": "0", "image_size": 24, "eval_images": 3000,
+         "out": str(DEFAULT_OUT) + "_quick"}
 
 
 def parse_args(argv=None):
@@ -111,11 +113,17 @@ def parse_args(argv=None):
     p.add_argument("--freeze-bn", action="store_true",
                    help="frozen BatchNorm with statistics calibrated at initialisation "
                         "(the setting before the from-scratch fix; for comparison)")
-    p.add_argument("--out", default=str(DEFAULT_OUT), help="cache of finished cells")
+    p.add_argument("--eval-images", type=int,
+                   help="evaluate on the first N images of val and test (0: all; "
+                        "a smoke test's shortcut, the numbers then differ)")
+    p.add_argument("--out", help=f"cache of finished cells (default {DEFAULT_OUT})")
     p.add_argument("--report", help="where sweep.md/png/json go (default: --out)")
     p.add_argument("--quick", action="store_true",
                    help="a few minutes: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
     p.add_argument("--dry-run", action="store_true", help="list the cells and stop")
+    p.add_argument("--report-only", action="store_true",
+                   help="write the report from the cells already cached; train nothing "
+                        "(cells not run yet show as '—')")
     args = p.parse_args(argv)
     defaults = QUICK if args.quick else FULL
     for key, value in defaults.items():
@@ -178,7 +186,8 @@ def learning_rates(args, batch):
 
 def cell_dir(args, loss, batch, updates, lr, seed) -> Path:
     bn = "frozenbn" if args.freeze_bn else "livebn"
-    return (Path(args.out) / f"{bn}_s{args.image_size}_d{args.embedding_dim}" / loss
+    subset = f"_eval{args.eval_images}" if args.eval_images else ""
+    return (Path(args.out) / f"{bn}_s{args.image_size}_d{args.embedding_dim}{subset}" / loss
             / f"b{batch}" / f"u{updates}" / f"lr{lr:g}" / f"seed{seed}")
 
 
@@ -231,7 +240,8 @@ def _evaluate(args, row, split, path):
                        row["seed"])
     cfg = load_config(run_dir / "config.yaml", warn=False)
     started = time.time()
-    m = evaluate_split(keras.saving.load_model(run_dir / "model.keras"), cfg, path)
+    m = evaluate_split(keras.saving.load_model(run_dir / "model.keras"), cfg, path,
+                       args.eval_images or None)
     row[f"{split}_map@r"] = 100 * m["map@r"]
     row[f"{split}_r@1"] = 100 * m["recall@1"]
     row["seconds"] = round(row["seconds"] + time.time() - started, 1)
@@ -247,6 +257,10 @@ def with_test(args, row) -> dict:
     return _save(run_dir / "metrics.json", row)
 
 
+class NotRun(Exception):
+    """A cell that ``--report-only`` found no cached result for."""
+
+
 def run_cell(args, loss, batch, updates, lr, seed) -> dict:
     """Train one cell (or reuse it) and return its cached metrics: validation metrics
     always (they pick the learning rate), test metrics through :func:`with_test`."""
@@ -254,6 +268,8 @@ def run_cell(args, loss, batch, updates, lr, seed) -> dict:
     metrics_path = run_dir / "metrics.json"
     if metrics_path.is_file():
         return json.loads(metrics_path.read_text())
+    if args.report_only:
+        raise NotRun
     import keras
 
     from tfaploss.config.trainer import train
@@ -310,20 +326,25 @@ def sweep(args):
 
     for loss, budget, batch, updates in groups:
         first, *others = args.seeds
-        tried = []
-        for lr, exponent in learning_rates(args, batch).items():
-            row = run_cell(args, loss, batch, updates, lr, first)
-            row["lr_exponent"] = exponent
-            tried.append(row)
-            progress(row)
-        best = with_test(args, max(
-            tried, key=lambda r: (r.get("val_map@r") if args.val else 0) or -1))
-        chosen = [best]
-        for s in others:
-            chosen.append(with_test(args, run_cell(args, loss, batch, updates, best["lr"], s)))
-            progress(chosen[-1])
+        tried, chosen = [], []
+        try:
+            for lr, exponent in learning_rates(args, batch).items():
+                row = run_cell(args, loss, batch, updates, lr, first)
+                row["lr_exponent"] = exponent
+                tried.append(row)
+                progress(row)
+            best = with_test(args, max(
+                tried, key=lambda r: (r.get("val_map@r") if args.val else 0) or -1))
+            chosen.append(best)
+            for s in others:
+                chosen.append(with_test(args, run_cell(args, loss, batch, updates,
+                                                       best["lr"], s)))
+                progress(chosen[-1])
+        except NotRun:
+            if not chosen:
+                continue  # the learning rate is not picked yet: nothing to report
         results.append({"loss": loss, "budget": budget, "batch": batch, "updates": updates,
-                        "lr": best["lr"], "lr_exponent": best["lr_exponent"],
+                        "lr": chosen[0]["lr"], "lr_exponent": chosen[0]["lr_exponent"],
                         "tried": tried, "runs": chosen})
     return results
 
@@ -360,7 +381,9 @@ def markdown(args, results) -> str:
              f"lr grid {args.base_lr:g}·(B/{args.base_batch})^a, a ∈ {args.lr_exponents}, "
              f"picked on val MAP@R with seed {args.seeds[0]}; seeds {args.seeds}; "
              f"batches > {args.chunk_size} multi-staged. Values: mean ± half-range over "
-             "seeds, in %.")
+             "seeds, in %."
+             + (f" Evaluated on the first {args.eval_images} images of each split only "
+                "(a smoke test)." if args.eval_images else ""))
     lines = [f"# Batch-size sweep on `{args.train}`", "", setup, ""]
     for budget in args.budgets:
         sub = [g for g in results if g["budget"] == budget]
