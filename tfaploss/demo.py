@@ -47,10 +47,9 @@ DEMO_CONFIG = {
         "seed": 0,
     },
     "model": {"backbone": "small_cnn", "pooling": "gem", "embedding_dim": 32,
-              "weights": None, "head_lr_multiplier": 1.0,
-              # From scratch: BatchNorm with batch statistics (per chunk under
-              # multi-stage), re-estimated on 960 training images after training.
-              "freeze_bn": None, "precise_bn_images": 960},
+              "weights": None, "freeze_bn": True, "head_lr_multiplier": 1.0,
+              # Random init has no BatchNorm statistics to freeze: estimate them first.
+              "bn_calibration_images": 192},
     "loss": {"name": "APLoss", "num_bins": 20},
     "optimizer": {"name": "adam", "lr": 1e-3, "weight_decay": 0.0,
                   "schedule": {"name": "cosine", "end_lr": 1e-4}},
