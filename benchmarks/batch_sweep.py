@@ -368,7 +368,7 @@ def _cell_text(group, key):
     if mean is None:
         return "—"
     flags = {r["status"] for r in group["runs"] if r["status"] != "ok"}
-    text = f"{mean:.1f} ± {spread:.1f}" if n > 1 else f"{mean:.1f}"
+    text = f"{mean:.1f} ± {spread:.1f}" if n > 1 else f"{mean:.1f} (1 seed)"
     return text + (f" ({', '.join(sorted(flags))})" if flags else "")
 
 
