@@ -191,6 +191,11 @@ def cell_dir(args, loss, batch, updates, lr, seed) -> Path:
             / f"b{batch}" / f"u{updates}" / f"lr{lr:g}" / f"seed{seed}")
 
 
+def row_dir(args, row) -> Path:
+    """The run directory of a cell's result row."""
+    return cell_dir(args, row["loss"], row["batch"], row["updates"], row["lr"], row["seed"])
+
+
 def cell_config(args, loss, batch, updates, lr, seed, run_dir):
     from tfaploss.config.schema import config_from_dict
 
@@ -236,8 +241,7 @@ def _evaluate(args, row, split, path):
     from tfaploss.config.schema import load_config
     from tfaploss.config.trainer import evaluate_split
 
-    run_dir = cell_dir(args, row["loss"], row["batch"], row["updates"], row["lr"],
-                       row["seed"])
+    run_dir = row_dir(args, row)
     cfg = load_config(run_dir / "config.yaml", warn=False)
     started = time.time()
     m = evaluate_split(keras.saving.load_model(run_dir / "model.keras"), cfg, path,
@@ -252,9 +256,7 @@ def with_test(args, row) -> dict:
     if row["status"] == "non-finite" or "test_map@r" in row:
         return row
     _evaluate(args, row, "test", args.test)
-    run_dir = cell_dir(args, row["loss"], row["batch"], row["updates"], row["lr"],
-                       row["seed"])
-    return _save(run_dir / "metrics.json", row)
+    return _save(row_dir(args, row) / "metrics.json", row)
 
 
 class NotRun(Exception):

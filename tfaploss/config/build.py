@@ -64,13 +64,9 @@ def estimate_batch_norm_statistics(model, batches) -> int:
     as training normalised together (the chunk under multi-stage backpropagation).
     Frozen layers are left alone. Cost: one forward pass per batch.
     """
-    import keras
+    from tfaploss.training.checks import batch_statistics_layers
 
-    from tfaploss.training.checks import ghost_batch_norm_layers
-
-    names = set(ghost_batch_norm_layers(model))
-    layers = [layer for layer in model._flatten_layers(include_self=True, recursive=True)
-              if layer.name in names and isinstance(layer, keras.layers.BatchNormalization)]
+    layers = batch_statistics_layers(model)  # the layers themselves: names may repeat
     if not layers:
         return 0
     saved = [layer.momentum for layer in layers]

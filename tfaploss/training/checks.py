@@ -67,7 +67,12 @@ def ghost_batch_norm_layers(model: keras.layers.Layer) -> list[str]:
     the chunks. Frozen layers (:func:`tfaploss.training.freeze_batch_norm`) are not
     listed.
     """
-    return [layer.name for layer in model._flatten_layers(include_self=True, recursive=True)
+    return [layer.name for layer in batch_statistics_layers(model)]
+
+
+def batch_statistics_layers(model: keras.layers.Layer) -> list:
+    """The BatchNorm layers of ``model`` that normalise with batch statistics in training."""
+    return [layer for layer in model._flatten_layers(include_self=True, recursive=True)
             if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
             and not isinstance(layer, FrozenBatchNormalization)]
 
