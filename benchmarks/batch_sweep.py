@@ -239,7 +239,7 @@ def _evaluate(args, row, split, path):
     import keras
 
     from tfaploss.config.schema import load_config
-    from tfaploss.config.trainer import evaluate_split
+    from tfaploss.run.trainer import evaluate_split
 
     run_dir = row_dir(args, row)
     cfg = load_config(run_dir / "config.yaml", warn=False)
@@ -274,7 +274,7 @@ def run_cell(args, loss, batch, updates, lr, seed) -> dict:
         raise NotRun
     import keras
 
-    from tfaploss.config.trainer import train
+    from tfaploss.run.trainer import train
     from tfaploss.training.guards import NonFiniteTrainingError
 
     cfg = cell_config(args, loss, batch, updates, lr, seed, run_dir)

@@ -10,7 +10,7 @@ pipeline against the same step fed from batches cached in memory.
    folders and writes them with the folder job (``pipelines.folder``: per-image records
    + the by_class layout + manifest), as a user would before training.
 2. Builds the run of ``--config`` exactly as ``tfaploss train`` does
-   (``tfaploss.config.build``: ``build_train_dataset`` = TFRecords -> class-balanced
+   (``tfaploss.run.build``: ``build_train_dataset`` = TFRecords -> class-balanced
    sampler -> fused JPEG decode + RandomResizedCrop -> flip -> batch -> prefetch;
    ``build_model``, ``build_loss``, ``build_optimizer``, ``MultiStageModel.compile``),
    with ``data.train`` pointed at the generated split, random weights and
@@ -70,10 +70,10 @@ def write_records(images: str, out: str) -> str:
 
 
 def build_run(args, split: str):
-    """Dataset, compiled model and config, as ``tfaploss.config.trainer.train`` makes them."""
+    """Dataset, compiled model and config, as ``tfaploss.run.trainer.train`` makes them."""
     import keras
 
-    from tfaploss.config import build as B
+    from tfaploss.run import build as B
     from tfaploss.config import load_config
     from tfaploss.training import MultiStageModel
 

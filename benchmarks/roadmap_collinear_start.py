@@ -62,7 +62,7 @@ def mean_cos(model, images):
 
 def build(seed, train_images, collinear=0.0):
     import models
-    from tfaploss.config.build import calibrate_batch_norm
+    from tfaploss.run.build import calibrate_batch_norm
 
     keras.utils.set_random_seed(seed)
     model = models.build_embedding_model("small_cnn", pooling="gem", embedding_dim=32,

@@ -377,7 +377,7 @@ def test_class_chunks_smaller_than_m_are_refused_up_front(tmp_path, workspace):
     fails here instead of hanging."""
     from tests.miniature import write_split_records
     from tfaploss.config import ConfigError, load_config
-    from tfaploss.config import build as B
+    from tfaploss.run import build as B
 
     _, config = workspace
     sizes = {k: 6 for k in range(4)}

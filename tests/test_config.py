@@ -19,8 +19,8 @@ from tfaploss.config import (
     load_config,
     parse_override,
 )
-from tfaploss.config import build as B
-from tfaploss.config.schedule import RecipeSchedule
+from tfaploss.run import build as B
+from tfaploss.run.schedule import RecipeSchedule
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 RECIPES = sorted(CONFIG_DIR.glob("*.yaml"))

@@ -7,7 +7,7 @@ from PIL import Image
 
 import tfaploss.data as D
 from tests import miniature as mini
-from tfaploss.config import build as B
+from tfaploss.run import build as B
 from tfaploss.config.schema import ConfigError, config_from_dict
 
 

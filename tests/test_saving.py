@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import tfaploss
-from tfaploss.config import build as B
+from tfaploss.run import build as B
 from tfaploss.config.schema import config_from_dict
 from tfaploss.training import MultiStageModel, health_metrics
 

@@ -160,7 +160,7 @@ def test_discard_renames_aside_first_and_leftovers_are_removed(tmp_path):
 
 
 def test_epoch_log_skips_and_repairs_a_line_cut_by_a_kill(tmp_path):
-    from tfaploss.config.trainer import _read_epochs, _repair_epoch_log
+    from tfaploss.run.trainer import _read_epochs, _repair_epoch_log
 
     log = tmp_path / "epochs.jsonl"
     log.write_text('{"epoch": 1, "loss": 0.5}\n{"epoch": 2, "lo')

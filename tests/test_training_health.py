@@ -463,7 +463,7 @@ def test_tfaploss_train_stops_a_collapsed_run_and_records_why(tmp_path, capsys):
     from PIL import Image
 
     from tfaploss.config.schema import config_from_dict
-    from tfaploss.config.trainer import train
+    from tfaploss.run.trainer import train
 
     split = tmp_path / "train"
     mini.write_split_records(str(split), {0: 4, 1: 4},

@@ -24,7 +24,7 @@ import warnings
 # Every module that defines a class tfaploss saves with register_keras_serializable.
 # Importing them is all registration takes; none needs Beam, ScaNN or matplotlib.
 REGISTERING_MODULES = ("models", "tfaploss.losses", "tfaploss.training",
-                       "tfaploss.config.schedule")
+                       "tfaploss.run.schedule")
 PACKAGE = "tfaploss"
 
 

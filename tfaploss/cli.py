@@ -248,7 +248,7 @@ def cmd_train(args) -> int:
 
     _show_config_warnings()
     cfg = load_config(args.config, args.set)
-    from tfaploss.config.trainer import train
+    from tfaploss.run.trainer import train
 
     train(cfg, run_dir=args.run_dir, verbose=2 if args.quiet or not _is_terminal() else 1)
     return 0
@@ -366,7 +366,7 @@ def cmd_evaluate(args) -> int:
             raise SystemExit(f"error: --{name} {value!r} does not exist (a split folder "
                              "written by a pipelines job)")
     if cfg is not None:
-        from tfaploss.config.trainer import initial_model
+        from tfaploss.run.trainer import initial_model
 
         model = initial_model(cfg)
         size = _parse_image_size(args.image_size, cfg.test_image_size)

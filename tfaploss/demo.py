@@ -165,8 +165,8 @@ def run_demo(out: str = "demo_output", quick: bool = False, steps: int | None = 
 
     import keras
 
-    from tfaploss.config import build as B
-    from tfaploss.config.trainer import embed_split, train
+    from tfaploss.run import build as B
+    from tfaploss.run.trainer import embed_split, train
     from tfaploss.evaluation import retrieval_metrics
 
     def measure(model):

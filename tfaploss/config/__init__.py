@@ -1,7 +1,8 @@
-"""Run configurations: the YAML recipes of ``configs/``, validated, and their builders.
+"""Run configurations: the YAML recipes of ``configs/``, loaded safely and validated.
 
-See :mod:`tfaploss.config.schema` for the keys and :mod:`tfaploss.config.build` for how
-a config becomes a model, a loss and an optimizer.
+See :mod:`tfaploss.config.schema` for the keys. This package only describes a run and
+imports neither Keras nor TensorFlow; :mod:`tfaploss.run` carries it out
+(:mod:`tfaploss.run.build` turns a config into a model, a loss and an optimizer).
 """
 
 from tfaploss.config.schema import (

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from tfaploss.config.schedule import RecipeSchedule
+from tfaploss.run.schedule import RecipeSchedule
 from tfaploss.config.schema import Config, ConfigError, loss_class
 
 

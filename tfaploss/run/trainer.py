@@ -38,7 +38,7 @@ from pathlib import Path
 
 import yaml
 
-from tfaploss.config import build as B
+from tfaploss.run import build as B
 from tfaploss.config.schema import Config, ConfigError, config_from_dict
 from tfaploss.training import checkpoints as C
 
