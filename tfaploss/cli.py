@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 
             New here? Run `tfaploss demo`, then read README.md. Data preparation is
             done by the Beam jobs: python -m pipelines.<sop|inaturalist|gldv2|
-            revisited|folder|tfds_source> --help"""))
+            revisited|folder|tfds_source|glyphs> --help"""))
     from tfaploss import __version__
 
     parser.add_argument("--version", action="version", version=f"tfaploss {__version__}")
