@@ -90,6 +90,52 @@ class ConfigWarning(UserWarning):
     """A configuration that is valid but probably not what was meant."""
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key allows: ``low``..``high``, ``low`` excluded when
+    ``low_open``. The bounds are what the code can run (e.g. batches up to 2**20, seeds
+    that TensorFlow and NumPy both take), so a value that parses but makes no sense
+    (``epochs: 1.0e+26``, a negative size) is refused with its key, never trained."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+
+    def __str__(self) -> str:
+        def shown(bound, none):
+            if bound is None:
+                return none
+            return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
+
+        low, high = shown(self.low, "-inf"), shown(self.high, "inf")
+        return f"{'(' if self.low_open else '['}{low}, {high}]"
+
+    def check(self, value, path: str) -> None:
+        if isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                self.check(item, f"{path}[{i}]")
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return  # null or a named choice ('original'): the type check covers it
+        too_low = self.low is not None and (value <= self.low if self.low_open
+                                            else value < self.low)
+        if too_low or (self.high is not None and value > self.high):
+            raise ConfigError(f"config key '{path}': must be in {self}, received "
+                              f"{value!r}.")
+
+
+def ranged(default=dataclasses.MISSING, *, low=None, high=None, low_open=False,
+           default_factory=dataclasses.MISSING):
+    """A dataclass field whose numbers must lie in :class:`Range` (each item of a list)."""
+    return field(default=default, default_factory=default_factory,
+                 metadata={"range": Range(low, high, low_open)})
+
+
+MAX_BATCH = 2 ** 20
+MAX_SEED = 2 ** 31 - 1  # tf.random.set_seed and numpy's Generator both take it
+MAX_EPOCHS = 10 ** 6
+
+
 # ---------------------------------------------------------------------------------------
 # Schema
 # ---------------------------------------------------------------------------------------
@@ -156,12 +202,12 @@ class DataConfig:
     train: str | None = None
     test: str | None = None
     sampler: Sampler = "m_per_class"
-    batch_size: int = 128
-    m: int = 4
-    image_size: int = 224
-    test_image_size: int | Literal["original"] | None = None
+    batch_size: int = ranged(128, low=1, high=MAX_BATCH)
+    m: int = ranged(4, low=1, high=MAX_BATCH)
+    image_size: int = ranged(224, low=8, high=8192)
+    test_image_size: int | Literal["original"] | None = ranged(None, low=8, high=8192)
     augmentation: AugmentationConfig = field(default_factory=AugmentationConfig)
-    seed: int = 0
+    seed: int = ranged(0, low=0, high=MAX_SEED)
 
 
 @dataclass
@@ -191,12 +237,12 @@ class ModelConfig:
 
     backbone: Backbone = "resnet50"
     pooling: Pooling = "avg"
-    embedding_dim: int = 512
+    embedding_dim: int = ranged(512, low=1, high=65536)
     weights: str | None = None
     freeze_bn: bool | None = None
-    head_lr_multiplier: float = 1.0
-    bn_calibration_images: int = 0
-    precise_bn_images: int = 4096
+    head_lr_multiplier: float = ranged(1.0, low=0, low_open=True, high=1e4)
+    bn_calibration_images: int = ranged(0, low=0, high=2 ** 24)
+    precise_bn_images: int = ranged(4096, low=0, high=2 ** 24)
 
     @property
     def frozen_bn(self) -> bool:
@@ -225,9 +271,9 @@ class ScheduleConfig:
     """
 
     name: ScheduleName = "constant"
-    end_lr: float | None = None
-    step_epochs: list[int] | None = None
-    gamma: float | None = None
+    end_lr: float | None = ranged(None, low=0, high=100)
+    step_epochs: list[int] | None = ranged(None, low=1, high=MAX_EPOCHS)
+    gamma: float | None = ranged(None, low=0, low_open=True, high=1e3)
 
 
 @dataclass
@@ -235,16 +281,16 @@ class OptimizerConfig:
     """Optimizer and learning rate. ``weight_decay`` is Keras's decoupled decay."""
 
     name: OptimizerName = "adam"
-    lr: float = 1e-4
-    weight_decay: float = 0.0
+    lr: float = ranged(1e-4, low=0, low_open=True, high=100)
+    weight_decay: float = ranged(0.0, low=0, high=10)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     warmup_epochs: float = 0.0
-    beta_1: float | None = None
-    beta_2: float | None = None
-    epsilon: float | None = None
-    momentum: float | None = None
+    beta_1: float | None = ranged(None, low=0, high=1)
+    beta_2: float | None = ranged(None, low=0, high=1)
+    epsilon: float | None = ranged(None, low=0, low_open=True, high=1)
+    momentum: float | None = ranged(None, low=0, high=1)
     nesterov: bool | None = None
-    clipnorm: float | None = None
+    clipnorm: float | None = ranged(None, low=0, low_open=True, high=1e6)
 
 
 @dataclass
@@ -253,8 +299,8 @@ class XBMConfig:
     against the last ``size`` embeddings of earlier batches; that loss is added with
     ``weight``. ``size: 0`` turns it off."""
 
-    size: int = 0
-    weight: float = 1.0
+    size: int = ranged(0, low=0, high=2 ** 24)
+    weight: float = ranged(1.0, low=0, high=1e6)
 
 
 @dataclass
@@ -296,14 +342,14 @@ class TrainingConfig:
     (:class:`HealthConfig`).
     """
 
-    epochs: int = 1
-    steps_per_epoch: int | None = None
-    chunk_size: int | None = None
+    epochs: int = ranged(1, low=1, high=MAX_EPOCHS)
+    steps_per_epoch: int | None = ranged(None, low=1, high=10 ** 9)
+    chunk_size: int | None = ranged(None, low=1, high=MAX_BATCH)
     mixed_precision: bool = False
     jit_compile: bool = False
     xbm: XBMConfig = field(default_factory=XBMConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
-    seed: int = 0
+    seed: int = ranged(0, low=0, high=MAX_SEED)
 
 
 @dataclass
@@ -315,11 +361,11 @@ class EvaluationConfig:
     training (the final evaluation uses all of them).
     """
 
-    every_n_epochs: int = 0
+    every_n_epochs: int = ranged(0, low=0, high=MAX_EPOCHS)
     at_end: bool = True
-    ks: list[int] = field(default_factory=lambda: [1, 10, 100])
+    ks: list[int] = ranged(default_factory=lambda: [1, 10, 100], low=1, high=MAX_BATCH)
     backend: Backend = "exact"
-    max_images: int | None = None
+    max_images: int | None = ranged(None, low=2, high=2 ** 31 - 1)
 
 
 @dataclass
@@ -510,7 +556,8 @@ def _build_dataclass(cls, raw: dict, path: str):
     if cls is LossConfig:
         return _build_loss(raw, path)
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields_ = {f.name: f for f in dataclasses.fields(cls)}
+    names = list(fields_)
     kwargs = {}
     # The loss last: checking it imports TensorFlow, other mistakes are reported first.
     for key, value in sorted(raw.items(), key=lambda item: item[0] == "loss"):
@@ -522,6 +569,8 @@ def _build_dataclass(cls, raw: dict, path: str):
                 f"{' in ' + repr(path) if path else ''}: {', '.join(names)}."
             )
         kwargs[key] = _convert(value, hints[key], where)
+        if "range" in fields_[key].metadata:
+            fields_[key].metadata["range"].check(kwargs[key], where)
     return cls(**kwargs)
 
 
@@ -610,7 +659,19 @@ def _build_loss(raw: dict, path: str) -> LossConfig:
             )
         default = params[key].default
         kwargs[key] = _check_like_default(value, default, params[key].annotation, where)
+    _check_loss_accepts(cls, kwargs, path)
     return LossConfig(name=name, kwargs=kwargs)
+
+
+def _check_loss_accepts(cls, kwargs: dict, path: str) -> None:
+    """Build the loss once, so that the values its constructor refuses (a temperature
+    of 0, one bin) are config errors naming the key, not a crash when training starts."""
+    try:
+        cls(**kwargs)
+    except (ValueError, TypeError) as err:
+        named = [k for k in kwargs if k in str(err)] or [None]
+        where = f"{path}.{named[0]}" if named[0] else path
+        raise ConfigError(f"config key '{where}': {err}") from None
 
 
 # Loss arguments whose default is ``None`` ("automatic"/"random"): the default says
@@ -622,6 +683,12 @@ NONE_DEFAULT_LOSS_ARGS: dict[str, tuple[type, float | None]] = {
     "seed": (int, None),
     "offset": (float, None),
 }
+
+
+# Integer loss arguments: their class checks the low end; the high end is what a batch
+# can afford (num_bins: every pair's score is spread over the bins, B x B x bins).
+_INT_RANGE = Range(-(2 ** 31), 2 ** 31 - 1)
+LOSS_ARG_RANGES: dict[str, Range] = {"num_bins": Range(2, 4096)}
 
 
 def _check_like_default(value, default, annotation, path):
@@ -641,8 +708,10 @@ def _check_like_default(value, default, annotation, path):
         return value
     if isinstance(default, bool):
         return _convert(value, bool, path)
-    if isinstance(default, int) and not isinstance(value, float):
-        return _convert(value, int, path)
+    if isinstance(default, int):
+        value = _convert(value, int, path)  # 2.0 is 2; 2.5 is refused, never truncated
+        LOSS_ARG_RANGES.get(path.rsplit(".", 1)[-1], _INT_RANGE).check(value, path)
+        return value
     if isinstance(default, (int, float)):
         return _convert(value, float, path)
     if isinstance(default, str):
@@ -668,10 +737,6 @@ def _check_consistency(cfg: Config) -> list[str]:
     notes = []
     data, opt, train = cfg.data, cfg.optimizer, cfg.training
 
-    for key in ("batch_size", "m"):
-        if getattr(data, key) < 1:
-            raise ConfigError(f"config key 'data.{key}': must be >= 1, received "
-                              f"{getattr(data, key)}.")
     if data.m < 2:
         raise ConfigError(
             f"config key 'data.m': {data.m} image per class gives no positive pairs; an "
@@ -686,10 +751,6 @@ def _check_consistency(cfg: Config) -> list[str]:
             f"config key 'data.batch_size': the hierarchical sampler splits a batch "
             f"between two super-classes of whole classes, so batch_size must be a "
             f"multiple of 2*m={2 * data.m}; received {data.batch_size}.")
-    for key in ("image_size", "test_image_size"):
-        size = getattr(data, key)
-        if isinstance(size, int) and size < 8:
-            raise ConfigError(f"config key 'data.{key}': {size!r} is too small (>= 8).")
 
     aug = data.augmentation
     if aug.scale is not None:
@@ -701,18 +762,6 @@ def _check_consistency(cfg: Config) -> list[str]:
             raise ConfigError("config key 'data.augmentation.scale': needs 0 < low <= high "
                               f"<= 1, received {list(aug.scale)}.")
 
-    if cfg.model.embedding_dim < 1:
-        raise ConfigError("config key 'model.embedding_dim': must be >= 1, received "
-                          f"{cfg.model.embedding_dim}.")
-    if cfg.model.head_lr_multiplier <= 0:
-        raise ConfigError("config key 'model.head_lr_multiplier': must be > 0, received "
-                          f"{cfg.model.head_lr_multiplier}.")
-    if cfg.model.bn_calibration_images < 0:
-        raise ConfigError("config key 'model.bn_calibration_images': must be >= 0, received "
-                          f"{cfg.model.bn_calibration_images}.")
-    if cfg.model.precise_bn_images < 0:
-        raise ConfigError("config key 'model.precise_bn_images': must be >= 0, received "
-                          f"{cfg.model.precise_bn_images}.")
     if cfg.model.bn_calibration_images and cfg.model.freeze_bn is False:
         raise ConfigError(
             "config key 'model.bn_calibration_images' only sets the statistics of frozen "
@@ -722,11 +771,6 @@ def _check_consistency(cfg: Config) -> list[str]:
         raise ConfigError("config key 'model.weights': the small_cnn backbone has no "
                           "ImageNet weights; use null or a file path.")
 
-    if opt.lr <= 0:
-        raise ConfigError(f"config key 'optimizer.lr': must be > 0, received {opt.lr}.")
-    if opt.weight_decay < 0:
-        raise ConfigError("config key 'optimizer.weight_decay': must be >= 0, received "
-                          f"{opt.weight_decay}.")
     for name, keys in OPTIMIZER_PARAMS.items():
         if name == opt.name:
             continue
@@ -750,9 +794,9 @@ def _check_consistency(cfg: Config) -> list[str]:
         if not sched.step_epochs:
             raise ConfigError("config key 'optimizer.schedule.step_epochs' is required by "
                               "the 'step' schedule (e.g. [30, 70]).")
-        if sorted(sched.step_epochs) != list(sched.step_epochs) or min(sched.step_epochs) < 1:
+        if sorted(sched.step_epochs) != list(sched.step_epochs):
             raise ConfigError("config key 'optimizer.schedule.step_epochs': needs increasing "
-                              f"epochs >= 1, received {sched.step_epochs}.")
+                              f"epochs, received {sched.step_epochs}.")
         if max(sched.step_epochs) >= train.epochs:
             notes.append(
                 f"optimizer.schedule.step_epochs={sched.step_epochs} reaches past "
@@ -760,32 +804,18 @@ def _check_consistency(cfg: Config) -> list[str]:
         if sched.gamma is None:
             raise ConfigError("config key 'optimizer.schedule.gamma' is required by the "
                               "'step' schedule (the factor applied at each step, e.g. 0.1).")
-    if sched.end_lr is not None and sched.end_lr < 0:
-        raise ConfigError(f"config key 'optimizer.schedule.end_lr': must be >= 0, received "
-                          f"{sched.end_lr}.")
     if opt.warmup_epochs < 0 or (opt.warmup_epochs and opt.warmup_epochs >= train.epochs):
         raise ConfigError(
             f"config key 'optimizer.warmup_epochs': {opt.warmup_epochs} must be >= 0 "
             f"and shorter than training.epochs={train.epochs}.")
 
-    if train.epochs < 1:
-        raise ConfigError(f"config key 'training.epochs': must be >= 1, received "
-                          f"{train.epochs}.")
-    if train.steps_per_epoch is not None and train.steps_per_epoch < 1:
-        raise ConfigError("config key 'training.steps_per_epoch': must be >= 1 or null, "
-                          f"received {train.steps_per_epoch}.")
     if train.chunk_size is not None:
-        if train.chunk_size < 1:
-            raise ConfigError("config key 'training.chunk_size': must be >= 1 or null, "
-                              f"received {train.chunk_size}.")
         if train.chunk_size >= data.batch_size:
             notes.append(
                 f"training.chunk_size={train.chunk_size} >= data.batch_size="
                 f"{data.batch_size}: multi-stage backpropagation is off, each batch is "
                 "one ordinary forward/backward pass.")
     xbm = train.xbm
-    if xbm.size < 0:
-        raise ConfigError(f"config key 'training.xbm.size': must be >= 0, received {xbm.size}.")
     if xbm.size == 0 and xbm.weight != 1.0:
         raise ConfigError(
             "config key 'training.xbm.weight' is set but training.xbm.size is 0 (no "
@@ -793,17 +823,11 @@ def _check_consistency(cfg: Config) -> list[str]:
     _check_health(train.health)
 
     ev = cfg.evaluation
-    if any(k < 1 for k in ev.ks) or not ev.ks:
-        raise ConfigError(f"config key 'evaluation.ks': needs ranks >= 1, received {ev.ks}.")
-    if ev.every_n_epochs < 0:
-        raise ConfigError("config key 'evaluation.every_n_epochs': must be >= 0, received "
-                          f"{ev.every_n_epochs}.")
+    if not ev.ks:
+        raise ConfigError("config key 'evaluation.ks': needs at least one rank, received [].")
     if data.test is None and (ev.every_n_epochs > 0):
         notes.append("evaluation.every_n_epochs is set but data.test is null: no "
                      "evaluation will run during training.")
-    if ev.max_images is not None and ev.max_images < 2:
-        raise ConfigError("config key 'evaluation.max_images': must be >= 2 or null, "
-                          f"received {ev.max_images}.")
     return notes
 
 
@@ -858,10 +882,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"--set {text!r}: the key {key!r} is not a dotted key like "
                           "'training.epochs'.")
-    try:
-        from tfaploss.config.yaml_loader import load_yaml_text
+    from tfaploss.config.yaml_loader import YAMLLimitError, load_yaml_text
 
+    try:
         parsed = load_yaml_text(value) if value.strip() else None
+    except YAMLLimitError as err:
+        raise ConfigError(f"--set {key}=...: the value is refused: {err}.") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"--set {text!r}: the value is not valid YAML ({err}).") from None
     return key.split("."), parsed

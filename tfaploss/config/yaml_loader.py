@@ -12,7 +12,10 @@ accepts three things a run configuration should not have:
 * **duplicate keys**: PyYAML keeps the last value silently. Here it is an error naming
   the key and both lines (merge keys ``<<:`` still override as YAML intends);
 * huge or deeply nested files: the text is capped at ``MAX_CONFIG_BYTES`` and nesting
-  deeper than Python's recursion limit is reported, not a ``RecursionError``.
+  deeper than Python's recursion limit is reported, not a ``RecursionError``;
+* integers of thousands of digits: Python refuses to convert more than 4300 digits
+  with a bare ``ValueError``, and anything past ``MAX_INT_DIGITS`` is no setting a run
+  can use, so such a scalar is refused with its line.
 
 Cost: linear in the size of the file (the expansion count is memoised per node).
 """
@@ -24,6 +27,7 @@ import yaml
 __all__ = [
     "MAX_CONFIG_BYTES",
     "MAX_CONFIG_NODES",
+    "MAX_INT_DIGITS",
     "BoundedSafeLoader",
     "YAMLLimitError",
     "load_yaml_text",
@@ -32,6 +36,9 @@ __all__ = [
 # A full recipe has a few hundred values; these leave a wide margin.
 MAX_CONFIG_NODES = 100_000
 MAX_CONFIG_BYTES = 1 << 20
+# Wider than any integer a run can use (2**64 has 20 digits); bounds per key are the
+# schema's (tfaploss.config.schema), this only keeps the conversion cheap and total.
+MAX_INT_DIGITS = 30
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
@@ -121,6 +128,17 @@ class BoundedSafeLoader(yaml.SafeLoader):
                         f"on line {line}; keep one", key_node.start_mark)
                 seen[key] = line
         return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node):
+        digits = sum(ch.isdigit() for ch in str(node.value))
+        if digits > MAX_INT_DIGITS:
+            raise YAMLLimitError(_where(
+                node, f"an integer of {digits} digits; no setting of a run takes more "
+                f"than {MAX_INT_DIGITS}"))
+        return super().construct_yaml_int(node)
+
+
+BoundedSafeLoader.add_constructor("tag:yaml.org,2002:int", BoundedSafeLoader.construct_yaml_int)
 
 
 def load_yaml_text(text: str, *, name: str | None = None,
