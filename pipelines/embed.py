@@ -27,7 +27,9 @@ path to ``tfaploss.evaluation.evaluate``)::
 A re-run writes the new version into ``.EMB.incoming`` beside ``EMB`` and swaps it in
 only when the embeddings, dead letters and manifest are all written
 (:func:`pipelines.storage.publish`): killed midway, the previous output stays intact.
-``EMB`` must be new, empty, or an earlier output of this job.
+``EMB`` must be new, empty, or an earlier output of this job. One job at a time per
+``EMB``: the job holds the lock ``.EMB.tfaploss.lock`` beside it
+(:mod:`tfaploss.locks`), and a second one is refused (exit 2), naming the first.
 
 An undecodable image does not stop the job or the batch: the batch is retried image
 by image and the bad one goes to the dead letters. The job exits 1 when more than
@@ -46,6 +48,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pipelines import console, storage
+from tfaploss import faults, locks
 
 beam = console.import_beam_quietly()
 
@@ -57,9 +60,10 @@ from apache_beam.ml.inference.base import (
 )
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipelines.runner import TooManyFailuresError, main_wrapper
+from pipelines.console import main_wrapper
+from pipelines.manifests import TooManyFailuresError
 
-LOG = logging.getLogger("pipelines.embed")
+LOG = logging.getLogger("pipelines.embed")  # not __name__: "__main__" under -m
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".bmp")
 DEAD_LETTERS = "dead_letters.jsonl"
 MANIFEST = "manifest.json"
@@ -260,8 +264,7 @@ class ToExampleDoFn(beam.DoFn):
         self.ok = beam.metrics.Metrics.counter(_COUNTER_NS, "embedded")
 
     def setup(self):
-        spec = os.environ.get(storage.FAULT_ENV, "")
-        self.fault_after = int(spec.split(":", 1)[1]) if spec.startswith("images:") else 0
+        self.fault_after = faults.threshold("images")  # crash tests only; 0: never
         self.done = 0
 
     def process(self, keyed):
@@ -275,8 +278,8 @@ class ToExampleDoFn(beam.DoFn):
             return
         self.ok.inc()
         self.done += 1
-        if self.fault_after and self.done >= self.fault_after:
-            storage.fault_point(os.environ[storage.FAULT_ENV])  # crash tests only
+        if self.fault_after:
+            faults.count_reached("images", self.fault_after, self.done)
         yield embedding_example(inference, image_id, label)
 
 
@@ -325,6 +328,16 @@ def run(argv: list[str] | None = None) -> dict:
                                 "(no saved_model.pb); pass the version folder, e.g. export/1.")
     kind, inputs, _ = list_inputs(args.input, args.input_format)
     final = args.output.rstrip("/")
+    parent, base = os.path.split(final)
+    storage.makedirs(parent or ".")
+    # One job per output (tfaploss.locks); the lock sits beside it, as the output
+    # folder itself is swapped whole when published.
+    with locks.exclusive(parent or ".", "output", name=f".{base}.tfaploss.lock",
+                         target=final):
+        return _embed(args, beam_argv, gfile, kind, inputs, final)
+
+
+def _embed(args, beam_argv, gfile, kind, inputs, final) -> dict:
     storage.recover(final)
     storage.check_owned(final)
     parent, base = os.path.split(final)

@@ -73,7 +73,7 @@ from pipelines import images as I
 from pipelines import options as opts
 from pipelines import runner as R
 
-LOG = logging.getLogger("pipelines")
+LOG = logging.getLogger("pipelines.glyphs")  # not __name__: "__main__" under -m
 
 NAMED_SETS = {
     "cjk": ((0x4E00, 0x9FFF),),

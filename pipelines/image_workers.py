@@ -22,6 +22,15 @@ Tasks run
 
 Workers import neither Beam nor TensorFlow. The part files stay in the staging folder
 until the run is published, so a run needs free space for about twice its output.
+
+A worker process that dies (SIGKILL, the kernel's OOM killer) breaks its pool. Each
+worker notes what it is doing (split, shard, image) in a small shared-memory board
+before each image and each shard it writes, so :func:`worker_deaths` can tell the job
+which worker died, how, and on what; the job then stops with
+:class:`WorkerDiedError` and publishes nothing (:func:`pipelines.runner.run_job`).
+
+Fault point (:mod:`tfaploss.faults`): ``worker_kill:N``, a worker SIGKILLs itself as
+it starts its N-th image.
 """
 
 from __future__ import annotations
@@ -30,16 +39,19 @@ import ctypes
 import functools
 import hashlib
 import importlib
+import json
 import multiprocessing
 import os
 import signal
 import sys
 import uuid
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 from pipelines import images as I
 from pipelines import storage
 from pipelines import tf_example as X
+from tfaploss import faults
 
 # How many images one task holds when it goes to a process pool: small enough that the
 # last tasks of a run keep every process busy, large enough that the per-task cost
@@ -48,15 +60,18 @@ PROCESS_TASK_IMAGES = 4
 
 
 def process_task(records: list[dict], settings: dict, root: str | None,
-                 part_path: str) -> list:
+                 part_path: str, where: dict | None = None) -> list:
     """Process ``records`` and write their framed records to ``part_path``.
 
     Returns one entry per record, in order: its dead letter (a dict) or
     ``(offset, length, jpeg_offset, jpeg_length)`` in the part file. No part file is
-    written when every record failed.
+    written when every record failed. ``where`` (``split``, ``shard``, ``num_shards``)
+    is what a worker notes on the board before each image (see the module doc).
     """
     results, pieces, offset = [], [], 0
     for record in records:
+        if _WORKER is not None:
+            _starting(where, record)
         out = _one(record, settings, root)
         if isinstance(out, dict):
             results.append(out)
@@ -143,23 +158,63 @@ def can_fork() -> bool:
     return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
 
 
+_SLOT = 512  # bytes of the board per worker: its pid and what it is doing, as JSON
+
+
+class WorkerDiedError(RuntimeError):
+    """An image worker process died during the job (killed: SIGKILL, the OOM killer);
+    nothing was published. The message names the worker, the signal, and the split,
+    shard and image it was working on."""
+
+
+class _Pool:
+    """A local pool, its worker processes (by pid) and their board."""
+
+    def __init__(self, processes: int):
+        ctx = multiprocessing.get_context("fork")
+        self.board = ctx.Array(ctypes.c_char, processes * _SLOT, lock=False)
+        self.next_slot = ctx.Value(ctypes.c_int, 0)
+        self.executor = ProcessPoolExecutor(
+            processes, mp_context=ctx, initializer=_worker_init,
+            initargs=(os.getpid(), self.board, self.next_slot))
+        self.executor.submit(os.getpid).result()  # forks every worker now, not inside Beam
+        # The worker processes (forked up front with the fork context), kept to learn
+        # how each ended: the executor forgets them once it is broken.
+        self.workers = dict(getattr(self.executor, "_processes", None) or {})
+
+    def doing(self, pid: int) -> dict | None:
+        """What worker ``pid`` last noted on the board, else None."""
+        raw = bytes(self.board)
+        for at in range(0, len(raw), _SLOT):
+            text = raw[at:at + _SLOT].rstrip(b"\0")
+            try:
+                note = json.loads(text) if text else None
+            except ValueError:
+                continue
+            if isinstance(note, dict) and note.get("pid") == pid:
+                return note
+        return None
+
+
+_WORKER: dict | None = None  # in a worker process: its board slot and fault threshold
+
+
 def start_local_pool(processes: int) -> str:
     """Fork ``processes`` image workers now; returns the token a DoFn finds them by.
 
     Call it before Beam starts its threads: a process forked while other threads hold
     locks could inherit them held.
     """
-    pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"),
-                               initializer=_worker_init, initargs=(os.getpid(),))
-    pool.submit(os.getpid).result()  # forks every worker now, not inside Beam
     token = uuid.uuid4().hex
-    _LOCAL_POOLS[token] = pool
+    _LOCAL_POOLS[token] = _Pool(processes)
     return token
 
 
-def _worker_init(parent: int) -> None:
+def _worker_init(parent: int, board=None, next_slot=None) -> None:
     """Tie a worker's life to the job's: a job killed with SIGKILL or ``os._exit`` runs no
-    clean-up, and its workers, which share the pool's pipes, would wait forever."""
+    clean-up, and its workers, which share the pool's pipes, would wait forever. Then
+    take a slot of the board."""
+    global _WORKER
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the job's to handle
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -168,18 +223,122 @@ def _worker_init(parent: int) -> None:
         pass
     if os.getppid() != parent:  # the job died before prctl took effect
         os._exit(1)
+    if board is not None:
+        with next_slot.get_lock():
+            slot = next_slot.value
+            next_slot.value += 1
+        _WORKER = {"board": board, "at": slot * _SLOT, "images": 0,
+                   "kill_at": faults.threshold("worker_kill")}  # crash tests only; 0: never
+        _note({"doing": "idle"})
+
+
+def _note(note: dict) -> None:
+    """Put what this worker is doing on its slot of the board (a memory copy)."""
+    if _WORKER is None or _WORKER["at"] + _SLOT > len(_WORKER["board"]):
+        return
+    data = json.dumps({"pid": os.getpid(), **note}).encode("ascii")
+    if len(data) > _SLOT:  # a very long id or path: shorten it, still valid JSON
+        data = json.dumps({"pid": os.getpid(), **{
+            k: v[:30] + "..." if isinstance(v, str) and len(v) > 30 else v
+            for k, v in note.items()}}).encode("ascii")
+    if len(data) > _SLOT:
+        data = json.dumps({"pid": os.getpid(), "doing": note.get("doing")}).encode("ascii")
+    at = _WORKER["at"]
+    _WORKER["board"][at:at + _SLOT] = data.ljust(_SLOT, b"\0")
+
+
+def _starting(where: dict | None, record: dict) -> None:
+    _note({"doing": "image", **(where or {}), "id": str(record.get("id")),
+           "path": str(record.get("relpath") or record.get("path") or "")})
+    _WORKER["images"] += 1
+    if _WORKER["kill_at"] and _WORKER["images"] == _WORKER["kill_at"]:
+        faults.sigkill_self(f"worker_kill:{_WORKER['kill_at']}",
+                            f"image {record.get('id')!r} of split "
+                            f"{(where or {}).get('split')!r}")
+
+
+def noted(where: dict, fn, *args):
+    """``fn(*args)``, noted on the board first (the shard writers' tasks in the pool)."""
+    _note({"doing": "write", **where})
+    return fn(*args)
+
+
+def worker_deaths(token: str | None) -> list[dict]:
+    """The workers of the pool ``token`` that died other than by the pool's own
+    shutdown: ``pid``, ``exitcode`` (``-9``: SIGKILL), ``signal`` (its name) and
+    ``doing`` (their last note on the board). Empty when none died (or no pool)."""
+    pool = _LOCAL_POOLS.get(token) if token else None
+    if pool is None:
+        return []
+    ended = {pid: p.exitcode for pid, p in pool.workers.items()}
+    # When one worker dies, the executor terminates the others (SIGTERM): report those
+    # only when nothing else explains the break.
+    dead = {pid: code for pid, code in ended.items() if code not in (None, 0)}
+    culprits = {pid: c for pid, c in dead.items() if c != -signal.SIGTERM} or dead
+    out = []
+    for pid, code in sorted(culprits.items()):
+        name = None
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+        out.append({"pid": pid, "exitcode": code, "signal": name, "doing": pool.doing(pid)})
+    return out
+
+
+def describe_deaths(deaths: list[dict]) -> str:
+    """One sentence per dead worker: who, how, on what."""
+    parts = []
+    for d in deaths:
+        how = (f"was killed by {d['signal']}" + (
+            " (what the kernel's OOM killer sends when memory runs out)"
+            if d["signal"] == "SIGKILL" else "") if d["signal"]
+            else f"exited with status {d['exitcode']}")
+        note = d["doing"] or {}
+        if note.get("doing") in ("image", "write"):
+            where = f"split {note.get('split')!r}"
+            if note.get("shard") is not None:
+                where += f", shard {note['shard']} of {note.get('num_shards')}"
+            if note.get("file"):
+                where += f" ({note['file']})"
+            path = note.get("path")
+            image = f"{note.get('id')!r}" + (f" ({path})" if path and path != note.get("id")
+                                             else "")
+            what = (f"while processing image {image} of {where}" if note["doing"] == "image"
+                    else f"while writing {where}")
+        else:
+            what = "between tasks"
+        parts.append(f"image worker process {d['pid']} {how} {what}")
+    return "; ".join(parts)
 
 
 def local_pool(token: str | None) -> ProcessPoolExecutor | None:
     """The pool :func:`start_local_pool` made in this process, or None (another process,
     as in Beam's multi-process mode or on a remote worker)."""
-    return _LOCAL_POOLS.get(token) if token else None
+    pool = _LOCAL_POOLS.get(token) if token else None
+    return pool.executor if pool is not None else None
 
 
-def stop_local_pool(token: str | None) -> None:
-    pool = _LOCAL_POOLS.pop(token, None) if token else None
+def stop_local_pool(token: str | None, forget: bool = True) -> None:
+    """Shut the pool down (waiting for its workers); ``forget=False`` keeps it known,
+    for :func:`worker_deaths`, until a later call forgets it."""
+    pool = (_LOCAL_POOLS.pop(token, None) if forget else _LOCAL_POOLS.get(token)) \
+        if token else None
     if pool is not None:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.executor.shutdown(wait=True, cancel_futures=True)
+
+
+def is_pool_broken(err: BaseException) -> bool:
+    """Whether ``err`` (or what it wraps: Beam re-raises a DoFn's error in its own)
+    comes from a broken process pool."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, BrokenProcessPool):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def thread_pool(threads: int) -> Executor | None:

@@ -15,9 +15,14 @@ import warnings
 
 from PIL import Image, ImageFile, ImageOps
 
-LOG = logging.getLogger("pipelines")
+from pipelines import image_headers
+
+LOG = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+# The formats PIL may decode (an MPO opens as JPEG): a ".jpg" holding EPS, PSD or any
+# of PIL's other formats is refused rather than handed to a reader nobody tested.
+DECODED_FORMATS = ("JPEG", "PNG", "GIF", "BMP", "WEBP", "TIFF")
 
 # Failure codes used in dead letters and counted in the manifest.
 MISSING_FILE = "missing_file"
@@ -103,21 +108,43 @@ def decode_image(data: bytes, *, min_side: int = 1, max_pixels: int = 100_000_00
     composited on white, as a viewer shows it). ``draft_side`` > 0 lets the JPEG decoder
     scale down by a power of two while staying at least that large (much faster when the
     image is resized afterwards anyway). Raises :class:`ImageError`.
+
+    No more than ``max_pixels`` pixels are ever decoded, whatever the header says: the
+    size is read twice before decoding, by :func:`pipelines.image_headers.read_size`
+    (the walk the codec does: a frame header hidden in a JPEG's APP segment, a BMP
+    header size PIL would misread or a GIF frame larger than its screen cannot show a
+    smaller size) and by PIL, whose size is what ``load()`` allocates. Both must pass
+    the limit, and agree for JPEG, PNG, GIF, BMP and WebP: libjpeg, not PIL's header
+    reader, decides how large a JPEG's rows are, while PIL sizes its buffers by its own
+    reading. Only the first frame of an animation is decoded.
     """
     if not data:
         raise ImageError(EMPTY_FILE, "file is empty (0 bytes)")
+    try:
+        declared = image_headers.read_size(data)
+    except image_headers.HeaderError as e:
+        raise ImageError(TRUNCATED if e.truncated else UNDECODABLE, f"refused header: {e}") from e
+    if declared is not None and declared[1] * declared[2] > max_pixels:
+        raise ImageError(TOO_LARGE, f"the {declared[0]} header declares {declared[1]}x"
+                                    f"{declared[2]}, more than --max_pixels={max_pixels}")
     ImageFile.LOAD_TRUNCATED_IMAGES = False
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
+            img = Image.open(io.BytesIO(data), formats=DECODED_FORMATS)
             w, h = img.size
             if w * h > max_pixels:
                 raise ImageError(TOO_LARGE, f"{w}x{h} has more than --max_pixels={max_pixels}")
+            if declared is not None and (w, h) != declared[1:]:
+                raise ImageError(UNDECODABLE, f"PIL reads {w}x{h} where the {declared[0]} "
+                                              f"decoder reads {declared[1]}x{declared[2]}")
             if draft_side and img.format == "JPEG" and max(w, h) > draft_side:
                 scale = draft_side / max(w, h)
                 img.draft("RGB", (max(1, math.ceil(w * scale)), max(1, math.ceil(h * scale))))
             img.load()
+            w, h = img.size
+            if w * h > max_pixels:  # a plugin whose load() changed the size
+                raise ImageError(TOO_LARGE, f"{w}x{h} has more than --max_pixels={max_pixels}")
     except ImageError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:

@@ -9,12 +9,18 @@ one dict per query with ``bbx``, ``easy``, ``hard``, ``junk``) and the images
   requires), ``image/index`` = its position in ``qimlist``, ``image/bbox`` = the box;
 
 and the ground truth as ``OUTPUT_DIR/gnd_<dataset>.json`` (same structure as the pickle,
-arrays as lists). Labels are -1: retrieval is scored with the ground truth, by index.
+arrays as lists, plus ``source``: the pickle's name and SHA-256), written atomically.
+Labels are -1: retrieval is scored with the ground truth, by index.
 
-The pickle is untrusted input: it is read with :mod:`tfaploss.utils.safe_pickle`, which
-refuses anything but plain containers, numbers, strings and numpy arrays.
+This job is the only place a ground-truth pickle is read, once per dataset: the pickle
+is untrusted input, read with :mod:`pipelines.safe_pickle` (a restricted reader with
+bounds on its total work, which refuses anything but plain containers, numbers,
+strings and numeric numpy arrays), and evaluation reads only the JSON. With
+``--ground_truth_only`` the job converts the pickle and stops, reading no image.
 
     python -m pipelines.revisited --input_dir roxford5k --dataset roxford5k --output_dir out
+    python -m pipelines.revisited --input_dir roxford5k --dataset roxford5k --output_dir out \\
+        --ground_truth_only
 """
 
 from __future__ import annotations
@@ -24,9 +30,8 @@ import sys
 from pipelines import images as I
 from pipelines import options as opts
 from pipelines import runner as R
-from pipelines import storage
+from pipelines import safe_pickle, storage
 from tfaploss.evaluation.revisited import check_revisited_gnd
-from tfaploss.utils import safe_pickle
 
 DATASETS = ("roxford5k", "rparis6k")
 
@@ -35,18 +40,32 @@ def parser():
     p = opts.build_parser(__doc__.splitlines()[0])
     p.add_argument("--dataset", choices=DATASETS, required=True)
     p.add_argument("--images_subdir", default="jpg", help="image folder inside --input_dir")
+    p.add_argument("--ground_truth_only", action="store_true",
+                   help="only convert gnd_<dataset>.pkl to OUTPUT_DIR/gnd_<dataset>.json "
+                        "(what evaluation's --gnd reads); no image is read")
     p.set_defaults(by_class="none")
     return p
 
 
-def load_ground_truth(path: str) -> dict:
-    """Safely load and check a ``gnd_*.pkl``; returns it as plain JSON-able data.
+def read_pickled_ground_truth(path: str) -> dict:
+    """Safely load and check a ``gnd_*.pkl``; returns it as plain JSON-able data, with
+    ``source`` (the file's name and SHA-256) added.
 
-    The pickle is untrusted: :mod:`tfaploss.utils.safe_pickle` builds nothing but plain
-    data, and :func:`check_revisited_gnd` refuses a wrong structure with a ValueError
-    naming the file and the key. The job also needs every query's box, to crop it.
+    The pickle is untrusted: :mod:`pipelines.safe_pickle` builds nothing but plain
+    data, within bounds on its total work, and :func:`check_revisited_gnd` refuses a
+    wrong structure with a ValueError naming the file and the key.
     """
-    gnd = check_revisited_gnd(safe_pickle.safe_load_path(path), path)
+    data, sha256 = safe_pickle.safe_load_path(path, with_sha256=True)
+    gnd = check_revisited_gnd(data, path)
+    gnd["source"] = {"file": str(path).replace("\\", "/").rsplit("/", 1)[-1],
+                     "sha256": sha256}
+    return gnd
+
+
+def load_ground_truth(path: str) -> dict:
+    """:func:`read_pickled_ground_truth`, plus what the job needs: non-empty name lists
+    and every query's box (to crop it)."""
+    gnd = read_pickled_ground_truth(path)
     missing = [k for k in ("imlist", "qimlist") if not gnd[k]]
     if missing:
         raise ValueError(f"{path}: ground truth lacks (or has empty) {missing}")
@@ -91,11 +110,17 @@ def plan(args) -> tuple[list[R.SplitPlan], dict]:
             R.SplitPlan("queries", queries, q_dups, extra=extra, by_class=False)], gnd
 
 
-def run(argv: list[str] | None = None) -> dict[str, dict]:
-    """Run the job in-process; returns ``{"database": manifest, "queries": manifest}``."""
+def run(argv: list[str] | None = None) -> dict[str, dict] | str:
+    """Run the job in-process; returns ``{"database": manifest, "queries": manifest}``,
+    or with ``--ground_truth_only`` the path of the JSON ground truth written."""
     args, options = opts.parse_args(parser(), argv)
-    plans, gnd = plan(args)
     truth = storage.join(args.output_dir, f"gnd_{args.dataset}.json")
+    if args.ground_truth_only:
+        gnd = load_ground_truth(storage.join(args.input_dir, f"gnd_{args.dataset}.pkl"))
+        storage.makedirs(args.output_dir)
+        storage.write_json(truth, gnd)
+        return truth
+    plans, gnd = plan(args)
     try:
         manifests = R.run_job("revisited", plans, args, options)
     except R.TooManyFailuresError:
@@ -105,5 +130,12 @@ def run(argv: list[str] | None = None) -> dict[str, dict]:
     return manifests
 
 
+def describe(result) -> str:
+    """The result line: the splits written, or the ground truth alone."""
+    if isinstance(result, str):
+        return f"ground truth: {result}"
+    return R.describe_manifests(result)
+
+
 if __name__ == "__main__":
-    sys.exit(R.main_wrapper(run))
+    sys.exit(R.main_wrapper(run, describe=describe))

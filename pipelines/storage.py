@@ -12,6 +12,8 @@ deletes the old one, and :func:`recover` (run at the start of every job) puts th
 one back if a crash fell between the two renames. On object stores, where folders
 cannot be renamed, the old manifest is deleted first and the new one written last, so
 a manifest never describes records that are not there.
+
+Fault point (:mod:`tfaploss.faults`): ``publish``, between the two renames.
 """
 
 from __future__ import annotations
@@ -22,14 +24,7 @@ import os
 import shutil
 import uuid
 
-FAULT_ENV = "TFAPLOSS_PIPELINES_FAULT"
-"""Fault injection for the crash tests: ``publish`` kills the process between the two
-renames of a publish; ``images:N`` (see :mod:`pipelines.runner`) after N images."""
-
-
-def fault_point(name: str) -> None:
-    if os.environ.get(FAULT_ENV) == name:
-        os._exit(75)
+from tfaploss import faults
 
 
 def is_url(path: str) -> bool:
@@ -126,6 +121,11 @@ def write_json(path: str, obj, **kwargs) -> None:
     write_atomic(path, json.dumps(obj, **kwargs))
 
 
+def json_lines(rows) -> str:
+    """``rows`` (dicts) as JSON lines, keys sorted."""
+    return "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
+
+
 def remove_tree(path: str) -> None:
     if is_url(path):
         files = glob(path.rstrip("/") + "/**")
@@ -174,7 +174,7 @@ def recover(final: str) -> None:
 
 def _exchange(a: str, b: str) -> bool:
     """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
-    if os.environ.get(FAULT_ENV) == "publish":
+    if faults.requested("publish"):
         return False  # the crash test exercises the two-rename path
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -200,7 +200,7 @@ def publish(staged: str, final: str) -> None:
     previous = _previous(final)
     shutil.rmtree(previous, ignore_errors=True)
     os.rename(final, previous)
-    fault_point("publish")
+    faults.point("publish")
     os.rename(staged, final)
     shutil.rmtree(previous)
 

@@ -1,7 +1,8 @@
 """Plain NumPy references: exact AP and slow, literal versions of the losses.
 
-Meant for tests and for checking a new implementation; every function is written
-for clarity (loops and dense tensors), not speed. Inputs are NumPy arrays.
+The tests check the losses against these (``from tests import reference``; also a
+place to check a new implementation); every function is written for clarity (loops
+and dense tensors), not speed. Inputs are NumPy arrays.
 """
 
 from __future__ import annotations

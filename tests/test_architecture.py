@@ -24,7 +24,8 @@ LAYERS = {
     "tfaploss._registration": 0,
     "tfaploss._keras_compat": 0,    # the one home of Keras's private names
     "tfaploss.faults": 0,           # the fault injector of the crash tests
-    "tfaploss.utils": 0,
+    "tfaploss.locks": 0,            # one writer per run directory or output folder
+    "tfaploss.log": 0,              # the logging scheme (loggers, CLI handler)
     "tfaploss.ops": 0,              # backend kernels the losses share
     # Building blocks, each standing alone.
     "tfaploss.data": 1,             # TFRecords -> batches

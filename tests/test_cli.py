@@ -146,6 +146,8 @@ KILLS = [
 def trained_run(workspace):
     """Train EPOCHS epochs, killed at each point of KILLS and resumed by the same command
     each time; then the same command once more, in this process, on the finished run."""
+    from tfaploss import faults
+
     root, config = workspace
     run_dir = root / "run"
     runs = []
@@ -153,7 +155,7 @@ def trained_run(workspace):
         if fault.startswith("SIGKILL"):
             runs.append(tfaploss_killed_at(f"Epoch 3/{EPOCHS}", "train", "--config", config))
         else:
-            runs.append(tfaploss("train", "--config", config, env={"TFAPLOSS_FAULT": fault}))
+            runs.append(tfaploss("train", "--config", config, env={faults.ENV: fault}))
         if fault.startswith("metadata_write"):
             # As a crash on a file system without ordered writes can leave it: empty.
             (run_dir / "backup" / "checkpoint.json").write_bytes(b"")
@@ -230,6 +232,40 @@ def test_train_log_holds_no_terminal_escape_codes(trained_run):
 
 # evaluate and export run through the CLI's entry point in this process: each extra
 # subprocess would pay TensorFlow's import again (the test budget is tight).
+
+
+def test_quiet_and_verbose_set_what_a_command_shows(trained_run, workspace, capsys):
+    """On the finished run (`train` only says there is nothing to do): the line is
+    there by default, gone with --quiet (before or after the command name), and
+    carries its time, logger and level with --verbose."""
+    import logging
+
+    from tfaploss.cli import main
+
+    _, config = workspace
+    said = "already holds this finished run"
+    assert main(["train", "--config", str(config)]) == 0
+    default = capsys.readouterr()
+    assert said in default.out and said not in default.err
+    assert default.out.startswith(str(trained_run[0])), default.out  # the plain message
+    for argv in (["--quiet", "train", "--config", str(config)],
+                 ["train", "--config", str(config), "-q"]):
+        assert main(argv) == 0
+        assert said not in "".join(capsys.readouterr())
+    for argv in (["--verbose", "train", "--config", str(config)],
+                 ["train", "-v", "--config", str(config)]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert re.search(r"^\d{4}-\d\d-\d\d [\d:,]+ tfaploss\.run\.trainer INFO: .*" + said,
+                         out, re.MULTILINE), out
+        for code in ESCAPES:
+            assert code not in out
+    with pytest.raises(SystemExit):
+        main(["--quiet", "train", "--config", str(config), "--verbose"])
+    # A command run in-process leaves the loggers as it found them.
+    assert logging.getLogger("tfaploss").level == logging.NOTSET
+    assert all(isinstance(h, logging.NullHandler)
+               for h in logging.getLogger("tfaploss").handlers)
 
 
 def test_evaluate_prints_the_table_and_writes_json(trained_run, workspace, tmp_path, capsys):
@@ -343,26 +379,26 @@ def test_diverging_learning_rate_stops_training_and_saves_nothing(workspace, tmp
     run_dir = tmp_path / "diverged"
     rc = main(["train", "--config", str(config), "--set", f"run_dir={run_dir}",
                "--set", "loss.name=ContrastiveLoss", "--set", "optimizer.name=sgd",
-               "--set", "optimizer.lr=1e12", "--set", "optimizer.schedule.name=constant",
+               "--set", "optimizer.lr=100", "--set", "optimizer.schedule.name=constant",
                "--set", "optimizer.schedule.end_lr=null"])
     err = capsys.readouterr().err
     assert rc == 3, err
     assert "training stopped" in err and "epoch 1" in err and "learning rate" in err
-    assert "optimizer.lr=1e+12" in err
+    assert "optimizer.lr=100" in err
     assert not (run_dir / "model.keras").exists()
     assert not (run_dir / "summary.json").exists()
     assert not list(run_dir.glob("backup/*.weights.h5"))
 
 
-def test_nan_in_epoch_two_stops_before_its_checkpoint(workspace, tmp_path, capsys,
-                                                      monkeypatch):
+def test_nan_in_epoch_two_stops_before_its_checkpoint(workspace, tmp_path, capsys):
+    from tfaploss import faults
     from tfaploss.cli import main
 
     _, config = workspace
     run_dir = tmp_path / "nan"
-    monkeypatch.setenv("TFAPLOSS_FAULT", "nan_weights:2:1")
-    rc = main(["train", "--config", str(config), "--set", f"run_dir={run_dir}",
-               "--set", "evaluation.every_n_epochs=0"])
+    with faults.armed("nan_weights:2:1"):
+        rc = main(["train", "--config", str(config), "--set", f"run_dir={run_dir}",
+                   "--set", "evaluation.every_n_epochs=0"])
     err = capsys.readouterr().err
     assert rc == 3, err
     # Batch 1 of epoch 2 ends with a NaN weight; batch 2 is where training stops.

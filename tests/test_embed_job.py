@@ -120,7 +120,7 @@ def test_embed_rerun_killed_midway_keeps_the_previous_output(tmp_path, exported)
     import os
     import subprocess
 
-    from pipelines import storage
+    from tfaploss import faults
 
     root = tmp_path / "tree"
     for cls, colour in (("cat", (220, 200, 20)), ("dog", (20, 20, 220))):
@@ -138,7 +138,7 @@ def test_embed_rerun_killed_midway_keeps_the_previous_output(tmp_path, exported)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     killed = subprocess.run(
         [sys.executable, "-m", "pipelines.embed", *argv, "--labels_from_folders"], cwd=repo,
-        env={**os.environ, "PYTHONPATH": repo, storage.FAULT_ENV: "images:3"},
+        env={**os.environ, "PYTHONPATH": repo, faults.ENV: "images:3"},
         capture_output=True, text=True, timeout=300, check=False)
     assert killed.returncode == 75, killed.stderr[-2000:]
     assert snapshot() == before

@@ -1,5 +1,6 @@
 """Revisited Oxford/Paris protocol: trapezoid AP goldens, protocols, safe gnd loading."""
 
+import json
 import os
 import pickle
 
@@ -13,7 +14,6 @@ from tfaploss.evaluation import (
     revisited_per_query_ap,
     trapezoid_ap,
 )
-from tfaploss.utils.safe_pickle import UnsafePickleError
 
 
 def _scores_for_ranking(n):
@@ -99,22 +99,66 @@ class _Exploit:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_gnd_loader_reads_plain_pickles(tmp_path):
-    data = {"imlist": ["a", "b", "c"], "qimlist": ["q"],
-            "gnd": [{"easy": np.array([0]), "hard": np.array([2], dtype=np.int32),
-                     "junk": [], "bbx": np.array([1.0, 2.0, 30.0, 40.0])}]}
-    path = tmp_path / "gnd_test.pkl"
-    path.write_bytes(pickle.dumps(data, protocol=2))
+def test_gnd_loader_reads_the_json_the_job_writes(tmp_path):
+    path = tmp_path / "gnd_test.json"
+    path.write_text(json.dumps({
+        "imlist": ["a", "b", "c"], "qimlist": ["q"],
+        "gnd": [{"easy": [0], "hard": [2], "junk": [], "bbx": [1.0, 2.0, 30.0, 40.0]}],
+        "source": {"file": "gnd_test.pkl", "sha256": "0" * 64}}))
     got = load_revisited_gnd(str(path))
     assert got["gnd"][0] == {"easy": [0], "hard": [2], "junk": [], "bbx": [1, 2, 30, 40]}
     assert got["imlist"] == ["a", "b", "c"]
 
 
-def test_gnd_loader_refuses_malicious_pickle(tmp_path):
+@pytest.mark.parametrize("name", ["gnd_roxford5k.pkl", "gnd_rparis6k.pickle",
+                                  "gnd_rparis6k.json"])
+def test_gnd_loader_never_unpickles_and_names_the_conversion(tmp_path, name):
+    """Evaluation reads JSON only: a pickle (by its name, or by its first byte under a
+    .json name) is refused with the command that converts it; its payload never runs."""
     marker = tmp_path / "pwned"
     payload = {"imlist": [], "qimlist": [], "gnd": [_Exploit(marker)]}
-    path = tmp_path / "gnd_evil.pkl"
-    path.write_bytes(pickle.dumps(payload))
-    with pytest.raises(UnsafePickleError, match="system"):
+    path = tmp_path / name
+    path.write_bytes(pickle.dumps(payload, protocol=2))
+    with pytest.raises(ValueError) as info:
         load_revisited_gnd(str(path))
+    message = str(info.value)
+    assert str(path) in message and "JSON only" in message
+    assert "python -m pipelines.revisited" in message and "--ground_truth_only" in message
+    assert ("rparis6k" if "rparis" in name else "roxford5k") in message
     assert not marker.exists()
+
+
+def _pickle_scores(truth, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((len(truth["qimlist"]), len(truth["imlist"])))
+
+
+def test_json_ground_truth_gives_the_same_metrics_as_the_pickle(tmp_path):
+    """Converted once (restricted reader -> JSON), the ground truth scores exactly as
+    the pickle's own content (read here by pickle itself, trusted) did before."""
+    from pipelines.safe_pickle import safe_load_path
+    from tests.hostile_pickles import realistic_gnd
+    from tfaploss.evaluation.revisited import check_revisited_gnd
+
+    truth = realistic_gnd(num_db=400, num_queries=9, index_dtype=np.int32)
+    pkl = tmp_path / "gnd_roxford5k.pkl"
+    pkl.write_bytes(pickle.dumps(truth, protocol=4))
+    converted = tmp_path / "gnd_roxford5k.json"
+    converted.write_text(json.dumps(check_revisited_gnd(safe_load_path(str(pkl)))))
+    from_json = load_revisited_gnd(str(converted))["gnd"]
+    from_pickle = pickle.loads(pkl.read_bytes())["gnd"]  # numpy arrays, as before
+    scores = _pickle_scores(truth)
+    for protocol in ("easy", "medium", "hard"):
+        want = revisited_map(scores, from_pickle, protocol, ks=(1, 5, 10))
+        assert revisited_map(scores, from_json, protocol, ks=(1, 5, 10)) == want
+        np.testing.assert_array_equal(revisited_per_query_ap(scores, from_json, protocol),
+                                      revisited_per_query_ap(scores, from_pickle, protocol))
+    # ... and through evaluate(), given the JSON path as `tfaploss evaluate --gnd` does
+    from tfaploss.evaluation import evaluate
+
+    rng = np.random.default_rng(1)
+    db = rng.standard_normal((400, 8)).astype(np.float32)
+    q = rng.standard_normal((9, 8)).astype(np.float32)
+    by_path = evaluate(db, query=q, gnd=str(converted), protocol="roxford", verbose=0)
+    by_pickle = evaluate(db, query=q, gnd=from_pickle, protocol="roxford", verbose=0)
+    assert by_path.metrics == by_pickle.metrics and "medium/map" in by_path.metrics

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfaploss import reference
+from tests import reference
 from tfaploss.losses import FastAPLoss
 from tfaploss.ops import fastap, label_masks
 

@@ -131,8 +131,10 @@ def test_bad_labels_and_inputs_raise_clear_errors(cls):
         loss(np.stack([labels, labels], 1), x)
     with pytest.raises(ValueError, match="y_pred"):
         loss(labels, x[None])
-    with pytest.raises(ValueError, match="sample_weight"):
-        loss(labels, x, sample_weight=np.ones(12))
+    with pytest.raises(ValueError, match=r"sample_weight of shape \(11,\)"):
+        loss(labels, x, sample_weight=np.ones(11))
+    with pytest.raises(ValueError, match=r"sample_weight of shape \(12, 2\)"):
+        loss(labels, x, sample_weight=np.ones((12, 2)))
     with pytest.raises(ValueError, match="bfloat16"):
         cls(dtype="bfloat16")
     # (B, 1) labels and large int64 ids that float32 would merge are fine.

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.reference import batch_average_precision
 from tfaploss.losses import SmoothAPLoss, SupAPLoss
 from tfaploss.ops.smooth_rank import (
     HeavisideStep,
@@ -17,7 +18,6 @@ from tfaploss.ops.smooth_rank import (
     SupAPUpperStep,
     positive_rank_terms,
 )
-from tfaploss.reference import batch_average_precision
 
 CASES = ("A", "B", "D")
 

@@ -14,6 +14,7 @@ import pytest
 
 from pipelines import folder, revisited, runner, storage
 from tests import miniature as mini
+from tfaploss import faults
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IN_MEMORY = ["--direct_running_mode", "in_memory"]
@@ -148,16 +149,18 @@ def test_rerun_killed_midway_leaves_the_previous_dataset_intact(tmp_path):
 
     # A rerun with other settings, killed after 6 images (os._exit: no clean-up at all).
     killed = _job("folder", [*base, "--max_side", "16", "--images_per_batch", "2"],
-                  {storage.FAULT_ENV: "images:6"}, timeout=120)
+                  {faults.ENV: "images:6"}, timeout=120)
     assert killed.returncode == 75, killed.stderr
+    assert f"{faults.ENV}=images:6: simulated kill at images " in killed.stderr
     assert _processes_running_with(out) == []  # its image processes died with it
     assert {s: _snapshot(os.path.join(out, s)) for s in ("train", "test")} == before
     for s in ("train", "test"):
         _check_manifest_matches_records(os.path.join(out, s))
 
     # Killed between the two renames of a publish: the old split is put back.
-    killed = _job("folder", [*base, "--max_side", "16"], {storage.FAULT_ENV: "publish"})
+    killed = _job("folder", [*base, "--max_side", "16"], {faults.ENV: "publish"})
     assert killed.returncode == 75, killed.stderr
+    assert f"{faults.ENV}=publish: simulated kill at publish" in killed.stderr
     assert not os.path.exists(os.path.join(out, "train"))  # renamed aside, not lost
     storage.recover(os.path.join(out, "train"))
     assert {s: _snapshot(os.path.join(out, s)) for s in ("train", "test")} == before
@@ -289,6 +292,8 @@ def test_a_job_prints_a_few_lines_of_its_own(tmp_path):
     assert len(lines) <= 4, lines
     assert lines[-1].startswith("folder: 29 images in ")
     assert not any("apitools" in ln or "INFO" in ln or "WARNING" in ln for ln in lines), lines
+    # Plain lines, readable in a log file: no carriage return, colour code or backspace.
+    assert not any(code in done.stdout + done.stderr for code in ("\r", "\x1b", "\x08"))
     refused = _job("folder", ["--input_dir", str(tmp_path / "nowhere"), "--output_dir",
                               str(tmp_path / "o")])
     assert refused.returncode == 2

@@ -1,5 +1,6 @@
 """SOP, iNaturalist, GLDv2 and revisited Oxford/Paris jobs on miniature layouts."""
 
+import hashlib
 import json
 import os
 import pickle
@@ -7,9 +8,9 @@ import pickle
 import numpy as np
 import pytest
 
-from pipelines import gldv2, inaturalist, revisited, sop
+from pipelines import gldv2, inaturalist, revisited, safe_pickle, sop
 from tests import miniature as mini
-from tfaploss.utils import safe_pickle
+from tfaploss.evaluation.revisited import check_revisited_gnd, load_revisited_gnd
 
 IN_MEMORY = ["--direct_running_mode", "in_memory", "--max_failure_fraction", "0.5"]
 
@@ -122,6 +123,32 @@ def test_revisited_database_queries_crops_and_json_truth(tmp_path):
     assert gnd["imlist"] == truth["imlist"] and gnd["qimlist"] == truth["qimlist"]
     assert gnd["gnd"][1]["easy"] == [2, 6] and gnd["gnd"][0]["junk"] == []
     assert manifests["queries"]["ground_truth"] == "../gnd_roxford5k.json"
+    with open(os.path.join(m.root, "gnd_roxford5k.pkl"), "rb") as f:
+        published = f.read()
+    assert gnd["source"] == {"file": "gnd_roxford5k.pkl",
+                             "sha256": hashlib.sha256(published).hexdigest()}
+    # what evaluation reads back is what pickle itself reads from the published file
+    assert load_revisited_gnd(os.path.join(out, "gnd_roxford5k.json")) == \
+        check_revisited_gnd(pickle.loads(published))
+
+
+def test_revisited_ground_truth_only_converts_the_pickle_once(tmp_path):
+    """--ground_truth_only: the JSON evaluation reads, written atomically, no image read
+    and no split written; a second run replaces it whole."""
+    m, truth = mini.make_revisited(str(tmp_path / "roxf"))
+    out = tmp_path / "out"
+    argv = ["--input_dir", m.root, "--output_dir", str(out), "--dataset", "roxford5k",
+            "--ground_truth_only", *IN_MEMORY]
+    path = revisited.run(argv)
+    assert path == os.path.join(str(out), "gnd_roxford5k.json")
+    assert sorted(os.listdir(out)) == ["gnd_roxford5k.json"]
+    got = load_revisited_gnd(path)
+    assert got["imlist"] == truth["imlist"] and got["qimlist"] == truth["qimlist"]
+    for g, e in zip(got["gnd"], truth["gnd"], strict=True):
+        assert g == {k: [float(v) for v in e[k]] if k == "bbx" else [int(v) for v in e[k]]
+                     for k in ("bbx", "easy", "hard", "junk")}
+    assert revisited.run(argv) == path and sorted(os.listdir(out)) == ["gnd_roxford5k.json"]
+    assert revisited.describe(path) == f"ground truth: {path}"
 
 
 class _Exploit:

@@ -4,6 +4,8 @@ Real revisited gnd files are pickled dicts of lists of dicts holding numpy integ
 arrays and float boxes, written by numpy 1 (``numpy.core``) or numpy 2
 (``numpy._core``) under protocols 2..5. Hostile files are run in a subprocess: a
 regression there would be a segfault or a memory blow-up, not a failed assertion.
+The attacks on the total work (floods, memo abuse, deep nesting, ~1 MiB each) and on
+array shapes and dtypes come from :mod:`tests.hostile_pickles`, class by class.
 """
 
 import json
@@ -14,13 +16,23 @@ import random
 import struct
 import subprocess
 import sys
+import time
+import tracemalloc
 import warnings
 
 import numpy as np
 import pytest
 
+from pipelines.safe_pickle import PickleLimits, UnsafePickleError, safe_load_path, safe_loads
+from tests import hostile_pickles as H
 from tfaploss.evaluation import load_revisited_gnd
-from tfaploss.utils.safe_pickle import PickleLimits, UnsafePickleError, safe_loads
+from tfaploss.evaluation.revisited import check_revisited_gnd
+
+
+def _load_pickled(path):
+    """What the revisited job does with a gnd pickle: the restricted reader, then the
+    structure check (``pipelines.revisited.read_pickled_ground_truth`` without Beam)."""
+    return check_revisited_gnd(safe_load_path(str(path)), str(path))
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -179,7 +191,7 @@ EXPECTED = {
     "object_array": "dtype 'O8'", "object_array_in_gnd": "dtype 'O8'",
     "dtype_object_flags": "not that of a plain numeric type",
     "bytes_1gib": "arguments", "bytearray_1gib": "builtins.bytearray",
-    "binbytes8_1tib": "truncated", "array_shape_lie": "bytes of data",
+    "binbytes8_1tib": "truncated", "array_shape_lie": "array shape",
     "os_system": "system", "memo_index_4g": "top level",
     "deep_200k": "nested more than 32", "deep_200k_in_gnd": "nested more than 32",
     "self_cycle": "second reference to a list", "tuple_laughs": "second reference to a tuple",
@@ -191,11 +203,12 @@ EXPECTED = {
 
 _RUNNER = r"""
 import json, sys
-from tfaploss.evaluation.revisited import load_revisited_gnd
+from pipelines.safe_pickle import safe_load_path
+from tfaploss.evaluation.revisited import check_revisited_gnd
 out = {}
 for path in sys.argv[1:]:
     try:
-        load_revisited_gnd(path)
+        check_revisited_gnd(safe_load_path(path), path)
         out[path] = ["loaded", ""]
     except Exception as err:
         out[path] = [type(err).__name__ + ("/ValueError" if isinstance(err, ValueError)
@@ -261,12 +274,12 @@ def test_mutated_real_pickles_never_crash(tmp_path):
 
 def test_limits_are_enforced():
     data = pickle.dumps({"a": list(range(100))}, protocol=2)
-    with pytest.raises(UnsafePickleError, match="container items"):
+    with pytest.raises(UnsafePickleError, match="container and array elements"):
         safe_loads(data, limits=PickleLimits(max_items=50))
     with pytest.raises(UnsafePickleError, match="bytes, more than"):
         safe_loads(data, limits=PickleLimits(max_bytes=100))
     arrays = pickle.dumps([np.zeros(100, dtype=np.int64)] * 2, protocol=2)
-    with pytest.raises(UnsafePickleError, match="bytes of array data"):
+    with pytest.raises(UnsafePickleError, match="bytes of strings and array data"):
         safe_loads(arrays, limits=PickleLimits(max_alloc_bytes=1000))
     deep = pickle.dumps([[[[1]]]], protocol=2)
     assert safe_loads(deep, limits=PickleLimits(max_depth=4)) == [[[[1]]]]
@@ -311,7 +324,7 @@ def test_wrong_structure_names_file_and_key(tmp_path, case):
     path = tmp_path / f"gnd_{case}.pkl"
     path.write_bytes(pickle.dumps(payload, protocol=2))
     with pytest.raises(ValueError) as info:
-        load_revisited_gnd(str(path))
+        _load_pickled(path)
     assert str(path) in str(info.value) and phrase in str(info.value)
 
 
@@ -333,3 +346,195 @@ def test_json_ground_truth_errors_name_the_file(tmp_path):
                                          "bbx": [1, 2, 3, 4]}]}))
     assert load_revisited_gnd(str(good))["gnd"] == [
         {"easy": [1], "hard": [], "junk": [0], "bbx": [1.0, 2.0, 3.0, 4.0]}]
+
+
+# ---------------------------------------------------------------------------------------
+# Bounds on the total work (issue 21 item 2): crafted ~1 MiB inputs, class by class
+# ---------------------------------------------------------------------------------------
+
+ONE_MB = H.one_megabyte_cases()
+
+
+@pytest.mark.parametrize("case", list(ONE_MB))
+def test_total_work_attacks_are_refused_quickly(case):
+    """Opcode floods, memo abuse and deep nesting: a ValueError naming the bound, well
+    under 2 s (a loaded 2-core machine; they take tenths of a second)."""
+    data, phrase = ONE_MB[case]
+    started = time.perf_counter()
+    with pytest.raises(UnsafePickleError) as info:
+        safe_loads(data, name="gnd_hostile.pkl")
+    elapsed = time.perf_counter() - started
+    assert isinstance(info.value, ValueError)
+    assert "gnd_hostile.pkl" in str(info.value) and phrase in str(info.value), info.value
+    assert elapsed < 2.0, f"{case}: {elapsed:.2f} s"
+
+
+def test_total_work_attacks_use_bounded_memory():
+    """Peak Python + numpy allocation of each 1 MiB attack (tracemalloc)."""
+    peaks = {}
+    for case, (data, _) in ONE_MB.items():
+        tracemalloc.start()
+        try:
+            with pytest.raises(UnsafePickleError):
+                safe_loads(data)
+            peaks[case] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    worst = max(peaks, key=peaks.get)
+    assert peaks[worst] < 128 << 20, (worst, peaks[worst])
+
+
+def test_attack_sizes_are_what_they_claim():
+    floods = {**H.floods(), **H.memo_abuse()}
+    big = [len(data) for case, (data, _) in floods.items() if "laughs" not in case]
+    assert min(big) > 350_000 and max(big) <= H.SIZE
+    assert sum(len(d) >= H.SIZE - 16 for d, _ in H.floods().values()) == len(H.floods())
+
+
+@pytest.mark.parametrize("case", list(H.shape_cases()))
+def test_array_shapes_are_refused_before_numpy_sees_them(case, monkeypatch):
+    data = H.shape_cases()[case]
+
+    def numpy_saw_it(*args, **kwargs):
+        raise AssertionError(f"numpy was handed the array of {case}")
+
+    monkeypatch.setattr(np, "frombuffer", numpy_saw_it)  # the reader's one way to numpy
+    with pytest.raises(UnsafePickleError, match="array shape"):
+        safe_loads(data)
+
+
+@pytest.mark.parametrize("case", list(H.dtype_cases()))
+def test_dtypes_a_ground_truth_never_holds_are_refused(case):
+    with pytest.raises(UnsafePickleError, match="numpy dtype"):
+        safe_loads(H.dtype_cases()[case])
+
+
+GND_DTYPES = ["<i4", "<i8", "<f4", "<f8", ">i8", "<u4", "|b1"]
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_zero_d_arrays_load(protocol):
+    values = [np.array(7, dtype=d) for d in GND_DTYPES]
+    data = pickle.dumps(values, protocol=protocol)
+    for got in (safe_loads(data), safe_loads(_numpy1_names(data))):
+        for g, v in zip(got, values, strict=True):
+            assert g.shape == () and g.dtype == v.dtype and g == v
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_every_ground_truth_dtype_loads(protocol):
+    """int32/int64 index arrays (empty too) and float32/float64 boxes, as pickled."""
+    values = {d: np.arange(5).astype(d) for d in GND_DTYPES}
+    values.update({f"empty {d}": np.array([], dtype=d) for d in GND_DTYPES})
+    values["2-D f4"] = np.arange(8, dtype=np.float32).reshape(2, 4)
+    got = safe_loads(pickle.dumps(values, protocol=protocol))
+    for key, v in values.items():
+        assert got[key].dtype == v.dtype and got[key].shape == v.shape, key
+        np.testing.assert_array_equal(got[key], v)
+
+
+REALISTIC = [(p, idx, bbx_array) for p in (2, 3, 4, 5)
+             for idx, bbx_array in ((np.int64, False), (np.int32, True))]
+
+
+@pytest.mark.parametrize("protocol,index_dtype,bbx_array", REALISTIC,
+                         ids=[f"p{p}-{np.dtype(i).name}-{'bbxarray' if b else 'bbxlist'}"
+                              for p, i, b in REALISTIC])
+def test_a_full_size_realistic_ground_truth_loads(protocol, index_dtype, bbx_array):
+    truth = H.realistic_gnd(index_dtype=index_dtype, bbx_array=bbx_array)
+    data = pickle.dumps(truth, protocol=protocol)
+    started = time.perf_counter()
+    got = safe_loads(data)
+    assert time.perf_counter() - started < 2.0
+    assert got["imlist"] == truth["imlist"] and got["qimlist"] == truth["qimlist"]
+    for g, e in zip(got["gnd"], truth["gnd"], strict=True):
+        for key in ("easy", "hard", "junk"):
+            assert g[key].dtype == e[key].dtype
+            np.testing.assert_array_equal(g[key], e[key])
+        np.testing.assert_array_equal(g["bbx"], e["bbx"])
+    # ... and then a margin below every default bound (the table in the docstring)
+    safe_loads(data, limits=PickleLimits(max_opcodes=40_000, max_stack=3_000,
+                                         max_memo=20_000, max_depth=6, max_items=100_000,
+                                         max_alloc_bytes=4 << 20))
+
+
+def test_json_round_trip_equals_the_pickle(tmp_path):
+    """The conversion the revisited job does (restricted reader -> checked -> JSON)
+    reads back, through evaluation's JSON-only loader, as what pickle itself reads."""
+    truth = H.realistic_gnd(num_db=500, num_queries=12, bbx_array=True)
+    for protocol in (2, 5):
+        pkl = tmp_path / f"gnd_p{protocol}.pkl"
+        pkl.write_bytes(pickle.dumps(truth, protocol=protocol))
+        converted = tmp_path / f"gnd_p{protocol}.json"
+        converted.write_text(json.dumps(_load_pickled(pkl)))
+        expected = check_revisited_gnd(pickle.loads(pkl.read_bytes()))
+        assert load_revisited_gnd(str(converted)) == expected
+        assert expected["gnd"][0]["easy"] == [int(i) for i in truth["gnd"][0]["easy"]]
+
+
+def test_new_limits_are_enforced():
+    data = pickle.dumps({"a": list(range(100)), "b": ["x"] * 3}, protocol=2)
+    assert safe_loads(data)["a"] == list(range(100))
+    for limits, phrase in ((PickleLimits(max_opcodes=50), "more than 50 opcodes"),
+                           (PickleLimits(max_stack=20), "more than 20 objects"),
+                           (PickleLimits(max_memo=2), "more than 2 memo entries"),
+                           (PickleLimits(max_alloc_bytes=3), "bytes of strings")):
+        with pytest.raises(UnsafePickleError, match=phrase):
+            safe_loads(data, limits=limits)
+
+
+def test_refusals_are_value_errors_not_recursion_or_memory_errors():
+    """Even with the depth bound lifted, nesting ends in a ValueError."""
+    deep = b"\x80\x02" + b"]" * 30_000 + b"a" * 29_999 + b"."
+    with pytest.raises(UnsafePickleError):
+        safe_loads(deep, limits=PickleLimits(max_depth=10 ** 9))
+
+
+def test_zero_d_and_shared_arrays_pass_the_structure_check():
+    easy = np.array([0, 2], dtype=np.int32)
+    truth = {"imlist": ["a", "b", "c"], "qimlist": ["q", "r"],
+             "gnd": [{"easy": easy, "hard": np.array(1), "junk": np.array([], np.int64),
+                      "bbx": np.array([0.0, 1, 2, 3], np.float32)},
+                     {"easy": easy, "hard": np.array(1), "junk": [], "bbx": [0, 1, 2, 3]}]}
+    data = pickle.dumps(truth, protocol=2)  # `easy` is pickled once, then referenced
+    got = check_revisited_gnd(safe_loads(data))
+    assert got == check_revisited_gnd(pickle.loads(data))
+    assert got["gnd"][0] == {"easy": [0, 2], "hard": [1], "junk": [],
+                             "bbx": [0.0, 1.0, 2.0, 3.0]}
+
+
+class _Call:
+    """Pickles as ``func(*args)`` (then ``BUILD state``): any call the reader allows,
+    with any arguments."""
+
+    def __init__(self, func, args, state=None):
+        self.func, self.args, self.state = func, args, state
+
+    def __reduce__(self):
+        return (self.func, self.args) if self.state is None else (self.func, self.args,
+                                                                  self.state)
+
+
+def test_a_shared_array_where_a_scalar_belongs_is_refused():
+    """A memo reference may name a finished array; placed where a shape, a type code,
+    an order, a version or an encoding belongs, comparing it would raise numpy's own
+    "truth value is ambiguous": the reader checks types first (found by fuzzing)."""
+    import _codecs
+
+    a = np.arange(3)
+    i8 = np.dtype("<i8")
+    calls = {
+        "reconstruct shape": _Call(H._RECONSTRUCT, (np.ndarray, a, b"b")),
+        "reconstruct typecode": _Call(H._RECONSTRUCT, (np.ndarray, (0,), a)),
+        "array state version": _Call(H._RECONSTRUCT, (np.ndarray, (0,), b"b"),
+                                     (a, (1,), i8, False, bytes(8))),
+        "array state fortran": _Call(H._RECONSTRUCT, (np.ndarray, (0,), b"b"),
+                                     (1, (1,), i8, a, bytes(8))),
+        "frombuffer order": _Call(H._FROMBUFFER, (bytes(8), i8, (1,), a)),
+        "encode encoding": _Call(_codecs.encode, ("x", a)),
+    }
+    for name, call in calls.items():
+        data = pickle.dumps([a, call], protocol=2)
+        with pytest.raises(UnsafePickleError) as info:
+            safe_loads(data, name=f"gnd_{name}.pkl")
+        assert f"gnd_{name}.pkl" in str(info.value), (name, info.value)

@@ -1,8 +1,9 @@
 """tfaploss.training.checkpoints: atomic files and a backup that survives any kill.
 
-The states a kill can leave (torn temporary files, a stale, empty or corrupt index, a
-damaged newest checkpoint) are built here by hand; tests/test_cli.py kills real
-`tfaploss train` runs at those points.
+The states a kill can leave (torn temporary files, a stale, empty or corrupt index) are
+built here by hand; tests/test_cli.py kills real `tfaploss train` runs at those points.
+What no kill leaves (a damaged newest checkpoint) is refused, never worked around:
+tests/test_run_dir_damage.py has the whole class.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from tfaploss.training.checkpoints import (
+    DamagedRunError,
     RunBackup,
     atomic_write,
     atomic_write_json,
@@ -102,15 +104,23 @@ def two_checkpoints(tmp_path):
     return backup, lines
 
 
-def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(two_checkpoints):
+def test_a_damaged_newest_checkpoint_is_refused_naming_the_way_back(two_checkpoints):
+    """Not a silent fall-back to the older checkpoint: the error names the damaged file
+    and how to resume from the older one; done so, it resumes from it."""
     backup, lines = two_checkpoints
     path = backup.checkpoint_path(2)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
+    with pytest.raises(DamagedRunError) as err:
+        backup.find()
+    assert err.value.path == path and "SHA-256" in str(err.value)
+    assert "epoch-0001.weights.h5 (after epoch 1" in str(err.value)
+    assert "--restart" in str(err.value)
+    assert path.read_bytes() == bytes(data)  # nothing changed
+    path.unlink()
+    backup.index_path.unlink()
     assert backup.find() == (1, backup.checkpoint_path(1))
-    assert any("SHA-256" in line and "falling back to the checkpoint of epoch 1" in line
-               for line in lines)
 
 
 def test_a_stale_or_empty_index_trusts_the_complete_files(two_checkpoints):
@@ -130,12 +140,15 @@ def test_a_stale_or_empty_index_trusts_the_complete_files(two_checkpoints):
     assert any("unreadable (0 bytes" in line for line in lines)
 
 
-def test_a_torn_checkpoint_no_index_names_is_skipped(two_checkpoints):
+def test_a_torn_checkpoint_no_index_names_is_refused(two_checkpoints):
+    """Checkpoints are renamed into place complete: a torn one under its final name is
+    damage, not a kill's leftover."""
     backup, lines = two_checkpoints
     data = backup.checkpoint_path(2).read_bytes()
     backup.checkpoint_path(3).write_bytes(data[: len(data) // 2])
-    assert backup.find()[0] == 2
-    assert any("epoch-0003.weights.h5 is unreadable" in line for line in lines)
+    with pytest.raises(DamagedRunError, match=r"epoch-0003.weights.h5 is not a readable "
+                                              r"checkpoint.*epoch-0002.weights.h5"):
+        backup.find()
 
 
 def test_no_usable_checkpoint_means_a_fresh_start(tmp_path):

@@ -9,11 +9,18 @@
 
 The Beam preprocessing jobs are separate: ``python -m pipelines.<name> --help``.
 Heavy imports (TensorFlow, Keras) happen inside the commands so ``--help`` is instant.
+
+What the commands report goes through the ``tfaploss`` loggers (:mod:`tfaploss.log`);
+:func:`main` shows them as plain lines (INFO on stdout, warnings and errors on stderr,
+no escape codes, so a log file stays readable): at INFO by default, only warnings and
+errors with ``--quiet``, everything with ``--verbose``. Both flags go before or after
+the command name (``tfaploss --quiet train ...`` = ``tfaploss train ... --quiet``).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import textwrap
@@ -28,6 +35,21 @@ _SET_HELP = (
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
     pass
+
+
+def _add_output_flags(p, *, top: bool = False) -> None:
+    """``--quiet`` / ``--verbose``, on the main parser and on every command (there
+    with defaults suppressed, so ``tfaploss --quiet train`` keeps the main one)."""
+    default = False if top else argparse.SUPPRESS
+    group = p.add_argument_group("output")
+    group.add_argument(
+        "-q", "--quiet", action="store_true", default=default,
+        help="show only warnings, errors and the results (evaluate's table, the paths "
+             "written): no progress bars (train: one line per epoch)")
+    group.add_argument(
+        "-v", "--verbose", action="store_true", default=default,
+        help="also show debug messages, each line with its time, logger and level "
+             "(and those of the models and pipelines packages)")
 
 
 def _add_train(sub):
@@ -52,6 +74,14 @@ def _add_train(sub):
             command again: every file is written to a temporary name and renamed into
             place, so a kill at any moment loses at most the epoch in progress; the
             same command on a finished run does nothing.
+            The run directory is checked first: a damaged one (a file cut short, not
+            UTF-8, not YAML or JSON, absurd numbers: what no kill leaves) stops with
+            exit status 2 and a message naming the file; nothing is changed, and the
+            run never starts over by itself. --restart starts over at epoch 1, moving
+            the previous run's files aside into RUN_DIR/damaged-<time>/ (or
+            previous-<time>/), never deleting them. One run per run directory: a
+            second run started on it exits with status 2, naming the first (its PID,
+            since when, its command).
             Training stops (exit status 3) at the first non-finite loss or weight,
             and nothing non-finite is saved. With stdout not a terminal (a log file),
             progress is one line per epoch."""),
@@ -67,9 +97,11 @@ def _add_train(sub):
     p.add_argument("--run-dir", default=None, metavar="DIR",
                    help="where checkpoints, logs and the model go (default: the config's "
                         "run_dir)")
-    p.add_argument("--quiet", action="store_true",
-                   help="one line per epoch instead of a progress bar (the default when "
-                        "stdout is not a terminal)")
+    p.add_argument("--restart", action="store_true",
+                   help="start over at epoch 1 whatever the run directory holds (a "
+                        "damaged, unfinished or finished run): its files are moved aside "
+                        "into RUN_DIR/damaged-<time>/ or previous-<time>/, not deleted")
+    _add_output_flags(p)
     p.set_defaults(func=cmd_train)
 
 
@@ -120,8 +152,9 @@ def _add_evaluate(sub):
     p.add_argument("--query", default=None, metavar="SPLIT_DIR",
                    help="separate query split (revisited, gldv2, or any query/database set)")
     p.add_argument("--gnd", default=None,
-                   help="ground truth for revisited (the pipelines job's JSON, or gnd_*.pkl "
-                        "read with a restricted unpickler) or gldv2")
+                   help="ground truth for revisited (the gnd_<dataset>.json that "
+                        "pipelines.revisited writes; a gnd_*.pkl is refused with the command "
+                        "that converts it) or gldv2")
     p.add_argument("--ks", default=None, help="comma-separated cut-offs, e.g. 1,10,100 "
                                               "(default: the protocol's)")
     p.add_argument("--backend", default=None, choices=("exact", "scann", "scann_ah"),
@@ -134,9 +167,7 @@ def _add_evaluate(sub):
     p.add_argument("--out", default=None, metavar="DIR",
                    help="write metrics.json and figures here (default: eval_<split> "
                         "beside the model; with --config, RUN_DIR/eval_untrained_<split>)")
-    p.add_argument("--quiet", action="store_true",
-                   help="no progress bars, only the header and the table (progress bars "
-                        "are also off when stdout is not a terminal)")
+    _add_output_flags(p)
     p.set_defaults(func=cmd_evaluate)
 
 
@@ -163,6 +194,7 @@ def _add_export(sub):
     p.add_argument("--version", type=int, default=None,
                    help="version number (default: one more than the largest in OUT)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing version")
+    _add_output_flags(p)
     p.set_defaults(func=cmd_export)
 
 
@@ -174,6 +206,7 @@ def _add_demo(sub):
         help="end-to-end demo on scikit-learn's handwritten digits (offline, ~3 min)",
         description=DEMO_DESCRIPTION)
     add_demo_arguments(p)
+    _add_output_flags(p)
     p.set_defaults(func=cmd_demo)
 
 
@@ -186,6 +219,7 @@ def _add_config(sub):
                     "config is invalid.")
     p.add_argument("--config", required=True, metavar="YAML")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=_SET_HELP)
+    _add_output_flags(p)
     p.set_defaults(func=cmd_config)
 
 
@@ -202,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tfaploss import __version__
 
     parser.add_argument("--version", action="version", version=f"tfaploss {__version__}")
+    _add_output_flags(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_demo(sub)
     _add_train(sub)
@@ -212,6 +247,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------------------
+
+
+def command_output(quiet: bool = False, verbose: bool = False):
+    """Context in which the ``tfaploss`` loggers' lines are shown as :mod:`tfaploss.log`
+    describes: INFO by default, WARNING with ``quiet``, DEBUG (with time, logger and
+    level, and the ``models`` and ``pipelines`` loggers too) with ``verbose``."""
+    from tfaploss.log import command_output
+
+    level = logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO
+    return command_output(level, detailed=verbose,
+                          others_level=logging.DEBUG if verbose else logging.WARNING)
 
 
 def _quiet_tensorflow():
@@ -250,7 +296,8 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, args.set)
     from tfaploss.run.trainer import train
 
-    train(cfg, run_dir=args.run_dir, verbose=2 if args.quiet or not _is_terminal() else 1)
+    train(cfg, run_dir=args.run_dir, verbose=2 if args.quiet or not _is_terminal() else 1,
+          restart=args.restart)
     return 0
 
 
@@ -446,6 +493,10 @@ def cmd_demo(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.quiet = bool(getattr(args, "quiet", False))
+    args.verbose = bool(getattr(args, "verbose", False))
+    if args.quiet and args.verbose:
+        parser.error("--quiet and --verbose exclude each other")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -453,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     from tfaploss.config import ConfigError
 
     try:
-        return int(args.func(args) or 0)
+        with command_output(args.quiet, args.verbose):
+            return int(args.func(args) or 0)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -468,6 +520,13 @@ def main(argv: list[str] | None = None) -> int:
         if guards is not None and isinstance(err, guards.NonFiniteTrainingError):
             print(f"error: {err}", file=sys.stderr)
             return 3
+        # A damaged run directory, or one another run holds: like a config error.
+        checkpoints = sys.modules.get("tfaploss.training.checkpoints")
+        locks = sys.modules.get("tfaploss.locks")
+        if ((checkpoints is not None and isinstance(err, checkpoints.DamagedRunError))
+                or (locks is not None and isinstance(err, locks.LockError))):
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         raise
 
 

@@ -25,6 +25,7 @@ import shutil
 import sys
 import textwrap
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from tfaploss.config import config_from_dict
@@ -119,40 +120,28 @@ def _prepare_output_dir(out: Path) -> None:
     (out / _MARKER).write_text("written by `tfaploss demo`; the demo replaces this folder\n")
 
 
-def run_demo(out: str = "demo_output", quick: bool = False, steps: int | None = None) -> int:
-    """Run the demo into ``out``; returns 0 on success (any failure raises)."""
-    import numpy as np
+TOTAL_STEPS = 7
 
-    total = 7
-    started = time.time()
-    out = Path(out)
-    _prepare_output_dir(out)
-    timings = {}
 
-    print("tfaploss demo: retrieval of handwritten digits never seen in training")
-    print(f"outputs go to {out.resolve()}")
-
-    _say(1, total, "Writing scikit-learn's 1,797 digit scans as PNG files, one folder "
-                   "per digit")
+@contextmanager
+def _timed(timings: dict, key: str):
+    """Add the seconds the ``with`` block takes to ``timings[key]``."""
     t = time.time()
-    png_root = out / "digits_png"
-    n = write_digit_pngs(png_root)
-    timings["write_pngs"] = time.time() - t
-    print(f"  {n} PNGs in {png_root}/<digit>/")
+    yield
+    timings[key] = time.time() - t
 
-    _say(2, total, "Beam `folder` job: PNG tree -> TFRecords (train: digits 0-5, test: 6-9)")
-    t = time.time()
-    records = out / "tfrecords"
-    manifests = run_folder_job(png_root, records)
-    timings["beam_job"] = time.time() - t
-    for split, manifest in sorted(manifests.items()):
-        print(f"  {split}: {manifest['num_images']} images, {manifest['num_classes']} "
-              f"classes, {manifest['num_failures']} failures -> {records / split}")
 
+def _metrics_line(metrics: dict) -> str:
+    return "  " + ", ".join(f"{k} {v:.3f}" for k, v in _metrics_row(metrics).items())
+
+
+def build_demo_config(records: Path, run_dir: Path, quick: bool = False,
+                      steps: int | None = None):
+    """:data:`DEMO_CONFIG` on the demo's TFRecords, shortened by ``quick`` or ``steps``."""
     raw = json.loads(json.dumps(DEMO_CONFIG))
     raw["data"]["train"] = str(records / "train")
     raw["data"]["test"] = str(records / "test")
-    raw["run_dir"] = str(out / "run")
+    raw["run_dir"] = str(run_dir)
     if steps is None and quick:
         steps = QUICK_STEPS
     if steps is not None:
@@ -161,77 +150,114 @@ def run_demo(out: str = "demo_output", quick: bool = False, steps: int | None = 
         epochs = min(raw["training"]["epochs"], steps)
         raw["training"]["epochs"] = epochs
         raw["training"]["steps_per_epoch"] = max(1, steps // epochs)
-    cfg = config_from_dict(raw)
+    return config_from_dict(raw)
 
+
+def _measure(model, cfg) -> dict:
+    """Retrieval metrics of ``model`` on the unseen test digits."""
+    from tfaploss.evaluation import retrieval_metrics
+    from tfaploss.run.trainer import embed_split
+
+    embeddings, labels = embed_split(model, cfg, cfg.data.test)
+    return retrieval_metrics(embeddings, labels, ks=cfg.evaluation.ks,
+                             backend=cfg.evaluation.backend)
+
+
+def _step_write_pngs(out: Path, timings: dict) -> Path:
+    _say(1, TOTAL_STEPS, "Writing scikit-learn's 1,797 digit scans as PNG files, one "
+                         "folder per digit")
+    png_root = out / "digits_png"
+    with _timed(timings, "write_pngs"):
+        n = write_digit_pngs(png_root)
+    print(f"  {n} PNGs in {png_root}/<digit>/")
+    return png_root
+
+
+def _step_beam_job(png_root: Path, records: Path, timings: dict) -> dict:
+    _say(2, TOTAL_STEPS, "Beam `folder` job: PNG tree -> TFRecords (train: digits 0-5, "
+                         "test: 6-9)")
+    with _timed(timings, "beam_job"):
+        manifests = run_folder_job(png_root, records)
+    for split, manifest in sorted(manifests.items()):
+        print(f"  {split}: {manifest['num_images']} images, {manifest['num_classes']} "
+              f"classes, {manifest['num_failures']} failures -> {records / split}")
+    return manifests
+
+
+def _step_evaluate_untrained(cfg, timings: dict) -> dict:
     import keras
 
     from tfaploss.run import build as B
-    from tfaploss.run.trainer import embed_split, train
-    from tfaploss.evaluation import retrieval_metrics
 
-    def measure(model):
-        embeddings, labels = embed_split(model, cfg, cfg.data.test)
-        return retrieval_metrics(embeddings, labels, ks=cfg.evaluation.ks,
-                                 backend=cfg.evaluation.backend)
+    _say(3, TOTAL_STEPS, "Untrained small CNN on the unseen digits 6-9 (ScaNN search)")
+    with _timed(timings, "evaluate_before"):
+        keras.utils.set_random_seed(cfg.training.seed)  # the same initial weights train() gets
+        before = _measure(B.build_model(cfg), cfg)
+    print(_metrics_line(before))
+    return before
 
-    _say(3, total, "Untrained small CNN on the unseen digits 6-9 (ScaNN search)")
-    t = time.time()
-    keras.utils.set_random_seed(cfg.training.seed)  # the same initial weights train() gets
-    untrained = B.build_model(cfg)
-    before = measure(untrained)
-    timings["evaluate_before"] = time.time() - t
-    print("  " + ", ".join(f"{k} {v:.3f}" for k, v in _metrics_row(before).items()))
+
+def _step_train(cfg, timings: dict) -> dict:
+    from tfaploss.run.trainer import train
 
     chunks = -(-cfg.data.batch_size // cfg.training.chunk_size)
-    _say(4, total, f"Training with {cfg.loss.name} on digits 0-5: batches of "
-                   f"{cfg.data.batch_size} ({cfg.data.batch_size // cfg.data.m} digits x "
-                   f"{cfg.data.m}), multi-stage backprop in {chunks} chunks of "
-                   f"{cfg.training.chunk_size}")
-    t = time.time()
-    summary = train(cfg, verbose=2)
-    timings["train"] = time.time() - t
+    _say(4, TOTAL_STEPS, f"Training with {cfg.loss.name} on digits 0-5: batches of "
+                         f"{cfg.data.batch_size} ({cfg.data.batch_size // cfg.data.m} "
+                         f"digits x {cfg.data.m}), multi-stage backprop in {chunks} "
+                         f"chunks of {cfg.training.chunk_size}")
+    with _timed(timings, "train"):
+        summary = train(cfg, verbose=2)
     if not summary["multistage"]:
         raise RuntimeError("the demo's batches should have run through MultiStageModel")
     history = summary["history"]
-    first, last = history[0]["loss"], history[-1]["loss"]
-    print(f"  loss {first:.4f} (epoch 1) -> {last:.4f} (epoch {len(history)}), "
-          f"{summary['updates']} updates")
+    print(f"  loss {history[0]['loss']:.4f} (epoch 1) -> {history[-1]['loss']:.4f} "
+          f"(epoch {len(history)}), {summary['updates']} updates")
+    return summary
 
-    _say(5, total, "Trained model on the unseen digits 6-9; metrics JSON and a figure")
-    t = time.time()
-    model = keras.saving.load_model(summary["model"], compile=False)
-    after = measure(model)
-    print("  " + ", ".join(f"{k} {v:.3f}" for k, v in _metrics_row(after).items()))
+
+def _step_evaluate_trained(cfg, summary: dict, out: Path, label_names,
+                           timings: dict):
+    """Load the trained model, measure it, and write the metrics JSON and figures."""
+    import keras
+
     from tfaploss.evaluation import evaluate
+    from tfaploss.run import build as B
 
-    evaluation_dir = out / "evaluation"
-    result = evaluate(model, B.build_eval_dataset(cfg, cfg.data.test),
-                            protocol="retrieval", ks=cfg.evaluation.ks,
-                            backend=cfg.evaluation.backend, output_dir=str(evaluation_dir),
-                            label_names=manifests["test"]["label_map"], verbose=0)
-    timings["evaluate_after"] = time.time() - t
+    _say(5, TOTAL_STEPS, "Trained model on the unseen digits 6-9; metrics JSON and a figure")
+    with _timed(timings, "evaluate_after"):
+        model = keras.saving.load_model(summary["model"], compile=False)
+        after = _measure(model, cfg)
+        print(_metrics_line(after))
+        result = evaluate(model, B.build_eval_dataset(cfg, cfg.data.test),
+                          protocol="retrieval", ks=cfg.evaluation.ks,
+                          backend=cfg.evaluation.backend, output_dir=str(out / "evaluation"),
+                          label_names=label_names, verbose=0)
     for path in result.figures:
         print(f"  figure: {path}")
+    return model, after
 
-    _say(6, total, "Export for TF Serving, reload with plain TensorFlow, embed one PNG")
-    t = time.time()
+
+def _step_export(model, cfg, out: Path, png_root: Path, timings: dict) -> tuple[str, float]:
+    """Export a SavedModel, reload it with plain TensorFlow and embed one test PNG;
+    returns the export folder and the served embedding's cosine with the Keras model's."""
+    import numpy as np
     import tensorflow as tf
 
+    from tfaploss.data import center_crop
     from tfaploss.export import export_saved_model
 
-    export_dir = export_saved_model(model, out / "saved_model", image_size=cfg.image_shape)
-    served = tf.saved_model.load(export_dir)
-    png = sorted((png_root / str(TEST_DIGITS[0])).glob("*.png"))[0]
-    png_bytes = png.read_bytes()
-    embedding = served.signatures["serving_default"](
-        image_bytes=tf.constant([png_bytes]))["embedding"].numpy()[0]
-    # The same image through the Keras model, preprocessed like the test split.
-    from tfaploss.data import center_crop
-
-    pixels = center_crop(tf.constant(png_bytes), cfg.data.image_size)[None]
-    reference = np.asarray(model(pixels, training=False))[0]
-    agreement = float(np.dot(embedding, reference))
-    timings["export"] = time.time() - t
+    _say(6, TOTAL_STEPS, "Export for TF Serving, reload with plain TensorFlow, embed one PNG")
+    with _timed(timings, "export"):
+        export_dir = export_saved_model(model, out / "saved_model", image_size=cfg.image_shape)
+        served = tf.saved_model.load(export_dir)
+        png = min((png_root / str(TEST_DIGITS[0])).glob("*.png"))
+        png_bytes = png.read_bytes()
+        embedding = served.signatures["serving_default"](
+            image_bytes=tf.constant([png_bytes]))["embedding"].numpy()[0]
+        # The same image through the Keras model, preprocessed like the test split.
+        pixels = center_crop(tf.constant(png_bytes), cfg.data.image_size)[None]
+        keras_embedding = np.asarray(model(pixels, training=False))[0]
+        agreement = float(np.dot(embedding, keras_embedding))
     print(f"  SavedModel: {export_dir}")
     print(f"  serving_default({png.relative_to(out)}) -> {embedding.shape[0]}-d embedding, "
           f"norm {np.linalg.norm(embedding):.4f}, cosine with the Keras model "
@@ -239,21 +265,11 @@ def run_demo(out: str = "demo_output", quick: bool = False, steps: int | None = 
     if agreement < 0.999:
         raise RuntimeError(f"the served embedding disagrees with the Keras model "
                            f"(cosine {agreement:.6f})")
+    return export_dir, agreement
 
-    elapsed = time.time() - started
-    report = {
-        "before": before, "after": after, "loss_first_epoch": first,
-        "loss_last_epoch": last, "updates": summary["updates"],
-        "batch_size": cfg.data.batch_size, "chunk_size": cfg.training.chunk_size,
-        "train_classes": list(TRAIN_DIGITS), "test_classes": list(TEST_DIGITS),
-        "saved_model": export_dir, "served_cosine_vs_keras": agreement,
-        "timings_seconds": {k: round(v, 2) for k, v in timings.items()},
-        "total_seconds": round(elapsed, 1),
-    }
-    with open(out / "demo_summary.json", "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
 
-    _say(7, total, "Summary: retrieval on digits 6-9, never seen in training")
+def _print_summary(out: Path, before: dict, after: dict, elapsed: float) -> None:
+    _say(7, TOTAL_STEPS, "Summary: retrieval on digits 6-9, never seen in training")
     print(f"  {'metric':<10} {'untrained':>10} {'trained':>10}")
     for key in ("recall@1", "map@r", "map"):
         print(f"  {key:<10} {before[key]:>10.3f} {after[key]:>10.3f}")
@@ -269,6 +285,41 @@ def run_demo(out: str = "demo_output", quick: bool = False, steps: int | None = 
         print(f"  {name:<18} {what}")
     if after["recall@1"] <= before["recall@1"]:
         print("warning: Recall@1 did not improve; try more steps (--steps)", file=sys.stderr)
+
+
+def run_demo(out: str = "demo_output", quick: bool = False, steps: int | None = None) -> int:
+    """Run the demo into ``out``; returns 0 on success (any failure raises)."""
+    started = time.time()
+    out = Path(out)
+    _prepare_output_dir(out)
+    timings = {}
+    print("tfaploss demo: retrieval of handwritten digits never seen in training")
+    print(f"outputs go to {out.resolve()}")
+
+    png_root = _step_write_pngs(out, timings)
+    records = out / "tfrecords"
+    manifests = _step_beam_job(png_root, records, timings)
+    cfg = build_demo_config(records, out / "run", quick=quick, steps=steps)
+    before = _step_evaluate_untrained(cfg, timings)
+    summary = _step_train(cfg, timings)
+    model, after = _step_evaluate_trained(cfg, summary, out,
+                                          manifests["test"]["label_map"], timings)
+    export_dir, agreement = _step_export(model, cfg, out, png_root, timings)
+
+    elapsed = time.time() - started
+    history = summary["history"]
+    report = {
+        "before": before, "after": after, "loss_first_epoch": history[0]["loss"],
+        "loss_last_epoch": history[-1]["loss"], "updates": summary["updates"],
+        "batch_size": cfg.data.batch_size, "chunk_size": cfg.training.chunk_size,
+        "train_classes": list(TRAIN_DIGITS), "test_classes": list(TEST_DIGITS),
+        "saved_model": export_dir, "served_cosine_vs_keras": agreement,
+        "timings_seconds": {k: round(v, 2) for k, v in timings.items()},
+        "total_seconds": round(elapsed, 1),
+    }
+    with open(out / "demo_summary.json", "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    _print_summary(out, before, after, elapsed)
     return 0
 
 

@@ -124,7 +124,7 @@ def test_histogram_ap_batch32_gradient(mode):
 
 @pytest.mark.parametrize("mining", ["semihard", "hard", "all"])
 def test_triplet_and_contrastive_match_tf_addons_definitions(mining):
-    from tfaploss import reference
+    from tests import reference
 
     rng = np.random.default_rng(5)
     labels = rng.integers(0, 4, 14)

@@ -3,14 +3,14 @@
 With the query in its own ranking (``include_self=True``) a query whose class has no
 other item in the batch still has one positive, itself. The originals of histogram
 AP, Smooth-AP, SupAP and BlackBox AP keep it in the mean; the references here follow
-their code (float64, dense, :mod:`tfaploss.reference`), loss and gradient.
+their code (float64, dense, :mod:`tests.reference`), loss and gradient.
 """
 
 import numpy as np
 import pytest
 
+from tests import reference
 from tests.backend_agnostic.backend import DTYPE, GRAD_RTOL, LOSS_RTOL, MODES, loss_value_and_grad
-from tfaploss import reference
 from tfaploss.losses import APLoss, BlackBoxAPLoss, PNPLoss, SmoothAPLoss, SupAPLoss, TieAwareAPLoss
 
 # Three classes of one image (labels 5, 9 and 11) among 14; not contiguous.

@@ -22,6 +22,7 @@ for ``gldv2`` a per-query list of relevant database indices).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
@@ -30,6 +31,9 @@ import numpy as np
 from tfaploss.evaluation.embedding_files import load_embeddings
 from tfaploss.evaluation.metrics import retrieval_metrics
 from tfaploss.evaluation.searchers import build_searcher
+from tfaploss.log import reporting
+
+LOG = logging.getLogger(__name__)
 
 __all__ = ["EvaluationResult", "embed_dataset", "evaluate", "load_embeddings"]
 
@@ -244,7 +248,9 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
         of images was given; per-query AP for revisited).
       label_names: optional mapping label -> class name shown in the figures (e.g. a
         split manifest's ``label_map``).
-      verbose: progress bars and the table printed at the end.
+      verbose: progress bars, and the table at the end (logged at INFO on this module's
+        logger; shown on stdout unless the application configured logging, see
+        :func:`tfaploss.log.reporting`).
     """
     if protocol not in PROTOCOLS:
         raise ValueError(f"`protocol` must be one of {PROTOCOLS}; received {protocol!r}.")
@@ -303,7 +309,8 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
     if output_dir:
         result.save_json(os.path.join(output_dir, "metrics.json"))
     if verbose:
-        print(result.table())
+        with reporting():
+            LOG.info("%s", result.table())
     return result
 
 
@@ -335,7 +342,8 @@ def _evaluate_revisited(q, db, gnd, ks, backend, depth, output_dir, figures, fig
 
     if q is None or gnd is None:
         raise ValueError("the revisited protocol needs `query=` (the cropped queries) and "
-                         "`gnd=` (ground truth list or gnd_*.pkl / .json path).")
+                         "`gnd=` (ground truth list, or the gnd_*.json path that "
+                         "pipelines.revisited wrote).")
     if isinstance(gnd, (str, os.PathLike)):
         gnd = load_revisited_gnd(str(gnd))["gnd"]
     metrics: dict[str, float] = {}

@@ -165,26 +165,33 @@ _MAX_GND_BYTES = 64 << 20
 
 
 def load_revisited_gnd(path: str) -> dict:
-    """Load ``gnd_roxford5k.pkl`` / ``gnd_rparis6k.pkl`` or a JSON conversion of it.
+    """Load the JSON ground truth that ``pipelines.revisited`` wrote
+    (``gnd_roxford5k.json`` / ``gnd_rparis6k.json``).
 
-    Pickles are read by :func:`tfaploss.utils.safe_pickle.safe_load_path`, a restricted
-    reader that can only make dicts, lists, strings, numbers and numeric numpy arrays
-    (a downloaded pickle can otherwise run code). The content is then checked by
-    :func:`check_revisited_gnd`. Anything unusable raises ``ValueError`` naming the file
-    (and the key, for a wrong structure).
+    Evaluation never unpickles: the published ``gnd_*.pkl`` is untrusted, and it is
+    converted once, when the data is prepared, by the revisited job (its restricted
+    reader, :mod:`pipelines.safe_pickle`, is the only code that reads such a pickle). A
+    pickle given here raises a ``ValueError`` naming the conversion command. The content
+    is checked by :func:`check_revisited_gnd`. Anything unusable raises ``ValueError``
+    naming the file (and the key, for a wrong structure).
 
     Returns a dict with ``imlist``, ``qimlist`` and ``gnd`` (a list of dicts whose
     ``easy``/``hard``/``junk`` are lists of ints and ``bbx`` a list of 4 floats when
     present).
     """
     path = str(path)
-    if path.endswith(".json"):
-        data = _load_json(path)
-    else:
-        from tfaploss.utils.safe_pickle import safe_load_path
+    return check_revisited_gnd(_load_json(path), path)
 
-        data = safe_load_path(path)
-    return check_revisited_gnd(data, path)
+
+def _pickle_refusal(path: str) -> ValueError:
+    name = path.replace("\\", "/").rsplit("/", 1)[-1]
+    dataset = next((d for d in ("roxford5k", "rparis6k") if d in name), "roxford5k")
+    return ValueError(
+        f"{path}: a pickle; evaluation reads the ground truth as JSON only (a downloaded "
+        "pickle can run code). Convert it once with `python -m pipelines.revisited "
+        f"--input_dir <folder of {name}> --dataset {dataset} --output_dir <out> "
+        f"--ground_truth_only` and pass <out>/gnd_{dataset}.json (the full revisited job "
+        "writes that file next to its records too).")
 
 
 def _load_json(path: str):
@@ -192,8 +199,12 @@ def _load_json(path: str):
 
     import tensorflow as tf
 
+    if path.endswith((".pkl", ".pickle")):
+        raise _pickle_refusal(path)
     with tf.io.gfile.GFile(path, "rb") as f:
         raw = f.read(_MAX_GND_BYTES + 1)
+    if raw[:1] == b"\x80":  # a pickle's PROTO opcode; JSON text cannot start so
+        raise _pickle_refusal(path)
     if len(raw) > _MAX_GND_BYTES:
         raise ValueError(f"{path}: more than {_MAX_GND_BYTES} bytes; not a ground-truth file.")
     try:
@@ -259,7 +270,7 @@ def _index_list(value, where, database_size, fail) -> list[int]:
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in "iu" or value.ndim > 1:
             raise fail(where, f"is {_kind(value)}, not a 1-D integer array")
-        out = [int(v) for v in value]
+        out = [int(v) for v in value.reshape(-1)]  # a 0-d array is one index
     elif isinstance(value, (list, tuple)):
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             bad = next(v for v in value if not isinstance(v, int) or isinstance(v, bool))

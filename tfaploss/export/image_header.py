@@ -3,24 +3,48 @@
 A PNG of 285 KB can declare 10000 x 10000 pixels: decoding it allocates 300 MB per
 image (1.3 GB with the float copies), and a 30000² one kills a server. The serving graph
 therefore reads the declared size *before* decoding (:func:`declared_pixels`) and
-refuses images above a ``max_pixels`` budget.
+refuses images above a ``max_pixels`` budget. This is the fast path; the decode-time
+checks of :func:`tfaploss.export.image_ops.decode_images` back it up.
 
-Formats are recognised by the same magic bytes TensorFlow's ``DecodeImage`` uses:
+Formats are recognised by the same magic bytes TensorFlow's ``DecodeImage`` uses, and
+each header is read the way the decoder TensorFlow runs reads it, so that a header
+cannot show this walk one size and the decoder another:
 
-* PNG: width and height of the ``IHDR`` chunk;
 * JPEG: the first start-of-frame marker, found by walking the marker segments the way
-  libjpeg does (fill bytes and stray bytes between markers skipped), so an embedded
-  EXIF thumbnail is not mistaken for the image;
-* GIF: the logical screen plus every frame's image descriptor, walking the blocks
-  (giflib reads every frame's raster, so a bomb can hide in later frames);
-* BMP: the DIB header (negative heights are top-down images);
-* WebP: the ``VP8 ``/``VP8L``/``VP8X`` canvas; an animated WebP counts the canvas once
-  per ``ANMF`` frame.
+  libjpeg's ``next_marker`` does: bytes other than ``FF`` and ``FF`` fill bytes are
+  skipped, an ``FF 00`` stuffing pair is skipped, ``RSTn``/``TEM`` have no length, and
+  every other segment is skipped by its length (``APPn`` and ``COM`` included, so a
+  frame header inside an EXIF thumbnail or a comment does not count). A ``SOS``,
+  ``EOI``, second ``SOI`` or unknown marker before any frame: unreadable, as libjpeg
+  refuses it. A JPEG with more than :data:`MAX_JPEG_SCANS` scans, or whose scans x
+  pixels pass :data:`MAX_JPEG_SCAN_PIXELS`, is refused as unreadable too: libjpeg
+  passes over the whole image once per scan, so a 40 KB file of 1000 repeated scans
+  costs ~10 s of CPU.
+* PNG: the ``IHDR`` chunk, which libpng requires first (length 13). The ``IDAT`` bytes
+  are summed over the chunk chain: compressed data larger than the raw image it must
+  inflate to (:func:`_png`) is refused, since libpng inflates a stream to its end: a
+  1 MB ``IDAT`` behind a 1 x 1 ``IHDR`` cost ~6 s.
+* GIF: the logical screen plus every frame's image descriptor, walking the blocks and
+  their sub-blocks as giflib's ``DGifSlurp`` does (it allocates every frame's raster,
+  so a bomb can hide in later frames, and TensorFlow sizes its output by the largest
+  frame, not the screen).
+* BMP: TensorFlow's BMP decoder reads width and height as signed 32-bit integers at
+  bytes 18 and 22 whatever the DIB header is, so only the header sizes that put them
+  there are read (40, 52, 56, 64, 108 and 124 bytes); the 12-byte ``BITMAPCOREHEADER``
+  (16-bit sizes at 18 and 20, which TensorFlow would misread) and any other size are
+  unreadable, as are a width <= 0 and a height of 0 (negative heights are top-down).
+* WebP: the ``VP8 `` (start code checked), ``VP8L`` (signature checked) or ``VP8X``
+  canvas. libwebp refuses a still image whose bitstream differs from its canvas and an
+  animation frame outside it, and TensorFlow decodes the first frame of an animation
+  only, so the canvas bounds what is decoded.
 
-Cost: fixed offsets for PNG/BMP/WebP-still; JPEG, GIF and animated WebP walk their
-segments, at most one loop step per byte of the file (a normal image takes a few dozen).
-Measured on the shared 2-core machine: ~0.8 ms per 427x640 JPEG, against ~9.5 ms for
-decoding and resizing it (``decode_images`` as a whole).
+Cost: linear in the file's size, with no loop step per segment. JPEG and PNG select the
+positions where a marker or chunk can start with vector ops, GIF takes every position,
+and each then follows its chain by pointer doubling (``ceil(log2(chain))`` vector
+gathers over those positions), so a file of 250 000 tiny segments costs what its size
+costs. Measured on the shared 2-core machine at load ~9: ~2 ms for a 427x640 JPEG, at
+most 0.2 s for the worst 1 MB input of ``benchmarks/hostile_images.py`` (85 ms for
+250 000 JPEG segments, 0.14 s for 500 000 GIF sub-blocks).
 """
 
 from __future__ import annotations
@@ -28,7 +52,10 @@ from __future__ import annotations
 import tensorflow as tf
 
 UNRECOGNISED = 0.0  # not an image format DecodeImage knows: the decoder reports it
-UNREADABLE = -1.0  # a known format whose size could not be found: refused as undecodable
+UNREADABLE = -1.0  # a known format whose size could not be read: refused as undecodable
+
+MAX_JPEG_SCANS = 100  # libjpeg's default progression has 10 scans; encoders stay below 32
+MAX_JPEG_SCAN_PIXELS = 1e9  # scans x pixels: 25 scans of 40 MP (10 take 0.4 s, 50 take 2 s)
 
 _PAD = 32
 
@@ -39,16 +66,12 @@ class _Bytes:
     def __init__(self, data):
         self.n = tf.cast(tf.strings.length(data), tf.int64)
         padded = tf.strings.join([data, tf.constant(b"\0" * _PAD)])
-        self.b = tf.io.decode_raw(padded, tf.uint8)
+        self.raw = tf.io.decode_raw(padded, tf.uint8)  # n + _PAD bytes
         self.last = self.n + _PAD - 1
-
-    def steps(self, per_step: int = 1):
-        """A loop bound that lets a walk advancing >= ``per_step`` bytes reach the end."""
-        return tf.cast(tf.minimum(self.n // per_step + 1, 2**31 - 1), tf.int32)
 
     def at(self, i):
         i = tf.clip_by_value(tf.cast(i, tf.int64), 0, self.last)
-        return tf.cast(tf.gather(self.b, i), tf.int64)
+        return tf.cast(tf.gather(self.raw, i), tf.int64)
 
     def be16(self, i):
         return self.at(i) * 256 + self.at(i + 1)
@@ -68,13 +91,13 @@ class _Bytes:
     def starts_with(self, offset: int, magic: bytes):
         return tf.reduce_all([tf.equal(self.at(offset + k), c) for k, c in enumerate(magic)])
 
+    def shifted(self, k: int):
+        """The bytes (uint8) of positions ``k .. k + n - 1``: ``shifted(k)[p] = b[p + k]``."""
+        return self.raw[k:k + self.n]
+
 
 def _f(value):
     return tf.constant(value, tf.float64)
-
-
-def _i(value):
-    return tf.constant(value, tf.int64)
 
 
 def _area(width, height):
@@ -82,101 +105,183 @@ def _area(width, height):
     return tf.cast(width, tf.float64) * tf.cast(height, tf.float64)
 
 
-def _png(b: _Bytes):
-    ok = b.starts_with(12, b"IHDR") & (b.n >= 24)
-    return tf.where(ok, _area(b.be32(16), b.be32(20)), _f(UNREADABLE))
+def _follow(nxt, value=None):
+    """Follow every chain ``i -> nxt[i] -> ...`` to its end, by pointer doubling.
+
+    ``nxt`` is an int32 vector pointing forward, whose fixed points (``nxt[i] == i``)
+    end the chains. Returns, for every ``i``, where its chain ends and (with ``value``,
+    float64, 0 at the fixed points) the sum of ``value`` over the chain's nodes. Each
+    round doubles the steps every node has taken and the loop stops when nothing
+    moves, so the cost is ``len(nxt) * ceil(log2(longest chain))`` gathers, however
+    many steps the chains take.
+    """
+    bound = tf.cast(tf.math.ceil(tf.math.log(tf.cast(tf.size(nxt), tf.float64) + 2) / 0.69),
+                    tf.int32) + 1
+    if value is None:
+        def jump(k, j, moved):
+            jj = tf.gather(j, j)
+            return k + 1, jj, tf.reduce_any(tf.not_equal(jj, j))
+
+        _, j, _ = tf.while_loop(lambda k, j, moved: moved & (k < bound), jump,
+                                (tf.constant(0), nxt, tf.constant(True)))
+        return j, None
+
+    def jump_and_add(k, j, s, moved):
+        jj = tf.gather(j, j)
+        return k + 1, jj, s + tf.gather(s, j), tf.reduce_any(tf.not_equal(jj, j))
+
+    _, j, s, _ = tf.while_loop(lambda k, j, s, moved: moved & (k < bound), jump_and_add,
+                               (tf.constant(0), nxt, value, tf.constant(True)))
+    return j, s
+
+
+def _in(x, values):
+    return tf.reduce_any(tf.stack([tf.equal(x, v) for v in values]), axis=0)
+
+
+def _between(x, low, high):
+    return (x >= low) & (x <= high)
+
+
+def _index_of(sorted_positions, targets):
+    """The index of each target in ``sorted_positions`` (int32), or ``len`` if absent."""
+    count = tf.size(sorted_positions, out_type=tf.int32)
+    i = tf.searchsorted(sorted_positions, targets, side="left", out_type=tf.int32)
+    there = tf.gather(tf.concat([sorted_positions, [-1]], 0), i)
+    return tf.where(tf.equal(there, targets), i, count)
 
 
 def _jpeg(b: _Bytes):
-    # State: position, pixels found (UNREADABLE until a start-of-frame is seen), done.
-    def body(pos, pixels, done):
-        m0, m1 = b.at(pos), b.at(pos + 1)
-        at_end = pos + 1 >= b.n
-        stray = tf.not_equal(m0, 0xFF)               # libjpeg skips to the next 0xFF
-        fill = tf.equal(m1, 0xFF)
-        standalone = ((m1 >= 0xD0) & (m1 <= 0xD7)) | tf.equal(m1, 0x01) | tf.equal(m1, 0xD8)
-        sof = ((m1 >= 0xC0) & (m1 <= 0xCF) & tf.not_equal(m1, 0xC4)
-               & tf.not_equal(m1, 0xC8) & tf.not_equal(m1, 0xCC))
-        stop = tf.equal(m1, 0xD9) | tf.equal(m1, 0xDA)  # end of image / start of scan
-        step = tf.where(stray | fill, _i(1), tf.where(standalone, _i(2), 2 + b.be16(pos + 2)))
-        found = ~at_end & ~stray & ~fill & sof
-        pixels = tf.where(found, _area(b.be16(pos + 5), b.be16(pos + 7)), pixels)
-        done = at_end | found | (~stray & ~fill & stop)
-        return pos + step, pixels, done
+    # A marker is the byte after an FF (at position j >= 3: libjpeg reads SOI at 0-1 and
+    # looks for the next marker from 2 on) that is neither FF (fill), 00 (stuffing) nor
+    # a marker without a length (RSTn, TEM), which libjpeg passes over. From a marker
+    # at j, libjpeg looks for the next one from the end of its segment, j + 1 + length;
+    # the first marker there is the first candidate >= j + 2 + length.
+    where = tf.where(tf.equal(b.shifted(0), 0xFF))[:, 0] + 1
+    marker = tf.gather(b.raw, where)
+    skipped = _in(marker, (0x00, 0xFF, 0x01)) | _between(marker, 0xD0, 0xD7)
+    keep = ~skipped & (where >= 3) & (where < b.n)
+    where, marker = tf.boolean_mask(where, keep), tf.boolean_mask(marker, keep)
+    length = tf.maximum(b.be16(where + 1), 2)  # libjpeg skips nothing for a length < 2
+    segment = (_between(marker, 0xE0, 0xEF)  # APPn
+               | _in(marker, (0xFE, 0xC4, 0xCC, 0xDB, 0xDC, 0xDD)))  # COM DHT DAC DQT DNL DRI
+    frame = _between(marker, 0xC0, 0xCF) & ~_in(marker, (0xC4, 0xC8, 0xCC))
+    count = tf.size(where, out_type=tf.int32)
+    following = tf.searchsorted(where, where + 2 + length, side="left", out_type=tf.int32)
+    # Anything else ends the walk: SOFn (found), SOS/EOI/SOI/unknown (libjpeg refuses).
+    nxt = tf.concat([tf.where(segment, following, tf.range(count)), [count]], 0)
+    end = _follow(nxt)[0][0]
+    at = tf.gather(tf.concat([where, [0]], 0), end)
+    found = tf.gather(tf.concat([frame, [False]], 0), end)
+    height, width = b.be16(at + 4), b.be16(at + 6)
+    pixels = _area(width, height)
+    # Every FF DA pair is a scan (entropy-coded data stuffs its FF bytes), or a scan of
+    # an embedded thumbnail: counting them all errs on the side of refusing.
+    scans = tf.reduce_sum(tf.cast(tf.equal(marker, 0xDA), tf.float64))
+    ok = (found & (width > 0) & (height > 0) & (scans <= MAX_JPEG_SCANS)
+          & (scans * pixels <= MAX_JPEG_SCAN_PIXELS))
+    return tf.where(ok, pixels, _f(UNREADABLE))
 
-    _, pixels, _ = tf.while_loop(
-        lambda pos, pixels, done: ~done, body,
-        (tf.constant(2, tf.int64), tf.constant(UNREADABLE, tf.float64), tf.constant(False)),
-        maximum_iterations=b.steps())
-    return pixels
+
+def _png(b: _Bytes):
+    width, height = b.be32(16), b.be32(20)
+    depth, colour, interlaced = b.at(24), b.at(25), b.at(28)
+    channels = tf.gather(tf.constant([1, 0, 3, 1, 2, 0, 4], tf.int64),
+                         tf.clip_by_value(colour, 0, 6))
+    ok = (b.starts_with(12, b"IHDR") & tf.equal(b.be32(8), 13) & (b.n >= 33)
+          & (width > 0) & (height > 0) & (colour <= 6) & (channels > 0)
+          & _in(depth, (1, 2, 4, 8, 16)))
+    # The raw image libpng inflates: a filter byte per row, rows rounded up to a byte;
+    # interlacing adds at most a filter byte and a rounding byte per row of each pass.
+    rows = _area(height, 1)
+    raw = rows * (1 + tf.math.ceil(_area(width, channels * depth) / 8))
+    raw += tf.where(interlaced > 0, 4 * rows + 64, _f(0))
+    # Chunks: length (4), type (4 ASCII letters), data, CRC (4). Candidates are the
+    # positions followed by four letters; the chain starts at IHDR (8) and ends at IEND
+    # or where no chunk follows (libpng stops there, with an error).
+    c = b.raw
+    letter = _between(c, 65, 90) | _between(c, 97, 122)
+    name = letter[4:4 + b.n] & letter[5:5 + b.n] & letter[6:6 + b.n] & letter[7:7 + b.n]
+    where = tf.where(name)[:, 0]
+    count = tf.size(where, out_type=tf.int32)
+    kind, size = b.be32(where + 4), b.be32(where)
+    following = _index_of(where, where + 12 + size)
+    goes_on = (following < count) & ~tf.equal(kind, int.from_bytes(b"IEND", "big"))
+    nxt = tf.concat([tf.where(goes_on, following, tf.range(count)), [count]], 0)
+    idat = tf.where(goes_on & tf.equal(kind, int.from_bytes(b"IDAT", "big")),
+                    tf.cast(size, tf.float64), _f(0))
+    _, compressed = _follow(nxt, tf.concat([idat, [0.0]], 0))
+    compressed = compressed[_index_of(where, tf.constant([8], tf.int64))[0]]
+    # Deflate stores incompressible data with 5 bytes per 64 KiB block, and a sane
+    # encoder's Huffman blocks expand it by at most 1/8: more is padding for libpng to
+    # inflate (up to ~1000x its size), not image.
+    ok &= compressed <= raw * 1.25 + 4096
+    return tf.where(ok, _area(width, height), _f(UNREADABLE))
 
 
 def _color_table(flags):
-    return tf.where(flags >= 128, 3 * tf.bitwise.left_shift(_i(2), flags % 8), _i(0))
+    flags = tf.cast(flags, tf.int64)
+    return tf.where(flags >= 128, 6 * tf.bitwise.left_shift(tf.ones_like(flags), flags % 8),
+                    tf.zeros_like(flags))
 
 
 def _gif(b: _Bytes):
     canvas = _area(b.le16(6), b.le16(8))
-    start = 13 + _color_table(b.at(10))
-
-    # State: position, pixels of the frames, in_sub_blocks, done.
-    def body(pos, frames, in_sub, done):
-        byte = b.at(pos)
-        at_end = pos >= b.n
-        # inside a chain of sub-blocks: a size byte, 0 ends the chain
-        sub_step = 1 + byte
-        # at a block: 0x21 extension (label, then sub-blocks), 0x2C image descriptor
-        # (10 bytes, colour table, LZW code size, then sub-blocks), 0x3B trailer
-        is_ext, is_img = tf.equal(byte, 0x21), tf.equal(byte, 0x2C)
-        img_step = 10 + _color_table(b.at(pos + 9)) + 1
-        block_step = tf.where(is_ext, _i(2), img_step)
-        frames = tf.where(~in_sub & is_img & ~at_end,
-                          frames + _area(b.le16(pos + 5), b.le16(pos + 7)), frames)
-        done = at_end | (~in_sub & ~is_ext & ~is_img)
-        next_in_sub = tf.where(in_sub, tf.not_equal(byte, 0), True)
-        return pos + tf.where(in_sub, sub_step, block_step), frames, next_in_sub, done
-
-    _, frames, _, _ = tf.while_loop(
-        lambda pos, frames, in_sub, done: ~done, body,
-        (start, tf.constant(0, tf.float64), tf.constant(False), tf.constant(False)),
-        maximum_iterations=b.steps())
-    return canvas + frames
+    first = 13 + _color_table(b.at(10))
+    n32 = tf.cast(b.n, tf.int32)
+    # 1. Sub-block chains: from a size byte s at q the chain goes on at q + 1 + s, and a
+    #    size 0 ends it. For every position, where the 0 that ends its chain is (n when
+    #    the file ends first).
+    size = tf.cast(b.shifted(0), tf.int32)
+    positions = tf.range(n32)
+    step = tf.where(tf.equal(size, 0), positions, tf.minimum(positions + 1 + size, n32))
+    chain_end = _follow(tf.concat([step, [n32]], 0))[0]
+    # 2. Blocks: 0x21 extension (label, then a chain), 0x2C image (9 bytes, colour table,
+    #    LZW code size, then a chain); anything else (the 0x3B trailer) ends the walk, as
+    #    giflib stops or refuses there. Candidates: the positions holding 0x21 or 0x2C.
+    kinds = b.shifted(0)
+    where = tf.where((tf.equal(kinds, 0x21) | tf.equal(kinds, 0x2C))
+                     & (tf.range(b.n) >= first))[:, 0]
+    count = tf.size(where, out_type=tf.int32)
+    image = tf.equal(tf.gather(kinds, where), 0x2C)
+    data = tf.where(image, where + 11 + _color_table(b.at(where + 9)), where + 2)
+    after = tf.gather(chain_end, tf.cast(tf.minimum(data, b.n), tf.int32)) + 1
+    following = _index_of(where, tf.cast(after, tf.int64))
+    goes_on = following < count
+    nxt = tf.concat([tf.where(goes_on, following, tf.range(count)), [count]], 0)
+    area = tf.where(image, _area(b.le16(where + 5), b.le16(where + 7)), _f(0))
+    ends, frames = _follow(nxt, tf.concat([tf.where(goes_on, area, _f(0)), [0.0]], 0))
+    start = _index_of(where, tf.reshape(first, [1]))[0]
+    # The block that ends the walk counts too: the last frame before the trailer, or a
+    # frame whose data runs past the end, which giflib allocates before it fails.
+    total = frames[start] + tf.concat([area, [0.0]], 0)[ends[start]]
+    return canvas + total
 
 
 def _bmp(b: _Bytes):
-    core = tf.equal(b.le32(14), 12)  # BITMAPCOREHEADER: 16-bit sizes
-
     def signed32(v):
         return tf.where(v >= 2**31, v - 2**32, v)
 
-    width = tf.where(core, b.le16(18), tf.abs(signed32(b.le32(18))))
-    height = tf.where(core, b.le16(20), tf.abs(signed32(b.le32(22))))
-    return _area(width, height)
+    header = b.le32(14)
+    width, height = signed32(b.le32(18)), signed32(b.le32(22))
+    ok = (_in(header, (40, 52, 56, 64, 108, 124)) & (b.n >= 14 + header)
+          & (width > 0) & tf.not_equal(height, 0))
+    return tf.where(ok, _area(width, tf.abs(height)), _f(UNREADABLE))
 
 
 def _webp(b: _Bytes):
-    vp8 = b.starts_with(12, b"VP8 ")
-    vp8l = b.starts_with(12, b"VP8L")
+    # The first chunk at 12, its data at 20.
+    vp8 = b.starts_with(12, b"VP8 ") & b.starts_with(23, b"\x9d\x01\x2a")
+    vp8l = b.starts_with(12, b"VP8L") & tf.equal(b.at(20), 0x2F)
     vp8x = b.starts_with(12, b"VP8X")
     lossy = _area(b.le16(26) % 16384, b.le16(28) % 16384)
     b1, b2, b3 = b.at(22), b.at(23), b.at(24)
     lossless = _area(1 + b.at(21) + (b1 % 64) * 256, 1 + b1 // 64 + b2 * 4 + (b3 % 16) * 1024)
     canvas = _area(1 + b.le24(24), 1 + b.le24(27))
-    animated = vp8x & (tf.bitwise.bitwise_and(b.at(20), 2) > 0)
-
-    def frames():
-        # RIFF chunks: fourcc, little-endian size, data padded to an even length.
-        def body(pos, count):
-            size = b.le32(pos + 4)
-            return pos + 8 + size + size % 2, count + tf.cast(b.starts_with(pos, b"ANMF"),
-                                                                tf.float64)
-        _, count = tf.while_loop(lambda pos, count: pos + 8 <= b.n, body,
-                                 (tf.constant(12, tf.int64), tf.constant(0, tf.float64)),
-                                 maximum_iterations=b.steps(8))
-        return tf.maximum(count, 1)
-
-    pixels = tf.where(vp8, lossy, tf.where(vp8l, lossless, tf.where(vp8x, canvas, _f(UNREADABLE))))
-    return tf.cond(animated, lambda: canvas * frames(), lambda: pixels)
+    pixels = tf.where(vp8, lossy, tf.where(vp8l, lossless, tf.where(vp8x, canvas,
+                                                                     _f(UNREADABLE))))
+    # libwebp refuses a canvas of 2^32 pixels or more, and a lossy frame of size 0.
+    return tf.where((pixels > 0) & (pixels < 2.0**32), pixels, _f(UNREADABLE))
 
 
 def declared_pixels(data):
@@ -184,7 +289,8 @@ def declared_pixels(data):
 
     ``UNRECOGNISED`` (0) when the bytes are not JPEG, PNG, GIF, BMP or WebP (the
     decoder will refuse them), ``UNREADABLE`` (-1) for a recognised format whose size
-    could not be read. No pixel data is decoded.
+    could not be read or whose structure is refused (see the module docstring). No
+    pixel data is decoded.
     """
     b = _Bytes(data)
     branches = [

@@ -66,6 +66,38 @@ def check_max_pixels(max_pixels) -> int:
     return max_pixels
 
 
+def _decode_within(data, declared, image_size, crop_fraction, method, antialias, max_pixels):
+    """Decode one image, never past ``max_pixels``: ``(image, pixels)``, where ``pixels``
+    is the size the decoder found and ``image`` zeros when it is over the limit.
+
+    For a JPEG the size comes first from libjpeg itself (``tf.image.extract_jpeg_shape``
+    reads the header the way the decoder will, so no header trick can show it another
+    size), and nothing is decoded past the limit. For the other formats the header walk
+    (``declared``) reads the fields their decoders allocate by. Then the decoded shape
+    itself is checked before the resize, which would otherwise copy it as float32.
+    """
+    h, w = image_size
+    empty = tf.zeros([h, w, 3], tf.float32)
+    is_jpeg = tf.equal(tf.strings.substr(data, 0, 3), b"\xff\xd8\xff")
+
+    def jpeg_pixels():
+        shape = tf.cast(tf.image.extract_jpeg_shape(data), tf.float64)
+        return shape[0] * shape[1]
+
+    pixels = tf.cond(is_jpeg, jpeg_pixels, lambda: declared)
+
+    def decode():
+        image = tf.io.decode_image(data, channels=3, expand_animations=False)
+        shape = tf.cast(tf.shape(image), tf.float64)
+        got = shape[0] * shape[1]
+        return tf.cond(
+            got <= max_pixels,
+            lambda: resize_and_center_crop(image, (h, w), crop_fraction, method, antialias),
+            lambda: empty), got
+
+    return tf.cond(pixels <= max_pixels, decode, lambda: (empty, pixels))
+
+
 def decode_images(image_bytes, image_size=(224, 224), crop_fraction=DEFAULT_CROP_FRACTION,
                   method="bilinear", antialias=True, max_pixels=DEFAULT_MAX_PIXELS):
     """Decode a batch of encoded images (JPEG, PNG, GIF, BMP, WebP) to ``(N, h, w, 3)``
@@ -75,18 +107,26 @@ def decode_images(image_bytes, image_size=(224, 224), crop_fraction=DEFAULT_CROP
     frame of a GIF kept) and passed through ``resize_and_center_crop``. Decoding runs
     in parallel in a ``tf.data`` pipeline, in order.
 
-    Before anything is decoded, the size each header declares is read
-    (:func:`tfaploss.export.image_header.declared_pixels`; for a GIF every frame
-    counts) and compared with ``max_pixels`` (default :data:`DEFAULT_MAX_PIXELS`, 40
-    megapixels), so a small file declaring a huge image costs nothing.
+    No image is decoded past ``max_pixels`` (default :data:`DEFAULT_MAX_PIXELS`, 40
+    megapixels), whatever its header says:
+
+    1. Fast path, before anything is decoded: the size each header declares
+       (:func:`tfaploss.export.image_header.declared_pixels`, which walks each header
+       as its decoder does; for a GIF every frame counts) is compared with
+       ``max_pixels``, so a small file declaring a huge image costs nothing. A header
+       that cannot be read or whose structure is refused (see that module) is not
+       decoded.
+    2. At decode time: a JPEG's size is read again by libjpeg
+       (``tf.image.extract_jpeg_shape``) before it is decoded, and every decoded image's
+       shape is checked before it is resized.
 
     Raises:
         tf.errors.InvalidArgumentError: some inputs declare more than ``max_pixels``
             pixels (``the image(s) at index(es) [2] declare [100000000] pixels, more
-            than max_pixels=...``; the request is refused before any decoding), or some
-            cannot be decoded (``could not decode the image(s) at index(es) [1 3]``).
-            The whole request fails (nothing is silently dropped) and a server keeps
-            running.
+            than max_pixels=...``; the request is refused before any decoding), decode
+            to more than that (``... decode to ...``), or cannot be decoded or are
+            refused (``could not decode the image(s) at index(es) [1 3]``). The whole
+            request fails (nothing is silently dropped) and a server keeps running.
     """
     from tfaploss.export.image_header import declared_pixels
 
@@ -107,32 +147,48 @@ def decode_images(image_bytes, image_size=(224, 224), crop_fraction=DEFAULT_CROP
         summarize=64,
     )
     with tf.control_dependencies([size_check]):
-        # A known format whose size cannot be read is not decoded: it is reported with
-        # the undecodable inputs below.
-        readable = tf.identity(pixels >= 0)
+        # Only what the header walk recognised and could read is decoded: the rest is
+        # reported with the undecodable inputs below.
+        readable = tf.identity(pixels > 0)
 
-    def decode(data, index):
-        image = tf.io.decode_image(data, channels=3, expand_animations=False)
-        return resize_and_center_crop(image, (h, w), crop_fraction, method, antialias), index
+    def decode(data, index, declared):
+        image, got = _decode_within(data, declared, (h, w), crop_fraction, method, antialias,
+                                    max_pixels)
+        return image, index, got
 
     # A decoding error would abort the batch without saying which image is bad:
     # drop failures here, then name the missing indices in one assertion.
     decoded = (
-        tf.data.Dataset.from_tensor_slices((image_bytes, indices, readable))
-        .filter(lambda data, index, ok: ok)
-        .map(lambda data, index, ok: decode(data, index), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        tf.data.Dataset.from_tensor_slices((image_bytes, indices, pixels, readable))
+        .filter(lambda data, index, declared, ok: ok)
+        .map(lambda data, index, declared, ok: decode(data, index, declared),
+             num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         .ignore_errors()
     )
     # A sentinel keeps the single batch non-empty when every image fails.
-    sentinel = tf.data.Dataset.from_tensors((tf.zeros([h, w, 3]), tf.constant(-1, tf.int64)))
-    images, decoded_indices = decoded.concatenate(sentinel).batch(n + 1).get_single_element()
+    sentinel = tf.data.Dataset.from_tensors(
+        (tf.zeros([h, w, 3]), tf.constant(-1, tf.int64), tf.constant(0, tf.float64)))
+    images, decoded_indices, decoded_pixels = (
+        decoded.concatenate(sentinel).batch(n + 1).get_single_element())
     images, decoded_indices = images[:-1], decoded_indices[:-1]
-    bad = tf.sparse.to_dense(tf.sets.difference(indices[None], decoded_indices[None]))[0]
-    check = tf.debugging.Assert(
-        tf.equal(tf.size(bad), 0),
-        ["image_bytes: could not decode the image(s) at index(es)", bad,
-         "of the batch; each input must be a complete JPEG, PNG, GIF, BMP or WebP file"],
+    over = tf.where(decoded_pixels > max_pixels)[:, 0]
+    decode_check = tf.debugging.Assert(
+        tf.equal(tf.size(over), 0),
+        ["image_bytes: the image(s) at index(es)", tf.gather(decoded_indices, over),
+         "decode to", tf.cast(tf.gather(decoded_pixels, over), tf.int64),
+         (f"pixels, more than max_pixels={max_pixels}, though their headers declare "
+          "fewer; nothing larger was decoded")],
         summarize=64,
     )
+    bad = tf.sparse.to_dense(tf.sets.difference(indices[None], decoded_indices[None]))[0]
+    with tf.control_dependencies([decode_check]):
+        check = tf.debugging.Assert(
+            tf.equal(tf.size(bad), 0),
+            ["image_bytes: could not decode the image(s) at index(es)", bad,
+             ("of the batch; each input must be a complete JPEG, PNG, GIF, BMP or WebP "
+              "file whose headers agree with its data (see tfaploss.export.image_header for "
+              "what is refused)")],
+            summarize=64,
+        )
     with tf.control_dependencies([check]):
         return tf.identity(images)

@@ -2,14 +2,16 @@
 
 A ranking loss sees a batch of embeddings and integer labels. The shared work (label
 checks, L2 normalisation, the similarity matrix, positive/candidate masks with the
-query itself left out or kept in, queries without positives, the reduction) lives
-here; a surrogate overrides :meth:`RetrievalLoss.per_query`, which turns a
-(queries x database) score matrix and its masks into one loss value and one weight
-per query.
+query itself left out or kept in, queries without positives) lives here; a surrogate
+overrides :meth:`RetrievalLoss.per_query`, which turns a (queries x database) score
+matrix and its masks into one loss value and one weight per query. ``call`` returns
+one term per query and Keras's ``Loss.__call__`` reduces them (``sample_weight``,
+``reduction``, the mask of the queries without positives).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import keras
@@ -147,25 +149,99 @@ def _nan_unless(finite, loss):
     return ops.where(finite, loss, ops.full_like(loss, float("nan")))
 
 
+class _AttachMask(keras.layers.Layer):
+    """Returns its input with ``mask`` attached as the Keras mask.
+
+    Keras reads a mask from the values a loss's ``call`` returns and leaves the masked
+    entries out of the reduction, but exports no function to attach one; a layer that
+    supports masking is the public way (``Layer.__call__`` attaches ``mask`` to its
+    output, on every backend, eager or traced).
+    """
+
+    def __init__(self):
+        super().__init__(name="query_mask", autocast=False)
+        self.supports_masking = True
+
+    def call(self, values, mask=None):
+        return values
+
+
+@functools.cache
+def _mask_layer():
+    return _AttachMask()
+
+
+def _with_mask(values, mask):
+    """``values`` carrying the bool ``mask`` (same shape) as their Keras mask."""
+    return _mask_layer()(values, mask=mask)
+
+
+class _KerasReduction(keras.losses.Loss):
+    """Keras's ``Loss.__call__`` on per-query terms already computed: it applies
+    ``sample_weight``, the terms' mask and the ``reduction`` (and, under
+    ``tf.distribute``, Keras's per-replica scaling of the mean reductions)."""
+
+    def call(self, y_true, y_pred):
+        return y_pred
+
+
+def _shape_text(shape):
+    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
 @keras.saving.register_keras_serializable(package="tfaploss")
 class RetrievalLoss(keras.losses.Loss):
-    """Base class of the ranking losses: integer labels in, one batch loss out.
+    """Base class of the ranking losses: integer labels in, one term per query out.
 
-    ``loss(y_true, y_pred)`` with ``y_true`` the integer class labels, shape (B,) or
-    (B, 1), and ``y_pred`` the embeddings, shape (B, D). Each image is a query ranked
-    against the batch; the loss is the weighted mean of :meth:`per_query` over the
-    queries with positives:
+    ``loss(y_true, y_pred, sample_weight=None)`` with ``y_true`` the integer class
+    labels, shape (B,) or (B, 1), and ``y_pred`` the embeddings, shape (B, D). Each
+    item is a query ranked against the whole batch. :meth:`call` returns one term per
+    query, shape (B,): ``t_i = l_i``, the query's loss from :meth:`per_query` (e.g.
+    ``1 - AP_i``), for the "valid" queries, those with positives (see
+    ``drop_lone_queries``), and 0 for the others, which also carry a Keras mask.
+    Keras's ``Loss.__call__`` then reduces the terms, with ``s_i`` the
+    ``sample_weight`` (1 without one) and ``n`` the number of valid queries:
 
-        L = sum_i w_i * l_i / sum_i w_i   (0, with zero gradient, when sum_i w_i = 0)
+    =============================  ==========================================
+    ``reduction``                  result
+    =============================  ==========================================
+    ``"sum_over_batch_size"``      ``sum_i s_i t_i / n`` (the default)
+    ``"mean"``                     the same
+    ``"mean_with_sample_weight"``  ``sum_i s_i t_i / sum_{i valid} s_i``
+    ``"sum"``                      ``sum_i s_i t_i``
+    ``"none"`` or ``None``         ``s_i t_i``, shape (B,), 0 where not valid
+    =============================  ==========================================
 
-    The result is a scalar for every ``reduction``: AP is a property of the whole
-    batch, not a sum of per-sample terms, so per-sample ``sample_weight`` is refused
-    (class balancing is a constructor option of the losses that support it).
+    The mask is what makes the means divide by ``n``, not by B: queries without
+    positives are left out, not counted as zero losses. So the default is the mean
+    of ``l_i`` over the valid queries; a batch without a valid query gives 0 with zero
+    gradient (a warning once).
 
-    Labels are compared before any cast, so ids are exact whatever ``dtype`` is. The
-    loss is computed in ``dtype`` (float32 by default, also under a mixed-precision
-    policy); ``float16``/``bfloat16`` are refused because they cannot hold label ids
-    exactly.
+    ``sample_weight`` (shape (B,), (B, 1), or a scalar) only scales each query's term.
+    It does NOT change the rankings: every query is still ranked against the whole
+    batch, and an item of weight 0 is still a positive or a negative of the other
+    queries. Class balancing inside the rankings is a constructor option of the
+    losses that offer it.
+
+    Losses whose queries carry built-in weights ``w_i`` (``APLoss(class_balanced=
+    True)``: ``1 / class size``; ``ContrastiveLoss``: pairs per query;
+    ``TripletLoss``: positive pairs or triplets per anchor) return
+    ``t_i = l_i * w_i / mean_{valid}(w)``, so that the default reduction is their
+    weighted mean ``sum_i w_i l_i / sum_i w_i``; for the others ``w_i = 1`` and
+    ``t_i = l_i`` exactly. A batch-level term that does not decompose per query
+    (``CalibrationLoss``'s default averaging, ROADMAP's calibration part) is the same
+    in every valid query's term.
+
+    Under ``tf.distribute`` Keras divides the mean reductions by the number of
+    replicas (each replica holds part of the global batch and the gradients are
+    summed); :class:`~tfaploss.training.MultiStageModel`, which ranks the global batch
+    on every replica, undoes that.
+
+    Labels are compared exactly, before any cast (``__call__`` hands them to
+    :meth:`call` as given, where Keras's would cast them to ``dtype`` first), so ids
+    above 2**24 stay distinct. The loss is computed in ``dtype`` (float32 by default,
+    also under a mixed-precision policy); ``float16``/``bfloat16`` are refused because
+    they cannot hold label ids exactly.
 
     Args:
         normalize: L2-normalise the embeddings first, so scores are cosines in [-1, 1].
@@ -185,14 +261,15 @@ class RetrievalLoss(keras.losses.Loss):
             Without ``include_self`` (and for a memory bank) a lone query has no
             positive and is always left out; pair and triplet losses never use
             lone queries either way.
-        reduction, name, dtype: as for ``keras.losses.Loss``.
+        reduction: how the per-query terms are reduced (table above).
+        name, dtype: as for ``keras.losses.Loss``.
 
-    Subclasses override :meth:`per_query` (or :meth:`loss_from_scores` for losses that
-    do not decompose per query) and extend :meth:`get_config`; distance-based losses
-    override :meth:`pairwise`. ``per_query`` also receives ``self_pairs``: the (Q, N)
-    mask of each query paired with itself when the batch is ranked against itself with
-    ``include_self=True``, else None; :meth:`other_positive_counts` uses it to count the
-    positives a query has besides itself.
+    Subclasses override :meth:`per_query` and extend :meth:`get_config`;
+    distance-based losses override :meth:`pairwise`. ``per_query`` also receives
+    ``self_pairs``: the (Q, N) mask of each query paired with itself when the batch is
+    ranked against itself with ``include_self=True``, else None;
+    :meth:`other_positive_counts` uses it to count the positives a query has besides
+    itself.
     """
 
     def __init__(
@@ -218,27 +295,24 @@ class RetrievalLoss(keras.losses.Loss):
     # -- Keras entry points -------------------------------------------------------
 
     def __call__(self, y_true, y_pred, sample_weight=None):
-        if sample_weight is not None:
-            raise ValueError(
-                f"{type(self).__name__} is a batch-level ranking loss and does not take "
-                "per-sample `sample_weight`; received a sample_weight. Remove it from the "
-                "dataset (or use class_balanced=True where the loss offers it)."
-            )
+        """The reduced loss (see the class docstring); Keras's ``Loss.__call__``
+        reduces the terms of :meth:`call`, which sees the labels uncast."""
         with keras.name_scope(self.name):
-            labels = check_labels(y_true)
-            y_pred = ops.convert_to_tensor(y_pred, dtype=self.dtype)
-            return self.call(labels, y_pred)
+            terms = self.call(check_labels(y_true), y_pred)
+            sample_weight = self._check_sample_weight(sample_weight, terms)
+        return self._reduce(terms, sample_weight)
 
     def call(self, y_true, y_pred):
-        y_pred = self._check_embeddings(y_pred, "y_pred")
+        """Per-query terms, shape (B,), masked where a query has no positive."""
+        y_pred = self._check_embeddings(ops.convert_to_tensor(y_pred, dtype=self.dtype),
+                                        "y_pred")
         labels = _check_sizes(type(self).__name__, check_labels(y_true), y_pred,
                               "y_true", "y_pred")
         finite, (y_pred,) = _finite_or_zero(y_pred)
         scores = self.pairwise(y_pred, y_pred)
         positives, candidates = label_masks(labels, labels, exclude_self=not self.include_self)
         self_pairs = self_pair_mask(ops.shape(labels)[0]) if self.include_self else None
-        return _nan_unless(finite, self.loss_from_scores(scores, positives, candidates,
-                                                         self_pairs))
+        return self._query_terms(finite, scores, positives, candidates, self_pairs)
 
     def _check_embeddings(self, embeddings, name):
         if len(embeddings.shape) != 2:
@@ -248,12 +322,43 @@ class RetrievalLoss(keras.losses.Loss):
             )
         return embeddings
 
+    def _check_sample_weight(self, sample_weight, terms):
+        """``sample_weight`` as a tensor, refused unless it gives one weight per query."""
+        if sample_weight is None:
+            return None
+        sample_weight = ops.convert_to_tensor(sample_weight)
+        shape, queries = tuple(sample_weight.shape), terms.shape[0]
+        per_query = len(shape) in (1, 2) and (len(shape) == 1 or shape[1] == 1) and (
+            shape[0] is None or queries is None or int(shape[0]) == int(queries))
+        if shape != () and not per_query:
+            n = "B" if queries is None else int(queries)
+            raise ValueError(
+                f"{type(self).__name__}: sample_weight must hold one weight per query, "
+                f"shape ({n},) or ({n}, 1), or be a scalar; received sample_weight of "
+                f"shape {_shape_text(shape)}. It scales each query's term; the "
+                "rankings always use the whole batch."
+            )
+        if shape == ():
+            # Keras multiplies a scalar weight by the terms' mask in place, which
+            # PyTorch refuses; one weight per query is the same weighting.
+            # (a product, not broadcast_to: PyTorch's broadcast is a view of one element)
+            sample_weight = ops.ones_like(terms) * ops.cast(sample_weight, terms.dtype)
+        return sample_weight
+
+    def _reduce(self, terms, sample_weight=None):
+        """Keras's reduction of the masked per-query ``terms`` (this loss's settings)."""
+        reduction = _KerasReduction(name=self.name, reduction=self.reduction,
+                                    dtype=self.dtype)
+        return reduction(terms, terms, sample_weight)
+
     def query_database_loss(self, query_labels, query_embeddings, db_labels, db_embeddings,
-                            candidates=None):
+                            candidates=None, sample_weight=None):
         """Loss of queries ranked against a separate database (e.g. a memory bank).
 
         Every database item takes part in every ranking unless ``candidates`` (a bool
         (Q, N) mask) says otherwise; no item is treated as the query itself. The
+        result is reduced as the loss's ``__call__`` reduces its terms (same
+        ``reduction``; ``sample_weight``, shape (Q,), weights the queries). The
         gradient flows into both inputs; stop it on the database side for a detached
         memory bank. Cost: that of the loss on a (Q, N) score matrix.
         """
@@ -275,7 +380,34 @@ class RetrievalLoss(keras.losses.Loss):
             positives = ops.logical_and(positives, candidates)
         else:
             candidates = all_items
-        return _nan_unless(finite, self.loss_from_scores(scores, positives, candidates))
+        terms = self._query_terms(finite, scores, positives, candidates)
+        return self._reduce(terms, self._check_sample_weight(sample_weight, terms))
+
+    def _query_terms(self, finite, scores, positives, candidates, self_pairs=None):
+        """Masked per-query terms (Q,) from a (Q, N) score matrix and its boolean masks.
+
+        ``self_pairs``: the (Q, N) mask of queries paired with themselves, when they
+        are ranked (batch against itself, ``include_self=True``); else None. All NaN
+        unless ``finite`` (the embeddings were all finite).
+        """
+        values, weights = self.per_query(scores, positives, candidates, self_pairs)
+        weights = ops.cast(weights, values.dtype)
+        # A query with a positive other than itself makes the batch informative; a
+        # batch with none (every class alone) gives 0 whatever `drop_lone_queries`.
+        informative = self.other_positive_counts(positives, self_pairs) > 0
+        if self.drop_lone_queries:
+            weights = ops.where(informative, weights, ops.zeros_like(weights))
+        weights = ops.where(ops.any(informative), weights, ops.zeros_like(weights))
+        valid = weights > 0
+        valid = ops.logical_and(valid, _warn_once_without_positives(ops.any(valid)))
+        # Built-in query weights relative to their mean over the valid queries, so
+        # that the mean of the terms is the weighted mean of the values (exactly 1
+        # for 0/1 weights). The `where`s keep 0/0 out of the value and gradient.
+        count = ops.sum(ops.cast(valid, values.dtype))
+        total = ops.sum(weights)
+        relative = weights * count / ops.where(total > 0, total, ops.ones_like(total))
+        terms = ops.where(valid, values * relative, ops.zeros_like(values))
+        return _with_mask(_nan_unless(finite, terms), valid)
 
     # -- what subclasses implement --------------------------------------------------
 
@@ -304,29 +436,11 @@ class RetrievalLoss(keras.losses.Loss):
         others = RetrievalLoss.without_self_pairs(positives, self_pairs)
         return ops.sum(ops.cast(others, "int32"), axis=-1)
 
-    def loss_from_scores(self, scores, positives, candidates, self_pairs=None):
-        """Batch loss from a (Q, N) score matrix and its boolean masks.
-
-        ``self_pairs``: the (Q, N) mask of queries paired with themselves, when they
-        are ranked (batch against itself, ``include_self=True``); else None.
-        """
-        values, weights = self.per_query(scores, positives, candidates, self_pairs)
-        weights = ops.cast(weights, values.dtype)
-        # A query with a positive other than itself makes the batch informative; a
-        # batch with none (every class alone) gives 0 whatever `drop_lone_queries`.
-        informative = self.other_positive_counts(positives, self_pairs) > 0
-        if self.drop_lone_queries:
-            weights = ops.where(informative, weights, ops.zeros_like(weights))
-        weights = ops.where(ops.any(informative), weights, ops.zeros_like(weights))
-        total = ops.sum(weights)
-        has_queries = _warn_once_without_positives(total > 0)
-        # The `where` keeps the 0/0 branch out of the gradient.
-        safe_total = ops.where(has_queries, total, ops.ones_like(total))
-        return ops.where(has_queries, ops.sum(weights * values) / safe_total,
-                         ops.zeros_like(total))
-
     def per_query(self, scores, positives, candidates, self_pairs=None):
-        """Per-query loss values (Q,) and weights (Q,); weight 0 leaves a query out."""
+        """Per-query loss values (Q,) and weights (Q,); weight 0 leaves a query out.
+
+        The class docstring says how weights other than 0/1 enter the terms.
+        """
         raise NotImplementedError(f"{type(self).__name__} must implement per_query")
 
     def get_config(self):

@@ -60,8 +60,8 @@ class CalibrationLoss(RetrievalLoss):
 
     def per_query(self, scores, positives, candidates, self_pairs=None):
         # The code's reduction runs over pairs, not queries: every query carries the
-        # batch value, so the base's weighted mean returns it (and still applies the
-        # no-positive-pair rule).
+        # batch value, so the default (mean) reduction returns it (and the base still
+        # applies the no-positive-pair rule); "sum" gives B times it.
         total = calibration_loss(scores, positives, candidates, self.pos_margin,
                                  self.neg_margin, self.averaging)
         any_pair = ops.any(ops.logical_and(ops.cast(positives, "bool"),
@@ -155,8 +155,8 @@ class ROADMAPLoss(RetrievalLoss):
         others = ops.logical_and(ops.cast(positives, "bool"), pair_candidates)
         calibration = calibration_loss(scores, others, pair_candidates, self.pos_margin,
                                        self.neg_margin, self.averaging)
-        # Every weighted query carries the batch-level calibration value, so the base's
-        # weighted mean gives (1 - lambda) * SupAP + lambda * calibration.
+        # Every valid query carries the batch-level calibration value, so the default
+        # (mean) reduction gives (1 - lambda) * SupAP + lambda * calibration.
         values = (1.0 - self.lambda_) * (1.0 - ap) + self.lambda_ * calibration
         return values, ops.cast(counts > 0, ap.dtype)
 

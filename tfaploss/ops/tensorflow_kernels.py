@@ -8,6 +8,8 @@ scatter is slower) and ``top_k`` as the full sort (XLA lowers it well).
 
 from __future__ import annotations
 
+import warnings
+
 import tensorflow as tf
 
 
@@ -50,13 +52,39 @@ def in_xla_context() -> bool:
         return False
 
 
-def print_unless(condition, message):
-    """``condition``, printing ``message`` when it is False at run time (graph mode)."""
-    def print_then():
-        with tf.control_dependencies([tf.print(message)]):
+_WARNED: set[str] = set()
+
+
+def _warn_from_graph(message: str, category: type[Warning]) -> bool:
+    """The host side of :func:`warn_unless`: one Python warning per message and process
+    (as the eager path warns once), whatever the number of steps that hit it."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, category, stacklevel=2)
+    return True
+
+
+def warn_unless(condition, message: str, category: type[Warning] = RuntimeWarning):
+    """``condition``, raising the Python warning ``message`` when it is False at run time.
+
+    For graph mode (``tf.function``, not XLA): a ``tf.py_function`` in the false branch
+    of a ``tf.cond`` calls back into Python, so the warning goes through ``warnings``
+    like the eager path's (filters, ``logging.captureWarnings``, pytest's
+    ``pytest.warns``) instead of a ``tf.print`` to the process's stderr. The branch runs
+    only when ``condition`` is False, so a step whose condition holds pays nothing more
+    than the ``tf.cond``. A ``WARNING: `` prefix (the one ``tf.print`` needed) is dropped.
+    """
+    message = message.removeprefix("WARNING: ")
+
+    def warn_then():
+        done = tf.py_function(lambda: _warn_from_graph(message, category), [], Tout=tf.bool)
+        with tf.control_dependencies([done]):
             return tf.identity(condition)
 
-    return tf.cond(condition, lambda: condition, print_then)
+    return tf.cond(condition, lambda: condition, warn_then)
+
+
+print_unless = warn_unless  # the name tfaploss.losses.base calls
 
 
 def assert_same_rows(labels, embeddings, message):

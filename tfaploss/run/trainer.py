@@ -18,6 +18,14 @@ Run directory layout (``run_dir``)::
                     ``stopped_early`` (null, or why and when the batch-health check
                     stopped the run) and ``health_events``
 
+A run directory is checked before it is used (:mod:`tfaploss.run.run_dir`): what a
+kill leaves is recovered from, damage (what no kill leaves) stops the run with
+:class:`~tfaploss.training.checkpoints.DamagedRunError`, naming the file; the run never
+starts over by itself. ``restart=True`` (``--restart``) starts over, the previous run's
+files moved aside into ``damaged-<time>/`` or ``previous-<time>/``. A run holds the
+lock of its run directory (:mod:`tfaploss.locks`): a second run started on it is
+refused with :class:`~tfaploss.locks.LockHeldError`, naming the first.
+
 Every file is written to a temporary name and renamed into place. Training stops with
 NonFiniteTrainingError at the first non-finite loss or weight; nothing non-finite is
 ever checkpointed or saved. A run whose embeddings stay collapsed (or whose loss stays
@@ -31,6 +39,7 @@ again.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -38,9 +47,17 @@ from pathlib import Path
 
 import yaml
 
-from tfaploss.run import build as B
+from tfaploss import faults, locks
 from tfaploss.config.schema import Config, ConfigError, config_from_dict
+from tfaploss.log import reporting
+from tfaploss.run import build as B
+from tfaploss.run import run_dir as R
 from tfaploss.training import checkpoints as C
+from tfaploss.training.checkpoints import DamagedRunError
+
+__all__ = ["DamagedRunError", "embed_split", "evaluate_split", "initial_model", "train"]
+
+LOG = logging.getLogger(__name__)
 
 
 def _epoch_callbacks():
@@ -80,6 +97,9 @@ def _epoch_callbacks():
                 pass  # a wrapped optimizer without a scalar learning rate
             row.update({k: float(v) for k, v in (logs or {}).items()
                         if isinstance(v, (int, float)) or hasattr(v, "__float__")})
+            # Strict JSON: a non-finite value is written as null (a NaN or Infinity in
+            # the log is damage, see tfaploss.run.run_dir).
+            row = _finite(row)
             if self.monitor is not None:
                 records = self.monitor.records[self._reported:]
                 self._reported = len(self.monitor.records)
@@ -88,7 +108,7 @@ def _epoch_callbacks():
                 if any(r["stop"] for r in records):
                     row["stopped_early"] = _stop_summary(self.monitor.stopped)
             with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps(row, allow_nan=False) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
 
@@ -109,24 +129,36 @@ def _epoch_callbacks():
                     f"training stopped: the mean loss of epoch {epoch + 1} is {loss}; "
                     "its checkpoint was not written.")
             check_finite_weights(self.model, f"the checkpoint of epoch {epoch + 1}")
-            C.fault_point("epoch_end", epoch + 1)
+            faults.point("epoch_end", epoch + 1)
             self.backup.save(self.model, epoch + 1, extra={
                 "updates": int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))})
 
     class Faults(keras.callbacks.Callback):
-        """``TFAPLOSS_FAULT=batch:E:B``: exit as if killed after batch B of epoch E;
-        ``nan_weights:E:B``: put a NaN in the first weight there."""
+        """The fault points of a batch (:mod:`tfaploss.faults`; added only when one is
+        armed): ``batch:E:B`` exits as if killed after batch B of epoch E,
+        ``nan_weights:E:B`` puts a NaN in the first weight there."""
 
         def on_epoch_begin(self, epoch, logs=None):
             self._epoch = epoch + 1
 
         def on_train_batch_end(self, batch, logs=None):
-            if C.requested_fault("nan_weights", self._epoch, batch + 1):
+            if faults.requested("nan_weights", self._epoch, batch + 1):
                 v = self.model.trainable_weights[0]
                 v.assign(keras.ops.full(v.shape, float("nan"), v.dtype))
-            C.fault_point("batch", self._epoch, batch + 1)
+            faults.point("batch", self._epoch, batch + 1)
 
     return RetrievalEvaluation, EpochLog, Checkpoint, Faults
+
+
+def _finite(value):
+    """``value`` with every non-finite float replaced by None (JSON null)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _stop_summary(record: dict) -> dict:
@@ -182,32 +214,6 @@ def evaluate_split(embedding_model, cfg: Config, path: str, max_images: int | No
     return retrieval_metrics(embeddings, labels, ks=ks, backend=cfg.evaluation.backend)
 
 
-def _check_run_dir(run_dir: Path, cfg: Config) -> bool:
-    """Write config.yaml; refuse to resume a run made with a different config."""
-    snapshot = run_dir / "config.yaml"
-    current = cfg.to_dict()
-    resuming = (run_dir / "backup").exists()
-    if snapshot.exists():
-        with open(snapshot, encoding="utf-8") as f:
-            previous = _normalised(yaml.safe_load(f))
-        if resuming and previous != current:
-            changed = sorted(_diff_keys(previous, current))
-            raise ConfigError(
-                f"run_dir {str(run_dir)!r} holds an unfinished run made with a different "
-                f"config (differs in: {', '.join(changed)}). Resume it with the same "
-                "config, or use a new run_dir (--set run_dir=...).")
-    C.atomic_write_text(snapshot, yaml.safe_dump(current, sort_keys=False))
-    return resuming
-
-
-def _diff_keys(a, b, prefix=""):
-    if isinstance(a, dict) and isinstance(b, dict):
-        for key in set(a) | set(b):
-            yield from _diff_keys(a.get(key), b.get(key), f"{prefix}{key}.")
-    elif a != b:
-        yield prefix.rstrip(".")
-
-
 def _read_epochs(path: Path) -> list[dict]:
     """The rows of epochs.jsonl, one per epoch; a re-run epoch replaces the crashed
     attempt's, and a line cut short by a kill is skipped."""
@@ -243,35 +249,8 @@ def initial_model(cfg: Config):
     return B.build_model(cfg)
 
 
-def _finished_summary(run_dir: Path, cfg: Config) -> dict | None:
-    """The summary of a finished run of the same config in ``run_dir``, else None."""
-    try:
-        with open(run_dir / "summary.json", encoding="utf-8") as f:
-            summary = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if (run_dir / "backup").exists() or not (run_dir / "model.keras").is_file():
-        return None
-    if _normalised(summary.get("config")) != cfg.to_dict():
-        return None
-    if (summary.get("epochs_completed") != cfg.training.epochs
-            and not summary.get("stopped_early")):
-        return None
-    return summary
-
-
-def _normalised(raw):
-    """A config dict as this version writes it: keys added since (every default
-    filled in) do not make an older run's config differ. ``raw`` itself if invalid."""
-    if not isinstance(raw, dict):
-        return raw
-    try:
-        return config_from_dict(raw, warn=False).to_dict()
-    except (ConfigError, TypeError, ValueError):
-        return raw
-
-
-def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
+def train(cfg: Config, *, run_dir: str | None = None, verbose="auto",
+          restart: bool = False) -> dict:
     """Train ``cfg``; returns the run summary (also written to ``run_dir/summary.json``).
 
     A killed run resumes from its last checkpoint when called again with the same
@@ -281,36 +260,85 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
     loss or weight, before anything is saved. A run stopped by the batch-health check
     (``training.health``) is saved and summarised like a finished one, with
     ``summary["stopped_early"]`` saying why.
+
+    The run directory is checked first (:mod:`tfaploss.run.run_dir`): damage raises
+    :class:`~tfaploss.training.checkpoints.DamagedRunError` (naming the file; nothing is
+    changed), a run of another config :class:`~tfaploss.config.schema.ConfigError`, and
+    another process training in it :class:`~tfaploss.locks.LockHeldError` (naming it).
+    ``restart=True`` starts over at epoch 1 whatever the directory holds: the previous
+    run's files are moved aside into ``damaged-<time>/`` (``previous-<time>/`` when
+    they were not damaged) inside it, never deleted.
+
+    What it reports (the run, notes on what a resumed run found, the final metrics)
+    goes to the ``tfaploss.run.trainer`` logger at INFO, shown on stdout unless the
+    application configured logging (:func:`tfaploss.log.reporting`); ``verbose`` is
+    Keras's progress display (``model.fit``).
     """
+    with reporting():
+        run_dir = Path(run_dir or cfg.run_dir)
+        if run_dir != Path(cfg.run_dir):
+            cfg = config_from_dict(cfg.to_dict(), [f"run_dir={run_dir}"], warn=False)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise ConfigError(f"run_dir {str(run_dir)!r} is a file, not a folder: remove it "
+                              "or use another run_dir (--set run_dir=...).")
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"run_dir {str(run_dir)!r} cannot be created "
+                              f"({type(err).__name__}: {err}).") from None
+        with locks.exclusive(run_dir, "run directory",
+                             log=lambda line: LOG.warning("%s", line)):
+            return _train(cfg, run_dir, verbose=verbose, restart=restart)
+
+
+def _start_over(run_dir: Path, cfg: Config) -> None:
+    """``restart=True``: move the previous run's files aside (never delete them)."""
+    try:
+        R.inspect(run_dir, cfg)
+        damage = None
+    except DamagedRunError as err:
+        damage = err
+    except ConfigError:
+        damage = None  # another config's run: not damaged
+    aside, moved = R.move_aside(run_dir, damaged=damage is not None)
+    if aside is None:
+        LOG.info("--restart: %s holds no previous run; starting at epoch 1", run_dir)
+        return
+    LOG.warning("--restart: moved the previous run's files (%s) aside into %s%s; starting "
+                "at epoch 1", ", ".join(moved), aside,
+                f" (damaged: {damage.path.name} {damage.problem})" if damage else "")
+
+
+def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
     import keras
 
     from tfaploss.training import MultiStageModel
     from tfaploss.training.guards import StopOnNonFinite, check_finite_weights
 
-    run_dir = Path(run_dir or cfg.run_dir)
-    if run_dir != Path(cfg.run_dir):
-        cfg = config_from_dict(cfg.to_dict(), [f"run_dir={run_dir}"], warn=False)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if restart:
+        _start_over(run_dir, cfg)
     C.RunBackup.remove_trash(run_dir)
     removed = C.remove_temp_files(run_dir)
     if removed:
-        print(f"note: removed unfinished file(s) a killed run left: {', '.join(removed)}",
-              flush=True)
-    done = _finished_summary(run_dir, cfg)
+        LOG.info("note: removed unfinished file(s) a killed run left: %s", ", ".join(removed))
+    state = R.inspect(run_dir, cfg)  # damage, another config: raises, changes nothing
+    done = state.finished
     if done is not None:
         how = (f"stopped by the batch-health check after {done['updates']} updates: "
                f"{done['stopped_early']['reason']}; change the config to train again"
                if done.get("stopped_early") else f"{done['epochs_completed']} epochs")
-        print(f"{run_dir} already holds this finished run ({how}): nothing to do. Model: "
-              f"{run_dir / 'model.keras'}. Use another run_dir (--set run_dir=...) to "
-              "train again.", flush=True)
+        LOG.info("%s already holds this finished run (%s): nothing to do. Model: %s. Use "
+                 "another run_dir (--set run_dir=...) or --restart to train again.",
+                 run_dir, how, run_dir / "model.keras")
         return done
     B.check_data(cfg)
-    resuming = _check_run_dir(run_dir, cfg)
+    resuming = state.resuming
+    C.atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(),
+                                                                 sort_keys=False))
     steps = B.steps_per_epoch(cfg)
     epochs_log = run_dir / "epochs.jsonl"
     _repair_epoch_log(epochs_log)
-    backup = C.RunBackup(run_dir / "backup", log=lambda line: print(line, flush=True))
+    backup = C.RunBackup(run_dir / "backup")  # its notes: the checkpoints module's logger
     policy = keras.config.dtype_policy()
     started = time.time()
     try:
@@ -328,19 +356,19 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
                       metrics=health_metrics(), jit_compile=cfg.training.jit_compile)
         if not model.built:
             model.build((None, *cfg.image_shape, 3))
-        start_epoch = backup.restore(model) if resuming else 0
+        start_epoch = backup.restore(model, state.checkpoint) if resuming else 0
         updates = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
         if updates != start_epoch * steps:
-            print(f"warning: the checkpoint of epoch {start_epoch} holds {updates} "
-                  f"optimizer updates, not {start_epoch} x {steps} steps per epoch; did the "
-                  "training split change? Continuing from it.", flush=True)
+            LOG.warning("warning: the checkpoint of epoch %d holds %d optimizer updates, not "
+                        "%d x %d steps per epoch; did the training split change? "
+                        "Continuing from it.", start_epoch, updates, start_epoch, steps)
         dataset = B.build_train_dataset(cfg, seed_offset=start_epoch)
 
-        print(_describe_run(cfg, steps, chunk, embedding_model, resuming, start_epoch),
-              flush=True)
+        LOG.info("%s", _describe_run(cfg, steps, chunk, embedding_model, resuming,
+                                     start_epoch))
         RetrievalEvaluation, EpochLog, Checkpoint, Faults = _epoch_callbacks()
         callbacks = [StopOnNonFinite(steps, hint=f"optimizer.lr={cfg.optimizer.lr:g}")]
-        if os.environ.get(C.FAULT_ENV):
+        if faults.active():  # crash tests only
             callbacks.append(Faults())
         if cfg.data.test and cfg.evaluation.every_n_epochs:
             callbacks.append(RetrievalEvaluation(
@@ -362,21 +390,20 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
         train_seconds = time.time() - started
         stopped = monitor.stopped if monitor is not None else None
         if stopped is not None:
-            print(f"Training stopped by the batch-health check at step "
-                  f"{stopped['epoch_step']} of epoch {stopped['epoch']}: "
-                  f"{stopped['message']}", flush=True)
+            LOG.info("Training stopped by the batch-health check at step %s of epoch %s: %s",
+                     stopped["epoch_step"], stopped["epoch"], stopped["message"])
 
         model_path = run_dir / "model.keras"
         if B.precise_batch_norm(embedding_model, cfg):
-            print(f"BatchNorm statistics re-estimated on {cfg.model.precise_bn_images} "
-                  "training images (model.precise_bn_images)", flush=True)
+            LOG.info("BatchNorm statistics re-estimated on %d training images "
+                     "(model.precise_bn_images)", cfg.model.precise_bn_images)
         check_finite_weights(embedding_model, str(model_path))
         C.atomic_write(model_path, embedding_model.save, fault="model")
         final = None
         if cfg.data.test and cfg.evaluation.at_end:
-            print(f"Evaluating on {cfg.data.test} ...", flush=True)
+            LOG.info("Evaluating on %s ...", cfg.data.test)
             final = evaluate_split(embedding_model, cfg, cfg.data.test)
-            print("  " + ", ".join(f"{k} {v:.4f}" for k, v in final.items()), flush=True)
+            LOG.info("  %s", ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
     finally:
         keras.config.set_dtype_policy(policy)
 
@@ -405,7 +432,7 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto") -> dict:
     }
     C.atomic_write_json(run_dir / "summary.json", summary, fault="summary")
     backup.discard()  # only now: model.keras and summary.json are in place
-    print(f"Done: model {model_path}, summary {run_dir / 'summary.json'}", flush=True)
+    LOG.info("Done: model %s, summary %s", model_path, run_dir / "summary.json")
     return summary
 
 

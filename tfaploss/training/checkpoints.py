@@ -14,36 +14,44 @@ the new complete file, never a torn one.
 Saving epoch N writes ``epoch-N`` next to the previous checkpoint, then the index, and
 only then deletes the previous checkpoint: whatever moment a kill hits, one complete
 checkpoint is on disk. Restoring trusts the files, not the index alone: it takes the
-newest checkpoint that is complete (its SHA-256 matches the index, or, when the index
-is missing, empty, corrupt or stale, every HDF5 dataset in it reads back), says so when
-it falls back, and deletes leftover temporary files.
+newest checkpoint, checks it is complete (its size and SHA-256 match the index, or,
+when the index is missing, empty, corrupt or stale, every HDF5 dataset in it reads
+back), and deletes leftover temporary files.
 
-Fault injection (for tests): ``TFAPLOSS_FAULT="checkpoint_write:2"`` makes the process
-exit at once (``os._exit``, as a kill would, no clean-up) at that point. Points:
-``batch:E:B`` (after batch B of epoch E, 1-based), ``epoch_end:E`` (epoch E trained and
-logged, not yet saved), ``checkpoint_write:E`` / ``metadata_write:E`` / ``model_write`` /
-``summary_write`` (the temporary file is cut to half its bytes, then exit: a kill in the
-middle of the write), ``checkpoint_rename:E`` / ``metadata_rename:E`` / ``model_rename`` /
-``summary_rename`` (complete temporary file, not yet renamed), ``prune:E`` (new
-checkpoint recorded, previous one not yet deleted), ``after_checkpoint:E``,
-``backup_delete`` (the finished run's backup renamed aside, not yet deleted). And one
-that does not kill: ``nan_weights:E:B`` sets a weight to NaN after batch B of epoch E
-(to test the non-finite guard). Several points may be given, comma-separated.
+What a kill leaves (temporary files, a stale index, two checkpoints, an empty backup
+folder, and, on file systems without ordered writes, an empty or torn index) is
+recovered from, with a note. What no kill leaves is damage, and is never worked
+around silently: a newest checkpoint that is cut short, empty or altered, an index
+naming a newer checkpoint than any there, a checkpoint name that is a folder, a
+backup that is a file. :meth:`RunBackup.find` then raises :class:`DamagedRunError`,
+naming the file, what is wrong and how to repair it (e.g. remove the damaged
+checkpoint and the index, to resume from the previous checkpoint); the run does not
+fall back to an older checkpoint, nor start over, by itself.
+
+Fault injection (for the crash tests): :func:`atomic_write` and :class:`RunBackup` pass
+through the fault points ``<file>_write``, ``<file>_rename``, ``prune``,
+``after_checkpoint`` and ``backup_delete`` of :mod:`tfaploss.faults`, which lists every
+point and how a test arms one.
+
+Messages (fallbacks, clean-ups) go to :class:`RunBackup`'s ``log``, by default the
+``tfaploss.training.checkpoints`` logger (``warning: ...`` lines at WARNING, the others
+at INFO).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
-FAULT_ENV = "TFAPLOSS_FAULT"
-FAULT_EXIT_CODE = 75  # EX_TEMPFAIL: "try again", which is what resuming does
+from tfaploss import faults
+
+LOG = logging.getLogger(__name__)
 
 _TEMP_RE = re.compile(r"^\..+\.tmp-\d+(\..*)?$")
 _CHECKPOINT_RE = re.compile(r"^epoch-(\d{4,})\.weights\.h5$")
@@ -51,51 +59,30 @@ INDEX_NAME = "checkpoint.json"
 _TRASH_PREFIX = ".backup-trash-"
 
 
-# ---------------------------------------------------------------------------------------
-# Fault injection
-# ---------------------------------------------------------------------------------------
+class DamagedRunError(RuntimeError):
+    """A file of a run directory is damaged in a way no kill leaves.
 
-
-def requested_fault(name: str, epoch: int | None = None,
-                    batch: int | None = None) -> str | None:
-    """The item of ``$TFAPLOSS_FAULT`` that names this point (``name[:epoch[:batch]]``;
-    a missing epoch or batch matches any), else None. Costs one environment lookup."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return None
-    for item in spec.split(","):
-        parts = item.strip().split(":")
-        if parts[0] != name:
-            continue
-        if len(parts) > 1 and parts[1] and (epoch is None or int(parts[1]) != epoch):
-            continue
-        if len(parts) > 2 and parts[2] and (batch is None or int(parts[2]) != batch):
-            continue
-        return item.strip()
-    return None
-
-
-def fault_point(name: str, epoch: int | None = None, batch: int | None = None,
-                path: str | os.PathLike | None = None) -> None:
-    """Exit the process here if ``$TFAPLOSS_FAULT`` names this point (see module doc).
-
-    With ``path`` (a ``*_write`` point) the file is first cut to half its size, leaving
-    what a kill in the middle of writing it leaves.
+    ``path``: the file; ``problem``: what is wrong with it; ``fix``: how to repair it
+    (besides starting over). The message says both ways out: repair, or start over
+    with ``--restart`` (``train(..., restart=True)``), which moves the run's files
+    aside, never deletes them.
     """
-    item = requested_fault(name, epoch, batch)
-    if item is None:
-        return
-    if path is not None and os.path.exists(path):
-        size = os.path.getsize(path)
-        with open(path, "r+b") as f:
-            f.truncate(size // 2)
-            f.flush()
-            os.fsync(f.fileno())
-    where = name + (f" (epoch {epoch}" + (f", batch {batch}" if batch else "") + ")"
-                    if epoch is not None else "")
-    print(f"{FAULT_ENV}={item}: simulated kill at {where}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(FAULT_EXIT_CODE)
+
+    def __init__(self, path: str | os.PathLike, problem: str, fix: str | None = None):
+        self.path = Path(path)
+        self.problem = problem
+        self.fix = fix or "repair or remove that file"
+        super().__init__(
+            f"damaged run directory: {self.path} {problem}. No kill leaves this, so the "
+            f"run neither resumes nor starts over by itself. Either {self.fix}, and run "
+            "the same command again; or start over at epoch 1 with --restart "
+            "(train(..., restart=True)), which moves the run's files aside into "
+            "damaged-<time>/ in the run directory (never deletes them).")
+
+
+def log_line(line: str) -> None:
+    """:class:`RunBackup`'s default ``log``: ``warning: ...`` at WARNING, else INFO."""
+    LOG.log(logging.WARNING if line.startswith("warning:") else logging.INFO, "%s", line)
 
 
 # ---------------------------------------------------------------------------------------
@@ -136,8 +123,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object], *,
 
     ``write`` receives a temporary path in the same folder; the file is fsynced and
     renamed over ``path``. If ``write`` raises, the temporary file is removed and the
-    previous ``path`` (if any) is untouched. ``fault`` names the fault-injection points
-    ``<fault>_write`` and ``<fault>_rename``. Returns ``path``.
+    previous ``path`` (if any) is untouched. ``fault`` names the fault points
+    ``<fault>_write`` and ``<fault>_rename`` (:mod:`tfaploss.faults`). Returns ``path``.
     """
     path = Path(path)
     tmp = temp_name(path)
@@ -145,8 +132,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object], *,
         write(str(tmp))
         _fsync_file(tmp)
         if fault:
-            fault_point(f"{fault}_write", epoch, path=tmp)
-            fault_point(f"{fault}_rename", epoch)
+            faults.point(f"{fault}_write", epoch, path=tmp)
+            faults.point(f"{fault}_rename", epoch)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -217,15 +204,17 @@ class RunBackup:
 
     Args:
         directory: the backup folder (created on the first save).
-        log: called with one line for each thing worth telling (fallbacks, clean-ups).
+        log: called with one line for each thing worth telling (fallbacks, clean-ups);
+            default :func:`log_line` (the module's logger).
 
     Cost of a save: one ``model.save_weights`` (model + optimizer variables) plus one
     read of the file for its SHA-256; the disk holds two checkpoints for a moment.
     """
 
-    def __init__(self, directory: str | os.PathLike, log: Callable[[str], None] = print):
+    def __init__(self, directory: str | os.PathLike,
+                 log: Callable[[str], None] | None = None):
         self.directory = Path(directory)
-        self.log = log
+        self.log = log or log_line
 
     # -- paths -------------------------------------------------------------------------
 
@@ -262,82 +251,132 @@ class RunBackup:
                   "sha256": sha256_of(path), **(extra or {})}
         atomic_write_json(self.index_path, {"format": 1, "latest": record},
                           fault="metadata", epoch=epoch)
-        fault_point("prune", epoch)
+        faults.point("prune", epoch)
         for older, old_path in self.checkpoints().items():
             if older != epoch:
                 old_path.unlink()
-        fault_point("after_checkpoint", epoch)
+        faults.point("after_checkpoint", epoch)
         return path
 
     # -- restore -------------------------------------------------------------------------
 
     def _read_index(self) -> dict | None:
+        """The index's record of the latest checkpoint (``epoch``, ``file``, ``bytes``,
+        ``sha256``, checked), or None when there is none or it is unreadable (a torn
+        index is what a crash on a file system without ordered writes can leave: the
+        checkpoint files themselves are then checked)."""
         if not self.index_path.exists():
             return None
         try:
+            if self.index_path.stat().st_size > 1 << 20:
+                raise ValueError("far larger than an index")
             with open(self.index_path, encoding="utf-8") as f:
-                index = json.load(f)
-            latest = index["latest"]
-            int(latest["epoch"]), str(latest["file"]), int(latest["bytes"])
-            str(latest["sha256"])
-            return latest
-        except (OSError, ValueError, KeyError, TypeError) as err:
+                latest = json.load(f)["latest"]
+            record = {"epoch": latest["epoch"], "file": latest["file"],
+                      "bytes": latest["bytes"], "sha256": latest["sha256"]}
+            if not (type(record["epoch"]) is int and record["epoch"] >= 1
+                    and type(record["bytes"]) is int and record["bytes"] >= 0
+                    and isinstance(record["file"], str)
+                    and isinstance(record["sha256"], str)
+                    and re.fullmatch(r"[0-9a-f]{64}", record["sha256"])):
+                raise ValueError(f"not a checkpoint record: {latest!r:.200}")
+            return record
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
             size = self.index_path.stat().st_size
             self.log(f"note: {self.index_path} is unreadable ({size} bytes; "
-                     f"{type(err).__name__}: {err}); checking the checkpoint files "
-                     "themselves instead")
+                     f"{type(err).__name__}: {str(err)[:200]}); checking the checkpoint "
+                     "files themselves instead")
             return None
 
-    def _problem(self, epoch: int, path: Path, latest: dict | None) -> str | None:
-        if latest is not None and latest["file"] == path.name:
+    def _problem(self, path: Path, latest: dict | None) -> str | None:
+        """What is wrong with the checkpoint ``path`` (None: it is complete)."""
+        try:
             size = path.stat().st_size
-            if size != latest["bytes"]:
-                return f"{path.name} has {size} bytes, {latest['bytes']} were written"
-            if sha256_of(path) != latest["sha256"]:
-                return f"{path.name} does not match the SHA-256 recorded when it was written"
-            return None
+            if latest is not None and latest["file"] == path.name:
+                if size != latest["bytes"]:
+                    return (f"has {size} bytes, but {latest['bytes']} were written (a "
+                            f"checkpoint cut short{', emptied' if size == 0 else ''} or "
+                            "grown)")
+                if sha256_of(path) != latest["sha256"]:
+                    return ("does not match the SHA-256 recorded when it was written "
+                            "(its bytes were altered)")
+                return None
+            if size == 0:
+                return "is empty (0 bytes)"
+        except OSError as err:
+            return f"cannot be read ({type(err).__name__}: {err})"
         problem = _h5_readable(path)
-        return f"{path.name} is unreadable ({problem})" if problem else None
+        return f"is not a readable checkpoint ({problem})" if problem else None
+
+    def _check_types(self) -> None:
+        if self.directory.exists() and not self.directory.is_dir():
+            raise DamagedRunError(self.directory, "is a file, not the backup folder")
+        if self.index_path.exists() and not self.index_path.is_file():
+            raise DamagedRunError(self.index_path, "is a folder, not the checkpoint index")
+        for entry in self.directory.iterdir():
+            if _CHECKPOINT_RE.match(entry.name) and not entry.is_file():
+                raise DamagedRunError(entry, "is a folder, not a checkpoint file")
 
     def find(self) -> tuple[int, Path | None]:
-        """``(epoch, path)`` of the newest complete checkpoint; ``(0, None)`` if none."""
-        if not self.directory.is_dir():
+        """``(epoch, path)`` of the newest checkpoint, checked complete; ``(0, None)`` if
+        there is none. Raises :class:`DamagedRunError` when it (or the backup) is
+        damaged: no older checkpoint is taken in its place without being asked."""
+        if not self.directory.exists():
             return 0, None
+        self._check_types()
         removed = remove_temp_files(self.directory)
         if removed:
             self.log(f"note: removed {len(removed)} unfinished file(s) a killed run left "
                      f"in {self.directory}: {', '.join(sorted(removed))}")
         latest = self._read_index()
         candidates = self.checkpoints()
-        if latest is not None and latest["epoch"] not in candidates:
-            self.log(f"note: {INDEX_NAME} names {latest['file']}, which is not in "
-                     f"{self.directory}; using the checkpoints that are there")
-        for epoch in sorted(candidates, reverse=True):
-            path = candidates[epoch]
-            problem = self._problem(epoch, path, latest)
-            if problem is None:
-                if latest is not None and latest["epoch"] != epoch:
-                    self.log(f"note: {INDEX_NAME} is stale (it names epoch "
-                             f"{latest['epoch']}); {path.name} is complete, resuming after "
-                             f"epoch {epoch}")
-                return epoch, path
-            older = [e for e in candidates if e < epoch]
-            self.log(f"warning: {problem}; "
-                     + (f"falling back to the checkpoint of epoch {max(older)}" if older
-                        else "no older checkpoint, starting from epoch 1"))
-        return 0, None
+        newest = max(candidates, default=0)
+        if latest is not None and latest["epoch"] > newest:
+            raise DamagedRunError(
+                self.index_path,
+                f"names {latest['file']} (epoch {latest['epoch']}), which is not in "
+                f"{self.directory}" + (f" (the newest checkpoint there is of epoch {newest})"
+                                       if newest else " (no checkpoint is)"),
+                f"put {latest['file']} back" + (
+                    f", or remove {self.index_path} to resume from "
+                    f"{candidates[newest].name} (after epoch {newest}; the epochs after it "
+                    "are trained again)" if newest else ""))
+        if not newest:
+            return 0, None
+        path = candidates[newest]
+        problem = self._problem(path, latest)
+        if problem is not None:
+            older = [e for e in sorted(candidates, reverse=True)[1:]
+                     if self._problem(candidates[e], None) is None]
+            fix = (f"remove it and {self.index_path} to resume from "
+                   f"{candidates[older[0]].name} (after epoch {older[0]}; the epochs after "
+                   "it are trained again)" if older
+                   else "put back a copy of it, if you have one")
+            raise DamagedRunError(path, problem, fix)
+        if latest is not None and latest["epoch"] != newest:
+            self.log(f"note: {INDEX_NAME} is stale (it names epoch {latest['epoch']}); "
+                     f"{path.name} is complete, resuming after epoch {newest}")
+        return newest, path
 
-    def restore(self, model) -> int:
-        """Load the newest complete checkpoint into ``model``; returns its epoch (0: none).
+    def restore(self, model, found: tuple[int, Path | None] | None = None) -> int:
+        """Load the newest checkpoint into ``model``; returns its epoch (0: none).
 
-        The model must be built and compiled (its optimizer is built here if needed).
+        ``found``: what :meth:`find` returned, if already called (the checkpoint is then
+        not read and checked again). The model must be built and compiled (its
+        optimizer is built here if needed). Raises :class:`DamagedRunError` when the
+        checkpoint is damaged or does not load into ``model``.
         """
-        epoch, path = self.find()
+        epoch, path = found if found is not None else self.find()
         if path is None:
             return 0
         if getattr(model, "optimizer", None) is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
-        model.load_weights(str(path))
+        try:
+            model.load_weights(str(path))
+        except Exception as err:  # noqa: BLE001 - whatever the file makes the loader raise
+            raise DamagedRunError(
+                path, f"does not load into this run's model ({type(err).__name__}: "
+                f"{str(err)[:300]})", "put back a copy of it, if you have one") from None
         return epoch
 
     # -- finish --------------------------------------------------------------------------
@@ -350,7 +389,7 @@ class RunBackup:
         trash = self.directory.with_name(f"{_TRASH_PREFIX}{os.getpid()}")
         os.replace(self.directory, trash)
         fsync_dir(self.directory.parent)
-        fault_point("backup_delete")
+        faults.point("backup_delete")
         shutil.rmtree(trash, ignore_errors=True)
 
     @staticmethod

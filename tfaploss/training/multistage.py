@@ -44,8 +44,9 @@ import logging
 
 import keras
 from keras import ops, tree
-from keras.src.losses.loss import unscale_loss_for_distribution
 
+from tfaploss._keras_compat import unscale_loss_for_distribution  # private Keras API
+from tfaploss.losses.base import RetrievalLoss
 from tfaploss.training.checks import check_deterministic, ghost_batch_norm_layers
 from tfaploss.training.xbm import CrossBatchMemory
 
@@ -90,8 +91,9 @@ class MultiStageModel(_backend_steps(), keras.Model):
     replica all-gathers the embeddings and labels, evaluates the loss on all of them,
     and backpropagates the rows it owns; the optimizer's all-reduce sums the replicas'
     parts into the global gradient. The compiled losses must then be batch-level
-    ranking losses (``tfaploss.losses.RetrievalLoss``), which Keras does not rescale
-    per replica. ``evaluate`` stays per replica.
+    ranking losses (``tfaploss.losses.RetrievalLoss``), all reducing by a mean or all
+    by a sum; the step undoes the 1/replicas scaling Keras gives a mean (it assumes
+    per-replica shares of the batch). ``evaluate`` stays per replica.
 
     The same exact step runs on the TensorFlow, JAX and PyTorch backends; distribution
     strategies (global-batch ranking across replicas) are TensorFlow-only.
@@ -102,7 +104,8 @@ class MultiStageModel(_backend_steps(), keras.Model):
 
     Cross-batch memory: with ``xbm_size > 0`` the last ``xbm_size`` embeddings and
     labels of previous batches are kept (detached) and the loss gains
-    ``xbm_weight * loss.query_database_loss(batch, memory)``; the memory is updated
+    ``xbm_weight * loss.query_database_loss(batch, memory)`` (reduced as the loss
+    reduces its own terms, with the step's ``sample_weight``); the memory is updated
     after the step with the batch's stage-1 embeddings. ``xbm_size=0`` is the plain
     loss.
 
@@ -263,6 +266,21 @@ class MultiStageModel(_backend_steps(), keras.Model):
             f"Compiled loss: {self.loss!r}"
         )
 
+    @staticmethod
+    def _divided_per_replica(loss_fn) -> bool:
+        """Whether Keras divides ``loss_fn``'s value by the number of replicas.
+
+        Under ``tf.distribute`` Keras's mean reductions divide a loss by the replica
+        count (each replica's loss covers its own share of the batch, and the
+        replicas' gradients are summed); a ``RetrievalLoss`` reduces its terms that
+        way, in ``__call__`` and in ``query_database_loss``. Here every replica
+        evaluates the loss on the GLOBAL batch and backpropagates only its own rows,
+        so ``_objective`` multiplies that division back (a no-op off tf.distribute).
+        """
+        return (isinstance(loss_fn, RetrievalLoss)
+                and loss_fn.reduction in ("sum_over_batch_size", "mean",
+                                          "mean_with_sample_weight"))
+
     def _objective(self, y, embeddings, sample_weight):
         """Stage 2's function of the (global) embeddings: what G differentiates.
 
@@ -276,10 +294,15 @@ class MultiStageModel(_backend_steps(), keras.Model):
         loss = self._compile_loss(y, embeddings, sample_weight)
         if loss is None:
             raise ValueError("MultiStageModel: no loss to compute. Provide `loss` in `compile()`.")
+        compiled = [l for l in tree.flatten(self.loss) if l is not None]
+        if compiled and all(self._divided_per_replica(l) for l in compiled):
+            loss = unscale_loss_for_distribution(loss)
         total = loss
         memory_loss = ops.zeros((), "float32")
         if self.memory is not None:
-            memory_loss = self.memory.query_loss(memory_loss_fn, y, embeddings)
+            memory_loss = self.memory.query_loss(memory_loss_fn, y, embeddings, sample_weight)
+            if self._divided_per_replica(memory_loss_fn):
+                memory_loss = unscale_loss_for_distribution(memory_loss)
             weighted = ops.cast(memory_loss, loss.dtype) * self.xbm_weight
             loss = loss + weighted
             total = total + weighted

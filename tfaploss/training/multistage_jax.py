@@ -25,8 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import keras
-from keras import tree
-from keras.src.backend import StatelessScope
+from keras import StatelessScope, tree
 
 
 def _scope_values(scope, variables, values):

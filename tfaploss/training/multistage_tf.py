@@ -167,6 +167,12 @@ class TensorFlowSteps:
                 f"received loss={bad[0]!r}. Compile with a tfaploss loss or train on "
                 "one replica."
             )
+        if len({self._divided_per_replica(l) for l in losses}) > 1:
+            raise ValueError(
+                "MultiStageModel ranks the global batch under a distribution strategy "
+                "and needs compiled losses that all reduce by a mean or all by a sum; "
+                f"received reductions {[l.reduction for l in losses]}."
+            )
 
     def _loss_and_output_gradient(self, y, embeddings, sample_weight, variables):
         """Stage 2: the loss on the (global) embeddings, G = d(scaled loss)/dE, and the

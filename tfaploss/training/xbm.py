@@ -86,9 +86,11 @@ class CrossBatchMemory(keras.layers.Layer):
         self.filled.assign(
             ops.minimum(ops.convert_to_tensor(self.filled) + ops.cast(k, "int32"), self.size))
 
-    def query_loss(self, loss, query_labels, query_embeddings):
+    def query_loss(self, loss, query_labels, query_embeddings, sample_weight=None):
         """``loss.query_database_loss`` of the queries against the memory (0 if empty).
 
+        Reduced as ``loss`` reduces its own terms (its ``reduction``), with
+        ``sample_weight`` (one weight per query) when given.
         Cost: that of ``loss`` on a (B, size) score matrix.
         """
         memory = ops.stop_gradient(ops.convert_to_tensor(self.embeddings))
@@ -101,9 +103,13 @@ class CrossBatchMemory(keras.layers.Layer):
         candidates = ops.broadcast_to(self.valid_mask()[None, :],
                                       (ops.shape(query_labels)[0], self.size))
 
+        # Passed only when given: a custom loss's query_database_loss may not take it.
+        weights = {} if sample_weight is None else {"sample_weight": sample_weight}
+
         def with_memory():
             value = loss.query_database_loss(
-                query_labels, query_embeddings, memory_labels, memory, candidates=candidates)
+                query_labels, query_embeddings, memory_labels, memory, candidates=candidates,
+                **weights)
             return ops.cast(value, "float32")
 
         return ops.cond(ops.convert_to_tensor(self.filled) > 0, with_memory,

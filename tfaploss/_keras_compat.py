@@ -1,0 +1,60 @@
+"""Every Keras API tfaploss uses that Keras does not promise to keep.
+
+Keras 3 exports its public API from ``keras`` (``keras.ops``, ``keras.Model``, ...);
+everything under ``keras.src`` and every attribute whose name starts with ``_`` may move
+or change between minor releases without notice. tfaploss needs a few of them, and they
+are all named here, so that a Keras upgrade has one place to check:
+
+- ``PRIVATE_IMPORTS``: names imported from ``keras.src``; this module imports them,
+  the rest of the package imports them from here.
+- ``PRIVATE_ATTRIBUTES``: underscore attributes of public Keras classes that the code
+  reads or overrides (it cannot import those; the list says where they are used).
+
+``tests/test_keras_compat.py`` checks both lists against the installed Keras and says
+which name moved. Tested with Keras 3.14.1 and 3.15.1 (TensorFlow 2.20, JAX 0.10,
+PyTorch 2.13); setup.py admits ``keras>=3.14,<3.16`` accordingly. The names below exist
+in 3.12 and 3.13 too, but those lack a public API the losses use
+(``keras.ops.scatter_update(..., reduction=...)``, new in 3.14). Before widening the
+pin, run ``tests/test_keras_compat.py`` and ``make test`` on the new Keras.
+
+Used from the public API instead of keras.src (where it was imported from before):
+``keras.StatelessScope`` (tfaploss/training/multistage_jax.py).
+"""
+
+from __future__ import annotations
+
+# Missing public API: Keras exports no way to undo the 1/num_replicas scaling that
+# tf.distribute applies to a loss. Keras's own train step (keras/src/trainers/
+# compile_utils.py, keras/src/backend/tensorflow/trainer.py) reports regularisation
+# losses through this function; MultiStageModel's step reports its losses the same way
+# (tfaploss/training/multistage.py). Same source in Keras 3.12.4 to 3.15.1.
+from keras.src.losses.loss import unscale_loss_for_distribution
+
+# (module, name) of each name imported above: the test imports them one by one.
+PRIVATE_IMPORTS = (
+    ("keras.src.losses.loss", "unscale_loss_for_distribution"),
+)
+
+# (public class, attribute, "instance" when the attribute is set in __init__/compile/
+# build rather than defined on the class, where tfaploss uses it). Missing public API
+# for all of them: Keras 3.15 has no public hook for a custom train_step to reuse
+# compile()'s loss, its loss tracker and the layers' regularisation losses, none to
+# walk nested layers, and none to scale one optimizer's update per variable.
+PRIVATE_ATTRIBUTES = (
+    ("keras.Model", "_compile_loss", "instance", "tfaploss/training/multistage.py"),
+    ("keras.Model", "_loss_tracker", "instance", "tfaploss/training/multistage.py"),
+    ("keras.Model", "_get_regularization_losses", "class",
+     "tfaploss/training/multistage.py"),
+    ("keras.Model", "_aggregate_additional_loss", "class",
+     "tfaploss/training/multistage.py"),
+    ("keras.layers.Layer", "_flatten_layers", "class",
+     "models/batch_norm.py, tfaploss/run/build.py, tfaploss/training/checks.py"),
+    ("keras.optimizers.Optimizer", "_trainable_variables", "instance",
+     "models/lr_multipliers.py"),
+    ("keras.optimizers.Optimizer", "_get_variable_index", "class",
+     "models/lr_multipliers.py"),
+    ("keras.optimizers.Optimizer", "_backend_update_step", "class",
+     "models/lr_multipliers.py"),
+)
+
+__all__ = ["PRIVATE_ATTRIBUTES", "PRIVATE_IMPORTS", "unscale_loss_for_distribution"]

@@ -1,0 +1,190 @@
+"""Fault injection for the crash tests: the one mechanism, for training and the Beam jobs.
+
+A *fault point* is a named place in the code where a test may have the process die at
+once (``os._exit``, as ``kill -9`` would: no clean-up, no ``finally``, no flush of
+anything but stdout/stderr), to check that whatever was on disk at that moment is
+recovered. Off in production: nothing is armed unless a test arms it, and no fault
+point reads the environment (the variable is read once, when this module is imported).
+
+How a test arms one:
+
+* a crash test that runs a subprocess (the CLI, a Beam job) sets the environment
+  variable :data:`ENV` (``TFAPLOSS_FAULT``) for the child, e.g.
+  ``env={**os.environ, faults.ENV: "checkpoint_write:2"}``; the child reads it when it
+  imports this module;
+* a test in this process uses :func:`armed` (or :func:`arm`)::
+
+      with faults.armed("nan_weights:2:1"):
+          train(cfg)
+
+Several points may be armed at once, comma-separated. An item is ``name``,
+``name:E`` or ``name:E:B``; a missing (or empty) epoch or batch matches any. A killed
+process logs ``TFAPLOSS_FAULT=<item>: simulated kill at <where>`` (WARNING, logger
+``tfaploss.faults``) and exits with :data:`EXIT_CODE` (75, ``EX_TEMPFAIL``: "try
+again", which is what resuming does).
+
+Fault points of a training run (:mod:`tfaploss.run.trainer`,
+:mod:`tfaploss.training.checkpoints`):
+
+======================== ================================================================
+``batch:E:B``            after batch B of epoch E (1-based)
+``epoch_end:E``          epoch E trained and logged, its checkpoint not yet written
+``checkpoint_write:E``   the checkpoint of epoch E half-written (its temporary file is cut
+                         to half its bytes, then exit: a kill in the middle of the write)
+``metadata_write:E``     the same for the checkpoint index (``checkpoint.json``)
+``model_write``          the same for ``model.keras``
+``summary_write``        the same for ``summary.json``
+``checkpoint_rename:E``  the complete temporary file written, not yet renamed into place;
+``metadata_rename:E``,   likewise for the index, ``model.keras`` and ``summary.json``
+``model_rename``,
+``summary_rename``
+``prune:E``              checkpoint E recorded, the previous one not yet deleted
+``after_checkpoint:E``   checkpoint E saved and the previous one deleted
+``backup_delete``        the finished run's backup renamed aside, not yet deleted
+``nan_weights:E:B``      does not kill: sets the first trainable weight to NaN after
+                         batch B of epoch E (tests the non-finite guard)
+======================== ================================================================
+
+Fault points of the Beam jobs (:mod:`pipelines.runner`, :mod:`pipelines.embed`,
+:mod:`pipelines.storage`):
+
+======================== ================================================================
+``images:N``             after N images were processed (preprocessing jobs) or embedded
+                         (``pipelines.embed``), counted by each worker's step; the
+                         threshold is read when the step is set up, so the per-image cost
+                         is one integer comparison
+``publish``              between the two renames of a publish (the old split renamed
+                         aside, the new one not yet in); armed, it also turns off the
+                         one-call ``renameat2`` exchange so that this path runs
+``worker_kill:N``        an image worker process (:mod:`pipelines.image_workers`, the
+                         forked pool of the local DirectRunner) kills itself with
+                         SIGKILL as it starts its N-th image (counted per worker), as
+                         the OOM killer would: the job itself is not killed, it must
+                         notice and end cleanly
+======================== ================================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+
+ENV = "TFAPLOSS_FAULT"
+EXIT_CODE = 75  # EX_TEMPFAIL
+
+LOG = logging.getLogger(__name__)
+
+
+def _parse(spec: str | None) -> tuple[tuple[str, ...], ...]:
+    items = []
+    for item in (spec or "").split(","):
+        item = item.strip()
+        if item:
+            items.append(tuple(item.split(":")))
+    return tuple(items)
+
+
+_ARMED = _parse(os.environ.get(ENV))  # read once: no fault point reads the environment
+
+
+def active() -> bool:
+    """Whether any fault point is armed (cheap: callers may skip their checks)."""
+    return bool(_ARMED)
+
+
+def arm(spec: str | None) -> str | None:
+    """Arm the points of ``spec`` (same syntax as :data:`ENV`; ``None`` or ``""``
+    disarms everything) in this process; returns the previous spec."""
+    global _ARMED
+    previous = ",".join(":".join(parts) for parts in _ARMED) or None
+    _ARMED = _parse(spec)
+    return previous
+
+
+@contextlib.contextmanager
+def armed(spec: str | None):
+    """Arm ``spec`` for the duration of the block (in-process tests)."""
+    previous = arm(spec)
+    try:
+        yield
+    finally:
+        arm(previous)
+
+
+def requested(name: str, epoch: int | None = None, batch: int | None = None) -> str | None:
+    """The armed item that names this point (``name[:epoch[:batch]]``), else None."""
+    if not _ARMED:
+        return None
+    for parts in _ARMED:
+        if parts[0] != name:
+            continue
+        if len(parts) > 1 and parts[1] and (epoch is None or int(parts[1]) != epoch):
+            continue
+        if len(parts) > 2 and parts[2] and (batch is None or int(parts[2]) != batch):
+            continue
+        return ":".join(parts)
+    return None
+
+
+def threshold(name: str) -> int:
+    """N of an armed ``name:N`` (e.g. ``images:6``), else 0 (not armed)."""
+    for parts in _ARMED:
+        if parts[0] == name and len(parts) > 1 and parts[1]:
+            return int(parts[1])
+    return 0
+
+
+def kill(item: str, where: str) -> None:
+    """Log the simulated kill, flush stdout/stderr and exit at once (``os._exit``)."""
+    LOG.warning("%s=%s: simulated kill at %s", ENV, item, where)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    os._exit(EXIT_CODE)
+
+
+def point(name: str, epoch: int | None = None, batch: int | None = None,
+          path: str | os.PathLike | None = None) -> None:
+    """Exit the process here if this point is armed (see the module doc).
+
+    With ``path`` (a ``*_write`` point) the file is first cut to half its size, leaving
+    what a kill in the middle of writing it leaves.
+    """
+    if not _ARMED:
+        return
+    item = requested(name, epoch, batch)
+    if item is None:
+        return
+    if path is not None and os.path.exists(path):
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            f.truncate(size // 2)
+            f.flush()
+            os.fsync(f.fileno())
+    where = name + (f" (epoch {epoch}" + (f", batch {batch}" if batch else "") + ")"
+                    if epoch is not None else "")
+    kill(item, where)
+
+
+def sigkill_self(item: str, where: str) -> None:
+    """Log the simulated kill, flush, and send this process SIGKILL (what the OOM killer
+    does: unlike :func:`kill`, the exit status is the signal's, -9)."""
+    LOG.warning("%s=%s: simulated SIGKILL at %s (process %d)", ENV, item, where, os.getpid())
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def count_reached(name: str, limit: int, done: int) -> None:
+    """Exit if ``limit`` (from :func:`threshold`, read once by the caller) is armed and
+    ``done`` reached it: the per-record check of ``images:N``."""
+    if limit and done >= limit:
+        kill(f"{name}:{limit}", f"{name} {done}")

@@ -1,0 +1,358 @@
+"""What a run directory holds, checked before a run uses it; and ``--restart``.
+
+``tfaploss train`` resumes a killed run from the files it finds in its run directory
+(:mod:`tfaploss.run.trainer`). Before it trusts them, :func:`inspect` reads every one:
+
+* what a kill leaves is normal and recovered from, with a note: temporary files of
+  interrupted writes, a half-deleted backup, an epoch log whose last line a kill cut
+  short (dropped: that epoch is trained again), a stale or torn checkpoint index;
+* what no kill leaves is damage: a ``config.yaml`` that is not UTF-8, not YAML, not a
+  mapping, or a folder; an ``epochs.jsonl`` with a line that is not UTF-8, not JSON, not
+  an object, holds a non-finite number (``NaN``, ``Infinity``, ``1e400``) or one beyond
+  float32 (``1e308``: no run logs that), an epoch that is not a whole number, outside
+  1..``training.epochs``, out of order or skipping epochs, or epochs the checkpoint does
+  not account for; a checkpoint cut short, empty, altered, or a folder
+  (:meth:`~tfaploss.training.checkpoints.RunBackup.find`); a finished run's
+  ``summary.json`` or ``model.keras`` missing or unreadable. Damage raises
+  :class:`~tfaploss.training.checkpoints.DamagedRunError`, which names the file, what is
+  wrong and how to repair it. The run then neither resumes nor starts over by itself;
+* a run directory holding a run of another config is refused with a
+  :class:`~tfaploss.config.schema.ConfigError`, as before.
+
+Starting over is asked for: ``--restart`` (``train(..., restart=True)``) moves the
+previous run's files (:data:`RUN_ENTRIES`) aside into ``RUN_DIR/damaged-<time>/`` (or
+``previous-<time>/`` when they were not damaged), never deleting them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from tfaploss.config.schema import Config, ConfigError, config_from_dict
+from tfaploss.training import checkpoints as C
+from tfaploss.training.checkpoints import DamagedRunError
+
+LOG = logging.getLogger(__name__)
+
+FILES = ("config.yaml", "epochs.jsonl", "model.keras", "summary.json")
+FOLDERS = ("backup", "logs")
+RUN_ENTRIES = FILES + FOLDERS
+"""What a run writes in its run directory (besides temporary files), and what
+``--restart`` moves aside, with ``eval_*`` folders (the evaluations of its model)."""
+
+_MAX_CONFIG_BYTES = 1 << 20  # a run's config.yaml is a few kilobytes
+_MAX_SUMMARY_BYTES = 64 << 20
+_FLOAT32_MAX = 3.4028234663852886e38  # no logged value is larger: Keras logs float32
+_ROW_START = b'{"epoch": '  # every epoch row starts so (json.dumps, "epoch" first)
+
+
+@dataclass
+class RunState:
+    """What :func:`inspect` found: a finished run's ``summary`` (nothing to do), or
+    whether there is a ``backup`` to resume from and its newest ``checkpoint``."""
+
+    finished: dict | None = None
+    resuming: bool = False
+    checkpoint: tuple[int, Path | None] = (0, None)
+    rows: list[dict] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _kind(value) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", type(None): "nothing",
+            bool: "a boolean", int: "a number", float: "a number"}.get(type(value),
+                                                                       type(value).__name__)
+
+
+def read_config_snapshot(path: Path) -> dict | None:
+    """``config.yaml`` of a previous run (a mapping), None if there is none."""
+    if not path.exists():
+        return None
+    if not path.is_file():
+        raise DamagedRunError(path, "is a folder, not the run's config file",
+                              "remove it (the run's config is written again)")
+    try:
+        size = path.stat().st_size
+        if size > _MAX_CONFIG_BYTES:
+            raise DamagedRunError(path, f"holds {size} bytes; a run config is a few KB")
+        text = path.read_bytes().decode("utf-8")
+        raw = yaml.safe_load(text)
+    except UnicodeDecodeError as err:
+        raise DamagedRunError(path, f"is not UTF-8 text (byte {err.start} is "
+                                    f"{err.object[err.start:err.start + 1]!r})") from None
+    except yaml.YAMLError as err:
+        raise DamagedRunError(path, "is not YAML (" + " ".join(str(err).split())[:200]
+                              + ")") from None
+    except RecursionError:
+        raise DamagedRunError(path, "nests too deeply to be a run config") from None
+    except OSError as err:
+        raise DamagedRunError(path, f"cannot be read ({type(err).__name__}: {err})") from None
+    if not isinstance(raw, dict):
+        raise DamagedRunError(path, f"holds {_kind(raw)}, not a mapping of config keys")
+    return raw
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a number an epoch row holds")
+
+
+def _bad_number(value, where: str = "") -> str | None:
+    """The first non-finite or absurd number in a row (None: all fine)."""
+    stack = [(value, where)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, dict):
+            stack.extend((x, f"{at}.{k}" if at else str(k)) for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend((x, f"{at}[{i}]") for i, x in enumerate(v))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            if isinstance(v, float) and not math.isfinite(v):
+                return f"{at or 'a value'} is {v} (too large to be a float)"
+            if abs(v) > _FLOAT32_MAX:
+                return (f"{at or 'a value'} is {v:.3g}, beyond any value a run logs "
+                        "(float32: 3.4e38)")
+    return None
+
+
+def read_epoch_log(path: Path, epochs: int) -> list[dict]:
+    """The rows of ``epochs.jsonl``, every one checked (see the module doc), in the
+    order written; a last line that a kill cut short is left out. Raises
+    :class:`DamagedRunError` on the first damaged line."""
+    if not path.exists():
+        return []
+    if not path.is_file():
+        raise DamagedRunError(path, "is a folder, not the epoch log")
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise DamagedRunError(path, f"cannot be read ({type(err).__name__}: {err})") from None
+    end = data.rfind(b"\n") + 1
+    tail = data[end:]
+    if tail and tail.strip(b"\0") and not _ROW_START.startswith(tail[:len(_ROW_START)]):
+        raise DamagedRunError(
+            path, f"ends in {len(tail)} bytes that do not start an epoch row "
+            f"({tail[:40]!r}): not what a kill in the middle of a write leaves",
+            "remove that last line")
+    rows, top = [], 0
+    fix_line = "remove or repair that line"
+    for number, line in enumerate(data[:end].split(b"\n")[:-1], 1):
+        def damaged(problem, fix=fix_line):
+            return DamagedRunError(path, f"line {number}: {problem}", fix)
+
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise damaged(f"is not UTF-8 text (byte {err.start} is "
+                          f"{line[err.start:err.start + 1]!r})") from None
+        try:
+            row = json.loads(text, parse_constant=_reject_constant)
+        except RecursionError:
+            raise damaged("nests too deeply to be an epoch row") from None
+        except ValueError as err:
+            raise damaged(f"is not JSON ({str(err)[:120]})") from None
+        if not isinstance(row, dict):
+            raise damaged(f"holds {_kind(row)}, not an epoch row (a JSON object)")
+        bad = _bad_number(row)
+        if bad:
+            raise damaged(bad)
+        epoch = row.get("epoch")
+        if type(epoch) is not int:
+            raise damaged(f"the epoch is {epoch!r:.40}, not a whole number")
+        if not 1 <= epoch <= epochs:
+            raise damaged(f"epoch {epoch} is outside 1..{epochs} (training.epochs)")
+        if epoch > top + 1:
+            raise damaged(f"epoch {epoch} follows epoch {top}: "
+                          + (f"epoch {top + 1} is" if epoch == top + 2 else
+                             f"epochs {top + 1}-{epoch - 1} are") + " missing")
+        if epoch < top:
+            raise damaged(f"epoch {epoch} comes after epoch {top} (out of order: a resumed "
+                          "run repeats only the epoch a kill interrupted)")
+        top = max(top, epoch)
+        rows.append(row)
+    return rows
+
+
+def latest_rows(rows: list[dict]) -> list[dict]:
+    """One row per epoch, in order: a re-run epoch's row replaces the interrupted one's."""
+    by_epoch = {row["epoch"]: row for row in rows}
+    return [by_epoch[k] for k in sorted(by_epoch)]
+
+
+def _read_summary(path: Path) -> dict | None:
+    if not path.exists():
+        return None
+    if not path.is_file():
+        raise DamagedRunError(path, "is a folder, not the run's summary")
+    try:
+        if path.stat().st_size > _MAX_SUMMARY_BYTES:
+            raise ValueError("far larger than a run summary")
+        summary = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise DamagedRunError(path, f"is not UTF-8 text (byte {err.start})") from None
+    except (ValueError, RecursionError) as err:
+        raise DamagedRunError(path, f"is not JSON ({str(err)[:120]})") from None
+    except OSError as err:
+        raise DamagedRunError(path, f"cannot be read ({type(err).__name__}: {err})") from None
+    if not isinstance(summary, dict):
+        raise DamagedRunError(path, f"holds {_kind(summary)}, not a run summary")
+    return summary
+
+
+def normalised(raw):
+    """A config dict as this version writes it: keys added since (every default
+    filled in) do not make an older run's config differ. ``raw`` itself if invalid."""
+    if not isinstance(raw, dict):
+        return raw
+    try:
+        return config_from_dict(raw, warn=False).to_dict()
+    except (ConfigError, TypeError, ValueError, KeyError, AttributeError, RecursionError,
+            OverflowError):
+        return raw
+
+
+def _comparable(raw):
+    """A config as compared with a run's: its ``run_dir`` left out (a run directory
+    moved elsewhere still resumes)."""
+    raw = normalised(raw)
+    return {k: v for k, v in raw.items() if k != "run_dir"} if isinstance(raw, dict) else raw
+
+
+def diff_keys(a, b, prefix=""):
+    """The dotted keys where two config dicts differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in set(a) | set(b):
+            yield from diff_keys(a.get(key), b.get(key), f"{prefix}{key}.")
+    elif a != b:
+        yield prefix.rstrip(".")
+
+
+def _other_config(run_dir: Path, what: str, previous, current) -> ConfigError:
+    changed = sorted(diff_keys(previous, current))
+    return ConfigError(
+        f"run_dir {str(run_dir)!r} holds {what} made with a different config (differs "
+        f"in: {', '.join(changed[:12])}{', ...' if len(changed) > 12 else ''}). Resume it "
+        "with the same config, use a new run_dir (--set run_dir=...), or start over here "
+        "with --restart (the previous run's files are moved aside, not deleted).")
+
+
+# ---------------------------------------------------------------------------- checking
+
+
+def inspect(run_dir: Path, cfg: Config) -> RunState:
+    """Check every file of ``run_dir`` against what a run, killed or not, leaves there.
+
+    Returns what the run resumes from. Raises
+    :class:`~tfaploss.training.checkpoints.DamagedRunError` on damage, ConfigError when
+    the directory holds a run of another config.
+    """
+    for name in FILES:
+        if (run_dir / name).is_dir():
+            raise DamagedRunError(run_dir / name, "is a folder, not a file",
+                                  "remove it, or put the file back")
+    for name in FOLDERS:
+        if (run_dir / name).exists() and not (run_dir / name).is_dir():
+            raise DamagedRunError(run_dir / name, "is a file, not a folder",
+                                  "remove it, or put the folder back")
+    current = cfg.to_dict()
+    previous = read_config_snapshot(run_dir / "config.yaml")
+    summary = _read_summary(run_dir / "summary.json")
+    model = run_dir / "model.keras"
+    backup = C.RunBackup(run_dir / "backup")
+    resuming = backup.exists()
+    if not resuming and (summary is not None or model.exists()):
+        return RunState(finished=_finished(run_dir, cfg, summary, model))
+    if resuming and previous is not None and _comparable(previous) != _comparable(current):
+        raise _other_config(run_dir, "an unfinished run", _comparable(previous),
+                            _comparable(current))
+    rows = read_epoch_log(run_dir / "epochs.jsonl", cfg.training.epochs)
+    checkpoint = backup.find() if resuming else (0, None)
+    done, top = checkpoint[0], max((row["epoch"] for row in rows), default=0)
+    log = run_dir / "epochs.jsonl"
+    if top > done + 1:
+        where = (f"the newest checkpoint in {backup.directory} is of epoch {done}" if done
+                 else f"there is no checkpoint in {backup.directory}" if resuming
+                 else f"there is no checkpoint ({backup.directory} is missing)")
+        raise DamagedRunError(
+            log, f"records {top} finished epochs, but {where}: the checkpoints of "
+            f"epochs {done + 1}-{top - 1} are missing (a kill loses at most one epoch)",
+            f"put back the backup folder of this run, or remove the rows after epoch "
+            f"{done} from {log.name} to resume after epoch {done}")
+    if top < done:
+        raise DamagedRunError(
+            log, ("is missing" if not log.exists() else f"records {top} finished epochs")
+            + f", but the checkpoint {checkpoint[1]} is of epoch {done}: rows are missing "
+            "(each epoch is logged before its checkpoint is written)",
+            f"put back the epoch log of this run")
+    return RunState(resuming=resuming, checkpoint=checkpoint, rows=rows)
+
+
+def _finished(run_dir: Path, cfg: Config, summary: dict | None, model: Path) -> dict:
+    """The summary of the finished run (no backup left) in ``run_dir``, checked."""
+    if summary is None:
+        raise DamagedRunError(
+            run_dir / "summary.json", f"is missing, but {model.name} is there and no "
+            "backup: a finished run whose summary was removed",
+            "put summary.json back")
+    if not model.exists():
+        raise DamagedRunError(model, "is missing, but summary.json describes a finished "
+                                     "run", "put model.keras back")
+    if not zipfile.is_zipfile(model):
+        raise DamagedRunError(model, f"is not a Keras model file ({model.stat().st_size} "
+                                     "bytes, not a complete .keras archive)",
+                              "put back a copy of it, if you have one")
+    ran = _comparable(summary.get("config"))
+    if ran != _comparable(cfg.to_dict()):
+        raise _other_config(run_dir, "a finished run", ran, _comparable(cfg.to_dict()))
+    completed = summary.get("epochs_completed")
+    if completed != cfg.training.epochs and not summary.get("stopped_early"):
+        raise DamagedRunError(
+            run_dir / "summary.json", f"says {completed!r:.20} of {cfg.training.epochs} "
+            "epochs were completed, but there is no backup to resume from",
+            "put back the backup folder of this run")
+    return summary
+
+
+# ---------------------------------------------------------------------------- starting over
+
+
+def _entries(run_dir: Path) -> list[Path]:
+    temp = re.compile(r"^\..+\.tmp-\d+(\..*)?$")
+    out = []
+    for entry in sorted(run_dir.iterdir()):
+        name = entry.name
+        if (name in RUN_ENTRIES or temp.match(name) or name.startswith(".backup-trash-")
+                or (name.startswith("eval_") and entry.is_dir())):
+            out.append(entry)
+    return out
+
+
+def move_aside(run_dir: Path, damaged: bool) -> tuple[Path | None, list[str]]:
+    """Move the previous run's files into ``damaged-<time>/`` (``previous-<time>/``
+    when not damaged) inside ``run_dir``; returns the folder and the names moved
+    (``(None, [])`` when there was nothing to move)."""
+    entries = _entries(run_dir)
+    if not entries:
+        return None, []
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = f"{'damaged' if damaged else 'previous'}-{stamp}"
+    aside, k = run_dir / base, 1
+    while aside.exists():
+        k += 1
+        aside = run_dir / f"{base}-{k}"
+    aside.mkdir()
+    for entry in entries:
+        os.replace(entry, aside / entry.name)
+    C.fsync_dir(run_dir)
+    return aside, [e.name + ("/" if (aside / e.name).is_dir() else "") for e in entries]

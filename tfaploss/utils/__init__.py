@@ -1,1 +1,0 @@
-"""Small utilities shared across tfaploss, models and pipelines."""
