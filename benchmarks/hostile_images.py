@@ -217,16 +217,27 @@ def measure_job(inputs: list[dict]) -> list[dict]:
     return rows
 
 
-def folder_job(root: str, inputs: list[dict]) -> dict:
-    out = os.path.join(os.path.dirname(root), "out")
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+def _run_folder_job(root: str, out: str, report: str) -> None:
+    """In a process of its own, so that its largest child is the job (or one of its
+    image processes, which the job waits for)."""
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "pipelines.folder", "--input_dir", root, "--output_dir", out,
          "--max_side", "512", "--max_failure_fraction", "1"],
         cwd=REPO, capture_output=True, text=True, check=False)
-    seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    with open(report, "w") as f:
+        json.dump({"returncode": proc.returncode, "seconds": time.perf_counter() - start,
+                   "maxrss_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
+                   "stderr": proc.stderr[-2000:]}, f)
+
+
+def folder_job(root: str, inputs: list[dict]) -> dict:
+    out = os.path.join(os.path.dirname(root), "out")
+    report = os.path.join(os.path.dirname(root), "folder.json")
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "folder",
+                    "--inputs", root, "--out", report], check=True, cwd=REPO)
+    with open(report) as f:
+        run = json.load(f)
     dead = {}
     path = os.path.join(out, "train", "dead_letters.jsonl")
     if os.path.exists(path):
@@ -239,14 +250,17 @@ def folder_job(root: str, inputs: list[dict]) -> dict:
         rel = os.path.relpath(item["path"], root)
         if rel in dead:
             letters[item["name"]] = f"{dead[rel]['reason']}: {dead[rel]['detail'][:70]}"
-    return {"returncode": proc.returncode, "seconds": seconds,
-            "peak_rss_mb": max(peak, before) / 1024, "dead_letters": letters,
-            "stderr_tail": proc.stderr[-2000:]}
+    return {"returncode": run["returncode"], "seconds": run["seconds"],
+            "peak_rss_mb": run["maxrss_kb"] / 1024, "dead_letters": letters,
+            "stderr_tail": run["stderr"]}
 
 
 # --------------------------------------------------------------------------- main
 
 def _child(mode: str, inputs_json: str, out_json: str) -> None:
+    if mode == "folder":
+        _run_folder_job(inputs_json, os.path.join(os.path.dirname(inputs_json), "out"), out_json)
+        return
     with open(inputs_json) as f:
         inputs = json.load(f)
     rows = measure_serving(inputs) if mode == "serving" else measure_job(inputs)
@@ -271,7 +285,8 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the small test inputs only")
     parser.add_argument("--skip_folder_job", action="store_true")
-    parser.add_argument("--child", choices=["serving", "job"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["serving", "job", "folder"],
+                        help=argparse.SUPPRESS)
     parser.add_argument("--inputs", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -2,7 +2,8 @@
 
 Keras fixes its backend at import, so these tests run once per process:
 ``make test`` runs them on TensorFlow (with everything else) and again with
-``KERAS_BACKEND=jax``; ``make test-torch`` runs them with ``KERAS_BACKEND=torch``.
+``KERAS_BACKEND=jax`` and ``make test-torch`` with ``KERAS_BACKEND=torch``; ``make test``
+runs all three.
 Nothing here imports TensorFlow.
 """
 

@@ -71,7 +71,8 @@ def test_private_attributes_exist(owner, name, kind, used_in):
 
 def test_private_loss_unscaling_is_the_identity_off_tf_distribute():
     """Its contract as MultiStageModel relies on it: a no-op outside a replicated
-    strategy (the only case the step uses the result for is reporting)."""
+    strategy (MultiStageModel uses it to undo the per-replica scaling of the loss it
+    differentiates, and for the loss it reports)."""
     value = keras.ops.convert_to_tensor(np.float32(2.5))
     np.testing.assert_allclose(
         keras.ops.convert_to_numpy(_keras_compat.unscale_loss_for_distribution(value)), 2.5)

@@ -8,7 +8,7 @@ the same weights, with SGD(lr=1), so the update is the gradient. The loss is
 property does not depend on which batch-level loss it is.
 
 Runs under the process's KERAS_BACKEND: on TensorFlow in the main ``make test`` run, on
-JAX in its second run, on PyTorch with ``make test-torch``.
+JAX and on PyTorch in its second and third runs (``make test-jax`` / ``make test-torch``).
 """
 
 import keras

@@ -3,7 +3,11 @@
 The data's path through the library::
 
     raw files -> pipelines (Beam) -> TFRecords -> tfaploss.data -> models
-      -> tfaploss.losses / tfaploss.training -> tfaploss.evaluation -> tfaploss.export
+      -> tfaploss.losses / tfaploss.training -> tfaploss.run -> tfaploss.evaluation
+      -> tfaploss.export
+
+The library logs through the ``tfaploss`` logger (:mod:`tfaploss.log`) and configures
+nothing on import; the command line sets the level (``--quiet`` / ``--verbose``).
 
 Subpackages are imported on first use so that ``import tfaploss`` stays cheap and
 optional dependencies (ScaNN, Beam, matplotlib) are only needed where they are used.
@@ -19,13 +23,17 @@ registers every Keras class the library saves (as soon as Keras is loaded, see
 """
 
 import importlib
+import logging
 
 from tfaploss._registration import install as _install_registration
 from tfaploss._registration import register_keras_objects as register_keras_objects
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("data", "evaluation", "export", "losses", "ops", "training", "utils")
+_SUBMODULES = ("config", "data", "evaluation", "export", "losses", "ops", "run", "training")
+
+# Library convention: records go nowhere until the application configures logging.
+logging.getLogger("tfaploss").addHandler(logging.NullHandler())
 
 
 def __getattr__(name):

@@ -13,9 +13,10 @@ own code (e.g. a batch without a positive pair) is a Python warning
 Who decides what is shown:
 
 * Importing the library configures nothing: no handler, no level, and never the root
-  logger. The ``tfaploss`` logger gets a ``NullHandler`` (when this module is
-  imported), so an application that configures no logging does not get our warnings
-  through Python's last-resort handler in a format it did not choose.
+  logger. The ``tfaploss`` logger gets a ``NullHandler`` (in ``tfaploss/__init__.py``,
+  so on any import of the library), so an application that configures no logging
+  does not get our warnings through Python's last-resort handler in a format it did
+  not choose.
 * The ``tfaploss`` command (:mod:`tfaploss.cli`) calls :func:`configure`: a
   :class:`PlainHandler` on the ``tfaploss`` logger (INFO and DEBUG lines to stdout,
   WARNING and above to stderr, as plain text without escape codes so a log file stays
@@ -46,7 +47,6 @@ ROOT = "tfaploss"
 PLAIN_FORMAT = "%(message)s"
 DETAILED_FORMAT = "%(asctime)s %(name)s %(levelname)s: %(message)s"
 
-logging.getLogger(ROOT).addHandler(logging.NullHandler())
 
 
 class PlainHandler(logging.Handler):
