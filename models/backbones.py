@@ -67,8 +67,9 @@ def _resolve_weights(backbone: str, weights):
     if isinstance(weights, (str, os.PathLike)):
         path = os.fspath(weights)
         if not os.path.isfile(path):
+            what = "a folder, not a weights file" if os.path.isdir(path) else "no such file"
             raise FileNotFoundError(
-                f"weights={path!r}: no such file. Pass None, 'imagenet' (cached file "
+                f"weights={path!r}: {what}. Pass None, 'imagenet' (cached file "
                 "only) or the path of a backbone weights file."
             )
         return path

@@ -22,7 +22,8 @@ the jobs decode), or refuses the file with :class:`HeaderError`:
   than the raw image it inflates to (plus deflate's overhead): more is padding that a
   decoder may inflate to its end.
 * GIF: the logical screen, grown to the first frame's extent (as PIL does), walking the
-  extension blocks before it; an unknown block type is refused, as giflib refuses it.
+  extension blocks before it; an unknown block type is refused, as giflib refuses it, and
+  so are more than :data:`MAX_GIF_EXTENSIONS` bytes of extensions before it.
 * BMP: the header sizes PIL reads (12-byte ``BITMAPCOREHEADER`` with 16-bit sizes;
   40, 52, 56, 64, 108, 124 with 32-bit ones, a negative height meaning top-down);
   any other size, a width <= 0 or a height of 0 are refused.
@@ -42,6 +43,8 @@ import re
 
 MAX_SEGMENTS = 10_000        # JPEG segments / PNG chunks / GIF sub-blocks before the image
 MAX_EXTRANEOUS = 65_536      # JPEG bytes between segments that are not markers
+MAX_GIF_EXTENSIONS = 1 << 20  # GIF extension bytes before the first image (PIL joins
+#                              a comment's sub-blocks one by one: quadratic)
 MAX_JPEG_SCANS = 100         # libjpeg's default progression has 10 scans
 MAX_JPEG_SCAN_PIXELS = 1e9   # scans x pixels: 25 scans of a 40 MP image, 11 of 89 MP
 
@@ -188,7 +191,7 @@ def _gif(data: bytes) -> tuple[int, int]:
     if len(data) < 13:
         raise HeaderError("GIF: no logical screen descriptor", truncated=True)
     width, height = _le16(data, 6), _le16(data, 8)
-    pos, blocks = 13 + _gif_table(data[10]), 0
+    pos, blocks, start = 13 + _gif_table(data[10]), 0, 13 + _gif_table(data[10])
     while True:
         kind = data[pos:pos + 1]
         if kind == b",":
@@ -203,9 +206,10 @@ def _gif(data: bytes) -> tuple[int, int]:
         pos += 2
         while True:  # the extension's sub-blocks
             blocks += 1
-            if blocks > MAX_SEGMENTS * 10:
-                raise HeaderError(f"GIF: more than {MAX_SEGMENTS * 10} sub-blocks before "
-                                  "the first image")
+            if blocks > MAX_SEGMENTS * 10 or pos - start > MAX_GIF_EXTENSIONS:
+                raise HeaderError(f"GIF: more than {MAX_SEGMENTS * 10} sub-blocks or "
+                                  f"{MAX_GIF_EXTENSIONS} bytes of extensions before the "
+                                  "first image")
             if pos >= len(data):
                 raise HeaderError("GIF: the file ends inside an extension", truncated=True)
             size = data[pos]

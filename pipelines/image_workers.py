@@ -82,6 +82,8 @@ def process_task(records: list[dict], settings: dict, root: str | None,
         offset += len(framed)
     if pieces:
         storage.write_atomic(part_path, b"".join(pieces), durable=False)
+    if _WORKER is not None:
+        _note({"doing": "idle"})
     return results
 
 
@@ -260,7 +262,9 @@ def _starting(where: dict | None, record: dict) -> None:
 def noted(where: dict, fn, *args):
     """``fn(*args)``, noted on the board first (the shard writers' tasks in the pool)."""
     _note({"doing": "write", **where})
-    return fn(*args)
+    out = fn(*args)
+    _note({"doing": "idle"})
+    return out
 
 
 def worker_deaths(token: str | None) -> list[dict]:

@@ -201,8 +201,10 @@ def resize_max_side(img: Image.Image, max_side: int) -> Image.Image:
 
 
 def encode_jpeg(img: Image.Image, quality: int) -> bytes:
+    # comment=b"": PIL would copy the source's comment (a GIF's or a JPEG's COM) into the
+    # output, and fail on one of more than 64 KiB.
     buf = io.BytesIO()
-    img.save(buf, format="JPEG", quality=quality, optimize=False)
+    img.save(buf, format="JPEG", quality=quality, optimize=False, comment=b"")
     return buf.getvalue()
 
 

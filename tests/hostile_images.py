@@ -19,7 +19,8 @@ The lies, per format:
 * PNG: a 1 x 1 IHDR over a megabyte of IDAT that inflates to a gigabyte, a huge IHDR,
   two IHDRs, a short IHDR, an APNG frame larger than the image, 87 000 tiny chunks.
 * GIF: a 1 x 1 screen around a 30000² frame, a huge second frame, 2000 frames, a
-  megabyte of 1-byte sub-blocks, a frame far outside the screen, an unknown block.
+  megabyte of 1-byte sub-blocks or of comment, a frame far outside the screen, an
+  unknown block.
 * WebP: VP8 and VP8L bitstreams declaring 16383², a VP8X canvas smaller or larger than
   its bitstream, an animation frame larger than its canvas.
 """
@@ -339,6 +340,9 @@ def _gif_cases(big: bool):
                 "refused", "decoded"),
         Hostile(f"GIF: {sub_blocks} 1-byte sub-blocks before a 4x4 frame",
                 gif(4, 4, b"!\xfe" + b"\x01x" * sub_blocks + b"\0", small), "decoded",
+                "refused"),
+        Hostile("GIF: a 1.1 MB comment before a 4x4 frame",
+                gif(4, 4, b"!\xfe" + (b"\xff" + b"c" * 255) * 4400 + b"\0", small), "decoded",
                 "refused"),
         Hostile("GIF: 1x1 frame at (60000, 60000) of a 4x4 screen",
                 gif(4, 4, gif_frame(1, 1, 60000, 60000)), "decoded", "refused"),

@@ -144,6 +144,18 @@ def test_bmp_core_and_top_down_headers_decode_to_the_right_pixels():
             assert tuple(top) == want_top and tuple(bottom) != want_top, (header, height)
 
 
+def test_the_records_carry_no_comment_of_the_source():
+    """PIL copies a GIF's or JPEG's comment into the JPEG it writes (and fails on one of
+    more than 64 KiB): the jobs' records hold pixels only."""
+    for comment in (b"secret", b"c" * 70_000):
+        gif = H.gif(4, 4, b"!\xfe" + b"".join(bytes([len(comment[i:i + 255])])
+                                              + comment[i:i + 255]
+                                              for i in range(0, len(comment), 255))
+                    + b"\0", H.gif_frame(4, 4))
+        jpeg = I.process_image_bytes(gif)[0]
+        assert b"\xff\xfe" not in jpeg and b"secret" not in jpeg
+
+
 def test_decode_time_limit_holds_when_the_header_walk_is_fooled(monkeypatch):
     """Were the fast path wrong, the decode-time checks still decode nothing past the
     limit: libjpeg's own header read for a JPEG, the decoded shape for the rest."""

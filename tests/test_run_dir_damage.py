@@ -35,10 +35,10 @@ def _raw(tmp: Path) -> dict:
         "run_dir": str(tmp / "run"),
         "data": {"train": str(tmp / "train"), "batch_size": 8, "m": 2, "image_size": 16},
         "model": {"backbone": "small_cnn", "embedding_dim": 8, "weights": None,
-                  "bn_calibration_images": 0},
+                  "bn_calibration_images": 0, "precise_bn_images": 0},
         "loss": {"name": "APLoss"},
         "optimizer": {"name": "adam", "lr": 1e-3},
-        "training": {"epochs": EPOCHS, "steps_per_epoch": 2, "chunk_size": 4,
+        "training": {"epochs": EPOCHS, "steps_per_epoch": 2, "chunk_size": 8,
                      "health": {"enabled": False}},
         "evaluation": {"at_end": False, "every_n_epochs": 0},
     }
@@ -289,6 +289,22 @@ def test_a_damaged_run_dir_stops_with_exit_2_naming_the_file(runs, tmp_path, var
     assert "--restart" in first and "Either " in first  # the two ways out
     assert _snapshot(run_dir) == before  # nothing changed, nothing deleted
     assert seconds < 10, seconds  # refused before any model is built
+
+
+def test_a_model_weights_file_that_is_a_folder_or_cut_short_is_a_clear_error(runs,
+                                                                           tmp_path):
+    """``model.weights`` (the backbone's starting weights, outside the run dir): a
+    folder, or a file cut short, gives a message naming it, no traceback."""
+    config, _, _ = runs
+    (tmp_path / "weights").mkdir()
+    rc, out, err = _train_cli(config, tmp_path / "a", "--set",
+                              f"model.weights={tmp_path / 'weights'}")
+    assert rc == 1 and "a folder, not a weights file" in err and "Traceback" not in err
+    truncated = tmp_path / "cut.weights.h5"
+    truncated.write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(40))
+    rc, out, err = _train_cli(config, tmp_path / "b", "--set", f"model.weights={truncated}")
+    assert rc == 2 and "Traceback" not in err, err
+    assert f"config key 'model.weights': {str(truncated)!r} does not load" in err
 
 
 def test_the_python_api_raises_damaged_run_error(runs, tmp_path):

@@ -3,7 +3,8 @@
 A *fault point* is a named place in the code where a test may have the process die at
 once (``os._exit``, as ``kill -9`` would: no clean-up, no ``finally``, no flush of
 anything but stdout/stderr), to check that whatever was on disk at that moment is
-recovered. Off in production: nothing is armed unless a test arms it, and no fault
+recovered (``worker_kill`` instead sends the worker process SIGKILL, as the OOM killer
+would, so that its parent sees a real death). Off in production: nothing is armed unless a test arms it, and no fault
 point reads the environment (the variable is read once, when this module is imported).
 
 How a test arms one:

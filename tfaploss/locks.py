@@ -92,8 +92,13 @@ def _command_line() -> str:
             argv = [a.decode("utf-8", "backslashreplace") for a in f.read().split(b"\0") if a]
     except OSError:
         argv = [sys.executable, *sys.argv]
-    text = " ".join(argv)
-    return text if len(text) <= 500 else text[:497] + "..."
+    return _printable(" ".join(argv))
+
+
+def _printable(value, limit: int = 500) -> str:
+    """``value`` as one line of plain text: what a message may show of a lock file."""
+    text = " ".join("".join(c if c.isprintable() else " " for c in str(value)).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _me() -> dict:
@@ -143,15 +148,16 @@ def describe(holder: dict) -> str:
     """``PID 123 on host h, since 2026-01-01 12:00:00 UTC (5 s ago): command``."""
     if not holder:
         return "an unknown process (the lock file is unreadable)"
-    text = f"PID {holder.get('pid')} on host {holder.get('host')}"
+    text = (f"PID {_printable(holder.get('pid'), 20)} on host "
+            f"{_printable(holder.get('host'), 100)}")
     if holder.get("started"):
-        text += f", since {holder['started']}"
+        text += f", since {_printable(holder['started'], 40)}"
         started = holder.get("started_unix")
         if isinstance(started, (int, float)) and not isinstance(started, bool):
             ago = max(0.0, time.time() - started)
             text += f" ({ago:.0f} s ago)" if ago < 120 else f" ({ago / 60:.0f} min ago)"
     if holder.get("command"):
-        text += f", command: {holder['command']}"
+        text += f", command: {_printable(holder['command'])}"
     return text
 
 

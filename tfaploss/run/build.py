@@ -26,14 +26,25 @@ def build_model(cfg: Config, input_shape=None, weights="config", calibrate=True)
     m = cfg.model
     if input_shape is None:
         input_shape = (*cfg.image_shape, 3)
-    model = build_embedding_model(
-        backbone=m.backbone,
-        pooling=m.pooling,
-        embedding_dim=m.embedding_dim,
-        weights=m.weights if weights == "config" else weights,
-        input_shape=tuple(input_shape),
-        freeze_bn=m.frozen_bn,
-    )
+    weights = m.weights if weights == "config" else weights
+    try:
+        model = build_embedding_model(
+            backbone=m.backbone,
+            pooling=m.pooling,
+            embedding_dim=m.embedding_dim,
+            weights=weights,
+            input_shape=tuple(input_shape),
+            freeze_bn=m.frozen_bn,
+        )
+    except (OSError, ValueError, KeyError) as err:
+        if weights in (None, "imagenet") or isinstance(err, FileNotFoundError):
+            raise
+        # A weights file that is there but does not load: cut short, damaged, or the
+        # weights of another backbone. A clear error, not h5py's traceback.
+        raise ConfigError(
+            f"config key 'model.weights': {weights!r} does not load into a "
+            f"{m.backbone} backbone ({type(err).__name__}: {str(err)[:300]}): a truncated "
+            "or damaged file, or the weights of another backbone.") from None
     if calibrate and m.bn_calibration_images:
         calibrate_batch_norm(model, calibration_images(cfg, m.bn_calibration_images))
     return model
