@@ -180,6 +180,8 @@ def bench_ann(table, label, db, queries, exact, args):
               params=f"{p.get('num_leaves_to_search')}/{p.get('num_leaves')} leaves, "
                      f"reorder {p['reorder_num_neighbors']}")
     del ah
+    for target in (float(v) for v in args.target_recall.split(",") if v.strip()):
+        bench_tuned(table, label, db, queries, reference, exact_qps, target, args)
     if args.no_faiss:
         return
     try:
@@ -258,6 +260,21 @@ def bench_metrics(table, args, rng):
               f"exact search k={args.k} (s)", map=round(m["map"], 4))
 
 
+def bench_tuned(table, label, db, queries, reference, exact_qps, target, args):
+    """ScaNN tuned to ``target`` recall@k on a database sample (tfaploss.evaluation.tuner),
+    then measured on the benchmark's own queries (fresh for the tuner)."""
+    from tfaploss.evaluation.tuner import tune_searcher
+
+    t0 = time.perf_counter()
+    searcher, info = tune_searcher(db, target, k=args.ann_k)
+    build = time.perf_counter() - t0
+    idx, t = timed_search(searcher.search, queries, args.ann_k, args.repeats)
+    setting = info["setting"] + (" (fell back)" if info["fell_back"] else "")
+    table.add("ann", label, f"scann tuned to recall {target:g}", len(queries) / t, "q/s",
+              exact_qps, "exact q/s", recall=round(recall(idx, reference), 4),
+              build_s=round(build, 1), setting=f"{setting}, {info['settings_tried']} tried")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="50k x 64, 300 queries, 20k x 64 "
@@ -271,6 +288,9 @@ def main(argv=None):
     p.add_argument("--metrics_size", default="100000x512")
     p.add_argument("--no_metrics", action="store_true")
     p.add_argument("--no_faiss", action="store_true")
+    p.add_argument("--target_recall", default="",
+                   help="comma-separated recall@ann_k targets of the tuned ScaNN rows, "
+                        "e.g. 0.9,0.95,0.99 (tuning time counts as build time)")
     p.add_argument("--with_tf", action="store_true",
                    help="also time the TensorFlow engine (the former CPU default)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs; the best is kept")

@@ -72,8 +72,9 @@ class _DropReportsOf(logging.Filter):
 
 @contextlib.contextmanager
 def beam_quiet_on(*types: type):
-    """While the block runs, Beam's loggers drop their reports (with traceback) of an
-    error of ``types`` or of a broken process pool, which the job reports itself."""
+    """While the block runs, Beam's loggers drop their reports (with traceback) of a
+    broken process pool (an image worker died) or of an error of ``types``: the job
+    reports those itself, in one line."""
     from concurrent.futures.process import BrokenProcessPool
 
     drop = _DropReportsOf((BrokenProcessPool, *types))

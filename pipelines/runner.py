@@ -156,7 +156,7 @@ def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):
     pool_token = W.start_local_pool(processes) if processes > 1 else None
     beam_started = time.time()
     try:
-        with console.beam_quiet_on(W.WorkerDiedError), beam.Pipeline(options=options) as p:
+        with console.beam_quiet_on(), beam.Pipeline(options=options) as p:
             _assemble(p, plans, layouts, work, per_batch,
                       ProcessBatchDoFn(settings, threads, root, parts_dir, pool_token),
                       WriteOutputsDoFn(stage, report_path, args.class_chunk_size, threads,
@@ -164,8 +164,7 @@ def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):
     except Exception as err:
         W.stop_local_pool(pool_token, forget=False)  # every worker reaped: exit codes
         deaths = W.worker_deaths(pool_token)
-        if not deaths and not W.is_pool_broken(err) and not isinstance(
-                err, W.WorkerDiedError):
+        if not deaths and not W.is_pool_broken(err):
             raise
         storage.remove_tree(stage)  # the parts and shards of the unfinished run
         raise W.WorkerDiedError(_death_message(job, plans, out, deaths)) from None

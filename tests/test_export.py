@@ -18,6 +18,7 @@ import tensorflow as tf
 from PIL import Image
 
 import models
+from tests import hostile_images
 from tfaploss.export import export_saved_model, next_version, resize_and_center_crop
 
 SIZE = (32, 32)
@@ -164,14 +165,8 @@ def _png_declaring(width, height, complete=False):
 
 
 def _encoded(fmt, height=37, width=53, frames=1, seed=0, **save):
-    rng = np.random.default_rng(seed)
-    images = [Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-              for _ in range(frames)]
-    buffer = io.BytesIO()
-    if frames > 1:
-        save.update(save_all=True, append_images=images[1:])
-    images[0].save(buffer, format=fmt, **save)
-    return buffer.getvalue()
+    return hostile_images.encode(fmt, width=width, height=height, seed=seed, frames=frames,
+                                 **save)
 
 
 def test_decompression_bomb_is_refused_before_decoding(exported):

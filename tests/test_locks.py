@@ -68,9 +68,8 @@ def test_the_lock_file_says_who_and_goes_away(tmp_path):
 
 
 def test_released_after_an_exception(tmp_path):
-    with pytest.raises(ZeroDivisionError):
-        with locks.exclusive(tmp_path):
-            1 / 0
+    with pytest.raises(ZeroDivisionError), locks.exclusive(tmp_path):
+        _ = 1 / 0
     assert list(tmp_path.iterdir()) == []
 
 
@@ -90,9 +89,9 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
         # In this process too: a lock held here is held.
         sub = tmp_path / "sub"
         sub.mkdir()
-        with locks.exclusive(sub):
-            with pytest.raises(locks.LockHeldError, match=f"PID {os.getpid()}"):
-                locks.acquire(sub)
+        with locks.exclusive(sub), pytest.raises(locks.LockHeldError,
+                                                 match=f"PID {os.getpid()}"):
+            locks.acquire(sub)
     finally:
         holder.kill()
         holder.wait()

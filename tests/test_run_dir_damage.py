@@ -226,6 +226,12 @@ UNFINISHED = [
     ("config: empty", _set_config(b""), "config.yaml", "holds nothing"),
     ("config: a folder", _make_dir("config.yaml"), "config.yaml", "is a folder"),
     ("config: 2 MiB", _set_config(b"# " + b"x" * (2 << 20)), "config.yaml", "a few KB"),
+    ("config: 5000 digits", _set_config(b"training: {epochs: " + b"9" * 5000 + b"}\n"),
+     "config.yaml", "no run config holds"),
+    ("config: deep nesting", _set_config(b"a: " + b"[" * 50_000 + b"]" * 50_000),
+     "config.yaml", "nests too deeply"),
+    ("config: python tag", _set_config(b"run_dir: !!python/object/apply:os.system [ls]\n"),
+     "config.yaml", "is not YAML"),
     ("weights: cut short", _truncate, "epoch-0002.weights.h5", "cut short"),
     ("weights: zero bytes", lambda d: _checkpoint(d).write_bytes(b""),
      "epoch-0002.weights.h5", "emptied"),
@@ -297,12 +303,12 @@ def test_a_model_weights_file_that_is_a_folder_or_cut_short_is_a_clear_error(run
     folder, or a file cut short, gives a message naming it, no traceback."""
     config, _, _ = runs
     (tmp_path / "weights").mkdir()
-    rc, out, err = _train_cli(config, tmp_path / "a", "--set",
-                              f"model.weights={tmp_path / 'weights'}")
+    rc, _, err = _train_cli(config, tmp_path / "a", "--set",
+                            f"model.weights={tmp_path / 'weights'}")
     assert rc == 1 and "a folder, not a weights file" in err and "Traceback" not in err
     truncated = tmp_path / "cut.weights.h5"
     truncated.write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(40))
-    rc, out, err = _train_cli(config, tmp_path / "b", "--set", f"model.weights={truncated}")
+    rc, _, err = _train_cli(config, tmp_path / "b", "--set", f"model.weights={truncated}")
     assert rc == 2 and "Traceback" not in err, err
     assert f"config key 'model.weights': {str(truncated)!r} does not load" in err
 
@@ -369,8 +375,8 @@ def test_what_a_kill_leaves_still_resumes(runs, tmp_path):
     run_dir = _copy(unfinished, tmp_path / "nul")
     with open(run_dir / "epochs.jsonl", "ab") as f:
         f.write(b"\0" * 300)
-    from tfaploss.run import run_dir as R
     from tfaploss.config import load_config
+    from tfaploss.run import run_dir as R
 
     cfg = load_config(config, [f"run_dir={run_dir}"], warn=False)
     state = R.inspect(run_dir, cfg)
@@ -390,7 +396,7 @@ def test_another_config_in_a_finished_run_dir_is_refused(runs, tmp_path):
     config, _, finished = runs
     run_dir = _copy(finished, tmp_path)
     before = _snapshot(run_dir)
-    rc, out, err = _train_cli(config, run_dir, "--set", "optimizer.lr=0.01")
+    rc, _, err = _train_cli(config, run_dir, "--set", "optimizer.lr=0.01")
     assert rc == 2 and "finished run made with a different config" in err
     assert "optimizer.lr" in err and "--restart" in err
     assert _snapshot(run_dir) == before
@@ -437,7 +443,7 @@ def test_a_second_train_on_a_held_run_dir_is_refused_naming_the_holder(runs, tmp
     assert (run_dir / ".tfaploss.lock").exists()
     rc, out, err = _train_cli(config, run_dir)
     assert rc == 0, out + err
-    assert f"took over the lock" in err and f"process {holder.pid} is no longer running" in err
+    assert "took over the lock" in err and f"process {holder.pid} is no longer running" in err
     assert not (run_dir / ".tfaploss.lock").exists()  # released at the end
 
 

@@ -107,7 +107,7 @@ def two_checkpoints(tmp_path):
 def test_a_damaged_newest_checkpoint_is_refused_naming_the_way_back(two_checkpoints):
     """Not a silent fall-back to the older checkpoint: the error names the damaged file
     and how to resume from the older one; done so, it resumes from it."""
-    backup, lines = two_checkpoints
+    backup, _ = two_checkpoints
     path = backup.checkpoint_path(2)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -143,7 +143,7 @@ def test_a_stale_or_empty_index_trusts_the_complete_files(two_checkpoints):
 def test_a_torn_checkpoint_no_index_names_is_refused(two_checkpoints):
     """Checkpoints are renamed into place complete: a torn one under its final name is
     damage, not a kill's leftover."""
-    backup, lines = two_checkpoints
+    backup, _ = two_checkpoints
     data = backup.checkpoint_path(2).read_bytes()
     backup.checkpoint_path(3).write_bytes(data[: len(data) // 2])
     with pytest.raises(DamagedRunError, match=r"epoch-0003.weights.h5 is not a readable "

@@ -160,6 +160,11 @@ def _add_evaluate(sub):
     p.add_argument("--backend", default=None, choices=("exact", "scann", "scann_ah"),
                    help="search backend (default exact, or the config's; scann_ah: "
                         "approximate, for large databases)")
+    p.add_argument("--target-recall", type=_target_recall, default=None, metavar="R",
+                   help="tune ScaNN to reach recall@k >= R in (0, 1] against exact search "
+                        "(k: the largest cut-off), measured on a sample of the queries; "
+                        "exact search when no setting beats it (default: the config's "
+                        "evaluation.target_recall, else none: search with --backend as is)")
     p.add_argument("--image-size", default=None,
                    help="side of the centre crop the images are resized to, or 'original' "
                         "(default: the model's input size, else 224)")
@@ -377,6 +382,17 @@ def _eval_dataset(path: str, size: int | None, batch: int):
     return dataset, n
 
 
+def _target_recall(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1]; received {text!r}") \
+            from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1]; received {text!r}")
+    return value
+
+
 def _parse_image_size(value, default):
     if value in (None, ""):
         return default
@@ -433,6 +449,11 @@ def cmd_evaluate(args) -> int:
             raise SystemExit(f"error: --ks must be comma-separated integers, e.g. 1,10,100; "
                              f"received {args.ks!r}") from None
     backend = args.backend or (cfg.evaluation.backend if cfg is not None else "exact")
+    target_recall = args.target_recall
+    if target_recall is None and cfg is not None:
+        target_recall = cfg.evaluation.target_recall
+    if target_recall is not None and backend == "exact":
+        backend = "scann_ah"  # what evaluate tunes; exact stays the fallback
 
     database, n_db = _eval_dataset(args.data, size, batch)
     query, n_q = _eval_dataset(args.query, size, batch) if args.query else (None, None)
@@ -442,6 +463,7 @@ def cmd_evaluate(args) -> int:
           + (f", queries {args.query}" + (f" ({n_q} images)" if n_q else "")
              if args.query else ", each image queries all the others"))
     print(f"  protocol       {args.protocol}, {backend} search"
+          + (f" tuned to recall >= {target_recall:g}" if target_recall is not None else "")
           + (f", ks {','.join(map(str, ks))}" if ks else ""))
     print(f"  preprocessing  {describe_preprocessing(size)}", flush=True)
 
@@ -453,7 +475,8 @@ def cmd_evaluate(args) -> int:
     label_names = (read_manifest(args.data) or {}).get("label_map")
     try:
         result = evaluate(model, database, protocol=args.protocol, query=query,
-                          gnd=args.gnd, ks=ks, backend=backend, output_dir=out,
+                          gnd=args.gnd, ks=ks, backend=backend, target_recall=target_recall,
+                          output_dir=out,
                           label_names=label_names, verbose=1 if progress else 0)
     except tf.errors.FailedPreconditionError as err:
         raise SystemExit(f"error: a split holds another number of images than its "

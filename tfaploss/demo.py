@@ -230,7 +230,9 @@ def _step_evaluate_trained(cfg, summary: dict, out: Path, label_names,
         print(_metrics_line(after))
         result = evaluate(model, B.build_eval_dataset(cfg, cfg.data.test),
                           protocol="retrieval", ks=cfg.evaluation.ks,
-                          backend=cfg.evaluation.backend, output_dir=str(out / "evaluation"),
+                          backend=cfg.evaluation.backend,
+                          target_recall=cfg.evaluation.target_recall,
+                          output_dir=str(out / "evaluation"),
                           label_names=label_names, verbose=0)
     for path in result.figures:
         print(f"  figure: {path}")

@@ -301,7 +301,7 @@ def acquire(folder: str | os.PathLike, what: str = "folder", *, name: str = LOCK
             if reason is None:
                 break
             if _remove_if_same(path, fd):
-                log(f"note: took over the lock {path} left by {describe(holder)}: "
+                log(f"warning: took over the lock {path} left by {describe(holder)}: "
                     f"{reason}")
         finally:
             os.close(fd)

@@ -358,13 +358,18 @@ class EvaluationConfig:
 
     ``every_n_epochs``: evaluate during training every N epochs (0: only at the end,
     if ``at_end``). ``max_images``: evaluate on at most this many test images during
-    training (the final evaluation uses all of them).
+    training (the final evaluation uses all of them). ``target_recall``: ``null``
+    (default) searches with ``backend`` as is (exact search by default); a value in
+    (0, 1] tunes ScaNN to reach that recall@k against exact search on a sample of the
+    queries, or falls back to exact search when no setting beats it (the report says
+    which, with the recall measured).
     """
 
     every_n_epochs: int = ranged(0, low=0, high=MAX_EPOCHS)
     at_end: bool = True
     ks: list[int] = ranged(default_factory=lambda: [1, 10, 100], low=1, high=MAX_BATCH)
     backend: Backend = "exact"
+    target_recall: float | None = ranged(None, low=0, low_open=True, high=1)
     max_images: int | None = ranged(None, low=2, high=2 ** 31 - 1)
 
 

@@ -8,6 +8,7 @@ Public API::
     revisited_map(scores, gnd, protocol="medium", ks=(1, 5, 10))
     evaluate(model_or_embeddings, dataset, protocol=...)
     build_searcher(database, backend) / load_searcher(directory)
+    build_searcher(database, "scann", target_recall=0.95, k=10)   # tuned (tuner.py)
 
 ScaNN, matplotlib and Keras are imported only by the functions that need them.
 """
@@ -31,11 +32,13 @@ from tfaploss.evaluation.searchers import (
     load_searcher,
     scann_ah_params,
 )
+from tfaploss.evaluation.tuner import measure_recall, search_report, tune_searcher
 
 __all__ = [
     "BACKENDS", "EvaluationResult", "ExactSearcher", "PCAWhitening", "ScannSearcher",
     "Searcher", "alpha_query_expansion", "build_searcher", "evaluate", "gldv2_map_at_k",
-    "load_embeddings", "load_revisited_gnd", "load_searcher", "retrieval_metrics",
-    "revisited_map", "revisited_map_from_ranks", "revisited_per_query_ap",
-    "scann_ah_params", "trapezoid_ap",
+    "load_embeddings", "load_revisited_gnd", "load_searcher", "measure_recall",
+    "retrieval_metrics", "revisited_map", "revisited_map_from_ranks",
+    "revisited_per_query_ap", "scann_ah_params", "search_report", "trapezoid_ap",
+    "tune_searcher",
 ]

@@ -14,6 +14,14 @@ protocol         ks                       what
 ================ ======================== =========================================
 
 ``retrieval``-style protocols also accept a separate query set (``query=...``).
+
+Every report states how the neighbours were searched (``details["search"]``, and a
+``search:`` line under the table): the backend, the setting, and the recall@k of the
+search against exact search measured on a sample of up to 1,000 queries, with its 95 %
+Wilson interval (:mod:`tfaploss.evaluation.tuner` explains it); exact search says
+recall 1. ``k`` is the largest cut-off of the protocol. With ``target_recall`` the
+ScaNN settings are tuned to reach that recall, or exact search is used when no setting
+beats it, and the report says which.
 ``revisited`` and ``gldv2`` need the query set and the ground truth (``gnd``:
 revisited per-query ``easy``/``hard``/``junk`` dicts or a ground-truth file path;
 for ``gldv2`` a per-query list of relevant database indices).
@@ -21,6 +29,7 @@ for ``gldv2`` a per-query list of relevant database indices).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -31,6 +40,7 @@ import numpy as np
 from tfaploss.evaluation.embedding_files import load_embeddings
 from tfaploss.evaluation.metrics import retrieval_metrics
 from tfaploss.evaluation.searchers import build_searcher
+from tfaploss.evaluation.tuner import exact_report, search_report
 from tfaploss.log import reporting
 
 LOG = logging.getLogger(__name__)
@@ -90,6 +100,8 @@ class EvaluationResult:
         for key in ("backend", "num_queries", "num_database", "depth", "lone_queries"):
             if key in self.details:
                 notes.append(f"{key}: {self.details[key]}")
+        if self.details.get("search"):
+            notes.append(describe_search(self.details["search"]))
         if self.details.get("map_is_lower_bound"):
             notes.append("map: computed on a truncated or approximate ranking, a lower bound")
         if self.details.get("lower_bound"):
@@ -102,6 +114,26 @@ class EvaluationResult:
 
     def __repr__(self) -> str:
         return f"EvaluationResult(protocol={self.protocol!r}, metrics={self.metrics!r})"
+
+
+def describe_search(search: dict[str, Any]) -> str:
+    """One line: backend, setting, recall@k on the sample with its interval, speed."""
+    k = search.get("k")
+    if search.get("backend") == "exact" and not search.get("tuned"):
+        return f"search: exact, recall@{k} 1 (exact search)"
+    lo, hi = search["recall_ci"]
+    if search.get("backend") == "exact":  # a tuner that fell back
+        line = f"search: exact, recall@{k} 1 (tuning fell back: {search.get('reason')})"
+    else:
+        line = (f"search: {search['backend']}, {search['setting']}; recall@{k} "
+                f"{search['recall']:.4f} (95% Wilson CI {lo:.4f}-{hi:.4f}) on "
+                f"{search['num_sample_queries']} sample queries")
+    if search.get("tuned"):
+        line += f"; target {search['target_recall']:g}"
+        if search.get("backend") != "exact":
+            line += f", {search['speedup']:.2f}x exact q/s ({search['speed']})"
+        line += f", {search['settings_tried']} settings tried in {search['seconds']:.1f} s"
+    return line
 
 
 def _jsonable(obj):
@@ -215,7 +247,8 @@ def _resolve(model_or_embeddings, data, labels, verbose, what: str):
 
 def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
              labels=None, query=None, query_labels=None, gnd=None, ks=None,
-             backend: str = "exact", query_expansion: bool = False, qe_alpha: float = 2.0,
+             backend: str = "exact", target_recall: float | None = None,
+             query_expansion: bool = False, qe_alpha: float = 2.0,
              qe_k: int = 10, whitening=None, depth: int | None = None,
              output_dir: str | None = None,
              figures: bool = True, num_examples: int = 6, examples_k: int = 5,
@@ -237,6 +270,12 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
         per-query lists of relevant database indices.
       ks: cut-offs; default per protocol.
       backend: ``"exact"``, ``"scann"`` or ``"scann_ah"``.
+      target_recall: ``None`` (default): search with ``backend`` as is. A value in
+        (0, 1]: tune ScaNN to reach this recall@k (k: the largest cut-off) against
+        exact search, on a sample of the queries (see
+        :func:`tfaploss.evaluation.tuner.tune_searcher`; with ``backend="exact"``,
+        ScaNN is tuned); exact search when no setting beats it. ``searcher_kwargs``
+        then go to the tuner (``max_settings``, ``max_seconds``, ...).
       query_expansion: apply α-QE (``qe_alpha``, ``qe_k``) to the queries.
       whitening: a fitted :class:`~tfaploss.evaluation.PCAWhitening` applied to
         queries and database.
@@ -255,6 +294,13 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
     if protocol not in PROTOCOLS:
         raise ValueError(f"`protocol` must be one of {PROTOCOLS}; received {protocol!r}.")
     ks = tuple(ks) if ks is not None else _PROTOCOL_KS[protocol]
+    if target_recall is not None:
+        if isinstance(target_recall, bool) or not isinstance(target_recall, (int, float)) \
+                or not 0 < target_recall <= 1:
+            raise ValueError(f"`target_recall` must be in (0, 1] or None; received "
+                             f"{target_recall!r}.")
+        if backend == "exact":
+            backend = "scann_ah"
     db, db_labels, _ = _resolve(model_or_embeddings, dataset, labels, verbose, "database")
     model = None if isinstance(model_or_embeddings, (np.ndarray, str, os.PathLike)) or \
         hasattr(model_or_embeddings, "numpy") else model_or_embeddings
@@ -283,14 +329,17 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
 
     if protocol in _REVISITED:
         metrics, details = _evaluate_revisited(q, db, gnd, ks, backend, depth, output_dir,
-                                               figures, figure_paths, **searcher_kwargs)
+                                               figures, figure_paths, target_recall,
+                                               **searcher_kwargs)
     elif protocol == "gldv2":
-        metrics, details = _evaluate_gldv2(q, db, gnd, ks, backend, **searcher_kwargs)
+        metrics, details = _evaluate_gldv2(q, db, gnd, ks, backend, target_recall,
+                                           **searcher_kwargs)
     else:
         if db_labels is None:
             raise ValueError("retrieval protocols need database labels: pass `labels=` or a "
                              "dataset yielding (images, labels).")
-        searcher = build_searcher(db, backend, **searcher_kwargs)
+        searcher = _build(db, backend, target_recall, max(ks),
+                          q if query is not None else None, searcher_kwargs, verbose)
         if query is None and not query_expansion:
             metrics, details = retrieval_metrics(db, db_labels, ks=ks, searcher=searcher,
                                                  map_depth=depth, return_details=True,
@@ -303,6 +352,8 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
                 searcher, db, db_labels, q, q_labels, dataset, query, output_dir,
                 num_examples, examples_k, label_names))
         details.pop("per_query", None)
+        details["search"] = search_report(searcher, db, max(ks),
+                                          q if query is not None else None)
     details["query_expansion"] = ({"alpha": qe_alpha, "k": qe_k} if query_expansion else None)
     details["whitening"] = whitening is not None
     result = EvaluationResult(protocol, metrics, details, figure_paths)
@@ -312,6 +363,15 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
         with reporting():
             LOG.info("%s", result.table())
     return result
+
+
+def _build(db, backend, target_recall, k, queries, searcher_kwargs, verbose=0):
+    if target_recall is None:
+        return build_searcher(db, backend, **searcher_kwargs)
+    # The tuner's progress lines (INFO) are shown as the table is (see reporting()).
+    with reporting() if verbose else contextlib.nullcontext():
+        return build_searcher(db, backend, target_recall=target_recall, k=k,
+                              queries=queries, **searcher_kwargs)
 
 
 def _expanded_or_separate(q, q_labels, db, db_labels, self_retrieval, ks, searcher, depth,
@@ -329,7 +389,7 @@ def _expanded_or_separate(q, q_labels, db, db_labels, self_retrieval, ks, search
 
 
 def _evaluate_revisited(q, db, gnd, ks, backend, depth, output_dir, figures, figure_paths,
-                        **searcher_kwargs):
+                        target_recall=None, **searcher_kwargs):
     from tfaploss.evaluation.revisited import (
         PROTOCOLS as RPROTOCOLS,
     )
@@ -355,16 +415,18 @@ def _evaluate_revisited(q, db, gnd, ks, backend, depth, output_dir, figures, fig
             r = revisited_map(scores, gnd, protocol=p, ks=ks)
             metrics.update({f"{p}/{k}": v for k, v in r.items()})
         aps = revisited_per_query_ap(scores, gnd, "medium")
+        details["search"] = exact_report(max(ks))
     else:
-        searcher = build_searcher(db, backend, **searcher_kwargs)
+        searcher = _build(db, backend, target_recall, max(ks), q, searcher_kwargs)
         depth = min(len(db), depth or 1000)
         ranks, _ = searcher.search(q, depth)
         lower = False
         for p in RPROTOCOLS:
             r = revisited_map_from_ranks(ranks, gnd, protocol=p, ks=ks, database_size=len(db))
-            lower = lower or r.pop("lower_bound") or backend == "scann_ah"
+            lower = lower or r.pop("lower_bound") or searcher.backend == "scann_ah"
             metrics.update({f"{p}/{k}": v for k, v in r.items()})
-        details.update(depth=depth, lower_bound=lower)
+        details.update(depth=depth, lower_bound=lower, backend=searcher.backend,
+                       search=search_report(searcher, db, max(ks), q))
         aps = revisited_per_query_ap(None, gnd, "medium", ranks=ranks)
     details["per_query_ap_medium"] = aps
     if output_dir and figures:
@@ -376,17 +438,18 @@ def _evaluate_revisited(q, db, gnd, ks, backend, depth, output_dir, figures, fig
     return metrics, details
 
 
-def _evaluate_gldv2(q, db, gnd, ks, backend, **searcher_kwargs):
+def _evaluate_gldv2(q, db, gnd, ks, backend, target_recall=None, **searcher_kwargs):
     from tfaploss.evaluation.metrics import gldv2_map_at_k
 
     if q is None or gnd is None:
         raise ValueError("the gldv2 protocol needs `query=` and `gnd=` (per-query lists of "
                          "relevant database indices).")
     k = max(ks)
-    searcher = build_searcher(db, backend, **searcher_kwargs)
+    searcher = _build(db, backend, target_recall, k, q, searcher_kwargs)
     ranks, _ = searcher.search(q, k)
     return ({f"map@{k}": gldv2_map_at_k(ranks, gnd, k=k)},
-            {"backend": backend, "num_queries": len(q), "num_database": len(db)})
+            {"backend": searcher.backend, "num_queries": len(q), "num_database": len(db),
+             "search": search_report(searcher, db, k, q)})
 
 
 def _gather_images(dataset, wanted: np.ndarray) -> dict[int, np.ndarray]:

@@ -363,13 +363,24 @@ class ScannSearcher(Searcher):
       anisotropic_quantization_threshold, reorder_num_neighbors, training_sample_size
         (AH codebooks), tree_training_sample_size (k-means of the tree): ScaNN
         parameters (``mode="ah"`` only); ``num_leaves=None`` disables the tree.
+      leaf_scoring: ``"ah"`` (default: 4-bit AH codes + exact re-ordering) or
+        ``"brute_force"`` (exact float32 scores of every point of the leaves searched;
+        no re-ordering needed).
+      reorder_factor: a search for ``k`` re-orders ``max(reorder_factor * k,
+        reorder_num_neighbors)`` candidates (default 10; the tuner of
+        :mod:`tfaploss.evaluation.tuner` sets 1 to choose the re-order size itself).
+      anisotropic_quantization_threshold: ``None`` turns the anisotropic loss off
+        (plain AH).
       num_threads: search/training threads (0 = ScaNN's default, all cores).
     """
 
     backend = "scann"
     _AH_KEYS = ("num_leaves", "num_leaves_to_search", "dimensions_per_block",
                 "anisotropic_quantization_threshold", "reorder_num_neighbors",
-                "training_sample_size", "tree_training_sample_size")
+                "training_sample_size", "tree_training_sample_size", "leaf_scoring",
+                "reorder_factor")
+    # Defaults of the keys scann_ah_params leaves out (and saved searchers may lack).
+    _EXTRA_DEFAULTS: ClassVar[dict[str, Any]] = {"leaf_scoring": "ah", "reorder_factor": 10}
 
     def __init__(self, database, mode: str = "ah", num_neighbors: int = 100,
                  num_threads: int = 0, _searcher=None, **ah_params):
@@ -392,7 +403,15 @@ class ScannSearcher(Searcher):
         database = _as_matrix(database, "database")
         self.params = {}
         if mode == "ah":
-            self.params = {**scann_ah_params(*database.shape), **ah_params}
+            self.params = {**scann_ah_params(*database.shape), **self._EXTRA_DEFAULTS,
+                           **ah_params}
+            if self.params["leaf_scoring"] not in ("ah", "brute_force"):
+                raise ValueError(f"`leaf_scoring` must be 'ah' or 'brute_force'; received "
+                                 f"{self.params['leaf_scoring']!r}.")
+            factor = self.params["reorder_factor"]
+            if not isinstance(factor, (int, np.integer)) or factor < 1:
+                raise ValueError(f"`reorder_factor` must be a positive integer; received "
+                                 f"{factor!r}.")
             leaves = self.params.get("num_leaves")
             if leaves:
                 if not 1 <= int(leaves) <= database.shape[0]:
@@ -419,11 +438,16 @@ class ScannSearcher(Searcher):
                     num_leaves=int(p["num_leaves"]),
                     num_leaves_to_search=int(p["num_leaves_to_search"]),
                     training_sample_size=int(p["tree_training_sample_size"]))
-            builder = builder.score_ah(
-                int(p["dimensions_per_block"]),
-                anisotropic_quantization_threshold=float(p["anisotropic_quantization_threshold"]),
-                training_sample_size=int(p["training_sample_size"]))
-            builder = builder.reorder(int(p["reorder_num_neighbors"]))
+            if p.get("leaf_scoring", "ah") == "brute_force":
+                builder = builder.score_brute_force()
+            else:
+                threshold = p["anisotropic_quantization_threshold"]
+                builder = builder.score_ah(
+                    int(p["dimensions_per_block"]),
+                    anisotropic_quantization_threshold=(
+                        float("nan") if threshold is None else float(threshold)),
+                    training_sample_size=int(p["training_sample_size"]))
+                builder = builder.reorder(int(p["reorder_num_neighbors"]))
         builder.set_n_training_threads(self.num_threads)
         searcher = builder.build()
         if self.num_threads:
@@ -457,14 +481,22 @@ class ScannSearcher(Searcher):
     def _search(self, queries, k):
         kwargs = {}
         if self.mode == "ah":
-            kwargs["pre_reorder_num_neighbors"] = max(
-                10 * k, int(self.params["reorder_num_neighbors"]))
+            if self.params.get("leaf_scoring", "ah") == "ah":
+                kwargs["pre_reorder_num_neighbors"] = max(
+                    int(self.params.get("reorder_factor", 10)) * k,
+                    int(self.params["reorder_num_neighbors"]))
             if self.params.get("num_leaves"):
                 kwargs["leaves_to_search"] = int(self.params["num_leaves_to_search"])
         idx, dist = self._searcher.search_batched_parallel(
             queries, final_num_neighbors=k, **kwargs)
         idx = np.asarray(idx, np.int64)
         dist = np.asarray(dist, np.float32)
+        # Batched ScaNN pads a row it cannot fill (fewer points in the leaves searched
+        # than asked for) with index 0 and a NaN score: padding, not neighbours.
+        pad = np.isnan(dist)
+        if pad.any():
+            idx = np.where(pad, -1, idx)
+            dist = np.where(pad, -np.inf, dist).astype(np.float32)
         if idx.shape[1] < k:  # ScaNN may return fewer rows than asked (tiny leaves)
             pad = k - idx.shape[1]
             idx = np.pad(idx, ((0, 0), (0, pad)), constant_values=-1)
@@ -491,6 +523,8 @@ class ScannSearcher(Searcher):
         raw = scann_ops_pybind.scann_pybind.ScannNumpy(sub, assets)
         searcher = scann_ops_pybind.ScannSearcher(raw)
         params = {k: meta[k] for k in cls._AH_KEYS if k in meta}
+        if meta["mode"] == "ah":
+            params = {**cls._EXTRA_DEFAULTS, **params}
         obj = cls(None, mode=meta["mode"], num_neighbors=meta["num_neighbors"],
                   num_threads=meta["num_threads"],
                   _searcher=(searcher, int(meta["size"]), int(meta["dim"]), params))
@@ -502,9 +536,29 @@ class ScannSearcher(Searcher):
 BACKENDS = ("exact", "scann", "scann_ah")
 
 
-def build_searcher(database, backend: str = "exact", **kwargs) -> Searcher:
+def build_searcher(database, backend: str = "exact", *, target_recall: float | None = None,
+                   k: int | None = None, queries=None, **kwargs) -> Searcher:
     """Build a searcher: ``backend`` in ``"exact"``, ``"scann"`` (brute force) or
-    ``"scann_ah"`` (tree + AH + reorder); ``kwargs`` go to the class."""
+    ``"scann_ah"`` (tree + AH + reorder); ``kwargs`` go to the class.
+
+    With ``target_recall`` (in (0, 1]; ``backend`` ``"scann"`` or ``"scann_ah"``), the
+    ScaNN settings are tuned instead: the fastest one whose recall@``k`` (default 10)
+    on a sample of ``queries`` (default: database points, self excluded) reaches the
+    target, or the exact searcher when none beats exact search; ``kwargs`` then go to
+    :func:`tfaploss.evaluation.tuner.tune_searcher` and the searcher carries the
+    tuner's report as ``searcher.tuning``.
+    """
+    if target_recall is not None:
+        if backend not in ("scann", "scann_ah"):
+            raise ValueError(f"`target_recall` tunes ScaNN: pass backend='scann' or "
+                             f"'scann_ah' (received {backend!r}; exact search has recall 1).")
+        from tfaploss.evaluation.tuner import tune_searcher
+
+        searcher, _ = tune_searcher(database, target_recall, 10 if k is None else k,
+                                    queries, **kwargs)
+        return searcher
+    if k is not None or queries is not None:
+        raise ValueError("`k` and `queries` of build_searcher only apply with `target_recall`.")
     if backend == "exact":
         return ExactSearcher(database, **kwargs)
     if backend == "scann":

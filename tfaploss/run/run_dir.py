@@ -99,6 +99,9 @@ def read_config_snapshot(path: Path) -> dict | None:
         raise DamagedRunError(path, "nests too deeply to be a run config") from None
     except OSError as err:
         raise DamagedRunError(path, f"cannot be read ({type(err).__name__}: {err})") from None
+    except (ValueError, OverflowError, TypeError) as err:  # e.g. an integer of 5000 digits
+        raise DamagedRunError(path, f"holds a value no run config holds ({type(err).__name__}"
+                                    f": {str(err)[:120]})") from None
     if not isinstance(raw, dict):
         raise DamagedRunError(path, f"holds {_kind(raw)}, not a mapping of config keys")
     return raw
@@ -148,7 +151,7 @@ def read_epoch_log(path: Path, epochs: int) -> list[dict]:
     rows, top = [], 0
     fix_line = "remove or repair that line"
     for number, line in enumerate(data[:end].split(b"\n")[:-1], 1):
-        def damaged(problem, fix=fix_line):
+        def damaged(problem, fix=fix_line, number=number):
             return DamagedRunError(path, f"line {number}: {problem}", fix)
 
         try:
@@ -294,7 +297,7 @@ def inspect(run_dir: Path, cfg: Config) -> RunState:
             log, ("is missing" if not log.exists() else f"records {top} finished epochs")
             + f", but the checkpoint {checkpoint[1]} is of epoch {done}: rows are missing "
             "(each epoch is logged before its checkpoint is written)",
-            f"put back the epoch log of this run")
+            "put back the epoch log of this run")
     return RunState(resuming=resuming, checkpoint=checkpoint, rows=rows)
 
 

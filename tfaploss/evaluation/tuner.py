@@ -1,0 +1,440 @@
+"""Tune ScaNN to a target recall on the user's own data, and measure the recall reached.
+
+ScaNN's default parameters give recall@10 0.98 on clustered data, 0.8 on data with
+more spread and 0.4 on random vectors: a user who turns approximate search on cannot
+know which of these they got. :func:`tune_searcher` asks for a recall instead:
+
+1. **Sample.** It holds out up to ``sample_size`` (default 1,000) queries: a seeded
+   random subset of the user's queries when given, else of the database points, each
+   excluded from its own results (by index, as in self-retrieval).
+2. **Truth.** Their exact top-``k`` comes from :class:`ExactSearcher` (timed: the
+   exact q/s every setting must beat).
+3. **Search.** It walks a small space of ScaNN settings (:func:`candidate_settings`)
+   in order of a cost model (:func:`estimated_cost`, cheapest first): partitions
+   (``num_leaves``: none, about sqrt(N) or 2 sqrt(N)), leaves searched (1/64 .. 1/2 of
+   them), scoring inside the leaves (4-bit AH with 2 or 1 dimensions per block,
+   anisotropic threshold 0.2 or off, or exact float32 brute force), and the exact
+   re-order size (2k, 4k, 10k). Settings the cost model already puts at or above exact
+   search are never tried, and a setting is skipped when a setting that finds at least
+   every neighbour it can find already missed the target (brute force over as many
+   leaves or more of the same partition; AH with as many leaves or more, as large a
+   re-order and as fine codes). Before the first AH setting that searches ``t`` leaves
+   of a partition, brute force over those ``t`` leaves is tried as a probe: it bounds
+   the recall of every AH setting searching ``t`` leaves or fewer, so one miss there
+   rules them all out (without it, the cheap end of the space is a long list of
+   settings that all miss).
+4. **Stop.** A setting *meets* the target when its recall@k on the sample reaches it
+   and its speed beats exact search. Once one has, the settings the cost model
+   expects to be cheaper than it are still tried (a probe may meet the target before
+   cheaper settings had their turn), then ``patience`` more (default 2; none with
+   ``speed="model"``) in case the cost model misjudged their order; the fastest
+   setting that met the target wins. Then the search stops. It also stops after ``max_settings``
+   settings (default 40) or ``max_seconds`` (default 120 s, builds included).
+5. **Fall back.** If no setting reached the target faster than exact search, the
+   exact searcher is returned and the report says so (a WARNING on this module's
+   logger and ``fell_back: True`` in the returned info): an "approximate" search
+   slower than exact is never worth having.
+
+Every setting tried is logged at INFO: the setting, its recall@k on the sample with
+the confidence interval, and its q/s beside exact search's.
+
+**Recall and its interval.** The recall of a query is the share of its exact top-k
+that the searcher returned; the sample's recall is their mean over the sample
+queries. The interval is a 95 % *Wilson score interval* with ``n`` = the number of
+sample queries and the mean recall as the success rate. A per-query recall lies in
+[0, 1], and a [0, 1] variable with mean p has variance at most p(1 - p), so this
+interval is at least as wide as the normal interval of the mean (conservative), and
+unlike a bootstrap over the queries it does not collapse to a point when every sample
+query is found whole. The neighbours of one query are not independent, so pooling the
+k neighbours of all queries as k Q trials would be too narrow; we do not.
+
+The tuned searcher carries its report as ``searcher.tuning`` (a JSON-able dict), and
+:func:`search_report` gives the same description for any searcher (exact: recall 1 by
+construction; an untuned ScaNN searcher: recall measured on a sample), which the
+evaluator writes into every report.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from tfaploss.evaluation.searchers import ExactSearcher, ScannSearcher, Searcher, _as_matrix
+
+LOG = logging.getLogger(__name__)
+
+__all__ = ["CI_METHOD", "Setting", "candidate_settings", "estimated_cost", "measure_recall",
+           "recall_per_query", "search_report", "tune_searcher", "wilson_interval"]
+
+CI_METHOD = ("95% Wilson score interval over the sample queries (per-query recall@k as one "
+             "trial; conservative, see tfaploss.evaluation.tuner)")
+
+# Cost model, in units of one multiply-add of exact search's BLAS product (per query):
+# a 4-bit AH lookup (SIMD LUT16) costs about a quarter of one; a float32 multiply-add
+# outside BLAS (scores inside leaves, re-ordering gathered rows) about 1.5-2; a ScaNN
+# query has a fixed cost besides (dispatch, heaps, copies) of some microseconds.
+_LUT_COST = 0.25
+_BRUTE_COST = 1.5
+_REORDER_COST = 2.0
+_QUERY_OVERHEAD = 20_000.0
+_MODEL_UNIT_SECONDS = 1e-10  # the nominal time of one unit when speed="model"
+_MIN_TREE_POINTS = 2_000     # below this a partition does not pay
+_MIN_POINTS_PER_LEAF = 16
+_MAX_BUILDS_KEPT = 4         # built indexes kept for later settings (LRU, the best kept)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One point of the search space (``num_leaves=None``: no partitioning)."""
+
+    num_leaves: int | None
+    leaves_to_search: int | None
+    leaf_scoring: str  # "ah" | "brute_force"
+    dimensions_per_block: int | None = None
+    anisotropic_quantization_threshold: float | None = None
+    reorder_num_neighbors: int | None = None
+
+    @property
+    def build_key(self):
+        return (self.num_leaves, self.leaf_scoring, self.dimensions_per_block,
+                self.anisotropic_quantization_threshold)
+
+    def searcher_params(self) -> dict[str, Any]:
+        """Keyword arguments of :class:`ScannSearcher` (``mode="ah"``)."""
+        p: dict[str, Any] = {"num_leaves": self.num_leaves,
+                             "num_leaves_to_search": self.leaves_to_search,
+                             "leaf_scoring": self.leaf_scoring, "reorder_factor": 1}
+        if self.leaf_scoring == "ah":
+            p.update(dimensions_per_block=self.dimensions_per_block,
+                     anisotropic_quantization_threshold=self.anisotropic_quantization_threshold,
+                     reorder_num_neighbors=self.reorder_num_neighbors)
+        return p
+
+    def describe(self) -> str:
+        part = ("no partitions" if not self.num_leaves else
+                f"{self.leaves_to_search}/{self.num_leaves} leaves")
+        if self.leaf_scoring == "brute_force":
+            return f"{part}, brute force"
+        thr = self.anisotropic_quantization_threshold
+        return (f"{part}, AH {self.dimensions_per_block} dims/block, anisotropic "
+                f"{'off' if thr is None else f'{thr:g}'}, reorder {self.reorder_num_neighbors}")
+
+
+def estimated_cost(setting: Setting | None, n: int, d: int) -> float:
+    """Cost of one query in multiply-adds of exact search (``setting=None``: exact)."""
+    if setting is None:
+        return float(n) * d
+    units = _QUERY_OVERHEAD
+    scanned = float(n)
+    if setting.num_leaves:
+        units += setting.num_leaves * d
+        scanned = n * setting.leaves_to_search / setting.num_leaves
+    if setting.leaf_scoring == "brute_force":
+        return units + scanned * d * _BRUTE_COST
+    return (units + scanned * math.ceil(d / setting.dimensions_per_block) * _LUT_COST
+            + min(setting.reorder_num_neighbors, n) * d * _REORDER_COST)
+
+
+def candidate_settings(n: int, d: int, k: int) -> list[Setting]:
+    """The search space for an (n, d) database and top-``k``, cheapest first."""
+    reorders = sorted({min(n, r) for r in (2 * k, 4 * k, 10 * k)})
+    ah = [(2, 0.2), (2, None), (1, 0.2)]
+    partitions: list[tuple[int | None, list[int | None]]] = [(None, [None])]
+    if n >= _MIN_TREE_POINTS:
+        cap = min(4000, n // _MIN_POINTS_PER_LEAF)
+        for leaves in sorted({min(cap, round(f * math.sqrt(n))) for f in (1, 2)}):
+            searched = sorted({max(1, math.ceil(leaves * f))
+                               for f in (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)})
+            partitions.append((leaves, searched))
+    out = []
+    for leaves, searched in partitions:
+        for t in searched:
+            if leaves:
+                out.append(Setting(leaves, t, "brute_force"))
+            out += [Setting(leaves, t, "ah", dpb, thr, r) for dpb, thr in ah for r in reorders]
+    out.sort(key=lambda s: (estimated_cost(s, n, d), s.describe()))
+    return out
+
+
+def _dominates(a: Setting, b: Setting) -> bool:
+    """True when ``a`` finds at least every neighbour ``b`` finds (so if ``a`` misses
+    the target, ``b`` does too)."""
+    if a.num_leaves != b.num_leaves or (a.leaves_to_search or 0) < (b.leaves_to_search or 0):
+        return False
+    if a.leaf_scoring == "brute_force":
+        return True  # exact scores over a superset of b's leaves
+    return (b.leaf_scoring == "ah"
+            and a.anisotropic_quantization_threshold == b.anisotropic_quantization_threshold
+            and a.dimensions_per_block <= b.dimensions_per_block
+            and a.reorder_num_neighbors >= b.reorder_num_neighbors)
+
+
+def wilson_interval(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a success rate ``p`` observed over ``n`` trials."""
+    if n <= 0:
+        return 0.0, 1.0
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(max(p * (1 - p), 0.0) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def recall_per_query(found: np.ndarray, truth: np.ndarray) -> np.ndarray:
+    """Per query, the share of its exact top-k (``truth`` row) present in ``found``."""
+    found = np.asarray(found)
+    truth = np.asarray(truth)
+    hits = np.array([np.isin(t, f).sum() for f, t in zip(found, truth)], np.float64)
+    return hits / max(truth.shape[1], 1)
+
+
+def _summary(per_query: np.ndarray) -> tuple[float, list[float]]:
+    mean = float(per_query.mean()) if per_query.size else 0.0
+    lo, hi = wilson_interval(mean, int(per_query.size))
+    return mean, [round(lo, 6), round(hi, 6)]
+
+
+def _sample(database, queries, sample_size: int, seed: int):
+    """(sample queries, exclude or None, description)."""
+    rng = np.random.default_rng(seed)
+    if queries is not None:
+        pick = np.sort(rng.choice(len(queries), min(sample_size, len(queries)), replace=False))
+        return queries[pick], None, "user queries"
+    pick = np.sort(rng.choice(len(database), min(sample_size, len(database)), replace=False))
+    return database[pick], pick.astype(np.int64), \
+        "database points, each excluded from its own results"
+
+
+def _timed(timer: Callable[[], float], fn):
+    t0 = timer()
+    out = fn()
+    return out, max(timer() - t0, 1e-9)
+
+
+def measure_recall(searcher: Searcher, database, k: int, queries=None,
+                   sample_size: int = 1000, seed: int = 0) -> dict[str, Any]:
+    """Recall@k of ``searcher`` against exact search on a sample (see the module doc)."""
+    database = _as_matrix(database, "database")
+    q = None if queries is None else _as_matrix(queries, "queries")
+    sample, exclude, what = _sample(database, q, sample_size, seed)
+    truth, _ = ExactSearcher(database).search(sample, k, exclude=exclude)
+    found, _ = searcher.search(sample, k, exclude=exclude)
+    recall, ci = _summary(recall_per_query(found, truth))
+    return {"k": int(truth.shape[1]), "recall": recall, "recall_ci": ci,
+            "ci_method": CI_METHOD, "num_sample_queries": len(sample), "sample": what}
+
+
+def _describe_params(searcher: Searcher) -> str:
+    if isinstance(searcher, ScannSearcher) and searcher.mode == "ah":
+        p = searcher.params
+        leaves = p.get("num_leaves")
+        return Setting(leaves, p.get("num_leaves_to_search") if leaves else None,
+                       p.get("leaf_scoring", "ah"), p.get("dimensions_per_block"),
+                       p.get("anisotropic_quantization_threshold"),
+                       p.get("reorder_num_neighbors")).describe()
+    if isinstance(searcher, ScannSearcher):
+        return "ScaNN float32 brute force"
+    return "exact"
+
+
+def exact_report(k: int) -> dict[str, Any]:
+    """The search part of a report for exact search."""
+    return {"backend": "exact", "setting": "exact", "k": int(k), "recall": 1.0,
+            "recall_ci": [1.0, 1.0], "ci_method": "exact search: recall 1 by construction"}
+
+
+def search_report(searcher: Searcher | None, database, k: int, queries=None,
+                  sample_size: int = 1000, seed: int = 0) -> dict[str, Any]:
+    """Backend, setting and recall@k (with its interval) of ``searcher``, for a report.
+
+    A tuned searcher reports what the tuner measured; exact search reports recall 1;
+    any other searcher is measured on a sample (:func:`measure_recall`).
+    """
+    if searcher is None or searcher.backend == "exact":
+        tuning = getattr(searcher, "tuning", None)
+        return dict(tuning) if tuning else exact_report(k)
+    tuning = getattr(searcher, "tuning", None)
+    if tuning:
+        return dict(tuning)
+    out = {"backend": searcher.backend, "setting": _describe_params(searcher), "tuned": False}
+    out.update(measure_recall(searcher, database, k, queries, sample_size, seed))
+    return out
+
+
+def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=None, *,
+                  sample_size: int = 1000, max_settings: int = 40, max_seconds: float = 120.0,
+                  patience: int = 2, speed: str = "measure",
+                  timer: Callable[[], float] = time.perf_counter, num_threads: int = 0,
+                  seed: int = 0) -> tuple[Searcher, dict[str, Any]]:
+    """The fastest ScaNN searcher whose recall@k on a sample reaches ``target_recall``,
+    or the exact searcher when none beats exact search (see the module doc).
+
+    Args:
+      database: (N, D) embeddings.
+      target_recall: in (0, 1].
+      k: the k of recall@k (capped at the database size, less one without queries).
+      queries: the user's queries; ``None``: database points (self excluded).
+      sample_size: sample queries held out (at most).
+      max_settings, max_seconds: the bounds on the tuner's cost.
+      patience: settings still tried once the cost model expects none of those left to
+        be cheaper than one that met the target (``speed="measure"`` only).
+      speed: ``"measure"`` (wall time of a search of the sample, via ``timer``) or
+        ``"model"`` (the deterministic cost model of :func:`estimated_cost`).
+      timer: the clock of ``speed="measure"`` and of ``max_seconds``.
+      num_threads: ScaNN threads (0: ScaNN's default).
+      seed: the sample's seed.
+
+    Returns:
+      ``(searcher, info)``; ``info`` is also ``searcher.tuning``.
+    """
+    if isinstance(target_recall, bool) or not isinstance(target_recall, (int, float)) \
+            or not 0 < target_recall <= 1:
+        raise ValueError(f"`target_recall` must be in (0, 1]; received {target_recall!r}.")
+    if speed not in ("measure", "model"):
+        raise ValueError(f"`speed` must be 'measure' or 'model'; received {speed!r}.")
+    for name, v in (("sample_size", sample_size), ("max_settings", max_settings)):
+        if not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"`{name}` must be a positive integer; received {v!r}.")
+    database = _as_matrix(database, "database")
+    n, d = database.shape
+    q = None if queries is None else _as_matrix(queries, "queries")
+    if q is None and n < 2:
+        raise ValueError("tuning on database points needs at least 2 of them.")
+    start = timer()
+    sample, exclude, what = _sample(database, q, sample_size, seed)
+    exact = ExactSearcher(database)
+    (truth, _), t_exact = _timed(timer, lambda: exact.search(sample, k, exclude=exclude))
+    k = int(truth.shape[1])
+    if speed == "measure":  # the first run paid for thread start-up: keep the better one
+        _, t2 = _timed(timer, lambda: exact.search(sample, k, exclude=exclude))
+        t_exact = min(t_exact, t2)
+    else:
+        t_exact = estimated_cost(None, n, d) * _MODEL_UNIT_SECONDS * len(sample)
+    exact_qps = len(sample) / t_exact
+    exact_units = estimated_cost(None, n, d)
+    LOG.info("tuning ScaNN for recall@%d >= %g on %d sample queries (%s); exact search: "
+             "%.0f q/s", k, target_recall, len(sample), what, exact_qps)
+
+    candidates = [s for s in candidate_settings(n, d, k)
+                  if estimated_cost(s, n, d) < exact_units]
+    built: dict[Any, ScannSearcher] = {}
+    failed: list[Setting] = []
+    done: set[Setting] = set()
+    tried: list[dict[str, Any]] = []
+    best: tuple[float, Setting, dict[str, Any]] | None = None
+    best_cost = math.inf  # the lowest estimated cost of a setting that met the target
+
+    def bound_reached() -> str | None:
+        if len(tried) >= max_settings:
+            return f"max_settings ({max_settings})"
+        if timer() - start > max_seconds:
+            return f"max_seconds ({max_seconds:g} s)"
+        return None
+
+    def trial(setting: Setting) -> None:
+        nonlocal best, best_cost
+        done.add(setting)
+        searcher = built.pop(setting.build_key, None)
+        if searcher is None:
+            searcher = ScannSearcher(database, mode="ah", num_neighbors=k,
+                                     num_threads=num_threads, **setting.searcher_params())
+        else:
+            searcher.params.update(setting.searcher_params())
+        built[setting.build_key] = searcher  # most recently used last
+        keep = None if best is None else best[1].build_key
+        for key in [key for key in built if key not in (keep, setting.build_key)]:
+            if len(built) <= _MAX_BUILDS_KEPT:
+                break
+            del built[key]  # memory: a brute-force tree holds a copy of the database
+        (found, _), t = _timed(timer, lambda: searcher.search(sample, k, exclude=exclude))
+        recall, ci = _summary(recall_per_query(found, truth))
+        if speed == "measure":  # the first run was the warm-up
+            _, t2 = _timed(timer, lambda: searcher.search(sample, k, exclude=exclude))
+            t = min(t, t2)
+        else:
+            t = estimated_cost(setting, n, d) * _MODEL_UNIT_SECONDS * len(sample)
+        qps = len(sample) / t
+        met = recall >= target_recall and qps > exact_qps
+        entry = {"setting": setting.describe(), "recall": recall, "recall_ci": ci,
+                 "qps": qps, "speedup": qps / exact_qps, "met": met,
+                 "estimated_cost": estimated_cost(setting, n, d) / exact_units}
+        tried.append(entry)
+        LOG.info("  [%d] %s: recall@%d %.4f (95%% CI %.4f-%.4f), %.0f q/s (%.2fx exact)%s",
+                 len(tried), entry["setting"], k, recall, ci[0], ci[1], qps,
+                 qps / exact_qps, " <- reaches the target" if met else "")
+        if met:
+            best_cost = min(best_cost, estimated_cost(setting, n, d))
+            if best is None or qps > best[0]:
+                best = (qps, setting, entry)
+        elif recall < target_recall:
+            failed.append(setting)
+
+    stopped = "search space exhausted"
+    after_success = 0
+    for setting in candidates:
+        if setting in done or any(_dominates(f, setting) for f in failed):
+            continue
+        if best is not None and estimated_cost(setting, n, d) >= best_cost:
+            # Nothing left is expected to be cheaper than what met the target.
+            if speed == "model" or after_success >= patience:
+                stopped = "target met"
+                break
+            after_success += 1
+        reached = bound_reached()
+        if reached:
+            stopped = reached
+            break
+        # Probe: brute force over the same leaves bounds the recall of every AH setting
+        # searching as many leaves or fewer; when it misses, they are all skipped.
+        probe = (Setting(setting.num_leaves, setting.leaves_to_search, "brute_force")
+                 if setting.num_leaves and setting.leaf_scoring == "ah" else None)
+        if probe is not None and probe not in done \
+                and estimated_cost(probe, n, d) < exact_units:
+            trial(probe)
+            if any(_dominates(f, setting) for f in failed):
+                continue
+            reached = bound_reached()
+            if reached:
+                stopped = reached
+                break
+        trial(setting)
+    else:
+        if best is not None:
+            stopped = "target met"
+    seconds = timer() - start
+    info: dict[str, Any] = {
+        "tuned": True, "target_recall": float(target_recall), "k": k,
+        "num_sample_queries": len(sample), "sample": what, "ci_method": CI_METHOD,
+        "exact_qps": exact_qps, "speed": "measured" if speed == "measure" else "cost model",
+        "settings_tried": len(tried), "max_settings": int(max_settings),
+        "max_seconds": float(max_seconds), "seconds": seconds, "stopped": stopped,
+        "tried": tried,
+    }
+    if best is None:
+        reason = (f"no ScaNN setting reached recall@{k} >= {target_recall:g} faster than "
+                  f"exact search ({len(tried)} tried, stopped: {stopped})")
+        LOG.warning("tuning: %s; using exact search", reason)
+        info.update(backend="exact", setting="exact", params={}, recall=1.0,
+                    recall_ci=[1.0, 1.0], qps=exact_qps, speedup=1.0, fell_back=True,
+                    reason=reason)
+        exact.tuning = info
+        return exact, info
+    qps, setting, entry = best
+    searcher = built[setting.build_key]
+    searcher.params.update(setting.searcher_params())
+    built.clear()
+    info.update(backend=searcher.backend, setting=setting.describe(),
+                params=asdict(setting), recall=entry["recall"], recall_ci=entry["recall_ci"],
+                qps=qps, speedup=qps / exact_qps, fell_back=False,
+                reason=f"fastest setting reaching recall@{k} >= {target_recall:g}")
+    LOG.info("tuning: chose %s: recall@%d %.4f (95%% CI %.4f-%.4f) on the sample, %.2fx "
+             "exact q/s; %d settings tried in %.1f s (%s)", setting.describe(), k,
+             entry["recall"], entry["recall_ci"][0], entry["recall_ci"][1], qps / exact_qps,
+             len(tried), seconds, stopped)
+    searcher.tuning = info
+    return searcher, info
