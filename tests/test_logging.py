@@ -183,3 +183,24 @@ def test_graph_mode_warning_goes_through_python_warnings():
         step(tf.range(6), x)
     assert len(caught) == 1 and caught[0].category is RuntimeWarning
     assert str(caught[0].message).startswith("tfaploss: a batch had no pair of items")
+
+
+def test_command_lines_are_not_shown_again_by_a_root_handler():
+    """Importing Beam logs a warning on the root logger, which installs a root
+    handler; the command's lines must still be shown once, by the command's handler."""
+    from tfaploss import log
+
+    root_stream = io.StringIO()
+    root_handler = logging.StreamHandler(root_stream)
+    logging.getLogger().addHandler(root_handler)
+    try:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            with log.command_output(logging.INFO):
+                logging.getLogger("tfaploss.test_logging").info("once")
+                logging.getLogger("pipelines.x").warning("job warning")
+        assert out.getvalue() == "once\n" and err.getvalue() == "job warning\n"
+        assert root_stream.getvalue() == ""
+        assert logging.getLogger("tfaploss").propagate  # as it was
+    finally:
+        logging.getLogger().removeHandler(root_handler)

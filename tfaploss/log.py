@@ -88,6 +88,9 @@ def configure(level: int = logging.INFO, *, detailed: bool = False,
             logger.removeHandler(old)
         logger.addHandler(handler)
         logger.setLevel(lvl)
+        # Shown once, here: not again through a root handler someone else installed
+        # (importing Beam logs a warning on the root logger, which installs one).
+        logger.propagate = False
     return handler
 
 
@@ -98,14 +101,16 @@ def command_output(level: int = logging.INFO, *, detailed: bool = False,
     """:func:`configure` for the duration of the block, then the loggers' handlers and
     levels as they were (a command run in-process, e.g. by a test, leaves no trace)."""
     loggers = [logging.getLogger(name) for name in (ROOT, *others)]
-    saved = [(logger, logger.level, list(logger.handlers)) for logger in loggers]
+    saved = [(logger, logger.level, list(logger.handlers), logger.propagate)
+             for logger in loggers]
     handler = configure(level, detailed=detailed, others_level=others_level, others=others)
     try:
         yield handler
     finally:
-        for logger, lvl, handlers in saved:
+        for logger, lvl, handlers, propagate in saved:
             logger.handlers[:] = handlers
             logger.setLevel(lvl)
+            logger.propagate = propagate
 
 
 def _configured(logger: logging.Logger) -> bool:
