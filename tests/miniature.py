@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import os
 import pickle
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -351,3 +352,21 @@ def decode(jpeg: bytes) -> np.ndarray:
     import io
 
     return np.asarray(Image.open(io.BytesIO(jpeg)).convert("RGB"))
+
+
+def processes_running_with(arg, wait=5.0):
+    """Pids of live processes with ``arg`` on their command line (a job's image workers),
+    after up to ``wait`` s for them to go (a dying process takes a moment)."""
+    deadline = time.time() + wait
+    while True:
+        pids = []
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if arg.encode() in f.read().split(b"\0"):
+                        pids.append(int(entry))
+            except (OSError, ValueError):
+                continue
+        if not pids or time.time() > deadline:
+            return pids
+        time.sleep(0.1)

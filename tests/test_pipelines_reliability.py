@@ -8,7 +8,6 @@ import os
 import pickle
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -36,24 +35,6 @@ def _job(module, argv, env_extra=None, timeout=300):
     return subprocess.run([sys.executable, "-m", f"pipelines.{module}", *argv], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=timeout,
                           check=False)
-
-
-def _processes_running_with(arg, wait=5.0):
-    """Pids of live processes with ``arg`` on their command line, after up to ``wait`` s
-    for them to go (a dying process takes a moment)."""
-    deadline = time.time() + wait
-    while True:
-        pids = []
-        for entry in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if arg.encode() in f.read().split(b"\0"):
-                        pids.append(int(entry))
-            except (OSError, ValueError):
-                continue
-        if not pids or time.time() > deadline:
-            return pids
-        time.sleep(0.1)
 
 
 def _check_manifest_matches_records(split_dir):
@@ -152,7 +133,7 @@ def test_rerun_killed_midway_leaves_the_previous_dataset_intact(tmp_path):
                   {faults.ENV: "images:6"}, timeout=120)
     assert killed.returncode == 75, killed.stderr
     assert f"{faults.ENV}=images:6: simulated kill at images " in killed.stderr
-    assert _processes_running_with(out) == []  # its image processes died with it
+    assert mini.processes_running_with(out) == []  # its image processes died with it
     assert {s: _snapshot(os.path.join(out, s)) for s in ("train", "test")} == before
     for s in ("train", "test"):
         _check_manifest_matches_records(os.path.join(out, s))

@@ -11,7 +11,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -38,23 +37,6 @@ def _snapshot(root):
     return out
 
 
-def _workers_alive(out, wait=5.0):
-    """Pids of live processes with ``out`` on their command line (a job's workers)."""
-    deadline = time.time() + wait
-    while True:
-        pids = []
-        for entry in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if out.encode() in f.read().split(b"\0"):
-                        pids.append(int(entry))
-            except (OSError, ValueError):
-                continue
-        if not pids or time.time() > deadline:
-            return pids
-        time.sleep(0.1)
-
-
 def test_a_killed_worker_ends_the_job_cleanly_naming_the_shard(tmp_path):
     """The job as a user runs it: one error line, exit 1, nothing written."""
     tree = mini.make_folder(str(tmp_path / "tree"))
@@ -77,7 +59,7 @@ def test_a_killed_worker_ends_the_job_cleanly_naming_the_shard(tmp_path):
     assert f"{os.path.join(out, 'train')} was not created" in error
     # Absent, not half-written: no split, no staging folder, no lock; no worker left.
     assert os.listdir(out) == []
-    assert _workers_alive(out) == []
+    assert mini.processes_running_with(out) == []
 
 
 def test_a_killed_worker_keeps_the_previous_dataset(tmp_path):
