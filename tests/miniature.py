@@ -13,6 +13,7 @@ top-left corner, so tests can check colour conversion and EXIF rotation after de
 from __future__ import annotations
 
 import csv
+import hashlib
 import os
 import pickle
 import time
@@ -370,3 +371,15 @@ def processes_running_with(arg, wait=5.0):
         if not pids or time.time() > deadline:
             return pids
         time.sleep(0.1)
+
+
+def snapshot(folder) -> dict[str, str]:
+    """{relative path: SHA-256} of every file below ``folder`` (to compare two runs, or
+    a folder before and after something that must not change it)."""
+    out = {}
+    for dirpath, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
+    return out

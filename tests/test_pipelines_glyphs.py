@@ -79,16 +79,6 @@ def _code_point(label_text):
     return int(label_text.split()[0].replace("U+", ""), 16)
 
 
-def _snapshot(folder):
-    out = {}
-    for dirpath, _, files in os.walk(folder):
-        for name in files:
-            path = os.path.join(dirpath, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, folder)] = f.read()
-    return out
-
-
 def _read_ignored(split_dir):
     path = os.path.join(split_dir, "ignored_files.jsonl")
     if not os.path.exists(path):
@@ -237,11 +227,11 @@ def test_images_are_centred_black_on_white_and_never_cropped(run):
 
 def test_rerun_writes_the_same_bytes(fonts, run, tmp_path):
     out, _ = run
-    before = _snapshot(out)
+    before = mini.snapshot(out)
     assert any(p.endswith(".tfrecord") for p in before)
     with pytest.raises(R.TooManyFailuresError):
         glyphs.run(["--input_dir", fonts, "--output_dir", out, *BASE])
-    after = _snapshot(out)
+    after = mini.snapshot(out)
     assert sorted(after) == sorted(before)
     for path in before:  # every file, manifests included
         assert after[path] == before[path], path

@@ -2,7 +2,6 @@
 input folder, trees the folder job must account for file by file, quiet output."""
 
 import glob
-import hashlib
 import json
 import os
 import pickle
@@ -17,17 +16,6 @@ from tfaploss import faults
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IN_MEMORY = ["--direct_running_mode", "in_memory"]
-
-
-def _snapshot(folder_path):
-    """{relative path: sha256} of every file below ``folder_path``."""
-    out = {}
-    for dirpath, _, files in os.walk(folder_path):
-        for name in files:
-            path = os.path.join(dirpath, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, folder_path)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 def _job(module, argv, env_extra=None, timeout=300):
@@ -87,7 +75,7 @@ def test_shards_are_deterministic_and_never_empty(tmp_path):
     a = str(tmp_path / "a")
     folder.run([*args, "--output_dir", a, *IN_MEMORY])
     assert runner.LAST_TIMING["processes"] == len(os.sched_getaffinity(0))  # one per core
-    files_a = _snapshot(os.path.join(a, "train"))
+    files_a = mini.snapshot(os.path.join(a, "train"))
     files_a.pop("manifest.json")  # the options differ
     # Every way the image work can run writes the same bytes: forked processes (above),
     # threads of the Beam process, inline, and Beam's own worker processes.
@@ -97,7 +85,7 @@ def test_shards_are_deterministic_and_never_empty(tmp_path):
                                         "--direct_num_workers", "2"])]:
         b = str(tmp_path / name)
         folder.run([*args, "--output_dir", b, *how])
-        files_b = _snapshot(os.path.join(b, "train"))
+        files_b = mini.snapshot(os.path.join(b, "train"))
         files_b.pop("manifest.json")
         assert files_b == files_a, name
     shards = sorted(glob.glob(os.path.join(a, "train", "images-*.tfrecord")))
@@ -126,7 +114,7 @@ def test_rerun_killed_midway_leaves_the_previous_dataset_intact(tmp_path):
     base = ["--input_dir", tree.root, "--output_dir", out, "--test_classes", "4,5",
             "--max_failure_fraction", "0.5", *IN_MEMORY]
     folder.run(base)
-    before = {s: _snapshot(os.path.join(out, s)) for s in ("train", "test")}
+    before = {s: mini.snapshot(os.path.join(out, s)) for s in ("train", "test")}
 
     # A rerun with other settings, killed after 6 images (os._exit: no clean-up at all).
     killed = _job("folder", [*base, "--max_side", "16", "--images_per_batch", "2"],
@@ -134,7 +122,7 @@ def test_rerun_killed_midway_leaves_the_previous_dataset_intact(tmp_path):
     assert killed.returncode == 75, killed.stderr
     assert f"{faults.ENV}=images:6: simulated kill at images " in killed.stderr
     assert mini.processes_running_with(out) == []  # its image processes died with it
-    assert {s: _snapshot(os.path.join(out, s)) for s in ("train", "test")} == before
+    assert {s: mini.snapshot(os.path.join(out, s)) for s in ("train", "test")} == before
     for s in ("train", "test"):
         _check_manifest_matches_records(os.path.join(out, s))
 
@@ -144,7 +132,7 @@ def test_rerun_killed_midway_leaves_the_previous_dataset_intact(tmp_path):
     assert f"{faults.ENV}=publish: simulated kill at publish" in killed.stderr
     assert not os.path.exists(os.path.join(out, "train"))  # renamed aside, not lost
     storage.recover(os.path.join(out, "train"))
-    assert {s: _snapshot(os.path.join(out, s)) for s in ("train", "test")} == before
+    assert {s: mini.snapshot(os.path.join(out, s)) for s in ("train", "test")} == before
 
     # A complete rerun replaces both splits and leaves no staging folder behind.
     manifests = folder.run([*base, "--max_side", "16"])

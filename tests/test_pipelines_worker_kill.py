@@ -5,7 +5,6 @@ split stays complete (its previous version) or absent, never half-written."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -25,16 +24,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--max_failure_fraction", "0.5", "--records_per_shard", "4",
         "--images_per_batch", "2", "--image_processes", "2",
         "--direct_running_mode", "in_memory"]
-
-
-def _snapshot(root):
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(dirpath, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 def test_a_killed_worker_ends_the_job_cleanly_naming_the_shard(tmp_path):
@@ -69,14 +58,14 @@ def test_a_killed_worker_keeps_the_previous_dataset(tmp_path):
     out = str(tmp_path / "out")
     argv = ["--input_dir", tree.root, "--output_dir", out, *ARGS]
     folder.run(argv)
-    before = _snapshot(out)
+    before = mini.snapshot(out)
     with faults.armed("worker_kill:2"), pytest.raises(W.WorkerDiedError) as err:
         folder.run([*argv, "--max_side", "16"])
     message = str(err.value)
     assert "was killed by SIGKILL" in message and "of split 'train', shard " in message
     assert f"{os.path.join(out, 'train')} kept its previous version" in message
     assert err.value.__cause__ is None and err.value.__suppress_context__
-    assert _snapshot(out) == before
+    assert mini.snapshot(out) == before
     assert sorted(os.listdir(out)) == ["train"]  # no .incoming, no lock file
     assert not os.path.exists(os.path.join(out, locks.LOCK_NAME))
     # The same command, with nothing armed, completes.

@@ -182,28 +182,28 @@ class Lock:
             pass
 
 
-def _create(path: Path, data: bytes) -> tuple[int, int]:
-    """Create ``path`` holding ``data``, or raise FileExistsError; atomic."""
-    # Named as the run directory's temporary files are (tfaploss.training.checkpoints),
-    # so a kill between this create and its unlink leaves nothing a run keeps.
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}.{uuid.uuid4().hex[:8]}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+def _write_exclusive(path: Path, data: bytes) -> None:
+    """Create ``path`` (FileExistsError if it exists) holding ``data``, on disk."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.write(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _create(path: Path, data: bytes) -> tuple[int, int]:
+    """Create ``path`` holding ``data``, or raise FileExistsError; atomic."""
+    # Named as the run directory's temporary files are (tfaploss.training.checkpoints),
+    # so a kill between this create and its unlink leaves nothing a run keeps.
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    _write_exclusive(tmp, data)
     try:
         os.link(tmp, path)
     except FileExistsError:
         raise
     except OSError:  # no hard links here: the exclusive create itself
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_exclusive(path, data)
     finally:
         try:
             os.unlink(tmp)
