@@ -7,6 +7,7 @@ machine. Golden numbers from the original implementations live in ``tests/golden
 """
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -74,3 +75,21 @@ def two_replica_strategy():
     if len(devices) < 2:
         pytest.fail("tests/conftest.py should have configured two logical CPU devices")
     return tf.distribute.MirroredStrategy(devices)
+
+
+_LOGGERS = ("", "tfaploss", "pipelines", "models", "pipelines.result")
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_it_was():
+    """Each test leaves logging as it found it. A job's ``main`` run in-process
+    configures logging as a program does (root handlers bound to the ``sys.stderr`` of
+    that moment, which pytest closes after the test); later tests must not log into
+    them."""
+    saved = [(logger, logger.level, list(logger.handlers), logger.propagate)
+             for logger in map(logging.getLogger, _LOGGERS)]
+    yield
+    for logger, level, handlers, propagate in saved:
+        logger.setLevel(level)
+        logger.handlers[:] = handlers
+        logger.propagate = propagate
