@@ -179,38 +179,39 @@ def measure_serving(inputs: list[dict]) -> list[dict]:
         good = H.encode("JPEG", 640, 427)
         for _ in range(3):
             fn(image_bytes=tf.constant([good]))
-        rows = []
-        for item in inputs:
-            with open(item["path"], "rb") as f:
-                data = f.read()
-            start = time.perf_counter()
-            with Peak() as peak:
-                try:
-                    fn(image_bytes=tf.constant([data]))
-                    outcome = "decoded"
-                except tf.errors.InvalidArgumentError as e:
-                    outcome = _short(e.message)
-            rows.append({**item, "outcome": outcome,
-                         "seconds": time.perf_counter() - start,
-                         "peak_rss_mb": peak.peak / 2**20,
-                         "over_idle_mb": (peak.peak - peak.before) / 2**20})
-    return rows
+        def serve(data):
+            try:
+                fn(image_bytes=tf.constant([data]))
+                return "decoded"
+            except tf.errors.InvalidArgumentError as e:
+                return _short(e.message)
+
+        return _measure(inputs, serve)
 
 
 def measure_job(inputs: list[dict]) -> list[dict]:
     from pipelines import images as I
 
+    def process(data):
+        try:
+            I.process_image_bytes(data, max_side=512, max_pixels=JOB_LIMIT)
+            return "decoded"
+        except I.ImageError as e:
+            return f"dead letter: {e.code}"
+
+    return _measure(inputs, process)
+
+
+def _measure(inputs: list[dict], outcome_of) -> list[dict]:
+    """Each input file through ``outcome_of(bytes) -> str``: its outcome, seconds and
+    peak memory."""
     rows = []
     for item in inputs:
         with open(item["path"], "rb") as f:
             data = f.read()
         start = time.perf_counter()
         with Peak() as peak:
-            try:
-                I.process_image_bytes(data, max_side=512, max_pixels=JOB_LIMIT)
-                outcome = "decoded"
-            except I.ImageError as e:
-                outcome = f"dead letter: {e.code}"
+            outcome = outcome_of(data)
         rows.append({**item, "outcome": outcome, "seconds": time.perf_counter() - start,
                      "peak_rss_mb": peak.peak / 2**20,
                      "over_idle_mb": (peak.peak - peak.before) / 2**20})

@@ -463,7 +463,7 @@ def test_two_tfaploss_train_at_once_the_second_is_refused(runs, tmp_path):
     """A real `tfaploss train` in a subprocess, and the same command started while it
     trains: refused, naming its PID; the first one finishes untouched."""
     config, _, _ = runs
-    run_dir = tmp_path / "shared"
+    run_dir = tmp_path / "one_run_dir"
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONUNBUFFERED": "1"}
     first = subprocess.Popen(
