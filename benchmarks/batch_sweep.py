@@ -27,7 +27,11 @@ Protocol (the same for every cell, stated in the report):
 Every finished cell (loss, batch, updates, lr, seed) is cached under ``--out`` (its
 ``tfaploss train`` run directory and a ``metrics.json``) and skipped on the next run,
 so the full sweep can be spread over several sittings; a killed cell resumes from its
-last epoch. Two budgets that ask for the same cell share it.
+last epoch. Two budgets that ask for the same cell share it. The cache is not committed;
+the report's ``sweep.json`` is, and it is the **ledger** of a fresh checkout
+(``--ledger``, by default the ``sweep.json`` already in ``--report``): a cell it holds,
+run with the same protocol on the same data (the split manifests' SHA-256), counts as
+finished, so a new sitting extends the committed table instead of rerunning it.
 
     make data-glyphs
     python benchmarks/batch_sweep.py --quick                       # minutes
@@ -121,6 +125,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="a few minutes: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
     p.add_argument("--dry-run", action="store_true", help="list the cells and stop")
+    p.add_argument("--ledger", help="a sweep.json whose runs count as finished cells "
+                        "when their protocol and data match (default: <report>/sweep.json "
+                        "if present; 'none' to ignore it)")
     p.add_argument("--report-only", action="store_true",
                    help="write the report from the cells already cached; train nothing "
                         "(cells not run yet show as '—')")
@@ -157,7 +164,59 @@ def parse_args(argv=None):
                     "pipelines job. Build the glyph set with `make data-glyphs`, or pass "
                     "the split folders of another job.")
     args.report = args.report or args.out
+    args.data = data_fingerprint(args)
+    args.ledger_rows = load_ledger(args)
     return args
+
+
+# The arguments that make two runs of the same (loss, batch, updates, lr, seed) the same
+# experiment; the data is compared by fingerprint.
+PROTOCOL = ("image_size", "embedding_dim", "m", "chunk_size", "flip", "freeze_bn",
+            "eval_images")
+
+
+def data_fingerprint(args) -> dict:
+    """SHA-256 (first 16 hex digits) of each split's manifest: same manifest, same set."""
+    import hashlib
+
+    return {split: hashlib.sha256((Path(getattr(args, split)) / "manifest.json")
+                                  .read_bytes()).hexdigest()[:16]
+            for split in ("train", "val", "test") if getattr(args, split) is not None}
+
+
+def _cell_key(row):
+    return row["loss"], row["batch"], row["updates"], float(row["lr"]), row["seed"]
+
+
+def load_ledger(args) -> dict:
+    """Runs of an earlier report that count as finished cells: {cell key: row}.
+
+    Used only when the report was made with the same protocol (``PROTOCOL``) and, where
+    it recorded one, the same data fingerprint; otherwise it is ignored, and says why.
+    """
+    if args.ledger and args.ledger.lower() == "none":
+        return {}
+    path = Path(args.ledger) if args.ledger else Path(args.report) / "sweep.json"
+    if not path.is_file():
+        if args.ledger:
+            raise SystemExit(f"--ledger {args.ledger!r}: no such file")
+        return {}
+    report = json.loads(path.read_text())
+    old = report.get("args", {})
+    differ = [k for k in PROTOCOL if old.get(k) != getattr(args, k)]
+    if old.get("data") and old["data"] != args.data:
+        differ.append("data (split manifests)")
+    if differ:
+        print(f"ledger {path}: not used, its runs differ in {', '.join(differ)}")
+        return {}
+    rows = {}
+    for group in report.get("results", []):
+        for row in group["tried"] + group["runs"]:
+            # a run listed twice (tried, then reported) keeps every metric of both
+            rows[_cell_key(row)] = {**rows.get(_cell_key(row), {}), **row}
+    note = "" if old.get("data") else " (it recorded no data fingerprint: same paths assumed)"
+    print(f"ledger {path}: {len(rows)} finished runs{note}")
+    return rows
 
 
 def _ints(text, flag, minimum=1):
@@ -255,6 +314,12 @@ def with_test(args, row) -> dict:
     """``row`` with its test metrics (computed once, only for the runs reported)."""
     if row["status"] == "non-finite" or "test_map@r" in row:
         return row
+    if not (row_dir(args, row) / "model.keras").is_file():
+        # a ledger run picked now, whose model this checkout does not have: train it
+        row = run_cell(args, row["loss"], row["batch"], row["updates"], row["lr"],
+                       row["seed"], use_ledger=False)
+        if row["status"] == "non-finite" or "test_map@r" in row:
+            return row
     _evaluate(args, row, "test", args.test)
     return _save(row_dir(args, row) / "metrics.json", row)
 
@@ -263,13 +328,17 @@ class NotRun(Exception):
     """A cell that ``--report-only`` found no cached result for."""
 
 
-def run_cell(args, loss, batch, updates, lr, seed) -> dict:
-    """Train one cell (or reuse it) and return its cached metrics: validation metrics
-    always (they pick the learning rate), test metrics through :func:`with_test`."""
+def run_cell(args, loss, batch, updates, lr, seed, use_ledger=True) -> dict:
+    """Train one cell (or reuse it from the cache or the ledger) and return its metrics:
+    validation metrics always (they pick the learning rate), test metrics through
+    :func:`with_test`."""
     run_dir = cell_dir(args, loss, batch, updates, lr, seed)
     metrics_path = run_dir / "metrics.json"
     if metrics_path.is_file():
         return json.loads(metrics_path.read_text())
+    ledger_row = args.ledger_rows.get((loss, batch, updates, float(lr), seed))
+    if use_ledger and ledger_row is not None:
+        return dict(ledger_row)
     if args.report_only:
         raise NotRun
     import keras
@@ -469,8 +538,10 @@ def _shown(path):
 
 
 def write_report(args, results):
-    args = argparse.Namespace(**{**vars(args), **{k: _shown(getattr(args, k)) for k in
-                                                  ("train", "val", "test", "out", "report")}})
+    shown = {k: _shown(getattr(args, k)) for k in ("train", "val", "test", "out", "report",
+                                                    "ledger")}
+    args = argparse.Namespace(**{**vars(args), **shown})
+    del args.ledger_rows
     out = ROOT / args.report if not Path(args.report).is_absolute() else Path(args.report)
     out.mkdir(parents=True, exist_ok=True)
     text = markdown(args, results)
