@@ -251,6 +251,30 @@ def test_config_refuses_target_recall(value):
         config_from_dict(MINIMAL, [f"evaluation.target_recall={value}"], warn=False)
 
 
+@pytest.mark.parametrize("target", [None, 0.9])
+def test_training_time_evaluation_honours_target_recall(monkeypatch, target):
+    """The evaluation of `tfaploss train` (every N epochs and at the end) searches as
+    `evaluation.target_recall` asks, and says what it measured."""
+    from tfaploss.run import trainer
+
+    emb, labels = _clustered(0, 3000)
+    monkeypatch.setattr(trainer, "embed_split", lambda *args, **kwargs: (emb, labels))
+    cfg = config_from_dict(MINIMAL, [f"evaluation.target_recall={json.dumps(target)}",
+                                     "evaluation.ks=[1,10]"], warn=False)
+    search = {}
+    metrics = trainer.evaluate_split(None, cfg, "unused", search=search)
+    exact = trainer.evaluate_split(None, config_from_dict(MINIMAL, ["evaluation.ks=[1,10]"],
+                                                          warn=False), "unused")
+    if target is None:
+        assert "search_recall" not in metrics and search == {}
+        return
+    assert search["backend"] in ("scann_ah", "exact") and search["setting"]
+    assert search["recall"] == metrics["search_recall"]
+    assert search["recall_ci"][0] >= target  # the tuner's acceptance rule
+    # approximate search loses a little, never a lot, of the exact metrics
+    assert metrics["recall@1"] == pytest.approx(exact["recall@1"], abs=0.02)
+
+
 def test_cli_target_recall_flag(capsys):
     parser = build_parser()
     base = ["evaluate", "--model", "m.keras", "--data", "d"]

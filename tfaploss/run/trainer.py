@@ -204,14 +204,35 @@ def embed_split(embedding_model, cfg: Config, path: str, max_images: int | None 
     return np.concatenate(embeddings), np.concatenate(labels)
 
 
-def evaluate_split(embedding_model, cfg: Config, path: str, max_images: int | None = None):
-    """Retrieval metrics of ``cfg.evaluation`` on a split (each image queries the rest)."""
-    from tfaploss.evaluation import retrieval_metrics
+def evaluate_split(embedding_model, cfg: Config, path: str, max_images: int | None = None,
+                   search: dict | None = None):
+    """Retrieval metrics of ``cfg.evaluation`` on a split (each image queries the rest).
+
+    With ``evaluation.target_recall`` the search is tuned to it on these embeddings
+    (as ``tfaploss evaluate`` does; ScaNN AH when ``backend`` is exact), the metrics
+    gain ``search_recall`` (the recall@k the tuner measured) and ``search``, when given,
+    receives the whole search report (backend, setting, recall and its interval).
+    """
+    from tfaploss.evaluation import build_searcher, retrieval_metrics
 
     embeddings, labels = embed_split(embedding_model, cfg, path, max_images)
     n = len(labels)
     ks = [k for k in cfg.evaluation.ks if k < n] or [1]
-    return retrieval_metrics(embeddings, labels, ks=ks, backend=cfg.evaluation.backend)
+    target = cfg.evaluation.target_recall
+    if target is None:
+        return retrieval_metrics(embeddings, labels, ks=ks, backend=cfg.evaluation.backend)
+    from tfaploss.evaluation.tuner import search_report
+
+    backend = "scann_ah" if cfg.evaluation.backend == "exact" else cfg.evaluation.backend
+    searcher = build_searcher(embeddings, backend, target_recall=target, k=max(ks))
+    report = search_report(searcher, embeddings, max(ks))
+    LOG.info("search tuned to recall@%d >= %g: %s, recall %.4f (95%% CI %s)", max(ks),
+             target, report.get("setting"), report["recall"], report["recall_ci"])
+    if search is not None:
+        search.update(report)
+    metrics = retrieval_metrics(embeddings, labels, ks=ks, searcher=searcher)
+    metrics["search_recall"] = float(report["recall"])
+    return metrics
 
 
 def _read_epochs(path: Path) -> list[dict]:
@@ -399,10 +420,11 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
                      "(model.precise_bn_images)", cfg.model.precise_bn_images)
         check_finite_weights(embedding_model, str(model_path))
         C.atomic_write(model_path, embedding_model.save, fault="model")
-        final = None
+        final, final_search = None, None
         if cfg.data.test and cfg.evaluation.at_end:
             LOG.info("Evaluating on %s ...", cfg.data.test)
-            final = evaluate_split(embedding_model, cfg, cfg.data.test)
+            final_search = {}
+            final = evaluate_split(embedding_model, cfg, cfg.data.test, search=final_search)
             LOG.info("  %s", ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
     finally:
         keras.config.set_dtype_policy(policy)
@@ -427,6 +449,8 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
         "history": epochs,
         "final_loss": epochs[-1].get("loss") if epochs else None,
         "final_metrics": final,
+        # backend, setting and measured recall of the final evaluation's search
+        "final_search": final_search or None,
         "train_seconds_this_process": round(train_seconds, 2),
         "model": str(model_path),
     }
