@@ -369,7 +369,8 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
         # The lower end of the interval, not the mean: a setting accepted on its mean
         # lands below the target on fresh queries about half the time.
         met = ci[0] >= target_recall and qps > exact_qps
-        entry = {"setting": setting.describe(), "recall": recall, "recall_ci": ci,
+        entry = {"setting": setting.describe(), "params": asdict(setting),
+                 "recall": recall, "recall_ci": ci,
                  "qps": qps, "speedup": qps / exact_qps, "met": met,
                  "estimated_cost": estimated_cost(setting, n, d) / exact_units}
         tried.append(entry)
