@@ -301,6 +301,12 @@ def _tf_chunk_topk(q, db_chunks, offsets, k):
     return best_i, best_s
 
 
+def _unit_rows(database, tolerance: float = 1e-3) -> bool:
+    """True when every row of ``database`` has an L2 norm within ``tolerance`` of 1."""
+    norms = np.linalg.norm(database, axis=1)
+    return bool(norms.size) and bool(np.all(np.abs(norms - 1) <= tolerance))
+
+
 def scann_ah_params(num_database: int, dim: int) -> dict[str, Any]:
     """Tree + AH + reorder parameters for a database of ``num_database`` x ``dim``.
 
@@ -371,6 +377,12 @@ class ScannSearcher(Searcher):
         :mod:`tfaploss.evaluation.tuner` sets 1 to choose the re-order size itself).
       anisotropic_quantization_threshold: ``None`` turns the anisotropic loss off
         (plain AH).
+      spherical: spherical k-means for the tree (unit-norm centres). ``None``
+        (default): when every database row has norm 1 (± 1e-3), as the embeddings of
+        the losses do. Dot products with raw k-means centres favour the centres of
+        tight clusters, so a query's neighbours land in other leaves: clustered 300k x
+        128 unit vectors, 1,095 leaves, exact scores in the leaves searched: recall@10
+        0.79 / 0.93 searching 1 / 8 leaves, against 0.996 / 0.998 spherical.
       num_threads: search/training threads (0 = ScaNN's default, all cores).
     """
 
@@ -378,9 +390,10 @@ class ScannSearcher(Searcher):
     _AH_KEYS = ("num_leaves", "num_leaves_to_search", "dimensions_per_block",
                 "anisotropic_quantization_threshold", "reorder_num_neighbors",
                 "training_sample_size", "tree_training_sample_size", "leaf_scoring",
-                "reorder_factor")
+                "reorder_factor", "spherical")
     # Defaults of the keys scann_ah_params leaves out (and saved searchers may lack).
-    _EXTRA_DEFAULTS: ClassVar[dict[str, Any]] = {"leaf_scoring": "ah", "reorder_factor": 10}
+    _EXTRA_DEFAULTS: ClassVar[dict[str, Any]] = {"leaf_scoring": "ah", "reorder_factor": 10,
+                                                 "spherical": None}
 
     def __init__(self, database, mode: str = "ah", num_neighbors: int = 100,
                  num_threads: int = 0, _searcher=None, **ah_params):
@@ -412,6 +425,8 @@ class ScannSearcher(Searcher):
             if not isinstance(factor, (int, np.integer)) or factor < 1:
                 raise ValueError(f"`reorder_factor` must be a positive integer; received "
                                  f"{factor!r}.")
+            if self.params["spherical"] is None:
+                self.params["spherical"] = _unit_rows(database)
             leaves = self.params.get("num_leaves")
             if leaves:
                 if not 1 <= int(leaves) <= database.shape[0]:
@@ -437,7 +452,8 @@ class ScannSearcher(Searcher):
                 builder = builder.tree(
                     num_leaves=int(p["num_leaves"]),
                     num_leaves_to_search=int(p["num_leaves_to_search"]),
-                    training_sample_size=int(p["tree_training_sample_size"]))
+                    training_sample_size=int(p["tree_training_sample_size"]),
+                    spherical=bool(p.get("spherical")))
             if p.get("leaf_scoring", "ah") == "brute_force":
                 builder = builder.score_brute_force()
             else:
