@@ -64,7 +64,7 @@ demo: $(STAMP)
 # tests/conftest.py sets up TensorFlow devices, which these runs neither need nor
 # import). All of them run on PyTorch too, not a subset: ~30 s on 2 cores.
 BACKEND_TESTS := tests/backend_agnostic tests/test_models_backends.py \
-	tests/test_training_backends.py
+	tests/test_training_backends.py tests/test_training_simix.py
 
 test: $(STAMP) $(TORCH_STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -59,7 +59,7 @@ DEFAULT_DATA = ROOT / "data" / "glyphs"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "batch_sweep"
 
 # Loss name -> (tfaploss.losses class, constructor arguments). Library defaults, except
-# PNP's variant, named for clarity.
+# PNP's variant, named for clarity. The successors (RS@k, SupRecall) run without SiMix.
 LOSSES = {
     "APLoss": ("APLoss", {}),
     "FastAP": ("FastAPLoss", {}),
@@ -67,6 +67,8 @@ LOSSES = {
     "ROADMAP": ("ROADMAPLoss", {}),
     "PNP-Dq": ("PNPLoss", {"variant": "Dq"}),
     "BlackBox": ("BlackBoxAPLoss", {}),
+    "RS@k": ("RecallAtKLoss", {}),
+    "SupRecall": ("SupRecallLoss", {}),
     "Triplet-semihard": ("TripletLoss", {"mining": "semihard"}),
     "Contrastive": ("ContrastiveLoss", {}),
 }

@@ -187,3 +187,19 @@ def test_the_config_command_refuses_with_exit_2_and_no_traceback(tmp_path, capsy
     assert main(["config", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert "training.epochs" in err and "[1, 1000000]" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("loss, key, value", [("SupRecallLoss", "at_k", [10]),
+                                              ("SupRecallLoss", "at_k", [1, 5, 10, 20, 50, 100]),
+                                              ("RecallAtKLoss", "k", [1, 4])])
+def test_recall_cut_offs_take_any_number_of_values(loss, key, value):
+    """The authors' SupRecall@10 config lists one cut-off where the default lists five."""
+    cfg = config_from_dict({"loss": {"name": loss, key: value}}, warn=False)
+    assert cfg.loss.kwargs[key] == tuple(value)
+
+
+@pytest.mark.parametrize("value, words", [([], "non-empty list"), ([1.5], r"at_k\[0\]"),
+                                          ("ten", "non-empty list"), ([1, "x"], r"at_k\[1\]")])
+def test_recall_cut_offs_are_still_checked(value, words):
+    with pytest.raises(ConfigError, match=words):
+        config_from_dict({"loss": {"name": "SupRecallLoss", "at_k": value}}, warn=False)

@@ -25,6 +25,16 @@ LOSS_CLASSES = sorted(
 # approximation that is not exactly 1 on an all-positive list.
 NOT_ZERO_ON_ALL_POSITIVE = {"ContrastiveLoss", "CalibrationLoss", "ROADMAPLoss",
                             "TieAwareAPLoss"}
+# SupRecall's sigmoid of k - rank counts a positive at rank k only 1/2 (as its
+# authors'), so an all-positive batch keeps a loss, but with no negative to push away
+# its gradient is exactly 0.
+ZERO_GRADIENT_ONLY_ON_ALL_POSITIVE = {"SupRecallLoss"}
+# RS@k's "rank <= k" sigmoid has temperature 1 and the query itself counts in its
+# positives' ranks (as its authors' code): an all-positive batch keeps a loss and a
+# gradient that spreads the positives' ranks.
+LOSS_AND_GRADIENT_ON_ALL_POSITIVE = {"RecallAtKLoss"}
+# Losses that take (B, levels) labels (one column per level of a label hierarchy).
+MULTI_LEVEL_LABELS = {"HAPLoss"}
 
 params = pytest.mark.parametrize("cls", LOSS_CLASSES, ids=lambda c: c.__name__)
 
@@ -127,8 +137,9 @@ def test_bad_labels_and_inputs_raise_clear_errors(cls):
         loss(labels.astype("float16"), x)
     with pytest.raises(ValueError, match="dtype string"):
         loss(labels.astype(str), x)
-    with pytest.raises(ValueError, match=r"shape \(12, 2\)"):
-        loss(np.stack([labels, labels], 1), x)
+    with pytest.raises(ValueError, match=r"shape \(12, 2(, 1)?\)"):
+        two = np.stack([labels, labels], 1)
+        loss(two[..., None] if cls.__name__ in MULTI_LEVEL_LABELS else two, x)
     with pytest.raises(ValueError, match="y_pred"):
         loss(labels, x[None])
     with pytest.raises(ValueError, match=r"sample_weight of shape \(11,\)"):
@@ -156,6 +167,12 @@ def test_all_positive_batch(cls):
     x, _ = _batch()
     value, grad = _value_and_grad(_deterministic(cls, dtype="float64"), np.zeros(12, int), x)
     assert np.isfinite(value) and np.all(np.isfinite(grad))
+    if cls.__name__ in ZERO_GRADIENT_ONLY_ON_ALL_POSITIVE:
+        assert 0.0 < value < 1.0 and np.all(grad == 0.0)
+        return
+    if cls.__name__ in LOSS_AND_GRADIENT_ON_ALL_POSITIVE:
+        assert 0.0 < value < 1.0 and np.abs(grad).max() > 1e-6
+        return
     if cls.__name__ not in NOT_ZERO_ON_ALL_POSITIVE:
         assert abs(value) < 1e-9
         assert np.abs(grad).max() < 1e-9

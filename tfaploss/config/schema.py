@@ -196,7 +196,8 @@ class DataConfig:
     images (``all_classes``, where ``batch_size`` must then equal classes x m).
     ``image_size``: side of the square training crops. ``test_image_size``: side of the
     square test crops (default ``image_size``), or ``original`` to embed test images at
-    their own size (landmarks).
+    their own size (landmarks). ``label_levels``: 1, the class label; 2, labels
+    (class, super-class) for hierarchical losses (``HAPLoss``).
     """
 
     train: str | None = None
@@ -208,6 +209,7 @@ class DataConfig:
     test_image_size: int | Literal["original"] | None = ranged(None, low=8, high=8192)
     augmentation: AugmentationConfig = field(default_factory=AugmentationConfig)
     seed: int = ranged(0, low=0, high=MAX_SEED)
+    label_levels: int = ranged(1, low=1, high=2)
 
 
 @dataclass
@@ -687,13 +689,23 @@ NONE_DEFAULT_LOSS_ARGS: dict[str, tuple[type, float | None]] = {
     "pairs_per_block": (int, 1),
     "seed": (int, None),
     "offset": (float, None),
+    "num_classes": (int, 1),
 }
 
+
+# Losses whose y_true may hold several label levels per image (data.label_levels > 1).
+MULTI_LEVEL_LOSSES = ("HAPLoss",)
 
 # Integer loss arguments: their class checks the low end; the high end is what a batch
 # can afford (num_bins: every pair's score is spread over the bins, B x B x bins).
 _INT_RANGE = Range(-(2 ** 31), 2 ** 31 - 1)
-LOSS_ARG_RANGES: dict[str, Range] = {"num_bins": Range(2, 4096)}
+LOSS_ARG_RANGES: dict[str, Range] = {"num_bins": Range(2, 4096),
+                                    "simix_group": Range(2, MAX_BATCH)}
+
+
+# List arguments of any length (the cut-offs of a Recall@k surrogate); the other list
+# arguments are fixed-length tuples such as a score range.
+VARIABLE_LENGTH_LOSS_ARGS = ("at_k", "ks", "k")
 
 
 def _check_like_default(value, default, annotation, path):
@@ -721,6 +733,12 @@ def _check_like_default(value, default, annotation, path):
         return _convert(value, float, path)
     if isinstance(default, str):
         return _convert(value, str, path)
+    if isinstance(default, (tuple, list)) and path.rsplit(".", 1)[-1] in VARIABLE_LENGTH_LOSS_ARGS:
+        if not isinstance(value, (list, tuple)) or not value:
+            raise ConfigError(f"config key '{path}': expected a non-empty list of values like "
+                              f"{list(default)!r}, received {value!r}.")
+        return tuple(_check_like_default(v, default[0], None, f"{path}[{i}]")
+                     for i, v in enumerate(value))
     if isinstance(default, (tuple, list)):
         if not isinstance(value, (list, tuple)) or len(value) != len(default):
             raise ConfigError(
@@ -756,6 +774,23 @@ def _check_consistency(cfg: Config) -> list[str]:
             f"config key 'data.batch_size': the hierarchical sampler splits a batch "
             f"between two super-classes of whole classes, so batch_size must be a "
             f"multiple of 2*m={2 * data.m}; received {data.batch_size}.")
+
+    if data.label_levels > 1 and cfg.loss.name not in MULTI_LEVEL_LOSSES:
+        raise ConfigError(
+            f"config key 'data.label_levels': {cfg.loss.name} takes one label per image; "
+            f"labels with {data.label_levels} levels are for "
+            f"{', '.join(MULTI_LEVEL_LOSSES)}. Use label_levels: 1.")
+    if data.label_levels > 1 and cfg.training.xbm.size:
+        raise ConfigError(
+            "config key 'training.xbm.size': the cross-batch memory keeps one label per "
+            f"image; data.label_levels={data.label_levels} needs xbm.size: 0; received "
+            f"{cfg.training.xbm.size}.")
+    if cfg.loss.kwargs.get("clustering_weight"):
+        raise ConfigError(
+            "config key 'loss.clustering_weight': HAPLoss's clustering term needs its "
+            "proxies (tfaploss.losses.ClusterProxies) inside the model, which `tfaploss "
+            "train` does not build; use 0 here (H-AP alone) or train from Python; "
+            f"received {cfg.loss.kwargs['clustering_weight']!r}.")
 
     aug = data.augmentation
     if aug.scale is not None:

@@ -53,6 +53,35 @@ def _validate_sampler(manifest, sampler: str, batch_size: int, m: int) -> None:
         raise ValueError(f"sampler='all_classes': no class has >= m={m} images")
 
 
+def _super_label_table(manifest) -> tf.Tensor:
+    """Super-class of every class id (``manifest.json``'s ``class_super_labels``)."""
+    supers = {int(k): int(v) for k, v in ((manifest or {}).get("class_super_labels")
+                                          or {}).items()}
+    if not supers:
+        raise ValueError("label_levels=2 needs super-class labels; this split's manifest.json "
+                         "has none (class_super_labels), or there is no manifest")
+    table = [-1] * (max(supers) + 1)
+    for label, sup in supers.items():
+        table[label] = sup
+    return tf.constant(table, tf.int32)
+
+
+def _lookup(table: tf.Tensor, label: tf.Tensor) -> tf.Tensor:
+    inside = tf.logical_and(label >= 0, label < tf.shape(table)[0])
+    return tf.where(inside, tf.gather(table, tf.clip_by_value(label, 0, tf.shape(table)[0] - 1)),
+                    -1)
+
+
+def _levels(label: tf.Tensor, super_label: tf.Tensor, label_levels: int) -> tf.Tensor:
+    """``label`` or ``[label, super_label]``; a missing super-class (-1) becomes
+    ``-2 - label``, one of the class's own, so that HAP never sees two unrelated classes
+    as sharing a super-class."""
+    if label_levels == 1:
+        return label
+    super_label = tf.cast(super_label, label.dtype)
+    return tf.stack([label, tf.where(super_label >= 0, super_label, -2 - label)])
+
+
 def _augment_fn(image_size: int, augment: bool, crop_scale, normalize, flip=None):
     flip = augment if flip is None else bool(flip)
 
@@ -72,7 +101,8 @@ def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_
                        m: int = 4, image_size: int = 224, augment: bool = True,
                        crop_scale: tuple[float, float] = (0.16, 1.0), normalize: str | None = None,
                        seed: int = 0, shuffle_buffer: int = 256, num_classes: int | None = None,
-                       with_ids: bool = False, flip: bool | None = None) -> tf.data.Dataset:
+                       with_ids: bool = False, flip: bool | None = None,
+                       label_levels: int = 1) -> tf.data.Dataset:
     """Endless training batches ``(images float32 [B, S, S, 3], labels int32 [B])``.
 
     Args:
@@ -103,6 +133,11 @@ def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_
             (default) flips exactly when ``augment`` (the papers' recipes); ``False``
             never flips, for classes that are mirror images of each other (left/right
             arrows, text glyphs); ``True`` flips after either crop.
+        label_levels: 1: labels [B] (the class); 2: labels [B, 2] = (class,
+            super-class), finest level first, for hierarchical losses
+            (:class:`~tfaploss.losses.HAPLoss`). The samplers read each class's
+            super-class from ``manifest.json``; a class without one gets a super-class
+            of its own, which no other class has.
 
     Returns:
         An infinite ``tf.data.Dataset``; use ``steps_per_epoch`` when fitting.
@@ -111,6 +146,9 @@ def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_
         raise ValueError(f"sampler must be one of {S.SAMPLERS} or None, got {sampler!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if label_levels not in (1, 2):
+        raise ValueError(f"label_levels must be 1 (class) or 2 (class, super-class), got "
+                         f"{label_levels!r}")
     A.normalize(tf.zeros([1, 1, 3]), normalize)  # validates `normalize` up front
     manifest = R.read_manifest(path)
     if sampler is None:
@@ -120,7 +158,8 @@ def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_
                            num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         ds = ds.shuffle(shuffle_buffer, seed=seed + 1).map(
             R.parse_image_example, num_parallel_calls=tf.data.AUTOTUNE)
-        images = ds.map(lambda e: (e["encoded"], e["id"], e["label"]))
+        images = ds.map(lambda e: (e["encoded"], e["id"], _levels(e["label"], e["super_label"],
+                                                                  label_levels)))
         batch = batch_size
     else:
         _validate_sampler(manifest, sampler, batch_size, m)
@@ -141,6 +180,9 @@ def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_
             batches = S.all_classes(chunks, num_classes, m, seed)
             batch = num_classes * m
         images = batches.unbatch()
+        if label_levels == 2:
+            supers = _super_label_table(manifest)
+            images = images.map(lambda e, i, y: (e, i, _levels(y, _lookup(supers, y), 2)))
     fn = _augment_fn(image_size, augment, crop_scale, normalize, flip)
 
     def load(i, elem):

@@ -6,6 +6,7 @@ Public API::
     retrieval_metrics(query_embeddings, query_labels, db_embeddings=None,
                       db_labels=None, ks=(1, 10, 100), backend="exact")
     revisited_map(scores, gnd, protocol="medium", ks=(1, 5, 10))
+    hierarchical_metrics(query_embeddings, query_labels_with_levels)  # H-AP, ASI, NDCG
     evaluate(model_or_embeddings, dataset, protocol=...)
     build_searcher(database, backend) / load_searcher(directory)
     build_searcher(database, "scann", target_recall=0.95, k=10)   # tuned (tuner.py)
@@ -14,7 +15,7 @@ ScaNN, matplotlib and Keras are imported only by the functions that need them.
 """
 
 from tfaploss.evaluation.evaluator import EvaluationResult, evaluate, load_embeddings
-from tfaploss.evaluation.metrics import gldv2_map_at_k, retrieval_metrics
+from tfaploss.evaluation.metrics import gldv2_map_at_k, hierarchical_metrics, retrieval_metrics
 from tfaploss.evaluation.query_expansion import PCAWhitening, alpha_query_expansion
 from tfaploss.evaluation.revisited import (
     load_revisited_gnd,
@@ -37,6 +38,7 @@ from tfaploss.evaluation.tuner import measure_recall, search_report, tune_search
 __all__ = [
     "BACKENDS", "EvaluationResult", "ExactSearcher", "PCAWhitening", "ScannSearcher",
     "Searcher", "alpha_query_expansion", "build_searcher", "evaluate", "gldv2_map_at_k",
+    "hierarchical_metrics",
     "load_embeddings", "load_revisited_gnd", "load_searcher", "measure_recall",
     "retrieval_metrics", "revisited_map", "revisited_map_from_ranks",
     "revisited_per_query_ap", "scann_ah_params", "search_report", "trapezoid_ap",

@@ -411,3 +411,117 @@ def gldv2_map_at_k(retrieved, relevant, k: int = 100) -> float:
     if not aps:
         raise ValueError("no query in `relevant` has a relevant image; mAP@k is undefined.")
     return float(np.mean(aps))
+
+
+def _check_level_labels(labels, n: int, name: str) -> np.ndarray:
+    labels = np.asarray(labels)
+    if labels.ndim == 1:
+        labels = labels[:, None]
+    if labels.ndim != 2 or labels.shape[0] != n:
+        raise ValueError(f"`{name}` must have shape ({n}, levels), finest level first; "
+                         f"received shape {labels.shape}.")
+    for column in range(labels.shape[1]):
+        _check_labels(labels[:, column], n, name)
+    return labels
+
+
+def hierarchical_metrics(query_embeddings, query_labels, db_embeddings=None, db_labels=None,
+                         alpha: float = 1.0) -> dict[str, float]:
+    """H-AP, ASI and NDCG of exact rankings with multi-level labels (HAPPIER's metrics).
+
+    Ramzi et al., "Hierarchical Average Precision Training for Pertinent Image
+    Retrieval", ECCV 2022; the definitions of their ``engine/metrics.py`` (``hap``,
+    ``asi``, ``ndcg``; github.com/elias-ramzi/HAPPIER, commit 5af91b3). Labels (Q, L)
+    and (N, L), column 0 the finest level; ``level`` of a database item for a query is
+    the number of label columns they share (0..L). With ``n`` the 1-based rank and
+    ``lev_n``/``rel_n`` the level/relevance of the item at rank n:
+
+    * ``rel`` (the authors' "pop" relevance, as :class:`~tfaploss.losses.HAPLoss`):
+      ``w[l] / c_l`` with ``w[l] = (l / (L - 1)) ** alpha`` (``w[1] = 1`` for L = 1)
+      and ``c_l`` the number of items at level ``l`` from the query, the query itself
+      counted at level L when the query set is the database (their dataset-wide
+      relevances include it; it is not ranked).
+    * ``h_ap = sum_n H-rank_n / n / sum_n rel_n`` with
+      ``H-rank_n = sum_{l=1..L} min(rel_n, r_l) · #{m <= n: rel_m = r_l}`` (``r_l`` the
+      query's relevance of level l; this is ``sum_{m <= n} min(rel_m, rel_n)`` unless two
+      levels have equal relevance values, which their code then counts twice).
+    * ``asi = (1/R) sum_{n=1..R} (1/n) sum_{v} min(#{m <= n: lev_m = v},
+      #{m <= n: ideal lev_m = v})`` over the R items with level > 0 (``at_R=True``);
+      "ideal" is the ranking by decreasing level.
+    * ``ndcg = DCG / IDCG`` with gains ``2 ** lev_n - 1``, discounts ``log2(1 + n)``,
+      the full ranking.
+
+    Each is averaged over the queries with at least one item of level > 0 (the
+    authors' code would return NaN for the others). Rankings: inner product,
+    descending, ties by database index; with ``db_embeddings=None`` the query set is
+    the database and each query's own row is removed by index (the authors drop the
+    top-1 result instead). Cost: O(Q·N·(D + log N + L)) time, O(chunk·N·L) memory.
+
+    Returns ``{"h_ap", "asi", "ndcg", "num_queries"}``.
+    """
+    queries = _as_matrix(query_embeddings, "query_embeddings")
+    self_retrieval = db_embeddings is None
+    database = queries if self_retrieval else _as_matrix(db_embeddings, "db_embeddings")
+    q_labels = _check_level_labels(query_labels, queries.shape[0], "query_labels")
+    d_labels = q_labels if self_retrieval else _check_level_labels(
+        db_labels, database.shape[0], "db_labels")
+    if d_labels.shape[1] != q_labels.shape[1]:
+        raise ValueError(f"`db_labels` has {d_labels.shape[1]} levels but `query_labels` has "
+                         f"{q_labels.shape[1]}.")
+    if not (isinstance(alpha, (int, float)) and alpha > 0):
+        raise ValueError(f"`alpha` must be > 0; received {alpha!r}.")
+    num_levels = q_labels.shape[1]
+    weights = np.array([(lvl / max(num_levels - 1, 1)) ** alpha
+                        for lvl in range(num_levels + 1)])
+    weights[0] = 0.0
+    n_db = database.shape[0]
+    chunk = max(1, _CHUNK_ELEMENTS // max(n_db * (num_levels + 2), 1))
+    sums = {"h_ap": 0.0, "asi": 0.0, "ndcg": 0.0}
+    counted = 0
+    for start in range(0, queries.shape[0], chunk):
+        stop = min(start + chunk, queries.shape[0])
+        scores = queries[start:stop] @ database.T
+        order = np.argsort(-scores, axis=1, kind="stable")
+        levels = np.zeros(scores.shape, np.int64)
+        for column in range(num_levels):
+            levels += q_labels[start:stop, column][:, None] == d_labels[:, column][None, :]
+        if self_retrieval:
+            own = np.arange(start, stop)[:, None]
+            order = order[order != own].reshape(stop - start, n_db - 1)
+        sorted_levels = np.take_along_axis(levels, order, axis=1)
+        counts = np.stack([(sorted_levels == lvl).sum(1) for lvl in range(num_levels + 1)], 1)
+        counts[:, num_levels] += int(self_retrieval)
+        level_rel = np.where(counts > 0, weights[None, :] / np.maximum(counts, 1), 0.0)
+        sorted_rel = np.take_along_axis(level_rel, sorted_levels, axis=1)
+        valid = (sorted_levels > 0).any(axis=1)
+        ranks = np.arange(1, sorted_levels.shape[1] + 1, dtype=np.float64)
+        # H-AP
+        hrank = np.zeros(sorted_rel.shape)
+        for lvl in range(1, num_levels + 1):
+            r_l = level_rel[:, lvl:lvl + 1]
+            seen = np.cumsum(sorted_rel == r_l, axis=1)
+            hrank += np.minimum(sorted_rel, r_l) * seen
+        total_rel = sorted_rel.sum(1)
+        h_ap = (hrank / ranks).sum(1) / np.where(total_rel > 0, total_rel, 1.0)
+        # ASI at R
+        ideal = -np.sort(-sorted_levels, axis=1)
+        num_rel = (sorted_levels > 0).sum(1)
+        si = np.zeros(sorted_levels.shape)
+        for lvl in range(1, num_levels + 1):
+            si += np.minimum(np.cumsum(sorted_levels == lvl, axis=1),
+                             np.cumsum(ideal == lvl, axis=1))
+        at_r = (ideal > 0) / ranks
+        asi = (si * at_r).sum(1) / np.maximum(num_rel, 1)
+        # NDCG
+        gains = 2.0 ** sorted_levels - 1.0
+        discount = 1.0 / np.log2(1.0 + ranks)
+        dcg = (gains * discount).sum(1)
+        idcg = ((2.0 ** ideal - 1.0) * discount).sum(1)
+        ndcg = dcg / np.where(idcg > 0, idcg, 1.0)
+        for key, value in (("h_ap", h_ap), ("asi", asi), ("ndcg", ndcg)):
+            sums[key] += float(value[valid].sum())
+        counted += int(valid.sum())
+    if counted == 0:
+        raise ValueError("no query has an item of level > 0 in the database; the "
+                         "hierarchical metrics are undefined.")
+    return {**{k: v / counted for k, v in sums.items()}, "num_queries": counted}

@@ -9,11 +9,17 @@ from tfaploss.losses.base import RetrievalLoss
 from tfaploss.losses.baselines import ContrastiveLoss, TripletLoss
 from tfaploss.losses.blackbox import BlackBoxAPLoss
 from tfaploss.losses.fastap import FastAPLoss
+from tfaploss.losses.hap import ClusterProxies, HAPLoss
 from tfaploss.losses.histogram import APLoss, TieAwareAPLoss
 from tfaploss.losses.pnp import PNPLoss
+from tfaploss.losses.recall_at_k import RecallAtKLoss
 from tfaploss.losses.roadmap import CalibrationLoss, ROADMAPLoss
 from tfaploss.losses.smooth_ap import SmoothAPLoss, SupAPLoss
+from tfaploss.losses.suprank import SupNDCGLoss, SupRecallLoss
 
 __all__ = ["RetrievalLoss", "APLoss", "TieAwareAPLoss", "FastAPLoss", "BlackBoxAPLoss",
            "ContrastiveLoss", "TripletLoss", "SmoothAPLoss", "SupAPLoss", "CalibrationLoss",
            "ROADMAPLoss", "PNPLoss"]
+__all__ += ["SupNDCGLoss", "SupRecallLoss"]
+__all__ += ["RecallAtKLoss"]
+__all__ += ["HAPLoss", "ClusterProxies"]

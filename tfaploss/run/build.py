@@ -289,7 +289,8 @@ def build_train_dataset(cfg: Config, seed_offset: int = 0):
     aug = d.augmentation
     kwargs = dict(sampler=d.sampler, batch_size=d.batch_size, m=d.m,
                   image_size=d.image_size, augment=aug.crop == "random_resized_crop",
-                  seed=d.seed + 1009 * seed_offset, flip=aug.flip)
+                  seed=d.seed + 1009 * seed_offset, flip=aug.flip,
+                  label_levels=d.label_levels)
     if aug.scale is not None:
         kwargs["crop_scale"] = tuple(aug.scale)
     return make_train_dataset(d.train, **kwargs)

@@ -67,6 +67,8 @@ def _scores(embeddings, labels, max_queries):
     """Cosines of the first ``max_queries`` rows against the batch, and the masks."""
     e = ops.cast(embeddings, "float32")
     e = e / ops.sqrt(ops.maximum(ops.sum(e * e, axis=-1, keepdims=True), 1e-24))
+    if len(labels.shape) == 2 and labels.shape[-1] not in (None, 1):
+        labels = labels[:, 0]  # (B, levels) labels (HAPLoss): the finest level
     labels = ops.reshape(labels, (-1,))
     q, q_labels = e[:max_queries], labels[:max_queries]
     scores = ops.matmul(q, ops.transpose(e))

@@ -1,0 +1,410 @@
+"""H-AP / HAPPIER (Ramzi et al., "Hierarchical Average Precision Training for Pertinent
+Image Retrieval", ECCV 2022): AP with graded relevance from multi-level labels.
+
+The loss ranks every *relevant* pair (relevance > 0) of a query with ROADMAP's smoothed
+upper step, in the fixed-size blocks of :mod:`tfaploss.ops.smooth_rank` (its pair
+enumeration and block loops, with a block kernel of its own), so memory stays
+O(pairs_per_block·B + B²) at any batch size.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+from keras import ops
+
+from tfaploss.losses.base import (
+    RetrievalLoss,
+    _check_sizes,
+    _dtype_name,
+    _finite_or_zero,
+    check_labels,
+)
+from tfaploss.ops.backend import on_tensorflow, take
+from tfaploss.ops.masks import safe_normalize, self_pair_mask
+from tfaploss.ops.smooth_rank import (
+    SupAPUpperStep,
+    _block_size,
+    _Blocks,
+    _keras_rank_terms,
+    _static_or_dynamic,
+)
+
+# Level code of an item that takes no part in a query's ranking (never >= a real level).
+_OUT = -1
+
+
+def hierarchy_levels(query_labels, db_labels):
+    """``level[i, j]``: how many label columns items i and j share, shape (Q, N).
+
+    The authors' ``create_label_matrix``: with nested labels (fine class in column 0,
+    coarser levels after it) this is the number of levels the two items share, from
+    0 (unrelated) to L (same finest class). Labels are compared as given.
+    """
+    num_levels = query_labels.shape[-1]
+    level = None
+    for column in range(num_levels):  # L, the label columns: a static handful
+        same = ops.cast(ops.equal(ops.expand_dims(query_labels[:, column], 1),
+                                  ops.expand_dims(db_labels[:, column], 0)), "int32")
+        level = same if level is None else level + same
+    return level
+
+
+def pop_relevance(level, candidates, num_levels, alpha=1.0, dtype="float32"):
+    """The authors' default ("pop") relevance of every pair, shape (Q, N).
+
+    ``rel(i, j) = w[l] / #{k in C_i: level(i, k) = l}`` with ``l = level(i, j)`` and
+    ``w[l] = (l / (L - 1)) ** alpha`` (``get_relevances_pop`` of HAPPIER's
+    ``engine/compute_relevance_on_the_fly.py``, called with ``levels = L``): each level
+    shares a weight among its items, so a query's relevance does not grow with how many
+    items of one level the batch holds. ``w[0] = 0``: unrelated items are irrelevant.
+    For ``L = 1`` the authors' ``1 / (L - 1)`` is undefined; ``w[1] = 1`` is used (any
+    constant gives plain AP).
+    """
+    candidates = ops.cast(candidates, "bool")
+    denominator = max(num_levels - 1, 1)
+    relevance = ops.zeros(ops.shape(level), dtype)
+    for lvl in range(1, num_levels + 1):
+        here = ops.logical_and(ops.equal(level, lvl), candidates)
+        count = ops.sum(ops.cast(here, dtype), axis=1, keepdims=True)
+        share = (lvl / denominator) ** alpha / ops.maximum(count, 1.0)
+        relevance = ops.where(here, share, relevance)
+    return relevance
+
+
+def _hap_block_kernels(upper):
+    """(forward, backward) of one block of relevant pairs (i, j).
+
+    ``kind`` is ``(code, relevance)``: ``code[i, k]`` the level of item k for query i
+    (``_OUT`` when k is not ranked), ``relevance[i, k]`` its relevance. Per pair:
+
+        rank_sum  = sum_{k != j ranked} (upper(t) if code_k < code_j else [t >= 0])
+        hrank_sum = sum_{k != j ranked} [t >= 0] · min(rel_k, rel_j)
+
+    with ``t = s_ik - s_ij``; only ``rank_sum`` has a gradient (through ``upper`` on the
+    less relevant items), as in the authors' code with ``with_hrank=False``.
+    """
+
+    def geometry(s, kind, flat):
+        code, relevance = kind
+        num_items = s.shape[1] if s.shape[1] is not None else ops.shape(s)[1]
+        rows = flat // num_items
+        t = take(s, rows, axis=0) - take(ops.reshape(s, [-1]), flat)[:, None]
+        codes = take(code, rows, axis=0)
+        own_code = take(ops.reshape(code, [-1]), flat)[:, None]
+        # The pair's own item j takes no part in its ranks (j = k in the authors' mask).
+        others = ops.not_equal(ops.arange(num_items, dtype="int32")[None, :],
+                               (flat % num_items)[:, None])
+        ranked = ops.logical_and(codes != _OUT, others)
+        lower = ops.logical_and(ranked, codes < own_code)
+        return rows, t, ranked, lower, relevance
+
+    def forward(s, kind, flat, valid):
+        rows, t, ranked, lower, relevance = geometry(s, kind, flat)
+        zero = ops.zeros_like(t)
+        ahead = ops.cast(t >= 0, t.dtype)
+        rank = ops.sum(ops.where(lower, upper.value(t), ops.where(ranked, ahead, zero)), 1)
+        rel = take(relevance, rows, axis=0)
+        own_rel = take(ops.reshape(relevance, [-1]), flat)[:, None]
+        hrank = ops.sum(ops.where(ranked, ahead * ops.minimum(rel, own_rel), zero), 1)
+        none = ops.zeros_like(rank)
+        return ops.where(valid, hrank, none), ops.where(valid, rank, none)
+
+    def backward(s, kind, flat, valid, g_hrank, g_rank):
+        rows, t, _, lower, _ = geometry(s, kind, flat)
+        _, slope = upper.value_and_slope(t)
+        g = ops.where(valid, take(ops.reshape(g_rank, [-1]), flat),
+                      ops.zeros_like(t[:, 0]))[:, None]
+        w = ops.where(lower, g * slope, ops.zeros_like(t))
+        return rows, w, -ops.sum(w, axis=1)
+
+    return forward, backward
+
+
+def hap_per_query(scores, level, relevance, candidates, upper, pairs_per_block=None):
+    """H-AP of every query from its (Q, N) scores, levels, relevances and candidates.
+
+    ``HAP_i = sum_{j: rel_ij > 0} H-rank(i, j) / rank(i, j) / sum_j rel_ij`` with
+
+        rank(i, j)   = 1 + sum_{k != j} (upper(s_ik - s_ij) if level_ik < level_ij
+                                         else [s_ik >= s_ij])
+        H-rank(i, j) = rel_ij + sum_{k != j} [s_ik >= s_ij] · min(rel_ik, rel_ij)
+
+    over the candidates k (HAPPIER's ``SmoothRankHAP.quick_forward`` with
+    ``step_rank`` and ``heaviside``). Returns ``(hap, num_relevant)``, each (Q,).
+
+    Cost: O(P·N) time with P the relevant pairs (<= Q·N), O(pairs_per_block·N + Q·N)
+    memory, forward and backward alike.
+    """
+    scores = ops.convert_to_tensor(scores)
+    candidates = ops.cast(candidates, "bool")
+    relevance = ops.where(candidates, ops.cast(relevance, scores.dtype),
+                          ops.zeros_like(scores))
+    relevant = ops.logical_and(relevance > 0, candidates)
+    code = ops.where(candidates, ops.cast(level, "int32"), ops.full_like(level, _OUT, "int32"))
+    num_queries = _static_or_dynamic(scores, 0)
+    num_items = _static_or_dynamic(scores, 1)
+    blocks = _Blocks(relevant, _block_size(num_queries, num_items, pairs_per_block))
+    forward, backward = _hap_block_kernels(upper)
+    kind = (code, relevance)
+    if on_tensorflow():
+        from tfaploss.ops import tensorflow_kernels
+
+        hrank_sum, rank_sum = tensorflow_kernels.blocked_rank_terms(
+            scores, kind, blocks, True, ("hap", *upper.key), forward, backward)
+    else:
+        hrank_sum, rank_sum = _keras_rank_terms(scores, kind, blocks, True, forward,
+                                                backward)
+    ratio = (relevance + hrank_sum) / (1.0 + rank_sum)
+    total = ops.sum(ops.where(relevant, ratio, ops.zeros_like(ratio)), axis=1)
+    norm = ops.sum(relevance, axis=1)
+    hap = total / ops.where(norm > 0, norm, ops.ones_like(norm))
+    return hap, ops.sum(ops.cast(relevant, "int32"), axis=1)
+
+
+def _check_level_labels(owner, y_true):
+    """Labels as a (B, L) tensor: (B,) and (B, 1) give L = 1."""
+    if not hasattr(y_true, "shape"):
+        y_true = np.asarray(y_true)
+    shape = tuple(y_true.shape)
+    if len(shape) == 2 and shape[-1] is not None and int(shape[-1]) > 1:
+        check_labels(y_true[:, 0])  # the dtype checks and their messages, before a cast
+        return ops.convert_to_tensor(y_true)
+    if len(shape) not in (1, 2):
+        raise ValueError(
+            f"{owner} expects y_true of shape (batch,) or (batch, levels) holding integer "
+            f"labels, finest level first; received y_true of shape {shape} (dtype "
+            f"{_dtype_name(y_true)}).")
+    return ops.expand_dims(check_labels(y_true), 1)
+
+
+@keras.saving.register_keras_serializable(package="tfaploss")
+class HAPLoss(RetrievalLoss):
+    """HAPPIER's H-AP surrogate (Ramzi, Audebert, Thome, Rambour, Bitot, "Hierarchical
+    Average Precision Training for Pertinent Image Retrieval", ECCV 2022), optionally
+    with its clustering term (the paper's full objective).
+
+    Labels: ``y_true`` of shape (B, L), integer ids, **column 0 the finest level**
+    (SOP: ``[class, super_class]``; iNaturalist: ``[species, genus, ..., kingdom]``, or
+    ``[species, supercategory]`` as ``tfaploss.data`` writes it), the authors' order.
+    ``level(i, j)`` counts the columns i and j share (0..L; the query itself: L). A
+    label vector (B,) or (B, 1) is one level: H-AP is then SupAP's AP and the loss is
+    :class:`~tfaploss.losses.SupAPLoss` with the same constants.
+
+    Relevance (the authors' default, ``relevance_type: pop``, their config's
+    ``alpha: 1.0``): ``rel(i, j) = w[l] / n_i(l)`` with ``l = level(i, j)``,
+    ``w[l] = (l / (L - 1)) ** alpha`` and ``n_i(l)`` the number of items of the batch
+    at level ``l`` from query i among the items it is ranked against (with
+    ``include_self=True``, the default and the authors' code, the query itself counts at
+    level L). Unrelated items have relevance 0; "positives" are the pairs with
+    relevance > 0.
+
+    For query i and each relevant j (the query itself included, as in their code):
+
+        rank(i, j)   = 1 + sum_{k != j} (H-(s_ik - s_ij) if level_ik < level_ij
+                                         else [s_ik >= s_ij])
+        H-rank(i, j) = rel_ij + sum_{k != j} [s_ik >= s_ij] · min(rel_ik, rel_ij)
+        H-AP_i = sum_j H-rank(i, j) / rank(i, j) / sum_j rel_ij,   L_HAP = 1 - H-AP_i
+
+    ``H-`` is ROADMAP's upper step on the less relevant items (sigmoid of temperature
+    ``tau`` for t <= 0, ``start + sigmoid`` on (0, delta], ``rho·(t - delta) +
+    offset`` beyond; see :class:`~tfaploss.losses.SupAPLoss`); everything else is the
+    true step without gradient (``with_hrank: False`` in every config of theirs but
+    ``HAPPIER_5_SOP``; the smoothed H-rank is not implemented). Defaults are their
+    ``HAPLoss`` defaults and SOP config: ``tau=0.01, rho=100, delta=0.05, start=0.5,
+    offset=1.44``; their iNaturalist config uses ``start=0.0, offset=1.0``.
+
+    Full objective (``clustering_weight > 0``): ``(1 - w) · L_HAP + w · L_cluster`` with
+    the authors' ``ClusterLoss``: cross-entropy of ``cos(e_i, p_c) / cluster_temperature``
+    over one learnable proxy ``p_c`` per finest-level class (``num_classes`` of them),
+    temperature 0.05, ``w = 0.1`` in their SOP and iNaturalist configs (HAP weight
+    ``1 - 0.1``). The proxies are a loss variable (``proxies``); Keras's ``fit`` only
+    trains the model's variables, so train them by putting
+    :class:`ClusterProxies` in the model (its output is passed through unchanged and
+    it holds the proxies) and passing that layer as ``proxies_layer``, or call the loss
+    inside your own step. ``proxies_layer`` is not part of the loss's config: set it
+    again after loading a saved loss. Column 0 of the labels must then be class ids in
+    ``0..num_classes-1``. The authors train the proxies with their own Adam (lr 10,
+    cosine-annealed to 0.1); here the model's optimizer trains them. ``tfaploss
+    train`` does not build the proxies: its configs accept ``clustering_weight: 0``
+    only.
+
+    Cost: O(B·P·B) time with P the most relevant items of a query (the query's whole
+    coarsest common group, e.g. its super-class: up to B/2 with the authors'
+    two-super-classes-per-batch sampler) and O(chunk·B + B²) memory with chunk =
+    ``pairs_per_block``; never a B×B×B tensor. Measured (B=4096, D=512, 64 per class,
+    2 levels with 32 super-classes of 128 images, i.e. 128 relevant items per query,
+    float32, forward + backward under ``tf.function``, 2 busy CPU cores (other jobs running)):
+    ~17 s with ``jit_compile=True``, ~26 s without; peak RSS ~1.7 GB / ~2.1 GB. Time
+    grows with the relevant pairs: the authors' two super-classes per batch make ~2048
+    relevant items per query, 16 times as many (~140 s with XLA, peak RSS ~1.7 GB).
+    Under an eager ``tf.GradientTape`` the tape keeps every block's intermediates
+    (O(P·B) memory, as for the other smooth-rank losses: ~17 GB at B=1024, SupAP ~7 GB):
+    train under ``tf.function`` (Keras's ``fit`` does).
+
+    Args:
+        tau, rho, delta, start, offset: the upper step (``offset=None``: continuous,
+            ``start + sigmoid(delta / tau)``).
+        alpha: exponent of the level weights (> 0).
+        clustering_weight: weight ``w`` of the clustering term, in [0, 1) (0: H-AP only).
+        num_classes: number of finest-level classes (proxies); needed when
+            ``clustering_weight > 0``.
+        cluster_temperature: the clustering term's softmax temperature.
+        include_self: rank the query against itself (the authors' code does).
+        normalize: L2-normalise embeddings first (the authors' network outputs
+            normalised embeddings; their loss does not normalise again).
+        pairs_per_block: relevant pairs ranked per loop step (``None``: about 4M / B).
+        drop_lone_queries: see ``RetrievalLoss``; a query is lone when no other item
+            of the batch is relevant to it (shares no level).
+    """
+
+    def __init__(self, tau=0.01, rho=100.0, delta=0.05, start=0.5, offset=1.44, alpha=1.0,
+                 clustering_weight=0.0, num_classes=None, cluster_temperature=0.05,
+                 include_self=True, normalize=True, pairs_per_block=None,
+                 reduction="sum_over_batch_size", name="hap_loss", dtype=None,
+                 drop_lone_queries=False):
+        super().__init__(normalize=normalize, include_self=include_self,
+                         reduction=reduction, name=name, dtype=dtype,
+                         drop_lone_queries=drop_lone_queries)
+        try:
+            SupAPUpperStep(tau, rho, delta, start, offset)  # validates
+        except ValueError as err:
+            message = str(err).replace("temperature must", "tau must")
+            raise ValueError(f"HAPLoss: {message}") from None
+        if not (isinstance(alpha, (int, float)) and alpha > 0):
+            raise ValueError(f"HAPLoss: alpha must be > 0; received {alpha!r}.")
+        if not (isinstance(clustering_weight, (int, float))
+                and 0.0 <= clustering_weight < 1.0):
+            raise ValueError("HAPLoss: clustering_weight must be in [0, 1); received "
+                             f"{clustering_weight!r}.")
+        if clustering_weight > 0 and not (isinstance(num_classes, int) and num_classes > 0):
+            raise ValueError("HAPLoss: num_classes must be a positive int when "
+                             f"clustering_weight > 0; received {num_classes!r}.")
+        if not (isinstance(cluster_temperature, (int, float)) and cluster_temperature > 0):
+            raise ValueError("HAPLoss: cluster_temperature must be > 0; received "
+                             f"{cluster_temperature!r}.")
+        self.tau, self.rho, self.delta = float(tau), float(rho), float(delta)
+        self.start = float(start)
+        self.offset = None if offset is None else float(offset)
+        self.alpha = float(alpha)
+        self.clustering_weight = float(clustering_weight)
+        self.num_classes = num_classes
+        self.cluster_temperature = float(cluster_temperature)
+        self.pairs_per_block = pairs_per_block
+        self._upper = SupAPUpperStep(self.tau, self.rho, self.delta, self.start, self.offset)
+        self._levels = None
+        self.proxies_layer = None
+
+    # -- Keras entry points -------------------------------------------------------------
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        """The reduced loss; as ``RetrievalLoss.__call__`` but accepting (B, L) labels."""
+        with keras.name_scope(self.name):
+            terms = self.call(y_true, y_pred)
+            sample_weight = self._check_sample_weight(sample_weight, terms)
+        return self._reduce(terms, sample_weight)
+
+    def call(self, y_true, y_pred):
+        """Per-query terms, shape (B,), masked where a query has no relevant item."""
+        owner = type(self).__name__
+        y_pred = self._check_embeddings(ops.convert_to_tensor(y_pred, dtype=self.dtype),
+                                        "y_pred")
+        labels = _check_sizes(owner, _check_level_labels(owner, y_true), y_pred,
+                              "y_true", "y_pred")
+        finite, (y_pred,) = _finite_or_zero(y_pred)
+        scores = self.pairwise(y_pred, y_pred)
+        level = hierarchy_levels(labels, labels)
+        n = ops.shape(labels)[0]
+        self_pairs = self_pair_mask(n) if self.include_self else None
+        candidates = (ops.ones_like(level, dtype="bool") if self.include_self
+                      else ops.logical_not(self_pair_mask(n)))
+        positives = ops.logical_and(level > 0, candidates)
+        self._levels = (level, int(labels.shape[-1]), labels[:, 0], y_pred)
+        try:
+            return self._query_terms(finite, scores, positives, candidates, self_pairs)
+        finally:
+            self._levels = None
+
+    def per_query(self, scores, positives, candidates, self_pairs=None):
+        if self._levels is None:  # one level (e.g. query_database_loss): the masks say all
+            level, num_levels = ops.cast(positives, "int32"), 1
+            fine, embeddings = None, None
+        else:
+            level, num_levels, fine, embeddings = self._levels
+        relevance = pop_relevance(level, candidates, num_levels, self.alpha, scores.dtype)
+        hap, counts = hap_per_query(scores, level, relevance, candidates, self._upper,
+                                    self.pairs_per_block)
+        values = 1.0 - hap
+        if self.clustering_weight > 0:
+            if fine is None:
+                raise ValueError("HAPLoss: the clustering term needs the batch's own "
+                                 "labels; query_database_loss supports clustering_weight=0 "
+                                 f"only; received clustering_weight={self.clustering_weight}.")
+            cluster = self.cluster_loss(embeddings, fine)
+            values = (1.0 - self.clustering_weight) * values + self.clustering_weight * cluster
+        return values, ops.cast(counts > 0, values.dtype)
+
+    # -- the clustering term --------------------------------------------------------------
+
+    def cluster_loss(self, embeddings, labels):
+        """The authors' ``ClusterLoss``: mean cross-entropy of the finest labels against
+        ``cos(e_i, p_c) / cluster_temperature`` (batch-level, one value)."""
+        layer = self.proxies_layer
+        if layer is None:
+            raise ValueError(
+                "HAPLoss: clustering_weight > 0 needs proxies: pass a ClusterProxies layer "
+                "that is part of the model as HAPLoss(...).proxies_layer = layer; "
+                f"received proxies_layer={layer!r}.")
+        if self.normalize:
+            embeddings = safe_normalize(embeddings)
+        proxies = safe_normalize(ops.cast(layer.proxies, embeddings.dtype))
+        logits = ops.matmul(embeddings, ops.transpose(proxies)) / self.cluster_temperature
+        labels = ops.cast(labels, "int32")
+        ce = ops.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+        return ops.mean(ce)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(tau=self.tau, rho=self.rho, delta=self.delta, start=self.start,
+                      offset=self.offset, alpha=self.alpha,
+                      clustering_weight=self.clustering_weight, num_classes=self.num_classes,
+                      cluster_temperature=self.cluster_temperature,
+                      pairs_per_block=self.pairs_per_block)
+        return config
+
+
+@keras.saving.register_keras_serializable(package="tfaploss")
+class ClusterProxies(keras.layers.Layer):
+    """Holds HAPPIER's clustering proxies, one per finest-level class, inside a model.
+
+    Its output is its input, unchanged; it exists so that ``model.fit`` trains the
+    proxies (a loss's own variables are not trained). Put it last in the embedding
+    model and give it to the loss: ``loss.proxies_layer = layer``. Initialised as the
+    authors' (uniform in ±1/sqrt(D)).
+    """
+
+    def __init__(self, num_classes, **kwargs):
+        super().__init__(**kwargs)
+        if not (isinstance(num_classes, int) and num_classes > 0):
+            raise ValueError(f"ClusterProxies: num_classes must be a positive int; "
+                             f"received {num_classes!r}.")
+        self.num_classes = num_classes
+        self.supports_masking = True
+
+    def build(self, input_shape):
+        dim = int(input_shape[-1])
+        bound = 1.0 / dim ** 0.5
+        self.proxies = self.add_weight(
+            shape=(self.num_classes, dim), name="proxies",
+            initializer=keras.initializers.RandomUniform(-bound, bound))
+
+    def call(self, inputs):
+        return inputs
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(num_classes=self.num_classes)
+        return config
