@@ -383,6 +383,53 @@ def bench_tuned(table, label, db, queries, tune_queries, reference, exact_qps, t
         del searcher
 
 
+def _peer(what):
+    for prefix, name in (("scann tuned", "ScaNN tuned"), ("faiss HNSW", "faiss HNSW32")):
+        if what.startswith(prefix):
+            return name
+    if what.startswith("faiss IVF"):
+        return "faiss IVF-PQ" if ",PQ" in what else "faiss IVF-Flat"
+    return None
+
+
+def ann_table(rows) -> str:
+    """The README's approximate-search table: per data set and target recall@10, each
+    searcher's q/s on the fresh queries (× exact search), its recall there and build
+    time; the fastest searcher that reached the target in bold."""
+    peers = ["ScaNN tuned", "faiss IVF-Flat", "faiss IVF-PQ", "faiss HNSW32"]
+    lines = ["| data | target | exact q/s | " + " | ".join(peers) + " |",
+             "|---|---|---|" + "---|" * len(peers)]
+    for label in dict.fromkeys(r["data"] for r in rows if r["section"] == "ann"):
+        mine = [r for r in rows if r["data"] == label and r["section"] == "ann"]
+        exact = next(r["value"] for r in mine if r["what"].startswith("exact"))
+        defaults = next((r for r in mine if r["what"].startswith("scann defaults")), None)
+        for target in sorted({r["target"] for r in mine if "target" in r}):
+            cells, best = {}, None
+            for r in mine:
+                name = _peer(r["what"])
+                if name is None or r.get("target") != target:
+                    continue
+                if "never reached" in r["what"]:
+                    cells[name] = f"not reached (best {r['tuning_recall']:.3f})"
+                    continue
+                fell_back = "fell back" in r["what"]
+                cells[name] = (f"{r['value']:,.0f} ({r['ratio']:.1f}×), "
+                               f"{'exact' if fell_back else format(r['recall'], '.3f')}, "
+                               f"{r['build_s']:.0f} s")
+                if not fell_back and r["recall"] >= target and (
+                        best is None or r["value"] > best[1]):
+                    best = (name, r["value"])
+            if best:
+                cells[best[0]] = f"**{cells[best[0]]}**"
+            lines.append(f"| {label} | {target:g} | {exact:,.0f} | "
+                         + " | ".join(cells.get(p, "—") for p in peers) + " |")
+        if defaults:
+            lines.append(f"| {label} | ScaNN defaults | | {defaults['value']:,.0f} "
+                         f"({defaults['ratio']:.1f}×), recall {defaults['recall']:.3f}, "
+                         f"{defaults['build_s']:.0f} s | | | |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="50k x 64, 300 queries, 20k x 64 "
@@ -408,7 +455,14 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=2, help="timed runs; the best is kept")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "search.json"))
+    p.add_argument("--table_from", metavar="JSON",
+                   help="print the README's approximate-search table of an earlier run "
+                        "(its --out file) and stop")
     args = p.parse_args(argv)
+    if args.table_from:
+        with open(args.table_from, encoding="utf-8") as f:
+            print(ann_table(json.load(f)["rows"]))
+        return
     if args.quick:
         args.sizes, args.queries, args.metrics_size = "50000x64", 300, "20000x64"
     rng = np.random.default_rng(args.seed)
@@ -442,7 +496,7 @@ def main(argv=None):
                    "machine": platform.machine(), "python": platform.python_version()}, f,
                   indent=2)
     os.replace(tmp, args.out)
-    print(f"\nwrote {args.out}")
+    print(f"\nwrote {args.out}\n\n{ann_table(table.rows)}")
 
 
 if __name__ == "__main__":

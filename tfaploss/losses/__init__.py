@@ -17,9 +17,9 @@ from tfaploss.losses.roadmap import CalibrationLoss, ROADMAPLoss
 from tfaploss.losses.smooth_ap import SmoothAPLoss, SupAPLoss
 from tfaploss.losses.suprank import SupNDCGLoss, SupRecallLoss
 
-__all__ = ["RetrievalLoss", "APLoss", "TieAwareAPLoss", "FastAPLoss", "BlackBoxAPLoss",
-           "ContrastiveLoss", "TripletLoss", "SmoothAPLoss", "SupAPLoss", "CalibrationLoss",
-           "ROADMAPLoss", "PNPLoss"]
-__all__ += ["SupNDCGLoss", "SupRecallLoss"]
-__all__ += ["RecallAtKLoss"]
-__all__ += ["HAPLoss", "ClusterProxies"]
+__all__ = [
+    "APLoss", "BlackBoxAPLoss", "CalibrationLoss", "ClusterProxies", "ContrastiveLoss",
+    "FastAPLoss", "HAPLoss", "PNPLoss", "ROADMAPLoss", "RecallAtKLoss", "RetrievalLoss",
+    "SmoothAPLoss", "SupAPLoss", "SupNDCGLoss", "SupRecallLoss", "TieAwareAPLoss",
+    "TripletLoss",
+]

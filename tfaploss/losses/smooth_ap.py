@@ -83,8 +83,30 @@ class SmoothAPLoss(_SmoothRankAPLoss):
         return config
 
 
+class UpperStepArgs:
+    """The step-rank upper bound's constants of SupAP and the SupRank losses: checked,
+    kept as attributes and written to the config (a mixin of ``RetrievalLoss``es)."""
+
+    def _keep_upper_step(self, temperature, rho, delta, start, offset, pairs_per_block):
+        """Check and keep the constants; returns the step (``SupAPUpperStep``)."""
+        try:
+            step = SupAPUpperStep(temperature, rho, delta, start, offset)
+        except ValueError as err:
+            raise ValueError(f"{type(self).__name__}: {err}") from None
+        self.temperature, self.rho, self.delta = float(temperature), float(rho), float(delta)
+        self.start = float(start)
+        self.offset = None if offset is None else float(offset)
+        self.pairs_per_block = pairs_per_block
+        return step
+
+    def _upper_step_config(self):
+        return {"temperature": self.temperature, "rho": self.rho, "delta": self.delta,
+                "start": self.start, "offset": self.offset,
+                "pairs_per_block": self.pairs_per_block}
+
+
 @keras.saving.register_keras_serializable(package="tfaploss")
-class SupAPLoss(_SmoothRankAPLoss):
+class SupAPLoss(UpperStepArgs, _SmoothRankAPLoss):
     """ROADMAP's smooth-rank upper bound "SupAP" (Ramzi et al., "Robust and Decomposable
     Average Precision for Image Retrieval", NeurIPS 2021).
 
@@ -115,22 +137,11 @@ class SupAPLoss(_SmoothRankAPLoss):
         super().__init__(normalize=normalize, include_self=include_self,
                          reduction=reduction, name=name, dtype=dtype,
                          drop_lone_queries=drop_lone_queries)
-        try:
-            SupAPUpperStep(temperature, rho, delta, start, offset)  # validates
-        except ValueError as err:
-            raise ValueError(f"SupAPLoss: {err}") from None
-        self.temperature, self.rho, self.delta = float(temperature), float(rho), float(delta)
-        self.start = float(start)
-        self.offset = None if offset is None else float(offset)
-        self.pairs_per_block = pairs_per_block
+        self._keep_upper_step(temperature, rho, delta, start, offset, pairs_per_block)
 
     def _ap(self, scores, positives, candidates):
         return sup_ap_per_query(scores, positives, candidates, self.temperature, self.rho,
                                 self.delta, self.start, self.offset, self.pairs_per_block)
 
     def get_config(self):
-        config = super().get_config()
-        config.update(temperature=self.temperature, rho=self.rho, delta=self.delta,
-                      start=self.start, offset=self.offset,
-                      pairs_per_block=self.pairs_per_block)
-        return config
+        return {**super().get_config(), **self._upper_step_config()}

@@ -27,9 +27,9 @@ import keras
 from keras import ops
 
 from tfaploss.losses.base import RetrievalLoss
+from tfaploss.losses.smooth_ap import UpperStepArgs
 from tfaploss.ops.smooth_rank import (
     HeavisideStep,
-    SupAPUpperStep,
     positive_rank_terms,
     sigmoid_tau,
 )
@@ -40,14 +40,7 @@ _TAU, _RHO, _DELTA, _START, _OFFSET = 0.01, 100.0, 0.05, 0.5, 1.44
 _AT_K = (1, 2, 4, 8, 16)
 
 
-def _upper_step(owner, temperature, rho, delta, start, offset):
-    try:
-        return SupAPUpperStep(temperature, rho, delta, start, offset)
-    except ValueError as err:
-        raise ValueError(f"{owner}: {err}") from None
-
-
-class _SupRankLoss(RetrievalLoss):
+class _SupRankLoss(UpperStepArgs, RetrievalLoss):
     """Constructor, validation and config common to the SupRank surrogates."""
 
     def __init__(self, temperature, rho, delta, start, offset, include_self, normalize,
@@ -56,16 +49,13 @@ class _SupRankLoss(RetrievalLoss):
                          reduction=reduction, name=name, dtype=dtype,
                          drop_lone_queries=drop_lone_queries)
         owner = type(self).__name__
-        self._upper = _upper_step(owner, temperature, rho, delta, start, offset)
         if pairs_per_block is not None and not (
                 isinstance(pairs_per_block, int) and not isinstance(pairs_per_block, bool)
                 and pairs_per_block > 0):
             raise ValueError(f"{owner}: pairs_per_block must be a positive int or None; "
                              f"received {pairs_per_block!r}.")
-        self.temperature, self.rho, self.delta = float(temperature), float(rho), float(delta)
-        self.start = float(start)
-        self.offset = None if offset is None else float(offset)
-        self.pairs_per_block = pairs_per_block
+        self._upper = self._keep_upper_step(temperature, rho, delta, start, offset,
+                                            pairs_per_block)
 
     def _ranks(self, scores, relevant, candidates):
         """SupRank's rank of every relevant pair (Q, N); 1 off the relevant pairs."""
@@ -75,11 +65,7 @@ class _SupRankLoss(RetrievalLoss):
         return 1.0 + pos_above + neg_above
 
     def get_config(self):
-        config = super().get_config()
-        config.update(temperature=self.temperature, rho=self.rho, delta=self.delta,
-                      start=self.start, offset=self.offset,
-                      pairs_per_block=self.pairs_per_block)
-        return config
+        return {**super().get_config(), **self._upper_step_config()}
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
