@@ -261,7 +261,10 @@ def faiss_peers(faiss, db):
     n, d = db.shape
     nlist = int(4 * np.sqrt(n))
     train = db[np.random.default_rng(1).choice(n, min(n, 50 * nlist), replace=False)]
-    nprobes = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+    # up to about half of the lists (as far as the tuner's leaves go: 1/2 of them)
+    nprobes = sorted({min(p, nlist) for p in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128,
+                                              192, 256, 384, 512, 768, 1024, 1536, 2048)
+                      if p <= nlist // 2 or p == 1})
 
     def ivf_flat():
         index = faiss.index_factory(d, f"IVF{nlist},Flat", faiss.METRIC_INNER_PRODUCT)
@@ -296,7 +299,8 @@ def faiss_peers(faiss, db):
     return [(f"faiss IVF{nlist},Flat", ivf_flat, nprobes),
             (f"faiss IVF{nlist},PQ{d // 2}x4fs,RFlat", ivf_pq,
              [(p, f) for f in (2, 4, 10, 25) for p in nprobes]),
-            ("faiss HNSW32", hnsw, [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768])]
+            ("faiss HNSW32", hnsw, [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768,
+                                    1024, 1536, 2048])]
 
 
 def operating_curve(index, set_param, grid, tune_queries, truth, k, args, stop_at):
