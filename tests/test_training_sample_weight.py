@@ -115,5 +115,9 @@ def test_memory_term_weights_its_queries_too():
     wrapper.compile(optimizer=keras.optimizers.SGD(1.0), loss=APLoss(), run_eagerly=True)
     history = wrapper.fit(images, labels, sample_weight=weights, batch_size=12,
                           shuffle=False, verbose=0)
-    assert_weights_close(trained.get_weights(), model.get_weights(), rtol=1e-5, atol=1e-6)
+    # float32, two SGD steps at lr 1, the second through the weighted memory term:
+    # chunked and single-pass forward passes round differently (up to 4e-6 apart with
+    # Keras 3.15.1, TF 2.20); the unweighted memory step is held to 1e-6 in
+    # tests/test_training_xbm.py
+    assert_weights_close(trained.get_weights(), model.get_weights(), rtol=1e-5, atol=2e-5)
     assert history.history["xbm_loss"][0] == pytest.approx(float(memory_term) / 2, rel=1e-5)

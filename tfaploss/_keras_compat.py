@@ -23,6 +23,13 @@ Used from the public API instead of keras.src (where it was imported from before
 
 from __future__ import annotations
 
+# Missing public API: Keras exports ``keras.SymbolicScope`` but no way to tell that one
+# is active, i.e. that Keras only traces a function for its output shapes
+# (``backend.compute_output_spec``; ``fit`` builds the compiled loss that way, in the
+# strategy's cross-replica context). The ranking losses then skip gathering the
+# replicas' batch (tfaploss/ops/distribute.py). Same source in Keras 3.15.1.
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
 # Missing public API: Keras exports no way to undo the 1/num_replicas scaling that
 # tf.distribute applies to a loss. Keras's own train step (keras/src/trainers/
 # compile_utils.py, keras/src/backend/tensorflow/trainer.py) reports regularisation
@@ -33,6 +40,7 @@ from keras.src.losses.loss import unscale_loss_for_distribution
 # (module, name) of each name imported above: the test imports them one by one.
 PRIVATE_IMPORTS = (
     ("keras.src.losses.loss", "unscale_loss_for_distribution"),
+    ("keras.src.backend.common.symbolic_scope", "in_symbolic_scope"),
 )
 
 # (public class, attribute, "instance" when the attribute is set in __init__/compile/
@@ -57,4 +65,5 @@ PRIVATE_ATTRIBUTES = (
      "models/lr_multipliers.py"),
 )
 
-__all__ = ["PRIVATE_ATTRIBUTES", "PRIVATE_IMPORTS", "unscale_loss_for_distribution"]
+__all__ = ["PRIVATE_ATTRIBUTES", "PRIVATE_IMPORTS", "in_symbolic_scope",
+           "unscale_loss_for_distribution"]

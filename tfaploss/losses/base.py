@@ -18,6 +18,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from tfaploss._keras_compat import in_symbolic_scope
+from tfaploss.ops import distribute
 from tfaploss.ops.backend import on_tensorflow
 from tfaploss.ops.masks import label_masks, pairwise_scores, self_pair_mask
 
@@ -232,10 +234,29 @@ class RetrievalLoss(keras.losses.Loss):
     (``CalibrationLoss``'s default averaging, ROADMAP's calibration part) is the same
     in every valid query's term.
 
-    Under ``tf.distribute`` Keras divides the mean reductions by the number of
-    replicas (each replica holds part of the global batch and the gradients are
-    summed); :class:`~tfaploss.training.MultiStageModel`, which ranks the global batch
-    on every replica, undoes that.
+    Under ``tf.distribute`` (``MirroredStrategy`` or ``MultiWorkerMirroredStrategy``
+    with R > 1 replicas in sync), ``__call__`` in a replica context (``Model.fit``,
+    ``evaluate``, ``strategy.run``) ranks the GLOBAL batch, never one replica's shard:
+    it all-gathers every replica's labels, embeddings (with their gradient) and
+    ``sample_weight`` (shards may differ in size), reduces the global batch's terms as
+    above, and returns this replica's share of the result: the result divided by R
+    (Keras's own division of the mean reductions; ``"sum"`` is divided here), or for
+    ``"none"`` this replica's rows of it. The shares sum to the one-device loss, and
+    so do their gradients (the all-gather's backward sums the replicas' gradients of
+    every row; the optimizer sums the replicas' weight gradients), so ``fit`` takes
+    the one-device step and reports the one-device loss (Keras reports a share times
+    R). Each replica evaluates the loss of the whole global batch (the cost above at
+    the global B), plus an all-gather of the (B, D) embeddings and an all-reduce of
+    their gradient. :class:`~tfaploss.training.MultiStageModel` gathers the batch
+    itself and tells the loss so, which then does not gather it again. Where the
+    global batch cannot be gathered the call raises rather than rank each shard
+    alone: a cross-replica context (inside ``strategy.scope()``, outside
+    ``strategy.run``), another strategy with R > 1 (``CentralStorageStrategy``,
+    ``TPUStrategy``, ``ParameterServerStrategy`` with several devices per worker),
+    or a subclass's own ``__call__`` that does not gather (``HAPLoss``,
+    ``RecallAtKLoss(simix=...)``: train those with ``MultiStageModel``).
+    ``query_database_loss`` ranks each replica's queries against the database it is
+    given, with Keras's per-replica scaling, as before.
 
     Labels are compared exactly, before any cast (``__call__`` hands them to
     :meth:`call` as given, where Keras's would cast them to ``dtype`` first), so ids
@@ -297,10 +318,37 @@ class RetrievalLoss(keras.losses.Loss):
     def __call__(self, y_true, y_pred, sample_weight=None):
         """The reduced loss (see the class docstring); Keras's ``Loss.__call__``
         reduces the terms of :meth:`call`, which sees the labels uncast."""
+        replicas = distribute.replicas_to_gather(type(self).__name__,
+                                                 shapes_only=in_symbolic_scope())
+        if replicas > 1:
+            return self._global_batch_call(y_true, y_pred, sample_weight, replicas)
         with keras.name_scope(self.name):
             terms = self.call(check_labels(y_true), y_pred)
             sample_weight = self._check_sample_weight(sample_weight, terms)
         return self._reduce(terms, sample_weight)
+
+    def _global_batch_call(self, y_true, y_pred, sample_weight, replicas):
+        """``__call__`` in a replica context of a ``tf.distribute`` strategy: the loss
+        of the global batch (every replica's rows gathered), as this replica's share
+        (class docstring, "Under tf.distribute")."""
+        owner = type(self).__name__
+        with keras.name_scope(self.name):
+            embeddings = self._check_embeddings(ops.convert_to_tensor(y_pred), "y_pred")
+            labels = _check_sizes(owner, check_labels(y_true), embeddings, "y_true",
+                                  "y_pred")
+            if sample_weight is not None:
+                # One weight per local query, cast as Keras casts it, so that the
+                # replicas' weights line up with their gathered rows.
+                local = ops.zeros_like(labels, dtype=self.dtype)
+                sample_weight = ops.reshape(ops.cast(
+                    self._check_sample_weight(sample_weight, local), self.dtype), (-1,))
+            labels, embeddings, sample_weight, rows = distribute.gather_replicas(
+                labels, embeddings, sample_weight)
+            with distribute.global_batch():
+                terms = self.call(labels, embeddings)
+                sample_weight = self._check_sample_weight(sample_weight, terms)
+                loss = self._reduce(terms, sample_weight)
+        return distribute.replica_share(loss, self.reduction, replicas, rows)
 
     def call(self, y_true, y_pred):
         """Per-query terms, shape (B,), masked where a query has no positive."""
@@ -345,8 +393,18 @@ class RetrievalLoss(keras.losses.Loss):
             sample_weight = ops.ones_like(terms) * ops.cast(sample_weight, terms.dtype)
         return sample_weight
 
-    def _reduce(self, terms, sample_weight=None):
-        """Keras's reduction of the masked per-query ``terms`` (this loss's settings)."""
+    def _reduce(self, terms, sample_weight=None, per_replica=False):
+        """Keras's reduction of the masked per-query ``terms`` (this loss's settings).
+
+        Refused in a replica context of a ``tf.distribute`` strategy, where ``terms``
+        would rank one replica's shard (a subclass's own ``__call__``), unless
+        ``per_replica`` (the caller's rankings are meant per replica) or the caller
+        holds the global batch (``distribute.global_batch``).
+        """
+        if not per_replica:
+            distribute.refuse_per_replica(
+                type(self).__name__, "its own __call__ (which does not gather the replicas' rows)",
+                shapes_only=in_symbolic_scope())
         reduction = _KerasReduction(name=self.name, reduction=self.reduction,
                                     dtype=self.dtype)
         return reduction(terms, terms, sample_weight)
@@ -381,7 +439,10 @@ class RetrievalLoss(keras.losses.Loss):
         else:
             candidates = all_items
         terms = self._query_terms(finite, scores, positives, candidates)
-        return self._reduce(terms, self._check_sample_weight(sample_weight, terms))
+        # The caller chose the database; under tf.distribute each replica ranks its
+        # own queries against it, and Keras scales the means per replica as usual.
+        return self._reduce(terms, self._check_sample_weight(sample_weight, terms),
+                            per_replica=True)
 
     def _query_terms(self, finite, scores, positives, candidates, self_pairs=None):
         """Masked per-query terms (Q,) from a (Q, N) score matrix and its boolean masks.

@@ -47,6 +47,7 @@ from keras import ops, tree
 
 from tfaploss._keras_compat import unscale_loss_for_distribution  # private Keras API
 from tfaploss.losses.base import RetrievalLoss
+from tfaploss.ops.distribute import global_batch
 from tfaploss.training.checks import check_deterministic, ghost_batch_norm_layers
 from tfaploss.training.xbm import CrossBatchMemory
 
@@ -93,7 +94,8 @@ class MultiStageModel(_backend_steps(), keras.Model):
     parts into the global gradient. The compiled losses must then be batch-level
     ranking losses (``tfaploss.losses.RetrievalLoss``), all reducing by a mean or all
     by a sum; the step undoes the 1/replicas scaling Keras gives a mean (it assumes
-    per-replica shares of the batch). ``evaluate`` stays per replica.
+    per-replica shares of the batch). ``evaluate`` ranks the global batch too (the
+    loss gathers it).
 
     The same exact step runs on the TensorFlow, JAX and PyTorch backends; distribution
     strategies (global-batch ranking across replicas) are TensorFlow-only.
@@ -291,7 +293,10 @@ class MultiStageModel(_backend_steps(), keras.Model):
         term (0 without memory). Metric updates are left to the caller.
         """
         memory_loss_fn = self._memory_loss_fn() if self.memory is not None else None
-        loss = self._compile_loss(y, embeddings, sample_weight)
+        # The step holds the global batch already (gathered by the backend's step):
+        # the losses must rank it as it is, not gather it again.
+        with global_batch():
+            loss = self._compile_loss(y, embeddings, sample_weight)
         if loss is None:
             raise ValueError("MultiStageModel: no loss to compute. Provide `loss` in `compile()`.")
         compiled = [l for l in tree.flatten(self.loss) if l is not None]
@@ -300,7 +305,9 @@ class MultiStageModel(_backend_steps(), keras.Model):
         total = loss
         memory_loss = ops.zeros((), "float32")
         if self.memory is not None:
-            memory_loss = self.memory.query_loss(memory_loss_fn, y, embeddings, sample_weight)
+            with global_batch():
+                memory_loss = self.memory.query_loss(memory_loss_fn, y, embeddings,
+                                                     sample_weight)
             if self._divided_per_replica(memory_loss_fn):
                 memory_loss = unscale_loss_for_distribution(memory_loss)
             weighted = ops.cast(memory_loss, loss.dtype) * self.xbm_weight

@@ -1,0 +1,140 @@
+"""Ranking the global batch under ``tf.distribute``.
+
+A ranking loss is not a sum of per-sample losses: under a data-parallel strategy each
+replica holds a shard of the batch, and ranking each shard on its own gives another
+loss (none at all when no shard holds two items of one class). So
+:class:`tfaploss.losses.RetrievalLoss` all-gathers the embeddings, labels and sample
+weights of every replica and ranks the global batch on each of them (see its
+docstring). This module says when to gather and does it; the TensorFlow code runs only
+on the TensorFlow backend (JAX and PyTorch see one batch per call and never gather).
+
+:func:`global_batch` marks code that already holds the global batch
+(:class:`tfaploss.training.MultiStageModel` gathers it itself), so that nothing is
+gathered twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from tfaploss.ops.backend import on_tensorflow
+
+# Per thread: MirroredStrategy traces each replica's step in a thread of its own.
+_STATE = threading.local()
+
+
+@contextlib.contextmanager
+def global_batch():
+    """Within this context, loss calls take their inputs as the global batch already."""
+    depth = getattr(_STATE, "depth", 0)
+    _STATE.depth = depth + 1
+    try:
+        yield
+    finally:
+        _STATE.depth = depth
+
+
+def holds_global_batch() -> bool:
+    """Whether the caller said (:func:`global_batch`) that it holds the global batch."""
+    return getattr(_STATE, "depth", 0) > 0
+
+
+def replicas_to_gather(owner: str, shapes_only: bool = False) -> int:
+    """How many replicas a loss call must gather the batch from (1: none to gather).
+
+    More than 1 only on TensorFlow, in a replica context of a ``tf.distribute``
+    strategy with several replicas in sync, outside :func:`global_batch`. Raises where
+    the global batch cannot be gathered (see :func:`_supported_replicas`), rather
+    than let each replica rank its own shard. ``shapes_only``: Keras is tracing the
+    call for its output shapes (``fit`` does once, in the cross-replica context):
+    nothing runs, so nothing is gathered or refused.
+    """
+    if not on_tensorflow() or holds_global_batch() or shapes_only:
+        return 1
+    return _supported_replicas(owner)
+
+
+def _supported_replicas(owner: str) -> int:
+    import tensorflow as tf
+
+    strategy = tf.distribute.get_strategy()
+    replicas = strategy.num_replicas_in_sync
+    if replicas == 1:
+        return 1
+    name = type(strategy).__name__
+    if tf.distribute.get_replica_context() is None:
+        raise RuntimeError(
+            f"{owner} was called in the cross-replica context of {name} ({replicas} "
+            "replicas in sync), where it cannot gather the replicas' shards of the "
+            "batch. Call it per replica, inside strategy.run (as Model.fit does), "
+            "where it ranks the global batch; or outside strategy.scope().")
+    supported = (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
+    if not isinstance(strategy, supported):
+        raise ValueError(  # noqa: TRY004 - a strategy the loss cannot serve, not a bad type
+            f"{owner} ranks the global batch under tf.distribute by all-gathering every "
+            "replica's embeddings and labels, which is supported under MirroredStrategy "
+            f"and MultiWorkerMirroredStrategy only; received {name} with {replicas} "
+            "replicas in sync. Ranking each replica's shard on its own would give "
+            "another loss (no positive pair may fall inside one shard). Train under "
+            "MirroredStrategy or MultiWorkerMirroredStrategy, or on one replica.")
+    return replicas
+
+
+def refuse_per_replica(owner: str, entry: str, shapes_only: bool = False) -> None:
+    """Raise if ``entry`` (a loss entry point that does not gather) would rank each
+    replica's shard of the batch on its own (``shapes_only``: see
+    :func:`replicas_to_gather`)."""
+    replicas = replicas_to_gather(owner, shapes_only)
+    if replicas > 1:
+        import tensorflow as tf
+
+        raise ValueError(
+            f"{owner}: {entry} ranks only the batch it is given, and under "
+            f"{type(tf.distribute.get_strategy()).__name__} ({replicas} replicas in "
+            "sync) that is one replica's shard of the global batch. Train it with "
+            "tfaploss.training.MultiStageModel (it ranks the global batch on every "
+            "replica), or on one replica.")
+
+
+def gather_replicas(labels, embeddings, sample_weight):
+    """Every replica's rows of ``labels``, ``embeddings`` and ``sample_weight`` (or
+    None), in replica order, with the gradient; and this replica's ``(start, stop)``
+    rows in them. Shards may differ in size. TensorFlow only; call inside a replica
+    context (where :func:`replicas_to_gather` returned more than 1).
+
+    Cost: an all-gather of the (B, D) embeddings (and its backward: an all-reduce of
+    their (B, D) gradient, of which each replica keeps its rows) and of B labels.
+    """
+    import tensorflow as tf
+
+    context = tf.distribute.get_replica_context()
+    local = tf.shape(embeddings)[0]
+    sizes = context.all_gather(tf.reshape(local, [1]), axis=0)
+    start = tf.reduce_sum(sizes[: context.replica_id_in_sync_group])
+
+    def gather(tensor):
+        return None if tensor is None else context.all_gather(tensor, axis=0)
+
+    return (gather(labels), gather(embeddings), gather(sample_weight),
+            (start, start + local))
+
+
+def replica_share(loss, reduction: str, replicas: int, rows):
+    """This replica's share of ``loss``, the loss of the global batch (reduced by
+    Keras in this replica context), such that the replicas' shares, summed (as the
+    optimizer sums their gradients), give the one-device loss and gradient.
+
+    The mean reductions are already divided by ``replicas`` (Keras's
+    ``scale_loss_for_distribution``); ``"sum"`` is divided here; ``"none"`` keeps
+    this replica's ``rows`` (the gather's gradient sums over replicas, so the rows'
+    gradient is the one-device one).
+    """
+    import tensorflow as tf
+
+    if reduction in (None, "none"):
+        start, stop = rows
+        return loss[start:stop]
+    if reduction == "sum":
+        return loss / tf.cast(replicas, loss.dtype)
+    return loss
