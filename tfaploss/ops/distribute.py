@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import keras
+
 from tfaploss.ops.backend import on_tensorflow
 
 # Per thread: MirroredStrategy traces each replica's step in a thread of its own.
@@ -98,10 +100,11 @@ def refuse_per_replica(owner: str, entry: str, shapes_only: bool = False) -> Non
 
 
 def gather_replicas(labels, embeddings, sample_weight):
-    """Every replica's rows of ``labels``, ``embeddings`` and ``sample_weight`` (or
-    None), in replica order, with the gradient; and this replica's ``(start, stop)``
-    rows in them. Shards may differ in size. TensorFlow only; call inside a replica
-    context (where :func:`replicas_to_gather` returned more than 1).
+    """Every replica's rows of ``labels``, ``embeddings`` and ``sample_weight`` (each a
+    tensor, a nested structure of tensors, or None), in replica order, with the
+    gradient; and this replica's ``(start, stop)`` rows in them. Shards may differ in
+    size. TensorFlow only; call inside a replica context (where
+    :func:`replicas_to_gather` returned more than 1).
 
     Cost: an all-gather of the (B, D) embeddings (and its backward: an all-reduce of
     their (B, D) gradient, of which each replica keeps its rows) and of B labels.
@@ -113,8 +116,10 @@ def gather_replicas(labels, embeddings, sample_weight):
     sizes = context.all_gather(tf.reshape(local, [1]), axis=0)
     start = tf.reduce_sum(sizes[: context.replica_id_in_sync_group])
 
-    def gather(tensor):
-        return None if tensor is None else context.all_gather(tensor, axis=0)
+    def gather(structure):
+        return keras.tree.map_structure(
+            lambda tensor: None if tensor is None else context.all_gather(tensor, axis=0),
+            structure)
 
     return (gather(labels), gather(embeddings), gather(sample_weight),
             (start, start + local))

@@ -17,6 +17,8 @@ from __future__ import annotations
 import tensorflow as tf
 from keras import tree
 
+from tfaploss.ops import distribute
+
 # Beyond this many chunks the step uses a tf.while_loop rather than unrolled chunks.
 UNROLL_CHUNKS = 8
 
@@ -146,16 +148,9 @@ class TensorFlowSteps:
         if replicas == 1:
             return embeddings, y, sample_weight, 0
         self._check_distributed_losses()
-        context = tf.distribute.get_replica_context()
-        local = tf.shape(embeddings)[0]
-        sizes = context.all_gather(tf.reshape(local, [1]), axis=0)
-        offset = tf.reduce_sum(sizes[: context.replica_id_in_sync_group])
-
-        def gather(t):
-            return None if t is None else context.all_gather(t, axis=0)
-
-        return (gather(embeddings), tree.map_structure(gather, y),
-                tree.map_structure(gather, sample_weight), offset)
+        all_y, all_embeddings, all_weights, (offset, _) = distribute.gather_replicas(
+            y, embeddings, sample_weight)
+        return all_embeddings, all_y, all_weights, offset
 
     def _check_distributed_losses(self):
         losses = [l for l in tree.flatten(self.loss) if l is not None]
