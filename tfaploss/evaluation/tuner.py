@@ -12,8 +12,9 @@ know which of these they got. :func:`tune_searcher` asks for a recall instead:
 3. **Search.** It walks a small space of ScaNN settings (:func:`candidate_settings`)
    in order of a cost model (:func:`estimated_cost`, cheapest first): partitions
    (``num_leaves``: none, about sqrt(N) or 2 sqrt(N)), leaves searched (1, 2, 4 or 8
-   leaves, and 1/64 .. 1/2 of them), scoring inside the leaves (4-bit AH with 2 or 1 dimensions per block,
-   anisotropic threshold 0.2 or off, or exact float32 brute force), and the exact
+   leaves, and 1/64 .. 1/2 of them), scoring inside the leaves (4-bit AH with 2 or 1
+   dimensions per block, anisotropic threshold 0.2 or off, or exact float32 brute
+   force), and the exact
    re-order size (2k, 4k, 10k). Settings the cost model already puts at or above exact
    search are never tried, and a setting is skipped when a setting that finds at least
    every neighbour it can find already missed the target (brute force over as many
