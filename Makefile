@@ -66,16 +66,29 @@ demo: $(STAMP)
 BACKEND_TESTS := tests/backend_agnostic tests/test_models_backends.py \
 	tests/test_training_backends.py tests/test_training_simix.py
 
+# The TensorFlow suite runs on 2 worker processes (pytest-xdist; 7 min instead of 10
+# on 2 cores): every test makes its own files under tmp_path and picks free ports.
+# PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP) $(TORCH_STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 	$(MAKE) test-jax
 	$(MAKE) test-torch
 
+# keras.distribution.DataParallel on 4 host devices: a process of its own, since the
+# device count is fixed when JAX starts.
 test-jax: $(STAMP)
 	KERAS_BACKEND=jax $(BIN)/python -m pytest --noconftest $(PYTEST_ARGS) $(BACKEND_TESTS)
+	KERAS_BACKEND=jax XLA_FLAGS=--xla_force_host_platform_device_count=4 \
+		$(BIN)/python -m pytest --noconftest $(PYTEST_ARGS) tests/test_distribute_jax.py
 
+# torch.distributed (4 local gloo ranks forked from the test process): a process of its
+# own, so that the ranks fork from a fresh one; ~20 s on 2 cores.
 test-torch: $(TORCH_STAMP)
 	KERAS_BACKEND=torch $(BIN)/python -m pytest --noconftest $(PYTEST_ARGS) $(BACKEND_TESTS)
+	KERAS_BACKEND=torch $(BIN)/python -m pytest --noconftest $(PYTEST_ARGS) \
+		tests/test_distribute_torch.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/losses.py

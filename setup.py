@@ -11,6 +11,9 @@ from setuptools import find_packages, setup
 # google-crc32c: the record CRCs at ~10 GB/s instead of crcmod's ~0.5 GB/s.
 # fonttools: pipelines.glyphs reads the fonts' cmaps and outlines with it.
 BEAM = ["apache-beam[tfrecord]>=2.60", "google-crc32c>=1.5", "fonttools>=4.40"]
+# The jobs on a Dask cluster (--runner apache_beam.runners.dask.dask_runner.DaskRunner):
+# Beam's own dask and distributed requirements.
+DASK = ["apache-beam[dask]>=2.60"]
 SCANN = ["scann==1.4.2; platform_system == 'Linux'"]
 TFDS = ["tensorflow-datasets>=4.9", "importlib_resources"]
 VIZ = ["matplotlib>=3.7"]
@@ -50,13 +53,14 @@ setup(
     ],
     extras_require={
         "beam": BEAM,
+        "dask": BEAM + DASK,
         "scann": SCANN,
         "tfds": TFDS,
         "viz": VIZ,
         "bench": BENCH,
         "demo": DEMO + BEAM + SCANN + VIZ,
         "all": BEAM + SCANN + TFDS + VIZ + DEMO + ["jax[cpu]"],
-        "dev": BEAM + SCANN + TFDS + VIZ + DEMO + TEST + ["ruff", "jax[cpu]"],
+        "dev": BEAM + DASK + SCANN + TFDS + VIZ + DEMO + TEST + ["ruff", "jax[cpu]"],
     },
     entry_points={"console_scripts": ["tfaploss=tfaploss.cli:main"]},
     classifiers=[

@@ -204,14 +204,15 @@ def describe_manifests(manifests: dict[str, dict]) -> str:
 
 
 def main_wrapper(run_fn, argv: list[str] | None = None, describe=describe_manifests) -> int:
-    """Shared ``__main__``: quiet logging, exit 1 on too many failures or a dead image
-    worker, 2 on bad arguments or an output folder another job holds.
+    """Shared ``__main__``: quiet logging, exit 1 on too many failures, a dead image
+    worker or a run that lost images, 2 on bad arguments or an output folder another
+    job holds.
 
     ``describe`` turns what ``run_fn`` returned into the result written on success
     (stdout, through the ``pipelines.result`` logger).
     """
     from pipelines.image_workers import WorkerDiedError
-    from pipelines.manifests import TooManyFailuresError
+    from pipelines.manifests import IncompleteRunError, TooManyFailuresError
     from tfaploss.locks import LockError
 
     configure(wants_verbose(argv))
@@ -220,7 +221,7 @@ def main_wrapper(run_fn, argv: list[str] | None = None, describe=describe_manife
     except TooManyFailuresError as e:
         LOG.error("%s", e)
         return 1
-    except WorkerDiedError as e:
+    except (WorkerDiedError, IncompleteRunError) as e:
         LOG.error("error: %s", e)
         return 1
     except (ValueError, FileNotFoundError, LockError) as e:

@@ -7,15 +7,24 @@ always gives the same files. The work list is JSON lines of *batches*
 per-element cost grows with the number of images. Splits that come from a source
 transform instead of a work list (TFDS) are sharded by a hash of the id, since their
 number of records is only known afterwards.
+
+The driver writes each split's work list to one file and hands Beam only the byte
+range of each shard's batches in it (:func:`write_work_list`, read back in the workers by
+:func:`read_work_chunk`): a ``beam.Create`` of ranges runs on every runner, where a file
+source does not (Beam's DaskRunner translates no ``Read``), and the job graph grows with
+the number of shards, not of images.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
+import json
 import math
 import zlib
 from dataclasses import dataclass
 
+from pipelines import storage
 from pipelines.plan import SplitPlan, shard_of
 
 
@@ -69,6 +78,29 @@ def batches(plan: SplitPlan, lay: Layout, per_batch: int, root: str | None):
                    "num_labels": lay.num_labels, "num_class_shards": lay.num_class_shards,
                    "records": [r if "root" in r or root is None else {**r, "root": root}
                                for r in recs]}
+
+
+def write_work_list(path: str, plan: SplitPlan, lay: Layout, per_batch: int,
+                    root: str | None) -> list[tuple[str, int, int]]:
+    """Write the work list of a planned split to ``path`` (see :func:`batches`); returns
+    ``(path, offset, length)``: the byte range of each shard's batches, in shard order."""
+    pieces, chunks, offset = [], [], 0
+    for _, group in itertools.groupby(batches(plan, lay, per_batch, root),
+                                      key=lambda b: b["shard"]):
+        text = storage.json_lines(group).encode("utf-8")
+        pieces.append(text)
+        chunks.append((path, offset, len(text)))
+        offset += len(text)
+    storage.write_atomic(path, b"".join(pieces))
+    return chunks
+
+
+def read_work_chunk(chunk: tuple[str, int, int]):
+    """The batches of one ``(path, offset, length)`` of :func:`write_work_list`."""
+    path, offset, length = chunk
+    for line in storage.read_range(path, offset, length).decode("utf-8").splitlines():
+        if line.strip():
+            yield json.loads(line)
 
 
 def source_batches(p, plan: SplitPlan, lay: Layout, per_batch: int):

@@ -36,6 +36,11 @@ class TooManyFailuresError(RuntimeError):
         self.manifests = manifests
 
 
+class IncompleteRunError(RuntimeError):
+    """The pipeline finished without exactly one result for each planned image of a
+    split (a runner lost or repeated some); nothing was published."""
+
+
 def finish_split(job: str, plan: SplitPlan, args, report: list[dict],
                  split_dir: str) -> dict:
     """Write the dead letters, ignored files, the plan's extra files and the manifest of

@@ -22,7 +22,9 @@ from apache_beam.options.pipeline_options import (
 
 _BEAM_EPILOG = (
     "Any other option is passed to Apache Beam, e.g. --runner DataflowRunner --project P "
-    "--region R --temp_location gs://... --setup_file ./setup.py, or for the local "
+    "--region R --temp_location gs://... --setup_file ./setup.py, or on a Dask cluster "
+    "--runner apache_beam.runners.dask.dask_runner.DaskRunner (the full name) "
+    "--dask_client_address HOST:8786 --dask_npartitions N, or for the local "
     "DirectRunner --direct_running_mode in_memory|multi_processing --direct_num_workers N "
     "(default when no runner is given: in_memory, one Beam process whose image work "
     "runs in --image_processes forked processes, one per core)."

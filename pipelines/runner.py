@@ -8,14 +8,16 @@ driver and hands :func:`run_job` one :class:`~pipelines.plan.SplitPlan` per spli
    shard, into a staging folder (:mod:`pipelines.layout`);
 2. on the local DirectRunner, forks one image process per core
    (:mod:`pipelines.image_workers`) before Beam starts its threads;
-3. assembles and runs one Beam pipeline: read the work lists (or the splits' source
-   transforms) -> :class:`~pipelines.steps.ProcessBatchDoFn` (the image work) -> group
-   by output file -> :class:`~pipelines.steps.WriteOutputsDoFn` (the shards)
-   (:mod:`pipelines.steps`);
-4. writes ``dead_letters.jsonl`` and ``manifest.json`` into each staged split
-   (:mod:`pipelines.manifests`) and only then publishes it over the old one
-   (:func:`pipelines.storage.publish`): a killed or failed run leaves the previous
-   dataset as it was;
+3. assembles and runs one Beam pipeline: the byte range of each shard in the work
+   lists (a ``Create``, which every runner can start from), read and spread over the
+   workers (or the splits' source transforms) ->
+   :class:`~pipelines.steps.ProcessBatchDoFn` (the image work) -> group by output file
+   -> :class:`~pipelines.steps.WriteOutputsDoFn` (the shards) (:mod:`pipelines.steps`);
+4. checks that the workers' reports account for every planned image exactly once (else
+   :class:`IncompleteRunError`, nothing published), writes ``dead_letters.jsonl`` and
+   ``manifest.json`` into each staged split (:mod:`pipelines.manifests`) and only then
+   publishes it over the old one (:func:`pipelines.storage.publish`): a killed or
+   failed run leaves the previous dataset as it was;
 5. logs a summary and keeps the timing figures (:mod:`pipelines.console`).
 
 Anything that fails goes to the dead letters with its id, path and reason; the runner
@@ -34,8 +36,8 @@ is the complete previous version, or absent.
 The names the jobs, tests and benchmarks use are importable from here:
 ``SplitPlan``, ``dedupe_and_index``, ``contiguous_labels``, ``dead_letter``,
 ``shard_of`` (planning), ``run_job``, ``STAGING``, ``TooManyFailuresError``,
-``main_wrapper``, ``describe_manifests``, ``LAST_TIMING``, ``image_threads``,
-``image_processes``.
+``IncompleteRunError``, ``main_wrapper``, ``describe_manifests``, ``LAST_TIMING``,
+``image_threads``, ``image_processes``.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from pipelines import image_workers as W
 from pipelines import layout as L
 from pipelines import manifests as M
 from pipelines.console import LAST_TIMING, describe_manifests, main_wrapper
-from pipelines.manifests import SCHEMA_VERSION, TooManyFailuresError
+from pipelines.manifests import SCHEMA_VERSION, IncompleteRunError, TooManyFailuresError
 from pipelines.plan import (
     SplitPlan,
     contiguous_labels,
@@ -60,6 +62,7 @@ from pipelines.plan import (
 from pipelines.steps import (
     ProcessBatchDoFn,
     WriteOutputsDoFn,
+    emit_lag,
     image_processes,
     image_threads,
 )
@@ -69,6 +72,7 @@ __all__ = [  # what the jobs, tests and benchmarks import from here
     "LAST_TIMING",
     "SCHEMA_VERSION",
     "STAGING",
+    "IncompleteRunError",
     "ProcessBatchDoFn",
     "SplitPlan",
     "TooManyFailuresError",
@@ -91,14 +95,19 @@ STAGING = ".incoming"
 join = storage.join
 
 
-def _assemble(p, plans: list[SplitPlan], layouts: dict, work: str, per_batch: int,
+def _assemble(p, plans: list[SplitPlan], layouts: dict, chunks: list, per_batch: int,
               process: ProcessBatchDoFn, write: WriteOutputsDoFn) -> None:
-    """The job's Beam graph: work lists and source splits -> process -> write files."""
+    """The job's Beam graph: work lists (``chunks``: byte ranges of the work-list files,
+    :func:`pipelines.layout.write_work_list`) and source splits -> process -> write
+    files."""
     inputs = []
-    if any(plan.source is None for plan in plans):
+    if chunks:
+        # The Reshuffle spreads a shard's batches over the workers instead of leaving
+        # them fused to the worker that read the range.
         inputs.append(p
-                      | "ReadWorkLists" >> beam.io.ReadFromText(join(work, "*-batches.jsonl"))
-                      | "Parse" >> beam.Map(json.loads))
+                      | "WorkLists" >> beam.Create(chunks)
+                      | "ReadWorkLists" >> beam.FlatMap(L.read_work_chunk)
+                      | "Spread" >> beam.Reshuffle())
     for plan in plans:
         if plan.source is not None:
             inputs.append(L.source_batches(p, plan, layouts[plan.name], per_batch))
@@ -116,7 +125,8 @@ def run_job(job: str, plans: list[SplitPlan], args, options) -> dict[str, dict]:
     publishing) when a split's failure fraction exceeds ``args.max_failure_fraction``,
     :class:`~tfaploss.locks.LockHeldError` when another job writes the same output
     folder, :class:`~pipelines.image_workers.WorkerDiedError` (nothing published) when
-    an image worker process died.
+    an image worker process died, :class:`IncompleteRunError` (nothing published) when
+    the runner's results do not account for every planned image of a split.
     """
     started = getattr(args, "_started", None) or time.time()
     storage.makedirs(args.output_dir)
@@ -139,11 +149,12 @@ def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):
         root = os.path.realpath(args.input_dir)
     per_batch = args.images_per_batch
     layouts = {plan.name: L.layout(args, plan) for plan in plans}
+    chunks = []
     for plan in plans:
         storage.makedirs(join(stage, plan.name))
         if plan.source is None:
-            storage.write_atomic(join(work, f"{plan.name}-batches.jsonl"), storage.json_lines(
-                L.batches(plan, layouts[plan.name], per_batch, root)))
+            chunks += L.write_work_list(join(work, f"{plan.name}-batches.jsonl"), plan,
+                                        layouts[plan.name], per_batch, root)
         console.log_plan(job, plan.name, plan.num_records_hint or len(plan.records),
                          len(plan.failures), len(plan.ignored))
     threads = image_threads(args, options)
@@ -155,10 +166,12 @@ def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):
     storage.makedirs(parts_dir)
     pool_token = W.start_local_pool(processes) if processes > 1 else None
     beam_started = time.time()
+    p = None
     try:
         with console.beam_quiet_on(), beam.Pipeline(options=options) as p:
-            _assemble(p, plans, layouts, work, per_batch,
-                      ProcessBatchDoFn(settings, threads, root, parts_dir, pool_token),
+            _assemble(p, plans, layouts, chunks, per_batch,
+                      ProcessBatchDoFn(settings, threads, root, parts_dir, pool_token,
+                                       emit_lag=emit_lag(options)),
                       WriteOutputsDoFn(stage, report_path, args.class_chunk_size, threads,
                                        pool_token))
     except Exception as err:
@@ -169,10 +182,19 @@ def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):
         storage.remove_tree(stage)  # the parts and shards of the unfinished run
         raise W.WorkerDiedError(_death_message(job, plans, out, deaths)) from None
     finally:
+        _close_client(p)
         W.stop_local_pool(pool_token)
 
     report = [json.loads(line) for line in storage.read_text(report_path).splitlines()
               if line.strip()]
+    lost = _unaccounted(plans, report)
+    if lost:
+        storage.remove_tree(stage)
+        raise IncompleteRunError(
+            f"{job}: the Beam runner returned results for {lost}: images were lost or "
+            "counted twice between the steps, so nothing was published. The runner "
+            "does not run the job's steps as Beam specifies (a DoFn's finish_bundle "
+            "output dropped?); run it on another runner.")
     timing = console.batch_timing(report, started, beam_started)
     manifests = {}
     for plan in plans:
@@ -185,6 +207,26 @@ def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):
     console.log_summary(job, manifests, LAST_TIMING)
     M.raise_if_too_many(manifests, args.max_failure_fraction)
     return manifests
+
+
+def _unaccounted(plans: list[SplitPlan], report: list[dict]) -> str:
+    """Which work-list splits' reports do not cover each planned record exactly once
+    (``""``: none); splits read from a source transform have no count to check."""
+    done: dict[str, int] = {}
+    for row in report:
+        done[row["split"]] = done.get(row["split"], 0) + row["n"]
+    return "; ".join(f"{done.get(plan.name, 0)} of the {len(plan.records)} images of "
+                     f"split {plan.name!r}" for plan in plans
+                     if plan.source is None and done.get(plan.name, 0) != len(plan.records))
+
+
+def _close_client(pipeline) -> None:
+    """Close the cluster connection a runner opened for this run, if any: Beam's
+    DaskRunner leaves its ``dask.distributed`` Client open, which then keeps trying to
+    reach a cluster that may be gone."""
+    client = getattr(getattr(pipeline, "result", None), "client", None)
+    if client is not None and hasattr(client, "close"):
+        client.close()
 
 
 def _death_message(job: str, plans: list[SplitPlan], out: str, deaths: list[dict]) -> str:

@@ -64,14 +64,18 @@ class ProcessBatchDoFn(_PooledDoFn):
       jpeg_offset, jpeg_length)]``, for splits with a by-class layout;
     * ``(REPORT,)``: one dict per batch with the counts per (label, super_label), the
       dead letters and the batch's wall-clock span.
+
+    Up to ``emit_lag`` batches are held back and emitted later, the last ones from
+    ``finish_bundle`` (:func:`emit_lag`).
     """
 
     def __init__(self, settings: dict, threads: int, root: str | None, parts_dir: str,
-                 pool_token: str | None = None):
+                 pool_token: str | None = None, emit_lag: int = 2):
         super().__init__(threads, pool_token)
         self.settings = settings
         self.root = root
         self.parts_dir = parts_dir
+        self.emit_lag = emit_lag
 
     def setup(self):
         super().setup()
@@ -83,8 +87,8 @@ class ProcessBatchDoFn(_PooledDoFn):
         self.pending = collections.deque()
 
     def process(self, batch: dict):
-        # Tasks are submitted as batches come and emitted two batches behind, so the
-        # workers never wait for the slowest image of a batch before starting the next.
+        # Tasks are submitted as batches come and emitted emit_lag (2) batches behind, so
+        # the workers never wait for the slowest image of a batch before starting the next.
         records = batch["records"]
         size = self.task_images or max(1, math.ceil(len(records) / self.threads))
         tasks = [records[i:i + size] for i in range(0, len(records), size)]
@@ -94,7 +98,7 @@ class ProcessBatchDoFn(_PooledDoFn):
                                      where)
                     for t, path in zip(tasks, paths)] if self.pool is not None else None)
         self.pending.append((batch, tasks, paths, futures, time.time()))
-        while len(self.pending) > 2:
+        while len(self.pending) > self.emit_lag:
             yield from self._emit(*self.pending.popleft())
 
     def finish_bundle(self):
@@ -201,6 +205,17 @@ def _direct_mode(options) -> str | None:
     if "direct" not in runner:
         return None
     return options.view_as(DirectOptions).direct_running_mode or "in_memory"
+
+
+def emit_lag(options) -> int:
+    """How many batches :class:`ProcessBatchDoFn` may hold back until ``finish_bundle``:
+    2, but 0 on Beam's DaskRunner, which collects a bundle's outputs before it calls
+    ``finish_bundle`` and so drops whatever is emitted there (Beam 2.77)."""
+    from apache_beam.options.pipeline_options import StandardOptions
+
+    runner = options.view_as(StandardOptions).runner or ""
+    name = runner if isinstance(runner, str) else type(runner).__name__
+    return 0 if name.rsplit(".", 1)[-1].lower() == "daskrunner" else 2
 
 
 def image_threads(args, options) -> int:

@@ -94,6 +94,18 @@ def read_binary(path: str) -> bytes:
         return f.read()
 
 
+def read_range(path: str, offset: int, length: int) -> bytes:
+    """``length`` bytes of ``path`` from byte ``offset`` (a worker's share of a file the
+    driver wrote)."""
+    if is_url(path):
+        with _fs().open(path) as f:
+            f.seek(offset)
+            return f.read(length)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(length)
+
+
 def write_atomic(path: str, data: bytes | str, *, durable: bool = True) -> None:
     """Write ``data`` to ``path`` through a temporary name, renamed into place when
     complete (a retried or killed writer never leaves a half file under ``path``).

@@ -2,9 +2,11 @@
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfaploss.data as D
 from tests import miniature as mini
+from tfaploss.data.samplers import shard_batches
 
 
 def batches(ds, n):
@@ -98,3 +100,27 @@ def test_sampler_arguments_are_checked(split, tmp_path):
         D.make_train_dataset(split, sampler="balanced")
     with pytest.raises(FileNotFoundError, match="no by_class TFRecords"):
         D.make_train_dataset(str(tmp_path), batch_size=8, m=2)
+
+
+def test_shard_batches_split_every_global_batch_into_whole_classes(split):
+    """Ranks drawing with one seed keep their shards: m per class, and the shards in
+    rank order are the one-device batch (pixels, augmentation and ids included)."""
+    kw = {"batch_size": 12, "m": 2, "image_size": 8, "seed": 3, "with_ids": True,
+          "shuffle_buffer": 8}
+    whole = batches(D.make_train_dataset(split, **kw), 2)
+    shards = [batches(shard_batches(D.make_train_dataset(split, **kw), 2, index), 2)
+              for index in range(2)]
+    for step, (images, labels, ids) in enumerate(whole):
+        parts = [shard[step] for shard in shards]
+        for _, part_labels, part_ids in parts:
+            assert len(set(check_groups(part_labels, part_ids, 2))) == 3  # 3 classes x m
+        np.testing.assert_array_equal(np.concatenate([p[1] for p in parts]), labels)
+        assert [i for p in parts for i in p[2]] == ids
+        np.testing.assert_array_equal(np.concatenate([p[0] for p in parts]), images)
+    # Classes 0, 1, 2 with m = 2: halves of 3 rows would split class 1.
+    batch = tf.data.Dataset.from_tensors((tf.zeros([6, 2]), tf.constant([0, 0, 1, 1, 2, 2])))
+    np.testing.assert_array_equal(next(iter(shard_batches(batch, 3, 1)))[1], [1, 1])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="a class straddles two"):
+        next(iter(shard_batches(batch, 2, 0)))
+    with pytest.raises(ValueError, match="index must be an int in \\[0, 3\\), got index=3"):
+        shard_batches(batch, 3, 3)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfaploss.losses import APLoss, HAPLoss, SmoothAPLoss
+from tfaploss.losses import APLoss, HAPLoss, SmoothAPLoss, XBMLoss
 from tfaploss.training import MultiStageModel
 
 REPLICAS, CLASSES, DIM, FEATURES = 4, 16, 6, 8
@@ -113,6 +113,37 @@ def test_replicas_give_the_steps_of_one_device(loss_name, multistage, strategy):
     assert max(np.abs(e - i).max() for e, i in zip(expected, initial)) > 1e-3  # it trains
     for w, e in zip(weights, expected):
         np.testing.assert_allclose(w, e, rtol=1e-5, atol=1e-6)
+
+
+def _fit_xbm(strategy=None):
+    """Per-step losses, final weights (the memory's included), the loss and the model
+    after STEPS SGD steps with an XBMLoss whose memory (96 slots) wraps on step 2."""
+    x, y = _data()
+    with strategy.scope() if strategy is not None else _nothing():
+        xbm = XBMLoss(APLoss(), size=96, weight=0.5)
+        model = _model()
+        model = keras.Model(model.input, xbm.memory(model.output))
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=xbm)
+    history = model.fit(x, y, batch_size=BATCH, epochs=STEPS, shuffle=False, verbose=0)
+    return np.array(history.history["loss"]), model.get_weights(), xbm, model
+
+
+def test_replicas_give_the_xbm_steps_of_one_device(strategy):
+    """Each replica ranks the global batch against the memory and enqueues it: the
+    losses, the weights and the memory after each step are those of one device."""
+    x, y = _data()
+    expected_losses, expected, xbm, _ = _fit_xbm()
+    losses, weights, replicated, model = _fit_xbm(strategy)
+    # Step 1 ranks against an empty memory: the plain loss.
+    assert expected_losses[0] == pytest.approx(float(APLoss()(y, _model()(x))), rel=1e-6)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert (int(xbm.memory.filled.numpy()), int(xbm.memory.pointer.numpy())) == (96, 0)
+    np.testing.assert_array_equal(replicated.memory.labels.numpy(), xbm.memory.labels.numpy())
+    for w, e in zip(weights, expected):
+        np.testing.assert_allclose(w, e, rtol=1e-5, atol=1e-6)
+    # The filled memory counts in the loss.
+    embeddings = model(x, training=False)
+    assert abs(float(replicated(y, embeddings)) - float(APLoss()(y, embeddings))) > 1e-3
 
 
 # The mean reductions with weights: test_unequal_shards_... (loss and gradient).

@@ -288,3 +288,36 @@ def test_predict_evaluate_and_saving_delegate(tmp_path):
     np.testing.assert_allclose(loaded.predict(images, verbose=0), embeddings, rtol=1e-6)
     np.testing.assert_array_equal(loaded.memory.embeddings.numpy(),
                                   wrapper.memory.embeddings.numpy())
+
+
+def dense_model():
+    """Two Dense layers, no BatchNorm or dropout: stage 3 recomputes stage 1 exactly."""
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(12, activation="tanh")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(6)(hidden))
+
+
+@pytest.mark.parametrize("chunk_size", [8, 16])
+def test_graph_step_backprops_the_last_chunk_through_the_old_weights(chunk_size):
+    """The last chunk's stage-3 backprop reads the head's kernel only to pull G back into
+    the hidden layer; that read must precede the optimizer's write of the kernel, which
+    TensorFlow's graph optimizer once let run first (the hidden layer's update then came
+    from the new head)."""
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(32, 8)).astype("float32")
+    labels = np.tile(np.arange(16), 2).astype("int32")
+    reference = dense_model()
+    initial = reference.get_weights()
+    with tf.GradientTape() as tape:
+        loss = APLoss()(labels, reference(images, training=True))
+    grads = tape.gradient(loss, reference.trainable_variables)
+    keras.optimizers.SGD(0.5).apply_gradients(zip(grads, reference.trainable_variables))
+    expected = reference.get_weights()
+    assert max_abs_diff(initial, expected) > 1e-2
+
+    model = dense_model()
+    wrapper = MultiStageModel(model, chunk_size=chunk_size)
+    wrapper.compile(optimizer=keras.optimizers.SGD(0.5), loss=APLoss(), jit_compile=False)
+    wrapper.fit(images, labels, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(model.get_weights(), expected, rtol=1e-5, atol=1e-6)

@@ -148,5 +148,5 @@ def test_memory_needs_a_query_database_loss():
 def test_bad_memory_arguments_are_refused():
     with pytest.raises(ValueError, match="size=0"):
         CrossBatchMemory(size=0, embedding_dim=4)
-    with pytest.raises(ValueError, match="embedding_dim=None"):
-        CrossBatchMemory(size=4, embedding_dim=None)
+    with pytest.raises(ValueError, match="embedding_dim=0"):
+        CrossBatchMemory(size=4, embedding_dim=0)

@@ -63,6 +63,7 @@ __all__ = [
     "ConfigError",
     "ConfigWarning",
     "DataConfig",
+    "DistributeConfig",
     "EvaluationConfig",
     "HealthConfig",
     "LossConfig",
@@ -147,6 +148,7 @@ Crop = Literal["random_resized_crop", "center_crop"]
 OptimizerName = Literal["adam", "adamw", "sgd"]
 ScheduleName = Literal["constant", "linear", "cosine", "step"]
 Backend = Literal["exact", "scann", "scann_ah"]
+Strategy = Literal["auto", "none", "data_parallel"]
 
 # Which schedule takes which parameter; any other parameter set on a schedule is an error.
 SCHEDULE_PARAMS = {
@@ -306,6 +308,26 @@ class XBMConfig:
 
 
 @dataclass
+class DistributeConfig:
+    """Data-parallel training on the devices of this machine
+    (:func:`tfaploss.run.devices.plan_devices`).
+
+    ``strategy``: ``"none"`` trains on one device; ``"data_parallel"`` splits every
+    batch over ``devices`` devices (``null``: all GPUs, or all CPU devices where there
+    is no GPU) with ``tf.distribute.MirroredStrategy`` (TensorFlow) or
+    ``keras.distribution.DataParallel`` (JAX), and the losses rank the global batch;
+    ``"auto"`` (default) is ``data_parallel`` where there are 2 GPUs or more, else
+    ``none``. ``data.batch_size`` is the global batch and must split evenly over the
+    devices; ``training.chunk_size`` counts images per device. BatchNorm statistics
+    are per device (not synchronised). Several machines: not through this key (see
+    the README's scale-out section).
+    """
+
+    strategy: Strategy = "auto"
+    devices: int | None = ranged(None, low=1, high=4096)
+
+
+@dataclass
 class HealthConfig:
     """The batch-health check of ``tfaploss train``
     (:class:`tfaploss.training.TrainingHealthMonitor`).
@@ -341,7 +363,8 @@ class TrainingConfig:
     backpropagation; a batch larger than it is trained with
     :class:`tfaploss.training.MultiStageModel`, giving the same gradient as one pass.
     ``health``: when to warn about, and stop, a run that has collapsed or stalled
-    (:class:`HealthConfig`).
+    (:class:`HealthConfig`). ``distribute``: one device or several
+    (:class:`DistributeConfig`).
     """
 
     epochs: int = ranged(1, low=1, high=MAX_EPOCHS)
@@ -351,6 +374,7 @@ class TrainingConfig:
     jit_compile: bool = False
     xbm: XBMConfig = field(default_factory=XBMConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    distribute: DistributeConfig = field(default_factory=DistributeConfig)
     seed: int = ranged(0, low=0, high=MAX_SEED)
 
 
@@ -602,11 +626,14 @@ def loss_classes() -> dict[str, type]:
     from tfaploss import losses
 
     names = getattr(losses, "__all__", dir(losses))
+    # XBMLoss wraps another loss and needs its memory layer in the model: a run's
+    # config asks for it with training.xbm instead.
+    not_configurable = {"RetrievalLoss", "XBMLoss"}
     found = {}
     for name in names:
         obj = getattr(losses, name, None)
         if (inspect.isclass(obj) and issubclass(obj, keras.losses.Loss)
-                and not inspect.isabstract(obj) and name != "RetrievalLoss"):
+                and not inspect.isabstract(obj) and name not in not_configurable):
             found[name] = obj
     return found
 

@@ -149,3 +149,58 @@ def all_classes(chunks: tf.data.Dataset, num_classes: int, m: int, seed: int = 0
         return _flatten({k: tf.gather(v, order) for k, v in g.items()})
 
     return groups.batch(num_classes, drop_remainder=True).map(by_label)
+
+
+def shard_batches(dataset: tf.data.Dataset, num_shards: int, index: int,
+                  label_index: int = 1) -> tf.data.Dataset:
+    """Shard ``index`` of every class-major batch of ``dataset``, for data parallelism.
+
+    Every rank (replica) builds the same global batches (same sampler, same ``seed``)
+    and keeps rows ``index * B / num_shards`` up to the next shard's start of each one:
+    whole classes, m images each, and the shards concatenated in index order are the
+    one-device batch. A ranking loss that gathers the ranks' rows
+    (:class:`tfaploss.losses.RetrievalLoss` under ``tf.distribute`` or
+    ``torch.distributed``, or :class:`tfaploss.training.MultiStageModel`) then ranks
+    exactly the one-device batch.
+
+    Args:
+        dataset: batches from :func:`m_per_class`, :func:`hierarchical`,
+            :func:`all_classes` or ``make_train_dataset`` (a tuple of tensors, rows
+            first, class-major).
+        num_shards: ranks sharing each batch; B must be a multiple of it and no class
+            may straddle two shards (B / num_shards a multiple of m), else iterating
+            raises ``InvalidArgumentError``.
+        index: this rank's shard, 0 <= index < num_shards.
+        label_index: position of the labels ((B,) or (B, levels)) in each element:
+            1 for ``make_train_dataset``'s ``(images, labels[, ids])``, 2 for the
+            samplers' ``(encoded, ids, labels)``.
+
+    Cost: each rank reads (and, after ``make_train_dataset``, decodes and augments) the
+    whole global batch and drops the other shards.
+    """
+    if not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"num_shards must be an int >= 1, got num_shards={num_shards!r}")
+    if not isinstance(index, int) or not 0 <= index < num_shards:
+        raise ValueError(f"index must be an int in [0, {num_shards}), got index={index!r}")
+
+    def shard(*batch):
+        labels = batch[label_index]
+        rows = tf.shape(labels)[0]
+        size = rows // num_shards
+        classes = tf.reshape(labels, [rows, -1])[:, 0]
+        # A class-major batch of distinct classes splits a class exactly where two
+        # neighbouring rows across a shard boundary share a label.
+        starts = tf.range(1, num_shards) * size
+        checks = [
+            tf.debugging.assert_equal(rows % num_shards, 0, message=(
+                f"shard_batches: batch size not a multiple of num_shards={num_shards}")),
+            tf.debugging.assert_none_equal(
+                tf.gather(classes, starts - 1), tf.gather(classes, starts), message=(
+                    f"shard_batches: a class straddles two of the {num_shards} shards; "
+                    "B / num_shards must be a multiple of m")),
+        ]
+        with tf.control_dependencies(checks):
+            start = index * size
+        return tuple(t[start:start + size] for t in batch)
+
+    return dataset.map(shard)

@@ -16,10 +16,11 @@ from tfaploss.losses.recall_at_k import RecallAtKLoss
 from tfaploss.losses.roadmap import CalibrationLoss, ROADMAPLoss
 from tfaploss.losses.smooth_ap import SmoothAPLoss, SupAPLoss
 from tfaploss.losses.suprank import SupNDCGLoss, SupRecallLoss
+from tfaploss.losses.xbm import XBMLoss
 
 __all__ = [
     "APLoss", "BlackBoxAPLoss", "CalibrationLoss", "ClusterProxies", "ContrastiveLoss",
     "FastAPLoss", "HAPLoss", "PNPLoss", "ROADMAPLoss", "RecallAtKLoss", "RetrievalLoss",
     "SmoothAPLoss", "SupAPLoss", "SupNDCGLoss", "SupRecallLoss", "TieAwareAPLoss",
-    "TripletLoss",
+    "TripletLoss", "XBMLoss",
 ]

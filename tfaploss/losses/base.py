@@ -258,6 +258,19 @@ class RetrievalLoss(keras.losses.Loss):
     ``query_database_loss`` ranks each replica's queries against the database it is
     given, with Keras's per-replica scaling, as before.
 
+    Under ``torch.distributed`` (PyTorch backend, an initialised default process group
+    of W > 1 ranks) ``__call__`` ranks the global batch the same way, on every rank (a
+    collective: all ranks must call it; inside
+    :func:`tfaploss.ops.distribute.global_batch` it ranks what it is given). The
+    contract is DistributedDataParallel's, whose parameter gradients are AVERAGED over
+    the ranks: every rank returns the global batch's loss itself (the one-process
+    value, for the mean reductions and ``"sum"``), and its backward gives this rank's
+    rows W times their one-process gradient, which the average turns into the
+    one-process gradient (:mod:`tfaploss.ops.distribute_torch`); ``"none"`` returns
+    this rank's rows of the global terms. So wrap the model in DDP (or average the
+    gradients once yourself); ``MultiStageModel`` averages them itself. The same
+    losses refuse to rank per shard as above.
+
     Labels are compared exactly, before any cast (``__call__`` hands them to
     :meth:`call` as given, where Keras's would cast them to ``dtype`` first), so ids
     above 2**24 stay distinct. The loss is computed in ``dtype`` (float32 by default,

@@ -6,7 +6,10 @@ loss (none at all when no shard holds two items of one class). So
 :class:`tfaploss.losses.RetrievalLoss` all-gathers the embeddings, labels and sample
 weights of every replica and ranks the global batch on each of them (see its
 docstring). This module says when to gather and does it; the TensorFlow code runs only
-on the TensorFlow backend (JAX and PyTorch see one batch per call and never gather).
+on the TensorFlow backend. On PyTorch the same entry points dispatch to
+:mod:`tfaploss.ops.distribute_torch` (an initialised ``torch.distributed`` process
+group of several ranks: each rank is a replica); JAX sees one batch per call and never
+gathers.
 
 :func:`global_batch` marks code that already holds the global batch
 (:class:`tfaploss.training.MultiStageModel` gathers it itself), so that nothing is
@@ -45,16 +48,27 @@ def holds_global_batch() -> bool:
 def replicas_to_gather(owner: str, shapes_only: bool = False) -> int:
     """How many replicas a loss call must gather the batch from (1: none to gather).
 
-    More than 1 only on TensorFlow, in a replica context of a ``tf.distribute``
-    strategy with several replicas in sync, outside :func:`global_batch`. Raises where
+    More than 1 only outside :func:`global_batch`: on TensorFlow in a replica context
+    of a ``tf.distribute`` strategy with several replicas in sync; on PyTorch under an
+    initialised ``torch.distributed`` process group of several ranks. Raises where
     the global batch cannot be gathered (see :func:`_supported_replicas`), rather
     than let each replica rank its own shard. ``shapes_only``: Keras is tracing the
     call for its output shapes (``fit`` does once, in the cross-replica context):
     nothing runs, so nothing is gathered or refused.
     """
-    if not on_tensorflow() or holds_global_batch() or shapes_only:
+    if holds_global_batch() or shapes_only:
+        return 1
+    if _on_torch():
+        from tfaploss.ops import distribute_torch
+
+        return distribute_torch.world_size()
+    if not on_tensorflow():
         return 1
     return _supported_replicas(owner)
+
+
+def _on_torch() -> bool:
+    return keras.backend.backend() == "torch"
 
 
 def _supported_replicas(owner: str) -> int:
@@ -89,12 +103,16 @@ def refuse_per_replica(owner: str, entry: str, shapes_only: bool = False) -> Non
     :func:`replicas_to_gather`)."""
     replicas = replicas_to_gather(owner, shapes_only)
     if replicas > 1:
-        import tensorflow as tf
+        if _on_torch():
+            where = f"torch.distributed ({replicas} ranks) that is one rank's"
+        else:
+            import tensorflow as tf
 
+            where = (f"{type(tf.distribute.get_strategy()).__name__} ({replicas} "
+                     "replicas in sync) that is one replica's")
         raise ValueError(
             f"{owner}: {entry} ranks only the batch it is given, and under "
-            f"{type(tf.distribute.get_strategy()).__name__} ({replicas} replicas in "
-            "sync) that is one replica's shard of the global batch. Train it with "
+            f"{where} shard of the global batch. Train it with "
             "tfaploss.training.MultiStageModel (it ranks the global batch on every "
             "replica), or on one replica.")
 
@@ -103,12 +121,17 @@ def gather_replicas(labels, embeddings, sample_weight):
     """Every replica's rows of ``labels``, ``embeddings`` and ``sample_weight`` (each a
     tensor, a nested structure of tensors, or None), in replica order, with the
     gradient; and this replica's ``(start, stop)`` rows in them. Shards may differ in
-    size. TensorFlow only; call inside a replica context (where
-    :func:`replicas_to_gather` returned more than 1).
+    size. Call where :func:`replicas_to_gather` returned more than 1 (TensorFlow: in a
+    replica context; PyTorch: on every rank, see
+    :func:`tfaploss.ops.distribute_torch.gather_ranks`).
 
     Cost: an all-gather of the (B, D) embeddings (and its backward: an all-reduce of
     their (B, D) gradient, of which each replica keeps its rows) and of B labels.
     """
+    if _on_torch():
+        from tfaploss.ops import distribute_torch
+
+        return distribute_torch.gather_ranks(labels, embeddings, sample_weight)
     import tensorflow as tf
 
     context = tf.distribute.get_replica_context()
@@ -117,8 +140,12 @@ def gather_replicas(labels, embeddings, sample_weight):
     start = tf.reduce_sum(sizes[: context.replica_id_in_sync_group])
 
     def gather(structure):
+        # The identity places the tensor on this replica's device: a step's input (the
+        # labels, as given) has no device, and MultiWorkerMirroredStrategy with one
+        # device per worker then refuses to gather it ("destinations can not be empty").
         return keras.tree.map_structure(
-            lambda tensor: None if tensor is None else context.all_gather(tensor, axis=0),
+            lambda tensor: None if tensor is None
+            else context.all_gather(tf.identity(tensor), axis=0),
             structure)
 
     return (gather(labels), gather(embeddings), gather(sample_weight),
@@ -134,7 +161,14 @@ def replica_share(loss, reduction: str, replicas: int, rows):
     ``scale_loss_for_distribution``); ``"sum"`` is divided here; ``"none"`` keeps
     this replica's ``rows`` (the gather's gradient sums over replicas, so the rows'
     gradient is the one-device one).
+
+    On PyTorch, where DistributedDataParallel AVERAGES the ranks' gradients, the
+    shares are those of :func:`tfaploss.ops.distribute_torch.rank_share`.
     """
+    if _on_torch():
+        from tfaploss.ops import distribute_torch
+
+        return distribute_torch.rank_share(loss, reduction, rows)
     import tensorflow as tf
 
     if reduction in (None, "none"):

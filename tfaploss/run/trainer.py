@@ -38,6 +38,7 @@ again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -52,6 +53,7 @@ from tfaploss.config.schema import Config, ConfigError, config_from_dict
 from tfaploss.log import reporting
 from tfaploss.run import build as B
 from tfaploss.run import run_dir as R
+from tfaploss.run.devices import DevicePlan, plan_devices
 from tfaploss.training import checkpoints as C
 from tfaploss.training.checkpoints import DamagedRunError
 
@@ -338,6 +340,8 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
 
     if restart:
         _start_over(run_dir, cfg)
+    # before anything initialises TensorFlow's devices (several CPU devices need that)
+    plan = plan_devices(cfg)
     C.RunBackup.remove_trash(run_dir)
     removed = C.remove_temp_files(run_dir)
     if removed:
@@ -362,7 +366,9 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
     backup = C.RunBackup(run_dir / "backup")  # its notes: the checkpoints module's logger
     policy = keras.config.dtype_policy()
     started = time.time()
+    devices_scope = contextlib.ExitStack()
     try:
+        devices_scope.enter_context(plan.scope())
         if cfg.training.mixed_precision:
             keras.config.set_dtype_policy("mixed_float16")
         embedding_model = initial_model(cfg)
@@ -383,10 +389,15 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
             LOG.warning("warning: the checkpoint of epoch %d holds %d optimizer updates, not "
                         "%d x %d steps per epoch; did the training split change? "
                         "Continuing from it.", start_epoch, updates, start_epoch, steps)
+        if plan.backend == "tensorflow":
+            # The model keeps the strategy it was built in and fit runs under it; the
+            # callbacks read variables outside its scope (inside it, reading a
+            # sync-on-read variable as an array fails).
+            devices_scope.close()
         dataset = B.build_train_dataset(cfg, seed_offset=start_epoch)
 
         LOG.info("%s", _describe_run(cfg, steps, chunk, embedding_model, resuming,
-                                     start_epoch))
+                                     start_epoch, plan))
         RetrievalEvaluation, EpochLog, Checkpoint, Faults = _epoch_callbacks()
         callbacks = [StopOnNonFinite(steps, hint=f"optimizer.lr={cfg.optimizer.lr:g}")]
         if faults.active():  # crash tests only
@@ -427,6 +438,7 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
             final = evaluate_split(embedding_model, cfg, cfg.data.test, search=final_search)
             LOG.info("  %s", ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
     finally:
+        devices_scope.close()
         keras.config.set_dtype_policy(policy)
 
     epochs = _read_epochs(epochs_log)
@@ -446,6 +458,7 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
         "multistage": chunk is not None,
         "chunk_size": chunk,
         "batch_size": cfg.data.batch_size,
+        "distribute": plan.to_dict(),
         "history": epochs,
         "final_loss": epochs[-1].get("loss") if epochs else None,
         "final_metrics": final,
@@ -461,7 +474,7 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
 
 
 def _describe_run(cfg: Config, steps: int, chunk, model, resuming: bool,
-                  start_epoch: int = 0) -> str:
+                  start_epoch: int = 0, plan: DevicePlan | None = None) -> str:
     params = sum(math.prod(v.shape) for v in model.trainable_weights)
     stage = (f"multi-stage, chunks of {chunk}" if chunk else "single pass")
     kwargs = ", ".join(f"{k}={v!r}" for k, v in cfg.loss.kwargs.items())
@@ -472,6 +485,7 @@ def _describe_run(cfg: Config, steps: int, chunk, model, resuming: bool,
         (f"  model    {cfg.model.backbone}/{cfg.model.pooling} -> "
          f"{cfg.model.embedding_dim}-d, {params:,} trainable parameters"),
         f"  loss     {cfg.loss.name}({kwargs})",
+        *([f"  devices  {plan.describe()}"] if plan is not None else []),
         (f"  train    {cfg.training.epochs} epochs x {steps} steps, {stage}, "
          f"{cfg.optimizer.name} lr {cfg.optimizer.lr:g} ({cfg.optimizer.schedule.name})"),
         f"  run_dir  {cfg.run_dir}" + (

@@ -173,7 +173,10 @@ class BatchHealthMetric(keras.metrics.Metric):
         self.statistic, self.max_queries = statistic, max_queries
         self.total = self.add_variable((), initializer="zeros", name="total")
         self.count = self.add_variable((), initializer="zeros", name="count")
-        self.last = self.add_variable((), initializer="zeros", name="last")
+        # Under tf.distribute each replica measures its own shard: reading the latest
+        # value averages the replicas' values, the images add up to the global batch.
+        self.last = self.add_variable((), initializer="zeros", name="last",
+                                      aggregation="mean")
         self.images = self.add_variable((), initializer="zeros", name="images")
 
     def update_state(self, y_true, y_pred, sample_weight=None):
@@ -221,7 +224,9 @@ def _float(x) -> float:
     try:
         return float(x)  # a scalar tensor or variable of any backend, a numpy value
     except (TypeError, ValueError):
-        return float(keras.ops.convert_to_numpy(x))
+        pass
+    read = getattr(x, "numpy", None)  # tf.distribute's variables (read aggregated)
+    return float(read() if callable(read) else keras.ops.convert_to_numpy(x))
 
 
 COLLAPSE_CAUSES = (

@@ -97,8 +97,18 @@ class MultiStageModel(_backend_steps(), keras.Model):
     per-replica shares of the batch). ``evaluate`` ranks the global batch too (the
     loss gathers it).
 
-    The same exact step runs on the TensorFlow, JAX and PyTorch backends; distribution
-    strategies (global-batch ranking across replicas) are TensorFlow-only.
+    Under ``torch.distributed`` (PyTorch backend, an initialised default process group
+    of W > 1 ranks) call ``fit`` on every rank with its own shard of each global batch
+    (e.g. :func:`tfaploss.data.samplers.shard_batches`), WITHOUT a
+    DistributedDataParallel wrapper: the step all-gathers the ranks' stage-1
+    embeddings, labels and sample weights, ranks the global batch on every rank, and
+    averages the parameter gradients over the ranks itself (one all-reduce per step;
+    the first step broadcasts rank 0's weights), so every rank takes the one-process
+    step on the global batch and reports its loss (see ``multistage_torch``).
+
+    The same exact step runs on the TensorFlow, JAX and PyTorch backends; global-batch
+    ranking across replicas runs under ``tf.distribute`` and ``torch.distributed``
+    (not on JAX).
 
     Mixed precision (``mixed_float16``): the losses compute in float32, the loss is
     scaled by the (``LossScaleOptimizer``) optimizer before ``G`` is taken, and the
@@ -114,7 +124,12 @@ class MultiStageModel(_backend_steps(), keras.Model):
     Args:
         embedding_model: a Keras model mapping inputs to (B, d) embeddings.
         chunk_size: images per forward/backward chunk (int >= 1), or ``None`` for a
-            single-pass step. Batches need not be a multiple of it.
+            single-pass step. Batches need not be a multiple of it. Under data
+            parallelism it counts images *per device*: a TensorFlow replica or a
+            torch rank chunks its own shard, and under JAX's ``DataParallel`` a
+            chunk takes ``chunk_size`` rows of every device's shard
+            (``multistage_jax``), so each device holds the activations of
+            ``chunk_size`` images at a time.
         xbm_size: cross-batch memory slots (0 = no memory).
         xbm_weight: weight of the query-vs-memory loss.
         xbm_loss: loss for the memory term (must have ``query_database_loss``);

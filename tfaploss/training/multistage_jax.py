@@ -16,7 +16,16 @@ state back, so every stage is a pure function of ``(trainable, non_trainable)``:
    ``vjp(G[chunk])``; the activations of one chunk live at a time.
 
 With ``chunk_size=None`` stage 1 is one ``jax.vjp`` over the batch and stage 3 applies
-it. Non-trainable variables (the cross-batch memory, a non-frozen BatchNorm's moving
+it.
+
+Under a ``keras.distribution`` that shards the batch over D devices (``DataParallel``),
+the step receives the global batch, each device holding B/D contiguous rows. A chunk
+is then ``chunk_size`` rows of *each* device's shard (``chunk_size * D`` rows of the
+global batch), kept sharded over the devices: every device embeds ``chunk_size`` rows
+at a time, as it would alone, and all devices work on every chunk. (Chunks cut from
+the global batch in order would each live on one device, which would then hold the
+activations of a whole chunk while the others waited.) The rows' order does not
+change the gradient, which is the sum over chunks. Non-trainable variables (the cross-batch memory, a non-frozen BatchNorm's moving
 statistics) follow stage 1; a deterministic model does not change them.
 """
 
@@ -55,12 +64,85 @@ def _scan(body, carry, xs, n):
     return carry, jax.tree_util.tree_map(lambda *parts: jnp.stack(parts), *outputs)
 
 
+def batch_shards():
+    """``(D, layout)``: the devices the current ``keras.distribution`` shards the batch
+    over, and a function giving the layout of a ``(chunks, rows, ...)`` array that
+    shards ``rows`` over them; ``(1, None)`` without a distribution."""
+    distribution = keras.distribution.distribution()
+    name = getattr(distribution, "batch_dim_name", None)
+    if distribution is None or name is None:
+        return 1, None
+    mesh = distribution.device_mesh
+    shards = mesh.shape[list(mesh.axis_names).index(name)]
+
+    def layout(ndim):
+        return keras.distribution.TensorLayout((None, name) + (None,) * (ndim - 2), mesh)
+
+    return shards, layout
+
+
+def chunk_plan(batch, chunk_size):
+    """``(D, n_full, tail)``: batch shards, full chunks, and the tail's rows per shard.
+
+    ``chunk_size`` counts rows per device (module docstring); raises if the batch does
+    not split evenly over the devices.
+    """
+    shards, _ = batch_shards()
+    if batch % shards:
+        raise ValueError(
+            f"MultiStageModel: the global batch of {batch} rows does not split evenly over "
+            f"the {shards} devices of the distribution; use a batch size that is a "
+            f"multiple of {shards}.")
+    per_shard = batch // shards
+    n_full = per_shard // chunk_size
+    return shards, n_full, per_shard - n_full * chunk_size
+
+
 def _split(x, n_full, c):
-    """``x[: n_full * c]`` reshaped to ``(n_full, c, ...)`` and the tail ``x[n_full * c:]``."""
-    full = tree.map_structure(
-        lambda t: jnp.reshape(t[: n_full * c], (n_full, c) + tuple(t.shape[1:])), x)
-    tail = tree.map_structure(lambda t: t[n_full * c:], x)
-    return full, tail
+    """``(full, tail)``: ``full`` holds ``n_full`` chunks, shape ``(n_full, D * c, ...)``,
+    each made of ``c`` rows of every device's shard; ``tail`` the remaining rows of
+    every shard, ``(D * t, ...)``. With one shard: ``x[: n_full * c]`` as
+    ``(n_full, c, ...)`` and ``x[n_full * c:]``."""
+    shards, layout = batch_shards()
+    if shards == 1:
+        full = tree.map_structure(
+            lambda t: jnp.reshape(t[: n_full * c], (n_full, c) + tuple(t.shape[1:])), x)
+        tail = tree.map_structure(lambda t: t[n_full * c:], x)
+        return full, tail
+
+    def full_of(t):
+        rest = tuple(t.shape[1:])
+        per_shard = jnp.reshape(t, (shards, -1) + rest)[:, : n_full * c]
+        chunks = jnp.moveaxis(jnp.reshape(per_shard, (shards, n_full, c) + rest), 0, 1)
+        chunks = jnp.reshape(chunks, (n_full, shards * c) + rest)
+        return keras.distribution.distribute_tensor(chunks, layout(chunks.ndim))
+
+    def tail_of(t):
+        rest = tuple(t.shape[1:])
+        return jnp.reshape(jnp.reshape(t, (shards, -1) + rest)[:, n_full * c:], (-1,) + rest)
+
+    return tree.map_structure(full_of, x), tree.map_structure(tail_of, x)
+
+
+def _merge(full, tail, n_full, c):
+    """The inverse of :func:`_split` for one array: ``(n_full, D * c, ...)`` chunks and the
+    ``(D * t, ...)`` tail back to the batch's row order."""
+    shards, _ = batch_shards()
+    parts = []
+    if full is not None:
+        rest = tuple(full.shape[2:])
+        if shards == 1:
+            parts.append(jnp.reshape(full, (n_full * c,) + rest))
+        else:
+            chunks = jnp.moveaxis(jnp.reshape(full, (n_full, shards, c) + rest), 1, 0)
+            parts.append(jnp.reshape(chunks, (shards, n_full * c) + rest))
+    if tail is not None:
+        rest = tuple(tail.shape[1:])
+        parts.append(tail if shards == 1 else jnp.reshape(tail, (shards, -1) + rest))
+    if shards == 1:
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+    merged = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+    return jnp.reshape(merged, (-1,) + tuple(merged.shape[2:]))
 
 
 def _rows_of(x):
@@ -78,28 +160,25 @@ class JaxSteps:
 
     def _jax_stage1(self, trainable, non_trainable, x):
         """Stage 1 over chunks: ``(embeddings, non_trainable)``."""
-        batch, c = _rows_of(x), self.chunk_size
-        n_full = batch // c
+        c = self.chunk_size
+        _, n_full, tail_rows = chunk_plan(_rows_of(x), c)
         full, tail = _split(x, n_full, c)
 
         def body(carry, x_chunk):
             e, carry = self._jax_embed(trainable, carry, x_chunk)
             return carry, e
 
-        parts = []
+        stacked = tail_embeddings = None
         if n_full:
             non_trainable, stacked = _scan(body, non_trainable, full, n_full)
-            parts.append(jnp.reshape(stacked, (n_full * c,) + tuple(stacked.shape[2:])))
-        if batch > n_full * c:
-            e, non_trainable = self._jax_embed(trainable, non_trainable, tail)
-            parts.append(e)
-        embeddings = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-        return embeddings, non_trainable
+        if tail_rows:
+            tail_embeddings, non_trainable = self._jax_embed(trainable, non_trainable, tail)
+        return _merge(stacked, tail_embeddings, n_full, c), non_trainable
 
     def _jax_stage3(self, trainable, non_trainable, x, grad_embeddings, embeddings):
         """Stage 3: ``sum_chunks vjp(G[chunk])`` and the largest stage-1/stage-3 gap."""
-        batch, c = _rows_of(x), self.chunk_size
-        n_full = batch // c
+        c = self.chunk_size
+        _, n_full, tail_rows = chunk_plan(_rows_of(x), c)
 
         def pull_back(x_chunk, g_chunk, e_stage1):
             def embed(t):
@@ -123,7 +202,7 @@ class JaxSteps:
         (e_full, e_tail) = _split(embeddings, n_full, c)
         if n_full:
             (acc, diff), _ = _scan(body, (acc, diff), (x_full, g_full, e_full), n_full)
-        if batch > n_full * c:
+        if tail_rows:
             (acc, diff), _ = body((acc, diff), (x_tail, g_tail, e_tail))
         return acc, diff
 

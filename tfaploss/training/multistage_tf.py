@@ -209,12 +209,21 @@ class TensorFlowSteps:
             grads = [_dense(g, v) for g, v in zip(grads, variables)]
         else:
             grads, diff = self._backprop_in_chunks(x, grad_embeddings, embeddings, variables)
+            # Every variable's update must wait for ALL the gradients, not only its own.
+            # The last chunk reads the head's kernel only to pull G back into the
+            # layers below it, so that read reaches the head's own update solely
+            # through the IdentityN of the optimizer's all-reduce. Grappler's
+            # dependency optimizer drops the read-before-write control edge as implied
+            # by that path, then removes the IdentityN: the update may run first and
+            # the lower layers get the gradient of the updated head (graph mode without
+            # XLA; ~1% of the step). Identities behind every gradient keep the order.
+            barrier = list(grads)
             if self.check_stages:
-                check = tf.debugging.assert_less_equal(
+                barrier.append(tf.debugging.assert_less_equal(
                     diff, tf.constant(self.stage_atol, diff.dtype),
-                    message=self._stage_check_message())
-                with tf.control_dependencies([check]):
-                    grads = [tf.identity(g) for g in grads]
+                    message=self._stage_check_message()))
+            with tf.control_dependencies(barrier):
+                grads = [tf.identity(g) for g in grads]
         grads = [g + d for g, d in zip(grads, direct)]
         self.optimizer.apply(grads, variables)
 

@@ -8,6 +8,16 @@
    ``e_chunk.backward(G[chunk])``; PyTorch accumulates into ``.grad`` across chunks.
 
 With ``chunk_size=None`` stage 1 keeps its graph and stage 3 is one ``backward``.
+
+Under an initialised ``torch.distributed`` process group of W > 1 ranks, each rank fits
+on its own shard of every global batch: stage 2 all-gathers the ranks' stage-1
+embeddings, labels and sample weights (no gradient needed) and evaluates the loss of
+the GLOBAL batch on every rank; stage 3 backpropagates ``W * G[own rows]``; the
+parameter gradients are then averaged over the ranks (one all-reduce per step), which
+gives ``sum_r J_r^T G_r = dL/dtheta``, the one-process gradient of the global batch
+(:mod:`tfaploss.ops.distribute_torch`). Weight regularisers, the same on every rank,
+average to themselves. The first step broadcasts rank 0's weights, as
+DistributedDataParallel does, so every rank starts from them.
 """
 
 from __future__ import annotations
@@ -16,19 +26,34 @@ import keras
 import torch
 from keras import tree
 
+from tfaploss.ops import distribute_torch
+
 
 def _slice(x, start, stop):
     return tree.map_structure(lambda t: t[start:stop], x)
 
 
+def _as_tensor(x):
+    return None if x is None else keras.ops.convert_to_tensor(x)
+
+
 class TorchSteps:
     """``train_step`` of ``MultiStageModel`` for ``KERAS_BACKEND=torch``."""
+
+    def _sync_ranks_once(self):
+        """Rank 0's weights on every rank, before the first distributed step."""
+        if not getattr(self, "_ranks_synced", False):
+            distribute_torch.broadcast_from_first_rank(self.embedding_model.weights)
+            self._ranks_synced = True
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self._check_trainable()
         variables = self.trainable_variables
         batch = tree.flatten(x)[0].shape[0]
+        ranks = distribute_torch.world_size()
+        if ranks > 1:
+            self._sync_ranks_once()
         self.zero_grad()
 
         if self.chunk_size is None:
@@ -39,10 +64,20 @@ class TorchSteps:
             with torch.no_grad():
                 embeddings = torch.cat([self._embed(_slice(x, a, b)) for a, b in bounds])
 
-        leaf = embeddings.detach().requires_grad_(True)
-        scaled, (total, memory_loss) = self._objective(y, leaf, sample_weight)
+        global_y, global_embeddings, global_weight = y, embeddings, sample_weight
+        if ranks > 1:
+            global_y, global_embeddings, global_weight, (start, stop) = (
+                distribute_torch.gather_ranks(_as_tensor(y), embeddings,
+                                              _as_tensor(sample_weight)))
+
+        leaf = global_embeddings.detach().requires_grad_(True)
+        scaled, (total, memory_loss) = self._objective(global_y, leaf, global_weight)
         scaled.backward()
         grad_embeddings = leaf.grad.to(embeddings.dtype)
+        if ranks > 1:
+            # W times this rank's rows, and the parameter gradients averaged below: the
+            # one-process gradient (as DDP's average of a gathered loss's gradient).
+            grad_embeddings = grad_embeddings[start:stop] * ranks
 
         diff = torch.zeros((), dtype=torch.float32, device=embeddings.device)
         if self.chunk_size is None:
@@ -61,9 +96,11 @@ class TorchSteps:
         grads = [v.value.grad if v.value.grad is not None else torch.zeros_like(v.value)
                  for v in variables]
         with torch.no_grad():
+            if ranks > 1:
+                distribute_torch.average_gradients(grads)
             self.optimizer.apply(grads, variables)
             if self.memory is not None:
-                self.memory.enqueue(embeddings, y)
+                self.memory.enqueue(global_embeddings, global_y)
             self._update_trackers(total.detach(), memory_loss.detach()
                                   if torch.is_tensor(memory_loss) else memory_loss,
                                   diff, batch)

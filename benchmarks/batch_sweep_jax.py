@@ -1,0 +1,613 @@
+"""The batch sweep on the JAX backend, for one GPU: batches up to 16,384, a wider CNN.
+
+``benchmarks/batch_sweep.py`` runs ``tfaploss train`` (TensorFlow) on 2 CPU cores, up to
+B=2048. This script asks the same question where a GPU allows much larger batches:
+does ranking the whole batch pay off as the batch grows? It needs no TensorFlow at
+training time, as on the GPU machines that carry JAX only:
+
+1. Here (TensorFlow installed), the glyph set's three splits are decoded once into one
+   compressed array file (``--export``): grayscale, the 64² canvas resized to
+   ``--source-size`` (36²; a 32² centre crop of it is what ``batch_sweep.py``
+   evaluates on: the shorter side resized to 32 / 0.875), quantised to 16 grey levels
+   (the JPEG noise of black-on-white glyphs is what makes the file large: 16 levels
+   and xz give 20 MiB instead of 67, small enough to travel to a GPU machine).
+
+       python benchmarks/batch_sweep_jax.py --export gpu_data/glyphs36.npz.xz
+
+2. On the GPU (``KERAS_BACKEND=jax`` is set here):
+
+       python benchmarks/batch_sweep_jax.py --data gpu_data/glyphs36.npz --out OUT
+
+Protocol (printed with the table):
+
+* backbone ``small_cnn`` with widths (64, 128, 256) (the CPU sweep: 32, 64, 128), GeM,
+  a linear head to 128-d, L2-normalised; trained from scratch with live BatchNorm;
+* Keras's ``mixed_bfloat16`` policy for the backbone (``--precision``); the embeddings
+  and the losses are float32;
+* augmentation: random resized crops of 60-100 % of the area, aspect 3/4-4/3,
+  bilinear, to 32², on the GPU; evaluation on the 32² centre crop;
+* class-balanced batches of ``m`` images per class, ``m = max(4, B / 1024)``: the train
+  split has 1,200 classes, so B=16,384 takes 1,024 classes of 16 (B <= 4096: m=4);
+* equal updates (``--updates``, default 64) per run, Adam with a cosine decay to 0;
+* the learning rate ``base_lr * (B / 128) ** a`` for a in ``--lr-exponents`` (default
+  0 and 0.5: the constant and the square-root rule), picked per (loss, batch) on the
+  validation classes with seed 0; the other seeds then run at the picked rate;
+* MAP@R and R@1 on the unseen test classes (53,600 images), exact search on the GPU.
+
+Work is ordered so that a run stopped by ``--deadline`` (seconds) leaves a complete
+table for the cells it reached: every cell's tuning runs first, batch by batch, then
+the remaining seeds. Each finished run is appended to ``OUT/sweep_jax.jsonl``; the
+Markdown table and the plot are rewritten from it (``--report-only`` too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+LOSSES = {
+    "APLoss": ("APLoss", {}),
+    "FastAP": ("FastAPLoss", {}),
+    "SmoothAP": ("SmoothAPLoss", {}),
+    "Triplet-semihard": ("TripletLoss", {"mining": "semihard"}),
+    "Contrastive": ("ContrastiveLoss", {}),
+}
+PAIR_LOSSES = ("Triplet-semihard", "Contrastive")
+WIDTHS = (64, 128, 256)
+CROP, EMBEDDING_DIM, EVAL_CHUNK = 32, 128, 4096
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--export", help="write the glyph splits to this .npz (needs TensorFlow)")
+    p.add_argument("--splits", default="data/glyphs",
+                   help="folder with train/, val/, test/ of a pipelines job (for --export)")
+    p.add_argument("--source-size", type=int, default=36)
+    p.add_argument("--data", help="the .npz written by --export")
+    p.add_argument("--out", default="benchmarks/results/batch_sweep_jax")
+    p.add_argument("--losses", default=",".join(LOSSES))
+    p.add_argument("--batch-sizes", default="1024,4096,16384")
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--updates", type=int, default=64)
+    p.add_argument("--base-lr", type=float, default=1e-3)
+    p.add_argument("--base-batch", type=int, default=128)
+    p.add_argument("--lr-exponents", default="0,0.5")
+    p.add_argument("--deadline", type=float, default=0,
+                   help="seconds after which no new run starts (0: none)")
+    p.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
+    p.add_argument("--precision", choices=("mixed_bfloat16", "float32"),
+                   default="mixed_bfloat16",
+                   help="Keras dtype policy of the backbone (the losses run in float32)")
+    p.add_argument("--limit", type=int, default=0,
+                   help="use the first N images of each split (a CPU smoke test)")
+    p.add_argument("--report-only", action="store_true")
+    args = p.parse_args(argv)
+    if not args.export and not args.data and not args.report_only:
+        p.error("give --export (here) or --data (where the sweep runs)")
+    return args
+
+
+# --------------------------------------------------------------------------- export
+def export(args) -> None:
+    """Decode the three splits into one xz-compressed .npz of uint8 (N, S, S) images."""
+    import hashlib
+    import io
+    import lzma
+
+    import numpy as np
+    import tensorflow as tf
+
+    from tfaploss.data import records
+
+    arrays, fingerprints = {}, {}
+    for split in ("train", "val", "test"):
+        folder = Path(args.splits) / split
+        fingerprints[split] = hashlib.sha256(
+            (folder / "manifest.json").read_bytes()).hexdigest()[:16]
+        images, labels = [], []
+        ds = records.load_split(str(folder), decode=True).map(
+            lambda e: (tf.image.resize(tf.image.rgb_to_grayscale(e["image"]),
+                                       [args.source_size] * 2, method="area"), e["label"]),
+            num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).batch(1024)
+        for x, y in ds.as_numpy_iterator():
+            grey = np.clip(np.round(x[..., 0]), 0, 255).astype(np.uint8)
+            images.append((grey // 16) * 17)
+            labels.append(y.astype(np.int32))
+        arrays[f"x_{split}"] = np.concatenate(images)
+        arrays[f"y_{split}"] = np.concatenate(labels)
+        print(f"{split}: {len(arrays[f'y_{split}'])} images, "
+              f"{len(np.unique(arrays[f'y_{split}']))} classes", flush=True)
+    arrays["fingerprints"] = np.array(json.dumps(fingerprints))
+    out = Path(args.export)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_bytes(lzma.compress(buffer.getvalue(), preset=6))
+    os.replace(tmp, out)
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+
+
+# --------------------------------------------------------------------------- the sweep
+def _setup_backend(device: str) -> None:
+    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ["JAX_PLATFORMS"] = "cuda" if device == "gpu" else "cpu"
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+
+
+def _ints(text):
+    return [int(v) for v in str(text).split(",") if v.strip()]
+
+
+def m_for(batch: int) -> int:
+    return max(4, batch // 1024)
+
+
+class Data:
+    """The splits on the device: uint8 images, labels, and per-class index lists."""
+
+    def __init__(self, path, limit=0):
+        import io
+        import lzma
+
+        import jax.numpy as jnp
+        import numpy as np
+
+        with np.load(io.BytesIO(lzma.decompress(Path(path).read_bytes()))) as f:
+            raw = {k: f[k] for k in f.files}
+        self.fingerprints = json.loads(str(raw.pop("fingerprints")))
+        for split in ("train", "val", "test"):
+            x, y = raw[f"x_{split}"], raw[f"y_{split}"]
+            if limit:
+                x, y = x[:limit], y[:limit]
+            setattr(self, f"x_{split}", jnp.asarray(x))
+            setattr(self, f"y_{split}", y)
+        labels = self.y_train
+        self.classes = np.unique(labels)
+        self.members = [np.flatnonzero(labels == c) for c in self.classes]
+
+    def batches(self, batch, m, seed, steps):
+        """``steps`` class-balanced index batches: B/m classes, m images of each."""
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        eligible = [i for i, idx in enumerate(self.members) if len(idx) >= m]
+        per = batch // m
+        if per > len(eligible):
+            raise ValueError(f"batch {batch} with m={m} needs {per} classes of >= {m} "
+                             f"images; the train split has {len(eligible)}")
+        for _ in range(steps):
+            chosen = rng.choice(eligible, per, replace=False)
+            yield np.concatenate([rng.choice(self.members[c], m, replace=False)
+                                  for c in chosen]).astype(np.int32)
+
+
+def _augment(images_u8, key):
+    """Random resized crops (60-100 % of the area, aspect 3/4-4/3) to CROP², bilinear."""
+    import jax
+    import jax.numpy as jnp
+
+    n, s = images_u8.shape[0], images_u8.shape[1]
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    area = jax.random.uniform(k1, (n,), minval=0.6, maxval=1.0) * s * s
+    log_ratio = jax.random.uniform(k2, (n,), minval=math.log(3 / 4), maxval=math.log(4 / 3))
+    ratio = jnp.exp(log_ratio)
+    w = jnp.clip(jnp.sqrt(area * ratio), 1.0, s)
+    h = jnp.clip(jnp.sqrt(area / ratio), 1.0, s)
+    y0 = jax.random.uniform(k3, (n,)) * (s - h)
+    x0 = jax.random.uniform(k4, (n,)) * (s - w)
+    grid = (jnp.arange(CROP) + 0.5) / CROP
+    ys = y0[:, None] + grid[None] * h[:, None] - 0.5        # (n, CROP) source rows
+    xs = x0[:, None] + grid[None] * w[:, None] - 0.5
+    images = images_u8.astype(jnp.float32)
+
+    def interp(coords, axis_len):
+        c = jnp.clip(coords, 0, axis_len - 1)
+        lo = jnp.floor(c).astype(jnp.int32)
+        hi = jnp.minimum(lo + 1, axis_len - 1)
+        return lo, hi, c - lo
+
+    ylo, yhi, wy = interp(ys, s)
+    xlo, xhi, wx = interp(xs, s)
+    rows = lambda idx: jnp.take_along_axis(images, idx[:, :, None], axis=1)
+    top, bottom = rows(ylo), rows(yhi)                       # (n, CROP, s)
+    mixed = top * (1 - wy[..., None]) + bottom * wy[..., None]
+    cols = lambda idx: jnp.take_along_axis(mixed, idx[:, None, :], axis=2)
+    out = cols(xlo) * (1 - wx[:, None]) + cols(xhi) * wx[:, None]
+    return jnp.repeat(out[..., None], 3, axis=-1)   # the models take RGB
+
+
+def _centre(images_u8):
+    s = images_u8.shape[1]
+    o = (s - CROP) // 2
+    import jax.numpy as jnp
+
+    return jnp.repeat(images_u8[:, o:o + CROP, o:o + CROP, None].astype("float32"), 3, -1)
+
+
+def build_model(seed):
+    import keras
+
+    from models.embedding import build_embedding_model
+
+    keras.utils.set_random_seed(seed)
+    return build_embedding_model(
+        backbone="small_cnn", input_shape=(CROP, CROP, 3), embedding_dim=EMBEDDING_DIM,
+        pooling="gem", weights=None, backbone_kwargs={"widths": WIDTHS})
+
+
+class Runner:
+    """One jitted train step per (loss, batch), shared by every seed and learning rate
+    (weights, optimizer state and the learning rate are its arguments)."""
+
+    def __init__(self, data):
+        import jax
+
+        self.data = data
+        self.template = build_model(0)
+        self._steps = {}
+        self._embed = jax.jit(self._embed_fn)
+
+    def _embed_fn(self, tv, ntv, x):
+        out, _ = self.template.stateless_call(tv, ntv, _centre(x), training=False)
+        return out
+
+    def step_fn(self, loss_name, batch):
+        key = (loss_name, batch)
+        if key in self._steps:
+            return self._steps[key]
+        import jax
+        import keras
+
+        import tfaploss.losses as L
+
+        cls, kwargs = LOSSES[loss_name]
+        loss = getattr(L, cls)(**kwargs)
+        model = self.template
+
+        # the images are an argument: a closed-over array would become a constant of
+        # the compiled program
+        def step(tv, ntv, ov, lr_index, lr, images, idx, labels, rng):
+            x = _augment(images[idx], rng)
+
+            def objective(tv):
+                emb, ntv2 = model.stateless_call(tv, ntv, x, training=True)
+                return loss(labels, emb), (ntv2, emb)
+
+            (value, (ntv2, emb)), grads = jax.value_and_grad(objective, has_aux=True)(tv)
+            ov = list(ov)
+            ov[lr_index] = lr
+            tv2, ov2 = self.optimizer.stateless_apply(ov, grads, tv)
+            gnorm = keras.ops.sqrt(sum(keras.ops.sum(g * g) for g in grads))
+            mean_cos = keras.ops.mean(keras.ops.matmul(emb, keras.ops.transpose(emb)))
+            return tv2, ntv2, ov2, value, gnorm, mean_cos
+
+        self._steps[key] = jax.jit(step, static_argnums=(3,), donate_argnums=(0, 1, 2))
+        return self._steps[key]
+
+    def train(self, loss_name, batch, lr, seed, updates):
+        import jax
+        import jax.numpy as jnp
+        import keras
+        import numpy as np
+
+        model = build_model(seed)
+        self.optimizer = keras.optimizers.Adam(learning_rate=lr)
+        self.optimizer.build(model.trainable_variables)
+        lr_var = self.optimizer._learning_rate
+        lr_index = next(i for i, v in enumerate(self.optimizer.variables) if v is lr_var)
+        step = self.step_fn(loss_name, batch)
+        tv = [v.value for v in model.trainable_variables]
+        ntv = [v.value for v in model.non_trainable_variables]
+        ov = [v.value for v in self.optimizer.variables]
+        rng = jax.random.PRNGKey(seed)
+        m = m_for(batch)
+        history, t0, status = [], time.perf_counter(), "ok"
+        for i, idx in enumerate(self.data.batches(batch, m, seed, updates)):
+            lr_t = 0.5 * lr * (1 + math.cos(math.pi * i / updates))
+            rng, sub = jax.random.split(rng)
+            labels = jnp.asarray(self.data.y_train[idx])
+            tv, ntv, ov, value, gnorm, cos = step(
+                tv, ntv, ov, lr_index, jnp.float32(lr_t), self.data.x_train, jnp.asarray(idx),
+                labels, sub)
+            if i % 8 == 0 or i == updates - 1:
+                value, gnorm, cos = (float(v) for v in (value, gnorm, cos))
+                history.append({"update": i, "loss": value, "grad_norm": gnorm,
+                                "mean_cos": cos})
+                if not np.isfinite(value):
+                    status = "non-finite loss"
+                    break
+        jax.block_until_ready(tv)
+        seconds = time.perf_counter() - t0
+        return tv, ntv, history, seconds, status
+
+    def embed(self, tv, ntv, x):
+        import jax.numpy as jnp
+
+        parts = []
+        for start in range(0, x.shape[0], EVAL_CHUNK):
+            chunk = x[start:start + EVAL_CHUNK]
+            pad = EVAL_CHUNK - chunk.shape[0]
+            if pad:
+                chunk = jnp.concatenate([chunk, jnp.zeros((pad,) + chunk.shape[1:], chunk.dtype)])
+            parts.append(self._embed(tv, ntv, chunk)[:EVAL_CHUNK - pad])
+        return jnp.concatenate(parts)
+
+
+_TOP_K = {}
+
+
+def _top_k_fn(depth):
+    """A jitted ``top-depth`` of ``q`` against ``database`` without each query's own row
+    (one per depth; the arrays are arguments, so it compiles once per shape)."""
+    if depth not in _TOP_K:
+        import jax
+        import jax.numpy as jnp
+
+        def top(q, database, start):
+            scores = q @ database.T
+            rows = jnp.arange(q.shape[0])
+            scores = scores.at[rows, rows + start].set(-jnp.inf)
+            return jax.lax.top_k(scores, depth)[1]
+
+        _TOP_K[depth] = jax.jit(top)
+    return _TOP_K[depth]
+
+
+def retrieval(embeddings, labels):
+    """MAP@R and R@1 (%) of each item against all others (itself excluded), exact.
+
+    The same definitions as ``tfaploss.evaluation.retrieval_metrics`` (MAP@R of Musgrave
+    et al., R = the query's class size - 1); ties are broken by index.
+    """
+    import jax.numpy as jnp
+    import numpy as np
+
+    labels = np.asarray(labels)
+    counts = np.bincount(labels - labels.min())
+    r = counts[labels - labels.min()] - 1
+    depth = int(r.max())
+    lab = jnp.asarray(labels)
+    top = _top_k_fn(depth)
+
+    hits = []
+    n = embeddings.shape[0]
+    for start in range(0, n, EVAL_CHUNK):
+        q = embeddings[start:start + EVAL_CHUNK]
+        idx = top(q, embeddings, start)
+        hits.append(np.asarray(lab[idx] == lab[start:start + q.shape[0], None]))
+    rel = np.concatenate(hits)                                  # (N, depth) bool
+    pos = np.arange(1, depth + 1)
+    within = pos[None] <= r[:, None]
+    rel_r = rel & within
+    precision = np.cumsum(rel_r, axis=1) / pos[None]
+    valid = r > 0
+    map_r = (precision * rel_r).sum(1)[valid] / r[valid]
+    return 100 * float(map_r.mean()), 100 * float(rel[valid, 0].mean())
+
+
+def run(args) -> None:
+    _setup_backend(args.device)
+    import jax
+    import keras
+
+    keras.mixed_precision.set_global_policy(args.precision)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ledger = out / "sweep_jax.jsonl"
+    done = {(r["loss"], r["batch"], r["lr"], r["seed"]): r for r in read_runs(ledger)}
+    data = Data(args.data, args.limit)
+    runner = Runner(data)
+    print(f"devices: {jax.devices()}; keras {keras.__version__}, jax {jax.__version__}; "
+          f"train {len(data.y_train)} images / {len(data.classes)} classes, "
+          f"test {len(data.y_test)}", flush=True)
+    losses = [s for s in args.losses.split(",") if s]
+    batches, seeds = _ints(args.batch_sizes), _ints(args.seeds)
+    exponents = [float(a) for a in args.lr_exponents.split(",")]
+    t_start = time.perf_counter()
+
+    def one(loss, batch, lr, seed, with_test):
+        key = (loss, batch, lr, seed)
+        if key in done:
+            return done[key]
+        if args.deadline and time.perf_counter() - t_start > args.deadline:
+            return None
+        t0 = time.perf_counter()
+        tv, ntv, history, seconds, status = runner.train(loss, batch, lr, seed, args.updates)
+        row = {"loss": loss, "batch": batch, "m": m_for(batch), "lr": lr, "seed": seed,
+               "precision": args.precision,
+               "updates": args.updates, "images": batch * args.updates, "status": status,
+               "train_seconds": round(seconds, 2), "history": history,
+               "data": data.fingerprints, "device": str(jax.devices()[0])}
+        if status == "ok":
+            row["val_map@r"], row["val_r@1"] = retrieval(
+                runner.embed(tv, ntv, data.x_val), data.y_val)
+            if with_test:
+                row["test_map@r"], row["test_r@1"] = retrieval(
+                    runner.embed(tv, ntv, data.x_test), data.y_test)
+        row["seconds"] = round(time.perf_counter() - t0, 2)
+        with open(ledger, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        done[key] = row
+        print(f"{loss:>17s} B={batch:<6d} lr={lr:<8.2g} seed={seed} {status}: val MAP@R "
+              f"{row.get('val_map@r', float('nan')):5.1f}, test MAP@R "
+              f"{row.get('test_map@r', float('nan')):5.1f}, R@1 "
+              f"{row.get('test_r@1', float('nan')):5.1f}; final loss "
+              f"{history[-1]['loss']:.4f}, mean cos {history[-1]['mean_cos']:.3f}; "
+              f"{seconds:.1f} s train, {row['seconds']:.1f} s all "
+              f"(t={time.perf_counter() - t_start:.0f} s)", flush=True)
+        return row
+
+    def lr_grid(batch):
+        return [round(args.base_lr * (batch / args.base_batch) ** a, 6) for a in exponents]
+
+    # every cell's tuning runs first (seed 0, with test metrics: one of them is kept)
+    for batch in batches:
+        for loss in losses:
+            for lr in lr_grid(batch):
+                one(loss, batch, lr, seeds[0], with_test=True)
+    for seed in seeds[1:]:
+        for batch in batches:
+            for loss in losses:
+                picked = pick(done, loss, batch, lr_grid(batch), seeds[0])
+                if picked is not None:
+                    one(loss, batch, picked, seed, with_test=True)
+    write_report(args, list(done.values()))
+
+
+def read_runs(path):
+    path = Path(path)
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rows.append(json.loads(line))
+    return rows
+
+
+def pick(done, loss, batch, lrs, seed0):
+    tried = [done.get((loss, batch, lr, seed0)) for lr in lrs]
+    tried = [r for r in tried if r is not None]
+    if len(tried) < len(lrs):
+        return None
+    return max(tried, key=lambda r: r.get("val_map@r", -1.0))["lr"]
+
+
+# --------------------------------------------------------------------------- report
+def cells(rows, args):
+    """{(loss, batch): (picked lr, [test rows at that lr], tried)}."""
+    exponents = [float(a) for a in args.lr_exponents.split(",")]
+    by = {}
+    for r in rows:
+        by.setdefault((r["loss"], r["batch"]), []).append(r)
+    table = {}
+    for (loss, batch), group in by.items():
+        lrs = [round(args.base_lr * (batch / args.base_batch) ** a, 6) for a in exponents]
+        seed0 = min(r["seed"] for r in group)
+        index = {(r["lr"], r["seed"]): r for r in group}
+        tried = [index[(lr, seed0)] for lr in lrs if (lr, seed0) in index]
+        if not tried:
+            continue
+        # a cell whose tuning a deadline cut short is shown, marked (markdown: †)
+        best = max(tried, key=lambda r: r.get("val_map@r", -1.0))["lr"]
+        runs = [r for r in group if r["lr"] == best and "test_map@r" in r]
+        table[(loss, batch)] = (best, runs, tried)
+    return table
+
+
+def _mean_spread(values):
+    import statistics
+
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.pstdev(values) if len(values) > 1 else None)
+
+
+def markdown(args, rows) -> str:
+    table = cells(rows, args)
+    losses = [s for s in args.losses.split(",") if s and any(k[0] == s for k in table)]
+    batches = sorted({k[1] for k in table})
+    device = rows[0].get("device", "?") if rows else "?"
+    lines = [f"Keras on JAX, {device}; backbone small_cnn widths {WIDTHS} from scratch, "
+             f"{CROP}² crops, {EMBEDDING_DIM}-d; {args.updates} updates per run (equal "
+             f"updates); m = max(4, B/1024); lr = {args.base_lr:g}·(B/{args.base_batch})^a, "
+             f"a ∈ {{{args.lr_exponents}}} picked on val with seed 0. Test MAP@R (R@1), "
+             "mean ± spread over seeds (n). Peers in the same table: "
+             + ", ".join(p for p in PAIR_LOSSES if p in losses) + ".", ""]
+    lines.append("| loss | " + " | ".join(f"B={b}" for b in batches) + " |")
+    lines.append("|---" * (len(batches) + 1) + "|")
+    for loss in losses:
+        cells_text = []
+        for b in batches:
+            entry = table.get((loss, b))
+            if not entry or not entry[1]:
+                cells_text.append("—")
+                continue
+            lr, runs, _ = entry
+            mean, spread = _mean_spread([r["test_map@r"] for r in runs])
+            r1, _ = _mean_spread([r["test_r@1"] for r in runs])
+            text = f"{mean:.1f}" + (f" ± {spread:.1f}" if spread is not None else "")
+            short = "†" if len(entry[2]) < len(args.lr_exponents.split(",")) else ""
+            cells_text.append(f"{text} ({r1:.1f}) n={len(runs)}, lr {lr:g}{short}")
+        lines.append(f"| {loss} | " + " | ".join(cells_text) + " |")
+    lines += ["", ("†: tuned on fewer rates than the grid (a deadline stopped the run). "
+                   "Validation MAP@R of every learning rate tried (seed 0):"), "",
+              "| loss | B | " + " | ".join(f"a={a}" for a in args.lr_exponents.split(","))
+              + " | train s (fastest run) |", "|---|---|" + "---|" * (len(args.lr_exponents.split(",")) + 1)]
+    for (loss, b), (_, _, tried) in sorted(table.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        vals = " | ".join([f"{r.get('val_map@r', float('nan')):.1f} (lr {r['lr']:g})"
+                           for r in tried] + ["—"] * (len(args.lr_exponents.split(","))
+                                                      - len(tried)))
+        # the first run of a (loss, batch) in a process also pays XLA's compile and,
+        # on a GPU, its convolution autotuning at the new batch (up to ~140 s here)
+        secs = min(r["train_seconds"] for r in tried)
+        lines.append(f"| {loss} | {b} | {vals} | {secs:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(args, rows, path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    table = cells(rows, args)
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for loss in [s for s in args.losses.split(",") if s]:
+        pts = sorted((b, [r["test_map@r"] for r in runs])
+                     for (name, b), (_, runs, _) in table.items() if name == loss and runs)
+        if not pts:
+            continue
+        xs = [b for b, _ in pts]
+        means = [_mean_spread(v)[0] for _, v in pts]
+        errs = [(_mean_spread(v)[1] or 0.0) for _, v in pts]
+        ax.errorbar(xs, means, yerr=errs, marker="o", capsize=3, label=loss,
+                    linestyle="--" if loss in PAIR_LOSSES else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("test MAP@R (%)")
+    ax.set_title(f"Glyphs, JAX on GPU, {args.updates} updates per run")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
+    return True
+
+
+def write_report(args, rows) -> None:
+    out = Path(args.out)
+    text = markdown(args, rows)
+    tmp = out / "sweep_jax.md.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, out / "sweep_jax.md")
+    plot(args, rows, out / "sweep_jax.png")
+    print(text, flush=True)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.export:
+        export(args)
+        return
+    if args.report_only:
+        write_report(args, read_runs(Path(args.out) / "sweep_jax.jsonl"))
+        return
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

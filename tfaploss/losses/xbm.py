@@ -1,0 +1,361 @@
+"""Cross-batch memory (XBM; Wang et al., "Cross-Batch Memory for Embedding Learning",
+CVPR 2020): the ring buffer and the loss wrapper that ranks each batch against it.
+
+The memory is a ring buffer of the last ``size`` embeddings and labels seen in
+training, held detached in non-trainable variables so that it works in graph mode,
+under XLA and under ``tf.distribute``, and (``keras.ops`` only) on the JAX and PyTorch
+backends. Each batch's queries are then also ranked against the memory, which shows
+the loss many more negatives for the cost of a (B x size) score matrix instead of a
+bigger batch.
+
+:class:`XBMLoss` wraps a ranking loss for a plain ``compile``/``fit``;
+:class:`tfaploss.training.MultiStageModel` (``xbm_size``) holds a
+:class:`CrossBatchMemory` of its own.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import keras
+from keras import ops
+
+from tfaploss._keras_compat import in_symbolic_scope  # private Keras API
+from tfaploss.losses.base import RetrievalLoss, _check_sizes, _concrete, check_labels
+from tfaploss.ops import distribute
+
+# Per thread (MirroredStrategy traces each replica's step in a thread of its own) and
+# per memory: the `training` flag of the memory layer's last call, which the next
+# XBMLoss call consumes. A Keras loss is not told whether it runs in a training step;
+# the model's layers are, and the train and test steps call the model right before
+# the loss. Calls that Keras traces for shapes only (`fit` builds the model, then the
+# loss, that way before its first step) are recorded apart, so that a missing memory
+# layer is refused before any step runs.
+_CALLS = threading.local()
+
+
+def _record_call(memory, training, symbolic):
+    if not hasattr(_CALLS, "training"):
+        _CALLS.training = {}
+    _CALLS.training[(id(memory), symbolic)] = training
+
+
+def _take_call(memory, symbolic):
+    """The ``training`` flag of ``memory``'s last call in this thread, or None.
+
+    Taken by a step's call; kept for the shape-only calls (PyTorch's shape inference
+    may run the model and then the loss twice).
+    """
+    calls = getattr(_CALLS, "training", {})
+    key = (id(memory), symbolic)
+    return calls.get(key) if symbolic else calls.pop(key, None)
+
+
+def _check_int(owner, name, value, minimum):
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(
+            f"{owner}: `{name}` must be an int >= {minimum}, received {name}={value!r}")
+
+
+@keras.saving.register_keras_serializable(package="tfaploss")
+class CrossBatchMemory(keras.layers.Layer):
+    """Ring buffer of the last ``size`` (embedding, label) pairs, without gradients.
+
+    ``enqueue(embeddings, labels)`` writes a batch (its last ``size`` rows if the batch
+    is larger than the memory) over the oldest entries. ``query_loss(loss, labels,
+    embeddings)`` is ``loss.query_database_loss`` of the queries against the filled
+    slots, with the gradient stopped on the memory side; it is 0 while the memory is
+    empty.
+
+    Called as a layer it returns its input unchanged and records whether the call was
+    a training one, for :class:`XBMLoss` (which puts it on the model's output).
+
+    Under a distribution strategy every replica must enqueue the same (global) batch:
+    the variables keep the first replica's write.
+
+    Args:
+        size: number of slots, >= 1.
+        embedding_dim: width of the stored embeddings; None: that of the first input
+            the layer is built for.
+
+    Memory: ``size * (embedding_dim * 4 + 8)`` bytes.
+    """
+
+    def __init__(self, size: int, embedding_dim: int | None = None, **kwargs):
+        kwargs.setdefault("dtype", "float32")
+        kwargs.setdefault("trainable", False)
+        kwargs.setdefault("autocast", False)
+        super().__init__(**kwargs)
+        _check_int("CrossBatchMemory", "size", size, 1)
+        if embedding_dim is not None:
+            _check_int("CrossBatchMemory", "embedding_dim", embedding_dim, 1)
+        self.size = size
+        self.embedding_dim = embedding_dim
+        self.supports_masking = True
+        if embedding_dim is not None:
+            self.build((None, embedding_dim))
+
+    def build(self, input_shape):
+        dim = input_shape[-1]
+        if len(input_shape) != 2 or dim is None:
+            raise ValueError(
+                "CrossBatchMemory: expects embeddings of shape (batch, dim) with a known "
+                f"dim; received input_shape={tuple(input_shape)}")
+        if self.embedding_dim is None:
+            self.embedding_dim = int(dim)
+        elif int(dim) != self.embedding_dim:
+            raise ValueError(
+                f"CrossBatchMemory: built for embedding_dim={self.embedding_dim}; "
+                f"received input_shape={tuple(input_shape)}")
+        # Replicas all write the same global batch; keep one copy of the write.
+        common = {"trainable": False, "aggregation": "only_first_replica"}
+        self.embeddings = self.add_weight(
+            name="embeddings", shape=(self.size, self.embedding_dim), initializer="zeros",
+            dtype="float32", **common)
+        self.labels = self.add_weight(
+            name="labels", shape=(self.size,), initializer="zeros", dtype="int64", **common)
+        self.pointer = self.add_weight(
+            name="pointer", shape=(), initializer="zeros", dtype="int32", **common)
+        self.filled = self.add_weight(
+            name="filled", shape=(), initializer="zeros", dtype="int32", **common)
+        self.built = True
+
+    def call(self, inputs, training=None):
+        """``inputs`` unchanged; records ``training`` for the next :class:`XBMLoss` call."""
+        _record_call(self, bool(training), symbolic=in_symbolic_scope())
+        return inputs
+
+    def valid_mask(self):
+        """Bool (size,): which slots hold an entry."""
+        return ops.arange(self.size, dtype="int32") < ops.convert_to_tensor(self.filled)
+
+    def enqueue(self, embeddings, labels):
+        """Write ``embeddings`` (B, D) and ``labels`` (B,) over the oldest slots."""
+        embeddings = ops.cast(ops.stop_gradient(embeddings), "float32")
+        labels = ops.cast(ops.reshape(labels, (-1,)), "int64")
+        n = embeddings.shape[0]
+        if n is None:  # a TF graph traced for any batch size
+            n = ops.shape(embeddings)[0]
+            k = ops.minimum(n, self.size)
+        else:
+            k = min(n, self.size)
+        embeddings, labels = embeddings[n - k:], labels[n - k:]
+        pointer = ops.convert_to_tensor(self.pointer)
+        slots = ops.mod(pointer + ops.arange(k, dtype="int32"), self.size)[:, None]
+        self.embeddings.assign(
+            ops.scatter_update(ops.convert_to_tensor(self.embeddings), slots, embeddings))
+        self.labels.assign(
+            ops.scatter_update(ops.convert_to_tensor(self.labels), slots, labels))
+        self.pointer.assign(ops.mod(pointer + ops.cast(k, "int32"), self.size))
+        self.filled.assign(
+            ops.minimum(ops.convert_to_tensor(self.filled) + ops.cast(k, "int32"), self.size))
+
+    def query_loss(self, loss, query_labels, query_embeddings, sample_weight=None):
+        """``loss.query_database_loss`` of the queries against the memory (0 if empty).
+
+        Reduced as ``loss`` reduces its own terms (its ``reduction``), with
+        ``sample_weight`` (one weight per query) when given.
+        Cost: that of ``loss`` on a (B, size) score matrix.
+        """
+        memory = ops.stop_gradient(ops.convert_to_tensor(self.embeddings))
+        if keras.backend.backend() == "torch":
+            # PyTorch's assign writes in place; an enqueue after this call (XBMLoss
+            # enqueues before the backward pass) must not change the saved tensor.
+            memory = ops.copy(memory)
+        memory_labels = ops.stop_gradient(ops.convert_to_tensor(self.labels))
+        query_labels = ops.reshape(query_labels, (-1,))
+        if "int" in keras.backend.standardize_dtype(query_labels.dtype):
+            memory_labels = ops.cast(memory_labels, query_labels.dtype)
+        else:  # float label ids (Keras may hand y as float32): compare as int64
+            query_labels = ops.cast(query_labels, "int64")
+        candidates = ops.broadcast_to(self.valid_mask()[None, :],
+                                      (ops.shape(query_labels)[0], self.size))
+
+        # Passed only when given: a custom loss's query_database_loss may not take it.
+        weights = {} if sample_weight is None else {"sample_weight": sample_weight}
+
+        def with_memory():
+            value = loss.query_database_loss(
+                query_labels, query_embeddings, memory_labels, memory, candidates=candidates,
+                **weights)
+            return ops.cast(value, "float32")
+
+        # Both branches must have one shape: one term per query without a reduction.
+        per_query = getattr(loss, "reduction", None) in (None, "none")
+        empty_shape = (ops.shape(query_labels)[0],) if per_query else ()
+        filled = ops.convert_to_tensor(self.filled) > 0
+        known = _concrete(filled)
+        if known is not None:  # eager: no cond to trace (on JAX, traced on every call)
+            return with_memory() if bool(known) else ops.zeros(empty_shape, "float32")
+        return ops.cond(filled, with_memory, lambda: ops.zeros(empty_shape, "float32"))
+
+    def load_own_variables(self, store):
+        # A model saved with an XBMLoss holds its memory once, with the model's
+        # layers; the compiled loss reloaded with it has a fresh memory of its own,
+        # which finds nothing saved under the loss and stays empty.
+        if len(store) == 0:
+            return
+        super().load_own_variables(store)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(size=self.size, embedding_dim=self.embedding_dim)
+        return config
+
+
+@keras.saving.register_keras_serializable(package="tfaploss")
+class XBMLoss(keras.losses.Loss):
+    """A ranking loss plus its loss against a cross-batch memory of past batches.
+
+    Wang et al., "Cross-Batch Memory for Embedding Learning", CVPR 2020. With ``L``
+    the wrapped ``loss``, a batch of queries ``(y, e)`` and the memory ``M`` of the
+    last ``size`` training embeddings (with their labels) from earlier steps::
+
+        XBMLoss(y, e) = L(y, e) + weight * L.query_database_loss(y, e, M_y, stop_gradient(M_e))
+
+    after which a training step writes the batch's detached ``(e, y)`` over the oldest
+    slots of ``M`` (a ring buffer, :class:`CrossBatchMemory`). The memory term ranks
+    each query against the filled slots only; it is 0 while the memory is empty, and
+    both terms are reduced as ``loss`` reduces (its ``reduction``, ``sample_weight``).
+
+    The memory is a layer, ``loss.memory``, that must sit on the model's embedding
+    output (it returns its input unchanged)::
+
+        xbm = XBMLoss(APLoss(), size=4096)
+        outputs = xbm.memory(backbone(inputs))
+        model = keras.Model(inputs, outputs)
+        model.compile(optimizer, loss=xbm)
+        model.fit(...)
+
+    That way its variables are model state, which Keras threads through the JAX
+    backend's stateless (jitted) step and saves with the model, and it sees the
+    step's ``training`` flag: only training steps write to the memory (``evaluate``
+    and ``fit``'s validation rank against it but leave it as it is). The loss refuses
+    to run (RuntimeError) when the memory layer was not called since its previous
+    call; in a custom loop call ``xbm.memory(embeddings, training=True)`` before it.
+    After ``keras.models.load_model`` compile again with
+    ``XBMLoss(loss, memory=model.get_layer(name))`` to reuse the loaded memory.
+
+    Under ``tf.distribute`` (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``)
+    the batch is gathered across replicas first, as :class:`RetrievalLoss` does: every
+    replica ranks the global batch against the memory, returns its share, and writes
+    the same global batch, so R replicas take the one-device step. Create the loss in
+    ``strategy.scope()``, with the model.
+
+    Args:
+        loss: the wrapped :class:`~tfaploss.losses.RetrievalLoss` (or its config).
+        size: memory slots, an int >= 1 (the paper uses thousands).
+        embedding_dim: width of the embeddings; None: taken when the model builds the
+            memory layer.
+        weight: weight of the memory term, a finite float >= 0.
+        memory: a :class:`CrossBatchMemory` to use instead of a new one (``size`` and
+            ``embedding_dim`` then default to its own).
+        name: name of the loss.
+
+    Cost of a call: the wrapped loss on the (B, B) batch scores plus on a (B, size)
+    score matrix, and a scatter of B rows into the memory; the memory holds
+    ``size * (4 * embedding_dim + 8)`` bytes. Under ``tf.distribute`` add an
+    all-gather of the (B, D) embeddings per replica.
+    """
+
+    def __init__(self, loss, size=None, embedding_dim=None, weight=1.0, memory=None,
+                 name="xbm_loss"):
+        if isinstance(loss, dict):
+            loss = keras.saving.deserialize_keras_object(loss)
+        if not isinstance(loss, RetrievalLoss):
+            raise ValueError(  # noqa: TRY004 - the project's argument errors are ValueErrors
+                "XBMLoss: `loss` must be a tfaploss.losses.RetrievalLoss (it needs "
+                f"query_database_loss), received loss={loss!r} of type {type(loss).__name__}")
+        if memory is not None:
+            if not isinstance(memory, CrossBatchMemory):
+                raise ValueError(
+                    f"XBMLoss: `memory` must be a CrossBatchMemory, received memory={memory!r}")
+            for arg, value, own in (("size", size, memory.size),
+                                    ("embedding_dim", embedding_dim, memory.embedding_dim)):
+                if value is not None and value != own:
+                    raise ValueError(
+                        f"XBMLoss: `{arg}`={value!r} differs from the given memory's "
+                        f"{arg}={own!r}")
+        else:
+            _check_int("XBMLoss", "size", size, 1)
+            if embedding_dim is not None:
+                _check_int("XBMLoss", "embedding_dim", embedding_dim, 1)
+        if (isinstance(weight, bool) or not isinstance(weight, (int, float))
+                or not math.isfinite(weight) or weight < 0):
+            raise ValueError(
+                f"XBMLoss: `weight` must be a finite number >= 0, received weight={weight!r}")
+        super().__init__(name=name, reduction=loss.reduction, dtype=loss.dtype)
+        self.loss = loss
+        self.weight = float(weight)
+        self.memory = memory if memory is not None else CrossBatchMemory(size, embedding_dim)
+
+    @property
+    def size(self):
+        return self.memory.size
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        """The wrapped loss of the batch plus ``weight`` times its loss against the
+        memory (class docstring); a training call then enqueues the batch."""
+        symbolic = in_symbolic_scope()  # Keras traces the call for its output shapes only
+        training = _take_call(self.memory, symbolic)
+        if training is None:
+            raise RuntimeError(
+                f"XBMLoss: its memory layer {self.memory.name!r} was not called since the "
+                "loss's previous call, so the loss cannot tell a training step from "
+                "evaluation (and on JAX the memory would not be part of the model's "
+                "state). Put it on the model's embedding output: `outputs = "
+                "xbm.memory(embeddings)`; in a custom loop call `xbm.memory(embeddings, "
+                "training=True)` before the loss.")
+        if symbolic:
+            return self.loss(y_true, y_pred, sample_weight)
+        owner = type(self).__name__
+        replicas = distribute.replicas_to_gather(owner)
+        with keras.name_scope(self.name):
+            embeddings = ops.convert_to_tensor(y_pred)
+            labels = _check_sizes(owner, check_labels(y_true), embeddings, "y_true", "y_pred")
+            self._check_state(embeddings)
+            if replicas == 1:
+                return self._loss_and_enqueue(labels, embeddings, sample_weight, training)
+            if sample_weight is not None:
+                # One weight per local query, so that they line up with the gathered rows.
+                local = ops.zeros_like(labels, dtype=self.loss.dtype)
+                sample_weight = ops.reshape(ops.cast(
+                    self.loss._check_sample_weight(sample_weight, local), self.loss.dtype),
+                    (-1,))
+            labels, embeddings, sample_weight, rows = distribute.gather_replicas(
+                labels, embeddings, sample_weight)
+            with distribute.global_batch():
+                total = self._loss_and_enqueue(labels, embeddings, sample_weight, training)
+        return distribute.replica_share(total, self.loss.reduction, replicas, rows)
+
+    def _loss_and_enqueue(self, labels, embeddings, sample_weight, training):
+        batch = self.loss(labels, embeddings, sample_weight)
+        memory = self.memory.query_loss(self.loss, labels, embeddings, sample_weight)
+        total = batch + ops.cast(memory, batch.dtype) * ops.cast(self.weight, batch.dtype)
+        if training:  # after the memory term: the memory holds earlier batches only
+            self.memory.enqueue(embeddings, labels)
+        return total
+
+    def _check_state(self, embeddings):
+        """Refuse a JAX trace in which the memory is not part of the threaded state:
+        its reads would be constants and its writes lost."""
+        if keras.backend.backend() != "jax":
+            return
+        import jax
+
+        if isinstance(embeddings, jax.core.Tracer) and not isinstance(
+                ops.convert_to_tensor(self.memory.pointer), jax.core.Tracer):
+            raise RuntimeError(  # noqa: TRY004 - a model set up wrongly, not a bad type
+                f"XBMLoss: on JAX its memory layer {self.memory.name!r} must be part of the "
+                "model that is trained (`outputs = xbm.memory(embeddings)`), so that "
+                "Keras threads its variables through the jitted step.")
+
+    def get_config(self):
+        return {"loss": keras.saving.serialize_keras_object(self.loss), "size": self.size,
+                "embedding_dim": self.memory.embedding_dim, "weight": self.weight,
+                "name": self.name}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)

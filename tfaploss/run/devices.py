@@ -1,0 +1,142 @@
+"""Which devices a ``tfaploss train`` run uses (``training.distribute``).
+
+A ranking loss must rank the global batch, so data parallelism here is always the
+kind in which the losses gather every device's rows (``tfaploss.ops.distribute``):
+``tf.distribute.MirroredStrategy`` on TensorFlow, ``keras.distribution.DataParallel``
+on JAX. :func:`plan_devices` decides from the config and the devices present and
+must run before TensorFlow initialises its devices, since several CPU devices (for a
+run without GPUs) can only be configured before that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import keras
+
+from tfaploss.config.schema import Config
+
+LOG = logging.getLogger(__name__)
+
+
+@dataclass
+class DevicePlan:
+    """The devices of a run and how the batch splits over them."""
+
+    strategy: str                          # "none" or "data_parallel"
+    devices: list[str] = field(default_factory=list)
+    global_batch: int = 0
+    backend: str = "tensorflow"
+
+    @property
+    def per_device_batch(self) -> int:
+        return self.global_batch // max(1, len(self.devices))
+
+    def describe(self) -> str:
+        names = ", ".join(self.devices)
+        if self.strategy == "none":
+            return f"one device ({names}), batch {self.global_batch}"
+        how = "MirroredStrategy" if self.backend == "tensorflow" else "DataParallel"
+        return (f"data_parallel ({how}) on {len(self.devices)} devices ({names}): global "
+                f"batch {self.global_batch}, {self.per_device_batch} per device")
+
+    def to_dict(self) -> dict:
+        return {"strategy": self.strategy, "devices": len(self.devices),
+                "device_names": list(self.devices), "global_batch": self.global_batch,
+                "per_device_batch": self.per_device_batch}
+
+    @contextlib.contextmanager
+    def scope(self):
+        """Build, compile and fit inside this block."""
+        if self.strategy == "none":
+            yield
+            return
+        if self.backend == "tensorflow":
+            import tensorflow as tf
+
+            with tf.distribute.MirroredStrategy(self.devices).scope():
+                yield
+            return
+        import jax
+
+        by_name = {str(d): d for d in jax.devices()}
+        keras.distribution.set_distribution(keras.distribution.DataParallel(
+            devices=[by_name[n] for n in self.devices]))
+        try:
+            yield
+        finally:
+            keras.distribution.set_distribution(None)
+
+
+def _available(backend: str, wanted: int | None) -> tuple[list[str], str]:
+    """The devices a data-parallel run can use, and their kind ("GPU" or "CPU")."""
+    if backend == "jax":
+        import jax
+
+        devices = jax.devices()
+        return [str(d) for d in devices], "GPU" if devices[0].platform == "gpu" else "CPU"
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        return [d.name for d in tf.config.list_logical_devices("GPU")], "GPU"
+    if wanted and wanted > 1:
+        # Several CPU devices share the same cores: for testing the distributed path
+        # on a machine without GPUs, not for speed.
+        try:
+            tf.config.set_logical_device_configuration(
+                tf.config.list_physical_devices("CPU")[0],
+                [tf.config.LogicalDeviceConfiguration()] * wanted)
+        except RuntimeError:
+            pass  # already initialised: use what there is (checked by the caller)
+    return [d.name for d in tf.config.list_logical_devices("CPU")], "CPU"
+
+
+def plan_devices(cfg: Config) -> DevicePlan:
+    """The :class:`DevicePlan` for ``cfg.training.distribute`` on this machine.
+
+    Raises ``ValueError`` naming the config key when more devices are asked for than
+    there are, or when the batch does not split evenly over them.
+    """
+    dist = cfg.training.distribute
+    backend = keras.backend.backend()
+    batch = cfg.data.batch_size
+    if backend not in ("tensorflow", "jax") and dist.strategy == "data_parallel":
+        raise ValueError(
+            f"config key 'training.distribute.strategy': data_parallel runs on the "
+            f"tensorflow and jax backends; received KERAS_BACKEND={backend}. On PyTorch, "
+            "train with torch.distributed (README, scale-out).")
+    if dist.strategy == "none" or backend not in ("tensorflow", "jax"):
+        return DevicePlan("none", [_default_device(backend)], batch, backend)
+    devices, kind = _available(backend, dist.devices)
+    if dist.strategy == "auto" and (kind != "GPU" or len(devices) < 2):
+        return DevicePlan("none", devices[:1], batch, backend)
+    wanted = dist.devices or len(devices)
+    if wanted > len(devices):
+        raise ValueError(
+            f"config key 'training.distribute.devices': {wanted} devices asked for, this "
+            f"machine has {len(devices)} {kind} device(s) ({', '.join(devices)}).")
+    chosen = devices[:wanted]
+    if batch % len(chosen):
+        raise ValueError(
+            f"config key 'data.batch_size': the global batch of {batch} does not split "
+            f"evenly over {len(chosen)} devices; use a multiple of {len(chosen)} (received "
+            f"training.distribute.devices={dist.devices}).")
+    if len(chosen) == 1:
+        return DevicePlan("none", chosen, batch, backend)
+    return DevicePlan("data_parallel", chosen, batch, backend)
+
+
+def _default_device(backend: str) -> str:
+    if backend == "jax":
+        import jax
+
+        return str(jax.devices()[0])
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        gpus = tf.config.list_logical_devices("GPU")
+        return gpus[0].name if gpus else tf.config.list_logical_devices("CPU")[0].name
+    return "default"
