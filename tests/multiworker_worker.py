@@ -27,7 +27,9 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-WORKERS, CLASSES, DIM, FEATURES = 2, 16, 6, 8
+from tests.shard_layout import CLASSES, dense_model, layout
+
+WORKERS = 2
 BATCH = WORKERS * CLASSES  # the global batch: one item of every class per replica
 STEPS = 3
 LEARNING_RATE = 0.5
@@ -36,22 +38,10 @@ SCENARIOS = ("plain", "multistage")
 
 def data(seed=0):
     """The global batch; replica ``r``'s shard is rows ``16 r .. 16 r + 15``."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(BATCH, FEATURES)).astype("float32")
-    y = np.tile(np.arange(CLASSES), WORKERS).astype("int32")
-    return x, y
+    return layout(WORKERS, seed)
 
 
-def model():
-    """The seeded embedding model (the same initial weights in every process)."""
-    import keras
-
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((FEATURES,))
-    hidden = keras.layers.Dense(12, activation="tanh")(inputs)
-    return keras.Model(inputs, keras.layers.Dense(DIM)(hidden))
+model = dense_model
 
 
 def compiled(scenario):

@@ -23,13 +23,14 @@ if keras.backend.backend() != "jax":
 
 import jax
 
-from tfaploss.losses import APLoss, SmoothAPLoss
+from tests.shard_layout import CLASSES, DIM, FEATURES, layout
+from tfaploss.losses import APLoss, SmoothAPLoss, XBMLoss
 from tfaploss.training import (
     MultiStageModel,
     multistage_jax,
 )
 
-DEVICES, CLASSES, DIM, FEATURES = 4, 16, 6, 8
+DEVICES = 4
 BATCH = DEVICES * CLASSES
 STEPS = 3
 
@@ -40,11 +41,8 @@ if len(jax.devices()) < DEVICES:
 
 
 def _data(seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(BATCH, FEATURES)).astype("float32")
     # device d holds rows 16d..16d+15 of the global batch: one item of every class
-    y = np.tile(np.arange(CLASSES), DEVICES).astype("int32")
-    return x, y
+    return layout(DEVICES, seed)
 
 
 def _model():
@@ -104,6 +102,39 @@ def test_devices_give_the_steps_of_one_device(one_device, loss_name, step):
                 for w, w0 in zip(ref_weights, _model().get_weights()))
     assert moved > 1e-3
     # float32 sums in another order (per device, per chunk): ~1e-6 after 3 steps
+    for w, ref in zip(weights, ref_weights):
+        np.testing.assert_allclose(w, ref, rtol=1e-4, atol=1e-5)
+
+
+def _fit_xbm(distributed):
+    """Per-step losses, weights and memory labels of an XBMLoss (96 slots: the memory
+    wraps on step 2) after STEPS SGD steps in a plain fit."""
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(devices=jax.devices()[:DEVICES])
+        if distributed else None)
+    try:
+        xbm = XBMLoss(APLoss(), size=96, weight=0.5)
+        net = _model()
+        model = keras.Model(net.input, xbm.memory(net.output))
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=xbm)
+        x, y = _data()
+        history = model.fit(x, y, batch_size=BATCH, epochs=STEPS, shuffle=False, verbose=0)
+        labels = np.asarray(xbm.memory.labels.value)
+        weights = [np.asarray(w) for w in model.get_weights()]
+    finally:
+        keras.distribution.set_distribution(None)
+    return history.history["loss"], weights, labels
+
+
+def test_devices_give_the_xbm_steps_of_one_device():
+    losses, weights, labels = _fit_xbm(distributed=True)
+    ref_losses, ref_weights, ref_labels = _fit_xbm(distributed=False)
+    _, y = _data()
+    # the memory holds the last 96 rows seen: batch 2's last 32, then batch 3
+    np.testing.assert_array_equal(ref_labels, np.concatenate([y, y[32:]]))
+    np.testing.assert_array_equal(labels, ref_labels)
+    assert ref_losses[1] != pytest.approx(ref_losses[0], rel=1e-3)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     for w, ref in zip(weights, ref_weights):
         np.testing.assert_allclose(w, ref, rtol=1e-4, atol=1e-5)
 

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.shard_layout import CLASSES, DIM, dense_model, layout
 from tfaploss.losses import APLoss, HAPLoss, SmoothAPLoss, XBMLoss
 from tfaploss.training import MultiStageModel
 
-REPLICAS, CLASSES, DIM, FEATURES = 4, 16, 6, 8
+REPLICAS = 4
 BATCH = REPLICAS * CLASSES
 STEPS = 3
 
@@ -53,18 +54,11 @@ def strategy():
 
 
 def _data(seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(BATCH, FEATURES)).astype("float32")
     # Replica r gets rows 16r..16r+15 (Keras splits the global batch in order).
-    y = np.tile(np.arange(CLASSES), REPLICAS).astype("int32")
-    return x, y
+    return layout(REPLICAS, seed)
 
 
-def _model():
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((FEATURES,))
-    hidden = keras.layers.Dense(12, activation="tanh")(inputs)
-    return keras.Model(inputs, keras.layers.Dense(DIM)(hidden))
+_model = dense_model
 
 
 def _fit(loss, multistage=False, strategy=None, sample_weight=None):

@@ -37,11 +37,12 @@ if keras.backend.backend() != "torch":
 import torch
 import torch.distributed as dist
 
+from tests.shard_layout import CLASSES, DIM, dense_model, layout
 from tfaploss.losses import APLoss, HAPLoss, SmoothAPLoss
 from tfaploss.ops import distribute_torch
 from tfaploss.training import MultiStageModel
 
-RANKS, CLASSES, DIM, FEATURES = 4, 16, 6, 8
+RANKS = 4
 BATCH = RANKS * CLASSES
 STEPS = 3
 # Shards of the loss-level scenario: unequal, so the gather pads.
@@ -56,21 +57,14 @@ WORKER_TIMEOUT_S = 120
 
 
 def _data(seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(BATCH, FEATURES)).astype("float32")
-    y = np.tile(np.arange(CLASSES), RANKS).astype("int32")  # rank r: rows 16r..16r+15
-    return x, y
+    return layout(RANKS, seed)  # rank r: rows 16r..16r+15
 
 
 def _weight():
     return np.linspace(0.2, 2.0, BATCH).astype("float32")
 
 
-def _model(seed=1):
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((FEATURES,))
-    hidden = keras.layers.Dense(12, activation="tanh")(inputs)
-    return keras.Model(inputs, keras.layers.Dense(DIM)(hidden))
+_model = dense_model
 
 
 def _shard(array, rank):

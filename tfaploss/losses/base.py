@@ -236,7 +236,9 @@ class RetrievalLoss(keras.losses.Loss):
 
     Under ``tf.distribute`` (``MirroredStrategy`` or ``MultiWorkerMirroredStrategy``
     with R > 1 replicas in sync), ``__call__`` in a replica context (``Model.fit``,
-    ``evaluate``, ``strategy.run``) ranks the GLOBAL batch, never one replica's shard:
+    ``evaluate``, ``strategy.run``; Keras 3's ``fit`` does not run under
+    ``MultiWorkerMirroredStrategy``, keras-team/keras#20585, so several machines train
+    in a ``strategy.run`` loop) ranks the GLOBAL batch, never one replica's shard:
     it all-gathers every replica's labels, embeddings (with their gradient) and
     ``sample_weight`` (shards may differ in size), reduces the global batch's terms as
     above, and returns this replica's share of the result: the result divided by R
