@@ -207,7 +207,7 @@ def test_training_health_section_defaults_overrides_and_bad_values():
     health = cfg.to_dict()["training"]["health"]
     assert health == {"enabled": True, "collapse_cosine": 0.99, "collapse_fraction": 0.8,
                       "window_share": 0.1, "min_window_images": 8192, "stop_share": 0.25,
-                      "stop_chance_ap": 0.5}
+                      "stop_chance_ap": 0.5, "cone_cosine": 0.95, "cone_chance_ap": 0.35}
     cfg = config_from_dict(MINIMAL, ["training.health.stop_share=null",
                                      "training.health.min_window_images=4096"])
     assert cfg.training.health.stop_share is None
@@ -223,6 +223,12 @@ def test_training_health_section_defaults_overrides_and_bad_values():
         MINIMAL, ["training.health.collapse_cosine=-1"])
     assert "'training.health.stop_chance_ap': must be in [0, 1]" in _error(
         MINIMAL, ["training.health.stop_chance_ap=2"])
+    assert "'training.health.cone_cosine': must be in (-1, 1]" in _error(
+        MINIMAL, ["training.health.cone_cosine=1.5"])
+    assert "'training.health.cone_chance_ap': must be in [0, 1]" in _error(
+        MINIMAL, ["training.health.cone_chance_ap=-0.1"])
+    assert config_from_dict(MINIMAL, ["training.health.cone_cosine=null"]
+                            ).training.health.cone_cosine is None
     assert "'training.health.min_window_images': expected an integer" in _error(
         MINIMAL, ["training.health.min_window_images=many"])
     assert "Did you mean 'stop_share'" in _error(MINIMAL, ["training.health.stop_shar=0.3"])

@@ -340,7 +340,9 @@ class HealthConfig:
     (``stopped_early``) and epochs.jsonl, when the collapse holds over ``stop_share``
     of the run counting only steps where at least ``stop_chance_ap`` of the queries
     rank no better than chance (``chance_ap``; 0: the cosine alone): a model can
-    still learn inside a narrow cone. ``stop_share: null`` only warns. ``enabled:
+    still learn inside a narrow cone. After the run's first ``stop_share``, steps with
+    ``emb_cos >= cone_cosine`` and ``chance_ap >= cone_chance_ap`` count towards that
+    stop too: a run stalled in a wider cone (``cone_cosine: null`` turns this off). ``stop_share: null`` only warns. ``enabled:
     false`` turns the check off (the metrics are still logged). The defaults and the
     measurements behind them: :class:`tfaploss.training.TrainingHealthMonitor`.
     """
@@ -352,6 +354,8 @@ class HealthConfig:
     min_window_images: int = 8192
     stop_share: float | None = 0.25
     stop_chance_ap: float = 0.5
+    cone_cosine: float | None = 0.95
+    cone_chance_ap: float = 0.35
 
 
 @dataclass
@@ -931,6 +935,12 @@ def _check_health(health: HealthConfig) -> None:
         raise ConfigError(
             f"{where}stop_chance_ap': must be in [0, 1] (a share of the queries; 0 "
             f"stops on the cosine alone), received {health.stop_chance_ap}.")
+    if health.cone_cosine is not None and not -1.0 < health.cone_cosine <= 1.0:
+        raise ConfigError(f"{where}cone_cosine': must be in (-1, 1] (a mean cosine; "
+                          f"0.95 by default) or null, received {health.cone_cosine}.")
+    if not 0.0 <= health.cone_chance_ap <= 1.0:
+        raise ConfigError(f"{where}cone_chance_ap': must be in [0, 1] (a share of the "
+                          f"queries), received {health.cone_chance_ap}.")
 
 
 # ---------------------------------------------------------------------------------------

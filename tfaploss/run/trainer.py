@@ -180,7 +180,8 @@ def _health_monitor(cfg: Config):
     return TrainingHealthMonitor(
         collapse_cosine=h.collapse_cosine, collapse_fraction=h.collapse_fraction,
         window_share=h.window_share, min_window_images=h.min_window_images,
-        stop_share=h.stop_share, stop_chance_ap=h.stop_chance_ap, action="warn",
+        stop_share=h.stop_share, stop_chance_ap=h.stop_chance_ap,
+        cone_cosine=h.cone_cosine, cone_chance_ap=h.cone_chance_ap, action="warn",
         batch_size=cfg.data.batch_size)
 
 

@@ -253,6 +253,14 @@ DEFAULT_WINDOW_SHARE = 0.1
 DEFAULT_MIN_WINDOW_IMAGES = 8192
 DEFAULT_STOP_SHARE = 0.25  # tfaploss train's; the callback itself never stops by default
 DEFAULT_STOP_CHANCE_AP = 0.5
+# A run that stays in a wide cone with many queries at chance after its first
+# stop_share: on the glyph sweep at B=2048 (docs/batch_sweep.md), ROADMAP at 1e-3 and
+# 4e-3 and PNP-Dq at 1.6e-2 sat at emb_cos 0.96-0.99 with 38-69 % of queries at chance
+# in every epoch (validation MAP@R 1-4 %), below the 0.99 collapse line; every run
+# that learned (validation MAP@R 47-87 %) was at emb_cos <= 0.38 and <= 28 % at chance
+# from its second epoch (of 4) on.
+DEFAULT_CONE_COSINE = 0.95
+DEFAULT_CONE_CHANCE_AP = 0.35
 DEFAULT_FLAT_RTOL = 1e-3
 # Images per step when nothing tells the monitor the training batch size.
 _ASSUMED_BATCH = 128
@@ -408,6 +416,11 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
             never stops.
         stop_chance_ap: the ``chance_ap`` at or above which a collapsed step counts
             towards ``stop_share`` (0: the cosine alone).
+        cone_cosine, cone_chance_ap: a step after the run's first ``stop_share`` also
+            counts towards ``stop_share`` when its ``emb_cos`` is >= ``cone_cosine``
+            and its ``chance_ap`` >= ``cone_chance_ap`` (a run stalled in a cone wider
+            than ``collapse_cosine``: measured in ``DEFAULT_CONE_COSINE``'s comment).
+            ``cone_cosine=None`` turns this off; it needs the ``chance_ap`` metric.
         total_images: the run's images when Keras's ``params`` do not tell (a dataset
             of unknown length). Without either, the run is taken to be
             ``min_window_images / window_share`` images long.
@@ -426,7 +439,8 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
                  action="warn", *, window_share=DEFAULT_WINDOW_SHARE,
                  min_window_images=DEFAULT_MIN_WINDOW_IMAGES,
                  collapse_fraction=DEFAULT_COLLAPSE_FRACTION, stop_share=None,
-                 stop_chance_ap=DEFAULT_STOP_CHANCE_AP, total_images=None, batch_size=None):
+                 stop_chance_ap=DEFAULT_STOP_CHANCE_AP, cone_cosine=DEFAULT_CONE_COSINE,
+                 cone_chance_ap=DEFAULT_CONE_CHANCE_AP, total_images=None, batch_size=None):
         super().__init__()
 
         def count(arg, value, low, optional):
@@ -459,6 +473,8 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         share("window_share", window_share, 0.0, 1.0)
         share("flat_rtol", flat_rtol, 0.0, math.inf, optional=True)
         share("stop_chance_ap", stop_chance_ap, 0.0, 1.0)
+        share("cone_cosine", cone_cosine, -1.0, 1.0, optional=True, low_open=True)
+        share("cone_chance_ap", cone_chance_ap, 0.0, 1.0)
         if action not in ("warn", "stop"):
             raise ValueError("TrainingHealthMonitor: action must be 'warn' or 'stop', "
                              f"received action={action!r}")
@@ -487,6 +503,9 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         self.stop_share = None if stop_share is None else float(stop_share)
         # The deprecated rule stopped on the cosine alone.
         self.stop_chance_ap = 0.0 if patience is not None else float(stop_chance_ap)
+        self.cone_cosine = (None if cone_cosine is None or patience is not None
+                            else float(cone_cosine))
+        self.cone_chance_ap = float(cone_chance_ap)
         self.total_images, self.batch_size = total_images, batch_size
         self.data, self.every, self.action = data, max(every, 1), action
         self.events, self.records, self.stopped = [], [], None
@@ -501,6 +520,7 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         self._warned = {"collapse": False, "flat": False}
         self._windows = None  # sized at the first step, when the batch size is known
         self._total = None
+        self._seen = 0
         self.stopped = None
         self.on_epoch_begin(0)
 
@@ -611,6 +631,28 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
             return _float(h["cos_mean"]), _float(h["cos_std"]), _float(h["chance_ap"]), steps
         return None
 
+    def _stalled_in_cone(self, cos_mean, chance):
+        """Whether this step counts towards a stop as stalled in a wide cone."""
+        if (self.cone_cosine is None or self.stop_share is None or chance is None
+                or not math.isfinite(chance)):
+            return False
+        grace = (self.stop_share * self._total if self._total
+                 else self.min_window_images)
+        return (self._seen > grace and cos_mean >= self.cone_cosine
+                and chance >= self.cone_chance_ap)
+
+    def _cone_message(self, window, cos_mean, chance):
+        return (
+            f"the embeddings have stalled in a narrow cone: after the run's first "
+            f"{self.stop_share:.0%}, over {self._span(window)}, {window.share:.0%} of the "
+            f"images came from batches whose mean cosine between different images "
+            f"(emb_cos) was >= {self.cone_cosine:g} with at least "
+            f"{self.cone_chance_ap:.0%} of queries ranked no better than chance "
+            f"(chance_ap) (now {cos_mean:.4f}, {chance:.0%} at chance; it was "
+            f"{self._first_cos:.4f} at the first step). Runs that learn leave the cone "
+            f"early: on the glyph sweep, every run that learned was at emb_cos <= 0.38 "
+            f"from its second quarter on. " + COLLAPSE_CAUSES)
+
     def _check_collapse(self, cos_mean, cos_std, chance, images):
         if not math.isfinite(cos_mean):
             return  # non-finite embeddings are not a collapse; the loss reports them
@@ -621,11 +663,13 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         at_chance = collapsed and (
             self.stop_chance_ap == 0 or chance is None or not math.isfinite(chance)
             or chance >= self.stop_chance_ap)
+        self._seen += images
+        in_cone = self._stalled_in_cone(cos_mean, chance)
         w = self._windows
         w["collapse"].add(images, float(collapsed))
         w["collapse_chance"].add(images, float(at_chance))
         if "collapse_stop" in w:
-            w["collapse_stop"].add(images, float(at_chance))
+            w["collapse_stop"].add(images, float(at_chance or in_cone))
         window = w["collapse"]
         if not self._ready(window):
             return
@@ -635,6 +679,10 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
             self._warned["collapse"] = False
         stop_window = w.get("collapse_stop")
         stop = self._ready(stop_window) and stop_window.share >= self.collapse_fraction
+        if stop and window.share < self.collapse_fraction:
+            self._report("collapse", self._cone_message(stop_window, cos_mean, chance),
+                         stop_window, True)
+            return
         if stop:
             window = stop_window
         elif window.share < self.collapse_fraction or self._warned["collapse"]:
