@@ -256,32 +256,27 @@ def test_no_shard_holds_a_positive_pair(runs):
     assert references["ddp_ap"][0][0] > 0.1
 
 
-@pytest.mark.parametrize("loss_name", list(LOSSES))
-def test_ddp_loop_gives_the_steps_of_one_process(loss_name, runs):
+def _assert_ranks_took_the_reference_steps(runs, key):
+    """Every rank's losses and weights equal the one-process run ``key``, which trains."""
     results, references = runs
-    expected_losses, expected = references[f"ddp_{loss_name}"]
+    expected_losses, expected = references[key]
     assert np.all(expected_losses > 0.05)
     initial = _model().get_weights()
     assert max(np.abs(e - i).max() for e, i in zip(expected, initial)) > 1e-3  # it trains
     for saved in results:
-        np.testing.assert_allclose(saved[f"ddp_{loss_name}_losses"], expected_losses,
-                                   rtol=1e-5)
-        for w, e in zip(_weights(saved, f"ddp_{loss_name}"), expected):
+        np.testing.assert_allclose(saved[f"{key}_losses"], expected_losses, rtol=1e-5)
+        for w, e in zip(_weights(saved, key), expected):
             np.testing.assert_allclose(w, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_name", list(LOSSES))
+def test_ddp_loop_gives_the_steps_of_one_process(loss_name, runs):
+    _assert_ranks_took_the_reference_steps(runs, f"ddp_{loss_name}")
 
 
 @pytest.mark.parametrize("name", list(MULTISTAGE))
 def test_multistage_fit_on_shards_gives_the_steps_of_one_process(name, runs):
-    results, references = runs
-    expected_losses, expected = references[f"multistage_{name}"]
-    assert np.all(expected_losses > 0.05)
-    initial = _model().get_weights()
-    assert max(np.abs(e - i).max() for e, i in zip(expected, initial)) > 1e-3
-    for saved in results:
-        np.testing.assert_allclose(saved[f"multistage_{name}_losses"], expected_losses,
-                                   rtol=1e-5)
-        for w, e in zip(_weights(saved, f"multistage_{name}"), expected):
-            np.testing.assert_allclose(w, e, rtol=1e-5, atol=1e-6)
+    _assert_ranks_took_the_reference_steps(runs, f"multistage_{name}")
 
 
 def test_multistage_honours_sample_weight(runs):
