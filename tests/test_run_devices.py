@@ -87,11 +87,29 @@ def records(tmp_path_factory):
     return root
 
 
-def test_a_run_over_two_devices_trains_and_records_its_devices(records, capsys):
+class _OwnKeys:
+    """A MirroredStrategy whose collectives use keys of their own: every
+    MirroredStrategy numbers its collective instances from the same base, and another
+    test's 2-replica strategy in this process would meet these collectives under the
+    same keys with other shapes (TensorFlow's own tests offset the base this way)."""
+
+    @staticmethod
+    def strategy(devices):
+        import tensorflow as tf
+
+        class Strategy(tf.distribute.MirroredStrategy):
+            _collective_key_base = 3000
+
+        return Strategy(devices)
+
+
+def test_a_run_over_two_devices_trains_and_records_its_devices(records, capsys,
+                                                               monkeypatch):
     """The whole ``train`` path under MirroredStrategy: the health metrics (sync-on-read
     variables) and the finite-weights guard read distributed variables, which failed
     before. Equality with one device is pinned in tests/test_distribute_tf.py: the
     training stream differs here (a distributed dataset draws its first batch anew)."""
+    monkeypatch.setattr("tfaploss.run.devices.mirrored_strategy", _OwnKeys.strategy)
     cfg = _cfg(records, strategy="data_parallel", devices=2)
     start = initial_model(cfg).get_weights()
     two = train(cfg, verbose=0)

@@ -54,9 +54,7 @@ class DevicePlan:
             yield
             return
         if self.backend == "tensorflow":
-            import tensorflow as tf
-
-            with tf.distribute.MirroredStrategy(self.devices).scope():
+            with mirrored_strategy(self.devices).scope():
                 yield
             return
         import jax
@@ -68,6 +66,13 @@ class DevicePlan:
             yield
         finally:
             keras.distribution.set_distribution(None)
+
+
+def mirrored_strategy(devices):
+    """The ``tf.distribute.MirroredStrategy`` of a data-parallel run."""
+    import tensorflow as tf
+
+    return tf.distribute.MirroredStrategy(devices)
 
 
 def _available(backend: str, wanted: int | None) -> tuple[list[str], str]:
