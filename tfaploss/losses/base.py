@@ -340,29 +340,41 @@ class RetrievalLoss(keras.losses.Loss):
         with keras.name_scope(self.name):
             terms = self.call(check_labels(y_true), y_pred)
             sample_weight = self._check_sample_weight(sample_weight, terms)
-        return self._reduce(terms, sample_weight)
+        # per_replica: replicas_to_gather above already found no shard to refuse.
+        return self._reduce(terms, sample_weight, per_replica=True)
 
     def _global_batch_call(self, y_true, y_pred, sample_weight, replicas):
-        """``__call__`` in a replica context of a ``tf.distribute`` strategy: the loss
-        of the global batch (every replica's rows gathered), as this replica's share
-        (class docstring, "Under tf.distribute")."""
+        """``__call__`` in a replica context of a ``tf.distribute`` strategy (or a rank
+        of ``torch.distributed``): the loss of the global batch, as this replica's
+        share (class docstring, "Under tf.distribute")."""
         owner = type(self).__name__
         with keras.name_scope(self.name):
             embeddings = self._check_embeddings(ops.convert_to_tensor(y_pred), "y_pred")
             labels = _check_sizes(owner, check_labels(y_true), embeddings, "y_true",
                                   "y_pred")
-            if sample_weight is not None:
-                # One weight per local query, cast as Keras casts it, so that the
-                # replicas' weights line up with their gathered rows.
-                local = ops.zeros_like(labels, dtype=self.dtype)
-                sample_weight = ops.reshape(ops.cast(
-                    self._check_sample_weight(sample_weight, local), self.dtype), (-1,))
-            labels, embeddings, sample_weight, rows = distribute.gather_replicas(
-                labels, embeddings, sample_weight)
-            with distribute.global_batch():
+
+            def reduced(labels, embeddings, sample_weight):
                 terms = self.call(labels, embeddings)
-                sample_weight = self._check_sample_weight(sample_weight, terms)
-                loss = self._reduce(terms, sample_weight)
+                return self._reduce(terms, self._check_sample_weight(sample_weight, terms))
+
+            return self._rank_global_batch(labels, embeddings, sample_weight, replicas,
+                                           reduced)
+
+    def _rank_global_batch(self, labels, embeddings, sample_weight, replicas, reduced):
+        """``reduced(labels, embeddings, sample_weight)``, a loss reduced as this loss
+        reduces, of the global batch: every replica's rows of this replica's checked
+        ``labels``, ``embeddings`` and ``sample_weight`` gathered; returned as this
+        replica's share (:func:`tfaploss.ops.distribute.replica_share`)."""
+        if sample_weight is not None:
+            # One weight per local query, cast as Keras casts it, so that the
+            # replicas' weights line up with their gathered rows.
+            local = ops.zeros_like(labels, dtype=self.dtype)
+            sample_weight = ops.reshape(ops.cast(
+                self._check_sample_weight(sample_weight, local), self.dtype), (-1,))
+        labels, embeddings, sample_weight, rows = distribute.gather_replicas(
+            labels, embeddings, sample_weight)
+        with distribute.global_batch():
+            loss = reduced(labels, embeddings, sample_weight)
         return distribute.replica_share(loss, self.reduction, replicas, rows)
 
     def call(self, y_true, y_pred):

@@ -317,17 +317,11 @@ class XBMLoss(keras.losses.Loss):
             self._check_state(embeddings)
             if replicas == 1:
                 return self._loss_and_enqueue(labels, embeddings, sample_weight, training)
-            if sample_weight is not None:
-                # One weight per local query, so that they line up with the gathered rows.
-                local = ops.zeros_like(labels, dtype=self.loss.dtype)
-                sample_weight = ops.reshape(ops.cast(
-                    self.loss._check_sample_weight(sample_weight, local), self.loss.dtype),
-                    (-1,))
-            labels, embeddings, sample_weight, rows = distribute.gather_replicas(
-                labels, embeddings, sample_weight)
-            with distribute.global_batch():
-                total = self._loss_and_enqueue(labels, embeddings, sample_weight, training)
-        return distribute.replica_share(total, self.loss.reduction, replicas, rows)
+            # Gathered, weighted and shared as the wrapped loss does.
+            return self.loss._rank_global_batch(
+                labels, embeddings, sample_weight, replicas,
+                lambda labels, embeddings, weights: self._loss_and_enqueue(
+                    labels, embeddings, weights, training))
 
     def _loss_and_enqueue(self, labels, embeddings, sample_weight, training):
         batch = self.loss(labels, embeddings, sample_weight)

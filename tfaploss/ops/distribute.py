@@ -162,18 +162,19 @@ def replica_share(loss, reduction: str, replicas: int, rows):
     this replica's ``rows`` (the gather's gradient sums over replicas, so the rows'
     gradient is the one-device one).
 
-    On PyTorch, where DistributedDataParallel AVERAGES the ranks' gradients, the
-    shares are those of :func:`tfaploss.ops.distribute_torch.rank_share`.
+    On PyTorch, where DistributedDataParallel AVERAGES the ranks' gradients, every
+    rank keeps the whole loss for the mean reductions and ``"sum"`` alike (Keras scales
+    neither there): the ranks' shares averaged are the one-process loss, and so are
+    their gradients (:mod:`tfaploss.ops.distribute_torch`). ``"none"`` keeps this
+    rank's rows, to be reduced as any per-sample loss under DDP.
     """
-    if _on_torch():
-        from tfaploss.ops import distribute_torch
-
-        return distribute_torch.rank_share(loss, reduction, rows)
-    import tensorflow as tf
-
     if reduction in (None, "none"):
         start, stop = rows
         return loss[start:stop]
+    if _on_torch():
+        return loss
+    import tensorflow as tf
+
     if reduction == "sum":
         return loss / tf.cast(replicas, loss.dtype)
     return loss

@@ -106,22 +106,6 @@ def gather_ranks(labels, embeddings, sample_weight):
             (start, start + embeddings.shape[0]))
 
 
-def rank_share(loss, reduction: str, rows):
-    """This rank's share of ``loss``, the reduced loss of the global batch.
-
-    With gradients averaged over the ranks (DDP), every rank keeps the whole loss: the
-    ranks' shares averaged are the one-process loss, and so are their gradients
-    (module docstring), for the mean reductions and ``"sum"`` alike (Keras scales
-    neither on PyTorch). ``"none"`` keeps this rank's ``rows`` of the global terms:
-    concatenated in rank order they are the one-process terms, to be reduced as any
-    per-sample loss under DDP.
-    """
-    if reduction in (None, "none"):
-        start, stop = rows
-        return loss[start:stop]
-    return loss
-
-
 def average_gradients(grads):
     """``grads`` (tensors) averaged over the ranks in place: one all-reduce per dtype."""
     ranks = world_size()
