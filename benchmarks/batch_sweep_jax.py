@@ -51,8 +51,11 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+for _path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from batch_sweep import _stats  # the CPU sweep's mean and half-range
 
 LOSSES = {
     "APLoss": ("APLoss", {}),
@@ -506,14 +509,6 @@ def cells(rows, args):
     return table
 
 
-def _mean_spread(values):
-    import statistics
-
-    if not values:
-        return None, None
-    return statistics.fmean(values), (statistics.pstdev(values) if len(values) > 1 else None)
-
-
 def markdown(args, rows) -> str:
     table = cells(rows, args)
     losses = [s for s in args.losses.split(",") if s and any(k[0] == s for k in table)]
@@ -523,7 +518,7 @@ def markdown(args, rows) -> str:
              f"{CROP}² crops, {EMBEDDING_DIM}-d; {args.updates} updates per run (equal "
              f"updates); m = max(4, B/1024); lr = {args.base_lr:g}·(B/{args.base_batch})^a, "
              f"a ∈ {{{args.lr_exponents}}} picked on val with seed 0. Test MAP@R (R@1), "
-             "mean ± spread over seeds (n). Peers in the same table: "
+             "mean ± half-range over seeds (n), as in batch_sweep.py. Peers in the same table: "
              + ", ".join(p for p in PAIR_LOSSES if p in losses) + ".", ""]
     lines.append("| loss | " + " | ".join(f"B={b}" for b in batches) + " |")
     lines.append("|---" * (len(batches) + 1) + "|")
@@ -535,9 +530,9 @@ def markdown(args, rows) -> str:
                 cells_text.append("—")
                 continue
             lr, runs, _ = entry
-            mean, spread = _mean_spread([r["test_map@r"] for r in runs])
-            r1, _ = _mean_spread([r["test_r@1"] for r in runs])
-            text = f"{mean:.1f}" + (f" ± {spread:.1f}" if spread is not None else "")
+            mean, spread, n = _stats(runs, "test_map@r")
+            r1 = _stats(runs, "test_r@1")[0]
+            text = f"{mean:.1f}" + (f" ± {spread:.1f}" if n > 1 else "")
             short = "†" if len(entry[2]) < len(args.lr_exponents.split(",")) else ""
             cells_text.append(f"{text} ({r1:.1f}) n={len(runs)}, lr {lr:g}{short}")
         lines.append(f"| {loss} | " + " | ".join(cells_text) + " |")
@@ -567,13 +562,13 @@ def plot(args, rows, path) -> bool:
     table = cells(rows, args)
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for loss in [s for s in args.losses.split(",") if s]:
-        pts = sorted((b, [r["test_map@r"] for r in runs])
+        pts = sorted((b, _stats(runs, "test_map@r")[:2])
                      for (name, b), (_, runs, _) in table.items() if name == loss and runs)
         if not pts:
             continue
         xs = [b for b, _ in pts]
-        means = [_mean_spread(v)[0] for _, v in pts]
-        errs = [(_mean_spread(v)[1] or 0.0) for _, v in pts]
+        means = [mean for _, (mean, _) in pts]
+        errs = [spread for _, (_, spread) in pts]
         ax.errorbar(xs, means, yerr=errs, marker="o", capsize=3, label=loss,
                     linestyle="--" if loss in PAIR_LOSSES else "-")
     ax.set_xscale("log", base=2)

@@ -27,8 +27,11 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+for _path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from batch_sweep_jax import build_model
 
 
 def parse_args(argv=None):
@@ -52,17 +55,6 @@ def _setup(args) -> None:
                                    f" --xla_force_host_platform_device_count={args.cpu_devices}")
 
 
-def _model(seed=0):
-    import keras
-
-    from models.embedding import build_embedding_model
-
-    keras.utils.set_random_seed(seed)
-    return build_embedding_model(backbone="small_cnn", input_shape=(32, 32, 3),
-                                 embedding_dim=128, pooling="gem", weights=None,
-                                 backbone_kwargs={"widths": (64, 128, 256)})
-
-
 def measure(args, distributed: bool, multistage: bool, x, y) -> dict:
     import jax
     import keras
@@ -74,7 +66,7 @@ def measure(args, distributed: bool, multistage: bool, x, y) -> dict:
     keras.distribution.set_distribution(
         keras.distribution.DataParallel(devices=devices) if distributed else None)
     try:
-        model = _model()
+        model = build_model(0)   # the GPU sweep's wider small_cnn
         if multistage:
             model = MultiStageModel(model, chunk_size=args.chunk)
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss=APLoss())
