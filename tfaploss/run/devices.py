@@ -114,7 +114,9 @@ def plan_devices(cfg: Config) -> DevicePlan:
             f"tensorflow and jax backends; received KERAS_BACKEND={backend}. On PyTorch, "
             "train with torch.distributed (README, scale-out).")
     if dist.strategy == "none" or backend not in ("tensorflow", "jax"):
-        return DevicePlan("none", [_default_device(backend)], batch, backend)
+        first = (_available(backend, None)[0][:1] if backend in ("tensorflow", "jax")
+                 else ["default"])
+        return DevicePlan("none", first, batch, backend)
     devices, kind = _available(backend, dist.devices)
     if dist.strategy == "auto" and (kind != "GPU" or len(devices) < 2):
         return DevicePlan("none", devices[:1], batch, backend)
@@ -133,15 +135,3 @@ def plan_devices(cfg: Config) -> DevicePlan:
         return DevicePlan("none", chosen, batch, backend)
     return DevicePlan("data_parallel", chosen, batch, backend)
 
-
-def _default_device(backend: str) -> str:
-    if backend == "jax":
-        import jax
-
-        return str(jax.devices()[0])
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        gpus = tf.config.list_logical_devices("GPU")
-        return gpus[0].name if gpus else tf.config.list_logical_devices("CPU")[0].name
-    return "default"
