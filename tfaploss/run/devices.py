@@ -113,10 +113,10 @@ def plan_devices(cfg: Config) -> DevicePlan:
             f"config key 'training.distribute.strategy': data_parallel runs on the "
             f"tensorflow and jax backends; received KERAS_BACKEND={backend}. On PyTorch, "
             "train with torch.distributed (README, scale-out).")
-    if dist.strategy == "none" or backend not in ("tensorflow", "jax"):
-        first = (_available(backend, None)[0][:1] if backend in ("tensorflow", "jax")
-                 else ["default"])
-        return DevicePlan("none", first, batch, backend)
+    if backend not in ("tensorflow", "jax"):
+        return DevicePlan("none", ["default"], batch, backend)
+    if dist.strategy == "none":
+        return DevicePlan("none", _available(backend, None)[0][:1], batch, backend)
     devices, kind = _available(backend, dist.devices)
     if dist.strategy == "auto" and (kind != "GPU" or len(devices) < 2):
         return DevicePlan("none", devices[:1], batch, backend)
