@@ -428,7 +428,9 @@ def _fmt(value, digits=1):
     return "—" if value is None else f"{value:.{digits}f}"
 
 
-def _stats(runs, key):
+def seed_stats(runs, key):
+    """(mean, half-range, count) of ``key`` over the runs that have it; shared with
+    ``batch_sweep_jax.py`` so that both sweeps report spreads alike."""
     values = [r[key] for r in runs if r.get(key) is not None]
     if not values:
         return None, None, 0
@@ -437,7 +439,7 @@ def _stats(runs, key):
 
 
 def _cell_text(group, key):
-    mean, spread, n = _stats(group["runs"], key)
+    mean, spread, n = seed_stats(group["runs"], key)
     if mean is None:
         return "—"
     flags = {r["status"] for r in group["runs"] if r["status"] != "ok"}
@@ -508,7 +510,7 @@ def plot(args, results, path):
             xs, ys, es = [], [], []
             for g in results:
                 if g["loss"] == loss and g["budget"] == budget:
-                    mean, spread, _ = _stats(g["runs"], "test_map@r")
+                    mean, spread, _ = seed_stats(g["runs"], "test_map@r")
                     if mean is not None:
                         xs.append(g["batch"])
                         ys.append(mean)

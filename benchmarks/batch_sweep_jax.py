@@ -55,7 +55,7 @@ for _path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from batch_sweep import _stats  # the CPU sweep's mean and half-range
+from batch_sweep import seed_stats  # the CPU sweep's mean and half-range
 
 LOSSES = {
     "APLoss": ("APLoss", {}),
@@ -530,8 +530,8 @@ def markdown(args, rows) -> str:
                 cells_text.append("—")
                 continue
             lr, runs, _ = entry
-            mean, spread, n = _stats(runs, "test_map@r")
-            r1 = _stats(runs, "test_r@1")[0]
+            mean, spread, n = seed_stats(runs, "test_map@r")
+            r1 = seed_stats(runs, "test_r@1")[0]
             text = f"{mean:.1f}" + (f" ± {spread:.1f}" if n > 1 else "")
             short = "†" if len(entry[2]) < len(args.lr_exponents.split(",")) else ""
             cells_text.append(f"{text} ({r1:.1f}) n={len(runs)}, lr {lr:g}{short}")
@@ -562,7 +562,7 @@ def plot(args, rows, path) -> bool:
     table = cells(rows, args)
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for loss in [s for s in args.losses.split(",") if s]:
-        pts = sorted((b, _stats(runs, "test_map@r")[:2])
+        pts = sorted((b, seed_stats(runs, "test_map@r")[:2])
                      for (name, b), (_, runs, _) in table.items() if name == loss and runs)
         if not pts:
             continue
