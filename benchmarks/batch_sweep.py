@@ -71,8 +71,12 @@ LOSSES = {
     "SupRecall": ("SupRecallLoss", {}),
     "Triplet-semihard": ("TripletLoss", {"mining": "semihard"}),
     "Contrastive": ("ContrastiveLoss", {}),
+    # TF Addons' all-pairs mean gives positives (m-1)/(B-1) of the weight; this one
+    # averages a query's positives and negatives apart, so the balance holds at any B.
+    "Contrastive-per-query": ("ContrastiveLoss", {"averaging": "per_query"}),
 }
-PAIR_LOSSES = ("Triplet-semihard", "Contrastive")  # the peers the AP losses must beat
+# the peers the AP losses must beat
+PAIR_LOSSES = ("Triplet-semihard", "Contrastive", "Contrastive-per-query")
 
 FULL = {"batch_sizes": "128,512,2048", "seeds": "0,1", "images": 49152, "updates": 96,
         "lr_exponents": "0,0.5,1", "image_size": 32, "eval_images": 0,

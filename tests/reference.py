@@ -134,6 +134,22 @@ def contrastive_reference(embeddings, labels, margin=1.0):
     return loss[keep].mean()
 
 
+def contrastive_per_query_reference(embeddings, labels, margin=1.0):
+    """The balanced contrastive loss, one query at a time: the mean of d² over its
+    positives plus the mean of max(margin - d, 0)² over its negatives, averaged over
+    the queries that have a positive."""
+    d = pairwise_distances(embeddings)
+    y = np.asarray(labels).reshape(-1)
+    terms = []
+    for i in range(len(y)):
+        others = np.arange(len(y)) != i
+        pos, neg = others & (y == y[i]), y != y[i]
+        if pos.any():
+            neg_mean = (np.maximum(margin - d[i, neg], 0.0) ** 2).mean() if neg.any() else 0.0
+            terms.append((d[i, pos] ** 2).mean() + neg_mean)
+    return float(np.mean(terms))
+
+
 def triplet_semihard_reference(embeddings, labels, margin=1.0):
     """TF Addons ``triplet_semihard_loss`` written as explicit loops."""
     d = pairwise_distances(embeddings)

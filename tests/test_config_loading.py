@@ -146,7 +146,8 @@ def test_to_dict_fills_in_every_loss_default():
         assert config_from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
     cfg = config_from_dict({"loss": {"name": "ContrastiveLoss", "margin": 0.3}})
     assert cfg.to_dict()["loss"] == {"name": "ContrastiveLoss", "margin": 0.3,
-                                     "normalize": True, "include_self": False}
+                                     "normalize": True, "include_self": False,
+                                     "averaging": "pairs"}
     assert cfg.loss.kwargs == {"margin": 0.3}  # what build_loss passes stays explicit
 
 
@@ -158,4 +159,4 @@ def test_tfaploss_config_command_prints_the_loss_defaults(tmp_path, capsys):
     assert main(["config", "--config", str(path)]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["loss"] == {"name": "ContrastiveLoss", "margin": 1.0, "normalize": True,
-                               "include_self": False}
+                               "include_self": False, "averaging": "pairs"}

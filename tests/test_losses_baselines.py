@@ -82,6 +82,39 @@ def test_contrastive_matches_tf_addons_definition():
     np.testing.assert_allclose(grad, fd, atol=1e-6)
 
 
+def test_contrastive_per_query_weighs_positives_as_much_as_negatives():
+    for seed in range(3):
+        x, labels = _batch(seed)
+        for margin in (1.0, 0.5):
+            loss = ContrastiveLoss(margin=margin, averaging="per_query", dtype="float64")
+            value, grad = _value_and_grad(loss, labels, x)
+            np.testing.assert_allclose(
+                value, reference.contrastive_per_query_reference(x, labels, margin),
+                rtol=1e-12)
+    fd = _fd_grad(lambda v: reference.contrastive_per_query_reference(v, labels, 0.5), x)
+    np.testing.assert_allclose(grad, fd, atol=1e-6)
+    # include_self ranks each query against itself, which is no positive pair.
+    np.testing.assert_allclose(
+        ContrastiveLoss(averaging="per_query", include_self=True, dtype="float64")(
+            labels, x).numpy(),
+        reference.contrastive_per_query_reference(x, labels), rtol=1e-12)
+
+    # The property the option exists for: with m images per class in a batch of B,
+    # "pairs" gives a query's positive pairs (m - 1) / (B - 1) of its weight, so the
+    # positives' pull (margin 0: no negative term) shrinks with B; "per_query" keeps it.
+    for classes in (2, 16, 64):
+        labels = np.repeat(np.arange(classes), 4)
+        x = np.random.default_rng(classes).normal(size=(len(labels), 6))
+        pairs = _value_and_grad(ContrastiveLoss(margin=0.0, dtype="float64"), labels, x)
+        balanced = _value_and_grad(
+            ContrastiveLoss(margin=0.0, averaging="per_query", dtype="float64"), labels, x)
+        share = 3 / (len(labels) - 1)
+        np.testing.assert_allclose(pairs[0], share * balanced[0], rtol=1e-12)
+        np.testing.assert_allclose(pairs[1], share * balanced[1], rtol=1e-10, atol=1e-15)
+    with pytest.raises(ValueError, match="averaging must be one of .*received averaging='mean'"):
+        ContrastiveLoss(averaging="mean")
+
+
 def test_unnormalised_distances_are_euclidean():
     x, labels = _batch(6)
     value = TripletLoss(mining="hard", normalize=False, dtype="float64")(labels, x).numpy()

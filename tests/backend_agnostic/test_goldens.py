@@ -140,6 +140,12 @@ def test_triplet_and_contrastive_match_tf_addons_definitions(mining):
     value, _ = loss_value_and_grad(losses.ContrastiveLoss(dtype=DTYPE), labels, x)
     np.testing.assert_allclose(value, reference.contrastive_reference(x, labels),
                                rtol=LOSS_RTOL)
+    balanced = reference.contrastive_per_query_reference
+    value, grad = loss_value_and_grad(
+        losses.ContrastiveLoss(averaging="per_query", dtype=DTYPE), labels, x)
+    np.testing.assert_allclose(value, balanced(x, labels), rtol=LOSS_RTOL)
+    fd = reference.numerical_gradient(lambda z: balanced(z, labels), x)
+    np.testing.assert_allclose(grad, fd, rtol=0, atol=max(1e-6, GRAD_RTOL) * np.abs(fd).max())
 
 
 def test_other_backends_never_import_tensorflow():

@@ -90,36 +90,61 @@ class ContrastiveLoss(_DistanceLoss):
         l_ij = d_ij²                      if y_i = y_j
         l_ij = max(margin - d_ij, 0)²     otherwise
 
-    and the loss is the mean of ``l_ij`` over all pairs whose query i has a positive
-    (TF Addons' ``contrastive_loss`` with the mean reduction; the pairs of queries
-    without any positive are left out, as in every loss of this library).
+    ``averaging`` says how the pairs are averaged:
+
+    * ``"pairs"`` (default): the mean of ``l_ij`` over all pairs whose query i has a
+      positive (TF Addons' ``contrastive_loss`` with the mean reduction; the pairs of
+      queries without any positive are left out, as in every loss of this library).
+      A query's positive pairs then weigh (m - 1) / (B - 1) of the loss with m images
+      per class: 0.15 % at B=2048, m=4, so large batches push negatives apart and
+      barely pull positives together (``docs/batch_sweep.md``).
+    * ``"per_query"``: per query, the mean of ``l_ij`` over its positives plus the
+      mean over its negatives, averaged over the queries with a positive (the
+      balanced form of ROADMAP's Eq. 7 and pytorch-metric-learning's separate
+      positive and negative means): the balance does not change with B.
 
     Cost: O(B²·D) for the distances, O(B²) time and memory.
 
     Args:
         margin: distance below which negative pairs are penalised.
+        averaging: ``"pairs"`` or ``"per_query"``, as above.
         normalize, include_self, reduction, name, dtype: see ``RetrievalLoss``.
     """
 
+    AVERAGING = ("pairs", "per_query")
+
     def __init__(self, margin=1.0, normalize=True, include_self=False,
-                 reduction="sum_over_batch_size", name="contrastive_loss", dtype=None):
+                 reduction="sum_over_batch_size", name="contrastive_loss", dtype=None,
+                 averaging="pairs"):
         super().__init__(normalize=normalize, include_self=include_self,
                          reduction=reduction, name=name, dtype=dtype)
+        if averaging not in self.AVERAGING:
+            raise ValueError(f"ContrastiveLoss: averaging must be one of {self.AVERAGING}; "
+                             f"received averaging={averaging!r}.")
         self.margin = float(margin)
+        self.averaging = averaging
 
     def per_query(self, scores, positives, candidates, self_pairs=None):
         d = _distances(scores)
         pair = ops.where(positives, ops.square(d), ops.square(ops.relu(self.margin - d)))
         cand = ops.cast(candidates, d.dtype)
+        has_positive = ops.cast(self.other_positive_counts(positives, self_pairs) > 0, d.dtype)
+        if self.averaging == "per_query":
+            pos = ops.cast(positives, d.dtype) * cand
+            if self_pairs is not None:  # a query is not its own positive pair
+                pos = pos * (1.0 - ops.cast(self_pairs, d.dtype))
+            neg = cand * (1.0 - ops.cast(positives, d.dtype))
+            values = (ops.sum(pair * pos, axis=-1) / ops.maximum(ops.sum(pos, axis=-1), 1.0)
+                      + ops.sum(pair * neg, axis=-1) / ops.maximum(ops.sum(neg, axis=-1), 1.0))
+            return values, has_positive
         n_cand = ops.sum(cand, axis=-1)
         values = ops.sum(pair * cand, axis=-1) / ops.maximum(n_cand, 1.0)
-        has_positive = ops.cast(self.other_positive_counts(positives, self_pairs) > 0, d.dtype)
         return values, n_cand * has_positive
 
     def get_config(self):
         config = super().get_config()
         config.pop("drop_lone_queries", None)  # a lone query forms no pair
-        config.update(margin=self.margin)
+        config.update(margin=self.margin, averaging=self.averaging)
         return config
 
 
