@@ -509,6 +509,9 @@ def plot(args, results, path):
 
     fig, axes = plt.subplots(1, len(args.budgets), figsize=(6 * len(args.budgets), 4.5),
                              squeeze=False)
+    # One colour per loss of LOSSES, the same in every plot (tab10 has only ten).
+    palette = list(plt.get_cmap("tab10").colors) + ["black", "dimgray", "gold"]
+    colour = {name: palette[i % len(palette)] for i, name in enumerate(LOSSES)}
     for ax, budget in zip(axes[0], args.budgets):
         for loss in args.losses:
             xs, ys, es = [], [], []
@@ -520,17 +523,19 @@ def plot(args, results, path):
                         ys.append(mean)
                         es.append(spread)
             style = "--" if loss in PAIR_LOSSES else "-"
-            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, linestyle=style, label=loss)
+            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, linestyle=style, label=loss,
+                        color=colour[loss])
         ax.set_xscale("log", base=2)
         ax.set_xticks(args.batch_sizes, [str(b) for b in args.batch_sizes])
         ax.set_xlabel("batch size")
         ax.set_ylabel("test MAP@R (%)")
         ax.set_title("equal images seen" if budget == "images" else "equal updates")
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=8, loc="best")
+    # Outside the axes: inside, it hid points wherever it went.
+    axes[0][-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
     os.replace(tmp, path)
     plt.close(fig)
 
