@@ -130,9 +130,8 @@ class ContrastiveLoss(_DistanceLoss):
         cand = ops.cast(candidates, d.dtype)
         has_positive = ops.cast(self.other_positive_counts(positives, self_pairs) > 0, d.dtype)
         if self.averaging == "per_query":
-            pos = ops.cast(positives, d.dtype) * cand
-            if self_pairs is not None:  # a query is not its own positive pair
-                pos = pos * (1.0 - ops.cast(self_pairs, d.dtype))
+            # a query is not its own positive pair
+            pos = ops.cast(self.without_self_pairs(positives, self_pairs), d.dtype) * cand
             neg = cand * (1.0 - ops.cast(positives, d.dtype))
             values = (ops.sum(pair * pos, axis=-1) / ops.maximum(ops.sum(pos, axis=-1), 1.0)
                       + ops.sum(pair * neg, axis=-1) / ops.maximum(ops.sum(neg, axis=-1), 1.0))
