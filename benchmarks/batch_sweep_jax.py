@@ -38,6 +38,10 @@ Work is ordered so that a run stopped by ``--deadline`` (seconds) leaves a compl
 table for the cells it reached: every cell's tuning runs first, batch by batch, then
 the remaining seeds. Each finished run is appended to ``OUT/sweep_jax.jsonl``; the
 Markdown table and the plot are rewritten from it (``--report-only`` too).
+
+``--repeat`` trains the seed-0 tuning runs once more into ``OUT/sweep_jax_repeat.jsonl``;
+the report then sets each repeat beside its first run. GPU training is not bitwise
+deterministic, so that gap is the noise floor of the table.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -67,6 +72,7 @@ LOSSES = {
 PAIR_LOSSES = ("Triplet-semihard", "Contrastive")
 WIDTHS = (64, 128, 256)
 CROP, EMBEDDING_DIM, EVAL_CHUNK = 32, 128, 4096
+LEDGER, REPEAT_LEDGER = "sweep_jax.jsonl", "sweep_jax_repeat.jsonl"
 
 
 def parse_args(argv=None):
@@ -94,6 +100,9 @@ def parse_args(argv=None):
     p.add_argument("--limit", type=int, default=0,
                    help="use the first N images of each split (a CPU smoke test)")
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--repeat", action="store_true",
+                   help="train the seed-0 tuning runs again into OUT/sweep_jax_repeat.jsonl: "
+                        "the same (loss, B, lr, seed) twice measures run-to-run noise")
     args = p.parse_args(argv)
     if not args.export and not args.data and not args.report_only:
         p.error("give --export (here) or --data (where the sweep runs)")
@@ -407,7 +416,7 @@ def run(args) -> None:
     keras.mixed_precision.set_global_policy(args.precision)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ledger = out / "sweep_jax.jsonl"
+    ledger = out / (REPEAT_LEDGER if args.repeat else LEDGER)
     done = {(r["loss"], r["batch"], r["lr"], r["seed"]): r for r in read_runs(ledger)}
     data = Data(args.data, args.limit)
     runner = Runner(data)
@@ -431,7 +440,8 @@ def run(args) -> None:
                "precision": args.precision,
                "updates": args.updates, "images": batch * args.updates, "status": status,
                "train_seconds": round(seconds, 2), "history": history,
-               "data": data.fingerprints, "device": str(jax.devices()[0])}
+               "data": data.fingerprints, "device": str(jax.devices()[0]),
+               "device_kind": jax.devices()[0].device_kind}
         if status == "ok":
             row["val_map@r"], row["val_r@1"] = retrieval(
                 runner.embed(tv, ntv, data.x_val), data.y_val)
@@ -459,13 +469,13 @@ def run(args) -> None:
         for loss in losses:
             for lr in lr_grid(batch):
                 one(loss, batch, lr, seeds[0], with_test=True)
-    for seed in seeds[1:]:
+    for seed in ([] if args.repeat else seeds[1:]):
         for batch in batches:
             for loss in losses:
                 picked = pick(done, loss, batch, lr_grid(batch), seeds[0])
                 if picked is not None:
                     one(loss, batch, picked, seed, with_test=True)
-    write_report(args, list(done.values()))
+    write_report(args, read_runs(out / LEDGER))
 
 
 def read_runs(path):
@@ -536,8 +546,9 @@ def markdown(args, rows) -> str:
             short = "†" if len(entry[2]) < len(args.lr_exponents.split(",")) else ""
             cells_text.append(f"{text} ({r1:.1f}) n={len(runs)}, lr {lr:g}{short}")
         lines.append(f"| {loss} | " + " | ".join(cells_text) + " |")
-    lines += ["", ("†: tuned on fewer rates than the grid (a deadline stopped the run). "
-                   "Validation MAP@R of every learning rate tried (seed 0):"), "",
+    if any(len(tried) < len(args.lr_exponents.split(",")) for _, _, tried in table.values()):
+        lines += ["", "†: tuned on fewer rates than the grid (a deadline stopped the run)."]
+    lines += ["", "Validation MAP@R of every learning rate tried (seed 0):", "",
               "| loss | B | " + " | ".join(f"a={a}" for a in args.lr_exponents.split(","))
               + " | train s (fastest run) |", "|---|---|" + "---|" * (len(args.lr_exponents.split(",")) + 1)]
     for (loss, b), (_, _, tried) in sorted(table.items(), key=lambda kv: (kv[0][1], kv[0][0])):
@@ -548,6 +559,35 @@ def markdown(args, rows) -> str:
         # on a GPU, its convolution autotuning at the new batch (up to ~140 s here)
         secs = min(r["train_seconds"] for r in tried)
         lines.append(f"| {loss} | {b} | {vals} | {secs:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def repeat_markdown(args, rows, repeats) -> str:
+    """The same (loss, B, lr, seed) trained twice: how far apart the two runs land.
+
+    GPU kernels are not bitwise deterministic (XLA's atomics, the convolution
+    algorithm that autotuning picks on each machine), so a seed fixes the data order and
+    the initialisation but not the run. The gap between two such runs is a floor under
+    any difference between cells that the table can resolve.
+    """
+    first = {(r["loss"], r["batch"], r["lr"], r["seed"]): r for r in rows}
+    pairs = [(first[k], r) for r in repeats
+             if (k := (r["loss"], r["batch"], r["lr"], r["seed"])) in first
+             and "val_map@r" in first[k] and "val_map@r" in r]
+    if not pairs:
+        return ""
+    gaps = sorted(abs(a["val_map@r"] - b["val_map@r"]) for a, b in pairs)
+    kinds = sorted({r.get("device_kind", r.get("device", "?")) for r in repeats})
+    lines = ["", f"Run-to-run repeat ({REPEAT_LEDGER}, on {', '.join(kinds)}): the seed-0 "
+             f"tuning runs trained again. Validation (test) MAP@R, first run → repeat; "
+             f"|Δ val| median {statistics.median(gaps):.1f}, max {gaps[-1]:.1f} over "
+             f"{len(pairs)} runs.", "",
+             "| loss | B | lr | first | repeat | Δ val |", "|---|---|---|---|---|---|"]
+    for a, b in pairs:
+        lines.append(f"| {a['loss']} | {a['batch']} | {a['lr']:g} | {a['val_map@r']:.1f} "
+                     f"({a.get('test_map@r', float('nan')):.1f}) | {b['val_map@r']:.1f} "
+                     f"({b.get('test_map@r', float('nan')):.1f}) | "
+                     f"{b['val_map@r'] - a['val_map@r']:+.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -585,7 +625,8 @@ def plot(args, rows, path) -> bool:
 
 def write_report(args, rows) -> None:
     out = Path(args.out)
-    text = markdown(args, rows)
+    text = markdown(args, rows) + repeat_markdown(args, rows,
+                                                  read_runs(out / REPEAT_LEDGER))
     tmp = out / "sweep_jax.md.tmp"
     tmp.write_text(text)
     os.replace(tmp, out / "sweep_jax.md")
@@ -599,7 +640,7 @@ def main(argv=None) -> None:
         export(args)
         return
     if args.report_only:
-        write_report(args, read_runs(Path(args.out) / "sweep_jax.jsonl"))
+        write_report(args, read_runs(Path(args.out) / LEDGER))
         return
     run(args)
 
