@@ -12,7 +12,7 @@ from keras import ops
 
 from tfaploss.losses.base import RetrievalLoss, _in_xla_context
 from tfaploss.ops.backend import ascending_order, gather_rows, inverse_permutations
-from tfaploss.ops.masks import safe_normalize
+from tfaploss.ops.masks import masked_mean, safe_normalize
 
 _MINING = ("semihard", "hard", "all")
 
@@ -133,12 +133,10 @@ class ContrastiveLoss(_DistanceLoss):
             # a query is not its own positive pair
             pos = ops.cast(self.without_self_pairs(positives, self_pairs), d.dtype) * cand
             neg = cand * (1.0 - ops.cast(positives, d.dtype))
-            values = (ops.sum(pair * pos, axis=-1) / ops.maximum(ops.sum(pos, axis=-1), 1.0)
-                      + ops.sum(pair * neg, axis=-1) / ops.maximum(ops.sum(neg, axis=-1), 1.0))
+            values = masked_mean(pair, pos, axis=-1) + masked_mean(pair, neg, axis=-1)
             return values, has_positive
-        n_cand = ops.sum(cand, axis=-1)
-        values = ops.sum(pair * cand, axis=-1) / ops.maximum(n_cand, 1.0)
-        return values, n_cand * has_positive
+        values = masked_mean(pair, cand, axis=-1)
+        return values, ops.sum(cand, axis=-1) * has_positive
 
     def get_config(self):
         config = super().get_config()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from keras import ops
 
+from tfaploss.ops.masks import masked_mean
+
 CALIBRATION_AVERAGING = ("nonzero_pairs", "per_query")
 
 
@@ -35,13 +37,8 @@ def calibration_loss(scores, positives, candidates, pos_margin=0.9, neg_margin=0
     zeros = ops.zeros_like(scores)
     pos_terms = ops.where(positives, ops.relu(pos_margin - scores), zeros)
     neg_terms = ops.where(negatives, ops.relu(scores - neg_margin), zeros)
-
-    def mean_of(terms, mask, axis=None):
-        count = ops.sum(ops.cast(mask, scores.dtype), axis=axis)
-        return ops.sum(terms, axis=axis) / ops.maximum(count, 1.0)
-
     if averaging == "nonzero_pairs":
-        return mean_of(pos_terms, pos_terms > 0) + mean_of(neg_terms, neg_terms > 0)
-    per_query = mean_of(pos_terms, positives, axis=1) + mean_of(neg_terms, negatives, axis=1)
-    has_positive = ops.any(positives, axis=1)
-    return mean_of(ops.where(has_positive, per_query, ops.zeros_like(per_query)), has_positive)
+        return masked_mean(pos_terms, pos_terms > 0) + masked_mean(neg_terms, neg_terms > 0)
+    per_query = (masked_mean(pos_terms, positives, axis=1)
+                 + masked_mean(neg_terms, negatives, axis=1))
+    return masked_mean(per_query, ops.any(positives, axis=1))

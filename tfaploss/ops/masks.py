@@ -24,6 +24,18 @@ def pairwise_scores(queries, database, normalize=True):
     return ops.matmul(queries, ops.transpose(database))
 
 
+def masked_mean(values, mask, axis=None):
+    """Mean of ``values`` where ``mask`` (boolean, or 0/1) holds, over ``axis`` (all axes
+    when None).
+
+    ``values`` outside the mask are ignored, even non-finite ones, and get a zero
+    gradient; an empty mask gives 0, not NaN. O(size).
+    """
+    mask = ops.cast(mask, "bool")
+    total = ops.sum(ops.where(mask, values, ops.zeros_like(values)), axis=axis)
+    return total / ops.maximum(ops.sum(ops.cast(mask, values.dtype), axis=axis), 1.0)
+
+
 def self_pair_mask(n):
     """The (n, n) boolean mask of each query paired with itself (the diagonal)."""
     index = ops.arange(n)
