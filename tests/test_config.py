@@ -207,7 +207,7 @@ def test_training_health_section_defaults_overrides_and_bad_values():
     health = cfg.to_dict()["training"]["health"]
     assert health == {"enabled": True, "collapse_cosine": 0.99, "collapse_fraction": 0.8,
                       "window_share": 0.1, "min_window_images": 8192, "stop_share": 0.25,
-                      "stop_chance_ap": 0.5, "cone_cosine": 0.95, "cone_chance_ap": 0.35}
+                      "stop_chance_ap": 0.5, "cone_cosine": 0.95, "cone_chance_ap": 0.25}
     cfg = config_from_dict(MINIMAL, ["training.health.stop_share=null",
                                      "training.health.min_window_images=4096"])
     assert cfg.training.health.stop_share is None

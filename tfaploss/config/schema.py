@@ -355,7 +355,7 @@ class HealthConfig:
     stop_share: float | None = 0.25
     stop_chance_ap: float = 0.5
     cone_cosine: float | None = 0.95
-    cone_chance_ap: float = 0.35
+    cone_chance_ap: float = 0.25
 
 
 @dataclass
