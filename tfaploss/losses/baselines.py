@@ -127,16 +127,15 @@ class ContrastiveLoss(_DistanceLoss):
     def per_query(self, scores, positives, candidates, self_pairs=None):
         d = _distances(scores)
         pair = ops.where(positives, ops.square(d), ops.square(ops.relu(self.margin - d)))
-        cand = ops.cast(candidates, d.dtype)
         has_positive = ops.cast(self.other_positive_counts(positives, self_pairs) > 0, d.dtype)
         if self.averaging == "per_query":
             # a query is not its own positive pair
-            pos = ops.cast(self.without_self_pairs(positives, self_pairs), d.dtype) * cand
-            neg = cand * (1.0 - ops.cast(positives, d.dtype))
+            pos = ops.logical_and(self.without_self_pairs(positives, self_pairs), candidates)
+            neg = ops.logical_and(candidates, ops.logical_not(positives))
             values = masked_mean(pair, pos, axis=-1) + masked_mean(pair, neg, axis=-1)
             return values, has_positive
-        values = masked_mean(pair, cand, axis=-1)
-        return values, ops.sum(cand, axis=-1) * has_positive
+        values = masked_mean(pair, candidates, axis=-1)
+        return values, ops.sum(ops.cast(candidates, d.dtype), axis=-1) * has_positive
 
     def get_config(self):
         config = super().get_config()
