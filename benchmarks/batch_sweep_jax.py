@@ -521,6 +521,7 @@ def cells(rows, args):
 
 def markdown(args, rows) -> str:
     table = cells(rows, args)
+    rates = args.lr_exponents.split(",")
     losses = [s for s in args.losses.split(",") if s and any(k[0] == s for k in table)]
     batches = sorted({k[1] for k in table})
     device = rows[0].get("device", "?") if rows else "?"
@@ -543,18 +544,17 @@ def markdown(args, rows) -> str:
             mean, spread, n = seed_stats(runs, "test_map@r")
             r1 = seed_stats(runs, "test_r@1")[0]
             text = f"{mean:.1f}" + (f" ± {spread:.1f}" if n > 1 else "")
-            short = "†" if len(entry[2]) < len(args.lr_exponents.split(",")) else ""
+            short = "†" if len(entry[2]) < len(rates) else ""
             cells_text.append(f"{text} ({r1:.1f}) n={len(runs)}, lr {lr:g}{short}")
         lines.append(f"| {loss} | " + " | ".join(cells_text) + " |")
-    if any(len(tried) < len(args.lr_exponents.split(",")) for _, _, tried in table.values()):
+    if any(len(tried) < len(rates) for _, _, tried in table.values()):
         lines += ["", "†: tuned on fewer rates than the grid (a deadline stopped the run)."]
     lines += ["", "Validation MAP@R of every learning rate tried (seed 0):", "",
-              "| loss | B | " + " | ".join(f"a={a}" for a in args.lr_exponents.split(","))
-              + " | train s (fastest run) |", "|---|---|" + "---|" * (len(args.lr_exponents.split(",")) + 1)]
+              "| loss | B | " + " | ".join(f"a={a}" for a in rates)
+              + " | train s (fastest run) |", "|---|---|" + "---|" * (len(rates) + 1)]
     for (loss, b), (_, _, tried) in sorted(table.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         vals = " | ".join([f"{r.get('val_map@r', float('nan')):.1f} (lr {r['lr']:g})"
-                           for r in tried] + ["—"] * (len(args.lr_exponents.split(","))
-                                                      - len(tried)))
+                           for r in tried] + ["—"] * (len(rates) - len(tried)))
         # the first run of a (loss, batch) in a process also pays XLA's compile and,
         # on a GPU, its convolution autotuning at the new batch (up to ~140 s here)
         secs = min(r["train_seconds"] for r in tried)
@@ -562,7 +562,7 @@ def markdown(args, rows) -> str:
     return "\n".join(lines) + "\n"
 
 
-def repeat_markdown(args, rows, repeats) -> str:
+def repeat_markdown(rows, repeats) -> str:
     """The same (loss, B, lr, seed) trained twice: how far apart the two runs land.
 
     GPU kernels are not bitwise deterministic (XLA's atomics, the convolution
@@ -625,8 +625,7 @@ def plot(args, rows, path) -> bool:
 
 def write_report(args, rows) -> None:
     out = Path(args.out)
-    text = markdown(args, rows) + repeat_markdown(args, rows,
-                                                  read_runs(out / REPEAT_LEDGER))
+    text = markdown(args, rows) + repeat_markdown(rows, read_runs(out / REPEAT_LEDGER))
     tmp = out / "sweep_jax.md.tmp"
     tmp.write_text(text)
     os.replace(tmp, out / "sweep_jax.md")
