@@ -59,7 +59,7 @@ DEFAULT_DATA = ROOT / "data" / "glyphs"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "batch_sweep"
 
 # Loss name -> (tfaploss.losses class, constructor arguments). Library defaults, except
-# PNP's variant, named for clarity. The successors (RS@k, SupRecall) run without SiMix.
+# PNP's variant, named for clarity. The successors (RS@k, SupRecall, SupNDCG) run without SiMix.
 LOSSES = {
     "APLoss": ("APLoss", {}),
     "FastAP": ("FastAPLoss", {}),
@@ -69,6 +69,7 @@ LOSSES = {
     "BlackBox": ("BlackBoxAPLoss", {}),
     "RS@k": ("RecallAtKLoss", {}),
     "SupRecall": ("SupRecallLoss", {}),
+    "SupNDCG": ("SupNDCGLoss", {}),
     "Triplet-semihard": ("TripletLoss", {"mining": "semihard"}),
     "Contrastive": ("ContrastiveLoss", {}),
     # TF Addons' all-pairs mean gives positives (m-1)/(B-1) of the weight; this one
