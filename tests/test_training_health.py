@@ -23,7 +23,12 @@ from tfaploss.training import (
     batch_health,
     health_metrics,
 )
-from tfaploss.training.health import COLLAPSE_CAUSES, _find_metrics, random_ranking_ap
+from tfaploss.training.health import (
+    COLLAPSE_CAUSES,
+    _find_metrics,
+    random_ranking_ap,
+    replay,
+)
 
 LABELS = np.repeat(np.arange(4), 4).astype("int32")
 
@@ -199,38 +204,19 @@ def test_healthy_run_stays_silent():
 
 def _replay(cosines, batch, losses=None, steps_per_epoch=None, epochs=1, chance=None,
             **kw):
-    """Feed the callback a run step by step, as model.fit does: the compiled metrics'
-    latest values (emb_cos; chance_ap if given) and batch size, the running mean of the
-    loss. Stops where the callback stops training. Returns the monitor and the number
-    of steps run."""
-    metric = BatchHealthMetric("emb_cos")
-    chance_metric = BatchHealthMetric("chance_ap")
-    metrics = [metric] if chance is None else [metric, chance_metric]
-    model = types.SimpleNamespace(metrics=metrics, stop_training=False)
-    monitor = TrainingHealthMonitor(**kw)
-    monitor.set_model(model)
+    """Feed the callback a run step by step, as model.fit does (through
+    ``health.replay``): the compiled metrics' latest values (emb_cos; chance_ap if
+    given) and batch size, the running mean of the loss. Stops where the callback stops
+    training. Returns the monitor and the number of steps run."""
     steps_per_epoch = steps_per_epoch or len(cosines) // epochs
-    monitor.set_params({"epochs": epochs, "steps": steps_per_epoch, "verbose": 0})
-    monitor.on_train_begin()
-    step = 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", TrainingHealthWarning)
-        for epoch in range(epochs):
-            monitor.on_epoch_begin(epoch)
-            start = epoch * steps_per_epoch
-            for k in range(steps_per_epoch):
-                metric.last.assign(cosines[start + k])
-                metric.images.assign(batch)
-                if chance is not None:
-                    chance_metric.last.assign(chance[start + k])
-                    chance_metric.images.assign(batch)
-                logs = {} if losses is None else {
-                    "loss": float(np.mean(losses[start:start + k + 1]))}
-                monitor.on_train_batch_end(k, logs)
-                step += 1
-                if model.stop_training:
-                    return monitor, step
-    return monitor, step
+    rows = []
+    for epoch in range(epochs):
+        part = slice(epoch * steps_per_epoch, (epoch + 1) * steps_per_epoch)
+        rows.append({"emb_cos": list(cosines[part]), "images": [batch] * steps_per_epoch,
+                     "chance_ap": None if chance is None else list(chance[part]),
+                     "loss": None if losses is None else list(losses[part])})
+    monitor = replay(rows, steps_per_epoch=steps_per_epoch, **kw)
+    return monitor, len(monitor.trace)
 
 
 def _kinds(monitor):
@@ -502,6 +488,19 @@ def test_tfaploss_train_stops_a_collapsed_run_and_records_why(tmp_path, capsys):
     assert row["emb_cos"] == pytest.approx(1.0, abs=1e-4)
     assert row["chance_ap"] == 1.0
     assert row["stopped_early"]["step"] == 3 and len(row["health"]) == 3
+    # Each step the check saw is logged, and replaying the log with the run's health
+    # arguments reproduces its reports, step for step.
+    steps = row["health_steps"]
+    assert steps["images"] == [8, 8, 8]
+    assert "health_steps" not in summary["history"][0]  # the summary stays per epoch
+    assert np.mean(steps["emb_cos"]) == pytest.approx(row["emb_cos"], abs=1e-6)
+    assert np.mean(steps["chance_ap"]) == pytest.approx(row["chance_ap"], abs=1e-6)
+    assert np.mean(steps["loss"]) == pytest.approx(row["loss"], rel=1e-5)
+    again = replay([row], total_epochs=1, steps_per_epoch=6, stop_share=0.5,
+                   **{k: raw["training"]["health"][k]
+                      for k in ("min_window_images", "window_share")})
+    assert [(e["step"], e["kind"], e["stop"]) for e in again.records] == [
+        (e["step"], e["kind"], e["stop"]) for e in summary["health_events"]]
     assert (tmp_path / "run" / "model.keras").is_file()
     assert not (tmp_path / "run" / "backup").exists()
     # The same command again: the stopped run is finished, not trained again ...
@@ -594,3 +593,27 @@ def test_a_run_stalled_in_a_wide_cone_is_stopped_after_its_first_quarter():
     monitor, steps = _replay(cos, 2048, chance=chance, stop_share=0.25, epochs=4,
                              cone_cosine=None)
     assert steps == 24 and monitor.records == []
+
+
+def test_replay_of_a_logged_run_with_other_arguments_and_its_input_errors():
+    """A log holds what the check saw, so a rule can be tried on it: a run at emb_cos
+    0.97 with 40 % at chance over 4 epochs is stopped with the cone rule and runs to
+    its end without it; rows without per-step values are refused, naming the epoch."""
+    rows = [{"epoch": e + 1, "health_steps": {
+        "images": [512] * 24, "emb_cos": [0.97] * 24, "chance_ap": [0.4] * 24,
+        "loss": [0.5 + 0.01 * ((k * 7) % 5) for k in range(24)]}} for e in range(4)]
+    stopped = replay(rows, stop_share=0.25)
+    # The cone counts after the first quarter (24 steps); in the 25 % window (12,288
+    # images = 24 steps), 80 % are cone steps after 20 of them: step 44.
+    assert stopped.stopped is not None and stopped.stopped["step"] == 44
+    assert "stalled in a narrow cone" in stopped.stopped["message"]
+    assert len(stopped.trace) == 44 and stopped.trace[-1]["epoch"] == 2
+    free = replay(rows, stop_share=0.25, cone_cosine=None)
+    assert free.stopped is None and len(free.trace) == 96
+    # Recovered per-step losses are the logged ones.
+    assert [t["loss"] for t in free.trace[:24]] == pytest.approx(
+        rows[0]["health_steps"]["loss"], abs=1e-12)
+    with pytest.raises(ValueError, match=r"epochs\[1\] has no per-step emb_cos"):
+        replay([rows[0], {"epoch": 2, "loss": 0.5}])
+    with pytest.raises(TypeError, match=r"epochs\[0\] must be a dict.*list"):
+        replay([[0.97] * 24])

@@ -12,7 +12,10 @@ Run directory layout (``run_dir``)::
     epochs.jsonl    one JSON line per finished epoch: loss, learning rate, batch health
                     (emb_cos, emb_cos_std, chance_ap: tfaploss.training.health), evaluation;
                     ``health``: what the batch-health check reported in the epoch, and
-                    ``stopped_early`` on the row of the epoch it stopped
+                    ``stopped_early`` on the row of the epoch it stopped;
+                    ``health_steps``: per step of the epoch, the images, emb_cos,
+                    chance_ap and loss the check saw (tfaploss.training.health.replay
+                    replays a run from them)
     model.keras     the trained embedding model (images -> L2-normalised embeddings)
     summary.json    config, epochs, steps, timings, final retrieval metrics;
                     ``stopped_early`` (null, or why and when the batch-health check
@@ -89,6 +92,7 @@ def _epoch_callbacks():
             self.path = Path(path)
             self.monitor = monitor
             self._reported = 0
+            self._traced = 0
 
         def on_epoch_end(self, epoch, logs=None):
             row = {"epoch": epoch + 1}
@@ -109,6 +113,13 @@ def _epoch_callbacks():
                     row["health"] = records
                 if any(r["stop"] for r in records):
                     row["stopped_early"] = _stop_summary(self.monitor.stopped)
+                # Per step, so that a later health rule can be replayed on real runs
+                # (tfaploss.training.health.replay) rather than on epoch means.
+                from tfaploss.training.health import trace_columns
+
+                row["health_steps"] = _finite(trace_columns(
+                    self.monitor.trace[self._traced:]))
+                self._traced = len(self.monitor.trace)
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(row, allow_nan=False) + "\n")
                 f.flush()
@@ -460,7 +471,9 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
         "chunk_size": chunk,
         "batch_size": cfg.data.batch_size,
         "distribute": plan.to_dict(),
-        "history": epochs,
+        # epochs.jsonl keeps the per-step values; the summary stays one row per epoch.
+        "history": [{k: v for k, v in row.items() if k != "health_steps"}
+                    for row in epochs],
         "final_loss": epochs[-1].get("loss") if epochs else None,
         "final_metrics": final,
         # backend, setting and measured recall of the final evaluation's search

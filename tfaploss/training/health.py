@@ -48,6 +48,7 @@ No O(B³) tensor. The monitor adds O(1) amortised Python work per step and keeps
 from __future__ import annotations
 
 import math
+import types
 import warnings
 from collections import deque
 
@@ -398,7 +399,7 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
 
     Cost: O(1) amortised per step (a few Python operations and one read of the
     metrics' ``last`` and ``images`` variables); memory, one pair per step of the
-    longest window.
+    longest window, and one small dict per step of the ``trace``.
 
     Args:
         patience: deprecated; ``patience=k`` replaces the collapse rule by the old one,
@@ -437,7 +438,11 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
     the steps of this ``fit``; ``records`` the same as dicts (with ``epoch``,
     ``epoch_step``, ``images`` and ``steps`` of the window, ``run_images``,
     ``share_of_run``, ``stop``), and ``stopped`` the record that stopped training, or
-    None.
+    None. ``trace`` holds what each step of this ``fit`` gave the checks: a dict per
+    step with ``epoch`` (from 1), ``images``, ``emb_cos``, ``chance_ap`` and the
+    recovered ``loss`` (None where the step had none). ``tfaploss train`` logs it per
+    epoch (``health_steps`` in ``epochs.jsonl``, :func:`trace_columns`), and
+    :func:`replay` runs a monitor with other arguments over such a log.
     """
 
     def __init__(self, patience=None, collapse_cosine=DEFAULT_COLLAPSE_COSINE,
@@ -514,7 +519,7 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         self.cone_chance_ap = float(cone_chance_ap)
         self.total_images, self.batch_size = total_images, batch_size
         self.data, self.every, self.action = data, max(every, 1), action
-        self.events, self.records, self.stopped = [], [], None
+        self.events, self.records, self.stopped, self.trace = [], [], None, []
 
     # -- state ----------------------------------------------------------------------
 
@@ -528,6 +533,7 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         self._total = None
         self._seen = 0
         self.stopped = None
+        self.trace = []
         self.on_epoch_begin(0)
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -545,11 +551,17 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         images = self._batch_images()
         if self._windows is None:
             self._windows = self._make_windows(images)
+        running = _float(logs["loss"]) if "loss" in logs else None
+        loss = self._step_loss(running)
+        self.trace.append({"epoch": self._epoch + 1, "images": images,
+                           "emb_cos": None if health is None else health[0],
+                           "chance_ap": None if health is None else health[2],
+                           "loss": loss})
         if health is not None:
             cos_mean, cos_std, chance, steps = health
             self._check_collapse(cos_mean, cos_std, chance, steps * images)
-        if self.flat_rtol is not None and "loss" in logs:
-            self._check_flat(_float(logs["loss"]), images)
+        if self.flat_rtol is not None and loss is not None:
+            self._check_flat(loss, running, images)
 
     # -- windows --------------------------------------------------------------------
 
@@ -724,16 +736,18 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
                         f"(stop_share).")
         self._report("collapse", message, window, stop or self.action == "stop")
 
-    def _check_flat(self, running_mean, images):
+    def _step_loss(self, running_mean):
+        """This step's loss, recovered from Keras's running epoch mean (None when it
+        cannot be: no loss logged, or the previous step's mean is missing)."""
         k = self._epoch_step
         previous = self._previous_mean
         self._previous_mean = running_mean
-        if k == 1:
-            loss = running_mean
-        elif previous is None:
-            return
-        else:
-            loss = k * running_mean - (k - 1) * previous
+        if running_mean is None or (k > 1 and previous is None):
+            return None
+        return running_mean if k == 1 else k * running_mean - (k - 1) * previous
+
+    def _check_flat(self, loss, running_mean, images):
+        k = self._epoch_step
         if not math.isfinite(loss):
             return
         window = self._windows["flat"]
@@ -778,3 +792,86 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         if stop:
             self.stopped = record
             self.model.stop_training = True
+
+
+# Columns of a step in ``TrainingHealthMonitor.trace`` and in epochs.jsonl's
+# ``health_steps`` (what ``tfaploss train`` logs), in that order.
+TRACE_COLUMNS = ("images", "emb_cos", "chance_ap", "loss")
+
+
+def trace_columns(steps) -> dict:
+    """Steps of :attr:`TrainingHealthMonitor.trace` as columns (``TRACE_COLUMNS``):
+    ``{"images": [...], "emb_cos": [...], ...}``, one entry per step, values rounded
+    to 6 decimals (None where the step had none)."""
+    def cell(value):
+        return value if value is None or isinstance(value, int) else round(value, 6)
+
+    return {k: [cell(step[k]) for step in steps] for k in TRACE_COLUMNS}
+
+
+def replay(epochs, *, total_epochs=None, steps_per_epoch=None,
+           **kwargs) -> TrainingHealthMonitor:
+    """Run a :class:`TrainingHealthMonitor` over a logged run, step by step as
+    ``model.fit`` would have called it, and return it (``records``, ``stopped``,
+    ``trace``): what a monitor with other arguments would have said about a real run.
+
+    ``epochs``: one item per epoch, either a row of a run's ``epochs.jsonl`` (its
+    ``health_steps``) or those columns themselves: ``emb_cos`` (required; None for a
+    step without a value), and optionally ``images`` (default ``batch_size``, else
+    128), ``chance_ap`` and ``loss`` (per step; an epoch with a missing loss is replayed
+    without one). ``total_epochs`` and ``steps_per_epoch`` are the run's plan (Keras's
+    ``params``; default: the epochs given, and the longest of them: a stopped run's
+    last epoch is short). ``kwargs`` go to :class:`TrainingHealthMonitor`. Replay stops
+    where the monitor stops training. Warnings are not raised (they are in
+    ``records``). Cost: O(steps) Python work.
+    """
+    columns = []
+    for number, row in enumerate(epochs, 1):
+        if not isinstance(row, dict):
+            raise TypeError(f"replay: epochs[{number - 1}] must be a dict (an "
+                            f"epochs.jsonl row, or its health_steps columns); received "
+                            f"{type(row).__name__}")
+        steps = row.get("health_steps", row)
+        if not isinstance(steps, dict) or not isinstance(steps.get("emb_cos"), list):
+            raise ValueError(f"replay: epochs[{number - 1}] has no per-step emb_cos list "
+                             f"(rows written before tfaploss logged health_steps have "
+                             f"none); received {row!r:.200}")
+        columns.append(steps)
+    cosine, chance = BatchHealthMetric("emb_cos"), BatchHealthMetric("chance_ap")
+    has_chance = any(any(v is not None for v in c.get("chance_ap") or []) for c in columns)
+    model = types.SimpleNamespace(metrics=[cosine, chance] if has_chance else [cosine],
+                                  stop_training=False)
+    monitor = TrainingHealthMonitor(**kwargs)
+    monitor.set_model(model)
+    monitor.set_params({"epochs": total_epochs or len(columns), "verbose": 0,
+                        "steps": steps_per_epoch or max(len(c["emb_cos"]) for c in columns)})
+    default_images = kwargs.get("batch_size") or _ASSUMED_BATCH
+
+    def value(x):
+        return math.nan if x is None else float(x)
+
+    monitor.on_train_begin()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TrainingHealthWarning)
+        for epoch, c in enumerate(columns):
+            monitor.on_epoch_begin(epoch)
+            n = len(c["emb_cos"])
+            images = c.get("images") or [default_images] * n
+            losses = c.get("loss") or []
+            if len(losses) != n or any(x is None for x in losses):
+                losses = None
+            total = 0.0
+            for k in range(n):
+                cosine.last.assign(value(c["emb_cos"][k]))
+                cosine.images.assign(images[k])
+                if has_chance:
+                    chance.last.assign(value((c.get("chance_ap") or [None] * n)[k]))
+                    chance.images.assign(images[k])
+                logs = {}
+                if losses is not None:
+                    total += losses[k]
+                    logs["loss"] = total / (k + 1)
+                monitor.on_train_batch_end(k, logs)
+                if model.stop_training:
+                    return monitor
+    return monitor
