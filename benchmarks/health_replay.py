@@ -115,7 +115,7 @@ def main(argv=None) -> int:
             mismatches += 1
             as_run += " ≠replay"
         cells = " ".join(f"{row['replayed'][str(x)] or '—':>6}" for x in args.lines)
-        print(f"{val:>9} {row['steps']:>5} {as_run:>14} | {'':>28}{cells} | {row['run']}")
+        print(f"{val:>9} {row['steps']:>5} {as_run:>14} | {'':>27}{cells} | {row['run']}")
     print("'—': runs to the end. 'as run': where the run itself was stopped, with the "
           "line it was trained with (the peer of each replayed line).")
     if mismatches:
