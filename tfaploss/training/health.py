@@ -259,9 +259,8 @@ FLAT_CAUSES = (
     "(ROADMAPLoss lambda_) that keeps it there.")
 
 
-# The DEFAULT_* thresholds come from tfaploss.config.health_defaults (shared with the
+# Defaults of the patience rule: tfaploss.config.health_defaults (shared with the
 # config, which imports no Keras); TrainingHealthMonitor's docstring says why.
-
 # Images per step when nothing tells the monitor the training batch size.
 _ASSUMED_BATCH = 128
 
