@@ -516,10 +516,9 @@ def test_tfaploss_train_stops_a_collapsed_run_and_records_why(tmp_path, capsys):
 
 
 def test_the_config_defaults_are_the_monitors():
-    """``training.health`` (tfaploss.config, which imports no Keras) and the monitor
-    take their defaults from tfaploss.config.health_defaults; stop_share is the one
-    that differs on purpose: the callback only warns unless told, ``tfaploss train``
-    stops."""
+    """``training.health`` (tfaploss.config, which imports no Keras) restates the
+    monitor's defaults; they must not drift apart. stop_share is the one that differs
+    on purpose: the callback only warns unless told, ``tfaploss train`` stops."""
     import inspect
 
     from tfaploss.config.schema import HealthConfig

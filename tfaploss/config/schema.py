@@ -57,8 +57,6 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from tfaploss.config import health_defaults as H
-
 __all__ = [
     "AugmentationConfig",
     "Config",
@@ -344,23 +342,20 @@ class HealthConfig:
     rank no better than chance (``chance_ap``; 0: the cosine alone): a model can
     still learn inside a narrow cone. After the run's first ``stop_share``, steps with
     ``emb_cos >= cone_cosine`` and ``chance_ap >= cone_chance_ap`` count towards that
-    stop too: a run stalled in a wider cone (``cone_cosine: null`` turns this off).
-    ``stop_share: null`` only warns. ``enabled: false`` turns the check off (the metrics
-    are still logged). The defaults are the callback's
-    (:mod:`tfaploss.config.health_defaults`), except ``stop_share``, which the callback
-    leaves off; the measurements behind them:
-    :class:`tfaploss.training.TrainingHealthMonitor`.
+    stop too: a run stalled in a wider cone (``cone_cosine: null`` turns this off). ``stop_share: null`` only warns. ``enabled:
+    false`` turns the check off (the metrics are still logged). The defaults and the
+    measurements behind them: :class:`tfaploss.training.TrainingHealthMonitor`.
     """
 
     enabled: bool = True
-    collapse_cosine: float = H.DEFAULT_COLLAPSE_COSINE
-    collapse_fraction: float = H.DEFAULT_COLLAPSE_FRACTION
-    window_share: float = H.DEFAULT_WINDOW_SHARE
-    min_window_images: int = H.DEFAULT_MIN_WINDOW_IMAGES
-    stop_share: float | None = H.DEFAULT_STOP_SHARE
-    stop_chance_ap: float = H.DEFAULT_STOP_CHANCE_AP
-    cone_cosine: float | None = H.DEFAULT_CONE_COSINE
-    cone_chance_ap: float = H.DEFAULT_CONE_CHANCE_AP
+    collapse_cosine: float = 0.99
+    collapse_fraction: float = 0.8
+    window_share: float = 0.1
+    min_window_images: int = 8192
+    stop_share: float | None = 0.25
+    stop_chance_ap: float = 0.5
+    cone_cosine: float | None = 0.95
+    cone_chance_ap: float = 0.25
 
 
 @dataclass
