@@ -49,8 +49,9 @@ def parse_args(argv=None):
 
 
 def load_run(run_dir: Path):
-    """(epoch rows, health settings, epochs, steps per epoch, validation MAP@R) of a
-    finished run folder, or None when its log has no per-step values."""
+    """(epoch rows, health settings, epochs, steps per epoch, validation MAP@R, the
+    run's ``stopped_early``) of a finished run folder, or None when its log has no
+    per-step values."""
     rows = [json.loads(line) for line in
             (run_dir / "epochs.jsonl").read_text(encoding="utf-8").splitlines() if line]
     if not rows or any("health_steps" not in row for row in rows):

@@ -68,6 +68,8 @@ LOG = logging.getLogger(__name__)
 def _epoch_callbacks():
     import keras
 
+    from tfaploss.training.health import trace_columns
+
     class RetrievalEvaluation(keras.callbacks.Callback):
         """Evaluate retrieval on a test split every ``every`` epochs; adds ``val_*`` logs."""
 
@@ -115,8 +117,6 @@ def _epoch_callbacks():
                     row["stopped_early"] = _stop_summary(self.monitor.stopped)
                 # Per step, so that a later health rule can be replayed on real runs
                 # (tfaploss.training.health.replay) rather than on epoch means.
-                from tfaploss.training.health import trace_columns
-
                 row["health_steps"] = _finite(trace_columns(
                     self.monitor.trace[self._traced:]))
                 self._traced = len(self.monitor.trace)

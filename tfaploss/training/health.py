@@ -857,6 +857,7 @@ def replay(epochs, *, total_epochs=None, steps_per_epoch=None,
             monitor.on_epoch_begin(epoch)
             n = len(c["emb_cos"])
             images = c.get("images") or [default_images] * n
+            chances = c.get("chance_ap") or [None] * n
             losses = c.get("loss") or []
             if len(losses) != n or any(x is None for x in losses):
                 losses = None
@@ -865,7 +866,7 @@ def replay(epochs, *, total_epochs=None, steps_per_epoch=None,
                 cosine.last.assign(value(c["emb_cos"][k]))
                 cosine.images.assign(images[k])
                 if has_chance:
-                    chance.last.assign(value((c.get("chance_ap") or [None] * n)[k]))
+                    chance.last.assign(value(chances[k]))
                     chance.images.assign(images[k])
                 logs = {}
                 if losses is not None:
