@@ -188,13 +188,14 @@ def test_walking_a_megabyte_of_tiny_segments_takes_milliseconds(walk, name, data
     start = time.perf_counter()
     walk(data)
     serving = time.perf_counter() - start
-    start = time.perf_counter()
+    start = time.thread_time()  # the job's reader is pure Python in this thread
     try:
         image_headers.read_size(data)
     except image_headers.HeaderError:
         pass
-    job = time.perf_counter() - start
-    # ~0.05-0.4 s and ~0.01 s measured on the shared 2-core machine under load
+    job = time.thread_time() - start
+    # ~0.05-0.4 s wall and ~0.01 s CPU measured on the shared 2-core machine under load;
+    # the job is timed in CPU so that waiting for other test workers does not count.
     assert serving < 2.5 and job < 0.5, (serving, job)
 
 
