@@ -1,25 +1,35 @@
-"""Which runs would another batch-health line have stopped? Replays logged runs.
+"""What would another batch-health rule have said about real runs? Replays logged runs.
 
 ``tfaploss train`` logs what its batch-health check saw at every step
 (``health_steps`` in each run's ``epochs.jsonl``). This script finds every run under
 the folders given that has such a log, replays it through
 :func:`tfaploss.training.health.replay` with the run's own ``training.health``
-settings and, in turn, each ``--cone-chance`` line (``cone_chance_ap``), and prints
-for each run where each line stops it, beside its validation MAP@R (``metrics.json``
-of ``benchmarks/batch_sweep.py``, when there) and what the run itself did (the line
-it was trained with: the peer each replay is read against). A line is good when it
-stops the runs that did not learn and none of those that did.
+settings and, in turn, each value of one monitor argument (``--vary``), and prints for
+each run what each value does: where it stops the run and what it warns about, beside
+the run's validation MAP@R (``metrics.json`` of ``benchmarks/batch_sweep.py``, when
+there) and what the run itself did (the settings it was trained with: the peer each
+replay is read against). A rule is good when it reports the runs that did not learn and
+none of those that did.
 
     python benchmarks/health_replay.py benchmarks/results/batch_sweep \\
-        --cone-chance 0.15,0.2,0.25,0.3,0.35
+        --vary cone_chance_ap=0.15,0.2,0.25,0.3,0.35
+    python benchmarks/health_replay.py benchmarks/results/batch_sweep \\
+        --vary stall_chance_ap=0.2,0.25,0.3,0.4 --epoch-means
 
-Runs written before ``health_steps`` existed are counted and skipped. Cost: O(steps)
-Python per run and line; no model is loaded.
+Runs written before ``health_steps`` existed are counted and skipped, or, with
+``--epoch-means``, replayed with every step of an epoch at the epoch's logged means
+(marked ``≈``: an approximation, which hides the batch-to-batch swing; the check that
+a run's own settings reproduce it is then only shown, not enforced). Cost: O(steps)
+Python per run and value; no model is loaded.
+
+Cells: ``S44`` stopped at step 44, ``stall@58`` a first warning of that kind at step
+58 (``collapse``, ``flat``, ``stall``), ``—`` nothing reported.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -27,54 +37,106 @@ from pathlib import Path
 import yaml
 
 
+def _monitor_arguments() -> set[str]:
+    from tfaploss.training.health import TrainingHealthMonitor
+
+    return set(inspect.signature(TrainingHealthMonitor).parameters) - {
+        "data", "every", "action", "patience", "flat_steps"}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folders", nargs="+", help="folders searched for run folders")
-    p.add_argument("--cone-chance", default="0.15,0.2,0.25,0.3,0.35",
-                   help="comma-separated cone_chance_ap lines to replay")
+    p.add_argument("--vary", default="cone_chance_ap=0.15,0.2,0.25,0.3,0.35",
+                   help="NAME=v1,v2,...: a TrainingHealthMonitor argument and the values "
+                        "to replay ('none' for None)")
+    p.add_argument("--epoch-means", action="store_true",
+                   help="also replay runs without per-step logs from their epoch means")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
     args = p.parse_args(argv)
+    name, _, values = args.vary.partition("=")
+    allowed = _monitor_arguments()
+    if name not in allowed:
+        p.error(f"--vary: NAME must be one of {sorted(allowed)}; received {name!r}")
     try:
-        args.lines = [float(x) for x in args.cone_chance.split(",") if x.strip()]
+        args.values = [None if x.strip().lower() == "none" else float(x)
+                       for x in values.split(",") if x.strip()]
     except ValueError:
-        p.error(f"--cone-chance: numbers separated by commas; received "
-                f"{args.cone_chance!r}")
-    if not args.lines or not all(0 <= x <= 1 for x in args.lines):
-        p.error(f"--cone-chance: numbers in [0, 1]; received {args.cone_chance!r}")
+        p.error(f"--vary: values are numbers (or 'none') separated by commas; received "
+                f"{values!r}")
+    if not args.values:
+        p.error(f"--vary: give at least one value, as {name}=0.2,0.3; received "
+                f"{args.vary!r}")
+    if name in ("min_window_images", "total_images", "batch_size"):
+        args.values = [None if v is None else int(v) for v in args.values]
+    args.name = name
     missing = [f for f in args.folders if not Path(f).is_dir()]
     if missing:
         p.error(f"not a folder: {missing}")
     return args
 
 
-def load_run(run_dir: Path):
-    """(epoch rows, health settings, epochs, steps per epoch, validation MAP@R, the
-    run's ``stopped_early``) of a finished run folder, or None when its log has no
-    per-step values."""
+def _epoch_mean_columns(rows, steps, batch):
+    """Per-step columns of a run logged without them: each of the ``steps`` steps of
+    ``batch`` images at its epoch's means (no loss, so the flat check, which a constant
+    would fool, stays silent)."""
+    columns = []
+    for row in rows:
+        if row.get("emb_cos") is None:
+            return None
+        chance = row.get("chance_ap")
+        columns.append({"images": [batch] * steps, "emb_cos": [row["emb_cos"]] * steps,
+                        "chance_ap": None if chance is None else [chance] * steps})
+    return columns
+
+
+def load_run(run_dir: Path, epoch_means: bool = False):
+    """``{"rows", "health", "epochs", "steps", "val", "stopped", "approximate"}`` of a
+    finished run folder, or None when its log has no per-step values (and
+    ``epoch_means`` is off, or the rows have no means either)."""
     rows = [json.loads(line) for line in
             (run_dir / "epochs.jsonl").read_text(encoding="utf-8").splitlines() if line]
-    if not rows or any("health_steps" not in row for row in rows):
+    if not rows:
         return None
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
     summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    steps = summary["steps_per_epoch"]
+    approximate = any("health_steps" not in row for row in rows)
+    if approximate:
+        rows = (_epoch_mean_columns(rows, steps, cfg["data"]["batch_size"])
+                if epoch_means else None)
+        if rows is None:
+            return None
     metrics = run_dir / "metrics.json"
     val = (json.loads(metrics.read_text(encoding="utf-8")).get("val_map@r")
            if metrics.is_file() else None)
-    health = dict(cfg["training"]["health"])
-    return (rows, health, cfg["training"]["epochs"], summary["steps_per_epoch"], val,
-            summary.get("stopped_early"))
+    return {"rows": rows, "health": dict(cfg["training"]["health"]),
+            "epochs": cfg["training"]["epochs"], "steps": steps, "val": val,
+            "stopped": summary.get("stopped_early"), "approximate": approximate}
 
 
-def replay_run(rows, health, epochs, steps, line):
-    """Step at which the run's health check, with ``cone_chance_ap=line``, stops it
-    (None: it runs to the end)."""
+def replay_run(run, name=None, value=None):
+    """``(stop step or None, {kind: first step warned})`` of the run's health check
+    with ``name=value`` (the run's own settings when ``name`` is None)."""
     from tfaploss.training.health import replay
 
-    kwargs = {k: v for k, v in health.items() if k != "enabled"}
-    kwargs["cone_chance_ap"] = line
-    monitor = replay(rows, total_epochs=epochs, steps_per_epoch=steps, **kwargs)
-    return None if monitor.stopped is None else monitor.stopped["step"]
+    kwargs = {k: v for k, v in run["health"].items() if k != "enabled"}
+    if name is not None:
+        kwargs[name] = value
+    monitor = replay(run["rows"], total_epochs=run["epochs"], steps_per_epoch=run["steps"],
+                     **kwargs)
+    first = {}
+    for record in monitor.records:
+        if not record["stop"]:
+            first.setdefault(record["kind"], record["step"])
+    return (None if monitor.stopped is None else monitor.stopped["step"]), first
+
+
+def _cell(stop, warned) -> str:
+    parts = [f"S{stop}"] if stop is not None else []
+    parts += [f"{kind}@{step}" for kind, step in sorted(warned.items(), key=lambda x: x[1])]
+    return " ".join(parts) or "—"
 
 
 def _shown(path: Path) -> str:
@@ -88,40 +150,49 @@ def main(argv=None) -> int:
                     if (p.parent / "epochs.jsonl").is_file()})
     table, skipped = [], 0
     for run_dir in found:
-        run = load_run(run_dir)
-        if run is None or not run[1].get("enabled", True):
+        run = load_run(run_dir, args.epoch_means)
+        if run is None or not run["health"].get("enabled", True):
             skipped += 1
             continue
-        rows, health, epochs, steps, val, stopped = run
-        own = health.get("cone_chance_ap")
+        own_stop, own_warned = replay_run(run)
+        stopped = run["stopped"]
         table.append({
-            "run": _shown(run_dir), "val_map@r": val, "steps": epochs * steps,
-            "trained_with": own, "stopped_at": None if stopped is None else stopped["step"],
-            # the run's own line replayed: must give what the run did
-            "replayed_own": replay_run(rows, health, epochs, steps, own),
-            "replayed": {str(x): replay_run(rows, health, epochs, steps, x)
-                         for x in args.lines}})
-    print(f"{len(table)} runs with per-step health logs; {skipped} skipped (no "
-          f"health_steps: written before they were logged, or the check was off)")
+            "run": _shown(run_dir), "val_map@r": run["val"],
+            "steps": run["epochs"] * run["steps"], "approximate": run["approximate"],
+            "trained_with": run["health"].get(args.name),
+            "stopped_at": None if stopped is None else stopped["step"],
+            # the run's own settings replayed: must give what the run did
+            "replayed_own": own_stop, "own_warnings": own_warned,
+            "replayed": {str(v): dict(zip(("stop", "warned"),
+                                          replay_run(run, args.name, v), strict=True))
+                         for v in args.values}})
+    approx = sum(r["approximate"] for r in table)
+    print(f"{len(table)} runs replayed ({approx} from epoch means, marked ≈); {skipped} "
+          f"skipped (no health_steps{'' if args.epoch_means else ' (--epoch-means replays them)'}"
+          f", or the check was off)")
     if not table:
         return 0
-    head = " ".join(f"{x:>6g}" for x in args.lines)
-    print(f"{'val MAP@R':>9} {'steps':>5} {'as run (line)':>14} | stop step at "
-          f"cone_chance_ap {head} | run")
+    width = max(14, *(len(_cell(c["stop"], c["warned"])) for r in table
+                      for c in r["replayed"].values()))
+    head = " ".join(f"{'none' if v is None else f'{v:g}':>{width}}" for v in args.values)
+    print(f"{'val MAP@R':>9} {'steps':>5} {'as run':>16} | {args.name} = {head} | run")
     mismatches = 0
     for row in sorted(table, key=lambda r: (r["val_map@r"] is None, r["val_map@r"] or 0)):
         val = "—" if row["val_map@r"] is None else f"{row['val_map@r']:.1f}"
-        as_run = f"{row['stopped_at'] or 'end'} ({row['trained_with']:g})"
+        as_run = f"{'S' + str(row['stopped_at']) if row['stopped_at'] else 'end'}"
         if row["replayed_own"] != row["stopped_at"]:
-            mismatches += 1
-            as_run += " ≠replay"
-        cells = " ".join(f"{row['replayed'][str(x)] or '—':>6}" for x in args.lines)
-        print(f"{val:>9} {row['steps']:>5} {as_run:>14} | {'':>27}{cells} | {row['run']}")
-    print("'—': runs to the end. 'as run': where the run itself was stopped, with the "
-          "line it was trained with (the peer of each replayed line).")
+            mismatches += not row["approximate"]
+            as_run += f" ≠S{row['replayed_own']}"
+        cells = " ".join(f"{_cell(c['stop'], c['warned']):>{width}}"
+                         for c in row["replayed"].values())
+        mark = "≈" if row["approximate"] else " "
+        print(f"{val:>9} {row['steps']:>5} {as_run:>16} | {' ' * len(args.name)}   "
+              f"{cells} |{mark}{row['run']}")
+    print("'as run': where the run itself stopped (end: it did not), the peer of each "
+          "replayed value; ≠: where its own settings stop it on replay.")
     if mismatches:
-        print(f"{mismatches} runs replayed with their own line do not stop where they "
-              f"did (≠replay): the per-step log does not reproduce the run.")
+        print(f"{mismatches} runs with per-step logs replayed with their own settings do "
+              f"not stop where they did (≠): the per-step log does not reproduce the run.")
     if args.out:
         from tfaploss.training.checkpoints import atomic_write_json
 

@@ -207,7 +207,8 @@ def test_training_health_section_defaults_overrides_and_bad_values():
     health = cfg.to_dict()["training"]["health"]
     assert health == {"enabled": True, "collapse_cosine": 0.99, "collapse_fraction": 0.8,
                       "window_share": 0.1, "min_window_images": 8192, "stop_share": 0.25,
-                      "stop_chance_ap": 0.5, "cone_cosine": 0.95, "cone_chance_ap": 0.25}
+                      "stop_chance_ap": 0.5, "cone_cosine": 0.95, "cone_chance_ap": 0.25,
+                      "stall_chance_ap": 0.3, "stall_after": 0.5}
     cfg = config_from_dict(MINIMAL, ["training.health.stop_share=null",
                                      "training.health.min_window_images=4096"])
     assert cfg.training.health.stop_share is None
@@ -229,6 +230,14 @@ def test_training_health_section_defaults_overrides_and_bad_values():
         MINIMAL, ["training.health.cone_chance_ap=-0.1"])
     assert config_from_dict(MINIMAL, ["training.health.cone_cosine=null"]
                             ).training.health.cone_cosine is None
+    for bad in ("0", "-0.1", "1.5"):
+        assert "'training.health.stall_chance_ap': must be in (0, 1]" in _error(
+            MINIMAL, [f"training.health.stall_chance_ap={bad}"]), bad
+    for bad in ("-0.5", "2"):
+        assert "'training.health.stall_after': must be in [0, 1]" in _error(
+            MINIMAL, [f"training.health.stall_after={bad}"]), bad
+    assert config_from_dict(MINIMAL, ["training.health.stall_chance_ap=null"]
+                            ).training.health.stall_chance_ap is None
     assert "'training.health.min_window_images': expected an integer" in _error(
         MINIMAL, ["training.health.min_window_images=many"])
     assert "Did you mean 'stop_share'" in _error(MINIMAL, ["training.health.stop_shar=0.3"])

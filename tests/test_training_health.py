@@ -424,6 +424,13 @@ def test_monitor_arguments_are_checked():
         TrainingHealthMonitor(collapse_fraction=0)
     with pytest.raises(ValueError, match="min_window_images must be an int >= 1"):
         TrainingHealthMonitor(min_window_images=0)
+    for bad in (0, -0.1, 1.5, True, "0.3"):
+        with pytest.raises(ValueError, match=r"stall_chance_ap must be a number in "
+                                             rf"\(0, 1\] or None, received "
+                                             rf"stall_chance_ap={bad!r}"):
+            TrainingHealthMonitor(stall_chance_ap=bad)
+    with pytest.raises(ValueError, match=r"stall_after must be a number in \[0, 1\]"):
+        TrainingHealthMonitor(stall_after=1.5)
     with pytest.raises(ValueError, match="max_queries must be an int >= 2"):
         health_metrics(max_queries=1)
     with pytest.raises(ValueError, match="statistic must be one of"):
@@ -527,7 +534,8 @@ def test_the_config_defaults_are_the_monitors():
     monitor = inspect.signature(TrainingHealthMonitor).parameters
     config = HealthConfig()
     for name in ("collapse_cosine", "collapse_fraction", "window_share",
-                 "min_window_images", "stop_chance_ap", "cone_cosine", "cone_chance_ap"):
+                 "min_window_images", "stop_chance_ap", "cone_cosine", "cone_chance_ap",
+                 "stall_chance_ap", "stall_after"):
         assert getattr(config, name) == monitor[name].default, name
     assert monitor["stop_share"].default is None
     assert config.stop_share == health.DEFAULT_STOP_SHARE
@@ -589,9 +597,13 @@ def test_a_run_stalled_in_a_wide_cone_is_stopped_after_its_first_quarter():
     monitor, steps = _replay(learned, 2048, chance=learned_chance, stop_share=0.25,
                              epochs=4)
     assert steps == 24 and monitor.stopped is None
-    # cone_cosine=None: the old rule, silent on the stalled run.
+    # cone_cosine=None: the old rule does not stop it; only the stall check, which
+    # never stops, warns once half the run (12 steps) and a 4-step window have passed.
     monitor, steps = _replay(cos, 2048, chance=chance, stop_share=0.25, epochs=4,
                              cone_cosine=None)
+    assert steps == 24 and _kinds(monitor) == [(16, "stall", False)]
+    monitor, steps = _replay(cos, 2048, chance=chance, stop_share=0.25, epochs=4,
+                             cone_cosine=None, stall_chance_ap=None)
     assert steps == 24 and monitor.records == []
 
 
@@ -617,3 +629,117 @@ def test_replay_of_a_logged_run_with_other_arguments_and_its_input_errors():
         replay([rows[0], {"epoch": 2, "loss": 0.5}])
     with pytest.raises(TypeError, match=r"epochs\[0\] must be a dict.*list"):
         replay([[0.97] * 24])
+
+
+def _sweep_run(epoch_means, swing=0.05, steps_per_epoch=24):
+    """Per-step (emb_cos, chance_ap) of a glyph-sweep run from its logged epoch means,
+    with a batch-to-batch swing of +-``swing`` in chance_ap (clipped to [0, 1])."""
+    cos, chance = [], []
+    for c, a in epoch_means:
+        cos += [c] * steps_per_epoch
+        chance += [min(max(a + swing * (-1) ** k, 0.0), 1.0) for k in range(steps_per_epoch)]
+    return cos, chance
+
+
+# Epoch means (emb_cos, chance_ap) of glyph-sweep runs at B=2048, 96 updates
+# (benchmarks/results/batch_sweep, validation MAP@R in the name).
+SPREAD_AT_CHANCE_3_3 = [(0.27, 0.59), (0.04, 0.53), (0.01, 0.43), (0.00, 0.40)]  # Contrastive, lr 1.6e-2
+WIDE_CONE_0_8 = [(0.84, 0.57), (0.89, 0.54), (0.83, 0.46), (0.80, 0.44)]  # per-query Contrastive, lr 1.6e-2
+LEARNED_17_2 = [(0.48, 0.62), (0.39, 0.36), (0.24, 0.20), (0.25, 0.14)]  # SupRecall, lr 1.6e-2
+LEARNED_43_9 = [(0.53, 0.54), (0.42, 0.44), (0.25, 0.13), (0.16, 0.04)]  # RS@k, lr 1.6e-2
+LEARNED_96_6 = [(0.37, 0.19), (0.02, 0.00), (0.01, 0.00), (0.00, 0.00)]  # APLoss, lr 1e-3
+
+
+@pytest.mark.parametrize("means", [SPREAD_AT_CHANCE_3_3, WIDE_CONE_0_8],
+                         ids=["spread apart", "wide cone"])
+def test_a_run_still_at_chance_after_half_of_it_is_warned_whatever_its_cosine(means):
+    """Neither the collapse nor the cone rule sees these (emb_cos far under 0.95); each
+    kept 40-60 % of its queries at chance and ended at validation MAP@R 1-3 %. After
+    half the run (48 steps of 2048) and one window (max(8,192, 10 % of 196,608) =
+    19,661 images: 10 steps), the stall check warns once, and never stops."""
+    cos, chance = _sweep_run(means)
+    monitor, steps = _replay(cos, 2048, chance=chance, stop_share=0.25, epochs=4)
+    assert steps == 96 and monitor.stopped is None
+    assert _kinds(monitor) == [(58, "stall", False)]
+    record = monitor.records[0]
+    text = record["message"]
+    assert text.startswith("tfaploss: training is not learning to rank: after the run's "
+                           "first 50%, over the last 20,480 training images (10 steps, "
+                           "10% of the run's 196,608), 100% of the images")
+    assert "at least 30% of queries" in text and "learning rate" in text
+    assert "m_per_class" in text and "averaging='per_query'" in text
+    assert record["share_of_run"] == pytest.approx(20480 / 196608, abs=1e-4)
+    # action="stop" stops at it, as at any report
+    monitor, steps = _replay(cos, 2048, chance=chance, epochs=4, action="stop")
+    assert steps == 58 and monitor.stopped["kind"] == "stall"
+
+
+@pytest.mark.parametrize("means", [LEARNED_17_2, LEARNED_43_9, LEARNED_96_6],
+                         ids=["SupRecall 17.2", "RS@k 43.9", "APLoss 96.6"])
+def test_runs_that_learned_are_not_warned_about_chance(means):
+    """The learners of the sweep nearest the line: at chance in 36-62 % of queries in
+    their first half, at most 20 % (epoch mean) in their second."""
+    cos, chance = _sweep_run(means)
+    monitor, steps = _replay(cos, 2048, chance=chance, stop_share=0.25, epochs=4)
+    assert steps == 96 and monitor.records == []
+    # ... while a line under their second half would have warned the slowest of them
+    if means is LEARNED_17_2:
+        monitor, _ = _replay(cos, 2048, chance=chance, epochs=4, stall_chance_ap=0.15)
+        assert [k for _, k, _ in _kinds(monitor)] == ["stall"]
+
+
+def test_the_stall_check_judges_only_the_second_half_and_rearms():
+    """Chance in the grace is never counted; a run that climbs out clears the warning
+    and is warned again if it falls back."""
+    n = 200  # steps of 128 images: 25,600 in all; window 8,192 images = 64 steps
+    monitor, _ = _replay([0.5] * n, 128, chance=[0.9] * 100 + [0.0] * 100, epochs=4)
+    assert monitor.records == []
+    # grace 0.5 (100 steps): the window is full at step 164, all of it at chance
+    late = [0.0] * 100 + [0.5] * 100
+    monitor, _ = _replay([0.5] * n, 128, chance=late, epochs=4)
+    assert _kinds(monitor) == [(164, "stall", False)]
+    # grace 0.25 (50 steps): steps 51-100 are counted, and fine; 80 % of the window
+    # (52 of 64 steps) at chance at step 152
+    monitor, _ = _replay([0.5] * n, 128, chance=late, epochs=4, stall_after=0.25)
+    assert _kinds(monitor) == [(152, "stall", False)]
+    # 300 steps, grace 75: at chance over steps 76-139, out over 140-203, back from 204.
+    # Warned at 139; cleared when under 40 % of the window (25 of 64 steps: step 178);
+    # warned again when 52 of the last 64 are at chance (step 255).
+    chance = [0.0] * 75 + [0.5] * 64 + [0.0] * 64 + [0.5] * 97
+    monitor, _ = _replay([0.5] * 300, 128, chance=chance, epochs=4, stall_after=0.25)
+    assert _kinds(monitor) == [(139, "stall", False), (255, "stall", False)]
+    # no chance_ap metric: nothing to judge
+    monitor, _ = _replay([0.5] * n, 128, epochs=4)
+    assert monitor.records == []
+    # A run whose second half is shorter than a window (40 steps of 128: 5,120 images,
+    # 2,560 after the grace) is judged on all of that half, at its last step.
+    monitor, _ = _replay([0.5] * 40, 128, chance=[0.0] * 20 + [0.5] * 20, epochs=2)
+    assert _kinds(monitor) == [(40, "stall", False)]
+    assert "the last 2,560 training images (20 steps, 50% of the run's 5,120)" in \
+        monitor.records[0]["message"]
+    monitor, _ = _replay([0.5] * 40, 128, chance=[0.5] * 20 + [0.0] * 20, epochs=2)
+    assert monitor.records == []
+
+
+def test_a_collapse_is_reported_once_not_again_as_a_stall():
+    """A run collapsed to one point is at chance too; its collapse warning already
+    says so."""
+    monitor, _ = _replay([0.999] * 200, 128, chance=[1.0] * 200, epochs=4)
+    assert [k for _, k, _ in _kinds(monitor)] == ["collapse"]
+
+
+def test_tfaploss_train_passes_the_stall_settings_to_its_monitor():
+    from tfaploss.config.schema import config_from_dict
+    from tfaploss.run.trainer import _health_monitor
+
+    raw = {"data": {"train": "unused", "batch_size": 8, "m": 4},
+           "model": {"backbone": "small_cnn", "weights": None}}
+    monitor = _health_monitor(config_from_dict(raw, warn=False))
+    assert (monitor.stall_chance_ap, monitor.stall_after) == (0.3, 0.5)
+    monitor = _health_monitor(config_from_dict(raw, [
+        "training.health.stall_chance_ap=0.4", "training.health.stall_after=0.6"],
+        warn=False))
+    assert (monitor.stall_chance_ap, monitor.stall_after) == (0.4, 0.6)
+    off = _health_monitor(config_from_dict(raw, ["training.health.stall_chance_ap=null"],
+                                           warn=False))
+    assert off.stall_chance_ap is None and "stall" not in off._make_windows(8)

@@ -342,9 +342,13 @@ class HealthConfig:
     rank no better than chance (``chance_ap``; 0: the cosine alone): a model can
     still learn inside a narrow cone. After the run's first ``stop_share``, steps with
     ``emb_cos >= cone_cosine`` and ``chance_ap >= cone_chance_ap`` count towards that
-    stop too: a run stalled in a wider cone (``cone_cosine: null`` turns this off). ``stop_share: null`` only warns. ``enabled:
-    false`` turns the check off (the metrics are still logged). The defaults and the
-    measurements behind them: :class:`tfaploss.training.TrainingHealthMonitor`.
+    stop too: a run stalled in a wider cone (``cone_cosine: null`` turns this off).
+    ``stop_share: null`` only warns. After the run's first ``stall_after``, a run whose
+    batches keep at least ``stall_chance_ap`` of their queries at chance, whatever
+    their cosine, is warned about, never stopped (``stall_chance_ap: null`` turns this
+    off). ``enabled: false`` turns the check off (the metrics are still logged). The
+    defaults and the measurements behind them:
+    :class:`tfaploss.training.TrainingHealthMonitor`.
     """
 
     enabled: bool = True
@@ -356,6 +360,8 @@ class HealthConfig:
     stop_chance_ap: float = 0.5
     cone_cosine: float | None = 0.95
     cone_chance_ap: float = 0.25
+    stall_chance_ap: float | None = 0.3
+    stall_after: float = 0.5
 
 
 @dataclass
@@ -941,6 +947,13 @@ def _check_health(health: HealthConfig) -> None:
     if not 0.0 <= health.cone_chance_ap <= 1.0:
         raise ConfigError(f"{where}cone_chance_ap': must be in [0, 1] (a share of the "
                           f"queries), received {health.cone_chance_ap}.")
+    if health.stall_chance_ap is not None and not 0.0 < health.stall_chance_ap <= 1.0:
+        raise ConfigError(f"{where}stall_chance_ap': must be in (0, 1] (a share of the "
+                          f"queries; 0.3 by default) or null, received "
+                          f"{health.stall_chance_ap}.")
+    if not 0.0 <= health.stall_after <= 1.0:
+        raise ConfigError(f"{where}stall_after': must be in [0, 1] (a share of the "
+                          f"run's images), received {health.stall_after}.")
 
 
 # ---------------------------------------------------------------------------------------

@@ -18,8 +18,8 @@ logs them to the progress bar and TensorBoard, in plain ``model.fit`` and in
 :class:`~tfaploss.training.MultiStageModel` (whose ``train_step`` hands the compiled
 metrics the batch labels and embeddings). :class:`TrainingHealthMonitor` is the
 callback that reads them, and the loss, and warns (:class:`TrainingHealthWarning`)
-when the embeddings stay collapsed or the loss stays flat, naming the usual causes, and
-can stop the run. ``tfaploss train`` uses both (``training.health`` in the config).
+when the embeddings stay collapsed, the loss stays flat or, after half the run, many
+queries still rank at chance, naming the usual causes, and can stop the run. ``tfaploss train`` uses both (``training.health`` in the config).
 
 How long is "stays"? Patience is counted in training images, as a share of the run,
 not in consecutive steps: a run of 100 steps of 920 images must be judged as early as
@@ -61,7 +61,8 @@ _TIE_EPS = 1e-6
 
 
 class TrainingHealthWarning(UserWarning):
-    """Training is running but not learning: collapsed embeddings or a flat loss."""
+    """Training is running but not learning: collapsed embeddings, a flat loss, or
+    queries still ranked at chance late in the run."""
 
 
 def _scores(embeddings, labels, max_queries):
@@ -246,6 +247,16 @@ FLAT_CAUSES = (
     "collinear start from a network trained from scratch, or a calibration weight "
     "(ROADMAPLoss lambda_) that keeps it there.")
 
+STALL_CAUSES = (
+    "Usual causes: (1) the learning rate is too high or too low (compare runs at 10x "
+    "each way); (2) too few positives per batch: a class-balanced sampler "
+    "(sampler: m_per_class) with at least 2 images per class, and a batch of many "
+    "classes; (3) a loss whose positives barely count at this batch size: at B=2048 "
+    "with 4 images per class, ContrastiveLoss(averaging='pairs') spread every "
+    "embedding apart (emb_cos near 0) while 29-61% of queries stayed at chance "
+    "(test MAP@R 3.5 after 96 updates), where averaging='per_query' reached 41.6 and "
+    "APLoss 94.6 (docs/batch_sweep.md).")
+
 
 # Defaults of the patience rule (TrainingHealthMonitor's docstring says why).
 DEFAULT_COLLAPSE_COSINE = 0.99
@@ -268,6 +279,18 @@ DEFAULT_STOP_CHANCE_AP = 0.5
 # the lowest stalled epoch.
 DEFAULT_CONE_COSINE = 0.95
 DEFAULT_CONE_CHANCE_AP = 0.25
+# A run whose queries still rank no better than chance after half of it, whatever its
+# cosine, is warned about (tfaploss train never stops it for that). On the glyph sweep
+# (docs/batch_sweep.md; epoch means of its 116 runs of 4 epochs), each of the 98 runs
+# that learned (validation MAP@R 15-99 %) had at most 20 % of its queries at chance in
+# each epoch of its second half (83 of them at most 1.5 %). Of the 18 that did not
+# (0.3-9.6 %), 14 were at 29-74 % there, among them runs the cone rule cannot see: the
+# all-pairs ContrastiveLoss at B=2048, spread apart (emb_cos 0.00-0.22) at 29-61 %, the
+# per-query one at lr 1.6e-2 (emb_cos 0.80-0.83, 44-46 %) and PNP-Dq at 1e-3 (emb_cos
+# 0.28-0.31, 31-37 %); the other 4 (4-26 %) are not caught. 0.3 sits 0.1 above the
+# learners.
+DEFAULT_STALL_CHANCE_AP = 0.3
+DEFAULT_STALL_AFTER = 0.5
 DEFAULT_FLAT_RTOL = 1e-3
 # Images per step when nothing tells the monitor the training batch size.
 _ASSUMED_BATCH = 128
@@ -342,15 +365,21 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
       ``flat_rtol`` of its level. Real batches differ, so a healthy loss moves from
       batch to batch even on a plateau; a constant one means a degenerate state. A
       loss at 0 (every batch ranked perfectly) is converged and not reported.
+    * stall at chance: after the run's first ``stall_after`` (half), at least
+      ``collapse_fraction`` of the window's images came from batches in which at
+      least ``stall_chance_ap`` of the queries rank no better than chance
+      (``chance_ap``), whatever the cosine: a run spread apart, or in a cone, that
+      does not rank (``DEFAULT_STALL_CHANCE_AP``'s comment gives the measurements).
+      It needs the ``chance_ap`` metric.
 
-    Each check is reported once, again only after it cleared (collapse: the window's
-    collapsed share fell below half of ``collapse_fraction``; flat: the range grew).
-    ``action="stop"`` stops training at the first report of either check. With
+    Each check is reported once, again only after it cleared (collapse and stall: the
+    window's share fell below half of ``collapse_fraction``; flat: the range grew).
+    ``action="stop"`` stops training at the first report of any check. With
     ``action="warn"``, ``stop_share`` stops a *collapse* that lasts: the same rule over
     a longer window, ``max(min_window_images, stop_share · N)`` images, where a step
     counts only if, besides its cosine, at least ``stop_chance_ap`` of its queries rank
-    no better than chance (``chance_ap``, when compiled or held). A flat loss alone
-    never triggers that stop, and nothing is stopped at the run's last step (nothing
+    no better than chance (``chance_ap``, when compiled or held). A flat loss or a
+    stall at chance alone never triggers that stop, and nothing is stopped at the run's last step (nothing
     is left to save: it is reported as a warning).
 
     Defaults and why. Measured with the digits benchmark of
@@ -428,6 +457,10 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
             and its ``chance_ap`` >= ``cone_chance_ap`` (a run stalled in a cone wider
             than ``collapse_cosine``: measured in ``DEFAULT_CONE_COSINE``'s comment).
             ``cone_cosine=None`` turns this off; it needs the ``chance_ap`` metric.
+        stall_chance_ap: the ``chance_ap`` at or above which a step after the run's
+            first ``stall_after`` counts as stalled at chance (None: no such check).
+        stall_after: share of the run's images before the stall check starts (with
+            no known run length, ``min_window_images``).
         total_images: the run's images when Keras's ``params`` do not tell (a dataset
             of unknown length). Without either, the run is taken to be
             ``min_window_images / window_share`` images long.
@@ -451,7 +484,9 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
                  min_window_images=DEFAULT_MIN_WINDOW_IMAGES,
                  collapse_fraction=DEFAULT_COLLAPSE_FRACTION, stop_share=None,
                  stop_chance_ap=DEFAULT_STOP_CHANCE_AP, cone_cosine=DEFAULT_CONE_COSINE,
-                 cone_chance_ap=DEFAULT_CONE_CHANCE_AP, total_images=None, batch_size=None):
+                 cone_chance_ap=DEFAULT_CONE_CHANCE_AP,
+                 stall_chance_ap=DEFAULT_STALL_CHANCE_AP, stall_after=DEFAULT_STALL_AFTER,
+                 total_images=None, batch_size=None):
         super().__init__()
 
         def count(arg, value, low, optional):
@@ -486,6 +521,8 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         share("stop_chance_ap", stop_chance_ap, 0.0, 1.0)
         share("cone_cosine", cone_cosine, -1.0, 1.0, optional=True, low_open=True)
         share("cone_chance_ap", cone_chance_ap, 0.0, 1.0)
+        share("stall_chance_ap", stall_chance_ap, 0.0, 1.0, optional=True, low_open=True)
+        share("stall_after", stall_after, 0.0, 1.0)
         if action not in ("warn", "stop"):
             raise ValueError("TrainingHealthMonitor: action must be 'warn' or 'stop', "
                              f"received action={action!r}")
@@ -517,6 +554,9 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         self.cone_cosine = (None if cone_cosine is None or patience is not None
                             else float(cone_cosine))
         self.cone_chance_ap = float(cone_chance_ap)
+        self.stall_chance_ap = (None if stall_chance_ap is None or patience is not None
+                                else float(stall_chance_ap))
+        self.stall_after = float(stall_after)
         self.total_images, self.batch_size = total_images, batch_size
         self.data, self.every, self.action = data, max(every, 1), action
         self.events, self.records, self.stopped, self.trace = [], [], None, []
@@ -528,7 +568,7 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         self._step = 0
         self._epoch = 0
         self._first_cos = None
-        self._warned = {"collapse": False, "flat": False}
+        self._warned = {"collapse": False, "flat": False, "stall": False}
         self._windows = None  # sized at the first step, when the batch size is known
         self._total = None
         self._seen = 0
@@ -560,6 +600,7 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         if health is not None:
             cos_mean, cos_std, chance, steps = health
             self._check_collapse(cos_mean, cos_std, chance, steps * images)
+            self._check_stall(cos_mean, chance, steps * images)
         if self.flat_rtol is not None and loss is not None:
             self._check_flat(loss, running, images)
 
@@ -597,6 +638,15 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
                    "collapse_chance": window(self.window_share, self.patience)}
         if self.stop_share is not None:
             windows["collapse_stop"] = window(self.stop_share, self.patience)
+        if self.stall_chance_ap is not None:
+            stall = window(self.window_share, None)
+            if total is not None:
+                # Only the steps after the grace are judged: a run whose rest is shorter
+                # than the window is judged on all of it, at its last step.
+                rest = total - math.floor(self.stall_after * total)
+                if stall.size >= rest:
+                    stall = _Trailing(max(rest, 1), capped=True)
+            windows["stall"] = stall
         self._total = total
         return windows
 
@@ -735,6 +785,38 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
                         f"chance, holds over {self.stop_share:.0%} of the run "
                         f"(stop_share).")
         self._report("collapse", message, window, stop or self.action == "stop")
+
+    def _check_stall(self, cos_mean, chance, images):
+        """Queries still ranked at chance after the run's first ``stall_after``."""
+        if (self.stall_chance_ap is None or chance is None or not math.isfinite(chance)
+                or not math.isfinite(cos_mean)):
+            return
+        grace = (self.stall_after * self._total if self._total
+                 else self.min_window_images)
+        if self._seen <= grace:
+            return  # only the steps after it are judged
+        window = self._windows["stall"]
+        window.add(images, float(chance >= self.stall_chance_ap))
+        if not self._ready(window):
+            return
+        if window.share < self.collapse_fraction / 2:
+            self._warned["stall"] = False
+        # A collapse (reported and not cleared, or filling the collapse window now) is
+        # the collapse check's to report, with its own causes.
+        collapsing = (self._warned["collapse"]
+                      or self._windows["collapse"].share >= self.collapse_fraction)
+        if window.share < self.collapse_fraction or self._warned["stall"] or collapsing:
+            return
+        message = (
+            f"training is not learning to rank: after the run's first "
+            f"{self.stall_after:.0%}, over {self._span(window)}, {window.share:.0%} of "
+            f"the images came from batches in which at least {self.stall_chance_ap:.0%} "
+            f"of queries ranked their positives no better than chance (chance_ap) (now "
+            f"{chance:.0%} at chance, emb_cos {cos_mean:.4f}). Runs that learn are far "
+            f"below by then: on the glyph sweep, each of the 98 that learned had at most "
+            f"20% of its queries at chance in its second half, most of them 0-1%. " +
+            STALL_CAUSES)
+        self._report("stall", message, window, self.action == "stop")
 
     def _step_loss(self, running_mean):
         """This step's loss, recovered from Keras's running epoch mean (None when it
