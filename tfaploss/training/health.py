@@ -19,7 +19,8 @@ logs them to the progress bar and TensorBoard, in plain ``model.fit`` and in
 metrics the batch labels and embeddings). :class:`TrainingHealthMonitor` is the
 callback that reads them, and the loss, and warns (:class:`TrainingHealthWarning`)
 when the embeddings stay collapsed, the loss stays flat or, after half the run, many
-queries still rank at chance, naming the usual causes, and can stop the run. ``tfaploss train`` uses both (``training.health`` in the config).
+queries still rank at chance, naming the usual causes, and can stop the run.
+``tfaploss train`` uses both (``training.health`` in the config).
 
 How long is "stays"? Patience is counted in training images, as a share of the run,
 not in consecutive steps: a run of 100 steps of 920 images must be judged as early as
@@ -379,8 +380,8 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
     a longer window, ``max(min_window_images, stop_share · N)`` images, where a step
     counts only if, besides its cosine, at least ``stop_chance_ap`` of its queries rank
     no better than chance (``chance_ap``, when compiled or held). A flat loss or a
-    stall at chance alone never triggers that stop, and nothing is stopped at the run's last step (nothing
-    is left to save: it is reported as a warning).
+    stall at chance alone never triggers that stop, and nothing is stopped at the run's
+    last step (nothing is left to save: it is reported as a warning).
 
     Defaults and why. Measured with the digits benchmark of
     ``benchmarks/roadmap_collinear_start.py`` (small_cnn from scratch, B = 96, 150
@@ -814,7 +815,7 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
             f"of queries ranked their positives no better than chance (chance_ap) (now "
             f"{chance:.0%} at chance, emb_cos {cos_mean:.4f}). Runs that learn are far "
             f"below by then: on the glyph sweep, each of the 98 that learned had at most "
-            f"20% of its queries at chance in its second half, most of them 0-1%. " +
+            f"20% of its queries at chance in its second half, 83 of them at most 1.5%. " +
             STALL_CAUSES)
         self._report("stall", message, window, self.action == "stop")
 
