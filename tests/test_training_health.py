@@ -546,11 +546,8 @@ def _roadmap_96_updates():
     0.978 / 0.969 / 0.961 / 0.950 and chance_ap 0.51 / 0.39 / 0.35 / 0.33, trained to
     the end at validation MAP@R 2.3. Per step (not logged): the epoch means with a
     batch-to-batch swing of +-0.05 in chance_ap and +-0.005 in emb_cos."""
-    cos, chance = [], []
-    for c, a in [(0.978, 0.51), (0.969, 0.39), (0.961, 0.345), (0.950, 0.325)]:
-        cos += [c + 0.005, c - 0.005] * 12
-        chance += [a + 0.05, a - 0.05] * 12
-    return cos, chance
+    return _sweep_run([(0.978, 0.51), (0.969, 0.39), (0.961, 0.345), (0.950, 0.325)],
+                      cos_swing=0.005)
 
 
 def test_a_slow_stall_in_a_wide_cone_is_stopped_since_the_chance_line_is_025():
@@ -631,12 +628,13 @@ def test_replay_of_a_logged_run_with_other_arguments_and_its_input_errors():
         replay([[0.97] * 24])
 
 
-def _sweep_run(epoch_means, swing=0.05, steps_per_epoch=24):
+def _sweep_run(epoch_means, swing=0.05, steps_per_epoch=24, cos_swing=0.0):
     """Per-step (emb_cos, chance_ap) of a glyph-sweep run from its logged epoch means,
-    with a batch-to-batch swing of +-``swing`` in chance_ap (clipped to [0, 1])."""
+    with a batch-to-batch swing of +-``swing`` in chance_ap (clipped to [0, 1]) and
+    +-``cos_swing`` in emb_cos, alternating from + at each epoch's first step."""
     cos, chance = [], []
     for c, a in epoch_means:
-        cos += [c] * steps_per_epoch
+        cos += [c + cos_swing * (-1) ** k for k in range(steps_per_epoch)]
         chance += [min(max(a + swing * (-1) ** k, 0.0), 1.0) for k in range(steps_per_epoch)]
     return cos, chance
 

@@ -675,6 +675,11 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         whatever its last batch held."""
         return window is not None and (window.full or (window.capped and self._last_step()))
 
+    def _grace(self, share):
+        """Images of the run's first ``share``, before which a rule does not judge
+        (``min_window_images`` when the run's length is unknown)."""
+        return share * self._total if self._total else self.min_window_images
+
     def _span(self, window):
         """'the last 9,200 training images (10 steps, 10% of the run's 92,000)'"""
         text = (f"the last {window.images:,} training images ({len(window.steps)} "
@@ -705,9 +710,7 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         if (self.cone_cosine is None or self.stop_share is None or chance is None
                 or not math.isfinite(chance)):
             return False
-        grace = (self.stop_share * self._total if self._total
-                 else self.min_window_images)
-        return (self._seen > grace and cos_mean >= self.cone_cosine
+        return (self._seen > self._grace(self.stop_share) and cos_mean >= self.cone_cosine
                 and chance >= self.cone_chance_ap)
 
     def _cone_message(self, window, cos_mean, chance):
@@ -792,9 +795,7 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         if (self.stall_chance_ap is None or chance is None or not math.isfinite(chance)
                 or not math.isfinite(cos_mean)):
             return
-        grace = (self.stall_after * self._total if self._total
-                 else self.min_window_images)
-        if self._seen <= grace:
+        if self._seen <= self._grace(self.stall_after):
             return  # only the steps after it are judged
         window = self._windows["stall"]
         window.add(images, float(chance >= self.stall_chance_ap))
