@@ -353,12 +353,13 @@ class RetrievalLoss(keras.losses.Loss):
             labels = _check_sizes(owner, check_labels(y_true), embeddings, "y_true",
                                   "y_pred")
 
-            def reduced(labels, embeddings, sample_weight):
-                terms = self.call(labels, embeddings)
-                return self._reduce(terms, self._check_sample_weight(sample_weight, terms))
-
             return self._rank_global_batch(labels, embeddings, sample_weight, replicas,
-                                           reduced)
+                                           self._reduced_loss)
+
+    def _reduced_loss(self, labels, embeddings, sample_weight):
+        """The loss of the (gathered) batch, reduced as this loss reduces."""
+        terms = self.call(labels, embeddings)
+        return self._reduce(terms, self._check_sample_weight(sample_weight, terms))
 
     def _rank_global_batch(self, labels, embeddings, sample_weight, replicas, reduced):
         """``reduced(labels, embeddings, sample_weight)``, a loss reduced as this loss

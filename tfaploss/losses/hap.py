@@ -20,6 +20,7 @@ from tfaploss.losses.base import (
     _finite_or_zero,
     check_labels,
 )
+from tfaploss.losses.proxies import ClusterProxies, ProxiesOwner
 from tfaploss.ops.backend import on_tensorflow, take
 from tfaploss.ops.masks import safe_normalize, self_pair_mask
 from tfaploss.ops.smooth_rank import (
@@ -179,7 +180,7 @@ def _check_level_labels(owner, y_true):
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
-class HAPLoss(RetrievalLoss):
+class HAPLoss(ProxiesOwner, RetrievalLoss):
     """HAPPIER's H-AP surrogate (Ramzi, Audebert, Thome, Rambour, Bitot, "Hierarchical
     Average Precision Training for Pertinent Image Retrieval", ECCV 2022), optionally
     with its clustering term (the paper's full objective).
@@ -218,16 +219,15 @@ class HAPLoss(RetrievalLoss):
     the authors' ``ClusterLoss``: cross-entropy of ``cos(e_i, p_c) / cluster_temperature``
     over one learnable proxy ``p_c`` per finest-level class (``num_classes`` of them),
     temperature 0.05, ``w = 0.1`` in their SOP and iNaturalist configs (HAP weight
-    ``1 - 0.1``). The proxies are a loss variable (``proxies``); Keras's ``fit`` only
-    trains the model's variables, so train them by putting
-    :class:`ClusterProxies` in the model (its output is passed through unchanged and
-    it holds the proxies) and passing that layer as ``proxies_layer``, or call the loss
-    inside your own step. ``proxies_layer`` is not part of the loss's config: set it
-    again after loading a saved loss. Column 0 of the labels must then be class ids in
+    ``1 - 0.1``). The proxies are the variable of a :class:`ClusterProxies` layer
+    that the loss owns (``loss.proxies_layer``) and the model must contain, so that the
+    optimizer trains them and ``model.save`` keeps them: ``model =
+    loss.with_proxies(embedder)`` (see :mod:`tfaploss.losses.proxies`); a ``.keras``
+    file restores the loss bound to them, and ``tfaploss train`` builds them from the
+    training manifest. Column 0 of the labels must then be class ids in
     ``0..num_classes-1``. The authors train the proxies with their own Adam (lr 10,
-    cosine-annealed to 0.1); here the model's optimizer trains them. ``tfaploss
-    train`` does not build the proxies: its configs accept ``clustering_weight: 0``
-    only.
+    cosine-annealed to 0.1); here the model's optimizer trains them, faster with a
+    learning-rate multiplier (``optimizer.proxy_lr_multiplier`` in a config).
 
     Cost: O(B·P·B) time with P the most relevant items of a query (the query's whole
     coarsest common group, e.g. its super-class: up to B/2 with the authors'
@@ -254,6 +254,8 @@ class HAPLoss(RetrievalLoss):
         normalize: L2-normalise embeddings first (the authors' network outputs
             normalised embeddings; their loss does not normalise again).
         pairs_per_block: relevant pairs ranked per loop step (``None``: about 4M / B).
+        proxies_key: pairs the loss with its proxies layer across a save and load; set
+            by the loss itself.
         drop_lone_queries: see ``RetrievalLoss``; a query is lone when no other item
             of the batch is relevant to it (shares no level).
     """
@@ -262,7 +264,7 @@ class HAPLoss(RetrievalLoss):
                  clustering_weight=0.0, num_classes=None, cluster_temperature=0.05,
                  include_self=True, normalize=True, pairs_per_block=None,
                  reduction="sum_over_batch_size", name="hap_loss", dtype=None,
-                 drop_lone_queries=False):
+                 drop_lone_queries=False, proxies_key=None):
         super().__init__(normalize=normalize, include_self=include_self,
                          reduction=reduction, name=name, dtype=dtype,
                          drop_lone_queries=drop_lone_queries)
@@ -293,7 +295,7 @@ class HAPLoss(RetrievalLoss):
         self.pairs_per_block = pairs_per_block
         self._upper = SupAPUpperStep(self.tau, self.rho, self.delta, self.start, self.offset)
         self._levels = None
-        self.proxies_layer = None
+        self._init_proxies(num_classes, proxies_key)
 
     # -- Keras entry points -------------------------------------------------------------
 
@@ -349,15 +351,9 @@ class HAPLoss(RetrievalLoss):
     def cluster_loss(self, embeddings, labels):
         """The authors' ``ClusterLoss``: mean cross-entropy of the finest labels against
         ``cos(e_i, p_c) / cluster_temperature`` (batch-level, one value)."""
-        layer = self.proxies_layer
-        if layer is None:
-            raise ValueError(
-                "HAPLoss: clustering_weight > 0 needs proxies: pass a ClusterProxies layer "
-                "that is part of the model as HAPLoss(...).proxies_layer = layer; "
-                f"received proxies_layer={layer!r}.")
+        proxies = safe_normalize(self.proxies_for(embeddings))
         if self.normalize:
             embeddings = safe_normalize(embeddings)
-        proxies = safe_normalize(ops.cast(layer.proxies, embeddings.dtype))
         logits = ops.matmul(embeddings, ops.transpose(proxies)) / self.cluster_temperature
         labels = ops.cast(labels, "int32")
         ce = ops.sparse_categorical_crossentropy(labels, logits, from_logits=True)
@@ -370,41 +366,6 @@ class HAPLoss(RetrievalLoss):
                       clustering_weight=self.clustering_weight, num_classes=self.num_classes,
                       cluster_temperature=self.cluster_temperature,
                       pairs_per_block=self.pairs_per_block)
-        return config
-
-
-@keras.saving.register_keras_serializable(package="tfaploss")
-class ClusterProxies(keras.layers.Layer):
-    """Holds HAPPIER's clustering proxies, one per finest-level class, inside a model.
-
-    Its output is its input, unchanged; it exists so that ``model.fit`` trains the
-    proxies (a loss's own variables are not trained). Put it last in the embedding
-    model and give it to the loss: ``loss.proxies_layer = layer``. Initialised as the
-    authors' (uniform in ±1/sqrt(D)).
-    """
-
-    def __init__(self, num_classes, **kwargs):
-        super().__init__(**kwargs)
-        if not (isinstance(num_classes, int) and num_classes > 0):
-            raise ValueError(f"ClusterProxies: num_classes must be a positive int; "
-                             f"received {num_classes!r}.")
-        self.num_classes = num_classes
-        self.supports_masking = True
-
-    def build(self, input_shape):
-        dim = int(input_shape[-1])
-        bound = 1.0 / dim ** 0.5
-        self.proxies = self.add_weight(
-            shape=(self.num_classes, dim), name="proxies",
-            initializer=keras.initializers.RandomUniform(-bound, bound))
-
-    def call(self, inputs):
-        return inputs
-
-    def compute_output_shape(self, input_shape):
-        return input_shape
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(num_classes=self.num_classes)
+        if self.clustering_weight > 0:
+            config.update(proxies_key=self.proxies_key)
         return config

@@ -58,3 +58,27 @@ def label_masks(query_labels, db_labels, exclude_self=False):
     else:
         candidates = ops.ones_like(same, dtype="bool")
     return ops.logical_and(same, candidates), candidates
+
+
+def masked_logsumexp(x, mask, axis=-1, add_one=False):
+    """``log(sum_{mask} exp(x))`` along ``axis`` (``log(1 + sum ...)`` with ``add_one``).
+
+    pytorch-metric-learning's ``logsumexp(keep_mask=..., add_one=...)``: an empty mask
+    gives 0. Entries outside the mask are ignored, even infinite ones, and get a zero
+    gradient; the largest kept entry is subtracted first, so large ``x`` do not
+    overflow. O(size).
+    """
+    mask = ops.cast(mask, "bool")
+    minus_inf = ops.full_like(x, float("-inf"))
+    top = ops.max(ops.where(mask, x, minus_inf), axis=axis, keepdims=True)
+    if add_one:
+        top = ops.maximum(top, 0.0)
+    top = ops.stop_gradient(ops.where(ops.isfinite(top), top, ops.zeros_like(top)))
+    total = ops.sum(ops.exp(ops.where(mask, x - top, minus_inf)), axis=axis, keepdims=True)
+    if add_one:
+        total = total + ops.exp(-top)
+    out = ops.log(ops.where(total > 0, total, ops.ones_like(total))) + top
+    out = ops.squeeze(out, axis=axis)
+    if add_one:
+        return out
+    return ops.where(ops.any(mask, axis=axis), out, ops.zeros_like(out))

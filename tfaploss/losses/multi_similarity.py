@@ -1,0 +1,104 @@
+"""Multi-similarity loss (Wang, Han, Huang, Dong, Scott, "Multi-Similarity Loss with
+General Pair Weighting for Deep Metric Learning", CVPR 2019), with its pair miner."""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+from tfaploss.losses.base import RetrievalLoss
+from tfaploss.ops.masks import masked_logsumexp
+
+
+def _positive_number(owner, name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{owner}: {name} must be a number > 0; received {name}={value!r}.")
+    return float(value)
+
+
+def hard_pairs(scores, positives, negatives, epsilon):
+    """The multi-similarity miner's pairs: ``(positives, negatives)`` masks, (Q, N).
+
+    A positive p of query a is kept when ``s_ap - epsilon < max_n s_an`` (it is not
+    clearly closer than the hardest negative), a negative n when ``s_an + epsilon >
+    min_p s_ap``; a query without negatives keeps no positive and one without
+    positives no negative (pytorch-metric-learning's ``MultiSimilarityMiner``).
+    Masks only: no gradient flows through the choice. O(Q·N).
+    """
+    inf = ops.full_like(scores, float("inf"))
+    hardest_negative = ops.max(ops.where(negatives, scores, -inf), axis=-1, keepdims=True)
+    hardest_positive = ops.min(ops.where(positives, scores, inf), axis=-1, keepdims=True)
+    keep_positive = ops.logical_and(positives, scores - epsilon < hardest_negative)
+    keep_negative = ops.logical_and(negatives, scores + epsilon > hardest_positive)
+    return keep_positive, keep_negative
+
+
+@keras.saving.register_keras_serializable(package="tfaploss")
+class MultiSimilarityLoss(RetrievalLoss):
+    """Multi-similarity loss (Wang et al., CVPR 2019), as pytorch-metric-learning
+    computes it.
+
+    With cosine scores ``s_ij``, positives ``P_i`` (same label, not i) and negatives
+    ``N_i`` of query i::
+
+        l_i = 1/alpha · log(1 + sum_{p in P_i} exp(-alpha · (s_ip - base)))
+            + 1/beta  · log(1 + sum_{n in N_i} exp( beta  · (s_in - base)))
+
+    averaged over every query of the batch (pytorch-metric-learning's ``MeanReducer``):
+    a query whose class is alone in the batch still contributes its negative term. A
+    batch without any positive pair gives 0 (the library's rule, with a warning;
+    pytorch-metric-learning would average the negative terms).
+
+    ``epsilon`` (not None) first keeps only the pairs of the paper's miner
+    (:func:`hard_pairs`, pytorch-metric-learning's ``MultiSimilarityMiner``); the mean
+    is still over every query, a query left with no pair counting 0.
+
+    Cost: O(B²·D) for the scores, O(B²) time and memory.
+
+    Example::
+
+        model.compile(optimizer="adam", loss=MultiSimilarityLoss(epsilon=0.1))
+
+    Args:
+        alpha: scale of the positive term (> 0; pytorch-metric-learning's default 2).
+        beta: scale of the negative term (> 0; default 50).
+        base: the similarity margin ``lambda`` (default 0.5).
+        epsilon: the miner's margin (>= 0), or None (default) for every pair. The
+            authors' SOP setting is ``alpha=2, beta=50, base=0.5, epsilon=0.1``
+            (pytorch-metric-learning's ``MultiSimilarityMiner`` default).
+        normalize, include_self, drop_lone_queries, reduction, name, dtype: see
+            ``RetrievalLoss``.
+    """
+
+    def __init__(self, alpha=2.0, beta=50.0, base=0.5, epsilon=None, normalize=True,
+                 include_self=False, reduction="sum_over_batch_size",
+                 name="multi_similarity_loss", dtype=None, drop_lone_queries=False):
+        super().__init__(normalize=normalize, include_self=include_self,
+                         reduction=reduction, name=name, dtype=dtype,
+                         drop_lone_queries=drop_lone_queries)
+        owner = type(self).__name__
+        self.alpha = _positive_number(owner, "alpha", alpha)
+        self.beta = _positive_number(owner, "beta", beta)
+        if isinstance(base, bool) or not isinstance(base, (int, float)):
+            raise ValueError(f"{owner}: base must be a number; received base={base!r}.")
+        self.base = float(base)
+        if epsilon is not None and (isinstance(epsilon, bool)
+                                    or not isinstance(epsilon, (int, float)) or epsilon < 0):
+            raise ValueError(f"{owner}: epsilon must be a number >= 0 or None; received "
+                             f"epsilon={epsilon!r}.")
+        self.epsilon = None if epsilon is None else float(epsilon)
+
+    def per_query(self, scores, positives, candidates, self_pairs=None):
+        pos = ops.logical_and(self.without_self_pairs(positives, self_pairs), candidates)
+        neg = ops.logical_and(candidates, ops.logical_not(positives))
+        if self.epsilon is not None:
+            pos, neg = hard_pairs(ops.stop_gradient(scores), pos, neg, self.epsilon)
+        pull = masked_logsumexp(-self.alpha * (scores - self.base), pos, add_one=True)
+        push = masked_logsumexp(self.beta * (scores - self.base), neg, add_one=True)
+        values = pull / self.alpha + push / self.beta
+        return values, ops.ones_like(values)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(alpha=self.alpha, beta=self.beta, base=self.base, epsilon=self.epsilon)
+        return config

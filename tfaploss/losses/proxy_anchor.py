@@ -1,0 +1,189 @@
+"""Proxy-Anchor loss (Kim, Kim, Cho, Kwak, "Proxy Anchor Loss for Deep Metric
+Learning", CVPR 2020): the batch against one learnable proxy per class."""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+from tfaploss._keras_compat import in_symbolic_scope
+from tfaploss.losses.base import (
+    RetrievalLoss,
+    _check_sizes,
+    _concrete,
+    _finite_or_zero,
+    _nan_unless,
+    check_labels,
+)
+from tfaploss.losses.multi_similarity import _positive_number
+from tfaploss.losses.proxies import ProxiesOwner
+from tfaploss.ops import distribute
+from tfaploss.ops.masks import masked_logsumexp, pairwise_scores
+
+
+@keras.saving.register_keras_serializable(package="tfaploss")
+class ProxyAnchorLoss(ProxiesOwner, RetrievalLoss):
+    """Proxy-Anchor loss (Kim et al., CVPR 2020), as pytorch-metric-learning computes it.
+
+    With ``p_c`` one learnable proxy per class, ``s_ic = cos(e_i, p_c)``, margin
+    ``delta`` and scale ``alpha``::
+
+        pos_c = log(1 + sum_{i: y_i = c}  w_i · exp(-alpha · (s_ic - delta)))
+        neg_c = log(1 + sum_{i: y_i != c} w_i · exp( alpha · (s_ic + delta)))
+        L = 1/|P+| · sum_c pos_c + 1/C · sum_c neg_c
+
+    with ``P+`` the proxies that have an item in the batch and ``C = num_classes``
+    (pytorch-metric-learning's two ``DivisorReducer`` s). ``w_i`` is the item's
+    ``sample_weight`` (1 without one; pytorch-metric-learning's loss is ``w = 1``).
+
+    **Terms are per proxy, not per query.** ``call`` returns one term per proxy, shape
+    ``(num_classes,)``: ``t_c = pos_c · C / |P+| + neg_c``, so the default reduction
+    (the mean over the ``C`` terms) is ``L``; ``reduction="sum"`` gives ``C · L`` and
+    ``"none"`` the ``C`` terms. ``sample_weight``, one weight per item of the batch
+    (``(B,)``, ``(B, 1)`` or a scalar, >= 0), weights each item inside the proxies'
+    sums as ``w_i`` above rather than scaling a term afterwards: weight 0 removes the
+    item from the batch, and a scalar weight ``w`` adds ``log w`` to every exponent.
+
+    **The proxies** are the variable of a :class:`~tfaploss.losses.ClassProxies` layer
+    that the loss owns (``loss.proxies_layer``) and the model must contain, so that the
+    optimizer trains them (``fit``, ``MultiStageModel``, ``tfaploss train``) and
+    ``model.save`` keeps them::
+
+        loss = ProxyAnchorLoss(num_classes=11318)
+        model = loss.with_proxies(embedder)      # embedder, then loss.proxies_layer
+        model.compile(optimizer="adam", loss=loss)
+
+    A ``.keras`` file restores the loss bound to the model's proxies. The paper trains
+    the proxies 100x faster than the network: wrap the optimizer in
+    ``LRMultiplierOptimizer(opt, tfaploss.losses.proxies_multipliers(100))``
+    (``optimizer.proxy_lr_multiplier`` in a config). Labels must be class ids in
+    ``0..num_classes-1``: another label raises (eagerly) or makes the loss NaN (in a
+    traced step, which training stops on). Proxies are initialised as
+    pytorch-metric-learning's (normal, std ``sqrt(2 / num_classes)``); give values with
+    ``loss.proxies_layer.set_proxies(values)``.
+
+    Under ``tf.distribute`` and ``torch.distributed`` the loss ranks the global batch
+    against the (mirrored) proxies, as the other losses do (``RetrievalLoss``);
+    ``reduction="none"`` is refused there (per-proxy terms have no rows of a replica).
+    There is no query-vs-database form, so no cross-batch memory.
+
+    Cost: O(B·C·D) time for the scores and O(B·C) memory, C = ``num_classes``.
+
+    Args:
+        num_classes: number of classes, one proxy each.
+        margin: ``delta`` (pytorch-metric-learning's default 0.1).
+        alpha: the scale (> 0; default 32).
+        normalize: compare cosines (L2-normalise embeddings and proxies), as the paper.
+        proxies_key: pairs the loss with its proxies layer across a save and load; set
+            by the loss itself.
+        reduction, name, dtype: see ``RetrievalLoss`` and the terms above.
+    """
+
+    def __init__(self, num_classes, margin=0.1, alpha=32.0, normalize=True,
+                 reduction="sum_over_batch_size", name="proxy_anchor_loss", dtype=None,
+                 proxies_key=None):
+        super().__init__(normalize=normalize, reduction=reduction, name=name, dtype=dtype)
+        owner = type(self).__name__
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+            raise ValueError(f"{owner}: num_classes must be a positive int; received "
+                             f"num_classes={num_classes!r}.")
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)):
+            raise ValueError(f"{owner}: margin must be a number; received margin={margin!r}.")
+        self.num_classes = num_classes
+        self.margin = float(margin)
+        self.alpha = _positive_number(owner, "alpha", alpha)
+        self._init_proxies(num_classes, proxies_key)
+
+    # -- Keras entry points -----------------------------------------------------------
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        """``L`` reduced over the proxies; ``sample_weight`` weights items (class doc)."""
+        owner = type(self).__name__
+        replicas = distribute.replicas_to_gather(owner, shapes_only=in_symbolic_scope())
+        if replicas > 1:
+            if self.reduction in (None, "none"):
+                raise ValueError(f"{owner}: reduction='none' gives one term per proxy, "
+                                 "which no replica owns; use a mean or 'sum' under a "
+                                 f"distribution strategy; received reduction={self.reduction!r}.")
+            return self._global_batch_call(y_true, y_pred, sample_weight, replicas)
+        with keras.name_scope(self.name):
+            embeddings = self._check_embeddings(
+                ops.convert_to_tensor(y_pred, dtype=self.dtype), "y_pred")
+            labels = _check_sizes(owner, check_labels(y_true), embeddings, "y_true", "y_pred")
+            return self._reduced_loss(labels, embeddings, sample_weight, per_replica=True)
+
+    def _reduced_loss(self, labels, embeddings, sample_weight, per_replica=False):
+        terms = self.proxy_terms(labels, embeddings, sample_weight)
+        return self._reduce(terms, None, per_replica=per_replica)
+
+    def call(self, y_true, y_pred):
+        """Per-proxy terms, shape (num_classes,) (class docstring)."""
+        return self.proxy_terms(y_true, y_pred)
+
+    def query_database_loss(self, *args, **kwargs):
+        raise ValueError(f"{type(self).__name__} scores items against its proxies and has "
+                         "no query-vs-database form (cross-batch memory): train it "
+                         "without xbm.")
+
+    # -- the loss -------------------------------------------------------------------------
+
+    def proxy_terms(self, labels, embeddings, sample_weight=None):
+        """The (C,) per-proxy terms ``t_c`` of the class docstring."""
+        owner = type(self).__name__
+        embeddings = self._check_embeddings(
+            ops.convert_to_tensor(embeddings, dtype=self.dtype), "y_pred")
+        labels = _check_sizes(owner, check_labels(labels), embeddings, "y_true", "y_pred")
+        weights = self._item_weights(sample_weight, labels, embeddings.dtype)
+        finite, (embeddings,) = _finite_or_zero(embeddings)
+        proxies = self.proxies_for(embeddings)
+        scores = pairwise_scores(embeddings, proxies, normalize=self.normalize)  # (B, C)
+        classes = ops.arange(self.num_classes, dtype=labels.dtype)
+        same = ops.equal(ops.expand_dims(labels, 1), ops.expand_dims(classes, 0))
+        known = self._check_label_range(ops.all(ops.any(same, axis=1)), labels)
+        taken = ops.expand_dims(weights > 0, 1)
+        log_w = ops.expand_dims(ops.log(ops.where(weights > 0, weights,
+                                                  ops.ones_like(weights))), 1)
+        pos = ops.logical_and(same, taken)
+        neg = ops.logical_and(ops.logical_not(same), taken)
+        pos_terms = masked_logsumexp(-self.alpha * (scores - self.margin) + log_w, pos,
+                                     axis=0, add_one=True)
+        neg_terms = masked_logsumexp(self.alpha * (scores + self.margin) + log_w, neg,
+                                     axis=0, add_one=True)
+        with_items = ops.sum(ops.cast(ops.any(pos, axis=0), scores.dtype))
+        terms = pos_terms * (self.num_classes / ops.maximum(with_items, 1.0)) + neg_terms
+        return _nan_unless(ops.logical_and(finite, known), terms)
+
+    def _item_weights(self, sample_weight, labels, dtype):
+        """``sample_weight`` as one weight per item, shape (B,) (ones without one)."""
+        items = ops.zeros_like(labels, dtype=dtype)
+        if sample_weight is None:
+            return items + 1.0
+        weights = ops.cast(self._check_sample_weight(sample_weight, items), dtype)
+        weights = ops.reshape(weights, (-1,)) + items  # a scalar: one weight per item
+        negative = _concrete(ops.any(weights < 0))
+        if negative is not None and bool(negative):
+            raise ValueError(f"{type(self).__name__}: sample_weight weights items inside "
+                             "the proxies' sums and must be >= 0; received a negative "
+                             "weight.")
+        return weights
+
+    def _check_label_range(self, all_known, labels):
+        """``all_known``, raising now when it is known to be False (eager)."""
+        known = _concrete(all_known)
+        if known is not None and not bool(known):
+            values = ops.convert_to_numpy(labels).reshape(-1)
+            bad = sorted({v.item() for v in values
+                          if not (0 <= v < self.num_classes and float(v).is_integer())})
+            raise ValueError(
+                f"{type(self).__name__}: labels must be class ids in 0..{self.num_classes - 1} "
+                f"(num_classes={self.num_classes}, one proxy each); received labels "
+                f"{bad[:10]}{' ...' if len(bad) > 10 else ''}.")
+        return all_known
+
+    def get_config(self):
+        config = super().get_config()
+        for unused in ("include_self", "drop_lone_queries"):
+            config.pop(unused, None)
+        config.update(num_classes=self.num_classes, margin=self.margin, alpha=self.alpha,
+                      proxies_key=self.proxies_key)
+        return config

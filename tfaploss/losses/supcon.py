@@ -1,0 +1,57 @@
+"""Supervised contrastive loss (Khosla, Teterwak, Wang, Sarna, Tian, Isola, Maschinot,
+Liu, Krishnan, "Supervised Contrastive Learning", NeurIPS 2020)."""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+from tfaploss.losses.base import RetrievalLoss
+from tfaploss.losses.multi_similarity import _positive_number
+from tfaploss.ops.masks import masked_logsumexp, masked_mean
+
+
+@keras.saving.register_keras_serializable(package="tfaploss")
+class SupConLoss(RetrievalLoss):
+    """Supervised contrastive loss (Khosla et al., NeurIPS 2020, their L_out), as
+    pytorch-metric-learning computes it.
+
+    With cosine scores ``s_ij``, temperature ``t``, positives ``P_i`` (same label, not
+    i) and ``A_i`` every other item of the batch::
+
+        l_i = -1/|P_i| · sum_{p in P_i} [ s_ip / t - log sum_{a in A_i} exp(s_ia / t) ]
+
+    averaged over the queries with a positive (pytorch-metric-learning's
+    ``AvgNonZeroReducer``); a batch without a positive pair gives 0, with a warning.
+
+    Cost: O(B²·D) for the scores, O(B²) time and memory.
+
+    Example::
+
+        model.compile(optimizer="adam", loss=SupConLoss(temperature=0.1))
+
+    Args:
+        temperature: the softmax temperature (> 0; pytorch-metric-learning's default
+            0.1; the paper's 0.1 for its ImageNet runs).
+        normalize, include_self, reduction, name, dtype: see ``RetrievalLoss``.
+    """
+
+    def __init__(self, temperature=0.1, normalize=True, include_self=False,
+                 reduction="sum_over_batch_size", name="supcon_loss", dtype=None):
+        super().__init__(normalize=normalize, include_self=include_self,
+                         reduction=reduction, name=name, dtype=dtype)
+        self.temperature = _positive_number(type(self).__name__, "temperature", temperature)
+
+    def per_query(self, scores, positives, candidates, self_pairs=None):
+        others = self.without_self_pairs(candidates, self_pairs)
+        pos = ops.logical_and(self.without_self_pairs(positives, self_pairs), others)
+        logits = scores / self.temperature
+        log_prob = logits - ops.expand_dims(masked_logsumexp(logits, others), -1)
+        values = -masked_mean(log_prob, pos, axis=-1)
+        return values, ops.cast(ops.any(pos, axis=-1), values.dtype)
+
+    def get_config(self):
+        config = super().get_config()
+        config.pop("drop_lone_queries", None)  # a query without a positive has no term
+        config.update(temperature=self.temperature)
+        return config
