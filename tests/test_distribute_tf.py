@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 from tests.shard_layout import CLASSES, DIM, dense_model, layout
-from tfaploss.losses import APLoss, HAPLoss, SmoothAPLoss, XBMLoss
+from tfaploss.losses import APLoss, HAPLoss, ProxyAnchorLoss, SmoothAPLoss, XBMLoss
 from tfaploss.training import MultiStageModel
 
 REPLICAS = 4
@@ -105,6 +105,36 @@ def test_replicas_give_the_steps_of_one_device(loss_name, multistage, strategy):
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     initial = _model().get_weights()
     assert max(np.abs(e - i).max() for e, i in zip(expected, initial)) > 1e-3  # it trains
+    for w, e in zip(weights, expected):
+        np.testing.assert_allclose(w, e, rtol=1e-5, atol=1e-6)
+
+
+def _fit_proxy_anchor(multistage=False, strategy=None, sample_weight=None):
+    """As ``_fit`` with ProxyAnchorLoss, its proxies (a layer of the model) made in the
+    strategy's scope: per-step losses and final weights, the proxies last."""
+    x, y = _data()
+    with strategy.scope() if strategy is not None else _nothing():
+        loss = ProxyAnchorLoss(CLASSES, alpha=8.0)
+        model = loss.with_proxies(_model())
+        model.get_layer("class_proxies").set_proxies(
+            np.random.default_rng(5).normal(size=(CLASSES, DIM)))
+        trainer = MultiStageModel(model, chunk_size=8) if multistage else model
+        trainer.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss)
+    history = trainer.fit(x, y, sample_weight=sample_weight, batch_size=BATCH,
+                          epochs=STEPS, shuffle=False, verbose=0)
+    return np.array(history.history["loss"]), model.get_weights()
+
+
+@pytest.mark.parametrize("multistage", [False, True], ids=["plain", "multistage"])
+def test_replicas_give_the_proxy_anchor_steps_of_one_device(multistage, strategy):
+    """Every replica scores the global batch against the same (mirrored) proxies, and
+    the proxies take the one-device step."""
+    weight = np.linspace(0.2, 2.0, BATCH).astype("float32")
+    expected_losses, expected = _fit_proxy_anchor(sample_weight=weight)
+    losses, weights = _fit_proxy_anchor(multistage, strategy, sample_weight=weight)
+    assert np.abs(expected[-1] - np.random.default_rng(5).normal(size=(CLASSES, DIM))
+                  ).max() > 1e-3  # the proxies trained
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     for w, e in zip(weights, expected):
         np.testing.assert_allclose(w, e, rtol=1e-5, atol=1e-6)
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from tests.shard_layout import CLASSES, DIM, dense_model, layout
-from tfaploss.losses import APLoss, HAPLoss, SmoothAPLoss
+from tfaploss.losses import APLoss, HAPLoss, ProxyAnchorLoss, SmoothAPLoss
 from tfaploss.ops import distribute_torch
 from tfaploss.training import MultiStageModel
 
@@ -52,7 +52,9 @@ LOSSES = {"ap": APLoss, "smooth_ap": SmoothAPLoss}
 # Multi-stage scenarios: loss, reduction, with sample_weight.
 MULTISTAGE = {"ap": ("ap", "sum_over_batch_size", False),
               "smooth_ap": ("smooth_ap", "sum_over_batch_size", False),
-              "smooth_ap_sum_weighted": ("smooth_ap", "sum", True)}
+              "smooth_ap_sum_weighted": ("smooth_ap", "sum", True),
+              # the proxies: a layer of every rank's model, averaged like any weight
+              "proxy_anchor_weighted": ("proxy_anchor", "sum_over_batch_size", True)}
 WORKER_TIMEOUT_S = 120
 
 
@@ -88,9 +90,16 @@ def _ddp_steps(loss, x, y, ddp=False, seed=1):
 
 def _multistage_fit(name, x, y, sample_weight=None, seed=1):
     loss_name, reduction, _ = MULTISTAGE[name]
-    loss = LOSSES[loss_name](reduction=reduction)
     learning_rate = 0.5 / BATCH if reduction == "sum" else 0.5
     model = _model(seed)
+    if loss_name == "proxy_anchor":
+        loss = ProxyAnchorLoss(CLASSES, alpha=8.0, reduction=reduction)
+        model = loss.with_proxies(model)
+        # different on every rank: rank 0's reach the others by the first broadcast
+        model.get_layer("class_proxies").set_proxies(
+            np.random.default_rng(seed).normal(size=(CLASSES, DIM)))
+    else:
+        loss = LOSSES[loss_name](reduction=reduction)
     trainer = MultiStageModel(model, chunk_size=8)
     trainer.compile(optimizer=keras.optimizers.SGD(learning_rate), loss=loss)
     history = trainer.fit(x, y, sample_weight=sample_weight, batch_size=len(x),
@@ -247,7 +256,8 @@ def runs():
 
 
 def _weights(saved, prefix):
-    return [saved[f"{prefix}_w{i}"] for i in range(4)]
+    count = sum(1 for key in saved if key.startswith(f"{prefix}_w"))
+    return [saved[f"{prefix}_w{i}"] for i in range(count)]
 
 
 def test_no_shard_holds_a_positive_pair(runs):
@@ -264,6 +274,7 @@ def _assert_ranks_took_the_reference_steps(runs, key):
     initial = _model().get_weights()
     assert max(np.abs(e - i).max() for e, i in zip(expected, initial)) > 1e-3  # it trains
     for saved in results:
+        assert len(_weights(saved, key)) == len(expected)
         np.testing.assert_allclose(saved[f"{key}_losses"], expected_losses, rtol=1e-5)
         for w, e in zip(_weights(saved, key), expected):
             np.testing.assert_allclose(w, e, rtol=1e-5, atol=1e-6)

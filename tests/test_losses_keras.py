@@ -35,15 +35,32 @@ ZERO_GRADIENT_ONLY_ON_ALL_POSITIVE = {"SupRecallLoss"}
 LOSS_AND_GRADIENT_ON_ALL_POSITIVE = {"RecallAtKLoss"}
 # Losses that take (B, levels) labels (one column per level of a label hierarchy).
 MULTI_LEVEL_LABELS = {"HAPLoss"}
+# Losses whose positive term pulls positives together until they coincide (a
+# multi-similarity positive has the margin ``base``, a proxy its class proxy): an
+# all-positive batch keeps a loss and a gradient.
+PULL_ON_ALL_POSITIVE = {"MultiSimilarityLoss", "ProxyAnchorLoss"}
+# Losses that score the batch against learnable class proxies (labels are class ids
+# 0..num_classes-1; the model holds the proxies): no pair is needed.
+PROXY_LOSSES = {"ProxyAnchorLoss"}
 
 params = pytest.mark.parametrize("cls", LOSS_CLASSES, ids=lambda c: c.__name__)
+
+
+def _make(cls, num_classes=4, **kwargs):
+    """``cls(**kwargs)``; a proxy loss with ``num_classes`` proxies given (seeded), so
+    that it scores a batch outside a model."""
+    if cls.__name__ not in PROXY_LOSSES:
+        return cls(**kwargs)
+    loss = cls(num_classes, **kwargs)
+    loss.proxies_layer.set_proxies(np.random.default_rng(7).normal(size=(num_classes, 6)))
+    return loss
 
 
 def _deterministic(cls, **kwargs):
     """An instance without the stochastic parts (BlackBox's random margin)."""
     if "margin" in inspect.signature(cls).parameters and cls.__name__ == "BlackBoxAPLoss":
         kwargs.setdefault("margin", 0.0)
-    return cls(**kwargs)
+    return _make(cls, **kwargs)
 
 
 def _toy_data(batches=2, classes=8, per_class=4, dim=8, seed=0):
@@ -74,7 +91,12 @@ def test_compile_fit_two_epochs_then_save_and_reload(cls, tmp_path):
     x, y = _toy_data()
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8)])
     # The loss under XLA is covered by test_tf_function_matches_eager (cheaper).
-    model.compile(optimizer=keras.optimizers.Adam(0.05), loss=cls(), jit_compile=False)
+    if cls.__name__ in PROXY_LOSSES:
+        loss = cls(8)  # the proxies train as the model's last layer
+        model = loss.with_proxies(model)
+    else:
+        loss = cls()
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss=loss, jit_compile=False)
     history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
     assert len(history["loss"]) == 2 and np.all(np.isfinite(history["loss"]))
     assert history["loss"][1] < history["loss"][0], history["loss"]
@@ -90,7 +112,7 @@ def test_compile_fit_two_epochs_then_save_and_reload(cls, tmp_path):
 
 @params
 def test_serialize_deserialize_round_trip(cls):
-    loss = cls()
+    loss = _make(cls)
     config = keras.losses.serialize(loss)
     restored = keras.losses.deserialize(config)
     assert type(restored) is cls
@@ -130,7 +152,7 @@ def test_tf_function_matches_eager(cls, jit_compile):
 
 @params
 def test_bad_labels_and_inputs_raise_clear_errors(cls):
-    loss = cls()
+    loss = _make(cls)
     x, labels = _batch()
     x = x.astype("float32")
     with pytest.raises(ValueError, match="float16"):
@@ -147,7 +169,11 @@ def test_bad_labels_and_inputs_raise_clear_errors(cls):
     with pytest.raises(ValueError, match=r"sample_weight of shape \(12, 2\)"):
         loss(labels, x, sample_weight=np.ones((12, 2)))
     with pytest.raises(ValueError, match="bfloat16"):
-        cls(dtype="bfloat16")
+        _make(cls, dtype="bfloat16")
+    if cls.__name__ in PROXY_LOSSES:  # labels are class ids: 2**40 is refused
+        with pytest.raises(ValueError, match="labels must be class ids in 0..3"):
+            loss(labels.astype("int64") + 2**40, x)
+        return
     # (B, 1) labels and large int64 ids that float32 would merge are fine.
     big = labels.astype("int64") + 2**40
     np.testing.assert_allclose(_deterministic(cls)(big[:, None], x).numpy(),
@@ -157,6 +183,10 @@ def test_bad_labels_and_inputs_raise_clear_errors(cls):
 @params
 def test_batch_without_positive_pair_gives_zero_loss_and_gradient(cls):
     x, _ = _batch()
+    if cls.__name__ in PROXY_LOSSES:  # no pair needed: every item meets its proxy
+        value, grad = _value_and_grad(_make(cls, 12, dtype="float64"), np.arange(12), x)
+        assert value > 0.1 and np.abs(grad).max() > 1e-3
+        return
     value, grad = _value_and_grad(cls(dtype="float64"), np.arange(12), x)
     assert value == 0.0
     assert np.all(grad == 0.0)
@@ -169,6 +199,9 @@ def test_all_positive_batch(cls):
     assert np.isfinite(value) and np.all(np.isfinite(grad))
     if cls.__name__ in ZERO_GRADIENT_ONLY_ON_ALL_POSITIVE:
         assert 0.0 < value < 1.0 and np.all(grad == 0.0)
+        return
+    if cls.__name__ in PULL_ON_ALL_POSITIVE:
+        assert value > 0.01 and np.abs(grad).max() > 1e-4
         return
     if cls.__name__ in LOSS_AND_GRADIENT_ON_ALL_POSITIVE:
         assert 0.0 < value < 1.0 and np.abs(grad).max() > 1e-6

@@ -90,7 +90,8 @@ def test_multistage_step_equals_plain_step_float64(chunk_size):
     assert int(to_numpy(wrapper.optimizer.iterations)) == 1
 
 
-@pytest.mark.parametrize("loss_name", ["APLoss", "FastAPLoss", "SmoothAPLoss"])
+@pytest.mark.parametrize("loss_name", ["APLoss", "FastAPLoss", "SmoothAPLoss",
+                                       "MultiSimilarityLoss", "SupConLoss"])
 def test_multistage_step_with_the_library_losses_float64(loss_name):
     """The AP surrogates themselves (keras.ops on every backend) through the stages."""
     import tfaploss.losses
@@ -108,6 +109,30 @@ def test_multistage_step_with_the_library_losses_float64(loss_name):
     assert max(np.abs(a - b).max() for a, b in zip(initial, expected)) > 1e-6
     assert_weights_equal(weights_of(model), expected)
     assert logs["loss"][0] == pytest.approx(plain_logs["loss"][0], rel=1e-9)
+
+
+@pytest.mark.parametrize("chunk_size", [5, None])
+def test_proxy_anchor_proxies_get_the_exact_gradient_through_the_stages(chunk_size):
+    """Proxy-Anchor's proxies (a layer of the model, read by the loss in stage 2): one
+    multi-stage step moves them, and every other weight, as one plain step does."""
+    from tfaploss.losses import ProxyAnchorLoss
+
+    images, labels = make_batch()
+    with float64_policy():
+        def model_and_loss():
+            loss = ProxyAnchorLoss(4, dtype="float64", margin=0.1, alpha=8.0)
+            return loss.with_proxies(build_model()), loss
+
+        reference, loss = model_and_loss()
+        initial = reference.get_weights()
+        assert len(initial) == len(build_model().get_weights()) + 1  # the proxies
+        fit_once(reference, loss, images, labels)
+        expected = weights_of(reference)
+        model, loss = model_and_loss()
+        model.set_weights(initial)
+        fit_once(MultiStageModel(model, chunk_size=chunk_size), loss, images, labels)
+    assert np.abs(expected[-1] - initial[-1]).max() > 1e-3  # the proxies moved
+    assert_weights_equal(weights_of(model), expected)
 
 
 class ChunkedForward(keras.Model):

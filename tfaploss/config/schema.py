@@ -229,6 +229,9 @@ class ModelConfig:
     stop normalising as soon as the weights move; on the glyph set that cost 8 points
     of MAP@R and made higher learning rates collapse (``docs/batch_sweep.md``).
     ``head_lr_multiplier``: the head learns this many times faster than the backbone.
+    ``proxy_lr_multiplier``: a proxy loss's class proxies (``ProxyAnchorLoss``,
+    ``HAPLoss``'s clustering term) learn this many times faster than the backbone
+    (Proxy-Anchor's paper: 100).
     ``bn_calibration_images``: with frozen BatchNorm and no pretrained statistics
     (random init), first estimate the frozen statistics from this many training
     images (one forward pass in training mode); 0 keeps the weights' statistics.
@@ -245,6 +248,7 @@ class ModelConfig:
     weights: str | None = None
     freeze_bn: bool | None = None
     head_lr_multiplier: float = ranged(1.0, low=0, low_open=True, high=1e4)
+    proxy_lr_multiplier: float = ranged(1.0, low=0, low_open=True, high=1e6)
     bn_calibration_images: int = ranged(0, low=0, high=2 ** 24)
     precise_bn_images: int = ranged(4096, low=0, high=2 ** 24)
 
@@ -626,7 +630,8 @@ def _close_match(key: str, names) -> str:
 # Losses
 # ---------------------------------------------------------------------------------------
 
-_LOSS_BASE_ARGS = ("self", "reduction", "name", "dtype")
+# proxies_key: set by a proxy loss itself, pairing it with its proxies layer.
+_LOSS_BASE_ARGS = ("self", "reduction", "name", "dtype", "proxies_key")
 
 
 def loss_classes() -> dict[str, type]:
@@ -710,8 +715,11 @@ def _build_loss(raw: dict, path: str) -> LossConfig:
 def _check_loss_accepts(cls, kwargs: dict, path: str) -> None:
     """Build the loss once, so that the values its constructor refuses (a temperature
     of 0, one bin) are config errors naming the key, not a crash when training starts."""
+    probe = dict(kwargs)
+    if "num_classes" in loss_parameters(cls) and probe.get("num_classes") is None:
+        probe["num_classes"] = 1  # `tfaploss train` takes it from the training manifest
     try:
-        cls(**kwargs)
+        cls(**probe)
     except (ValueError, TypeError) as err:
         named = [k for k in kwargs if k in str(err)] or [None]
         where = f"{path}.{named[0]}" if named[0] else path
@@ -727,6 +735,7 @@ NONE_DEFAULT_LOSS_ARGS: dict[str, tuple[type, float | None]] = {
     "seed": (int, None),
     "offset": (float, None),
     "num_classes": (int, 1),
+    "epsilon": (float, 0.0),
 }
 
 
@@ -747,9 +756,11 @@ VARIABLE_LENGTH_LOSS_ARGS = ("at_k", "ks", "k")
 
 def _check_like_default(value, default, annotation, path):
     """Type-check a loss argument against its default (annotations are often strings)."""
-    if value is None or default is inspect.Parameter.empty:
+    name = path.rsplit(".", 1)[-1]
+    if value is None or (default is inspect.Parameter.empty
+                         and name not in NONE_DEFAULT_LOSS_ARGS):
         return value
-    if default is None:
+    if default is None or default is inspect.Parameter.empty:
         name = path.rsplit(".", 1)[-1]
         if name not in NONE_DEFAULT_LOSS_ARGS:
             raise TypeError(f"loss argument {path!r} defaults to None and has no entry in "
@@ -822,12 +833,11 @@ def _check_consistency(cfg: Config) -> list[str]:
             "config key 'training.xbm.size': the cross-batch memory keeps one label per "
             f"image; data.label_levels={data.label_levels} needs xbm.size: 0; received "
             f"{cfg.training.xbm.size}.")
-    if cfg.loss.kwargs.get("clustering_weight"):
+    if cfg.training.xbm.size and cfg.loss.name == "ProxyAnchorLoss":
         raise ConfigError(
-            "config key 'loss.clustering_weight': HAPLoss's clustering term needs its "
-            "proxies (tfaploss.losses.ClusterProxies) inside the model, which `tfaploss "
-            "train` does not build; use 0 here (H-AP alone) or train from Python; "
-            f"received {cfg.loss.kwargs['clustering_weight']!r}.")
+            "config key 'training.xbm.size': ProxyAnchorLoss scores the batch against its "
+            "proxies and has no query-vs-memory form; use xbm.size: 0; received "
+            f"{cfg.training.xbm.size}.")
 
     aug = data.augmentation
     if aug.scale is not None:

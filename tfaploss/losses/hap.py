@@ -227,7 +227,7 @@ class HAPLoss(ProxiesOwner, RetrievalLoss):
     training manifest. Column 0 of the labels must then be class ids in
     ``0..num_classes-1``. The authors train the proxies with their own Adam (lr 10,
     cosine-annealed to 0.1); here the model's optimizer trains them, faster with a
-    learning-rate multiplier (``optimizer.proxy_lr_multiplier`` in a config).
+    learning-rate multiplier (``model.proxy_lr_multiplier`` in a config).
 
     Cost: O(B·P·B) time with P the most relevant items of a query (the query's whole
     coarsest common group, e.g. its super-class: up to B/2 with the authors'
@@ -259,6 +259,8 @@ class HAPLoss(ProxiesOwner, RetrievalLoss):
         drop_lone_queries: see ``RetrievalLoss``; a query is lone when no other item
             of the batch is relevant to it (shares no level).
     """
+
+    proxies_layer_class = ClusterProxies
 
     def __init__(self, tau=0.01, rho=100.0, delta=0.05, start=0.5, offset=1.44, alpha=1.0,
                  clustering_weight=0.0, num_classes=None, cluster_temperature=0.05,
@@ -365,7 +367,5 @@ class HAPLoss(ProxiesOwner, RetrievalLoss):
                       offset=self.offset, alpha=self.alpha,
                       clustering_weight=self.clustering_weight, num_classes=self.num_classes,
                       cluster_temperature=self.cluster_temperature,
-                      pairs_per_block=self.pairs_per_block)
-        if self.clustering_weight > 0:
-            config.update(proxies_key=self.proxies_key)
+                      pairs_per_block=self.pairs_per_block, proxies_key=self.proxies_key)
         return config

@@ -173,8 +173,12 @@ class ProxiesOwner:
         """The proxies as a tensor of ``embeddings``' dtype (the layer built to their
         width if it is not yet), refused if no model trains them."""
         layer = self.proxies_layer
+        dim = embeddings.shape[-1]
         if not layer.built:
-            layer.build((None, int(embeddings.shape[-1])))
+            if dim is None:
+                raise ValueError(f"{type(self).__name__}: build the proxies layer first "
+                                 "(y_pred's width is not known here).")
+            layer.build((None, int(dim)))
             layer.built = True
         if not (layer.in_model or layer.given):
             raise ValueError(
@@ -185,10 +189,10 @@ class ProxiesOwner:
                 "loss.proxies_layer])), then compile that model with this loss. To use "
                 "fixed proxies, give them with loss.proxies_layer.set_proxies(values); "
                 f"received proxies_layer={layer.name!r}, never called in a model.")
-        if int(layer.proxies.shape[-1]) != int(embeddings.shape[-1]):
+        if dim is not None and int(layer.proxies.shape[-1]) != int(dim):
             raise ValueError(
                 f"{type(self).__name__}: the proxies have dimension "
-                f"{int(layer.proxies.shape[-1])} but y_pred has {int(embeddings.shape[-1])}; "
+                f"{int(layer.proxies.shape[-1])} but y_pred has {int(dim)}; "
                 "the proxies layer must sit right after the embedding.")
         return keras.ops.cast(layer.proxies, embeddings.dtype)
 

@@ -56,7 +56,7 @@ class ProxyAnchorLoss(ProxiesOwner, RetrievalLoss):
     A ``.keras`` file restores the loss bound to the model's proxies. The paper trains
     the proxies 100x faster than the network: wrap the optimizer in
     ``LRMultiplierOptimizer(opt, tfaploss.losses.proxies_multipliers(100))``
-    (``optimizer.proxy_lr_multiplier`` in a config). Labels must be class ids in
+    (``model.proxy_lr_multiplier`` in a config). Labels must be class ids in
     ``0..num_classes-1``: another label raises (eagerly) or makes the loss NaN (in a
     traced step, which training stops on). Proxies are initialised as
     pytorch-metric-learning's (normal, std ``sqrt(2 / num_classes)``); give values with

@@ -22,7 +22,9 @@ class SupConLoss(RetrievalLoss):
         l_i = -1/|P_i| · sum_{p in P_i} [ s_ip / t - log sum_{a in A_i} exp(s_ia / t) ]
 
     averaged over the queries with a positive (pytorch-metric-learning's
-    ``AvgNonZeroReducer``); a batch without a positive pair gives 0, with a warning.
+    ``AvgNonZeroReducer``); a batch without a positive pair, or without a negative
+    pair (one class), gives 0 (pytorch-metric-learning's rule; the first with a
+    warning).
 
     Cost: O(B²·D) for the scores, O(B²) time and memory.
 
@@ -48,7 +50,10 @@ class SupConLoss(RetrievalLoss):
         logits = scores / self.temperature
         log_prob = logits - ops.expand_dims(masked_logsumexp(logits, others), -1)
         values = -masked_mean(log_prob, pos, axis=-1)
-        return values, ops.cast(ops.any(pos, axis=-1), values.dtype)
+        # pytorch-metric-learning: no term at all in a batch without a negative pair
+        negatives = ops.any(ops.logical_and(others, ops.logical_not(positives)))
+        return values, ops.cast(ops.logical_and(ops.any(pos, axis=-1), negatives),
+                                values.dtype)
 
     def get_config(self):
         config = super().get_config()

@@ -143,12 +143,56 @@ def calibrate_batch_norm(model, images) -> int:
 
 
 def build_loss(cfg: Config):
-    """``tfaploss.losses.<loss.name>(**kwargs)``; a bad value is reported with its key."""
+    """``tfaploss.losses.<loss.name>(**kwargs)``; a bad value is reported with its key.
+
+    A proxy loss (``ProxyAnchorLoss``, ``HAPLoss`` with its clustering term) gets
+    ``num_classes`` from the training split's manifest when the config leaves it out,
+    and is refused when the config's value disagrees with it.
+    """
     cls = loss_class(cfg.loss.name)
+    kwargs = dict(cfg.loss.kwargs)
+    if _uses_proxies(cls, kwargs):
+        kwargs["num_classes"] = _proxy_classes(cfg, kwargs.get("num_classes"))
     try:
-        return cls(**cfg.loss.kwargs)
+        return cls(**kwargs)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"config section 'loss' ({cfg.loss.name}): {err}") from None
+
+
+def _uses_proxies(cls, kwargs) -> bool:
+    from tfaploss.losses.proxies import ProxiesOwner
+
+    if not issubclass(cls, ProxiesOwner):
+        return False
+    # HAPLoss: only with its clustering term (its default weight is 0)
+    return kwargs.get("clustering_weight", 1.0 if cls.__name__ != "HAPLoss" else 0.0) > 0
+
+
+def _proxy_classes(cfg: Config, configured) -> int:
+    """The number of training classes (one proxy each), from the training manifest."""
+    manifest = _manifest(cfg.data.train) if cfg.data.train else None
+    found = (manifest or {}).get("num_classes")
+    if found is None:
+        if configured is None:
+            raise ConfigError(
+                f"config key 'loss.num_classes': {cfg.loss.name} learns one proxy per "
+                f"training class, and the training split {cfg.data.train!r} has no "
+                "manifest.json giving their number; set loss.num_classes.")
+        return int(configured)
+    if configured is not None and int(configured) != int(found):
+        raise ConfigError(
+            f"config key 'loss.num_classes': {configured} proxies, but the training split "
+            f"{cfg.data.train!r} has {found} classes (manifest.json); leave it out to use "
+            "the manifest's.")
+    return int(found)
+
+
+def attach_proxies(loss, embedding_model):
+    """``embedding_model`` followed by ``loss``'s proxies layer when the loss has one (the
+    optimizer then trains the proxies and checkpoints keep them), else unchanged."""
+    if not hasattr(loss, "with_proxies") or getattr(loss, "clustering_weight", 1.0) <= 0:
+        return embedding_model
+    return loss.with_proxies(embedding_model)
 
 
 def total_steps(cfg: Config, steps_per_epoch: int) -> int:
@@ -186,12 +230,19 @@ def build_optimizer(cfg: Config, steps_per_epoch: int):
     if opt.name == "adamw" and "weight_decay" not in common:
         common["weight_decay"] = 0.0  # AdamW's own default (0.004) would be a hidden setting
     optimizer = cls(**common, **extra)
+    multipliers = {}
     if cfg.model.head_lr_multiplier != 1.0:
-        from models.lr_multipliers import LRMultiplierOptimizer, head_multipliers
+        from models.lr_multipliers import head_multipliers
 
-        optimizer = LRMultiplierOptimizer(
-            optimizer, head_multipliers(cfg.model.head_lr_multiplier,
-                                        include_gem=False))
+        multipliers.update(head_multipliers(cfg.model.head_lr_multiplier, include_gem=False))
+    if cfg.model.proxy_lr_multiplier != 1.0:
+        from tfaploss.losses.proxies import proxies_multipliers
+
+        multipliers.update(proxies_multipliers(cfg.model.proxy_lr_multiplier))
+    if multipliers:
+        from models.lr_multipliers import LRMultiplierOptimizer
+
+        optimizer = LRMultiplierOptimizer(optimizer, multipliers)
     return optimizer
 
 

@@ -384,8 +384,8 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
         devices_scope.enter_context(plan.scope())
         if cfg.training.mixed_precision:
             keras.config.set_dtype_policy("mixed_float16")
-        embedding_model = initial_model(cfg)
         loss = B.build_loss(cfg)
+        embedding_model = B.attach_proxies(loss, initial_model(cfg))
         chunk = cfg.training.chunk_size if cfg.uses_multistage else None
         model = MultiStageModel(embedding_model, chunk_size=chunk,
                                 xbm_size=cfg.training.xbm.size,

@@ -283,6 +283,19 @@ class MultiStageModel(_backend_steps(), keras.Model):
             f"Compiled loss: {self.loss!r}"
         )
 
+    def _loss_variable_ids(self) -> set:
+        """``id``s of the trainable variables the compiled loss reads itself: those of
+        the class-proxies layers in the embedding model."""
+        from tfaploss.losses.proxies import ClassProxies
+
+        found, stack = set(), [self.embedding_model]
+        while stack:
+            layer = stack.pop()
+            if isinstance(layer, ClassProxies):
+                found.update(id(v) for v in layer.trainable_variables)
+            stack.extend(getattr(layer, "layers", ()))
+        return found
+
     @staticmethod
     def _divided_per_replica(loss_fn) -> bool:
         """Whether Keras divides ``loss_fn``'s value by the number of replicas.

@@ -177,6 +177,14 @@ class TensorFlowSteps:
             scaled, (total, memory_loss) = self._objective(y, embeddings, sample_weight)
         grads = tape.gradient(scaled, [embeddings] + list(variables))
         direct = [_dense(g, v) for g, v in zip(grads[1:], variables)]
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        if replicas > 1:
+            # Every replica evaluates the whole global loss, so the variables the loss
+            # reads itself (class proxies) get its whole gradient on each replica; the
+            # optimizer sums the replicas' gradients, hence each replica's share.
+            # (The regularisers are already divided per replica by Keras.)
+            read = self._loss_variable_ids()
+            direct = [d / replicas if id(v) in read else d for d, v in zip(direct, variables)]
         return total, memory_loss, grads[0], direct
 
     def train_step(self, data):
