@@ -11,8 +11,10 @@ again with ``jit_compile=True`` (XLA).
     python benchmarks/losses.py --losses APLoss --sizes 256 --modes graph
     python benchmarks/losses.py --compare            # beside pytorch-metric-learning
 
-``--compare`` runs pytorch-metric-learning's FastAPLoss, SmoothAPLoss and PNPLoss (torch
-on CPU, the optional ``bench`` extra) on the same inputs, each cell in a fresh process,
+``--compare`` runs pytorch-metric-learning's FastAPLoss, SmoothAPLoss, PNPLoss,
+MultiSimilarityLoss, SupConLoss and ProxyAnchorLoss (torch on CPU, the optional
+``bench`` extra; Proxy-Anchor with one fixed proxy per class of the batch, B/4) on the
+same inputs, each cell in a fresh process,
 and prints tfaploss's time over theirs per cell. Their Smooth-AP and PNP build B x B x B
 tensors: a cell whose estimate exceeds ``--pml-memory-cap-gb`` is reported, not run.
 
@@ -53,7 +55,18 @@ PML_PEERS = {
     "FastAPLoss": ("FastAPLoss", {"num_bins": 10}, 0),
     "SmoothAPLoss": ("SmoothAPLoss", {"temperature": 0.01}, 6),
     "PNPLoss": ("PNPLoss", {"b": 2, "alpha": 4, "anneal": 0.01, "variant": "Dq"}, 4),
+    "MultiSimilarityLoss": ("MultiSimilarityLoss", {"alpha": 2, "beta": 50, "base": 0.5}, 0),
+    "SupConLoss": ("SupConLoss", {"temperature": 0.1}, 0),
+    "ProxyAnchorLoss": ("ProxyAnchorLoss", {"margin": 0.1, "alpha": 32}, 0),
 }
+# Proxy losses: one proxy per class of the batch (B/4), fixed (seeded) values.
+PROXY_LOSSES = ("ProxyAnchorLoss",)
+
+
+def _proxies(batch, dim):
+    import numpy as np
+
+    return np.random.default_rng(1).standard_normal((batch // 4, dim)).astype("float32")
 
 
 def _inputs(batch, dim):
@@ -81,7 +94,11 @@ def run_pml_cell(loss_name, batch, repeats, dim=512):
             return (x @ x.T).sum()
     else:
         peer, kwargs, _ = PML_PEERS[loss_name]
+        if loss_name in PROXY_LOSSES:
+            kwargs = dict(kwargs, num_classes=batch // 4, embedding_size=dim)
         loss_fn = getattr(pml_losses, peer)(**kwargs)
+        if loss_name in PROXY_LOSSES:
+            loss_fn.proxies.data = torch.from_numpy(_proxies(batch, dim))
 
     def step():
         x = torch.from_numpy(x_np).requires_grad_(True)
@@ -169,7 +186,11 @@ def run_cell(loss_name, batch, mode, repeats, dim=512):
     else:
         from tfaploss import losses
 
-        loss_fn = getattr(losses, loss_name)()
+        if loss_name in PROXY_LOSSES:
+            loss_fn = getattr(losses, loss_name)(batch // 4)
+            loss_fn.proxies_layer.set_proxies(_proxies(batch, dim))
+        else:
+            loss_fn = getattr(losses, loss_name)()
 
     @tf.function(jit_compile=(mode == "xla"))
     def step(y, e):

@@ -80,3 +80,20 @@ def loss_value_and_grad(loss, labels, x, mode="eager"):
 def to_numpy(value):
     return np.asarray(keras.ops.convert_to_numpy(value))
 
+
+
+# Losses that score the batch against learnable class proxies: made with NUM_PROXIES
+# fixed proxies (labels 0..3), given so that the loss scores a batch outside a model.
+PROXY_LOSSES = ("ProxyAnchorLoss",)
+NUM_PROXIES = 4
+
+
+def make_loss(cls, **kwargs):
+    """``cls(**kwargs)`` for any loss class of ``tfaploss.losses``; a proxy loss gets
+    ``NUM_PROXIES`` fixed proxies of width ``proxy_dim`` (default 6)."""
+    dim = kwargs.pop("proxy_dim", 6)
+    if cls.__name__ not in PROXY_LOSSES:
+        return cls(**kwargs)
+    loss = cls(NUM_PROXIES, **kwargs)
+    loss.proxies_layer.set_proxies(np.random.default_rng(7).normal(size=(NUM_PROXIES, dim)))
+    return loss
