@@ -6,6 +6,7 @@
     tfaploss evaluate --config configs/demo_digits.yaml   # the untrained baseline
     tfaploss export --model runs/x/model.keras --out serving/sop
     tfaploss config --config configs/pnp_sop_resnet50_dq.yaml   # print it, validated
+    tfaploss compare --config base.yaml --val data/x/val --features   # which loss, which batch
 
 The Beam preprocessing jobs are separate: ``python -m pipelines.<name> --help``.
 Heavy imports (TensorFlow, Keras) happen inside the commands so ``--help`` is instant.
@@ -228,6 +229,19 @@ def _add_config(sub):
     p.set_defaults(func=cmd_config)
 
 
+def _add_compare(sub):
+    from tfaploss.compare.command import DESCRIPTION, add_arguments
+
+    p = sub.add_parser(
+        "compare", formatter_class=_Formatter,
+        help="which loss, which batch, for my data: every loss tuned alike, with seeds "
+             "and intervals",
+        description=DESCRIPTION)
+    add_arguments(p)
+    _add_output_flags(p)
+    p.set_defaults(func=cmd_compare)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tfaploss", formatter_class=_Formatter,
@@ -248,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_evaluate(sub)
     _add_export(sub)
     _add_config(sub)
+    _add_compare(sub)
     return parser
 
 
@@ -505,6 +520,12 @@ def cmd_export(args) -> int:
     print("  query: POST http://localhost:8501/v1/models/retrieval:predict "
           '{"instances": [{"b64": "<base64 JPEG>"}]}')
     return 0
+
+
+def cmd_compare(args) -> int:
+    from tfaploss.compare.command import cmd_compare as run
+
+    return run(args)
 
 
 def cmd_demo(args) -> int:

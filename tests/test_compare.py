@@ -1,0 +1,166 @@
+"""``tfaploss compare``: the tuning protocol (budgets, intervals, TPE replay, the ledger,
+paired differences) with a synthetic runner, and the command end to end (``--quick``,
+cached-feature tier) on a tiny split of the demo's digits, resumed from its ledger."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from tfaploss.compare import protocol as P
+
+
+def test_budgets_give_equal_images_updates_and_the_matched_control():
+    assert P.updates_for("images", 128, 49152, 64, 2048) == 384
+    assert P.updates_for("images", 2048, 49152, 64, 2048) == 24
+    assert P.updates_for("updates", 128, 49152, 64, 2048) == 64
+    # matched: as many images as B_max in `updates` updates (64 x 2048 = 131,072)
+    assert P.updates_for("matched", 128, 49152, 64, 2048) == 1024
+    assert P.updates_for("matched", 2048, 49152, 64, 2048) == 64
+    with pytest.raises(ValueError, match="budget must be one of"):
+        P.updates_for("epochs", 128, 1, 1, 1)
+
+
+def test_interval_is_the_t_interval():
+    mean, half = P.interval([1.0, 2.0, 3.0])
+    # sd 1, n 3: t(0.975, 2) = 4.303
+    assert mean == 2.0 and half == pytest.approx(4.303 / math.sqrt(3), rel=1e-4)
+    assert math.isnan(P.interval([5.0])[1]) and P.interval([5.0])[0] == 5.0
+    assert P.t95(6) == 2.571 and P.t95(40) == 2.042
+
+
+def test_protocol_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match=r"losses: \['Arcface'\] not known"):
+        P.Protocol(("Arcface",), (128,))
+    with pytest.raises(ValueError, match=r"budgets: \['epochs'\]"):
+        P.Protocol(("APLoss",), (128,), budgets=("epochs",))
+    with pytest.raises(ValueError, match="tuning seed 1000 must not be an evaluation seed"):
+        P.Protocol(("APLoss",), (128,), seeds=(0, 1000))
+    protocol = P.Protocol(("APLoss", "Triplet"), (128, 512), budgets=("updates", "matched"),
+                          updates=8, trials=3, seeds=(0, 1))
+    cells = list(protocol.cells())
+    # matched at the largest batch is the updates cell itself: run once
+    assert cells[-1] == ("matched", 512, 8, True)
+    assert protocol.total_runs() == 3 * 2 * (3 + 2)
+
+
+def _synthetic(calls):
+    """A runner whose validation score peaks at lr = 3e-3 (and, for the triplet, at a
+    margin of 0.3); test = validation + a seed effect shared by every loss."""
+
+    def runner(spec):
+        calls.append(spec)
+        s = spec.settings
+        score = 80 - 10 * abs(math.log10(s["lr"] / 3e-3))
+        if spec.loss == "Triplet":
+            score -= 20 * abs(s["margin"] - 0.3)
+        else:
+            score += 2.0
+        if spec.batch == 64 and spec.loss == "Triplet":
+            return {"status": "non-finite"}
+        row = {"status": "ok", "val_map@r": score, "seconds": 0.1, "curve": [[1, score]]}
+        if spec.test:
+            row["test_map@r"] = score + spec.seed
+        return row
+
+    return runner
+
+
+def test_protocol_tunes_on_validation_pairs_seeds_and_resumes(tmp_path):
+    protocol = P.Protocol(("APLoss", "Triplet"), (32, 64), budgets=("images",),
+                          images=256, trials=8, seeds=(0, 1, 2))
+    calls = []
+    ledger = P.Ledger(tmp_path / "ledger.jsonl", "features")
+    results = P.run(protocol, ledger, _synthetic(calls))
+    assert len(calls) == protocol.total_runs() == 2 * 2 * (8 + 3)
+    tuning = [c for c in calls if not c.test]
+    assert {c.seed for c in tuning} == {1000}  # the tuning seed, never an evaluation seed
+    assert all(1e-4 <= c.settings["lr"] <= 3e-2 for c in tuning)
+    by = {(r["loss"], r["batch"]): r for r in results}
+    ap = by[("APLoss", 32)]
+    # TPE found a rate near the peak within 8 trials; the seeds add 0, 1, 2
+    assert abs(math.log10(ap["params"]["lr"] / 3e-3)) < 0.6
+    assert ap["per_seed"][1] - ap["per_seed"][0] == pytest.approx(1.0)
+    assert ap["ci95"] == pytest.approx(4.303 / math.sqrt(3), rel=1e-4)
+    # paired against the triplet (the only peer): the seed effect cancels exactly
+    diff, half = ap["vs_best_peer"]
+    assert ap["best_peer"] == "Triplet" and half == pytest.approx(0.0, abs=1e-9)
+    assert diff == pytest.approx(ap["test_map@r"] - by[("Triplet", 32)]["test_map@r"])
+    # a failed run stays in the table as what it was
+    failed = by[("Triplet", 64)]
+    assert failed["statuses"] == ["non-finite"] * 3 and math.isnan(failed["test_map@r"])
+
+    def refuse(spec):
+        raise AssertionError(f"ran {spec} again")
+
+    again = P.run(protocol, P.Ledger(tmp_path / "ledger.jsonl", "features"), refuse)
+    assert [r["params"] for r in again] == [r["params"] for r in results]
+
+    # a line a kill cut short is ignored (that run is redone), the rest kept
+    path = tmp_path / "ledger.jsonl"
+    path.write_text(path.read_text() + '{"key": "torn", "lo')
+    assert len(P.Ledger(path, "features").rows) == len(calls)
+
+
+@pytest.fixture(scope="module")
+def digit_splits(tmp_path_factory):
+    """The digits as train (0-4), val (5-6) and test (7-9) splits of the folder job."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    from pipelines import folder
+
+    root = tmp_path_factory.mktemp("compare")
+    digits = load_digits()
+    images = np.clip(digits.images * (255 / 16), 0, 255).astype("uint8")
+    splits = {"train": range(5), "val": (5, 6), "test": (7, 8, 9)}
+    for split, classes in splits.items():
+        for c in classes:
+            (root / "pngs" / split / str(c)).mkdir(parents=True)
+    count = {}
+    for i, (image, label) in enumerate(zip(images, digits.target)):
+        split = next(s for s, cs in splits.items() if label in cs)
+        if count.get(label, 0) >= 60:  # 60 images per digit: a tiny split
+            continue
+        count[label] = count.get(label, 0) + 1
+        Image.fromarray(image, mode="L").save(root / "pngs" / split / str(label) / f"{i}.png")
+    folder.run(["--input_dir", str(root / "pngs"), "--output_dir", str(root / "records"),
+                "--splits_from_folders", "--direct_running_mode", "in_memory",
+                "--direct_num_workers", "1"])
+    return root
+
+
+def test_compare_quick_runs_resumes_and_writes_its_report(digit_splits, tmp_path, capsys):
+    from tfaploss.cli import main
+
+    root = digit_splits
+    out = tmp_path / "compare"
+    args = ["compare", "--config", "configs/demo_digits.yaml", "--features", "--quick",
+            "--set", f"data.train={root / 'records' / 'train'}",
+            "--set", f"data.test={root / 'records' / 'test'}",
+            "--val", str(root / "records" / "val"), "--out", str(out),
+            "--losses", "APLoss,MultiSimilarity", "--m", "8", "--quiet"]
+    assert main(args) == 0
+    report = (out / "report.md").read_text()
+    assert "| APLoss (AP) |" in report and "| MultiSimilarity (peer) |" in report
+    assert "B=16 (32 u, 512 im)" in report and "B=32 (16 u, 512 im)" in report
+    results = json.loads((out / "results.json").read_text())
+    assert {(r["loss"], r["batch"]) for r in results} == {
+        (l, b) for l in ("APLoss", "MultiSimilarity") for b in (16, 32)}
+    for r in results:
+        assert r["trials"] == 2 and r["seeds"] == [0, 1]
+        assert all(0.0 <= t <= 100.0 for t in r["per_seed"])
+        assert all(len(c) >= 2 for c in r["curves"])  # the validation curve
+    rows = (out / "ledger.jsonl").read_text().splitlines()
+    assert len(rows) == 2 * 2 * (2 + 2)
+    (out / "report.md").unlink()
+    assert main(args) == 0  # resumed: every run from the ledger
+    assert (out / "ledger.jsonl").read_text().splitlines() == rows
+    assert (out / "report.md").read_text() == report
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match="not multiples of m=8"):
+        main(args + ["--batch-sizes", "20"])
+    with pytest.raises(SystemExit, match=r"batch sizes \[64\] need more than the 5 "
+                                         r"training classes with >= m=8"):
+        main(args + ["--batch-sizes", "16,64"])

@@ -1,0 +1,223 @@
+"""The cached-feature tier: a frozen backbone embeds every image once, and each run
+trains only an embedding head on those features.
+
+This is how many users work with a foundation model today (its features, a learned
+head), and it costs a fraction of a second per step, so the whole protocol (every loss,
+batches up to thousands, the full tuning budget, several seeds) fits on a CPU.
+
+:func:`extract_features` embeds the splits with the config's backbone and pooling (its
+``model.weights``, BatchNorm frozen, no head) and caches them as ``.npz`` files keyed
+by what produced them. :class:`FeatureRunner` trains one run: a 2-layer MLP head
+(``hidden`` ReLU units, then ``dim``) with Adam and a cosine decay to 0, on batches of
+``m`` images of ``B / m`` classes drawn from the features by a seeded sampler; it
+records the validation MAP@R at a few points of the run (the convergence curve), and
+the test MAP@R for the evaluation seeds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tfaploss.compare.protocol import SEARCH_SPACES, RunSpec
+
+LOG = logging.getLogger(__name__)
+
+
+def _fingerprint(cfg, paths: dict) -> str:
+    m = cfg.model
+    weights = m.weights
+    digest = None
+    if weights and os.path.isfile(weights):
+        with open(weights, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    text = json.dumps([m.backbone, m.pooling, weights, digest, list(cfg.image_shape),
+                       sorted(paths.items())], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def feature_model(cfg):
+    """The config's backbone and pooling, no head, BatchNorm frozen (L2-normalised
+    pooled features)."""
+    from models import build_embedding_model
+
+    m = cfg.model
+    return build_embedding_model(backbone=m.backbone, pooling=m.pooling, embedding_dim=None,
+                                 head="identity", weights=m.weights,
+                                 input_shape=(*cfg.image_shape, 3), freeze_bn=True)
+
+
+def extract_features(cfg, paths: dict, cache_dir: str | os.PathLike) -> dict:
+    """``{split: (features, labels)}`` of every split in ``paths`` ({name: folder}),
+    embedded once by :func:`feature_model` and cached under ``cache_dir``."""
+    from tfaploss.run.trainer import embed_split
+
+    cache = Path(cache_dir) / f"features-{_fingerprint(cfg, paths)}"
+    out, model = {}, None
+    for split, path in paths.items():
+        file = cache / f"{split}.npz"
+        if file.is_file():
+            with np.load(file) as saved:
+                out[split] = (saved["features"], saved["labels"])
+            continue
+        if model is None:
+            model = feature_model(cfg)
+        started = time.time()
+        features, labels = embed_split(model, cfg, path)
+        features = np.asarray(features, "float32")
+        labels = np.asarray(labels).astype("int64")
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = cache / f".{split}.tmp.npz"
+        np.savez(tmp, features=features, labels=labels)
+        os.replace(tmp, file)
+        LOG.info("features of %s: %d x %d in %.0f s (cached in %s)", split, *features.shape,
+                 time.time() - started, file)
+        out[split] = (features, labels)
+    return out
+
+
+def class_subset(features, labels, classes: int | None, seed: int = 0):
+    """The rows of ``classes`` classes drawn at random (all when None or more)."""
+    unique = np.unique(labels)
+    if classes is None or classes >= len(unique):
+        return features, labels
+    keep = np.random.default_rng(seed).choice(unique, classes, replace=False)
+    rows = np.isin(labels, keep)
+    return features[rows], labels[rows]
+
+
+def m_per_class_batches(labels, batch: int, m: int, steps: int, seed: int):
+    """``steps`` batches of row indices: ``batch / m`` classes of ``m`` rows each, classes
+    and rows drawn at random (without replacement within a batch)."""
+    rng = np.random.default_rng(seed)
+    by_class = {c: np.flatnonzero(labels == c) for c in np.unique(labels)}
+    eligible = np.array([c for c, rows in by_class.items() if len(rows) >= m])
+    per_batch = batch // m
+    if per_batch > len(eligible):
+        raise ValueError(f"batch {batch} needs {per_batch} classes of >= {m} images; the "
+                         f"training features have {len(eligible)}.")
+    for _ in range(steps):
+        classes = rng.choice(eligible, per_batch, replace=False)
+        yield np.concatenate([rng.choice(by_class[c], m, replace=False) for c in classes])
+
+
+def _map_at_r(model, features, labels):
+    from tfaploss.evaluation.metrics import retrieval_metrics
+
+    embeddings = np.concatenate([np.asarray(model(features[i:i + 8192], training=False),
+                                            "float32")
+                                 for i in range(0, len(features), 8192)])
+    norms = np.linalg.norm(embeddings, axis=1, keepdims=True)
+    embeddings = embeddings / np.maximum(norms, 1e-12)
+    metrics = retrieval_metrics(embeddings, labels, ks=(1,))
+    sample = embeddings[np.random.default_rng(0).choice(len(embeddings),
+                                                         min(1000, len(embeddings)), False)]
+    cos = sample @ sample.T
+    off = cos[~np.eye(len(sample), dtype=bool)]
+    return 100 * metrics["map@r"], 100 * metrics["recall@1"], float(off.mean())
+
+
+class FeatureRunner:
+    """Trains and scores one :class:`~tfaploss.compare.protocol.RunSpec` on features.
+
+    Args:
+        data: ``{"train", "val", "test"}: (features, labels)``.
+        m: images per class in a batch.
+        hidden, dim: the head's hidden units and embedding size.
+        curve_points: validation evaluations along the run (the last at its end).
+        curve_classes: validation classes the curve is measured on (all: None).
+        test_classes: test classes scored (a fixed draw; all: None).
+    """
+
+    def __init__(self, data: dict, m: int = 4, hidden: int = 512, dim: int = 128,
+                 curve_points: int = 5, curve_classes: int | None = 100,
+                 test_classes: int | None = None):
+        self.train = data["train"]
+        self.val = data["val"]
+        self.curve_val = class_subset(*data["val"], curve_classes, seed=1)
+        self.test = class_subset(*data["test"], test_classes, seed=2)
+        # class ids 0..C-1 for the proxies
+        self.classes, self.train_labels = np.unique(self.train[1], return_inverse=True)
+        self.m, self.hidden, self.dim = m, hidden, dim
+        self.curve_points = curve_points
+        counts = np.bincount(self.train_labels)
+        self.eligible_classes = int(np.sum(counts >= m))
+
+    def check(self, batch_sizes):
+        """Refuse, before any run, a batch the training features cannot fill."""
+        bad = [b for b in batch_sizes if b // self.m > self.eligible_classes]
+        if bad:
+            raise ValueError(
+                f"batch sizes {bad} need more than the {self.eligible_classes} training "
+                f"classes with >= m={self.m} images ({self.m} images of B/m classes per "
+                "batch); use smaller batches or a smaller --m.")
+
+    def _model(self, spec: RunSpec):
+        import keras
+
+        from tfaploss import losses
+        from tfaploss.run.schedule import RecipeSchedule
+
+        keras.utils.set_random_seed(spec.seed)
+        cls, _, _ = SEARCH_SPACES[spec.loss]
+        kwargs = spec.loss_kwargs()
+        loss_cls = getattr(losses, cls)
+        loss = (loss_cls(len(self.classes), **kwargs) if cls == "ProxyAnchorLoss"
+                else loss_cls(**kwargs))
+        width = self.train[0].shape[1]
+        model = keras.Sequential([keras.Input((width,)),
+                                  keras.layers.Dense(self.hidden, activation="relu"),
+                                  keras.layers.Dense(self.dim)], name="head")
+        if hasattr(loss, "with_proxies") and cls == "ProxyAnchorLoss":
+            model = loss.with_proxies(model)
+        settings = spec.settings
+        schedule = RecipeSchedule(kind="cosine", lr=settings["lr"], total_steps=spec.updates,
+                                  end_lr=0.0)
+        optimizer = keras.optimizers.Adam(schedule)
+        factor = settings.get("proxy_lr_multiplier", 1.0)
+        if factor != 1.0:
+            from models.lr_multipliers import LRMultiplierOptimizer
+
+            optimizer = LRMultiplierOptimizer(optimizer, losses.proxies_multipliers(factor))
+        model.compile(optimizer=optimizer, loss=loss, jit_compile=False)
+        return model
+
+    def __call__(self, spec: RunSpec) -> dict:
+        import keras
+
+        started = time.time()
+        keras.backend.clear_session()
+        model = self._model(spec)
+        x, y = self.train[0], self.train_labels
+        marks = sorted({max(1, round(spec.updates * k / self.curve_points))
+                        for k in range(1, self.curve_points + 1)})
+        row = {"status": "ok", "curve": []}
+        last = float("nan")
+        for step, rows in enumerate(m_per_class_batches(y, spec.batch, self.m, spec.updates,
+                                                        spec.seed), start=1):
+            last = float(model.train_on_batch(x[rows], y[rows]))
+            if not math.isfinite(last):
+                row.update(status="non-finite", detail=f"loss {last} at update {step}")
+                break
+            if step in marks and step != spec.updates:
+                row["curve"].append([step * spec.batch, _map_at_r(model, *self.curve_val)[0]])
+        row["final_loss"] = last
+        if row["status"] == "ok":
+            row["curve"].append([spec.updates * spec.batch,
+                                 _map_at_r(model, *self.curve_val)[0]])
+            val, val_r1, cos = _map_at_r(model, *self.val)
+            row.update({"val_map@r": val, "val_r@1": val_r1, "emb_cos": cos})
+            if cos > 0.95:
+                row["status"] = "collapsed"
+            if spec.test:
+                test, test_r1, _ = _map_at_r(model, *self.test)
+                row.update({"test_map@r": test, "test_r@1": test_r1})
+        row["seconds"] = round(time.time() - started, 2)
+        return row
