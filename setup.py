@@ -19,6 +19,8 @@ TFDS = ["tensorflow-datasets>=4.9", "importlib_resources"]
 VIZ = ["matplotlib>=3.7"]
 DEMO = ["scikit-learn>=1.3"]
 TEST = ["pytest>=8", "pytest-xdist>=3"]
+# tfaploss compare: Optuna's TPE sampler tunes every loss alike.
+COMPARE = ["optuna>=3.6"]
 # benchmarks/: faiss beside ScaNN (search.py), the PyTorch peers of the losses (losses.py).
 BENCH = ["faiss-cpu>=1.8", "torch", "pytorch-metric-learning>=2.9"]
 
@@ -57,10 +59,11 @@ setup(
         "scann": SCANN,
         "tfds": TFDS,
         "viz": VIZ,
+        "compare": COMPARE + VIZ,
         "bench": BENCH,
         "demo": DEMO + BEAM + SCANN + VIZ,
-        "all": BEAM + SCANN + TFDS + VIZ + DEMO + ["jax[cpu]"],
-        "dev": BEAM + DASK + SCANN + TFDS + VIZ + DEMO + TEST + ["ruff", "jax[cpu]"],
+        "all": BEAM + SCANN + TFDS + VIZ + DEMO + COMPARE + ["jax[cpu]"],
+        "dev": BEAM + DASK + SCANN + TFDS + VIZ + DEMO + COMPARE + TEST + ["ruff", "jax[cpu]"],
     },
     entry_points={"console_scripts": ["tfaploss=tfaploss.cli:main"]},
     classifiers=[

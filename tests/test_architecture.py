@@ -41,6 +41,7 @@ LAYERS = {
     "tfaploss.run": 3,
     # Applications.
     "tfaploss.demo": 4,
+    "tfaploss.compare": 4,          # the comparison protocol over runs
     # The package root imports what registers tfaploss's Keras classes (every layer);
     # modules import the submodule they need, never the root's names.
     "tfaploss": 5,
