@@ -105,7 +105,8 @@ def _runner(args, cfg, out: Path, m: int):
 
         data = extract_features(cfg, {"train": cfg.data.train, "val": args.val,
                                       "test": cfg.data.test}, out)
-        return "features", FeatureRunner(data, m=m, test_classes=args.test_classes)
+        return "features", FeatureRunner(data, m=m, dim=cfg.model.embedding_dim,
+                                         test_classes=args.test_classes)
     from tfaploss.compare.images import ImageRunner
 
     return "images", ImageRunner(cfg, args.val, out, epochs=2 if args.quick else 4,

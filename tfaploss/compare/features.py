@@ -10,8 +10,9 @@ batches up to thousands, the full tuning budget, several seeds) fits on a CPU.
 by what produced them. :class:`FeatureRunner` trains one run: a 2-layer MLP head
 (``hidden`` ReLU units, then ``dim``) with Adam and a cosine decay to 0, on batches of
 ``m`` images of ``B / m`` classes drawn from the features by a seeded sampler; it
-records the validation MAP@R at a few points of the run (the convergence curve), and
-the test MAP@R for the evaluation seeds.
+records the validation MAP@R of the run's end (what the tuning compares), and for the
+evaluation seeds the validation MAP@R at a few points of the run (the convergence
+curve) and the test MAP@R.
 """
 
 from __future__ import annotations
@@ -206,12 +207,14 @@ class FeatureRunner:
             if not math.isfinite(last):
                 row.update(status="non-finite", detail=f"loss {last} at update {step}")
                 break
-            if step in marks and step != spec.updates:
+            # the curve: for the evaluation seeds (the tuning only needs the end)
+            if spec.test and step in marks and step != spec.updates:
                 row["curve"].append([step * spec.batch, _map_at_r(model, *self.curve_val)[0]])
         row["final_loss"] = last
         if row["status"] == "ok":
-            row["curve"].append([spec.updates * spec.batch,
-                                 _map_at_r(model, *self.curve_val)[0]])
+            if spec.test:
+                row["curve"].append([spec.updates * spec.batch,
+                                     _map_at_r(model, *self.curve_val)[0]])
             val, val_r1, cos = _map_at_r(model, *self.val)
             row.update({"val_map@r": val, "val_r@1": val_r1, "emb_cos": cos})
             if cos > 0.95:
