@@ -103,6 +103,25 @@ def test_protocol_tunes_on_validation_pairs_seeds_and_resumes(tmp_path):
     assert len(P.Ledger(path, "features").rows) == len(calls)
 
 
+def test_carried_settings_try_a_learning_rate_neighbourhood(tmp_path):
+    carried = {("APLoss", 32): {"lr": 1e-2, "num_bins": 20},
+               ("Triplet", 32): {"lr": 3e-3, "margin": 0.3}}
+    protocol = P.Protocol(("APLoss", "Triplet"), (32,), images=256, seeds=(0, 1, 2),
+                          carried=carried, lr_factors=(0.1, 0.3, 1.0))
+    calls = []
+    results = P.run(protocol, P.Ledger(tmp_path / "l.jsonl", "images"), _synthetic(calls))
+    assert len(calls) == protocol.total_runs() == 2 * (3 + 3)
+    tried = sorted(c.settings["lr"] for c in calls if c.loss == "APLoss" and not c.test)
+    assert tried == pytest.approx([1e-3, 3e-3, 1e-2])
+    by = {r["loss"]: r for r in results}
+    # the synthetic score peaks at 3e-3: the neighbourhood finds it for both
+    assert by["APLoss"]["params"] == {"lr": pytest.approx(3e-3), "num_bins": 20}
+    assert by["Triplet"]["params"]["lr"] == pytest.approx(3e-3)
+    with pytest.raises(ValueError, match="no carried settings for APLoss at batch 64"):
+        P.run(P.Protocol(("APLoss",), (64,), carried=carried),
+              P.Ledger(tmp_path / "m.jsonl", "images"), _synthetic([]))
+
+
 @pytest.fixture(scope="module")
 def digit_splits(tmp_path_factory):
     """The digits as train (0-4), val (5-6) and test (7-9) splits of the folder job."""

@@ -68,6 +68,12 @@ def add_arguments(p) -> None:
     p.add_argument("--test-classes", type=int, default=None,
                    help="--features: score this many test classes (a fixed draw; all "
                         "by default)")
+    p.add_argument("--settings-from", default=None, metavar="RESULTS_JSON",
+                   help="instead of the TPE search: the settings another comparison picked "
+                        "(its results.json, same budget and batch), each at --lr-factors "
+                        "times its learning rate (the fine-tuning tier)")
+    p.add_argument("--lr-factors", default="0.1,0.3,1",
+                   help="with --settings-from: multiples of the carried learning rate")
     p.add_argument("--quick", action="store_true",
                    help="a few minutes: 3 losses, batches 16 and 32, 2 trials, 2 seeds")
 
@@ -88,8 +94,23 @@ def protocol_from(args):
 
     base = QUICK if args.quick else DEFAULTS
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else base[name]
+    carried = None
+    if args.settings_from:
+        from tfaploss.compare.protocol import carried_settings
+
+        results = json.loads(Path(args.settings_from).read_text(encoding="utf-8"))
+        budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+        carried = {}
+        for budget in budgets:
+            carried.update(carried_settings(results, budget))
+    try:
+        factors = tuple(float(v) for v in args.lr_factors.split(",") if v.strip())
+    except ValueError:
+        raise SystemExit(f"tfaploss compare: --lr-factors takes numbers; received "
+                         f"{args.lr_factors!r}") from None
     try:
         return Protocol(
+            carried=carried, lr_factors=factors,
             losses=tuple(v.strip() for v in pick("losses").split(",") if v.strip()),
             batch_sizes=_ints(pick("batch_sizes"), "batch-sizes"),
             budgets=tuple(v.strip() for v in args.budgets.split(",") if v.strip()),
@@ -165,10 +186,13 @@ def cmd_compare(args) -> int:
         return row
 
     results = run(protocol, ledger, counted, progress)
+    search = (f"{protocol.trials} TPE trials per (loss, batch, budget) over lr in "
+              f"[1e-4, 3e-2] (log) and each loss's knobs" if protocol.carried is None else
+              f"the settings of `{args.settings_from}` at lr x "
+              f"{', '.join(f'{f:g}' for f in protocol.lr_factors)}")
     header = (f"## tfaploss compare: {tier} tier\n\nConfig `{args.config}`, validation "
-              f"`{args.val}`; losses {', '.join(protocol.losses)}; {protocol.trials} TPE "
-              f"trials per (loss, batch, budget) over lr in [1e-4, 3e-2] (log) and each "
-              f"loss's knobs, tuning seed {protocol.tuning_seed}; evaluation seeds "
+              f"`{args.val}`; losses {', '.join(protocol.losses)}; {search}, tuning seed "
+              f"{protocol.tuning_seed}; evaluation seeds "
               f"{', '.join(map(str, protocol.seeds))}; m={m}.")
     text = report.markdown(results, header)
     tmp = out / ".report.md.tmp"

@@ -173,6 +173,10 @@ class Protocol:
     seeds: tuple[int, ...] = (0, 1, 2)
     tuning_seed: int = 1000
     lr_range: tuple[float, float] = LR_RANGE
+    # Instead of TPE: {(loss, batch): settings} carried over from another tier, each
+    # tried at these multiples of its learning rate (the fine-tuning tier).
+    carried: dict | None = None
+    lr_factors: tuple[float, ...] = (0.1, 0.3, 1.0)
 
     def __post_init__(self):
         unknown = [name for name in self.losses if name not in SEARCH_SPACES]
@@ -203,7 +207,8 @@ class Protocol:
 
     def total_runs(self) -> int:
         distinct = sum(1 for *_, repeat in self.cells() if not repeat)
-        return distinct * len(self.losses) * (self.trials + len(self.seeds))
+        trials = len(self.lr_factors) if self.carried is not None else self.trials
+        return distinct * len(self.losses) * (trials + len(self.seeds))
 
 
 def _suggest(trial, name, spec):
@@ -253,6 +258,39 @@ def tune(protocol: Protocol, ledger: Ledger, runner: Runner, loss: str, batch: i
     return best
 
 
+def tune_neighbourhood(protocol: Protocol, ledger: Ledger, runner: Runner, loss: str,
+                       batch: int, updates: int, progress=lambda _: None) -> dict:
+    """The settings carried over for (loss, batch), at each of ``protocol.lr_factors``
+    times their learning rate; returns the best on the validation classes."""
+    carried = protocol.carried.get((loss, batch))
+    if carried is None:
+        raise ValueError(f"no carried settings for {loss} at batch {batch}; carried: "
+                         f"{sorted(protocol.carried)}")
+    best, best_value = None, -1.0
+    for factor in protocol.lr_factors:
+        params = {**carried, "lr": float(carried["lr"]) * factor}
+        spec = RunSpec(loss, tuple(sorted(params.items())), batch, updates,
+                       protocol.tuning_seed, False)
+        row = ledger.get(spec)
+        if row is None:
+            progress(f"tune {loss} B={batch} u={updates} " + _describe(params))
+            row = ledger.add(spec, runner(spec))
+        else:
+            progress(None)
+        value = row.get("val_map@r")
+        value = float(value) if value is not None and math.isfinite(value) else 0.0
+        if value > best_value:
+            best, best_value = params, value
+    return best
+
+
+def carried_settings(results: list[dict], budget: str) -> dict:
+    """``{(loss, batch): params}`` picked by another comparison (its ``results.json``)
+    under ``budget``."""
+    return {(r["loss"], r["batch"]): dict(r["params"]) for r in results
+            if r["budget"] == budget}
+
+
 def evaluate(protocol: Protocol, ledger: Ledger, runner: Runner, loss: str, batch: int,
              updates: int, params: dict, progress=lambda _: None) -> list[dict]:
     """The evaluation seeds of ``params``: one row each, test scores included."""
@@ -280,7 +318,8 @@ def run(protocol: Protocol, ledger: Ledger, runner: Runner,
             if repeat:
                 params, rows = picked[(loss, batch, updates)]
             else:
-                params = tune(protocol, ledger, runner, loss, batch, updates, progress)
+                search = tune if protocol.carried is None else tune_neighbourhood
+                params = search(protocol, ledger, runner, loss, batch, updates, progress)
                 rows = evaluate(protocol, ledger, runner, loss, batch, updates, params,
                                 progress)
                 picked[(loss, batch, updates)] = (params, rows)
