@@ -110,8 +110,8 @@ def main(argv=None):
     tmp = out.with_name(".tmp-" + out.name)
     base.get_layer("small_cnn").save_weights(tmp)
     os.replace(tmp, out)
-    record = {"classes": len(names), "excluded": excluded, "train_images": int(len(train)),
-              "held_out_images": int(len(held)), "epochs": args.epochs, "batch": args.batch,
+    record = {"classes": len(names), "excluded": excluded, "train_images": len(train),
+              "held_out_images": len(held), "epochs": args.epochs, "batch": args.batch,
               "lr": args.lr, "image_size": size, "seconds": round(time.time() - started),
               "history": {k: [float(v) for v in vs] for k, vs in history.history.items()}}
     out.with_suffix(".json").write_text(json.dumps(record, indent=1))

@@ -88,7 +88,7 @@ def _eager(key, case):
 @pytest.mark.parametrize("key,case", CHECKS)
 def test_value_and_gradient_equal_pml(key, case):
     ref = GOLDENS["results"][key][case]
-    x, y, _, _ = _inputs(case)
+    x, _, _, _ = _inputs(case)
     value, grad = _eager(key, case)
     if case == "S" and GOLDENS["settings"][key]["family"] == "multi_similarity":
         # A batch without any positive pair: every loss of the library gives 0 (with a
@@ -162,7 +162,7 @@ def test_compiled_modes_give_the_eager_gradient(key, mode):
 
 def test_proxy_anchor_sample_weight_weights_items_inside_the_sums():
     """Weight 0 removes an item, weight 2 counts it twice (as a duplicated row would)."""
-    x, y, proxies, num_classes = _inputs("A")
+    x, y, _, _ = _inputs("A")
     key = "proxy_anchor/margin=0.1,alpha=32"
     weights = np.ones(len(y))
     weights[[0, 5]] = 0.0

@@ -14,8 +14,7 @@ LOG = logging.getLogger("tfaploss.compare")
 # --quick: a few minutes on a CPU, for a first look or a test.
 QUICK = {"losses": "APLoss,Triplet,MultiSimilarity", "batch_sizes": "16,32", "images": 512,
          "updates": 8, "trials": 2, "seeds": "0,1"}
-DEFAULTS = {"losses": ",".join(["APLoss", "FastAP", "SmoothAP", "Triplet", "MultiSimilarity",
-                                "SupCon", "ProxyAnchor"]),
+DEFAULTS = {"losses": "APLoss,FastAP,SmoothAP,Triplet,MultiSimilarity,SupCon,ProxyAnchor",
             "batch_sizes": "128,512,2048", "images": 49152, "updates": 64, "trials": 12,
             "seeds": "0,1,2"}
 
@@ -193,7 +192,9 @@ def cmd_compare(args) -> int:
     header = (f"## tfaploss compare: {tier} tier\n\nConfig `{args.config}`, validation "
               f"`{args.val}`; losses {', '.join(protocol.losses)}; {search}, tuning seed "
               f"{protocol.tuning_seed}; evaluation seeds "
-              f"{', '.join(map(str, protocol.seeds))}; m={m}.")
+              f"{', '.join(map(str, protocol.seeds))}; m={m}. Cost: "
+              f"{len(ledger.rows)} runs, {sum(r.get('seconds', 0) for r in ledger.rows.values()) / 3600:.2f} "
+              "hours of run time (wall clock of each run on this machine, summed).")
     text = report.markdown(results, header)
     tmp = out / ".report.md.tmp"
     tmp.write_text(text, encoding="utf-8")

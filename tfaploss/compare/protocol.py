@@ -36,8 +36,8 @@ import json
 import logging
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 LOG = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class RunSpec:
         return dict(self.params)
 
     def loss_kwargs(self) -> dict:
-        cls, fixed, _ = SEARCH_SPACES[self.loss]
+        _, fixed, _ = SEARCH_SPACES[self.loss]
         return {**fixed, **{k: v for k, v in self.params if k not in RUN_KNOBS}}
 
     def key(self, tier: str) -> str:

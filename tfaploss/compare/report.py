@@ -49,8 +49,8 @@ def markdown(results: list[dict], header: str = "") -> str:
         cols = [b for b in batches if any((budget, l, b) in by for l in losses)]
         first = next(r for r in results if r["budget"] == budget)
         lines += ["", f"### Budget: {budget}", "",
-                  "Test MAP@R (%), mean ± 95 % t-interval over the evaluation seeds; "
-                  "updates (images) per cell in the header.", "",
+                  ("Test MAP@R (%), mean ± 95 % t-interval over the evaluation seeds; "
+                   "updates (images) per cell in the header."), "",
                   "| loss | " + " | ".join(
                       f"B={b} ({by_any(by, budget, losses, b)['updates']} u, "
                       f"{by_any(by, budget, losses, b)['images']:,} im)" for b in cols) + " |",
@@ -60,15 +60,15 @@ def markdown(results: list[dict], header: str = "") -> str:
             lines.append(f"| {loss}{kind} | " + " | ".join(
                 _cell(by[(budget, loss, b)]) if (budget, loss, b) in by else "–"
                 for b in cols) + " |")
-        lines += ["", "Paired difference against the best peer of the cell (test MAP@R "
-                  "points, same seeds):", "", "| loss | " + " | ".join(f"B={b}" for b in cols)
+        lines += ["", ("Paired difference against the best peer of the cell (test MAP@R "
+                       "points, same seeds):"), "", "| loss | " + " | ".join(f"B={b}" for b in cols)
                   + " |", "|---|" + "---|" * len(cols)]
         for loss in losses:
             lines.append(f"| {loss} | " + " | ".join(
                 _pair(by[(budget, loss, b)]) if (budget, loss, b) in by else "–"
                 for b in cols) + " |")
-        lines += ["", "Settings picked on the validation classes (best validation MAP@R of "
-                  f"{first['trials']} trials):", "", "| loss | B | val MAP@R | settings |",
+        lines += ["", ("Settings picked on the validation classes (best validation MAP@R "
+                       f"of {first['trials']} trials):"), "", "| loss | B | val MAP@R | settings |",
                   "|---|---|---|---|"]
         for loss in losses:
             for b in cols:

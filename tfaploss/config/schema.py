@@ -227,7 +227,7 @@ class ModelConfig:
     ``weights`` are loaded or ``bn_calibration_images`` is set, batch statistics for a
     network trained from scratch. Why: frozen statistics of a random initialisation
     stop normalising as soon as the weights move; on the glyph set that cost 8 points
-    of MAP@R and made higher learning rates collapse (``docs/batch_sweep.md``).
+    of MAP@R and made higher learning rates collapse (``docs/batch_sweep/first_sweep.md``).
     ``head_lr_multiplier``: the head learns this many times faster than the backbone.
     ``proxy_lr_multiplier``: a proxy loss's class proxies (``ProxyAnchorLoss``,
     ``HAPLoss``'s clustering term) learn this many times faster than the backbone

@@ -97,7 +97,7 @@ class ContrastiveLoss(_DistanceLoss):
       queries without any positive are left out, as in every loss of this library).
       A query's positive pairs then weigh (m - 1) / (B - 1) of the loss with m images
       per class: 0.15 % at B=2048, m=4, so large batches push negatives apart and
-      barely pull positives together (``docs/batch_sweep.md``).
+      barely pull positives together (``docs/batch_sweep/first_sweep.md``).
     * ``"per_query"``: per query, the mean of ``l_ij`` over its positives plus the
       mean over its negatives, averaged over the queries with a positive (the
       balanced form of ROADMAP's Eq. 7 and pytorch-metric-learning's separate

@@ -33,7 +33,7 @@ import numpy as np
 
 # key -> the most recently created ClassProxies of that key (weakly: a dropped model
 # takes its layer with it).
-_LAYERS: "weakref.WeakValueDictionary[str, ClassProxies]" = weakref.WeakValueDictionary()
+_LAYERS: weakref.WeakValueDictionary[str, ClassProxies] = weakref.WeakValueDictionary()
 
 PROXIES_LAYER_NAME = "class_proxies"
 

@@ -13,7 +13,7 @@ normalises over the whole batch. :func:`ghost_batch_norm_layers` lists those lay
 Why allow it: a network trained from scratch with frozen BatchNorm has no working
 normalisation once its weights move (its statistics stay those of the random
 initialisation), and on the glyph set it trained far worse and collapsed at learning
-rates that the same network with batch statistics handles (``docs/batch_sweep.md``).
+rates that the same network with batch statistics handles (``docs/batch_sweep/first_sweep.md``).
 """
 
 from __future__ import annotations

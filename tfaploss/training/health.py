@@ -256,7 +256,7 @@ STALL_CAUSES = (
     "with 4 images per class, ContrastiveLoss(averaging='pairs') spread every "
     "embedding apart (emb_cos near 0) while 29-61% of queries stayed at chance "
     "(test MAP@R 3.5 after 96 updates), where averaging='per_query' reached 41.6 and "
-    "APLoss 94.6 (docs/batch_sweep.md).")
+    "APLoss 94.6 (docs/batch_sweep/first_sweep.md).")
 
 
 # Defaults of the patience rule (TrainingHealthMonitor's docstring says why).
@@ -267,7 +267,7 @@ DEFAULT_MIN_WINDOW_IMAGES = 8192
 DEFAULT_STOP_SHARE = 0.25  # tfaploss train's; the callback itself never stops by default
 DEFAULT_STOP_CHANCE_AP = 0.5
 # A run that stays in a wide cone with many queries at chance after its first
-# stop_share: on the glyph sweep at B=2048 (docs/batch_sweep.md), ROADMAP at every rate
+# stop_share: on the glyph sweep at B=2048 (docs/batch_sweep/first_sweep.md), ROADMAP at every rate
 # and PNP-Dq at 1.6e-2, 9 runs of 24 and 96 updates, sat at emb_cos 0.95-0.99 with
 # 33-76 % of queries at chance (epoch means) in every epoch after the first
 # (validation MAP@R 0.3-5 %), below the 0.99 collapse line. Every run of the sweep
@@ -282,7 +282,7 @@ DEFAULT_CONE_COSINE = 0.95
 DEFAULT_CONE_CHANCE_AP = 0.25
 # A run whose queries still rank no better than chance after half of it, whatever its
 # cosine, is warned about (tfaploss train never stops it for that). On the glyph sweep
-# (docs/batch_sweep.md; epoch means of its 116 runs of 4 epochs), each of the 98 runs
+# (docs/batch_sweep/first_sweep.md; epoch means of its 116 runs of 4 epochs), each of the 98 runs
 # that learned (validation MAP@R 15-99 %) had at most 20 % of its queries at chance in
 # each epoch of its second half (83 of them at most 1.5 %). Of the 18 that did not
 # (0.3-9.6 %), 14 were at 29-74 % there, among them runs the cone rule cannot see: the
