@@ -24,7 +24,7 @@ if keras.backend.backend() != "jax":
 import jax
 
 from tests.shard_layout import CLASSES, DIM, FEATURES, layout
-from tfaploss.losses import APLoss, SmoothAPLoss, XBMLoss
+from tfaploss.losses import APLoss, ProxyAnchorLoss, SmoothAPLoss, XBMLoss
 from tfaploss.training import (
     MultiStageModel,
     multistage_jax,
@@ -102,6 +102,38 @@ def test_devices_give_the_steps_of_one_device(one_device, loss_name, step):
                 for w, w0 in zip(ref_weights, _model().get_weights()))
     assert moved > 1e-3
     # float32 sums in another order (per device, per chunk): ~1e-6 after 3 steps
+    for w, ref in zip(weights, ref_weights):
+        np.testing.assert_allclose(w, ref, rtol=1e-4, atol=1e-5)
+
+
+def _train_proxy_anchor(distributed, chunk_size=None):
+    """Per-step losses and weights (the proxies last) of ProxyAnchorLoss, its proxies a
+    layer of the model, replicated on every device under DataParallel."""
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(devices=jax.devices()[:DEVICES])
+        if distributed else None)
+    try:
+        loss = ProxyAnchorLoss(CLASSES, alpha=8.0)
+        model = loss.with_proxies(_model())
+        model.get_layer("class_proxies").set_proxies(
+            np.random.default_rng(5).normal(size=(CLASSES, DIM)))
+        trainer = MultiStageModel(model, chunk_size=chunk_size) if chunk_size else model
+        trainer.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss)
+        x, y = _data()
+        losses = [float(trainer.train_on_batch(x, y)) for _ in range(STEPS)]
+        weights = [np.asarray(w) for w in model.get_weights()]
+    finally:
+        keras.distribution.set_distribution(None)
+    return losses, weights
+
+
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_devices_give_the_proxy_anchor_steps_of_one_device(chunk_size):
+    ref_losses, ref_weights = _train_proxy_anchor(distributed=False)
+    losses, weights = _train_proxy_anchor(distributed=True, chunk_size=chunk_size)
+    initial = np.random.default_rng(5).normal(size=(CLASSES, DIM))
+    assert np.abs(ref_weights[-1] - initial).max() > 1e-3  # the proxies trained
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     for w, ref in zip(weights, ref_weights):
         np.testing.assert_allclose(w, ref, rtol=1e-4, atol=1e-5)
 
