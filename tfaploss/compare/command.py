@@ -163,9 +163,10 @@ def cmd_compare(args) -> int:
             raise SystemExit(f"tfaploss compare: {err}") from None
     ledger = Ledger(out / "ledger.jsonl", tier)
     total = protocol.total_runs()
+    trials = (protocol.trials if protocol.carried is None else len(protocol.lr_factors))
     LOG.info("tfaploss compare (%s tier): %d losses x %d batch sizes x %s; %d trials + %d "
              "seeds per cell: %d runs (%d already in %s)", tier, len(protocol.losses),
-             len(protocol.batch_sizes), ",".join(protocol.budgets), protocol.trials,
+             len(protocol.batch_sizes), ",".join(protocol.budgets), trials,
              len(protocol.seeds), total, len(ledger.rows), ledger.path)
     bar = keras.utils.Progbar(total, verbose=0 if args.quiet else 1, unit_name="run")
     done = [0]
