@@ -525,7 +525,8 @@ def cmd_export(args) -> int:
 def cmd_compare(args) -> int:
     from tfaploss.compare.command import cmd_compare as run
 
-    return run(args)
+    print(run(args))  # the report's tables: the command's result
+    return 0
 
 
 def cmd_demo(args) -> int:

@@ -133,7 +133,8 @@ def _runner(args, cfg, out: Path, m: int):
                                  curve_images=500 if args.quick else 4000)
 
 
-def cmd_compare(args) -> int:
+def cmd_compare(args) -> str:
+    """Run the comparison ``args`` describes; returns the report's markdown."""
     import keras
 
     from tfaploss.compare import report
@@ -204,8 +205,7 @@ def cmd_compare(args) -> int:
     tmp.write_text(json.dumps(results, indent=1, default=str), encoding="utf-8")
     os.replace(tmp, out / "results.json")
     figure = report.plot(results, out / "report.png")
-    print(text)
     LOG.info("wrote %s, %s%s in %.0f s", out / "report.md", out / "results.json",
              f", {figure}" if figure else " (no figure: pip install 'tfaploss[viz]')",
              time.time() - started)
-    return 0
+    return text
