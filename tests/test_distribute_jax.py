@@ -14,6 +14,8 @@ Run in a process of its own with 4 host devices (the Makefile's test-jax does):
 --noconftest tests/test_distribute_jax.py``.
 """
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -106,13 +108,22 @@ def test_devices_give_the_steps_of_one_device(one_device, loss_name, step):
         np.testing.assert_allclose(w, ref, rtol=1e-4, atol=1e-5)
 
 
-def _train_proxy_anchor(distributed, chunk_size=None):
-    """Per-step losses and weights (the proxies last) of ProxyAnchorLoss, its proxies a
-    layer of the model, replicated on every device under DataParallel."""
+@contextlib.contextmanager
+def _distribution(distributed):
+    """DataParallel over DEVICES devices inside the block (none when not ``distributed``)."""
     keras.distribution.set_distribution(
         keras.distribution.DataParallel(devices=jax.devices()[:DEVICES])
         if distributed else None)
     try:
+        yield
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+def _train_proxy_anchor(distributed, chunk_size=None):
+    """Per-step losses and weights (the proxies last) of ProxyAnchorLoss, its proxies a
+    layer of the model, replicated on every device under DataParallel."""
+    with _distribution(distributed):
         loss = ProxyAnchorLoss(CLASSES, alpha=8.0)
         model = loss.with_proxies(_model())
         model.get_layer("class_proxies").set_proxies(
@@ -122,8 +133,6 @@ def _train_proxy_anchor(distributed, chunk_size=None):
         x, y = _data()
         losses = [float(trainer.train_on_batch(x, y)) for _ in range(STEPS)]
         weights = [np.asarray(w) for w in model.get_weights()]
-    finally:
-        keras.distribution.set_distribution(None)
     return losses, weights
 
 

@@ -222,6 +222,24 @@ def _stable_seed(*parts) -> int:
     return int(hashlib.sha256(repr(parts).encode()).hexdigest()[:8], 16)
 
 
+def _cached_run(ledger: Ledger, runner: Runner, spec: RunSpec, progress) -> dict:
+    """The ledger's row of ``spec``, or the run's, trained now and added to it."""
+    row = ledger.get(spec)
+    if row is not None:
+        progress(None)
+        return row
+    what = "tune" if not spec.test else f"seed {spec.seed}"
+    progress(f"{what} {spec.loss} B={spec.batch} u={spec.updates} "
+             + _describe(spec.settings))
+    return ledger.add(spec, runner(spec))
+
+
+def _tuning_value(ledger: Ledger, runner: Runner, spec: RunSpec, progress) -> float:
+    """A tuning run's validation MAP@R; a failed run (no finite value) scores 0."""
+    value = _cached_run(ledger, runner, spec, progress).get("val_map@r")
+    return float(value) if value is not None and math.isfinite(value) else 0.0
+
+
 def tune(protocol: Protocol, ledger: Ledger, runner: Runner, loss: str, batch: int,
          updates: int, progress: Callable[[str], None] = lambda _: None) -> dict:
     """``protocol.trials`` TPE trials of ``loss`` at (batch, updates); returns the best
@@ -242,16 +260,9 @@ def tune(protocol: Protocol, ledger: Ledger, runner: Runner, loss: str, batch: i
         params = {"lr": trial.suggest_float("lr", *protocol.lr_range, log=True)}
         for name, spec in knobs.items():
             params[name] = _suggest(trial, name, spec)
-        spec = RunSpec(loss, tuple(sorted(params.items())), batch, updates,
-                       protocol.tuning_seed, False)
-        row = ledger.get(spec)
-        if row is None:
-            progress(f"tune {loss} B={batch} u={updates} " + _describe(params))
-            row = ledger.add(spec, runner(spec))
-        else:
-            progress(None)
-        value = row.get("val_map@r")
-        value = float(value) if value is not None and math.isfinite(value) else 0.0
+        value = _tuning_value(ledger, runner, RunSpec(
+            loss, tuple(sorted(params.items())), batch, updates, protocol.tuning_seed,
+            False), progress)
         study.tell(trial, value)
         if value > best_value:
             best, best_value = params, value
@@ -269,16 +280,9 @@ def tune_neighbourhood(protocol: Protocol, ledger: Ledger, runner: Runner, loss:
     best, best_value = None, -1.0
     for factor in protocol.lr_factors:
         params = {**carried, "lr": float(carried["lr"]) * factor}
-        spec = RunSpec(loss, tuple(sorted(params.items())), batch, updates,
-                       protocol.tuning_seed, False)
-        row = ledger.get(spec)
-        if row is None:
-            progress(f"tune {loss} B={batch} u={updates} " + _describe(params))
-            row = ledger.add(spec, runner(spec))
-        else:
-            progress(None)
-        value = row.get("val_map@r")
-        value = float(value) if value is not None and math.isfinite(value) else 0.0
+        value = _tuning_value(ledger, runner, RunSpec(
+            loss, tuple(sorted(params.items())), batch, updates, protocol.tuning_seed,
+            False), progress)
         if value > best_value:
             best, best_value = params, value
     return best
@@ -297,13 +301,7 @@ def evaluate(protocol: Protocol, ledger: Ledger, runner: Runner, loss: str, batc
     rows = []
     for seed in protocol.seeds:
         spec = RunSpec(loss, tuple(sorted(params.items())), batch, updates, seed, True)
-        row = ledger.get(spec)
-        if row is None:
-            progress(f"seed {seed} {loss} B={batch} u={updates}")
-            row = ledger.add(spec, runner(spec))
-        else:
-            progress(None)
-        rows.append(row)
+        rows.append(_cached_run(ledger, runner, spec, progress))
     return rows
 
 
