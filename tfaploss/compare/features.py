@@ -164,19 +164,21 @@ class FeatureRunner:
         import keras
 
         from tfaploss import losses
+        from tfaploss.run.build import _uses_proxies
         from tfaploss.run.schedule import RecipeSchedule
 
         keras.utils.set_random_seed(spec.seed)
         cls, _, _ = SEARCH_SPACES[spec.loss]
         kwargs = spec.loss_kwargs()
         loss_cls = getattr(losses, cls)
-        loss = (loss_cls(len(self.classes), **kwargs) if cls == "ProxyAnchorLoss"
+        proxies = _uses_proxies(loss_cls, kwargs)
+        loss = (loss_cls(num_classes=len(self.classes), **kwargs) if proxies
                 else loss_cls(**kwargs))
         width = self.train[0].shape[1]
         model = keras.Sequential([keras.Input((width,)),
                                   keras.layers.Dense(self.hidden, activation="relu"),
                                   keras.layers.Dense(self.dim)], name="head")
-        if hasattr(loss, "with_proxies") and cls == "ProxyAnchorLoss":
+        if proxies:
             model = loss.with_proxies(model)
         settings = spec.settings
         schedule = RecipeSchedule(kind="cosine", lr=settings["lr"], total_steps=spec.updates,

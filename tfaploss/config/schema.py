@@ -761,7 +761,6 @@ def _check_like_default(value, default, annotation, path):
                          and name not in NONE_DEFAULT_LOSS_ARGS):
         return value
     if default is None or default is inspect.Parameter.empty:
-        name = path.rsplit(".", 1)[-1]
         if name not in NONE_DEFAULT_LOSS_ARGS:
             raise TypeError(f"loss argument {path!r} defaults to None and has no entry in "
                             "NONE_DEFAULT_LOSS_ARGS")  # a bug here, caught by the tests

@@ -262,6 +262,10 @@ class HAPLoss(ProxiesOwner, RetrievalLoss):
 
     proxies_layer_class = ClusterProxies
 
+    @classmethod
+    def uses_proxies(cls, kwargs: dict) -> bool:
+        return kwargs.get("clustering_weight", 0.0) > 0  # the clustering term only
+
     def __init__(self, tau=0.01, rho=100.0, delta=0.05, start=0.5, offset=1.44, alpha=1.0,
                  clustering_weight=0.0, num_classes=None, cluster_temperature=0.05,
                  include_self=True, normalize=True, pairs_per_block=None,

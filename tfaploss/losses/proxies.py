@@ -130,6 +130,12 @@ class ProxiesOwner:
 
     proxies_layer_class = ClassProxies
 
+    @classmethod
+    def uses_proxies(cls, kwargs: dict) -> bool:
+        """Whether the loss built with constructor arguments ``kwargs`` scores against
+        proxies (then ``num_classes`` is needed and the model must hold the layer)."""
+        return True
+
     def _init_proxies(self, num_classes, proxies_key=None):
         self._proxies_layer = None
         self._num_proxies = num_classes

@@ -107,10 +107,7 @@ class ProxyAnchorLoss(ProxiesOwner, RetrievalLoss):
                                  f"distribution strategy; received reduction={self.reduction!r}.")
             return self._global_batch_call(y_true, y_pred, sample_weight, replicas)
         with keras.name_scope(self.name):
-            embeddings = self._check_embeddings(
-                ops.convert_to_tensor(y_pred, dtype=self.dtype), "y_pred")
-            labels = _check_sizes(owner, check_labels(y_true), embeddings, "y_true", "y_pred")
-            return self._reduced_loss(labels, embeddings, sample_weight, per_replica=True)
+            return self._reduced_loss(y_true, y_pred, sample_weight, per_replica=True)
 
     def _reduced_loss(self, labels, embeddings, sample_weight, per_replica=False):
         terms = self.proxy_terms(labels, embeddings, sample_weight)
@@ -159,7 +156,7 @@ class ProxyAnchorLoss(ProxiesOwner, RetrievalLoss):
         if sample_weight is None:
             return items + 1.0
         weights = ops.cast(self._check_sample_weight(sample_weight, items), dtype)
-        weights = ops.reshape(weights, (-1,)) + items  # a scalar: one weight per item
+        weights = ops.reshape(weights, (-1,))
         negative = _concrete(ops.any(weights < 0))
         if negative is not None and bool(negative):
             raise ValueError(f"{type(self).__name__}: sample_weight weights items inside "

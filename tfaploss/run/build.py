@@ -162,10 +162,7 @@ def build_loss(cfg: Config):
 def _uses_proxies(cls, kwargs) -> bool:
     from tfaploss.losses.proxies import ProxiesOwner
 
-    if not issubclass(cls, ProxiesOwner):
-        return False
-    # HAPLoss: only with its clustering term (its default weight is 0)
-    return kwargs.get("clustering_weight", 1.0 if cls.__name__ != "HAPLoss" else 0.0) > 0
+    return issubclass(cls, ProxiesOwner) and cls.uses_proxies(kwargs)
 
 
 def _proxy_classes(cfg: Config, configured) -> int:
@@ -190,7 +187,7 @@ def _proxy_classes(cfg: Config, configured) -> int:
 def attach_proxies(loss, embedding_model):
     """``embedding_model`` followed by ``loss``'s proxies layer when the loss has one (the
     optimizer then trains the proxies and checkpoints keep them), else unchanged."""
-    if not hasattr(loss, "with_proxies") or getattr(loss, "clustering_weight", 1.0) <= 0:
+    if not _uses_proxies(type(loss), loss.get_config()):
         return embedding_model
     return loss.with_proxies(embedding_model)
 
