@@ -1,111 +1,98 @@
 """The tree follows the data's path, with no circles.
 
-raw files -> ``pipelines`` -> TFRecords -> ``tfaploss.data`` -> ``models`` ->
-``tfaploss.losses`` / ``tfaploss.training`` -> ``tfaploss.run`` -> ``tfaploss.evaluation``
--> ``tfaploss.export``. Each package below may import only packages of a strictly lower
-layer (every import counts, including the lazy ones inside functions), so the import
-graph between packages has no cycle and a reader can learn the tree bottom-up. A new
-package fails this test until it is given a layer here.
+The rules are import-linter contracts in ``pyproject.toml`` (``[tool.importlinter]``):
+the layers, the package root that only the command line reads, and no cycle between
+the modules of any package. ``lint-imports`` in the repository root checks them by hand.
 """
 
 from __future__ import annotations
 
-import ast
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 ROOT = Path(__file__).resolve().parent.parent
-OURS = ("tfaploss", "pipelines", "models")
-
-# Unit -> layer. A unit is a top-level package, or a direct child of ``tfaploss``.
-LAYERS = {
-    # Foundations: no other tfaploss package.
-    "tfaploss._registration": 0,
-    "tfaploss._keras_compat": 0,    # the one home of Keras's private names
-    "tfaploss.faults": 0,           # the fault injector of the crash tests
-    "tfaploss.locks": 0,            # one writer per run directory or output folder
-    "tfaploss.log": 0,              # the logging scheme (loggers, CLI handler)
-    "tfaploss.ops": 0,              # backend kernels the losses share
-    # Building blocks, each standing alone.
-    "tfaploss.data": 1,             # TFRecords -> batches
-    "models": 1,                    # backbones and embedding heads
-    "tfaploss.losses": 1,
-    "tfaploss.evaluation": 1,       # search and metrics over embeddings
-    # What combines blocks.
-    "tfaploss.training": 2,         # multi-stage step, health, checkpoints (uses models)
-    "tfaploss.config": 2,           # the schema checks a loss section against its class
-    "tfaploss.export": 2,           # SavedModel around a model
-    "pipelines": 2,                 # Beam jobs (read ground truth as evaluation does)
-    # The run: a config carried out end to end.
-    "tfaploss.run": 3,
-    # Applications.
-    "tfaploss.demo": 4,
-    "tfaploss.compare": 4,          # the comparison protocol over runs
-    # The package root imports what registers tfaploss's Keras classes (every layer);
-    # modules import the submodule they need, never the root's names.
-    "tfaploss": 5,
-    "tfaploss.cli": 6,              # the command line (reads the root's __version__)
-}
+ROOTS = ("tfaploss", "models", "pipelines")
+CHECK = ("import sys; from importlinter.cli import lint_imports; "
+         "sys.exit(lint_imports(no_cache=True, no_logo=True))")
 
 
-def _unit(module: str) -> str:
-    parts = module.split(".")
-    return ".".join(parts[:2]) if parts[0] == "tfaploss" and len(parts) > 1 else parts[0]
+def _lint(root: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run([sys.executable, "-c", CHECK], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
 
 
-def _is_module(dotted: str) -> bool:
-    path = ROOT.joinpath(*dotted.split("."))
-    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+def _contracts(root: Path = ROOT) -> dict[str, dict]:
+    config = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+    return {c["id"]: c for c in config["tool"]["importlinter"]["contracts"]}
 
 
-def _imports(path: Path):
-    """Every module of ours that ``path`` imports, with the line."""
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            # `from tfaploss import losses` imports tfaploss.losses, not just tfaploss.
-            names = [f"{node.module}.{a.name}" for a in node.names
-                     if _is_module(f"{node.module}.{a.name}")] or [node.module]
-        else:
-            continue
-        for name in names:
-            if name.split(".")[0] in OURS:
-                yield name, node.lineno
-
-
-def _package_modules():
-    for top in OURS:
-        for path in sorted((ROOT / top).rglob("*.py")):
-            module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-            yield module.removesuffix(".__init__"), path
+def test_contracts_are_kept():
+    result = _lint(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_every_package_has_a_layer():
-    units = {_unit(module) for module, _ in _package_modules()}
-    missing = sorted(units - set(LAYERS))
-    assert not missing, f"give these packages a layer in {Path(__file__).name}: {missing}"
+    named = {name.strip() for layer in _contracts()["layers"]["layers"]
+             for name in layer.split("|")}
+    units = set(ROOTS) - {"tfaploss"}
+    for path in (ROOT / "tfaploss").iterdir():
+        if path.name.startswith("__"):
+            continue
+        if path.suffix == ".py" or (path / "__init__.py").is_file():
+            units.add(f"tfaploss.{path.stem}")
+    missing = sorted(units - named)
+    assert not missing, f"give these a layer in pyproject.toml's import contracts: {missing}"
 
 
-def test_imports_only_go_down_the_layers():
-    upward = []
-    for module, path in _package_modules():
-        source = _unit(module)
-        for name, line in _imports(path):
-            target = _unit(name)
-            if target == source or target not in LAYERS or source not in LAYERS:
-                continue
-            if LAYERS[target] >= LAYERS[source]:
-                upward.append(f"{path.relative_to(ROOT)}:{line} ({source}, layer "
-                              f"{LAYERS[source]}) imports {name} (layer {LAYERS[target]})")
-    assert not upward, "imports against the data's path:\n" + "\n".join(upward)
+@pytest.fixture(scope="module")
+def tree_copy(tmp_path_factory) -> Path:
+    """The packages' sources and the contracts, copied, for the probes to break."""
+    root = tmp_path_factory.mktemp("tree")
+    shutil.copy(ROOT / "pyproject.toml", root)
+    for package in ROOTS:
+        shutil.copytree(ROOT / package, root / package,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return root
 
 
-@pytest.mark.parametrize("source, target", [
-    ("tfaploss.losses", "tfaploss.training"),
-    ("tfaploss.config", "tfaploss.run"),
-    ("tfaploss.run", "tfaploss.cli"),
-])
-def test_the_rule_catches_an_upward_import(source, target):
-    assert LAYERS[target] > LAYERS[source]
+# Each probe adds modules to a copy of the tree; the named contract must break.
+PROBES = {
+    "upward import": ("layers", {"tfaploss/ops/probe.py": "import tfaploss.run.trainer\n"}),
+    "lazy upward import": ("layers", {
+        "models/probe.py": "def f():\n    from tfaploss.evaluation import metrics\n"}),
+    "siblings of one layer": ("layers", {"tfaploss/losses/probe.py": "import models.heads\n"}),
+    "root's names": ("root", {
+        "tfaploss/losses/probe.py": "from tfaploss import __version__\n"}),
+    "module cycle": ("cycles", {
+        "tfaploss/evaluation/probe_a.py": "from tfaploss.evaluation import probe_b\n",
+        "tfaploss/evaluation/probe_b.py": "from tfaploss.evaluation import probe_a\n"}),
+    "cycle of three": ("cycles", {
+        "pipelines/probe_a.py": "def f():\n    import pipelines.probe_b\n",
+        "pipelines/probe_b.py": "import pipelines.probe_c\n",
+        "pipelines/probe_c.py": "from pipelines import probe_a\n"}),
+}
+
+
+@pytest.mark.parametrize("probe", sorted(PROBES))
+def test_the_contracts_catch(tree_copy, probe, tmp_path):
+    contract, files = PROBES[probe]
+    root = tmp_path / "tree"
+    shutil.copytree(tree_copy, root)
+    for name, text in files.items():
+        (root / name).write_text(text, encoding="utf-8")
+    result = _lint(root)
+    assert result.returncode == 1, result.stdout + result.stderr
+    broken = result.stdout.split("Broken contracts")[-1]
+    assert _contracts(root)[contract]["name"] in broken, result.stdout
+    assert "probe" in broken, result.stdout  # broken by the probe, not by something else
