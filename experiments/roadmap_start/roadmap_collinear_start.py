@@ -1,4 +1,4 @@
-"""Does ROADMAP survive a near-collinear start? (issue 14, item 1)
+"""Does ROADMAP survive a near-collinear start?
 
 A small CNN trained from scratch (``small_cnn`` + GeM, frozen BatchNorm calibrated on
 training images, as ``configs/demo_digits.yaml``) starts with every embedding in a
@@ -12,7 +12,7 @@ The floors printed beside the figures, measured in the same run: the untrained m
 R@1 (what collapse must not fall below) and chance R@1 (1 / classes-ish: the fraction
 of a query's same-class neighbours among the test set).
 
-    python benchmarks/roadmap_collinear_start.py --steps 150
+    python experiments/roadmap_start/roadmap_collinear_start.py --steps 150
 """
 
 from __future__ import annotations
