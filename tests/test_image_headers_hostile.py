@@ -21,8 +21,8 @@ from PIL import Image
 
 from pipelines import folder, image_headers
 from pipelines import images as I
-from tests.reliability import hostile_images as H
 from tests import miniature as mini
+from tests.reliability import hostile_images as H
 from tfaploss.export import export_saved_model
 from tfaploss.export.image_header import UNREADABLE, declared_pixels
 

@@ -535,10 +535,10 @@ def repeat_markdown(rows, repeats) -> str:
         return ""
     gaps = sorted(abs(a["val_map@r"] - b["val_map@r"]) for a, b in pairs)
     kinds = sorted({r.get("device_kind", r.get("device", "?")) for r in repeats})
-    lines = ["", f"Run-to-run repeat ({REPEAT_LEDGER}, on {', '.join(kinds)}): the seed-0 "
+    lines = ["", (f"Run-to-run repeat ({REPEAT_LEDGER}, on {', '.join(kinds)}): the seed-0 "
              f"tuning runs trained again. Validation (test) MAP@R, first run → repeat; "
              f"|Δ val| median {statistics.median(gaps):.1f}, max {gaps[-1]:.1f} over "
-             f"{len(pairs)} runs.", "",
+             f"{len(pairs)} runs."), "",
              "| loss | B | lr | first | repeat | Δ val |", "|---|---|---|---|---|---|"]
     for a, b in pairs:
         lines.append(f"| {a['loss']} | {a['batch']} | {a['lr']:g} | {a['val_map@r']:.1f} "
