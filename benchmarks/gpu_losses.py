@@ -9,7 +9,7 @@ and gradient with respect to the embeddings, D=512, labels in classes of 4, for 
 its peak device memory is its own, and an out-of-memory cell does not end the run);
 the floor, the product X·Xᵀ alone, is measured the same way in the same run and
 printed beside each figure, with the ratio. A reference row, a plain gathered
-(B x m x B) Smooth-AP written with keras.ops, is the bar the issue sets.
+(B x m x B) Smooth-AP written with keras.ops, is the bar the losses must clear.
 
     python benchmarks/gpu_losses.py --device gpu                    # the GPU table
     python benchmarks/gpu_losses.py --device cpu --sizes 256,1024   # a quick CPU check
@@ -87,7 +87,7 @@ def _labels(batch: int):
 
 
 def reference_smooth_ap():
-    """The issue's bar: Smooth-AP gathered over the positives, B x m x B, keras.ops.
+    """The bar: Smooth-AP gathered over the positives, B x m x B, keras.ops.
 
     For query i with positives P(i) (the other m = CLASS_SIZE - 1 items of its class,
     which are contiguous here), ``rank(p) = 1 + sum_{j != i} sigmoid((s_ij - s_ip)/t)``

@@ -11,7 +11,7 @@ nearly flat, multi-stage time ~ (2 fwd + 1 bwd) / (1 fwd + 1 bwd) ~ 4/3 of plain
 The parent watches each child's RSS and stops it above ``--max-rss-gb`` (reported as
 OOM), so that a plain step that would not fit does not take a shared machine down.
 
-    python benchmarks/multistage.py                       # the grid, CPU
+    python benchmarks/multistage.py                       # the full grid, CPU
     python benchmarks/multistage.py --batch-sizes 8,16 --chunk 8 --image-size 64 \
         --backbone small_cnn                              # a smoke run
     python benchmarks/multistage.py --quick               # small_cnn, 32², B=128

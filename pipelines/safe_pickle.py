@@ -6,8 +6,8 @@ pickles, and ``pickle.load`` runs whatever a pickle says. Even an allow-list of
 array of attacker-chosen pointers (a segfault, or a live ``os.system``), and
 ``bytes(1 << 30)`` allocates a GiB from a 68-byte file.
 
-Design (issue 21 item 2, issue 20 item 6)
------------------------------------------
+Design
+------
 Two designs were weighed:
 
 (a) keep a restricted reader, bounded in its *total* work, wherever a pickle is read

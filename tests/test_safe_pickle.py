@@ -142,7 +142,7 @@ def _gnd_with(entry_bytes: bytes) -> bytes:
 
 
 HOSTILE = {
-    # the 168-byte pointer trick, at top level and inside a gnd entry
+    # the 168-byte pointer trick, at top level and inside a gnd entry
     "object_array": _object_pointer_array(),
     "object_array_in_gnd": _gnd_with(_object_pointer_array()[2:-1]),
     # an int64 dtype whose state claims it holds objects (numpy internal errors before)

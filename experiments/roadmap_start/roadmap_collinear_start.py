@@ -71,7 +71,7 @@ def build(seed, train_images, collinear=0.0):
     calibrate_batch_norm(model, train_images[:192])
     if collinear:
         # A common offset along one direction: every embedding starts in a narrow cone,
-        # as the from-scratch CNN did (mean cosine 0.997).
+        # as a from-scratch CNN does (mean cosine 0.997).
         head = model.get_layer("head")
         features = keras.Model(model.input, head.input)(train_images[:256])
         spread = float(np.std(np.asarray(features) @ np.asarray(head.kernel)))
