@@ -90,8 +90,16 @@ test-torch: $(TORCH_STAMP)
 	KERAS_BACKEND=torch $(BIN)/python -m pytest --noconftest $(PYTEST_ARGS) \
 		tests/test_distribute_torch.py
 
+# The performance suite (benchmarks/suite.py): every benchmark, one summary table.
+# QUICK=1 (or bench-quick): a few minutes on 2 cores; PREVIOUS=file: an earlier suite
+# results file whose ratios are shown beside this run's.
+QUICK ?=
+PREVIOUS ?=
 bench: $(STAMP)
-	$(BIN)/python benchmarks/losses.py
+	$(BIN)/python benchmarks/suite.py $(if $(QUICK),--quick) $(if $(PREVIOUS),--previous $(PREVIOUS))
+
+bench-quick: $(STAMP)
+	$(BIN)/python benchmarks/suite.py --quick $(if $(PREVIOUS),--previous $(PREVIOUS))
 
 # The glyph retrieval set (pipelines/glyphs.py): one class per CJK character, one image
 # per font face. Without FONTS, Debian's CJK font packages are downloaded and unpacked

@@ -12,6 +12,10 @@ loss (they must agree).
 
     python benchmarks/data_parallel.py --device gpu                  # every GPU
     python benchmarks/data_parallel.py --device cpu --cpu-devices 4 --batch 256 --chunk 32
+    python benchmarks/data_parallel.py --device cpu --quick          # B=128, 2 devices
+
+Its figures are each distributed step's time beside the same step on one device (the
+peer), written with the rows to ``benchmarks/results/data_parallel.json``.
 
 CPU devices share the same cores, so a CPU run shows correctness and overhead, not
 speed-up.
@@ -20,18 +24,28 @@ speed-up.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-for _path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
 
-from batch_sweep_jax import build_model
+import harness
+
+
+def build_model(seed):
+    """The GPU batch sweep's wider small_cnn (``experiments/batch_sweep/batch_sweep_jax.py``):
+    widths 64, 128, 256, 32² images, GeM, 128-d."""
+    import keras
+
+    from models.embedding import build_embedding_model
+
+    keras.utils.set_random_seed(seed)
+    return build_embedding_model(
+        backbone="small_cnn", input_shape=(32, 32, 3), embedding_dim=128, pooling="gem",
+        weights=None, backbone_kwargs={"widths": (64, 128, 256)})
 
 
 def parse_args(argv=None):
@@ -43,8 +57,13 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--chunk", type=int, default=512, help="MultiStageModel rows per device")
     p.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up)")
-    p.add_argument("--json", help="also write the rows to this file")
-    return p.parse_args(argv)
+    harness.add_arguments(p, harness.RESULTS_DIR / "data_parallel.json", out_aliases=("--json",),
+                          quick_help="B=128, chunk 16, 3 timed steps (on CPU: 2 devices)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch, args.chunk, args.steps = 128, 16, 3
+        args.cpu_devices = min(args.cpu_devices, 2)
+    return args
 
 
 def _setup(args) -> None:
@@ -70,16 +89,17 @@ def measure(args, distributed: bool, multistage: bool, x, y) -> dict:
         if multistage:
             model = MultiStageModel(model, chunk_size=args.chunk)
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss=APLoss())
-        losses, times = [], []
-        for step in range(args.steps + 2):
-            t0 = time.perf_counter()
+        losses = []
+
+        def step():
             logs = model.train_on_batch(x, y, return_dict=True)
             losses.append(float(logs["loss"]))  # a host copy: the step has finished
-            times.append(time.perf_counter() - t0)
+
+        timing = harness.time_calls(step, args.steps, warmup=2)
     finally:
         keras.distribution.set_distribution(None)
     shards = len(devices) if distributed else 1
-    step_s = sorted(times[2:])[len(times[2:]) // 2]
+    step_s = sorted(timing.times)[len(timing.times) // 2]
     return {"step": "MultiStageModel" if multistage else "plain fit",
             "distribution": f"DataParallel({len(devices)})" if distributed else "none",
             "devices": shards, "global_batch": args.batch,
@@ -116,8 +136,13 @@ def main(argv=None) -> None:
         print(f"{r['step']:>16s} {r['distribution']:>16s} {r['global_batch']:>9d} "
               f"{r['per_device_batch']:>10d} {r['ms_per_step']:>9.1f} "
               f"{r['images_per_s']:>10.0f} {r['first_loss']:>11.6f}  {extra}", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    figures = [harness.figure(
+        "data_parallel", f"{r['step']}, {r['distribution']}, global B={r['global_batch']}",
+        r["ms_per_step"] / 1000, "s", floor=base["ms_per_step"] / 1000, peer=True,
+        floor_name="the same step on one device",
+        note=f"first-loss gap {r['loss_gap']:.1e}")
+        for base, r in zip(rows[::2], rows[1::2])]
+    harness.write_results(args.out, "data_parallel", args, figures, rows=rows)
 
 
 if __name__ == "__main__":

@@ -8,15 +8,17 @@ times the decode + resize + crop alone and the ``embed_pixels`` signature (the m
 alone) on the same batch. Runs on the CPU and, where one is visible, on the GPU.
 
     python benchmarks/embed.py [--batch 32] [--repeats 5] [--image-size 224]
+    python benchmarks/embed.py --quick     # small_cnn at 64², batch 8
 
 Prints a table (wall-clock and process-CPU time per batch) and writes
-``benchmarks/results/embed.json``.
+``benchmarks/results/embed.json``; its figure per device is ``serving_default`` beside
+its floor, the decode and the model timed apart (the signature is those two and
+nothing else).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -33,6 +35,8 @@ import tensorflow as tf
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import harness
+
 import models
 from tfaploss.export import decode_images, export_saved_model
 
@@ -43,16 +47,20 @@ def _time(fn, repeats):
     On a shared machine the wall time depends on the other processes; the CPU time
     (images per CPU-second) is the figure that compares across loads.
     """
-    fn()  # warm-up: tracing, allocation, autotuning
-    walls, cpus = [], []
-    for i in range(repeats):
-        start, start_cpu = time.perf_counter(), time.process_time()
+    cpus = []
+
+    def call():
+        start_cpu = time.process_time()
         fn()
-        walls.append(time.perf_counter() - start)
         cpus.append(time.process_time() - start_cpu)
-        print(f"    run {i + 1}/{repeats}: {walls[-1]:.3f} s wall, {cpus[-1]:.3f} s CPU",
+
+    def progress(i, wall):
+        print(f"    run {i + 1}/{repeats}: {wall:.3f} s wall, {cpus[-1]:.3f} s CPU",
               flush=True)
-    return statistics.median(walls), statistics.median(cpus)
+
+    # one warm-up call: tracing, allocation, autotuning
+    timing = harness.time_calls(call, repeats, on_call=progress)
+    return timing.median, statistics.median(cpus[1:])
 
 
 def main(argv=None):
@@ -63,8 +71,11 @@ def main(argv=None):
     parser.add_argument("--backbone", default="resnet50")
     parser.add_argument("--pooling", default="gem")
     parser.add_argument("--embedding-dim", type=int, default=512)
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "embed.json"))
+    harness.add_arguments(parser, harness.RESULTS_DIR / "embed.json",
+                          quick_help="small_cnn at 64x64, batch 8")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.backbone, args.image_size, args.batch = "small_cnn", 64, 8
 
     size = (args.image_size, args.image_size)
     photos = Path(sklearn.datasets.__file__).parent / "images"
@@ -112,8 +123,15 @@ def main(argv=None):
               f"{r['seconds_per_batch']:>9.3f} {r['images_per_second']:>9.1f} "
               f"{r['cpu_seconds_per_batch']:>11.3f} {r['images_per_cpu_second']:>12.1f}")
 
+    figures = []
+    for device in dict.fromkeys(r["device"] for r in rows):
+        cell = {r["case"]: r["seconds_per_batch"] for r in rows if r["device"] == device}
+        figures.append(harness.figure(
+            "embed", f"{device} serving_default, batch {args.batch}",
+            cell["serving_default (JPEG bytes)"], "s",
+            floor=cell["decode + resize + crop only"] + cell["embed_pixels (model only)"],
+            floor_name="decode alone + model alone"))
     result = {
-        "benchmark": "embed",
         "model": f"{args.backbone}/{args.pooling}/{args.embedding_dim}, random weights",
         "image_size": list(size),
         "input": "JPEG 427x640 (scikit-learn sample photos)",
@@ -127,10 +145,7 @@ def main(argv=None):
         "platform": platform.platform(),
         "rows": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {out}")
+    harness.write_results(args.out, "embed", args, figures, **result)
     return result
 
 

@@ -9,7 +9,7 @@ and gradient with respect to the embeddings, D=512, labels in classes of 4, for 
 its peak device memory is its own, and an out-of-memory cell does not end the run);
 the floor, the product X·Xᵀ alone, is measured the same way in the same run and
 printed beside each figure, with the ratio. A reference row, a plain gathered
-(B x m x B) Smooth-AP written with keras.ops, is the bar the issue sets.
+(B x m x B) Smooth-AP written with keras.ops, is the bar the losses must clear.
 
     python benchmarks/gpu_losses.py --device gpu                    # the GPU table
     python benchmarks/gpu_losses.py --device cpu --sizes 256,1024   # a quick CPU check
@@ -27,7 +27,11 @@ memory and the chunk size.
         --image-size 64                                              # a CPU smoke run
 
 Peak memory is the device's ``peak_bytes_in_use`` where JAX reports it (GPU), else the
-process's peak RSS (CPU). Prints tables and writes JSON to ``benchmarks/results/``.
+process's peak RSS (CPU). Prints tables and writes JSON to ``benchmarks/results/``; its
+figures are each loss's time beside the floor's at the same B, and the step's images/s
+beside its floor. ``--quick``: B=4096 and five losses (with ``--step``: a batch of 1,024).
+
+``make bench`` runs it only where ``nvidia-smi`` lists a GPU.
 """
 
 from __future__ import annotations
@@ -35,20 +39,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
-import resource
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import harness
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 FLOOR = "X·Xᵀ (floor)"
 REFERENCE = "reference: gathered Smooth-AP B×m×B"
 CLASS_SIZE = 4
+QUICK_LOSSES = "APLoss,FastAPLoss,SmoothAPLoss,ROADMAPLoss,TripletLoss"
 
 
 def _setup_backend(device: str) -> None:
@@ -67,20 +70,14 @@ def _peak_memory_gb() -> tuple[float, str]:
     stats = jax.local_devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         return stats["peak_bytes_in_use"] / 2**30, "device"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "RSS"
+    return harness.peak_rss_gb(), "RSS"
 
 
 def _time(fn, *args, repeats: int) -> float:
     """Median seconds of ``fn(*args)`` (results waited for), after one warm-up call."""
     import jax
 
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return harness.time_calls(lambda: jax.block_until_ready(fn(*args)), repeats).median
 
 
 def _labels(batch: int):
@@ -90,7 +87,7 @@ def _labels(batch: int):
 
 
 def reference_smooth_ap():
-    """The issue's bar: Smooth-AP gathered over the positives, B x m x B, keras.ops.
+    """The bar: Smooth-AP gathered over the positives, B x m x B, keras.ops.
 
     For query i with positives P(i) (the other m = CLASS_SIZE - 1 items of its class,
     which are contiguous here), ``rank(p) = 1 + sum_{j != i} sigmoid((s_ij - s_ip)/t)``
@@ -172,7 +169,7 @@ def run_cell(args) -> dict:
 
 
 def run_child(args, cell: str, size: int) -> dict:
-    command = [sys.executable, __file__, "--device", args.device, "--cell", cell,
+    command = [sys.executable, os.path.abspath(__file__), "--device", args.device, "--cell", cell,
                "--size", str(size), "--dim", str(args.dim), "--repeats", str(args.repeats)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
@@ -220,7 +217,17 @@ def run_losses(args) -> dict:
     for name in rows:
         cells = [_cell_text(results[(name, s)], results[(FLOOR, s)]) for s in sizes]
         print(f"{name:{width}s} | " + " | ".join(f"{c:38s}" for c in cells))
-    return {"losses": [results[(n, s)] for n in rows for s in sizes]}
+    figures = []
+    for name in names:
+        for size in sizes:
+            cell, floor = results[(name, size)], results[(FLOOR, size)]
+            ok, floor_ok = cell.get("status") == "ok", floor.get("status") == "ok"
+            figures.append(harness.figure(
+                "gpu_losses", f"{name} B={size} ({args.device})",
+                cell["seconds"] if ok else None, "s",
+                floor=floor["seconds"] if floor_ok else None, floor_name=FLOOR,
+                note="" if ok else cell.get("status", "not run")))
+    return {"losses": [results[(n, s)] for n in rows for s in sizes], "figures": figures}
 
 
 # -- the multi-stage ResNet-50 step --------------------------------------------------------
@@ -307,7 +314,11 @@ def run_step(args) -> dict:
           f"plain step {plain_rate:,.0f} images/s -> 1 fwd + 1 step per image: "
           f"{floor_rate:,.0f} images/s")
     print(f"  ratio to the floor: {rate / floor_rate:.2f}")
-    return {"step": result}
+    figures = [harness.figure(
+        "gpu_losses", f"multi-stage {args.backbone} step B={args.step_batch} chunk "
+        f"{args.chunk} ({args.device})", rate, "images/s", floor=floor_rate,
+        floor_name="1 forward + 1 plain step per image", higher_is_better=True)]
+    return {"step": result, "figures": figures}
 
 
 def _step_loss(name: str):
@@ -337,10 +348,14 @@ def main(argv=None):
     parser.add_argument("--policy", default="mixed_bfloat16")
     parser.add_argument("--step-loss", default="SmoothAPLoss",
                         help="a tfaploss.losses name, or 'reference' (keras.ops Smooth-AP)")
-    parser.add_argument("--output", default=None)
+    harness.add_arguments(parser, "", out_aliases=("--output",),
+                          quick_help=f"B=4096, {QUICK_LOSSES} (--step: batch 1024)")
     parser.add_argument("--cell", help=argparse.SUPPRESS)
     parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.quick and not args.cell:
+        args.sizes, args.losses = "4096", args.losses or QUICK_LOSSES
+        args.step_batch = min(args.step_batch, 1024)
 
     if args.cell:
         print(json.dumps(run_cell(args)), flush=True)
@@ -350,13 +365,9 @@ def main(argv=None):
         result = run_step(args)
     else:
         result = run_losses(args)
-    result["config"] = {k: v for k, v in vars(args).items() if k not in ("cell", "size")}
-    result["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count()}
     kind = "step" if args.step else "losses"
-    out = Path(args.output or RESULTS_DIR / f"gpu_{kind}_{args.device}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
-    print(f"wrote {out}")
+    out = args.out or harness.RESULTS_DIR / f"gpu_{kind}_{args.device}.json"
+    harness.write_results(out, "gpu_losses", args, result.pop("figures"), **result)
 
 
 if __name__ == "__main__":

@@ -29,9 +29,7 @@ Writes ``benchmarks/results/input_pipeline.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -40,6 +38,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import harness
 
 
 def generate_jpegs(root: str, num_images: int, num_classes: int, size: tuple[int, int],
@@ -73,8 +73,8 @@ def build_run(args, split: str):
     """Dataset, compiled model and config, as ``tfaploss.run.trainer.train`` makes them."""
     import keras
 
-    from tfaploss.run import build as B
     from tfaploss.config import load_config
+    from tfaploss.run import build as B
     from tfaploss.training import MultiStageModel
 
     overrides = [f"data.train={split}", "data.test=null", "model.weights=null",
@@ -122,8 +122,6 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=os.path.join("configs", "roadmap_sop_resnet50.yaml"))
     p.add_argument("--set", action="append", default=[],
                    help="config override KEY=VALUE (repeatable)")
-    p.add_argument("--quick", action="store_true",
-                   help="small CNN at 64x64, B=64, fewer images: a check that runs in minutes")
     p.add_argument("--batch_size", type=int, default=32)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
@@ -134,11 +132,13 @@ def main(argv=None) -> int:
     p.add_argument("--num_classes", type=int, default=100)
     p.add_argument("--image_size_on_disk", default="500x375", help="WxH of the JPEGs")
     p.add_argument("--workdir", default=None, help="keep (and reuse) the generated data here")
-    p.add_argument("--out", default=os.path.join("benchmarks", "results",
-                                                 "input_pipeline.json"))
+    harness.add_arguments(p, harness.RESULTS_DIR / "input_pipeline.json",
+                          quick_help="small CNN at 64x64, B=64, 400 images of 50 classes, "
+                                     "one round: a check that runs in minutes")
     args = p.parse_args(argv)
     if args.quick:
-        args.batch_size, args.steps = 64, 20
+        args.batch_size, args.steps, args.rounds = 64, 20, 1
+        args.num_images, args.num_classes = min(args.num_images, 400), min(args.num_classes, 50)
         args.set = ["model.backbone=small_cnn", "model.pooling=gem", "model.embedding_dim=64",
                     "data.image_size=64", "model.freeze_bn=false", *args.set]
     args.set = ["data.sampler=m_per_class", "data.m=4", f"data.batch_size={args.batch_size}",
@@ -188,13 +188,14 @@ def main(argv=None) -> int:
               f"| ratio |\n|---|---|---:|---:|---:|---:|---:|\n| {cfg.model.backbone} "
               f"| {cfg.data.image_size}² from {args.image_size_on_disk} JPEGs | {b} "
               f"| {feed:.1f}/s | {floor:.2f}/s | {real:.2f}/s | {ratio:.3f} |")
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out + ".tmp", "w", encoding="utf-8") as f:
-            json.dump({"config": args.config, "overrides": args.set, "batch_size": b,
-                       "pipeline_alone_images_per_s": feed, "cached_images_per_s": floor,
-                       "pipeline_images_per_s": real, "ratio": ratio,
-                       "cpus": os.cpu_count(), "machine": platform.machine()}, f, indent=2)
-        os.replace(args.out + ".tmp", args.out)
+        figures = [harness.figure(
+            "input_pipeline", f"{cfg.model.backbone} {cfg.data.image_size}², B={b}: step "
+            "on the input pipeline", real, "images/s", floor=floor,
+            floor_name="the same step on cached batches", higher_is_better=True)]
+        harness.write_results(args.out, "input_pipeline", args, figures,
+                              overrides=args.set, batch_size=b,
+                              pipeline_alone_images_per_s=feed, cached_images_per_s=floor,
+                              pipeline_images_per_s=real, ratio=ratio)
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -10,6 +10,7 @@ again with ``jit_compile=True`` (XLA).
     python benchmarks/losses.py                      # all losses, B in 256 1024 4096
     python benchmarks/losses.py --losses APLoss --sizes 256 --modes graph
     python benchmarks/losses.py --compare            # beside pytorch-metric-learning
+    python benchmarks/losses.py --quick --compare    # 3 losses at B=1024, graph mode
 
 ``--compare`` runs pytorch-metric-learning's FastAPLoss, SmoothAPLoss, PNPLoss,
 MultiSimilarityLoss, SupConLoss and ProxyAnchorLoss (torch on CPU, the optional
@@ -18,7 +19,9 @@ same inputs, each cell in a fresh process,
 and prints tfaploss's time over theirs per cell. Their Smooth-AP and PNP build B x B x B
 tensors: a cell whose estimate exceeds ``--pml-memory-cap-gb`` is reported, not run.
 
-Prints a table beside the anchors and writes JSON to ``benchmarks/results/``.
+Prints a table beside the anchors and writes JSON to ``benchmarks/results/``; its figures
+are each cell's time and peak memory beside the floor's at the same B and mode, and with
+``--compare`` beside pytorch-metric-learning's (the peer).
 """
 
 from __future__ import annotations
@@ -27,13 +30,10 @@ import argparse
 import datetime as _dt
 import json
 import os
-import platform
-import statistics
 import sys
-import time
-from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+import harness
+
 FLOOR = "scores_only"  # S = X X^T alone, the floor of every loss
 
 # Figures of the original implementations (performance-anchors.md): seconds and GB.
@@ -48,6 +48,9 @@ ANCHORS = {
     "BlackBoxAPLoss": ("BlackBox AP (ROADMAP repo)", ["0.012 s", "0.21 s", "5.0 s, 1.1 GB"]),
 }
 SIZES = (256, 1024, 4096)
+# --quick: one histogram, one sorting-free and one sigmoid-rank loss, one size, graph mode
+QUICK_LOSSES = ("APLoss", "FastAPLoss", "SmoothAPLoss")
+QUICK_SIZES, QUICK_MODES = (1024,), ("graph",)
 
 # tfaploss loss -> pytorch-metric-learning's loss of the same definition, its arguments,
 # and how many float32 B x B x B tensors it holds at once (0: none; ~B^2 memory).
@@ -84,7 +87,7 @@ def run_pml_cell(loss_name, batch, repeats, dim=512):
     import torch
     from pytorch_metric_learning import losses as pml_losses
 
-    rss_start = _current_rss_gb()
+    rss_start = harness.rss_gb()
     x_np, y_np = _inputs(batch, dim)
     labels = torch.from_numpy(y_np)
     if loss_name == FLOOR:  # torch's own floor: S = X X^T, forward and backward
@@ -106,18 +109,13 @@ def run_pml_cell(loss_name, batch, repeats, dim=512):
         value.backward()
         return float(value), x.grad
 
-    start = time.perf_counter()
-    step()
-    warmup = time.perf_counter() - start
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        value, grad = step()
-        times.append(time.perf_counter() - start)
+    last = {}
+    timing = harness.time_calls(lambda: last.update(out=step()), repeats)
+    value, grad = last["out"]
     return {
         "loss": f"pml:{peer}", "batch": batch, "mode": "torch-cpu", "dim": dim,
-        "median_s": statistics.median(times), "times_s": times, "warmup_s": warmup,
-        "peak_rss_gb": _peak_rss_gb(), "rss_at_start_gb": rss_start, "value": value,
+        **timing.as_dict(),
+        "peak_rss_gb": harness.peak_rss_gb(), "rss_at_start_gb": rss_start, "value": value,
         "grad_finite": bool(np.isfinite(grad.numpy()).all()), "status": "ok",
         "torch_threads": torch.get_num_threads(),
     }
@@ -159,24 +157,13 @@ def _loss_names():
     return names
 
 
-def _peak_rss_gb():
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
-def _current_rss_gb():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
-
-
 def run_cell(loss_name, batch, mode, repeats, dim=512):
     """One measurement, in this (fresh) process. Returns a dict."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import numpy as np
     import tensorflow as tf
 
-    rss_start = _current_rss_gb()
+    rss_start = harness.rss_gb()
     x_np, y_np = _inputs(batch, dim)
     x = tf.constant(x_np)
     labels = tf.constant(y_np.astype("int32"))
@@ -199,21 +186,20 @@ def run_cell(loss_name, batch, mode, repeats, dim=512):
             value = loss_fn(y, e)
         return value, tape.gradient(value, e)
 
-    start = time.perf_counter()
-    value, grad = step(labels, x)
-    _ = grad.numpy()
-    warmup = time.perf_counter() - start
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    last = {}
+
+    def call():
         value, grad = step(labels, x)
-        _ = grad.numpy()
-        times.append(time.perf_counter() - start)
+        last.update(value=value, grad=grad.numpy())  # the host copy ends the step
+
+    timing = harness.time_calls(call, repeats)
+    value, grad = last["value"], last["grad"]
     return {
         "loss": loss_name, "batch": batch, "mode": mode, "dim": dim,
-        "median_s": statistics.median(times), "times_s": times, "warmup_s": warmup,
-        "peak_rss_gb": _peak_rss_gb(), "rss_at_start_gb": rss_start, "value": float(value),
-        "grad_finite": bool(np.isfinite(grad.numpy()).all()), "status": "ok",
+        **timing.as_dict(),
+        "peak_rss_gb": harness.peak_rss_gb(), "rss_at_start_gb": rss_start,
+        "value": float(value),
+        "grad_finite": bool(np.isfinite(grad).all()), "status": "ok",
     }
 
 
@@ -314,6 +300,37 @@ def print_comparison(results, sizes, modes):
                   + " | ".join(ratios) + " |")
 
 
+def figures(results, sizes, modes):
+    """Each cell's time and peak memory beside the floor's (same B and mode), and with
+    ``--compare`` each graph-mode time beside pytorch-metric-learning's."""
+    by_key = {(r["loss"], r["batch"], r["mode"]): r for r in results}
+    out = []
+    for r in results:
+        if r["loss"] == FLOOR or r["loss"].startswith("pml:"):
+            continue
+        name = f"{r['loss']} B={r['batch']} {r['mode']}"
+        floor = by_key.get((FLOOR, r["batch"], r["mode"]), {})
+        ok, floor_ok = r["status"] == "ok", floor.get("status") == "ok"
+        out.append(harness.figure(
+            "losses", f"{name} time", r["median_s"] if ok else None, "s",
+            floor=floor["median_s"] if floor_ok else None,
+            floor_name="S = XX^T and its gradient", note="" if ok else r["status"]))
+        if ok:
+            out.append(harness.figure(
+                "losses", f"{name} peak RSS", r["peak_rss_gb"], "GB",
+                floor=floor["peak_rss_gb"] if floor_ok else None, floor_name="the floor's"))
+        peer = by_key.get((f"pml:{PML_PEERS[r['loss']][0]}", r["batch"], "torch-cpu")
+                          ) if r["loss"] in PML_PEERS else None
+        if ok and peer is not None and r["mode"] == modes[0]:
+            peer_ok = peer["status"] == "ok"
+            out.append(harness.figure(
+                "losses", f"{name} time vs PML", r["median_s"], "s",
+                floor=peer["median_s"] if peer_ok else None, peer=True,
+                floor_name="pytorch-metric-learning, torch CPU",
+                note="" if peer_ok else f"peer {peer['status']}"))
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--losses", nargs="*", help="loss class names (default: all exported)")
@@ -322,7 +339,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cell-timeout", type=int, default=300,
                         help="seconds allowed for one cell (process start, warm-up, runs)")
-    parser.add_argument("--out", type=Path, default=None)
+    harness.add_arguments(parser, "", quick_help="APLoss, FastAPLoss and SmoothAPLoss at "
+                          "B=1024, graph mode (unless --losses/--sizes/--modes say otherwise)")
     parser.add_argument("--cell", nargs=3, metavar=("LOSS", "BATCH", "MODE"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--compare", action="store_true",
@@ -333,6 +351,10 @@ def main(argv=None):
     parser.add_argument("--pml-cell", nargs=2, metavar=("LOSS", "BATCH"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.losses = args.losses or list(QUICK_LOSSES)
+        args.sizes = args.sizes if args.sizes != list(SIZES) else list(QUICK_SIZES)
+        args.modes = args.modes if args.modes != ["graph", "xla"] else list(QUICK_MODES)
     if args.repeats < 5:
         parser.error(f"--repeats must be >= 5 (a median of at least 5); received {args.repeats}")
 
@@ -375,15 +397,15 @@ def main(argv=None):
         print()
         print_comparison(results, args.sizes, args.modes)
 
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    out = args.out or RESULTS_DIR / f"losses-{stamp}.json"
-    meta = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "repeats": args.repeats, "dim": 512, "labels": "classes of 4 images",
-            "measure": "forward+backward w.r.t. embeddings; median after warm-up; "
-                       "peak RSS of a fresh process per cell"}
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    print(f"\nwrote {out}")
+    out = args.out or harness.RESULTS_DIR / f"losses-{stamp}.json"
+    cells = figures(results, args.sizes, args.modes)
+    print()
+    print(harness.summary_table(cells))
+    harness.write_results(out, "losses", args, cells, results=results, protocol={
+        "dim": 512, "labels": "classes of 4 images",
+        "measure": "forward+backward w.r.t. embeddings; median after warm-up; "
+                   "peak RSS of a fresh process per cell"})
     return 0
 
 

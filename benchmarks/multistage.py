@@ -11,11 +11,13 @@ nearly flat, multi-stage time ~ (2 fwd + 1 bwd) / (1 fwd + 1 bwd) ~ 4/3 of plain
 The parent watches each child's RSS and stops it above ``--max-rss-gb`` (reported as
 OOM), so that a plain step that would not fit does not take a shared machine down.
 
-    python benchmarks/multistage.py                       # the issue's grid, CPU
+    python benchmarks/multistage.py                       # the full grid, CPU
     python benchmarks/multistage.py --batch-sizes 8,16 --chunk 8 --image-size 64 \
-        --backbone small_cnn                              # a quick smoke run
+        --backbone small_cnn                              # a smoke run
+    python benchmarks/multistage.py --quick               # small_cnn, 32², B=128
 
-Prints a table and writes JSON to ``benchmarks/results/multistage.json``.
+Prints a table and writes JSON to ``benchmarks/results/multistage.json``; its figures
+are the multi-stage step's time and peak RSS beside the plain step's (the peer).
 
 ``--stages`` instead times, in ONE process and interleaved (so that a shared machine
 disturbs them alike), what a multi-stage step is made of, beside the plain step:
@@ -37,32 +39,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import harness
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RESULTS = REPO_ROOT / "benchmarks" / "results"
-
-
-def _rss_gb(pid: int) -> float:
-    """Resident set size of a process, GiB (0 if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return 0.0
-
-
-def _peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
+# --quick: the grid's shape on a model small enough for a few seconds per cell
+QUICK = {"batch_sizes": "128", "chunk": 32, "image_size": 32, "backbone": "small_cnn"}
 
 # -- one cell, in its own process ---------------------------------------------------
 
@@ -120,7 +106,7 @@ def run_cell(args) -> None:
     result = {
         "mode": args.mode, "batch": args.batch, "chunk": args.chunk, "image_size": size,
         "backbone": args.backbone, "jit_compile": args.jit_compile,
-        "baseline_rss_gb": _peak_rss_gb(),
+        "baseline_rss_gb": harness.peak_rss_gb(),
     }
     start = time.perf_counter()
     if args.jit_compile:  # XLA compiles per shape: warm up at full size
@@ -136,16 +122,15 @@ def run_cell(args) -> None:
     start = time.perf_counter()
     float(function(warm_x, warm_y)["loss"])
     result.update(warmup_s=time.perf_counter() - start, status="warm-up only",
-                  peak_rss_gb=_peak_rss_gb())
+                  peak_rss_gb=harness.peak_rss_gb())
     print(json.dumps(result), flush=True)
 
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        loss = float(function(images, labels)["loss"])
-        times.append(time.perf_counter() - start)
-    result.update(status="ok", step_s=float(np.median(times)), peak_rss_gb=_peak_rss_gb(),
-                  loss=loss)
+    last = {}
+    timing = harness.time_calls(
+        lambda: last.update(loss=float(function(images, labels)["loss"])), args.steps,
+        warmup=0)  # warmed up above, on one chunk
+    result.update(status="ok", step_s=timing.median, peak_rss_gb=harness.peak_rss_gb(),
+                  loss=last["loss"])
     print(json.dumps(result), flush=True)
 
 
@@ -241,7 +226,8 @@ def run_stages(args) -> dict:
 
 
 def run_child(args, mode: str, batch: int) -> dict:
-    command = [sys.executable, __file__, "--cell", "--mode", mode, "--batch", str(batch),
+    command = [sys.executable, os.path.abspath(__file__), "--cell", "--mode", mode,
+               "--batch", str(batch),
                "--chunk", str(args.chunk), "--image-size", str(args.image_size),
                "--steps", str(args.steps), "--backbone", args.backbone,
                "--embedding-dim", str(args.embedding_dim)]
@@ -254,7 +240,7 @@ def run_child(args, mode: str, batch: int) -> dict:
                              text=True, env=env, cwd=REPO_ROOT)
     watched_peak, status = 0.0, None
     while child.poll() is None:
-        watched_peak = max(watched_peak, _rss_gb(child.pid))
+        watched_peak = max(watched_peak, harness.rss_gb(child.pid))
         if watched_peak > args.max_rss_gb:
             status = f"OOM (RSS > {args.max_rss_gb:g} GiB cap)"
         elif time.monotonic() - start > args.timeout:
@@ -298,6 +284,25 @@ def _format(results: list[dict], batch_sizes: list[int]) -> str:
     return "\n".join(lines)
 
 
+def grid_figures(results: list[dict], batch_sizes: list[int]) -> list[dict]:
+    by = {(r["mode"], r["batch"]): r for r in results}
+    out = []
+    for b in batch_sizes:
+        p, m = by.get(("plain", b), {}), by.get(("multistage", b), {})
+        if not m:
+            continue
+        ok, peer_ok = m.get("status") == "ok", p.get("status") == "ok"
+        for key, what, unit in (("step_s", "time per step", "s"),
+                                ("peak_rss_gb", "peak RSS", "GB")):
+            out.append(harness.figure(
+                "multistage", f"B={b} chunk {m.get('chunk')}: multi-stage {what}",
+                m.get(key) if ok else None, unit, floor=p.get(key) if peer_ok else None,
+                floor_name="plain step", peer=True,
+                note="" if ok and peer_ok else f"plain {p.get('status', 'not run')}, "
+                                              f"multi-stage {m.get('status', 'not run')}"))
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-sizes", default="32,64,128,256")
@@ -318,20 +323,31 @@ def main(argv=None):
                         help="--stages: trace for any batch size (None) instead of --batch")
     parser.add_argument("--unroll-chunks", type=int, default=None,
                         help="--stages: unroll at most this many chunks (0: tf.while_loop)")
-    parser.add_argument("--output", default=str(RESULTS / "multistage.json"))
+    harness.add_arguments(parser, harness.RESULTS_DIR / "multistage.json",
+                          out_aliases=("--output",),
+                          quick_help="small_cnn at 32², B=128, chunk 32 (with --stages: "
+                                     "small_cnn at 32², --batch 128)")
     # Internal: run one cell in this process and print its JSON.
     parser.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=["plain", "multistage"], help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=32,
                         help="--stages: batch size (the grid uses --batch-sizes)")
     args = parser.parse_args(argv)
+    if args.quick and not args.cell:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+        args.batch = 128
 
     if args.stages:
         result = run_stages(args)
-        out = Path(args.output).with_name("multistage_stages.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
-        print(f"wrote {out}")
+        best = result["best_s"]
+        floor = best["forward of the batch (no tape)"] + best["plain step"]
+        figures = [harness.figure(
+            "multistage", f"stages B={args.batch} chunk {args.chunk}: multi-stage step",
+            best["multi-stage step"], "s", floor=floor,
+            floor_name="one forward + the plain step")]
+        out = Path(args.out).with_name("multistage_stages.json")
+        harness.write_results(out, "multistage", args, figures, **result)
         return
 
     if args.cell:
@@ -349,14 +365,8 @@ def main(argv=None):
             results.append(result)
     table = _format(results, batch_sizes)
     print(table)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "config": {k: v for k, v in vars(args).items() if k not in ("cell", "mode", "batch")},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "results": results, "table": table,
-    }, indent=2))
-    print(f"wrote {out}")
+    harness.write_results(args.out, "multistage", args, grid_figures(results, batch_sizes),
+                          results=results, table=table)
 
 
 if __name__ == "__main__":

@@ -25,20 +25,20 @@
 5. Optionally (``--input_pipeline``) batches per second of
    ``tfaploss.data.make_train_dataset(sampler="m_per_class")``.
 
-Prints a table and writes ``benchmarks/results/pipeline.json``.
+Prints a table and writes ``benchmarks/results/pipeline.json``; its figures are the rows
+measured beside the floor, with their ratio.
 
     python benchmarks/pipeline.py --num_images 600
+    python benchmarks/pipeline.py --quick       # 120 images, one round, no extra modes
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import json
 import math
 import multiprocessing
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -52,6 +52,8 @@ from PIL import Image
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+import harness
 
 from pipelines import folder, images, runner
 
@@ -195,8 +197,12 @@ def main(argv=None) -> int:
     p.add_argument("--m", type=int, default=4)
     p.add_argument("--batches", type=int, default=30)
     p.add_argument("--workdir", default=None, help="keep generated data here")
-    p.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results"))
+    harness.add_arguments(p, harness.RESULTS_DIR / "pipeline.json",
+                          quick_help="120 images, one round, no extra --modes")
     args = p.parse_args(argv)
+    if args.quick:
+        args.num_images, args.num_classes = min(args.num_images, 120), min(args.num_classes, 20)
+        args.rounds, args.modes = 1, ""
 
     work = args.workdir or tempfile.mkdtemp(prefix="tfaploss_bench_")
     root = os.path.join(work, "images")
@@ -281,13 +287,13 @@ def main(argv=None) -> int:
     for name, value, unit, base in rows:
         ratio = f"{value / base:6.2f}" if base else ""
         print(f"{name.ljust(width)}  {value:8.2f}  {unit:8}  {ratio}")
-    os.makedirs(args.results, exist_ok=True)
-    result = {"args": vars(args), "num_images": len(files), "cpus": os.cpu_count(), "machine": platform.platform(),
-              "load_average": os.getloadavg()[0],
-              "rows": [{"measurement": n, "value": v, "unit": u,
-                        "ratio_to_floor": (v / b if b else None)} for n, v, u, b in rows]}
-    with open(os.path.join(args.results, "pipeline.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    figures = [harness.figure("pipeline", n, v, u, floor=b, higher_is_better=True,
+                              floor_name="one core, bare PIL loop")
+               for n, v, u, b in rows if b and not n.startswith("round ")]
+    harness.write_results(args.out, "pipeline", args, figures, num_images=len(files),
+                          rows=[{"measurement": n, "value": v, "unit": u,
+                                 "ratio_to_floor": (v / b if b else None)}
+                                for n, v, u, b in rows])
     return 0
 
 

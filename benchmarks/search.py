@@ -44,7 +44,7 @@ database, separately from it):
   structure: the true neighbours scatter over many leaves); kept for honesty, real
   embeddings are clustered.
 
-Writes the rows to ``benchmarks/results/search.json``. Queries/s use every core this
+Writes the rows and the figures to ``benchmarks/results/search.json``. Queries/s use every core this
 process may use; on a shared machine compare the ratios, not the absolute figures.
 """
 
@@ -53,13 +53,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import harness
 
 from tfaploss.evaluation.exact_search import available_threads
 from tfaploss.evaluation.searchers import ExactSearcher, ScannSearcher
@@ -103,12 +104,7 @@ def make_data(kind, n, d, num_queries, args, rng):
 
 
 def best_time(fn, repeats):
-    best = np.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return harness.time_calls(fn, repeats, warmup=0).min
 
 
 def product_floor(queries, db, repeats):
@@ -149,6 +145,7 @@ def timed_search(search, queries, k, repeats):
 class Table:
     def __init__(self):
         self.rows = []
+        self.figures = []
 
     def add(self, section, data, what, value, unit, floor=None, floor_what="", **extra):
         row = {"section": section, "data": data, "what": what, "value": round(value, 3),
@@ -156,6 +153,9 @@ class Table:
         if floor is not None:
             row.update(floor=round(floor, 3), floor_what=floor_what,
                        ratio=round(value / floor, 3))
+            self.figures.append(harness.figure(
+                "search", f"{data}: {what}", value, unit, floor=floor, floor_name=floor_what,
+                peer=section == "ann", higher_is_better=unit == "q/s"))
         self.rows.append(row)
         tail = (f"   floor {floor:10.1f} ({floor_what})  ratio {value / floor:6.2f}"
                 if floor is not None else "")
@@ -436,8 +436,6 @@ def ann_table(rows) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="50k x 64, 300 queries, 20k x 64 "
-                   "metrics: checks that everything runs")
     p.add_argument("--sizes", default="300000x128,1000000x128", help="NxD database sizes")
     p.add_argument("--datasets", default="clustered,spread,random")
     p.add_argument("--queries", type=int, default=1000)
@@ -458,7 +456,8 @@ def main(argv=None):
                    help="also time the TensorFlow engine (the former CPU default)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs; the best is kept")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.path.join("benchmarks", "results", "search.json"))
+    harness.add_arguments(p, harness.RESULTS_DIR / "search.json",
+                          quick_help="50k x 64, 300 queries, 20k x 64 metrics")
     p.add_argument("--table_from", metavar="JSON",
                    help="print the README's approximate-search table of an earlier run "
                         "(its --out file) and stop")
@@ -493,14 +492,9 @@ def main(argv=None):
         ratio = f"{r['ratio']:.2f}" if "ratio" in r else ""
         print(f"| {r['section']} | {r['data']} | {r['what']} | {r['value']:.1f} {r['unit']} | "
               f"{floor} | {ratio} | {notes} |")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    tmp = args.out + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"rows": table.rows, "args": vars(args), "threads": available_threads(),
-                   "machine": platform.machine(), "python": platform.python_version()}, f,
-                  indent=2)
-    os.replace(tmp, args.out)
-    print(f"\nwrote {args.out}\n\n{ann_table(table.rows)}")
+    print(f"\n{ann_table(table.rows)}\n")
+    harness.write_results(args.out, "search", args, table.figures, rows=table.rows,
+                          threads=available_threads())
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ opens with ``MARK`` or with ``EMPTY_LIST`` + ``APPEND``. An array shape is refus
 numpy sees it when a dimension is negative or above ``max_items`` (so ``(0, 2**62)`` is
 refused although its product is 0), when the product is above ``max_items``, or when
 it disagrees with the bytes given. Memory is O(file size + ``max_alloc_bytes``); over
-the crafted 1 MiB inputs of ``benchmarks/hostile_pickles.py`` the worst took 0.2 to 0.4 s
+the crafted 1 MiB inputs of ``tests/reliability/stress_pickles.py`` the worst took 0.2 to 0.4 s
 (2 shared cores at load 10) and the worst peak was 10 MB.
 
 Every refusal raises :class:`UnsafePickleError` (a ``ValueError``) naming the file and

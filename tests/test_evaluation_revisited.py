@@ -137,7 +137,7 @@ def test_json_ground_truth_gives_the_same_metrics_as_the_pickle(tmp_path):
     """Converted once (restricted reader -> JSON), the ground truth scores exactly as
     the pickle's own content (read here by pickle itself, trusted) did before."""
     from pipelines.safe_pickle import safe_load_path
-    from tests.hostile_pickles import realistic_gnd
+    from tests.reliability.hostile_pickles import realistic_gnd
     from tfaploss.evaluation.revisited import check_revisited_gnd
 
     truth = realistic_gnd(num_db=400, num_queries=9, index_dtype=np.int32)

@@ -18,7 +18,7 @@ import tensorflow as tf
 from PIL import Image
 
 import models
-from tests import hostile_images
+from tests.reliability import hostile_images
 from tfaploss.export import export_saved_model, next_version, resize_and_center_crop
 
 SIZE = (32, 32)

@@ -1,8 +1,8 @@
-"""Image headers that lie (issue 21.1): the serving signature and the jobs never decode
+"""Image headers that lie: the serving signature and the jobs never decode
 more pixels than their limit, whatever a header says, and walking a header costs time
 linear in the file's size.
 
-The inputs are crafted in :mod:`tests.hostile_images` (frame headers hidden in JPEG
+The inputs are crafted in :mod:`tests.reliability.hostile_images` (frame headers hidden in JPEG
 APPn/COM segments or behind stuffing, BMP core and unknown headers, PNG IHDRs that
 disagree with their data, GIF screens smaller than their frames, WebP canvases that
 disagree with their bitstreams, and floods of tiny segments). Each one is refused with
@@ -21,8 +21,8 @@ from PIL import Image
 
 from pipelines import folder, image_headers
 from pipelines import images as I
-from tests import hostile_images as H
 from tests import miniature as mini
+from tests.reliability import hostile_images as H
 from tfaploss.export import export_saved_model
 from tfaploss.export.image_header import UNREADABLE, declared_pixels
 

@@ -5,7 +5,7 @@ arrays and float boxes, written by numpy 1 (``numpy.core``) or numpy 2
 (``numpy._core``) under protocols 2..5. Hostile files are run in a subprocess: a
 regression there would be a segfault or a memory blow-up, not a failed assertion.
 The attacks on the total work (floods, memo abuse, deep nesting, ~1 MiB each) and on
-array shapes and dtypes come from :mod:`tests.hostile_pickles`, class by class.
+array shapes and dtypes come from :mod:`tests.reliability.hostile_pickles`, class by class.
 """
 
 import json
@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from pipelines.safe_pickle import PickleLimits, UnsafePickleError, safe_load_path, safe_loads
-from tests import hostile_pickles as H
+from tests.reliability import hostile_pickles as H
 from tfaploss.evaluation import load_revisited_gnd
 from tfaploss.evaluation.revisited import check_revisited_gnd
 
@@ -142,7 +142,7 @@ def _gnd_with(entry_bytes: bytes) -> bytes:
 
 
 HOSTILE = {
-    # the issue's 168-byte pointer trick, at top level and inside a gnd entry
+    # the 168-byte pointer trick, at top level and inside a gnd entry
     "object_array": _object_pointer_array(),
     "object_array_in_gnd": _gnd_with(_object_pointer_array()[2:-1]),
     # an int64 dtype whose state claims it holds objects (numpy internal errors before)
@@ -349,7 +349,7 @@ def test_json_ground_truth_errors_name_the_file(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------
-# Bounds on the total work (issue 21 item 2): crafted ~1 MiB inputs, class by class
+# Bounds on the total work: crafted ~1 MiB inputs, class by class
 # ---------------------------------------------------------------------------------------
 
 ONE_MB = H.one_megabyte_cases()

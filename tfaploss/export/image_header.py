@@ -43,7 +43,7 @@ positions where a marker or chunk can start with vector ops, GIF takes every pos
 and each then follows its chain by pointer doubling (``ceil(log2(chain))`` vector
 gathers over those positions), so a file of 250 000 tiny segments costs what its size
 costs. Measured on the shared 2-core machine at load ~9: ~2 ms for a 427x640 JPEG, at
-most 0.2 s for the worst 1 MB input of ``benchmarks/hostile_images.py`` (85 ms for
+most 0.2 s for the worst 1 MB input of ``tests/reliability/stress_images.py`` (85 ms for
 250 000 JPEG segments, 0.14 s for 500 000 GIF sub-blocks).
 """
 

@@ -95,7 +95,7 @@ class ROADMAPLoss(RetrievalLoss):
     network trained from scratch starts with every embedding in a narrow cone (ReLU
     features are non-negative), and the calibration term can then drive all
     embeddings to one point: the loss goes flat and retrieval ends worse than the
-    untrained model. Measured with ``benchmarks/roadmap_collinear_start.py``
+    untrained model. Measured with ``experiments/roadmap_start/roadmap_collinear_start.py``
     (scikit-learn digits, ``small_cnn`` from scratch, B = 6 x 16, Adam, 150 steps,
     start at mean off-diagonal cosine 0.997; "collapsed" = cosine 1.0000, spread 0):
 

@@ -384,7 +384,7 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
     last step (nothing is left to save: it is reported as a warning).
 
     Defaults and why. Measured with the digits benchmark of
-    ``benchmarks/roadmap_collinear_start.py`` (small_cnn from scratch, B = 96, 150
+    ``experiments/roadmap_start/roadmap_collinear_start.py`` (small_cnn from scratch, B = 96, 150
     steps, 4 losses x 3 seeds at lr 1e-3 and 1e-2, per-step statistics replayed through
     this callback) and the two reported runs:
 

@@ -1,7 +1,7 @@
 """Where a trained model's pairs sit: positive against negative distances on one batch.
 
 Explains a pair loss that trains to a small loss yet retrieves at chance. For each
-model that ``benchmarks/batch_sweep.py`` trained (a run folder of its cache), one
+model that ``experiments/batch_sweep/batch_sweep.py`` trained (a run folder of its cache), one
 class-balanced training batch (``--batch`` images, m=4, the sweep's crops) is
 embedded in inference mode, L2-normalised, and the script prints:
 
@@ -18,9 +18,9 @@ embedded in inference mode, L2-normalised, and the script prints:
 Rows are printed for every model given, so the peer (a triplet model trained with the
 same budget) is measured beside the model being explained in the same run:
 
-    python benchmarks/pair_balance.py \\
-        benchmarks/results/batch_sweep/livebn_s32_d64/Contrastive/b2048/u96/lr0.001/seed0 \\
-        benchmarks/results/batch_sweep/livebn_s32_d64/Triplet-semihard/b2048/u96/lr0.001/seed0
+    python experiments/pair_balance/pair_balance.py \\
+        experiments/batch_sweep/results/livebn_s32_d64/Contrastive/b2048/u96/lr0.001/seed0 \\
+        experiments/batch_sweep/results/livebn_s32_d64/Triplet-semihard/b2048/u96/lr0.001/seed0
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "batch_sweep"))
 from batch_sweep import DEFAULT_DATA
 
 

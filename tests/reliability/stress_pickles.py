@@ -1,6 +1,6 @@
-"""Benchmark: the restricted ground-truth reader against crafted 1 MiB hostile pickles.
+"""Stress: the restricted ground-truth reader against crafted 1 MiB hostile pickles.
 
-For each input of :func:`tests.hostile_pickles.one_megabyte_cases` (opcode floods of
+For each input of :func:`tests.reliability.hostile_pickles.one_megabyte_cases` (opcode floods of
 each container opcode, memo floods and memo-reference blow-ups, deep nesting), plus the
 array shape and dtype attacks, runs :func:`pipelines.safe_pickle.safe_loads` and
 prints one row: the input's size, the bound that refused it, the worst wall time over
@@ -9,7 +9,9 @@ measured in a separate run, since tracing slows the reader). A full-size realist
 ``gnd_rparis6k.pkl`` (protocols 2 and 5) is loaded too, for contrast. The last lines
 give the worst time and the worst peak memory over the hostile inputs.
 
-    python benchmarks/hostile_pickles.py [--repeats 3]   # also writes benchmarks/results/hostile_pickles.json
+    python tests/reliability/stress_pickles.py [--repeats 3]
+
+also writes ``benchmarks/results/hostile_pickles.json``.
 """
 
 from __future__ import annotations
@@ -24,12 +26,12 @@ import time
 import tracemalloc
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from pipelines.safe_pickle import UnsafePickleError, safe_loads
-from tests import hostile_pickles as H
+from tests.reliability import hostile_pickles as H
 
 
 def _run(data: bytes) -> str:

@@ -1,4 +1,4 @@
-"""Does ROADMAP survive a near-collinear start? (issue 14, item 1)
+"""Does ROADMAP survive a near-collinear start?
 
 A small CNN trained from scratch (``small_cnn`` + GeM, frozen BatchNorm calibrated on
 training images, as ``configs/demo_digits.yaml``) starts with every embedding in a
@@ -12,7 +12,7 @@ The floors printed beside the figures, measured in the same run: the untrained m
 R@1 (what collapse must not fall below) and chance R@1 (1 / classes-ish: the fraction
 of a query's same-class neighbours among the test set).
 
-    python benchmarks/roadmap_collinear_start.py --steps 150
+    python experiments/roadmap_start/roadmap_collinear_start.py --steps 150
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def build(seed, train_images, collinear=0.0):
     calibrate_batch_norm(model, train_images[:192])
     if collinear:
         # A common offset along one direction: every embedding starts in a narrow cone,
-        # as the issue's from-scratch CNN did (mean cosine 0.997).
+        # as a from-scratch CNN does (mean cosine 0.997).
         head = model.get_layer("head")
         features = keras.Model(model.input, head.input)(train_images[:256])
         spread = float(np.std(np.asarray(features) @ np.asarray(head.kernel)))

@@ -1,6 +1,6 @@
 """The batch sweep on the JAX backend, for one GPU: batches up to 16,384, a wider CNN.
 
-``benchmarks/batch_sweep.py`` runs ``tfaploss train`` (TensorFlow) on 2 CPU cores, up to
+``batch_sweep.py`` runs ``tfaploss train`` (TensorFlow) on 2 CPU cores, up to
 B=2048. This script asks the same question where a GPU allows much larger batches:
 does ranking the whole batch pay off as the batch grows? It needs no TensorFlow at
 training time, as on the GPU machines that carry JAX only:
@@ -12,11 +12,11 @@ training time, as on the GPU machines that carry JAX only:
    (the JPEG noise of black-on-white glyphs is what makes the file large: 16 levels
    and xz give 20 MiB instead of 67, small enough to travel to a GPU machine).
 
-       python benchmarks/batch_sweep_jax.py --export gpu_data/glyphs36.npz.xz
+       python experiments/batch_sweep/batch_sweep_jax.py --export gpu_data/glyphs36.npz.xz
 
 2. On the GPU (``KERAS_BACKEND=jax`` is set here):
 
-       python benchmarks/batch_sweep_jax.py --data gpu_data/glyphs36.npz --out OUT
+       python experiments/batch_sweep/batch_sweep_jax.py --data gpu_data/glyphs36.npz --out OUT
 
 Protocol (printed with the table):
 
@@ -32,7 +32,8 @@ Protocol (printed with the table):
 * the learning rate ``base_lr * (B / 128) ** a`` for a in ``--lr-exponents`` (default
   0 and 0.5: the constant and the square-root rule), picked per (loss, batch) on the
   validation classes with seed 0; the other seeds then run at the picked rate;
-* MAP@R and R@1 on the unseen test classes (53,600 images), exact search on the GPU.
+* MAP@R and R@1 on the unseen test classes (53,600 images), exact search
+  (``tfaploss.evaluation.retrieval_metrics``).
 
 Work is ordered so that a run stopped by ``--deadline`` (seconds) leaves a complete
 table for the cells it reached: every cell's tuning runs first, batch by batch, then
@@ -55,8 +56,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-for _path in (REPO_ROOT, REPO_ROOT / "benchmarks"):
+REPO_ROOT = Path(__file__).resolve().parents[2]
+for _path in (REPO_ROOT, Path(__file__).resolve().parent):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
@@ -83,7 +84,7 @@ def parse_args(argv=None):
                    help="folder with train/, val/, test/ of a pipelines job (for --export)")
     p.add_argument("--source-size", type=int, default=36)
     p.add_argument("--data", help="the .npz written by --export")
-    p.add_argument("--out", default="benchmarks/results/batch_sweep_jax")
+    p.add_argument("--out", default="experiments/batch_sweep/results/jax")
     p.add_argument("--losses", default=",".join(LOSSES))
     p.add_argument("--batch-sizes", default="1024,4096,16384")
     p.add_argument("--seeds", default="0,1")
@@ -184,24 +185,15 @@ class Data:
                 x, y = x[:limit], y[:limit]
             setattr(self, f"x_{split}", jnp.asarray(x))
             setattr(self, f"y_{split}", y)
-        labels = self.y_train
-        self.classes = np.unique(labels)
-        self.members = [np.flatnonzero(labels == c) for c in self.classes]
+        self.classes = np.unique(self.y_train)
 
     def batches(self, batch, m, seed, steps):
-        """``steps`` class-balanced index batches: B/m classes, m images of each."""
-        import numpy as np
+        """``steps`` class-balanced index batches: B/m classes, m images of each (the
+        sampler of the cached-feature tier, so both draw the same batches)."""
+        from tfaploss.compare.features import m_per_class_batches
 
-        rng = np.random.default_rng(seed)
-        eligible = [i for i, idx in enumerate(self.members) if len(idx) >= m]
-        per = batch // m
-        if per > len(eligible):
-            raise ValueError(f"batch {batch} with m={m} needs {per} classes of >= {m} "
-                             f"images; the train split has {len(eligible)}")
-        for _ in range(steps):
-            chosen = rng.choice(eligible, per, replace=False)
-            yield np.concatenate([rng.choice(self.members[c], m, replace=False)
-                                  for c in chosen]).astype(np.int32)
+        for idx in m_per_class_batches(self.y_train, batch, m, steps, seed):
+            yield idx.astype("int32")
 
 
 def _augment(images_u8, key):
@@ -356,56 +348,21 @@ class Runner:
         return jnp.concatenate(parts)
 
 
-_TOP_K = {}
-
-
-def _top_k_fn(depth):
-    """A jitted ``top-depth`` of ``q`` against ``database`` without each query's own row
-    (one per depth; the arrays are arguments, so it compiles once per shape)."""
-    if depth not in _TOP_K:
-        import jax
-        import jax.numpy as jnp
-
-        def top(q, database, start):
-            scores = q @ database.T
-            rows = jnp.arange(q.shape[0])
-            scores = scores.at[rows, rows + start].set(-jnp.inf)
-            return jax.lax.top_k(scores, depth)[1]
-
-        _TOP_K[depth] = jax.jit(top)
-    return _TOP_K[depth]
-
-
 def retrieval(embeddings, labels):
-    """MAP@R and R@1 (%) of each item against all others (itself excluded), exact.
-
-    The same definitions as ``tfaploss.evaluation.retrieval_metrics`` (MAP@R of Musgrave
-    et al., R = the query's class size - 1); ties are broken by index.
-    """
-    import jax.numpy as jnp
+    """MAP@R and R@1 (%) of each item against all others (itself excluded), exact, by
+    ``tfaploss.evaluation.retrieval_metrics``; a query whose class has no other item
+    cannot be answered and is left out, as the sweep's tables always did."""
     import numpy as np
 
-    labels = np.asarray(labels)
-    counts = np.bincount(labels - labels.min())
-    r = counts[labels - labels.min()] - 1
-    depth = int(r.max())
-    lab = jnp.asarray(labels)
-    top = _top_k_fn(depth)
+    from tfaploss.evaluation.metrics import retrieval_metrics
 
-    hits = []
-    n = embeddings.shape[0]
-    for start in range(0, n, EVAL_CHUNK):
-        q = embeddings[start:start + EVAL_CHUNK]
-        idx = top(q, embeddings, start)
-        hits.append(np.asarray(lab[idx] == lab[start:start + q.shape[0], None]))
-    rel = np.concatenate(hits)                                  # (N, depth) bool
-    pos = np.arange(1, depth + 1)
-    within = pos[None] <= r[:, None]
-    rel_r = rel & within
-    precision = np.cumsum(rel_r, axis=1) / pos[None]
-    valid = r > 0
-    map_r = (precision * rel_r).sum(1)[valid] / r[valid]
-    return 100 * float(map_r.mean()), 100 * float(rel[valid, 0].mean())
+    embeddings = np.asarray(embeddings, dtype="float32")
+    labels = np.asarray(labels)
+    _, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
+    queries = np.flatnonzero(counts[inverse] > 1)
+    metrics = retrieval_metrics(embeddings[queries], labels[queries], embeddings, labels,
+                                ks=(1,), exclude=queries)
+    return 100 * metrics["map@r"], 100 * metrics["recall@1"]
 
 
 def run(args) -> None:
@@ -578,10 +535,10 @@ def repeat_markdown(rows, repeats) -> str:
         return ""
     gaps = sorted(abs(a["val_map@r"] - b["val_map@r"]) for a, b in pairs)
     kinds = sorted({r.get("device_kind", r.get("device", "?")) for r in repeats})
-    lines = ["", f"Run-to-run repeat ({REPEAT_LEDGER}, on {', '.join(kinds)}): the seed-0 "
+    lines = ["", (f"Run-to-run repeat ({REPEAT_LEDGER}, on {', '.join(kinds)}): the seed-0 "
              f"tuning runs trained again. Validation (test) MAP@R, first run → repeat; "
              f"|Δ val| median {statistics.median(gaps):.1f}, max {gaps[-1]:.1f} over "
-             f"{len(pairs)} runs.", "",
+             f"{len(pairs)} runs."), "",
              "| loss | B | lr | first | repeat | Δ val |", "|---|---|---|---|---|---|"]
     for a, b in pairs:
         lines.append(f"| {a['loss']} | {a['batch']} | {a['lr']:g} | {a['val_map@r']:.1f} "

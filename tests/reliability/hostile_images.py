@@ -1,5 +1,5 @@
 """Images whose headers lie about their size, crafted for the serving and job tests and
-for ``benchmarks/hostile_images.py``.
+for ``tests/reliability/stress_images.py``.
 
 Each :class:`Hostile` is real image bytes (made with PIL) with bytes patched or added,
 plus the outcome expected through the serving signature and through a job:

@@ -1,7 +1,7 @@
-"""Benchmark: images whose headers lie (issue 21.1), through the serving signature and
+"""Stress: images whose headers lie, through the serving signature and
 through a job: the worst time and the peak memory each can provoke.
 
-Inputs: every crafted input of :mod:`tests.hostile_images` in its ~1 MB variant (frame
+Inputs: every crafted input of :mod:`tests.reliability.hostile_images` in its ~1 MB variant (frame
 headers hidden in JPEG segments, floods of tiny segments, BMP/PNG/GIF/WebP headers that
 disagree with their data), plus the inputs that cost the most *within* the limits:
 
@@ -28,8 +28,8 @@ Peak RSS is sampled every millisecond from ``/proc/self/statm`` while an input i
 flight; ``+MB`` is the peak above the process's RSS just before it. Prints a table and
 writes ``benchmarks/results/hostile_images.json``.
 
-    python benchmarks/hostile_images.py           # ~1 MB inputs + the at-limit ones
-    python benchmarks/hostile_images.py --quick   # the small test inputs only
+    python tests/reliability/stress_images.py           # ~1 MB inputs + the at-limit ones
+    python tests/reliability/stress_images.py --quick   # the small test inputs only
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import threading
 import time
 import zlib
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
 SERVING_LIMIT = 40_000_000
@@ -115,7 +115,7 @@ def _at_limit_inputs() -> list[tuple[str, bytes]]:
 
 
 def _scans(side: int, total: int) -> bytes:
-    from tests import hostile_images as H
+    from tests.reliability import hostile_images as H
 
     data = H.repeated_scans(side, side, total - 10)  # libjpeg's progression: 10 scans
     assert data.count(b"\xff\xda") == total
@@ -123,7 +123,7 @@ def _scans(side: int, total: int) -> bytes:
 
 
 def _png_padded(width: int, height: int, extra: int) -> bytes:
-    from tests import hostile_images as H
+    from tests.reliability import hostile_images as H
 
     packer = zlib.compressobj(9)
     parts = [packer.compress(b"\0" * (height * (1 + 3 * width)))]
@@ -135,7 +135,7 @@ def _png_padded(width: int, height: int, extra: int) -> bytes:
 
 
 def write_inputs(folder: str, quick: bool) -> list[dict]:
-    from tests import hostile_images as H
+    from tests.reliability import hostile_images as H
 
     inputs = [(c.name, c.data) for c in H.cases(big=not quick)]
     if not quick:
@@ -175,7 +175,7 @@ def measure_serving(inputs: list[dict]) -> list[dict]:
         version = export_saved_model(model, os.path.join(tmp, "m"), image_size=(224, 224),
                                      max_pixels=SERVING_LIMIT)
         fn = tf.saved_model.load(version).signatures["serving_default"]
-        from tests import hostile_images as H
+        from tests.reliability import hostile_images as H
         good = H.encode("JPEG", 640, 427)
         for _ in range(3):
             fn(image_bytes=tf.constant([good]))
@@ -299,7 +299,7 @@ def main(argv=None) -> dict:
         root = os.path.join(tmp, "in")
         inputs = write_inputs(root, args.quick)
         # a class of good images beside the hostile ones, for the folder job
-        from tests import hostile_images as H
+        from tests.reliability import hostile_images as H
         os.makedirs(os.path.join(root, "good"))
         for k in range(3):
             with open(os.path.join(root, "good", f"{k}.jpg"), "wb") as f:

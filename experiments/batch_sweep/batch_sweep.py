@@ -34,9 +34,9 @@ run with the same protocol on the same data (the split manifests' SHA-256), coun
 finished, so a new sitting extends the committed table instead of rerunning it.
 
     make data-glyphs
-    python benchmarks/batch_sweep.py --quick                       # minutes
-    nice python benchmarks/batch_sweep.py                          # hours; resumable
-    python benchmarks/batch_sweep.py --losses APLoss,TripletLoss --batch-sizes 128,2048 \\
+    python experiments/batch_sweep/batch_sweep.py --quick                       # minutes
+    nice python experiments/batch_sweep/batch_sweep.py                          # hours; resumable
+    python experiments/batch_sweep/batch_sweep.py --losses APLoss,TripletLoss --batch-sizes 128,2048 \\
         --train data/sop/train --val data/sop/val --test data/sop/test
 
 Writes ``sweep.md`` (the tables), ``sweep.png`` (MAP@R against batch size, one line per
@@ -54,9 +54,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATA = ROOT / "data" / "glyphs"
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "batch_sweep"
+DEFAULT_OUT = ROOT / "experiments" / "batch_sweep" / "results"
 
 # Loss name -> (tfaploss.losses class, constructor arguments). Library defaults, except
 # PNP's variant, named for clarity. The successors (RS@k, SupRecall, SupNDCG) run without SiMix.

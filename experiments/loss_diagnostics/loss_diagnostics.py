@@ -1,7 +1,7 @@
 """Why a loss trains or collapses: per-step gradient and embedding statistics.
 
 For each (loss, BatchNorm mode, learning rate) the small CNN of
-``benchmarks/batch_sweep.py`` trains from scratch for ``--steps`` single-pass Adam steps
+``experiments/batch_sweep/batch_sweep.py`` trains from scratch for ``--steps`` single-pass Adam steps
 on a split written by a ``pipelines`` job, and every step records:
 
 * ``|g|``: global norm of the parameter gradient;
@@ -16,7 +16,7 @@ The BatchNorm modes are ``frozen`` (statistics estimated once at initialisation,
 fixed: what ``freeze_bn: true`` did for a network trained from scratch) and ``batch``
 (batch statistics, the from-scratch default).
 
-    python benchmarks/loss_diagnostics.py --train data/glyphs/train \\
+    python experiments/loss_diagnostics/loss_diagnostics.py --train data/glyphs/train \\
         --losses APLoss,Triplet-semihard --batch 512 --lrs 1e-3,4e-3 --steps 40
 """
 
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "batch_sweep"))
 from batch_sweep import DEFAULT_DATA, LOSSES
 
 
@@ -64,8 +64,8 @@ def run(args, loss_name, bn, lr):
     import keras
     import tensorflow as tf
 
-    from tfaploss.run import build as B
     from tfaploss.config.schema import config_from_dict
+    from tfaploss.run import build as B
     from tfaploss.training.health import cosine_stats
 
     cls, kwargs = LOSSES[loss_name]
