@@ -33,19 +33,21 @@ LAYERS = {
     "tfaploss.losses": 1,
     "tfaploss.evaluation": 1,       # search and metrics over embeddings
     # What combines blocks.
-    "tfaploss.training": 2,         # multi-stage step, health, checkpoints (uses models)
     "tfaploss.config": 2,           # the schema checks a loss section against its class
     "tfaploss.export": 2,           # SavedModel around a model
     "pipelines": 2,                 # Beam jobs (read ground truth as evaluation does)
+    # Above config: the health callback judges by the thresholds config defines
+    # (tfaploss.config.health), so the config, the callback and the run share them.
+    "tfaploss.training": 3,         # multi-stage step, health, checkpoints (uses models)
     # The run: a config carried out end to end.
-    "tfaploss.run": 3,
+    "tfaploss.run": 4,
     # Applications.
-    "tfaploss.demo": 4,
-    "tfaploss.compare": 4,          # the comparison protocol over runs
+    "tfaploss.demo": 5,
+    "tfaploss.compare": 5,          # the comparison protocol over runs
     # The package root imports what registers tfaploss's Keras classes (every layer);
     # modules import the submodule they need, never the root's names.
-    "tfaploss": 5,
-    "tfaploss.cli": 6,              # the command line (reads the root's __version__)
+    "tfaploss": 6,
+    "tfaploss.cli": 7,              # the command line (reads the root's __version__)
 }
 
 
