@@ -533,7 +533,7 @@ def test_a_slow_stall_in_a_wide_cone_is_stopped_since_the_chance_line_is_025():
     """ROADMAP at 4e-3 with 96 updates stalled in the cone more slowly than at 24: its
     share of queries at chance fell from 39 to 33 % after its first epoch, so half its
     steps were under the old 35 % line and it trained to the end unreported. With the
-    line at 25 % (``DEFAULT_CONE_CHANCE_AP``) it is stopped once its first quarter and
+    line at 25 % (``HealthThresholds.cone_chance_ap``) it is stopped once its first quarter and
     one more window of 80 % qualifying steps have passed; at 35 % it is not."""
     cos, chance = _roadmap_96_updates()
     monitor, steps = _replay(cos, 2048, chance=chance, stop_share=0.25, epochs=4)

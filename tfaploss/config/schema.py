@@ -24,7 +24,7 @@ Overrides (``--set`` on the command line) are ``dotted.key=value`` strings whose
 is parsed as YAML (``training.epochs=3`` gives an int, ``evaluation.ks=[1,10]`` a list,
 ``model.weights=null`` None).
 
-Why dataclasses and not pydantic (decided in the restructuring, issue 20): pydantic v2
+Why dataclasses and not pydantic: pydantic v2
 models would give strict types, ``extra="forbid"``, ``Field`` bounds and error locations
 for free, but they would replace only the generic part of this module, the ~130 lines
 of ``_convert`` / ``_build_dataclass``. The rest stays either way: the cross-field
