@@ -84,24 +84,21 @@ class HealthThresholds:
     min_window_images: int = _threshold(8192, low=1)
     # The callback only warns unless told; tfaploss train stops a collapse that still
     # holds over a quarter of the run, which then costs a quarter of its budget.
-    stop_share: typing.Optional[float] = _threshold(None, low=0, high=1,
-                                                    config_default=0.25)
+    stop_share: float | None = _threshold(None, low=0, high=1, config_default=0.25)
     # Random embeddings give about 0.5: a step in a narrow cone that still ranks is
     # not one that lost retrieval.
     stop_chance_ap: float = _threshold(0.5, low=0, high=1)
     # Runs stalled in a wider cone sat at 0.95-0.99; every run that learned had left
     # it (<= 0.66) by its second quarter.
-    cone_cosine: typing.Optional[float] = _threshold(0.95, low=-1, high=1, low_open=True)
+    cone_cosine: float | None = _threshold(0.95, low=-1, high=1, low_open=True)
     # 0.08 below the lowest stalled epoch measured (33 % at chance).
     cone_chance_ap: float = _threshold(0.25, low=0, high=1)
     # 0.1 above the most any run that learned had in its second half (20 %).
-    stall_chance_ap: typing.Optional[float] = _threshold(0.3, low=0, high=1,
-                                                         low_open=True)
+    stall_chance_ap: float | None = _threshold(0.3, low=0, high=1, low_open=True)
     # By half the run, runs that learn rank almost every query above chance.
     stall_after: float = _threshold(0.5, low=0, high=1)
     # Real batches differ, so a learning model's loss moves more than this between them.
-    flat_rtol: typing.Optional[float] = _threshold(1e-3, low=0, high=math.inf,
-                                                   config=False)
+    flat_rtol: float | None = _threshold(1e-3, low=0, high=math.inf, config=False)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

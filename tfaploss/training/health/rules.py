@@ -12,8 +12,9 @@ to :data:`RULES` with its message.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from tfaploss.config.health import HealthThresholds
 
