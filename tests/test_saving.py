@@ -132,7 +132,8 @@ def _library_keras_classes():
         module = importlib.import_module(root)
         names = [root]
         if hasattr(module, "__path__"):
-            names += [f"{root}.{m.name}" for m in pkgutil.iter_modules(module.__path__)]
+            # Every module below, subpackages' too (tfaploss.training.health.metrics).
+            names += [m.name for m in pkgutil.walk_packages(module.__path__, f"{root}.")]
         for name in names:
             if name in other_backends:
                 continue

@@ -1,4 +1,4 @@
-"""Batch health (issue 14, item 1): the metrics' values, the warning on a constructed
+"""Batch health: the metrics' values, the warning on a constructed
 collapse or flat loss (plain fit, MultiStageModel, held batch, `tfaploss train`), and
 silence on a healthy run. Patience is counted in images, as a share of the run: the
 reported runs (100 steps of 920 collapsed from the start; 690 steps of 128 at
@@ -23,12 +23,8 @@ from tfaploss.training import (
     batch_health,
     health_metrics,
 )
-from tfaploss.training.health import (
-    COLLAPSE_CAUSES,
-    _find_metrics,
-    random_ranking_ap,
-    replay,
-)
+from tfaploss.training.health import COLLAPSE_CAUSES, random_ranking_ap, replay
+from tfaploss.training.health.monitor import _find_metrics
 
 LABELS = np.repeat(np.arange(4), 4).astype("int32")
 
@@ -261,13 +257,6 @@ def test_large_batch_run_collapsed_from_the_start_is_reported_at_a_tenth():
     assert steps == 100 and monitor.stopped is None
     assert _kinds(monitor) == [(10, "collapse", False), (10, "flat", False)]
     assert "most queries still rank better than chance" in monitor.records[0]["message"]
-    # The old rule (200 consecutive steps) is silent on this run: the bug.
-    with pytest.warns(DeprecationWarning, match="patience"):
-        legacy = TrainingHealthMonitor(patience=200)
-    assert legacy.patience == 200
-    with pytest.warns(DeprecationWarning):
-        monitor, _ = _replay(cos, 920, patience=200, flat_rtol=None)
-    assert monitor.events == []
 
 
 @pytest.mark.parametrize("dips", ["every_7th", "random_15pct"])
@@ -291,10 +280,6 @@ def test_long_collapse_with_dips_is_reported_and_stopped(dips):
     # Stopped once it holds over 25 % of the run (173 steps), well inside the stretch.
     assert stopped is not None and stopped["kind"] == "collapse"
     assert 238 <= stopped["step"] <= 300 and steps == stopped["step"]
-    # The old rule never fires here: no 200 consecutive collapsed steps.
-    with pytest.warns(DeprecationWarning):
-        legacy, _ = _replay(cos, 128, loss, patience=200, flat_rtol=None)
-    assert legacy.events == []
     # With the queries beating chance in the stretch: warned only.
     monitor, steps = _replay(cos, 128, loss, chance=[0.1] * 690, stop_share=0.25)
     assert [r["kind"] for r in monitor.records] == ["collapse"]
@@ -411,9 +396,6 @@ def test_non_finite_health_is_not_called_a_collapse():
 
 
 def test_monitor_arguments_are_checked():
-    with pytest.raises(ValueError, match="patience must be an int >= 0 or None, received "
-                                         "patience=-1"):
-        TrainingHealthMonitor(patience=-1)
     with pytest.raises(ValueError, match="action must be 'warn' or 'stop'"):
         TrainingHealthMonitor(action="raise")
     with pytest.raises(ValueError, match=r"stop_share must be a number in \[0.1, 1\]"):
@@ -435,19 +417,6 @@ def test_monitor_arguments_are_checked():
         health_metrics(max_queries=1)
     with pytest.raises(ValueError, match="statistic must be one of"):
         BatchHealthMetric("cosine")
-
-
-def test_deprecated_step_arguments_keep_their_old_meaning():
-    """patience=k: k consecutive collapsed steps; flat_steps=k: a k-step window."""
-    with pytest.warns(DeprecationWarning, match="flat_steps"):
-        off = TrainingHealthMonitor(flat_steps=0)
-    assert off.flat_rtol is None
-    cos = [1.0] * 5 + [0.5] + [1.0] * 4
-    with pytest.warns(DeprecationWarning):
-        monitor, _ = _replay(cos, 16, [0.3] * 10, patience=3, flat_steps=4)
-    # Collapse at step 3, re-armed by the clean step 6, again at step 9; flat at 4.
-    assert [(s, k) for s, k, _ in monitor.events] == [(3, "collapse"), (4, "flat"),
-                                                      (9, "collapse")]
 
 
 def test_tfaploss_train_stops_a_collapsed_run_and_records_why(tmp_path, capsys):
@@ -523,22 +492,32 @@ def test_tfaploss_train_stops_a_collapsed_run_and_records_why(tmp_path, capsys):
 
 
 def test_the_config_defaults_are_the_monitors():
-    """``training.health`` (tfaploss.config, which imports no Keras) restates the
-    monitor's defaults; they must not drift apart. stop_share is the one that differs
-    on purpose: the callback only warns unless told, ``tfaploss train`` stops."""
-    import inspect
+    """``training.health`` (tfaploss.config, which imports no Keras) and the monitor
+    read one definition of the thresholds; they must not drift apart. stop_share is
+    the one that differs on purpose: the callback only warns unless told,
+    ``tfaploss train`` stops."""
+    import dataclasses
 
+    from tfaploss.config.health import HealthThresholds
     from tfaploss.config.schema import HealthConfig
-    from tfaploss.training import health
 
-    monitor = inspect.signature(TrainingHealthMonitor).parameters
+    monitor = TrainingHealthMonitor().thresholds
     config = HealthConfig()
+    assert monitor == HealthThresholds()
     for name in ("collapse_cosine", "collapse_fraction", "window_share",
                  "min_window_images", "stop_chance_ap", "cone_cosine", "cone_chance_ap",
                  "stall_chance_ap", "stall_after"):
-        assert getattr(config, name) == monitor[name].default, name
-    assert monitor["stop_share"].default is None
-    assert config.stop_share == health.DEFAULT_STOP_SHARE
+        assert getattr(config, name) == getattr(monitor, name), name
+    assert monitor.stop_share is None
+    assert config.stop_share == 0.25
+    assert config.thresholds() == dataclasses.replace(monitor, stop_share=0.25)
+    # Every threshold but the callback's flat_rtol is a config key, with its range.
+    keys = {f.name for f in dataclasses.fields(HealthConfig)} - {"enabled"}
+    assert keys == {f.name for f in dataclasses.fields(HealthThresholds)} - {"flat_rtol"}
+    for f in dataclasses.fields(HealthConfig):
+        if f.name != "enabled":
+            assert f.metadata["range"] is HealthThresholds.__dataclass_fields__[
+                f.name].metadata["range"], f.name
 
 
 def _roadmap_96_updates():
@@ -554,7 +533,7 @@ def test_a_slow_stall_in_a_wide_cone_is_stopped_since_the_chance_line_is_025():
     """ROADMAP at 4e-3 with 96 updates stalled in the cone more slowly than at 24: its
     share of queries at chance fell from 39 to 33 % after its first epoch, so half its
     steps were under the old 35 % line and it trained to the end unreported. With the
-    line at 25 % (``DEFAULT_CONE_CHANCE_AP``) it is stopped once its first quarter and
+    line at 25 % (``HealthThresholds.cone_chance_ap``) it is stopped once its first quarter and
     one more window of 80 % qualifying steps have passed; at 35 % it is not."""
     cos, chance = _roadmap_96_updates()
     monitor, steps = _replay(cos, 2048, chance=chance, stop_share=0.25, epochs=4)
@@ -640,7 +619,7 @@ def _sweep_run(epoch_means, swing=0.05, steps_per_epoch=24, cos_swing=0.0):
 
 
 # Epoch means (emb_cos, chance_ap) of 4-epoch glyph-sweep runs at B=2048
-# (benchmarks/results/batch_sweep; validation MAP@R in the name), replayed here as
+# (experiments/batch_sweep/results; validation MAP@R in the name), replayed here as
 # runs of 96 steps whatever their own length (24 or 96 updates).
 # all-pairs ContrastiveLoss at lr 1.6e-2, 96 updates
 SPREAD_AT_CHANCE_3_3 = [(0.27, 0.59), (0.04, 0.53), (0.01, 0.43), (0.00, 0.40)]
@@ -737,11 +716,11 @@ def test_tfaploss_train_passes_the_stall_settings_to_its_monitor():
     raw = {"data": {"train": "unused", "batch_size": 8, "m": 4},
            "model": {"backbone": "small_cnn", "weights": None}}
     monitor = _health_monitor(config_from_dict(raw, warn=False))
-    assert (monitor.stall_chance_ap, monitor.stall_after) == (0.3, 0.5)
+    assert (monitor.thresholds.stall_chance_ap, monitor.thresholds.stall_after) == (0.3, 0.5)
     monitor = _health_monitor(config_from_dict(raw, [
         "training.health.stall_chance_ap=0.4", "training.health.stall_after=0.6"],
         warn=False))
-    assert (monitor.stall_chance_ap, monitor.stall_after) == (0.4, 0.6)
+    assert (monitor.thresholds.stall_chance_ap, monitor.thresholds.stall_after) == (0.4, 0.6)
     off = _health_monitor(config_from_dict(raw, ["training.health.stall_chance_ap=null"],
                                            warn=False))
-    assert off.stall_chance_ap is None and "stall" not in off._make_windows(8)
+    assert off.thresholds.stall_chance_ap is None and "stall" not in off._make_windows(8)

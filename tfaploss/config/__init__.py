@@ -5,6 +5,7 @@ imports neither Keras nor TensorFlow; :mod:`tfaploss.run` carries it out
 (:mod:`tfaploss.run.build` turns a config into a model, a loss and an optimizer).
 """
 
+from tfaploss.config.health import HealthThresholds
 from tfaploss.config.schema import (
     AugmentationConfig,
     Config,
@@ -41,6 +42,7 @@ __all__ = [
     "DistributeConfig",
     "EvaluationConfig",
     "HealthConfig",
+    "HealthThresholds",
     "LossConfig",
     "ModelConfig",
     "OptimizerConfig",

@@ -24,7 +24,7 @@ Overrides (``--set`` on the command line) are ``dotted.key=value`` strings whose
 is parsed as YAML (``training.epochs=3`` gives an int, ``evaluation.ks=[1,10]`` a list,
 ``model.weights=null`` None).
 
-Why dataclasses and not pydantic (decided in the restructuring, issue 20): pydantic v2
+Why dataclasses and not pydantic: pydantic v2
 models would give strict types, ``extra="forbid"``, ``Field`` bounds and error locations
 for free, but they would replace only the generic part of this module, the ~130 lines
 of ``_convert`` / ``_build_dataclass``. The rest stays either way: the cross-field
@@ -57,6 +57,9 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from tfaploss.config.fields import ConfigError, Range, ranged
+from tfaploss.config.health import HealthConfig
+
 __all__ = [
     "AugmentationConfig",
     "Config",
@@ -83,53 +86,8 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
-    """A run configuration that cannot be used as written; the message says what to fix."""
-
-
 class ConfigWarning(UserWarning):
     """A configuration that is valid but probably not what was meant."""
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric key allows: ``low``..``high``, ``low`` excluded when
-    ``low_open``. The bounds are what the code can run (e.g. batches up to 2**20, seeds
-    that TensorFlow and NumPy both take), so a value that parses but makes no sense
-    (``epochs: 1.0e+26``, a negative size) is refused with its key, never trained."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-
-    def __str__(self) -> str:
-        def shown(bound, none):
-            if bound is None:
-                return none
-            return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
-
-        low, high = shown(self.low, "-inf"), shown(self.high, "inf")
-        return f"{'(' if self.low_open else '['}{low}, {high}]"
-
-    def check(self, value, path: str) -> None:
-        if isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                self.check(item, f"{path}[{i}]")
-            return
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return  # null or a named choice ('original'): the type check covers it
-        too_low = self.low is not None and (value <= self.low if self.low_open
-                                            else value < self.low)
-        if too_low or (self.high is not None and value > self.high):
-            raise ConfigError(f"config key '{path}': must be in {self}, received "
-                              f"{value!r}.")
-
-
-def ranged(default=dataclasses.MISSING, *, low=None, high=None, low_open=False,
-           default_factory=dataclasses.MISSING):
-    """A dataclass field whose numbers must lie in :class:`Range` (each item of a list)."""
-    return field(default=default, default_factory=default_factory,
-                 metadata={"range": Range(low, high, low_open)})
 
 
 MAX_BATCH = 2 ** 20
@@ -329,43 +287,6 @@ class DistributeConfig:
 
     strategy: Strategy = "auto"
     devices: int | None = ranged(None, low=1, high=4096)
-
-
-@dataclass
-class HealthConfig:
-    """The batch-health check of ``tfaploss train``
-    (:class:`tfaploss.training.TrainingHealthMonitor`).
-
-    A step's images count as collapsed when the batch's mean cosine between different
-    images (``emb_cos``) is >= ``collapse_cosine``. The run is warned about when, over
-    the latest ``max(min_window_images, window_share x the run's images)`` images, at
-    least ``collapse_fraction`` of them were collapsed (or the loss stayed flat). It is
-    stopped, with the message on the console and the reason in summary.json
-    (``stopped_early``) and epochs.jsonl, when the collapse holds over ``stop_share``
-    of the run counting only steps where at least ``stop_chance_ap`` of the queries
-    rank no better than chance (``chance_ap``; 0: the cosine alone): a model can
-    still learn inside a narrow cone. After the run's first ``stop_share``, steps with
-    ``emb_cos >= cone_cosine`` and ``chance_ap >= cone_chance_ap`` count towards that
-    stop too: a run stalled in a wider cone (``cone_cosine: null`` turns this off).
-    ``stop_share: null`` only warns. After the run's first ``stall_after``, a run whose
-    batches keep at least ``stall_chance_ap`` of their queries at chance, whatever
-    their cosine, is warned about, never stopped (``stall_chance_ap: null`` turns this
-    off). ``enabled: false`` turns the check off (the metrics are still logged). The
-    defaults and the measurements behind them:
-    :class:`tfaploss.training.TrainingHealthMonitor`.
-    """
-
-    enabled: bool = True
-    collapse_cosine: float = 0.99
-    collapse_fraction: float = 0.8
-    window_share: float = 0.1
-    min_window_images: int = 8192
-    stop_share: float | None = 0.25
-    stop_chance_ap: float = 0.5
-    cone_cosine: float | None = 0.95
-    cone_chance_ap: float = 0.25
-    stall_chance_ap: float | None = 0.3
-    stall_after: float = 0.5
 
 
 @dataclass
@@ -918,6 +839,7 @@ def _check_consistency(cfg: Config) -> list[str]:
 
 
 def _check_health(health: HealthConfig) -> None:
+    """What the fields' own ranges cannot say (:mod:`tfaploss.config.health`)."""
     where = "config key 'training.health."
     if not health.enabled:
         changed = [f.name for f in dataclasses.fields(HealthConfig)
@@ -927,42 +849,11 @@ def _check_health(health: HealthConfig) -> None:
                 f"{where}{changed[0]}' is set but training.health.enabled is false (no "
                 "check), so it would be ignored; remove it or enable the check.")
         return
-    if not -1.0 < health.collapse_cosine <= 1.0:
-        raise ConfigError(f"{where}collapse_cosine': must be in (-1, 1] (a mean cosine; "
-                          f"0.99 by default), received {health.collapse_cosine}.")
-    if not 0.0 < health.collapse_fraction <= 1.0:
-        raise ConfigError(
-            f"{where}collapse_fraction': must be in (0, 1] (the share of the window's "
-            f"images that must be collapsed), received {health.collapse_fraction}.")
-    if not 0.0 <= health.window_share <= 1.0:
-        raise ConfigError(f"{where}window_share': must be in [0, 1] (a share of the "
-                          f"run's images), received {health.window_share}.")
-    if health.min_window_images < 1:
-        raise ConfigError(f"{where}min_window_images': must be >= 1, received "
-                          f"{health.min_window_images}.")
-    if health.stop_share is not None and not (
-            health.window_share <= health.stop_share <= 1.0):
+    if health.stop_share is not None and health.stop_share < health.window_share:
         raise ConfigError(
             f"{where}stop_share': must be between training.health.window_share="
             f"{health.window_share:g} (stop at the first warning) and 1, or null (never "
             f"stop, only warn); received {health.stop_share}.")
-    if not 0.0 <= health.stop_chance_ap <= 1.0:
-        raise ConfigError(
-            f"{where}stop_chance_ap': must be in [0, 1] (a share of the queries; 0 "
-            f"stops on the cosine alone), received {health.stop_chance_ap}.")
-    if health.cone_cosine is not None and not -1.0 < health.cone_cosine <= 1.0:
-        raise ConfigError(f"{where}cone_cosine': must be in (-1, 1] (a mean cosine; "
-                          f"0.95 by default) or null, received {health.cone_cosine}.")
-    if not 0.0 <= health.cone_chance_ap <= 1.0:
-        raise ConfigError(f"{where}cone_chance_ap': must be in [0, 1] (a share of the "
-                          f"queries), received {health.cone_chance_ap}.")
-    if health.stall_chance_ap is not None and not 0.0 < health.stall_chance_ap <= 1.0:
-        raise ConfigError(f"{where}stall_chance_ap': must be in (0, 1] (a share of the "
-                          f"queries; 0.3 by default) or null, received "
-                          f"{health.stall_chance_ap}.")
-    if not 0.0 <= health.stall_after <= 1.0:
-        raise ConfigError(f"{where}stall_after': must be in [0, 1] (a share of the "
-                          f"run's images), received {health.stall_after}.")
 
 
 # ---------------------------------------------------------------------------------------

@@ -188,13 +188,8 @@ def _health_monitor(cfg: Config):
     h = cfg.training.health
     if not h.enabled:
         return None
-    return TrainingHealthMonitor(
-        collapse_cosine=h.collapse_cosine, collapse_fraction=h.collapse_fraction,
-        window_share=h.window_share, min_window_images=h.min_window_images,
-        stop_share=h.stop_share, stop_chance_ap=h.stop_chance_ap,
-        cone_cosine=h.cone_cosine, cone_chance_ap=h.cone_chance_ap,
-        stall_chance_ap=h.stall_chance_ap, stall_after=h.stall_after, action="warn",
-        batch_size=cfg.data.batch_size)
+    return TrainingHealthMonitor(h.thresholds(), action="warn",
+                                 batch_size=cfg.data.batch_size)
 
 
 def embed_split(embedding_model, cfg: Config, path: str, max_images: int | None = None,

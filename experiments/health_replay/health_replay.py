@@ -4,16 +4,16 @@
 (``health_steps`` in each run's ``epochs.jsonl``). This script finds every run under
 the folders given that has such a log, replays it through
 :func:`tfaploss.training.health.replay` with the run's own ``training.health``
-settings and, in turn, each value of one monitor argument (``--vary``), and prints for
+settings and, in turn, each value of one threshold (``--vary``), and prints for
 each run what each value does: where it stops the run and what it warns about, beside
 the run's validation MAP@R (``metrics.json`` of ``benchmarks/batch_sweep.py``, when
 there) and what the run itself did (the settings it was trained with: the peer each
 replay is read against). A rule is good when it reports the runs that did not learn and
 none of those that did.
 
-    python benchmarks/health_replay.py benchmarks/results/batch_sweep \\
+    python experiments/health_replay/health_replay.py experiments/batch_sweep/results \\
         --vary cone_chance_ap=0.15,0.2,0.25,0.3,0.35
-    python benchmarks/health_replay.py benchmarks/results/batch_sweep \\
+    python experiments/health_replay/health_replay.py experiments/batch_sweep/results \\
         --vary stall_chance_ap=0.2,0.25,0.3,0.4 --epoch-means
 
 Runs written before ``health_steps`` existed are counted and skipped, or, with
@@ -23,25 +23,30 @@ a run's own settings reproduce it is then only shown, not enforced). Cost: O(ste
 Python per run and value; no model is loaded.
 
 Cells: ``S44`` stopped at step 44, ``stall@58`` a first warning of that kind at step
-58 (``collapse``, ``flat``, ``stall``), ``—`` nothing reported.
+58 (``collapse``, ``flat``, ``stall``), ``—`` nothing reported. What the replays
+showed, and the thresholds they set: ``docs/health.md``.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 import yaml
 
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
 
 def _monitor_arguments() -> set[str]:
-    from tfaploss.training.health import TrainingHealthMonitor
+    """The thresholds, and the run facts a replay may be told."""
+    from tfaploss.config.health import HealthThresholds
 
-    return set(inspect.signature(TrainingHealthMonitor).parameters) - {
-        "data", "every", "action", "patience", "flat_steps"}
+    return {f.name for f in dataclasses.fields(HealthThresholds)} | {"total_images",
+                                                                     "batch_size"}
 
 
 def parse_args(argv=None):
@@ -49,8 +54,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folders", nargs="+", help="folders searched for run folders")
     p.add_argument("--vary", default="cone_chance_ap=0.15,0.2,0.25,0.3,0.35",
-                   help="NAME=v1,v2,...: a TrainingHealthMonitor argument and the values "
-                        "to replay ('none' for None)")
+                   help="NAME=v1,v2,...: a HealthThresholds field (or total_images, "
+                        "batch_size) and the values to replay ('none' for None)")
     p.add_argument("--epoch-means", action="store_true",
                    help="also replay runs without per-step logs from their epoch means")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
