@@ -13,6 +13,9 @@ Three backends share one small interface (:class:`Searcher`):
   large databases. Its parameters are chosen from the database size
   (:func:`scann_ah_params`) and every one can be overridden.
 
+:func:`tfaploss.evaluation.tuner.build_searcher` picks one of them by name, or tunes
+ScaNN to a target recall.
+
 Scores are inner products (cosine similarity for L2-normalised embeddings), higher is
 better. Every backend returns, per query, the ``k`` best database indices sorted by
 score (descending) with **ties broken by index** (the lower database index first), so
@@ -550,38 +553,6 @@ class ScannSearcher(Searcher):
 
 
 BACKENDS = ("exact", "scann", "scann_ah")
-
-
-def build_searcher(database, backend: str = "exact", *, target_recall: float | None = None,
-                   k: int | None = None, queries=None, **kwargs) -> Searcher:
-    """Build a searcher: ``backend`` in ``"exact"``, ``"scann"`` (brute force) or
-    ``"scann_ah"`` (tree + AH + reorder); ``kwargs`` go to the class.
-
-    With ``target_recall`` (in (0, 1]; ``backend`` ``"scann"`` or ``"scann_ah"``), the
-    ScaNN settings are tuned instead: the fastest one whose recall@``k`` (default 10)
-    on a sample of ``queries`` (default: database points, self excluded) reaches the
-    target, or the exact searcher when none beats exact search; ``kwargs`` then go to
-    :func:`tfaploss.evaluation.tuner.tune_searcher` and the searcher carries the
-    tuner's report as ``searcher.tuning``.
-    """
-    if target_recall is not None:
-        if backend not in ("scann", "scann_ah"):
-            raise ValueError(f"`target_recall` tunes ScaNN: pass backend='scann' or "
-                             f"'scann_ah' (received {backend!r}; exact search has recall 1).")
-        from tfaploss.evaluation.tuner import tune_searcher
-
-        searcher, _ = tune_searcher(database, target_recall, 10 if k is None else k,
-                                    queries, **kwargs)
-        return searcher
-    if k is not None or queries is not None:
-        raise ValueError("`k` and `queries` of build_searcher only apply with `target_recall`.")
-    if backend == "exact":
-        return ExactSearcher(database, **kwargs)
-    if backend == "scann":
-        return ScannSearcher(database, mode="brute_force", **kwargs)
-    if backend == "scann_ah":
-        return ScannSearcher(database, mode="ah", **kwargs)
-    raise ValueError(f"`backend` must be one of {BACKENDS}; received {backend!r}.")
 
 
 def load_searcher(directory: str) -> Searcher:

@@ -200,23 +200,18 @@ def _health_monitor(cfg: Config):
 def embed_split(embedding_model, cfg: Config, path: str, max_images: int | None = None,
                 verbose: int = 0):
     """Embeddings (N, D) and labels (N,) of every image of a split (at most ``max_images``)."""
-    import numpy as np
+    from tfaploss.evaluation.embed import EmptyDatasetError, embed_dataset
 
     batch = 64 if cfg.test_image_size else 1
     ds = B.build_eval_dataset(cfg, path, batch_size=batch)
     if max_images:
         ds = ds.unbatch().take(max_images).batch(batch)
-    embeddings, labels = [], []
-    for images, y, _ in ds:
-        # Fixed-size batches go through Keras's compiled predict step (faster than an
-        # eager call); images of their original sizes would retrace it at every shape.
-        out = (embedding_model.predict_on_batch(images) if batch > 1
-               else embedding_model(images, training=False))
-        embeddings.append(np.asarray(out, np.float32))
-        labels.append(y.numpy())
-    if not embeddings:
-        raise ConfigError(f"the split {path!r} holds no images to evaluate on.")
-    return np.concatenate(embeddings), np.concatenate(labels)
+    try:
+        embeddings, labels, _ = embed_dataset(embedding_model, ds, verbose,
+                                              predict_step=batch > 1)
+    except EmptyDatasetError:
+        raise ConfigError(f"the split {path!r} holds no images to evaluate on.") from None
+    return embeddings, labels
 
 
 def evaluate_split(embedding_model, cfg: Config, path: str, max_images: int | None = None,
@@ -224,9 +219,10 @@ def evaluate_split(embedding_model, cfg: Config, path: str, max_images: int | No
     """Retrieval metrics of ``cfg.evaluation`` on a split (each image queries the rest).
 
     With ``evaluation.target_recall`` the search is tuned to it on these embeddings
-    (as ``tfaploss evaluate`` does; ScaNN AH when ``backend`` is exact), the metrics
-    gain ``search_recall`` (the recall@k the tuner measured) and ``search``, when given,
-    receives the whole search report (backend, setting, recall and its interval).
+    (as ``tfaploss evaluate`` does, see :func:`tfaploss.evaluation.build_searcher`),
+    the metrics gain ``search_recall`` (the recall@k the tuner measured) and
+    ``search``, when given, receives the whole search report (backend, setting, recall
+    and its interval).
     """
     from tfaploss.evaluation import build_searcher, retrieval_metrics
 
@@ -238,8 +234,8 @@ def evaluate_split(embedding_model, cfg: Config, path: str, max_images: int | No
         return retrieval_metrics(embeddings, labels, ks=ks, backend=cfg.evaluation.backend)
     from tfaploss.evaluation.tuner import search_report
 
-    backend = "scann_ah" if cfg.evaluation.backend == "exact" else cfg.evaluation.backend
-    searcher = build_searcher(embeddings, backend, target_recall=target, k=max(ks))
+    searcher = build_searcher(embeddings, cfg.evaluation.backend, target_recall=target,
+                              k=max(ks))
     report = search_report(searcher, embeddings, max(ks))
     LOG.info("search tuned to recall@%d >= %g: %s, recall %.4f (95%% CI %s)", max(ks),
              target, report.get("setting"), report["recall"], report["recall_ci"])
