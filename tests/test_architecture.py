@@ -23,8 +23,10 @@ LAYERS = {
     # Foundations: no other tfaploss package.
     "tfaploss._registration": 0,
     "tfaploss._keras_compat": 0,    # the one home of Keras's private names
-    "tfaploss.faults": 0,           # the fault injector of the crash tests
-    "tfaploss.locks": 0,            # one writer per run directory or output folder
+    # Crash safety: atomic files, checkpoints, run-directory checks, locks, fault points.
+    # A foundation because the Beam jobs (pipelines) take its locks and fault points; the
+    # one part that needs the config schema (same config?) is tfaploss.run.resume.
+    "tfaploss.durable": 0,
     "tfaploss.log": 0,              # the logging scheme (loggers, CLI handler)
     "tfaploss.ops": 0,              # backend kernels the losses share
     # Building blocks, each standing alone.

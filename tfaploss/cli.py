@@ -555,8 +555,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 3
         # A damaged run directory, or one another run holds: like a config error.
-        checkpoints = sys.modules.get("tfaploss.training.checkpoints")
-        locks = sys.modules.get("tfaploss.locks")
+        checkpoints = sys.modules.get("tfaploss.durable.checkpoints")
+        locks = sys.modules.get("tfaploss.durable.locks")
         if ((checkpoints is not None and isinstance(err, checkpoints.DamagedRunError))
                 or (locks is not None and isinstance(err, locks.LockError))):
             print(f"error: {err}", file=sys.stderr)

@@ -230,11 +230,12 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
     if protocol not in PROTOCOLS:
         raise ValueError(f"`protocol` must be one of {PROTOCOLS}; received {protocol!r}.")
     ks = tuple(ks) if ks is not None else _PROTOCOL_KS[protocol]
-    if target_recall is not None:
-        if isinstance(target_recall, bool) or not isinstance(target_recall, (int, float)) \
-                or not 0 < target_recall <= 1:
-            raise ValueError(f"`target_recall` must be in (0, 1] or None; received "
-                             f"{target_recall!r}.")
+    # Checked before embedding, so a bad value fails at once rather than after the model ran.
+    if target_recall is not None and (
+            isinstance(target_recall, bool) or not isinstance(target_recall, (int, float))
+            or not 0 < target_recall <= 1):
+        raise ValueError(f"`target_recall` must be in (0, 1] or None; received "
+                         f"{target_recall!r}.")
     db, db_labels, _ = _resolve(model_or_embeddings, dataset, labels, verbose, "database")
     model = None if isinstance(model_or_embeddings, (np.ndarray, str, os.PathLike)) or \
         hasattr(model_or_embeddings, "numpy") else model_or_embeddings
