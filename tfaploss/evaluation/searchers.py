@@ -313,29 +313,18 @@ def _unit_rows(database, tolerance: float = 1e-3) -> bool:
 def scann_ah_params(num_database: int, dim: int) -> dict[str, Any]:
     """Tree + AH + reorder parameters for a database of ``num_database`` x ``dim``.
 
-    * ``num_leaves`` about sqrt(N) (548 at 300k, 1,000 at 1M; at most 4,000), and
-      ``num_leaves_to_search`` = max(50, 5 % of them): a leaf holds about sqrt(N)
-      points, so a fixed number of leaves keeps the scanned share falling with N
-      (9 % at 300k, 5 % at 1M) at the same recall.
-    * ``tree_training_sample_size`` = 250 points per leaf (all of a smaller set). This
-      is what recall depends on most: k-means trained on 55 points per leaf (30k
-      points, the former 10 % rule, at 300k) put the neighbours of a query into many
-      more leaves -- clustered 300k x 128, 55 of 548 leaves searched: recall@10 0.87
-      against 0.98 with 250 per leaf, at the same speed.
-    * AH: 2 dimensions per 4-bit block, anisotropic threshold 0.2 (unit-norm data),
-      codebooks trained on at most 100k points (``training_sample_size``); the
-      anisotropic loss costs nothing measurable in build time at 1M x 128.
-    * exact re-ordering of at least 250 candidates (``10 * k`` when more are asked
-      for: on random 100k x 64 data with every leaf searched, re-ordering 400
-      candidates gives recall@100 0.91, 2,000 give 0.999).
+    * ``num_leaves`` about sqrt(N) (at most 4,000) and ``num_leaves_to_search`` =
+      max(50, 5 % of them): a leaf then holds about sqrt(N) points, so the share of the
+      database scanned falls as N grows, at the same recall.
+    * ``tree_training_sample_size`` = 250 points per leaf (all of a smaller set): the
+      k-means behind the tree is what recall depends on most.
+    * AH: 2 dimensions per 4-bit block, anisotropic threshold 0.2 (for unit-norm data),
+      codebooks trained on at most 100k points (``training_sample_size``).
+    * exact re-ordering of at least 250 candidates (``10 * k`` when more are asked for).
 
     Below 100,000 points the tree is skipped: scanning every 4-bit AH code is already
-    fast there (20k x 64: ~0.1 ms per query) and a tree costs recall, badly so on
-    embeddings without cluster structure (random 20k x 64, 141 leaves, 20 % searched:
-    recall@10 0.68 against 0.995 without the tree).
-
-    Measured by ``benchmarks/search.py`` (clustered and random unit data, recall@10
-    against exact search, with faiss beside it).
+    fast there, and a tree costs recall, badly so on embeddings without cluster
+    structure. The measurements behind each value are in ``docs/search.md``.
     """
     n = int(num_database)
     params: dict[str, Any] = {
@@ -383,9 +372,8 @@ class ScannSearcher(Searcher):
       spherical: spherical k-means for the tree (unit-norm centres). ``None``
         (default): when every database row has norm 1 (± 1e-3), as the embeddings of
         the losses do. Dot products with raw k-means centres favour the centres of
-        tight clusters, so a query's neighbours land in other leaves: clustered 300k x
-        128 unit vectors, 1,095 leaves, exact scores in the leaves searched: recall@10
-        0.79 / 0.93 searching 1 / 8 leaves, against 0.996 / 0.998 spherical.
+        tight clusters, so a query's neighbours land in other leaves
+        (``docs/search.md``).
       num_threads: search/training threads (0 = ScaNN's default, all cores).
     """
 
