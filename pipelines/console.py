@@ -213,7 +213,7 @@ def main_wrapper(run_fn, argv: list[str] | None = None, describe=describe_manife
     """
     from pipelines.image_workers import WorkerDiedError
     from pipelines.manifests import IncompleteRunError, TooManyFailuresError
-    from tfaploss.locks import LockError
+    from tfaploss.durable.locks import LockError
 
     configure(wants_verbose(argv))
     try:

@@ -29,7 +29,7 @@ only when the embeddings, dead letters and manifest are all written
 (:func:`pipelines.storage.publish`): killed midway, the previous output stays intact.
 ``EMB`` must be new, empty, or an earlier output of this job. One job at a time per
 ``EMB``: the job holds the lock ``.EMB.tfaploss.lock`` beside it
-(:mod:`tfaploss.locks`), and a second one is refused (exit 2), naming the first.
+(:mod:`tfaploss.durable.locks`), and a second one is refused (exit 2), naming the first.
 
 An undecodable image does not stop the job or the batch: the batch is retried image
 by image and the bad one goes to the dead letters. The job exits 1 when more than
@@ -48,7 +48,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pipelines import console, storage
-from tfaploss import faults, locks
+from tfaploss.durable import faults, locks
 
 beam = console.import_beam_quietly()
 
@@ -330,7 +330,7 @@ def run(argv: list[str] | None = None) -> dict:
     final = args.output.rstrip("/")
     parent, base = os.path.split(final)
     storage.makedirs(parent or ".")
-    # One job per output (tfaploss.locks); the lock sits beside it, as the output
+    # One job per output (tfaploss.durable.locks); the lock sits beside it, as the output
     # folder itself is swapped whole when published.
     with locks.exclusive(parent or ".", "output", name=f".{base}.tfaploss.lock",
                          target=final):

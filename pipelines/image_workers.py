@@ -29,7 +29,7 @@ before each image and each shard it writes, so :func:`worker_deaths` can tell th
 which worker died, how, and on what; the job then stops with
 :class:`WorkerDiedError` and publishes nothing (:func:`pipelines.runner.run_job`).
 
-Fault point (:mod:`tfaploss.faults`): ``worker_kill:N``, a worker SIGKILLs itself as
+Fault point (:mod:`tfaploss.durable.faults`): ``worker_kill:N``, a worker SIGKILLs itself as
 it starts its N-th image.
 """
 
@@ -51,7 +51,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pipelines import images as I
 from pipelines import storage
 from pipelines import tf_example as X
-from tfaploss import faults
+from tfaploss.durable import faults
 
 # How many images one task holds when it goes to a process pool: small enough that the
 # last tasks of a run keep every process busy, large enough that the per-task cost

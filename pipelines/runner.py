@@ -25,9 +25,9 @@ raises :class:`TooManyFailuresError` (after publishing) when a split's failure f
 exceeds ``--max_failure_fraction``.
 
 One job at a time per output folder: the job holds the lock of ``--output_dir``
-(:mod:`tfaploss.locks`) from before it looks at the folder until it has published, and a
+(:mod:`tfaploss.durable.locks`) from before it looks at the folder until it has published, and a
 second job started on the same folder is refused with
-:class:`~tfaploss.locks.LockHeldError`, naming the first one. An image worker process
+:class:`~tfaploss.durable.locks.LockHeldError`, naming the first one. An image worker process
 that dies (SIGKILL, the OOM killer) stops the job with
 :class:`~pipelines.image_workers.WorkerDiedError`, naming the worker, the split, shard and
 image it was on: nothing is published and the staging folder is removed, so each split
@@ -66,7 +66,7 @@ from pipelines.steps import (
     image_processes,
     image_threads,
 )
-from tfaploss import locks
+from tfaploss.durable import locks
 
 __all__ = [  # what the jobs, tests and benchmarks import from here
     "LAST_TIMING",
@@ -123,7 +123,7 @@ def run_job(job: str, plans: list[SplitPlan], args, options) -> dict[str, dict]:
 
     Returns ``{split: manifest}``. Raises :class:`TooManyFailuresError` (after
     publishing) when a split's failure fraction exceeds ``args.max_failure_fraction``,
-    :class:`~tfaploss.locks.LockHeldError` when another job writes the same output
+    :class:`~tfaploss.durable.locks.LockHeldError` when another job writes the same output
     folder, :class:`~pipelines.image_workers.WorkerDiedError` (nothing published) when
     an image worker process died, :class:`IncompleteRunError` (nothing published) when
     the runner's results do not account for every planned image of a split.

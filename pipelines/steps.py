@@ -11,7 +11,7 @@ order) and the by-class shards (label, chunk order) assembled from the parts
 (:mod:`pipelines.shard_writers`), side by side on the same workers, under temporary names
 renamed into place.
 
-Fault point (:mod:`tfaploss.faults`): ``images:N``, after N images processed.
+Fault point (:mod:`tfaploss.durable.faults`): ``images:N``, after N images processed.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pipelines import console, storage
 from pipelines import image_workers as W
 from pipelines import shard_writers as S
 from pipelines.plan import shard_of
-from tfaploss import faults
+from tfaploss.durable import faults
 
 beam = console.import_beam_quietly()
 

@@ -13,7 +13,7 @@ one back if a crash fell between the two renames. On object stores, where folder
 cannot be renamed, the old manifest is deleted first and the new one written last, so
 a manifest never describes records that are not there.
 
-Fault point (:mod:`tfaploss.faults`): ``publish``, between the two renames.
+Fault point (:mod:`tfaploss.durable.faults`): ``publish``, between the two renames.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import os
 import shutil
 import uuid
 
-from tfaploss import faults
+from tfaploss.durable import faults
 
 
 def is_url(path: str) -> bool:

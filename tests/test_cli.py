@@ -146,7 +146,7 @@ KILLS = [
 def trained_run(workspace):
     """Train EPOCHS epochs, killed at each point of KILLS and resumed by the same command
     each time; then the same command once more, in this process, on the finished run."""
-    from tfaploss import faults
+    from tfaploss.durable import faults
 
     root, config = workspace
     run_dir = root / "run"
@@ -391,8 +391,8 @@ def test_diverging_learning_rate_stops_training_and_saves_nothing(workspace, tmp
 
 
 def test_nan_in_epoch_two_stops_before_its_checkpoint(workspace, tmp_path, capsys):
-    from tfaploss import faults
     from tfaploss.cli import main
+    from tfaploss.durable import faults
 
     _, config = workspace
     run_dir = tmp_path / "nan"

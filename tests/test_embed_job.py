@@ -120,7 +120,7 @@ def test_embed_rerun_killed_midway_keeps_the_previous_output(tmp_path, exported)
     import os
     import subprocess
 
-    from tfaploss import faults
+    from tfaploss.durable import faults
 
     root = tmp_path / "tree"
     for cls, colour in (("cat", (220, 200, 20)), ("dog", (20, 20, 220))):

@@ -166,8 +166,13 @@ def test_build_searcher_knob_and_errors(tmp_path):
     if isinstance(s, ScannSearcher):  # a tuned searcher is saved and restored whole
         restored = load_searcher(s.serialize(str(tmp_path / "s")))
         np.testing.assert_array_equal(restored.search(queries, 5)[0], s.search(queries, 5)[0])
+    # build_searcher owns the rule: a target recall tunes ScaNN whatever the backend
+    # names (exact search has recall 1), so "exact" + a target is tuned, not refused.
+    tuned = build_searcher(db, "exact", target_recall=0.8, k=5, queries=queries,
+                           speed="model")
+    assert tuned.tuning["k"] == 5 and tuned.tuning["target_recall"] == 0.8
     with pytest.raises(ValueError, match="target_recall"):
-        build_searcher(db, "exact", target_recall=0.9)
+        build_searcher(db, "exact", target_recall=1.5)
     with pytest.raises(ValueError, match="only apply with"):
         build_searcher(db, "exact", k=5)
     for bad in (0, 1.5, -0.1, True):

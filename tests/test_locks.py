@@ -1,5 +1,5 @@
-"""tfaploss.locks: one writer per folder (issue 21, item 4). The module itself, and the
-Beam jobs that take it (the training run's lock: tests/test_run_dir_damage.py)."""
+"""tfaploss.durable.locks: one writer per folder. The module itself, and the Beam jobs
+that take it (the training run's lock: tests/test_run_dir_damage.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tfaploss import locks
+from tfaploss.durable import locks
 
 REPO = Path(__file__).resolve().parents[1]
 
-# A process that loads tfaploss/locks.py alone (not the tfaploss package, which imports
+# A process that loads tfaploss/durable/locks.py alone (not the tfaploss package, which imports
 # Keras), waits until START (a Unix time), takes the lock and holds it HOLD seconds.
 RACER = """
 import importlib.util, sys, time
@@ -40,8 +40,9 @@ lock.release()
 
 
 def _racer(folder, start=0.0, hold=600.0, *name) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", RACER, str(REPO / "tfaploss" / "locks.py"),
-                             str(folder), str(start), str(hold), *name],
+    return subprocess.Popen([sys.executable, "-c", RACER,
+                             str(REPO / "tfaploss" / "durable" / "locks.py"), str(folder),
+                             str(start), str(hold), *name],
                             stdout=subprocess.PIPE, text=True)
 
 

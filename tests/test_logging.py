@@ -65,8 +65,8 @@ def test_importing_configures_no_logging():
     sets no level; the tfaploss logger only has its NullHandler."""
     code = (
         "import logging\n"
-        "import tfaploss, tfaploss.faults, tfaploss.log, tfaploss.cli\n"
-        "import tfaploss.training.checkpoints, tfaploss.run.trainer\n"
+        "import tfaploss, tfaploss.durable.faults, tfaploss.log, tfaploss.cli\n"
+        "import tfaploss.durable.checkpoints, tfaploss.run.trainer\n"
         "import tfaploss.evaluation.evaluator\n"
         "import pipelines.runner, pipelines.embed\n"
         "root = logging.getLogger()\n"

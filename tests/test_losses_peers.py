@@ -247,8 +247,8 @@ def test_hap_clustering_proxies_survive_a_keras_file(tmp_path):
 
 
 def test_checkpoint_restores_the_proxies(tmp_path):
+    from tfaploss.durable.checkpoints import RunBackup
     from tfaploss.training import MultiStageModel
-    from tfaploss.training.checkpoints import RunBackup
 
     x, y = _data()
 
@@ -319,11 +319,11 @@ def test_train_runs_each_peer_on_the_digits(digits, loss):
 def test_train_builds_proxies_from_the_manifest_and_resumes_them(digits, monkeypatch):
     """A Proxy-Anchor run killed after its first checkpoint resumes with the proxies it
     had trained; the final model holds one proxy per training class."""
-    from tfaploss import faults
     from tfaploss.config.schema import ConfigError
+    from tfaploss.durable import faults
+    from tfaploss.durable.checkpoints import RunBackup
     from tfaploss.run import build
     from tfaploss.run.trainer import train
-    from tfaploss.training.checkpoints import RunBackup
 
     loss = {"name": "ProxyAnchorLoss", "margin": 0.1, "alpha": 32}
     raw, cfg = _config(digits, "run_pa", loss, proxy_lr_multiplier=100.0)

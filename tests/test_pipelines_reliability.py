@@ -12,7 +12,7 @@ import pytest
 
 from pipelines import folder, revisited, runner, storage
 from tests import miniature as mini
-from tfaploss import faults
+from tfaploss.durable import faults
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IN_MEMORY = ["--direct_running_mode", "in_memory"]

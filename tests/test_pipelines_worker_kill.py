@@ -1,7 +1,7 @@
-"""An image worker process killed mid-job (SIGKILL, as the OOM killer does; issue 21,
-item 4): the job ends with one message naming the worker, the split, shard and image,
-and what to rerun; no BrokenProcessPool traceback (Beam's own report included); each
-split stays complete (its previous version) or absent, never half-written."""
+"""An image worker process killed mid-job (SIGKILL, as the OOM killer does): the job
+ends with one message naming the worker, the split, shard and image, and what to rerun;
+no BrokenProcessPool traceback (Beam's own report included); each split stays complete
+(its previous version) or absent, never half-written."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from pipelines import folder
 from pipelines import image_workers as W
 from tests import miniature as mini
-from tfaploss import faults, locks
+from tfaploss.durable import faults, locks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 29 images in 8 shards of about 4, batches of 2, two image processes: a worker's

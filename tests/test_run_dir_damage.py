@@ -1,5 +1,4 @@
-"""Resuming a damaged run directory (issue 21, item 3), and one run per run directory
-(item 4).
+"""Resuming a damaged run directory, and one run per run directory.
 
 A tiny run is stopped in its third epoch (in-process: a NaN weight, which stops it the
 way a kill does, after the checkpoint of epoch 2); each test copies that run directory
@@ -48,8 +47,8 @@ def _raw(tmp: Path) -> dict:
 def runs(tmp_path_factory):
     """``(config file, unfinished run dir, finished run dir)``: the unfinished one
     stopped in epoch 3 after the checkpoint of epoch 2 (rows 1, 2; backup epoch 2)."""
-    from tfaploss import faults
     from tfaploss.config.schema import config_from_dict
+    from tfaploss.durable import faults
     from tfaploss.run.trainer import train
     from tfaploss.training.guards import NonFiniteTrainingError
 
@@ -376,7 +375,7 @@ def test_what_a_kill_leaves_still_resumes(runs, tmp_path):
     with open(run_dir / "epochs.jsonl", "ab") as f:
         f.write(b"\0" * 300)
     from tfaploss.config import load_config
-    from tfaploss.run import run_dir as R
+    from tfaploss.run import resume as R
 
     cfg = load_config(config, [f"run_dir={run_dir}"], warn=False)
     state = R.inspect(run_dir, cfg)
@@ -418,9 +417,9 @@ time.sleep(600)
 
 def hold_lock(folder: Path, *name: str) -> subprocess.Popen:
     """A process holding ``folder``'s lock until killed (prints "held" once it does)."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(REPO / "tfaploss" / "locks.py"),
-                             str(folder), *name], cwd=REPO, stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen([sys.executable, "-c", HOLD,
+                             str(REPO / "tfaploss" / "durable" / "locks.py"), str(folder),
+                             *name], cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
     return proc
 

@@ -1,4 +1,4 @@
-"""tfaploss.training.checkpoints: atomic files and a backup that survives any kill.
+"""tfaploss.durable.atomic and .checkpoints: atomic files and a backup that survives any kill.
 
 The states a kill can leave (torn temporary files, a stale, empty or corrupt index) are
 built here by hand; tests/test_cli.py kills real `tfaploss train` runs at those points.
@@ -15,14 +15,13 @@ import keras
 import numpy as np
 import pytest
 
-from tfaploss.training.checkpoints import (
-    DamagedRunError,
-    RunBackup,
+from tfaploss.durable.atomic import (
     atomic_write,
     atomic_write_json,
     remove_temp_files,
     temp_name,
 )
+from tfaploss.durable.checkpoints import DamagedRunError, RunBackup
 
 
 def _model(seed=0):

@@ -24,7 +24,7 @@ on a small shared CPU machine with the plain variant built by calling
   lines of TensorFlow start-up log on every command (none with the hook), the backend
   chosen by ``~/.keras/keras.json`` rather than the CLI's TensorFlow default, and
   ``tfaploss --help`` taking 8-11 s instead of 0.1-0.3 s.
-- The Beam jobs of ``pipelines`` import light helpers (``tfaploss.faults``,
+- The Beam jobs of ``pipelines`` import light helpers (``tfaploss.durable.faults``,
   ``tfaploss.evaluation.revisited``); with plain imports every job and every Beam
   worker would load TensorFlow first (``python -m pipelines.revisited --help``: 6-13 s
   instead of 1-2 s).

@@ -345,27 +345,15 @@ def load_any_model(path: str):
         shape = tuple(model.input_shape)
         return model, (shape[1] if shape[1] is not None and shape[1] == shape[2] else None)
     if os.path.isdir(path):
-        import tensorflow as tf
+        from tfaploss.export import find_saved_model, load_pixels_embedder
 
-        from tfaploss.export import OUTPUT_KEY, PIXELS_SIGNATURE
-
-        version_dir = path
-        if not os.path.exists(os.path.join(path, "saved_model.pb")):
-            versions = sorted((int(d) for d in os.listdir(path) if d.isdigit()), reverse=True)
-            if not versions:
-                raise SystemExit(f"error: --model {path!r} is neither a .keras file nor a "
-                                 "SavedModel folder (no saved_model.pb, no version folders)")
-            version_dir = os.path.join(path, str(versions[0]))
-        loaded = tf.saved_model.load(version_dir)
-        signature = loaded.signatures[PIXELS_SIGNATURE]
-        spec = signature.structured_input_signature[1]["images"]
-        size = spec.shape[1]
-
-        def embed(images):
-            return signature(images=tf.cast(images, tf.float32))[OUTPUT_KEY]
-
-        embed.loaded = loaded  # keep the SavedModel alive
-        return embed, size
+        try:
+            version_dir = find_saved_model(path)
+        except FileNotFoundError:
+            raise SystemExit(f"error: --model {path!r} is neither a .keras file nor a "
+                             "SavedModel folder (no saved_model.pb, no version folders)"
+                             ) from None
+        return load_pixels_embedder(version_dir)
     raise SystemExit(f"error: --model {path!r} does not exist or is not a .keras file / "
                      "SavedModel folder")
 
@@ -375,7 +363,9 @@ def describe_preprocessing(size: int | None) -> str:
     if size is None:
         return ("each image whole, at its own size (no resize, no crop; one image per "
                 "batch)")
-    resize = round(size / 0.875)  # tfaploss.data.center_crop's default resize
+    from tfaploss.data.augment import DEFAULT_CROP_FRACTION
+
+    resize = round(size / DEFAULT_CROP_FRACTION)  # tfaploss.data.center_crop's default
     return (f"shorter side resized to {resize} px, then the centre {size}x{size} px kept: "
             f"{resize - size} px of the shorter side and more of the longer one are cut "
             "off at the borders (--image-size original embeds whole images)")
@@ -467,8 +457,6 @@ def cmd_evaluate(args) -> int:
     target_recall = args.target_recall
     if target_recall is None and cfg is not None:
         target_recall = cfg.evaluation.target_recall
-    if target_recall is not None and backend == "exact":
-        backend = "scann_ah"  # what evaluate tunes; exact stays the fallback
 
     database, n_db = _eval_dataset(args.data, size, batch)
     query, n_q = _eval_dataset(args.query, size, batch) if args.query else (None, None)
@@ -477,8 +465,9 @@ def cmd_evaluate(args) -> int:
     print(f"  data           {args.data}" + (f" ({n_db} images)" if n_db else "")
           + (f", queries {args.query}" + (f" ({n_q} images)" if n_q else "")
              if args.query else ", each image queries all the others"))
-    print(f"  protocol       {args.protocol}, {backend} search"
-          + (f" tuned to recall >= {target_recall:g}" if target_recall is not None else "")
+    print(f"  protocol       {args.protocol}, "
+          + (f"ScaNN search tuned to recall >= {target_recall:g} (exact when no setting "
+             "beats it)" if target_recall is not None else f"{backend} search")
           + (f", ks {','.join(map(str, ks))}" if ks else ""))
     print(f"  preprocessing  {describe_preprocessing(size)}", flush=True)
 
@@ -566,8 +555,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 3
         # A damaged run directory, or one another run holds: like a config error.
-        checkpoints = sys.modules.get("tfaploss.training.checkpoints")
-        locks = sys.modules.get("tfaploss.locks")
+        checkpoints = sys.modules.get("tfaploss.durable.checkpoints")
+        locks = sys.modules.get("tfaploss.durable.locks")
         if ((checkpoints is not None and isinstance(err, checkpoints.DamagedRunError))
                 or (locks is not None and isinstance(err, locks.LockError))):
             print(f"error: {err}", file=sys.stderr)

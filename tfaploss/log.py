@@ -3,7 +3,7 @@
 Library code never calls ``print``. Every module logs on its own module logger,
 ``logging.getLogger(__name__)``, so the three packages of this repository are three
 logger hierarchies named after them: ``tfaploss.*`` (``tfaploss.run.trainer``,
-``tfaploss.training.checkpoints``, ``tfaploss.faults``, ...), ``pipelines.*`` and
+``tfaploss.durable.checkpoints``, ``tfaploss.durable.faults``, ...), ``pipelines.*`` and
 ``models.*``. Levels: INFO for what a user of the command line reads (what a run is
 about to do, notes on what a resumed run found, where the results went), WARNING for
 what needs their attention, DEBUG for details. A problem the caller should fix in their

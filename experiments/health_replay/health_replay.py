@@ -199,7 +199,7 @@ def main(argv=None) -> int:
         print(f"{mismatches} runs with per-step logs replayed with their own settings do "
               f"not stop where they did (≠): the per-step log does not reproduce the run.")
     if args.out:
-        from tfaploss.training.checkpoints import atomic_write_json
+        from tfaploss.durable.atomic import atomic_write_json
 
         atomic_write_json(Path(args.out), table)
     return 1 if mismatches else 0

@@ -10,6 +10,7 @@ own preprocessing; pass ``normalize="imagenet"`` for (x / 255 - mean) / std.
 """
 
 from tfaploss.data.augment import (
+    DEFAULT_CROP_FRACTION,
     IMAGENET_MEAN,
     IMAGENET_STD,
     center_crop,
@@ -21,7 +22,7 @@ from tfaploss.data.records import decode_rgb, load_split, read_manifest, split_f
 from tfaploss.data.samplers import SAMPLERS
 
 __all__ = [
-    "IMAGENET_MEAN", "IMAGENET_STD", "SAMPLERS", "center_crop", "decode_rgb", "load_split",
-    "make_eval_dataset", "make_train_dataset", "normalize", "random_resized_crop",
-    "read_manifest", "split_files",
+    "DEFAULT_CROP_FRACTION", "IMAGENET_MEAN", "IMAGENET_STD", "SAMPLERS", "center_crop",
+    "decode_rgb", "load_split", "make_eval_dataset", "make_train_dataset", "normalize",
+    "random_resized_crop", "read_manifest", "split_files",
 ]

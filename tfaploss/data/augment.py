@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+# The share of the resized short side that the evaluation crop keeps (224 of 256): the
+# ImageNet evaluation convention the papers' recipes follow. The serving graph
+# (tfaploss.export) and the CLI's description of preprocessing use this one value.
+DEFAULT_CROP_FRACTION = 0.875
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 NORMALIZATIONS = (None, "imagenet")
@@ -89,15 +93,15 @@ def random_flip(image: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
 
 def center_crop(encoded: tf.Tensor, image_size: int | None,
                 resize_size: int | None = None) -> tf.Tensor:
-    """Test transform: shorter side to ``resize_size`` (default ``image_size / 0.875``,
-    i.e. 256 for 224), then the centre ``image_size`` square. ``image_size=None`` keeps the
-    original image. Returns float32 in [0, 255]."""
+    """Test transform: shorter side to ``resize_size`` (default ``image_size /
+    DEFAULT_CROP_FRACTION``, i.e. 256 for 224), then the centre ``image_size`` square.
+    ``image_size=None`` keeps the original image. Returns float32 in [0, 255]."""
     image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
     image.set_shape([None, None, 3])
     image = tf.cast(image, tf.float32)
     if image_size is None:
         return image
-    resize_size = resize_size or round(image_size / 0.875)
+    resize_size = resize_size or round(image_size / DEFAULT_CROP_FRACTION)
     shape = tf.cast(tf.shape(image)[:2], tf.float32)
     factor = resize_size / tf.reduce_min(shape)
     new = tf.cast(tf.round(shape * factor), tf.int32)

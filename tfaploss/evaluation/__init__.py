@@ -8,12 +8,14 @@ Public API::
     revisited_map(scores, gnd, protocol="medium", ks=(1, 5, 10))
     hierarchical_metrics(query_embeddings, query_labels_with_levels)  # H-AP, ASI, NDCG
     evaluate(model_or_embeddings, dataset, protocol=...)
+    embed_dataset(model, dataset)   # the one embedding loop (evaluate's and training's)
     build_searcher(database, backend) / load_searcher(directory)
-    build_searcher(database, "scann", target_recall=0.95, k=10)   # tuned (tuner.py)
+    build_searcher(database, target_recall=0.95, k=10)   # ScaNN tuned (tuner.py)
 
 ScaNN, matplotlib and Keras are imported only by the functions that need them.
 """
 
+from tfaploss.evaluation.embed import embed_dataset
 from tfaploss.evaluation.evaluator import EvaluationResult, evaluate, load_embeddings
 from tfaploss.evaluation.metrics import gldv2_map_at_k, hierarchical_metrics, retrieval_metrics
 from tfaploss.evaluation.query_expansion import PCAWhitening, alpha_query_expansion
@@ -29,16 +31,20 @@ from tfaploss.evaluation.searchers import (
     ExactSearcher,
     ScannSearcher,
     Searcher,
-    build_searcher,
     load_searcher,
     scann_ah_params,
 )
-from tfaploss.evaluation.tuner import measure_recall, search_report, tune_searcher
+from tfaploss.evaluation.tuner import (
+    build_searcher,
+    measure_recall,
+    search_report,
+    tune_searcher,
+)
 
 __all__ = [
     "BACKENDS", "EvaluationResult", "ExactSearcher", "PCAWhitening", "ScannSearcher",
-    "Searcher", "alpha_query_expansion", "build_searcher", "evaluate", "gldv2_map_at_k",
-    "hierarchical_metrics",
+    "Searcher", "alpha_query_expansion", "build_searcher", "embed_dataset", "evaluate",
+    "gldv2_map_at_k", "hierarchical_metrics",
     "load_embeddings", "load_revisited_gnd", "load_searcher", "measure_recall",
     "retrieval_metrics", "revisited_map", "revisited_map_from_ranks",
     "revisited_per_query_ap", "scann_ah_params", "search_report", "trapezoid_ap",

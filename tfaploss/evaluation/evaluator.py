@@ -37,10 +37,10 @@ from typing import Any
 
 import numpy as np
 
+from tfaploss.evaluation.embed import embed_dataset, split_element
 from tfaploss.evaluation.embedding_files import load_embeddings
 from tfaploss.evaluation.metrics import retrieval_metrics
-from tfaploss.evaluation.searchers import build_searcher
-from tfaploss.evaluation.tuner import exact_report, search_report
+from tfaploss.evaluation.tuner import build_searcher, exact_report, search_report
 from tfaploss.log import reporting
 
 LOG = logging.getLogger(__name__)
@@ -150,70 +150,6 @@ def _jsonable(obj):
     return obj
 
 
-def _split_element(element):
-    """(images, labels, ids) from a dataset element: images | (images, labels) |
-    (images, labels, ids) | dict with 'image(s)', 'label(s)', 'id(s)'."""
-    if isinstance(element, dict):
-        def pick(*names):
-            for n in names:
-                if n in element:
-                    return element[n]
-            return None
-        images = pick("images", "image", "image/encoded")
-        if images is None:
-            raise ValueError(f"dataset dict elements need an 'image' key; got {sorted(element)}.")
-        return images, pick("labels", "label", "image/class/label"), pick("ids", "id", "image/id")
-    if isinstance(element, (tuple, list)):
-        if len(element) == 2:
-            return element[0], element[1], None
-        if len(element) == 3:
-            return element[0], element[1], element[2]
-        raise ValueError(f"dataset elements must be (images, labels) or (images, labels, ids); "
-                         f"got a tuple of {len(element)}.")
-    return element, None, None
-
-
-def embed_dataset(model, dataset, verbose: int = 1):
-    """Run ``model`` over a batched ``tf.data.Dataset``; returns ``(embeddings, labels,
-    ids)`` (``labels``/``ids`` are ``None`` when the dataset has none). Shows a Keras
-    progress bar when ``verbose``."""
-    import keras
-    import tensorflow as tf
-
-    n_batches = None
-    if isinstance(dataset, tf.data.Dataset):
-        card = int(dataset.cardinality())
-        n_batches = card if card >= 0 else None
-    bar = keras.utils.Progbar(n_batches, unit_name="batch") if verbose else None
-    embs, labels, ids = [], [], []
-    for step, element in enumerate(dataset):
-        images, lab, idx = _split_element(element)
-        if isinstance(model, keras.Model):
-            out = model(images, training=False)
-        else:
-            out = model(images)
-        if isinstance(out, dict):
-            if len(out) != 1:
-                raise ValueError(f"the model returns several outputs {sorted(out)}; "
-                                 "pass a model that returns the embedding only.")
-            out = next(iter(out.values()))
-        embs.append(np.asarray(out, np.float32))
-        if lab is not None:
-            labels.append(np.asarray(lab).reshape(-1))
-        if idx is not None:
-            ids.extend(v.decode("utf-8") if isinstance(v, bytes) else str(v)
-                       for v in np.asarray(idx).reshape(-1).tolist())
-        if bar is not None:
-            bar.update(step + 1)
-    if not embs:
-        raise ValueError("the dataset is empty; nothing to embed.")
-    emb = np.concatenate(embs)
-    lab = np.concatenate(labels) if labels else None
-    if lab is not None and len(lab) != len(emb):
-        raise ValueError(f"the dataset yielded {len(lab)} labels for {len(emb)} images.")
-    return emb, lab, (np.asarray(ids) if ids else None)
-
-
 def _is_dataset(x) -> bool:
     try:
         import tensorflow as tf
@@ -273,9 +209,9 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
       target_recall: ``None`` (default): search with ``backend`` as is. A value in
         (0, 1]: tune ScaNN to reach this recall@k (k: the largest cut-off) against
         exact search, on a sample of the queries (see
-        :func:`tfaploss.evaluation.tuner.tune_searcher`; with ``backend="exact"``,
-        ScaNN is tuned); exact search when no setting beats it. ``searcher_kwargs``
-        then go to the tuner (``max_settings``, ``max_seconds``, ...).
+        :func:`tfaploss.evaluation.tuner.build_searcher`, whatever ``backend``
+        names); exact search when no setting beats it. ``searcher_kwargs`` then go to
+        the tuner (``max_settings``, ``max_seconds``, ...).
       query_expansion: apply α-QE (``qe_alpha``, ``qe_k``) to the queries.
       whitening: a fitted :class:`~tfaploss.evaluation.PCAWhitening` applied to
         queries and database.
@@ -294,13 +230,12 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
     if protocol not in PROTOCOLS:
         raise ValueError(f"`protocol` must be one of {PROTOCOLS}; received {protocol!r}.")
     ks = tuple(ks) if ks is not None else _PROTOCOL_KS[protocol]
-    if target_recall is not None:
-        if isinstance(target_recall, bool) or not isinstance(target_recall, (int, float)) \
-                or not 0 < target_recall <= 1:
-            raise ValueError(f"`target_recall` must be in (0, 1] or None; received "
-                             f"{target_recall!r}.")
-        if backend == "exact":
-            backend = "scann_ah"
+    # Checked before embedding, so a bad value fails at once rather than after the model ran.
+    if target_recall is not None and (
+            isinstance(target_recall, bool) or not isinstance(target_recall, (int, float))
+            or not 0 < target_recall <= 1):
+        raise ValueError(f"`target_recall` must be in (0, 1] or None; received "
+                         f"{target_recall!r}.")
     db, db_labels, _ = _resolve(model_or_embeddings, dataset, labels, verbose, "database")
     model = None if isinstance(model_or_embeddings, (np.ndarray, str, os.PathLike)) or \
         hasattr(model_or_embeddings, "numpy") else model_or_embeddings
@@ -409,7 +344,7 @@ def _evaluate_revisited(q, db, gnd, ks, backend, depth, output_dir, figures, fig
     metrics: dict[str, float] = {}
     details: dict[str, Any] = {"backend": backend, "num_queries": len(q),
                                "num_database": len(db)}
-    if backend == "exact":
+    if backend == "exact" and target_recall is None:
         scores = q @ db.T  # revisited sets have ~70 queries: (70 x N) fits at 1M
         for p in RPROTOCOLS:
             r = revisited_map(scores, gnd, protocol=p, ks=ks)
@@ -458,7 +393,7 @@ def _gather_images(dataset, wanted: np.ndarray) -> dict[int, np.ndarray]:
     found: dict[int, np.ndarray] = {}
     offset = 0
     for element in dataset:
-        images, _, _ = _split_element(element)
+        images, _, _ = split_element(element)
         images = np.asarray(images)
         for j in range(len(images)):
             if offset + j in wanted_set:

@@ -32,13 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from tfaploss.evaluation.searchers import (
-    BACKENDS,
-    Searcher,
-    _as_matrix,
-    _check_exclude,
-    build_searcher,
-)
+from tfaploss.evaluation.searchers import BACKENDS, Searcher, _as_matrix, _check_exclude
+from tfaploss.evaluation.tuner import build_searcher
 
 # Rank entries (int64 + float32) materialised per query chunk.
 _CHUNK_ELEMENTS = 1 << 23

@@ -13,6 +13,9 @@ Three backends share one small interface (:class:`Searcher`):
   large databases. Its parameters are chosen from the database size
   (:func:`scann_ah_params`) and every one can be overridden.
 
+:func:`tfaploss.evaluation.tuner.build_searcher` picks one of them by name, or tunes
+ScaNN to a target recall.
+
 Scores are inner products (cosine similarity for L2-normalised embeddings), higher is
 better. Every backend returns, per query, the ``k`` best database indices sorted by
 score (descending) with **ties broken by index** (the lower database index first), so
@@ -310,29 +313,18 @@ def _unit_rows(database, tolerance: float = 1e-3) -> bool:
 def scann_ah_params(num_database: int, dim: int) -> dict[str, Any]:
     """Tree + AH + reorder parameters for a database of ``num_database`` x ``dim``.
 
-    * ``num_leaves`` about sqrt(N) (548 at 300k, 1,000 at 1M; at most 4,000), and
-      ``num_leaves_to_search`` = max(50, 5 % of them): a leaf holds about sqrt(N)
-      points, so a fixed number of leaves keeps the scanned share falling with N
-      (9 % at 300k, 5 % at 1M) at the same recall.
-    * ``tree_training_sample_size`` = 250 points per leaf (all of a smaller set). This
-      is what recall depends on most: k-means trained on 55 points per leaf (30k
-      points, the former 10 % rule, at 300k) put the neighbours of a query into many
-      more leaves -- clustered 300k x 128, 55 of 548 leaves searched: recall@10 0.87
-      against 0.98 with 250 per leaf, at the same speed.
-    * AH: 2 dimensions per 4-bit block, anisotropic threshold 0.2 (unit-norm data),
-      codebooks trained on at most 100k points (``training_sample_size``); the
-      anisotropic loss costs nothing measurable in build time at 1M x 128.
-    * exact re-ordering of at least 250 candidates (``10 * k`` when more are asked
-      for: on random 100k x 64 data with every leaf searched, re-ordering 400
-      candidates gives recall@100 0.91, 2,000 give 0.999).
+    * ``num_leaves`` about sqrt(N) (at most 4,000) and ``num_leaves_to_search`` =
+      max(50, 5 % of them): a leaf then holds about sqrt(N) points, so the share of the
+      database scanned falls as N grows, at the same recall.
+    * ``tree_training_sample_size`` = 250 points per leaf (all of a smaller set): the
+      k-means behind the tree is what recall depends on most.
+    * AH: 2 dimensions per 4-bit block, anisotropic threshold 0.2 (for unit-norm data),
+      codebooks trained on at most 100k points (``training_sample_size``).
+    * exact re-ordering of at least 250 candidates (``10 * k`` when more are asked for).
 
     Below 100,000 points the tree is skipped: scanning every 4-bit AH code is already
-    fast there (20k x 64: ~0.1 ms per query) and a tree costs recall, badly so on
-    embeddings without cluster structure (random 20k x 64, 141 leaves, 20 % searched:
-    recall@10 0.68 against 0.995 without the tree).
-
-    Measured by ``benchmarks/search.py`` (clustered and random unit data, recall@10
-    against exact search, with faiss beside it).
+    fast there, and a tree costs recall, badly so on embeddings without cluster
+    structure. The measurements behind each value are in ``docs/search.md``.
     """
     n = int(num_database)
     params: dict[str, Any] = {
@@ -380,9 +372,8 @@ class ScannSearcher(Searcher):
       spherical: spherical k-means for the tree (unit-norm centres). ``None``
         (default): when every database row has norm 1 (± 1e-3), as the embeddings of
         the losses do. Dot products with raw k-means centres favour the centres of
-        tight clusters, so a query's neighbours land in other leaves: clustered 300k x
-        128 unit vectors, 1,095 leaves, exact scores in the leaves searched: recall@10
-        0.79 / 0.93 searching 1 / 8 leaves, against 0.996 / 0.998 spherical.
+        tight clusters, so a query's neighbours land in other leaves
+        (``docs/search.md``).
       num_threads: search/training threads (0 = ScaNN's default, all cores).
     """
 
@@ -550,38 +541,6 @@ class ScannSearcher(Searcher):
 
 
 BACKENDS = ("exact", "scann", "scann_ah")
-
-
-def build_searcher(database, backend: str = "exact", *, target_recall: float | None = None,
-                   k: int | None = None, queries=None, **kwargs) -> Searcher:
-    """Build a searcher: ``backend`` in ``"exact"``, ``"scann"`` (brute force) or
-    ``"scann_ah"`` (tree + AH + reorder); ``kwargs`` go to the class.
-
-    With ``target_recall`` (in (0, 1]; ``backend`` ``"scann"`` or ``"scann_ah"``), the
-    ScaNN settings are tuned instead: the fastest one whose recall@``k`` (default 10)
-    on a sample of ``queries`` (default: database points, self excluded) reaches the
-    target, or the exact searcher when none beats exact search; ``kwargs`` then go to
-    :func:`tfaploss.evaluation.tuner.tune_searcher` and the searcher carries the
-    tuner's report as ``searcher.tuning``.
-    """
-    if target_recall is not None:
-        if backend not in ("scann", "scann_ah"):
-            raise ValueError(f"`target_recall` tunes ScaNN: pass backend='scann' or "
-                             f"'scann_ah' (received {backend!r}; exact search has recall 1).")
-        from tfaploss.evaluation.tuner import tune_searcher
-
-        searcher, _ = tune_searcher(database, target_recall, 10 if k is None else k,
-                                    queries, **kwargs)
-        return searcher
-    if k is not None or queries is not None:
-        raise ValueError("`k` and `queries` of build_searcher only apply with `target_recall`.")
-    if backend == "exact":
-        return ExactSearcher(database, **kwargs)
-    if backend == "scann":
-        return ScannSearcher(database, mode="brute_force", **kwargs)
-    if backend == "scann_ah":
-        return ScannSearcher(database, mode="ah", **kwargs)
-    raise ValueError(f"`backend` must be one of {BACKENDS}; received {backend!r}.")
 
 
 def load_searcher(directory: str) -> Searcher:

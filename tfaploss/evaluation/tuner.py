@@ -51,6 +51,11 @@ unlike a bootstrap over the queries it does not collapse to a point when every s
 query is found whole. The neighbours of one query are not independent, so pooling the
 k neighbours of all queries as k Q trials would be too narrow; we do not.
 
+:func:`build_searcher` is the one place that decides how a backend and a target recall
+combine: with a target, whatever the backend, ScaNN is tuned (exact search has recall 1,
+so asking for a recall asks for approximate search); without one, the backend is built
+as named.
+
 The tuned searcher carries its report as ``searcher.tuning`` (a JSON-able dict), and
 :func:`search_report` gives the same description for any searcher (exact: recall 1 by
 construction; an untuned ScaNN searcher: recall measured on a sample), which the
@@ -68,12 +73,19 @@ from typing import Any
 
 import numpy as np
 
-from tfaploss.evaluation.searchers import ExactSearcher, ScannSearcher, Searcher, _as_matrix
+from tfaploss.evaluation.searchers import (
+    BACKENDS,
+    ExactSearcher,
+    ScannSearcher,
+    Searcher,
+    _as_matrix,
+)
 
 LOG = logging.getLogger(__name__)
 
-__all__ = ["CI_METHOD", "Setting", "candidate_settings", "estimated_cost", "measure_recall",
-           "recall_per_query", "search_report", "tune_searcher", "wilson_interval"]
+__all__ = ["CI_METHOD", "Setting", "build_searcher", "candidate_settings", "estimated_cost",
+           "measure_recall", "recall_per_query", "search_report", "tune_searcher",
+           "wilson_interval"]
 
 CI_METHOD = ("95% Wilson score interval over the sample queries (per-query recall@k as one "
              "trial; conservative, see tfaploss.evaluation.tuner)")
@@ -449,3 +461,42 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
              len(tried), seconds, stopped)
     searcher.tuning = info
     return searcher, info
+
+
+def build_searcher(database, backend: str = "exact", *, target_recall: float | None = None,
+                   k: int | None = None, queries=None, **kwargs) -> Searcher:
+    """The searcher of an evaluation: ``backend`` as named, or ScaNN tuned to a recall.
+
+    Args:
+      database: (N, D) embeddings.
+      backend: ``"exact"``, ``"scann"`` (ScaNN brute force) or ``"scann_ah"`` (tree +
+        AH + reorder); see :mod:`tfaploss.evaluation.searchers`.
+      target_recall: ``None``: build ``backend`` with ``kwargs``. A value in (0, 1]:
+        tune ScaNN instead, whatever ``backend`` names (with ``"exact"`` too: exact
+        search has recall 1, so a target asks for approximate search). The result is
+        the fastest setting whose recall@``k`` on a sample of ``queries`` reaches the
+        target, or the exact searcher when none beats exact search; ``kwargs`` then go
+        to :func:`tune_searcher`, and the searcher carries its report as
+        ``searcher.tuning``.
+      k: the k of the tuned recall@k (default 10); only with ``target_recall``.
+      queries: the tuner's sample queries (default: database points, self excluded);
+        only with ``target_recall``.
+
+    Example::
+
+        searcher = build_searcher(embeddings, target_recall=0.95, k=10)
+        indices, scores = searcher.search(queries, 10)
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"`backend` must be one of {BACKENDS}; received {backend!r}.")
+    if target_recall is not None:
+        searcher, _ = tune_searcher(database, target_recall, 10 if k is None else k,
+                                    queries, **kwargs)
+        return searcher
+    if k is not None or queries is not None:
+        raise ValueError("`k` and `queries` of build_searcher only apply with `target_recall`.")
+    if backend == "exact":
+        return ExactSearcher(database, **kwargs)
+    if backend == "scann":
+        return ScannSearcher(database, mode="brute_force", **kwargs)
+    return ScannSearcher(database, mode="ah", **kwargs)

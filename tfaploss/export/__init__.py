@@ -7,6 +7,8 @@ from tfaploss.export.saved_model import (
     OUTPUT_KEY,
     PIXELS_SIGNATURE,
     export_saved_model,
+    find_saved_model,
+    load_pixels_embedder,
     next_version,
 )
 
@@ -18,6 +20,8 @@ __all__ = [
     "declared_pixels",
     "decode_images",
     "export_saved_model",
+    "find_saved_model",
+    "load_pixels_embedder",
     "next_version",
     "resize_and_center_crop",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-DEFAULT_CROP_FRACTION = 0.875  # resize the short side to 256, centre-crop 224
+from tfaploss.data.augment import DEFAULT_CROP_FRACTION  # served as evaluated
 
 # Largest image (width x height, as its header declares it) the serving graph decodes.
 # 40 megapixels covers phone photos (12-50 MP sensors, 12 MP files by default) and most

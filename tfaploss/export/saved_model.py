@@ -10,12 +10,8 @@ import tempfile
 import keras
 import tensorflow as tf
 
-from tfaploss.export.image_ops import (
-    DEFAULT_CROP_FRACTION,
-    DEFAULT_MAX_PIXELS,
-    check_max_pixels,
-    decode_images,
-)
+from tfaploss.data.augment import DEFAULT_CROP_FRACTION
+from tfaploss.export.image_ops import DEFAULT_MAX_PIXELS, check_max_pixels, decode_images
 
 BYTES_SIGNATURE = "serving_default"
 PIXELS_SIGNATURE = "embed_pixels"
@@ -23,10 +19,61 @@ OUTPUT_KEY = "embedding"
 METADATA_FILE = os.path.join("assets.extra", "tfaploss_export.json")
 
 
+def _versions(path) -> list[int]:
+    """The integer-named sub-directories of ``path`` (TF Serving's version folders)."""
+    return [int(d) for d in os.listdir(path) if d.isdigit()] if os.path.isdir(path) else []
+
+
 def next_version(path) -> int:
     """1 + the largest integer-named sub-directory of ``path`` (1 when none)."""
-    versions = [int(d) for d in os.listdir(path) if d.isdigit()] if os.path.isdir(path) else []
-    return max(versions, default=0) + 1
+    return max(_versions(path), default=0) + 1
+
+
+def find_saved_model(path) -> str:
+    """The SavedModel folder ``path`` names: ``path`` itself when it holds
+    ``saved_model.pb``, else its newest version folder (as TF Serving serves it).
+
+    Raises:
+      FileNotFoundError: ``path`` holds neither ``saved_model.pb`` nor a version folder.
+    """
+    path = os.fspath(path)
+    if os.path.exists(os.path.join(path, "saved_model.pb")):
+        return path
+    versions = _versions(path)
+    if not versions:
+        raise FileNotFoundError(f"{path!r} is not a SavedModel folder (no saved_model.pb, "
+                                "no version folders)")
+    return os.path.join(path, str(max(versions)))
+
+
+def load_pixels_embedder(path):
+    """A callable images -> embeddings over the ``embed_pixels`` signature of a
+    SavedModel written by :func:`export_saved_model`.
+
+    Args:
+      path: a version folder or the model base folder (its newest version is loaded,
+        see :func:`find_saved_model`). Load only models you trust: a SavedModel can run
+        arbitrary graph code.
+
+    Returns:
+      ``(embed, image_size)``: ``embed(images)`` takes float RGB pixels ``[N, h, w, 3]``
+      in [0, 255] and returns float32 ``[N, D]``; ``image_size`` is the signature's
+      image height.
+
+    Example::
+
+        embed, size = load_pixels_embedder("serving/sop")
+        embeddings = embed(images)
+    """
+    loaded = tf.saved_model.load(find_saved_model(path))
+    signature = loaded.signatures[PIXELS_SIGNATURE]
+    size = signature.structured_input_signature[1]["images"].shape[1]
+
+    def embed(images):
+        return signature(images=tf.cast(images, tf.float32))[OUTPUT_KEY]
+
+    embed.loaded = loaded  # keep the SavedModel alive
+    return embed, size
 
 
 def _check_model(model, image_size):

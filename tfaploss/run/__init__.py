@@ -6,8 +6,9 @@
 - :mod:`tfaploss.run.schedule`: the learning-rate schedules a config names.
 - :mod:`tfaploss.run.trainer`: the run itself, from run directory to saved model,
   summary and final evaluation; resumable after a kill.
-- :mod:`tfaploss.run.run_dir`: what a run directory holds, checked before a run uses
-  it (what a kill leaves is recovered from, damage is refused); ``--restart``.
+- :mod:`tfaploss.run.resume`: whether a run directory holds this config's run (over the
+  file checks of :mod:`tfaploss.durable.run_dir`: what a kill leaves is recovered from,
+  damage is refused).
 
 :mod:`tfaploss.config` only describes a run (schema and YAML loading, no Keras); this
 package carries it out. It sits above ``data``, ``models``, ``losses`` and ``training``

@@ -4,7 +4,7 @@ Run directory layout (``run_dir``)::
 
     config.yaml     the validated config of this run (a resumed run must match it)
     backup/         checkpoint (model + optimizer) of the last finished epoch, written
-                    atomically every epoch (tfaploss.training.checkpoints); removed only
+                    atomically every epoch (tfaploss.durable.checkpoints); removed only
                     once model.keras and summary.json are in place. A killed run started
                     again with the same command resumes at the first unfinished epoch:
                     a kill at any moment loses at most the epoch in progress.
@@ -21,13 +21,13 @@ Run directory layout (``run_dir``)::
                     ``stopped_early`` (null, or why and when the batch-health check
                     stopped the run) and ``health_events``
 
-A run directory is checked before it is used (:mod:`tfaploss.run.run_dir`): what a
+A run directory is checked before it is used (:mod:`tfaploss.run.resume`): what a
 kill leaves is recovered from, damage (what no kill leaves) stops the run with
-:class:`~tfaploss.training.checkpoints.DamagedRunError`, naming the file; the run never
+:class:`~tfaploss.durable.checkpoints.DamagedRunError`, naming the file; the run never
 starts over by itself. ``restart=True`` (``--restart``) starts over, the previous run's
 files moved aside into ``damaged-<time>/`` or ``previous-<time>/``. A run holds the
-lock of its run directory (:mod:`tfaploss.locks`): a second run started on it is
-refused with :class:`~tfaploss.locks.LockHeldError`, naming the first.
+lock of its run directory (:mod:`tfaploss.durable.locks`): a second run started on it
+is refused with :class:`~tfaploss.durable.locks.LockHeldError`, naming the first.
 
 Every file is written to a temporary name and renamed into place. Training stops with
 NonFiniteTrainingError at the first non-finite loss or weight; nothing non-finite is
@@ -45,140 +45,23 @@ import contextlib
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 
 import yaml
 
-from tfaploss import faults, locks
 from tfaploss.config.schema import Config, ConfigError, config_from_dict
+from tfaploss.durable import atomic, faults, locks
+from tfaploss.durable import run_dir as D
+from tfaploss.durable.checkpoints import DamagedRunError, RunBackup
 from tfaploss.log import reporting
 from tfaploss.run import build as B
-from tfaploss.run import run_dir as R
+from tfaploss.run import resume as R
 from tfaploss.run.devices import DevicePlan, plan_devices
-from tfaploss.training import checkpoints as C
-from tfaploss.training.checkpoints import DamagedRunError
 
 __all__ = ["DamagedRunError", "embed_split", "evaluate_split", "initial_model", "train"]
 
 LOG = logging.getLogger(__name__)
-
-
-def _epoch_callbacks():
-    import keras
-
-    from tfaploss.training.health import trace_columns
-
-    class RetrievalEvaluation(keras.callbacks.Callback):
-        """Evaluate retrieval on a test split every ``every`` epochs; adds ``val_*`` logs."""
-
-        def __init__(self, embedding_model, evaluate_fn, every):
-            super().__init__()
-            self.embedding_model = embedding_model
-            self.evaluate_fn = evaluate_fn
-            self.every = every
-
-        def on_epoch_end(self, epoch, logs=None):
-            if self.every and (epoch + 1) % self.every == 0 and logs is not None:
-                metrics = self.evaluate_fn(self.embedding_model)
-                # Shown by the progress bar, logged to TensorBoard and epochs.jsonl.
-                logs.update({f"val_{k}": v for k, v in metrics.items()})
-
-    class EpochLog(keras.callbacks.Callback):
-        """Append each finished epoch's logs (and learning rate) to a JSON-lines file,
-        with what the batch-health ``monitor`` reported during the epoch."""
-
-        def __init__(self, path, monitor=None):
-            super().__init__()
-            self.path = Path(path)
-            self.monitor = monitor
-            self._reported = 0
-            self._traced = 0
-
-        def on_epoch_end(self, epoch, logs=None):
-            row = {"epoch": epoch + 1}
-            opt = self.model.optimizer
-            try:
-                row["learning_rate"] = float(keras.ops.convert_to_numpy(opt.learning_rate))
-            except (TypeError, ValueError, AttributeError):
-                pass  # a wrapped optimizer without a scalar learning rate
-            row.update({k: float(v) for k, v in (logs or {}).items()
-                        if isinstance(v, (int, float)) or hasattr(v, "__float__")})
-            # Strict JSON: a non-finite value is written as null (a NaN or Infinity in
-            # the log is damage, see tfaploss.run.run_dir).
-            row = _finite(row)
-            if self.monitor is not None:
-                records = self.monitor.records[self._reported:]
-                self._reported = len(self.monitor.records)
-                if records:
-                    row["health"] = records
-                if any(r["stop"] for r in records):
-                    row["stopped_early"] = _stop_summary(self.monitor.stopped)
-                # Per step, so that a later health rule can be replayed on real runs
-                # (tfaploss.training.health.replay) rather than on epoch means.
-                row["health_steps"] = _finite(trace_columns(
-                    self.monitor.trace[self._traced:]))
-                self._traced = len(self.monitor.trace)
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row, allow_nan=False) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-
-    class Checkpoint(keras.callbacks.Callback):
-        """Checkpoint model and optimizer after every epoch (:class:`RunBackup`), after
-        checking that the epoch's loss and every weight are finite."""
-
-        def __init__(self, backup):
-            super().__init__()
-            self.backup = backup
-
-        def on_epoch_end(self, epoch, logs=None):
-            from tfaploss.training.guards import NonFiniteTrainingError, check_finite_weights
-
-            loss = (logs or {}).get("loss")
-            if loss is not None and not math.isfinite(float(loss)):
-                raise NonFiniteTrainingError(
-                    f"training stopped: the mean loss of epoch {epoch + 1} is {loss}; "
-                    "its checkpoint was not written.")
-            check_finite_weights(self.model, f"the checkpoint of epoch {epoch + 1}")
-            faults.point("epoch_end", epoch + 1)
-            self.backup.save(self.model, epoch + 1, extra={
-                "updates": int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))})
-
-    class Faults(keras.callbacks.Callback):
-        """The fault points of a batch (:mod:`tfaploss.faults`; added only when one is
-        armed): ``batch:E:B`` exits as if killed after batch B of epoch E,
-        ``nan_weights:E:B`` puts a NaN in the first weight there."""
-
-        def on_epoch_begin(self, epoch, logs=None):
-            self._epoch = epoch + 1
-
-        def on_train_batch_end(self, batch, logs=None):
-            if faults.requested("nan_weights", self._epoch, batch + 1):
-                v = self.model.trainable_weights[0]
-                v.assign(keras.ops.full(v.shape, float("nan"), v.dtype))
-            faults.point("batch", self._epoch, batch + 1)
-
-    return RetrievalEvaluation, EpochLog, Checkpoint, Faults
-
-
-def _finite(value):
-    """``value`` with every non-finite float replaced by None (JSON null)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
-def _stop_summary(record: dict) -> dict:
-    """What summary.json and epochs.jsonl say about a stop of the batch-health check."""
-    return {"by": "batch_health", "reason": record["kind"],
-            **{k: record[k] for k in ("epoch", "epoch_step", "step", "images",
-                                      "share_of_run", "run_images", "message")}}
 
 
 def _health_monitor(cfg: Config):
@@ -195,23 +78,18 @@ def _health_monitor(cfg: Config):
 def embed_split(embedding_model, cfg: Config, path: str, max_images: int | None = None,
                 verbose: int = 0):
     """Embeddings (N, D) and labels (N,) of every image of a split (at most ``max_images``)."""
-    import numpy as np
+    from tfaploss.evaluation.embed import EmptyDatasetError, embed_dataset
 
     batch = 64 if cfg.test_image_size else 1
     ds = B.build_eval_dataset(cfg, path, batch_size=batch)
     if max_images:
         ds = ds.unbatch().take(max_images).batch(batch)
-    embeddings, labels = [], []
-    for images, y, _ in ds:
-        # Fixed-size batches go through Keras's compiled predict step (faster than an
-        # eager call); images of their original sizes would retrace it at every shape.
-        out = (embedding_model.predict_on_batch(images) if batch > 1
-               else embedding_model(images, training=False))
-        embeddings.append(np.asarray(out, np.float32))
-        labels.append(y.numpy())
-    if not embeddings:
-        raise ConfigError(f"the split {path!r} holds no images to evaluate on.")
-    return np.concatenate(embeddings), np.concatenate(labels)
+    try:
+        embeddings, labels, _ = embed_dataset(embedding_model, ds, verbose,
+                                              predict_step=batch > 1)
+    except EmptyDatasetError:
+        raise ConfigError(f"the split {path!r} holds no images to evaluate on.") from None
+    return embeddings, labels
 
 
 def evaluate_split(embedding_model, cfg: Config, path: str, max_images: int | None = None,
@@ -219,9 +97,10 @@ def evaluate_split(embedding_model, cfg: Config, path: str, max_images: int | No
     """Retrieval metrics of ``cfg.evaluation`` on a split (each image queries the rest).
 
     With ``evaluation.target_recall`` the search is tuned to it on these embeddings
-    (as ``tfaploss evaluate`` does; ScaNN AH when ``backend`` is exact), the metrics
-    gain ``search_recall`` (the recall@k the tuner measured) and ``search``, when given,
-    receives the whole search report (backend, setting, recall and its interval).
+    (as ``tfaploss evaluate`` does, see :func:`tfaploss.evaluation.build_searcher`),
+    the metrics gain ``search_recall`` (the recall@k the tuner measured) and
+    ``search``, when given, receives the whole search report (backend, setting, recall
+    and its interval).
     """
     from tfaploss.evaluation import build_searcher, retrieval_metrics
 
@@ -233,8 +112,8 @@ def evaluate_split(embedding_model, cfg: Config, path: str, max_images: int | No
         return retrieval_metrics(embeddings, labels, ks=ks, backend=cfg.evaluation.backend)
     from tfaploss.evaluation.tuner import search_report
 
-    backend = "scann_ah" if cfg.evaluation.backend == "exact" else cfg.evaluation.backend
-    searcher = build_searcher(embeddings, backend, target_recall=target, k=max(ks))
+    searcher = build_searcher(embeddings, cfg.evaluation.backend, target_recall=target,
+                              k=max(ks))
     report = search_report(searcher, embeddings, max(ks))
     LOG.info("search tuned to recall@%d >= %g: %s, recall %.4f (95%% CI %s)", max(ks),
              target, report.get("setting"), report["recall"], report["recall_ci"])
@@ -267,7 +146,7 @@ def _repair_epoch_log(path: Path) -> None:
         return
     data = path.read_bytes()
     if data and not data.endswith(b"\n"):
-        C.atomic_write(path, lambda tmp: Path(tmp).write_bytes(
+        atomic.atomic_write(path, lambda tmp: Path(tmp).write_bytes(
             data[:data.rfind(b"\n") + 1]))
 
 
@@ -286,16 +165,17 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto",
 
     A killed run resumes from its last checkpoint when called again with the same
     config (at most the epoch in progress is lost, see
-    :mod:`tfaploss.training.checkpoints`); a finished one is not trained again. Raises
+    :mod:`tfaploss.durable.checkpoints`); a finished one is not trained again. Raises
     :class:`~tfaploss.training.guards.NonFiniteTrainingError` at the first non-finite
     loss or weight, before anything is saved. A run stopped by the batch-health check
     (``training.health``) is saved and summarised like a finished one, with
     ``summary["stopped_early"]`` saying why.
 
-    The run directory is checked first (:mod:`tfaploss.run.run_dir`): damage raises
-    :class:`~tfaploss.training.checkpoints.DamagedRunError` (naming the file; nothing is
+    The run directory is checked first (:mod:`tfaploss.run.resume`): damage raises
+    :class:`~tfaploss.durable.checkpoints.DamagedRunError` (naming the file; nothing is
     changed), a run of another config :class:`~tfaploss.config.schema.ConfigError`, and
-    another process training in it :class:`~tfaploss.locks.LockHeldError` (naming it).
+    another process training in it :class:`~tfaploss.durable.locks.LockHeldError`
+    (naming it).
     ``restart=True`` starts over at epoch 1 whatever the directory holds: the previous
     run's files are moved aside into ``damaged-<time>/`` (``previous-<time>/`` when
     they were not damaged) inside it, never deleted.
@@ -331,7 +211,7 @@ def _start_over(run_dir: Path, cfg: Config) -> None:
         damage = err
     except ConfigError:
         damage = None  # another config's run: not damaged
-    aside, moved = R.move_aside(run_dir, damaged=damage is not None)
+    aside, moved = D.move_aside(run_dir, damaged=damage is not None)
     if aside is None:
         LOG.info("--restart: %s holds no previous run; starting at epoch 1", run_dir)
         return
@@ -344,14 +224,21 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
     import keras
 
     from tfaploss.training import MultiStageModel
+    from tfaploss.training.callbacks import (
+        EpochCheckpoint,
+        EpochLogger,
+        FaultPoints,
+        RetrievalEvaluation,
+        stop_summary,
+    )
     from tfaploss.training.guards import StopOnNonFinite, check_finite_weights
 
     if restart:
         _start_over(run_dir, cfg)
     # before anything initialises TensorFlow's devices (several CPU devices need that)
     plan = plan_devices(cfg)
-    C.RunBackup.remove_trash(run_dir)
-    removed = C.remove_temp_files(run_dir)
+    RunBackup.remove_trash(run_dir)
+    removed = atomic.remove_temp_files(run_dir)
     if removed:
         LOG.info("note: removed unfinished file(s) a killed run left: %s", ", ".join(removed))
     state = R.inspect(run_dir, cfg)  # damage, another config: raises, changes nothing
@@ -366,12 +253,12 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
         return done
     B.check_data(cfg)
     resuming = state.resuming
-    C.atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(),
+    atomic.atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(),
                                                                  sort_keys=False))
     steps = B.steps_per_epoch(cfg)
     epochs_log = run_dir / "epochs.jsonl"
     _repair_epoch_log(epochs_log)
-    backup = C.RunBackup(run_dir / "backup")  # its notes: the checkpoints module's logger
+    backup = RunBackup(run_dir / "backup")  # its notes: the checkpoints module's logger
     policy = keras.config.dtype_policy()
     started = time.time()
     devices_scope = contextlib.ExitStack()
@@ -406,10 +293,9 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
 
         LOG.info("%s", _describe_run(cfg, steps, chunk, embedding_model, resuming,
                                      start_epoch, plan))
-        RetrievalEvaluation, EpochLog, Checkpoint, Faults = _epoch_callbacks()
         callbacks = [StopOnNonFinite(steps, hint=f"optimizer.lr={cfg.optimizer.lr:g}")]
         if faults.active():  # crash tests only
-            callbacks.append(Faults())
+            callbacks.append(FaultPoints())
         if cfg.data.test and cfg.evaluation.every_n_epochs:
             callbacks.append(RetrievalEvaluation(
                 embedding_model,
@@ -419,9 +305,9 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
         if monitor is not None:
             callbacks.append(monitor)
         callbacks += [
-            EpochLog(epochs_log, monitor),
+            EpochLogger(epochs_log, monitor),
             keras.callbacks.TensorBoard(log_dir=str(run_dir / "logs"), write_graph=False),
-            Checkpoint(backup),  # last: it saves what every other callback has seen
+            EpochCheckpoint(backup),  # last: it saves what every other callback has seen
         ]
         if start_epoch < cfg.training.epochs:
             model.fit(dataset, epochs=cfg.training.epochs, initial_epoch=start_epoch,
@@ -438,7 +324,7 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
             LOG.info("BatchNorm statistics re-estimated on %d training images "
                      "(model.precise_bn_images)", cfg.model.precise_bn_images)
         check_finite_weights(embedding_model, str(model_path))
-        C.atomic_write(model_path, embedding_model.save, fault="model")
+        atomic.atomic_write(model_path, embedding_model.save, fault="model")
         final, final_search = None, None
         if cfg.data.test and cfg.evaluation.at_end:
             LOG.info("Evaluating on %s ...", cfg.data.test)
@@ -459,7 +345,7 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
         "epochs_requested": cfg.training.epochs,
         "steps_per_epoch": steps,
         "updates": updates,
-        "stopped_early": None if stopped is None else _stop_summary(stopped),
+        "stopped_early": None if stopped is None else stop_summary(stopped),
         "health_events": [] if monitor is None else monitor.records,
         "resumed": resuming,
         "resumed_after_epoch": start_epoch,
@@ -477,7 +363,7 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
         "train_seconds_this_process": round(train_seconds, 2),
         "model": str(model_path),
     }
-    C.atomic_write_json(run_dir / "summary.json", summary, fault="summary")
+    atomic.atomic_write_json(run_dir / "summary.json", summary, fault="summary")
     backup.discard()  # only now: model.keras and summary.json are in place
     LOG.info("Done: model %s, summary %s", model_path, run_dir / "summary.json")
     return summary

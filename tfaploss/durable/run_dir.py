@@ -12,12 +12,13 @@
   float32 (``1e308``: no run logs that), an epoch that is not a whole number, outside
   1..``training.epochs``, out of order or skipping epochs, or epochs the checkpoint does
   not account for; a checkpoint cut short, empty, altered, or a folder
-  (:meth:`~tfaploss.training.checkpoints.RunBackup.find`); a finished run's
+  (:meth:`~tfaploss.durable.checkpoints.RunBackup.find`); a finished run's
   ``summary.json`` or ``model.keras`` missing or unreadable. Damage raises
-  :class:`~tfaploss.training.checkpoints.DamagedRunError`, which names the file, what is
+  :class:`~tfaploss.durable.checkpoints.DamagedRunError`, which names the file, what is
   wrong and how to repair it. The run then neither resumes nor starts over by itself;
-* a run directory holding a run of another config is refused with a
-  :class:`~tfaploss.config.schema.ConfigError`, as before.
+* a run directory holding a run of another config is refused by the caller's
+  ``check_config`` (:mod:`tfaploss.run.resume` compares configs, which needs the
+  config schema; this module reads files only).
 
 Starting over is asked for: ``--restart`` (``train(..., restart=True)``) moves the
 previous run's files (:data:`RUN_ENTRIES`) aside into ``RUN_DIR/damaged-<time>/`` (or
@@ -30,17 +31,16 @@ import json
 import logging
 import math
 import os
-import re
 import time
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from tfaploss.config.schema import Config, ConfigError, config_from_dict
-from tfaploss.training import checkpoints as C
-from tfaploss.training.checkpoints import DamagedRunError
+from tfaploss.durable.atomic import fsync_dir, is_temp_name
+from tfaploss.durable.checkpoints import TRASH_PREFIX, DamagedRunError, RunBackup
 
 LOG = logging.getLogger(__name__)
 
@@ -213,52 +213,22 @@ def _read_summary(path: Path) -> dict | None:
     return summary
 
 
-def normalised(raw):
-    """A config dict as this version writes it: keys added since (every default
-    filled in) do not make an older run's config differ. ``raw`` itself if invalid."""
-    if not isinstance(raw, dict):
-        return raw
-    try:
-        return config_from_dict(raw, warn=False).to_dict()
-    except (ConfigError, TypeError, ValueError, KeyError, AttributeError, RecursionError,
-            OverflowError):
-        return raw
-
-
-def _comparable(raw):
-    """A config as compared with a run's: its ``run_dir`` left out (a run directory
-    moved elsewhere still resumes)."""
-    raw = normalised(raw)
-    return {k: v for k, v in raw.items() if k != "run_dir"} if isinstance(raw, dict) else raw
-
-
-def diff_keys(a, b, prefix=""):
-    """The dotted keys where two config dicts differ."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        for key in set(a) | set(b):
-            yield from diff_keys(a.get(key), b.get(key), f"{prefix}{key}.")
-    elif a != b:
-        yield prefix.rstrip(".")
-
-
-def _other_config(run_dir: Path, what: str, previous, current) -> ConfigError:
-    changed = sorted(diff_keys(previous, current))
-    return ConfigError(
-        f"run_dir {str(run_dir)!r} holds {what} made with a different config (differs "
-        f"in: {', '.join(changed[:12])}{', ...' if len(changed) > 12 else ''}). Resume it "
-        "with the same config, use a new run_dir (--set run_dir=...), or start over here "
-        "with --restart (the previous run's files are moved aside, not deleted).")
-
-
 # ---------------------------------------------------------------------------- checking
 
 
-def inspect(run_dir: Path, cfg: Config) -> RunState:
+def inspect(run_dir: Path, epochs: int,
+            check_config: Callable[[object, str], None]) -> RunState:
     """Check every file of ``run_dir`` against what a run, killed or not, leaves there.
 
-    Returns what the run resumes from. Raises
-    :class:`~tfaploss.training.checkpoints.DamagedRunError` on damage, ConfigError when
-    the directory holds a run of another config.
+    Args:
+      run_dir: the run directory.
+      epochs: the epochs the run trains (``training.epochs``): the epoch log's bound.
+      check_config: called with the config a previous run recorded (its
+        ``config.yaml``, or a finished run's ``summary["config"]``, as read) and what
+        that run is (``"an unfinished run"``, ``"a finished run"``); raises when it is
+        not this run's config (:func:`tfaploss.run.resume.inspect` raises ConfigError).
+
+    Returns what the run resumes from. Raises :class:`DamagedRunError` on damage.
     """
     for name in FILES:
         if (run_dir / name).is_dir():
@@ -268,18 +238,16 @@ def inspect(run_dir: Path, cfg: Config) -> RunState:
         if (run_dir / name).exists() and not (run_dir / name).is_dir():
             raise DamagedRunError(run_dir / name, "is a file, not a folder",
                                   "remove it, or put the folder back")
-    current = cfg.to_dict()
     previous = read_config_snapshot(run_dir / "config.yaml")
     summary = _read_summary(run_dir / "summary.json")
     model = run_dir / "model.keras"
-    backup = C.RunBackup(run_dir / "backup")
+    backup = RunBackup(run_dir / "backup")
     resuming = backup.exists()
     if not resuming and (summary is not None or model.exists()):
-        return RunState(finished=_finished(run_dir, cfg, summary, model))
-    if resuming and previous is not None and _comparable(previous) != _comparable(current):
-        raise _other_config(run_dir, "an unfinished run", _comparable(previous),
-                            _comparable(current))
-    rows = read_epoch_log(run_dir / "epochs.jsonl", cfg.training.epochs)
+        return RunState(finished=_finished(run_dir, epochs, check_config, summary, model))
+    if resuming and previous is not None:
+        check_config(previous, "an unfinished run")
+    rows = read_epoch_log(run_dir / "epochs.jsonl", epochs)
     checkpoint = backup.find() if resuming else (0, None)
     done, top = checkpoint[0], max((row["epoch"] for row in rows), default=0)
     log = run_dir / "epochs.jsonl"
@@ -301,7 +269,8 @@ def inspect(run_dir: Path, cfg: Config) -> RunState:
     return RunState(resuming=resuming, checkpoint=checkpoint, rows=rows)
 
 
-def _finished(run_dir: Path, cfg: Config, summary: dict | None, model: Path) -> dict:
+def _finished(run_dir: Path, epochs: int, check_config, summary: dict | None,
+              model: Path) -> dict:
     """The summary of the finished run (no backup left) in ``run_dir``, checked."""
     if summary is None:
         raise DamagedRunError(
@@ -315,13 +284,11 @@ def _finished(run_dir: Path, cfg: Config, summary: dict | None, model: Path) -> 
         raise DamagedRunError(model, f"is not a Keras model file ({model.stat().st_size} "
                                      "bytes, not a complete .keras archive)",
                               "put back a copy of it, if you have one")
-    ran = _comparable(summary.get("config"))
-    if ran != _comparable(cfg.to_dict()):
-        raise _other_config(run_dir, "a finished run", ran, _comparable(cfg.to_dict()))
+    check_config(summary.get("config"), "a finished run")
     completed = summary.get("epochs_completed")
-    if completed != cfg.training.epochs and not summary.get("stopped_early"):
+    if completed != epochs and not summary.get("stopped_early"):
         raise DamagedRunError(
-            run_dir / "summary.json", f"says {completed!r:.20} of {cfg.training.epochs} "
+            run_dir / "summary.json", f"says {completed!r:.20} of {epochs} "
             "epochs were completed, but there is no backup to resume from",
             "put back the backup folder of this run")
     return summary
@@ -331,11 +298,10 @@ def _finished(run_dir: Path, cfg: Config, summary: dict | None, model: Path) -> 
 
 
 def _entries(run_dir: Path) -> list[Path]:
-    temp = re.compile(r"^\..+\.tmp-\d+(\..*)?$")
     out = []
     for entry in sorted(run_dir.iterdir()):
         name = entry.name
-        if (name in RUN_ENTRIES or temp.match(name) or name.startswith(".backup-trash-")
+        if (name in RUN_ENTRIES or is_temp_name(name) or name.startswith(TRASH_PREFIX)
                 or (name.startswith("eval_") and entry.is_dir())):
             out.append(entry)
     return out
@@ -357,5 +323,5 @@ def move_aside(run_dir: Path, damaged: bool) -> tuple[Path | None, list[str]]:
     aside.mkdir()
     for entry in entries:
         os.replace(entry, aside / entry.name)
-    C.fsync_dir(run_dir)
+    fsync_dir(run_dir)
     return aside, [e.name + ("/" if (aside / e.name).is_dir() else "") for e in entries]

@@ -194,7 +194,7 @@ def _write_exclusive(path: Path, data: bytes) -> None:
 
 def _create(path: Path, data: bytes) -> tuple[int, int]:
     """Create ``path`` holding ``data``, or raise FileExistsError; atomic."""
-    # Named as the run directory's temporary files are (tfaploss.training.checkpoints),
+    # Named as the run directory's temporary files are (tfaploss.durable.checkpoints),
     # so a kill between this create and its unlink leaves nothing a run keeps.
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}.{uuid.uuid4().hex[:8]}")
     _write_exclusive(tmp, data)

@@ -4,8 +4,9 @@ A *fault point* is a named place in the code where a test may have the process d
 once (``os._exit``, as ``kill -9`` would: no clean-up, no ``finally``, no flush of
 anything but stdout/stderr), to check that whatever was on disk at that moment is
 recovered (``worker_kill`` instead sends the worker process SIGKILL, as the OOM killer
-would, so that its parent sees a real death). Off in production: nothing is armed unless a test arms it, and no fault
-point reads the environment (the variable is read once, when this module is imported).
+would, so that its parent sees a real death). Off in production: nothing is armed
+unless a test arms it, and no fault point reads the environment (the variable is read
+once, when this module is imported).
 
 How a test arms one:
 
@@ -21,11 +22,11 @@ How a test arms one:
 Several points may be armed at once, comma-separated. An item is ``name``,
 ``name:E`` or ``name:E:B``; a missing (or empty) epoch or batch matches any. A killed
 process logs ``TFAPLOSS_FAULT=<item>: simulated kill at <where>`` (WARNING, logger
-``tfaploss.faults``) and exits with :data:`EXIT_CODE` (75, ``EX_TEMPFAIL``: "try
+``tfaploss.durable.faults``) and exits with :data:`EXIT_CODE` (75, ``EX_TEMPFAIL``: "try
 again", which is what resuming does).
 
 Fault points of a training run (:mod:`tfaploss.run.trainer`,
-:mod:`tfaploss.training.checkpoints`):
+:mod:`tfaploss.durable.checkpoints`):
 
 ======================== ================================================================
 ``batch:E:B``            after batch B of epoch E (1-based)

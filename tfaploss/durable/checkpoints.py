@@ -1,10 +1,7 @@
 """Crash-safe checkpoints for a training run: a kill at any moment loses at most one epoch.
 
-Every file is written the same way (:func:`atomic_write`): to a temporary name in the
-same folder, flushed to disk (``fsync``), then renamed over the final name with
-``os.replace`` (atomic on POSIX and Windows), and the folder is synced so the rename
-itself survives a power cut. A reader therefore sees either the old complete file or
-the new complete file, never a torn one.
+Every file is written through :func:`tfaploss.durable.atomic.atomic_write`, so a
+reader sees either the old complete file or the new complete file, never a torn one.
 
 :class:`RunBackup` keeps a training run's state in one folder (``RUN_DIR/backup``)::
 
@@ -28,19 +25,18 @@ naming the file, what is wrong and how to repair it (e.g. remove the damaged
 checkpoint and the index, to resume from the previous checkpoint); the run does not
 fall back to an older checkpoint, nor start over, by itself.
 
-Fault injection (for the crash tests): :func:`atomic_write` and :class:`RunBackup` pass
-through the fault points ``<file>_write``, ``<file>_rename``, ``prune``,
-``after_checkpoint`` and ``backup_delete`` of :mod:`tfaploss.faults`, which lists every
-point and how a test arms one.
+Fault injection (for the crash tests): :class:`RunBackup` passes through the fault
+points ``<file>_write``, ``<file>_rename``, ``prune``, ``after_checkpoint`` and
+``backup_delete`` of :mod:`tfaploss.durable.faults`, which lists every point and how a
+test arms one.
 
 Messages (fallbacks, clean-ups) go to :class:`RunBackup`'s ``log``, by default the
-``tfaploss.training.checkpoints`` logger (``warning: ...`` lines at WARNING, the others
+``tfaploss.durable.checkpoints`` logger (``warning: ...`` lines at WARNING, the others
 at INFO).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -49,14 +45,20 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from tfaploss import faults
+from tfaploss.durable import faults
+from tfaploss.durable.atomic import (
+    atomic_write,
+    atomic_write_json,
+    fsync_dir,
+    remove_temp_files,
+    sha256_of,
+)
 
 LOG = logging.getLogger(__name__)
 
-_TEMP_RE = re.compile(r"^\..+\.tmp-\d+(\..*)?$")
 _CHECKPOINT_RE = re.compile(r"^epoch-(\d{4,})\.weights\.h5$")
 INDEX_NAME = "checkpoint.json"
-_TRASH_PREFIX = ".backup-trash-"
+TRASH_PREFIX = ".backup-trash-"  # a finished run's backup, renamed aside to be deleted
 
 
 class DamagedRunError(RuntimeError):
@@ -83,100 +85,6 @@ class DamagedRunError(RuntimeError):
 def log_line(line: str) -> None:
     """:class:`RunBackup`'s default ``log``: ``warning: ...`` at WARNING, else INFO."""
     LOG.log(logging.WARNING if line.startswith("warning:") else logging.INFO, "%s", line)
-
-
-# ---------------------------------------------------------------------------------------
-# Atomic files
-# ---------------------------------------------------------------------------------------
-
-
-def temp_name(path: str | os.PathLike) -> Path:
-    """The temporary name :func:`atomic_write` uses for ``path``: hidden, same folder,
-    same extension(s) (Keras checks ``.keras`` / ``.weights.h5``)."""
-    path = Path(path)
-    base, dot, rest = path.name.partition(".")
-    return path.with_name(f".{base}.tmp-{os.getpid()}{dot}{rest}")
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Make a rename in ``path`` durable (no-op where folders cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[str], object], *,
-                 fault: str | None = None, epoch: int | None = None) -> Path:
-    """Create ``path`` through ``write(temp_path)``, all or nothing.
-
-    ``write`` receives a temporary path in the same folder; the file is fsynced and
-    renamed over ``path``. If ``write`` raises, the temporary file is removed and the
-    previous ``path`` (if any) is untouched. ``fault`` names the fault points
-    ``<fault>_write`` and ``<fault>_rename`` (:mod:`tfaploss.faults`). Returns ``path``.
-    """
-    path = Path(path)
-    tmp = temp_name(path)
-    try:
-        write(str(tmp))
-        _fsync_file(tmp)
-        if fault:
-            faults.point(f"{fault}_write", epoch, path=tmp)
-            faults.point(f"{fault}_rename", epoch)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
-    fsync_dir(path.parent)
-    return path
-
-
-def atomic_write_text(path, text: str, **kwargs) -> Path:
-    """:func:`atomic_write` of a UTF-8 text."""
-    def write(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-    return atomic_write(path, write, **kwargs)
-
-
-def atomic_write_json(path, obj, **kwargs) -> Path:
-    """:func:`atomic_write` of ``json.dumps(obj, indent=2)``."""
-    return atomic_write_text(path, json.dumps(obj, indent=2) + "\n", **kwargs)
-
-
-def remove_temp_files(folder: str | os.PathLike) -> list[str]:
-    """Delete what killed :func:`atomic_write` calls left in ``folder``; returns names."""
-    folder = Path(folder)
-    removed = []
-    if not folder.is_dir():
-        return removed
-    for entry in folder.iterdir():
-        if entry.is_file() and _TEMP_RE.match(entry.name):
-            entry.unlink()
-            removed.append(entry.name)
-    return removed
-
-
-def sha256_of(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _h5_readable(path: Path) -> str | None:
@@ -386,7 +294,7 @@ class RunBackup:
         during the deletion never leaves a half-deleted backup that looks resumable."""
         if not self.directory.is_dir():
             return
-        trash = self.directory.with_name(f"{_TRASH_PREFIX}{os.getpid()}")
+        trash = self.directory.with_name(f"{TRASH_PREFIX}{os.getpid()}")
         os.replace(self.directory, trash)
         fsync_dir(self.directory.parent)
         faults.point("backup_delete")
@@ -398,5 +306,5 @@ class RunBackup:
         run_dir = Path(run_dir)
         if run_dir.is_dir():
             for entry in run_dir.iterdir():
-                if entry.name.startswith(_TRASH_PREFIX) and entry.is_dir():
+                if entry.name.startswith(TRASH_PREFIX) and entry.is_dir():
                     shutil.rmtree(entry, ignore_errors=True)

@@ -1,0 +1,72 @@
+"""Whether a run directory holds this config's run: the config comparison over the file
+checks of :mod:`tfaploss.durable.run_dir`.
+
+The file checks know nothing of the config schema (they sit below every package);
+comparing a previous run's config with this one needs the schema, to fill in the keys
+added since that run, so it lives here, with the run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tfaploss.config.schema import Config, ConfigError, config_from_dict
+from tfaploss.durable import run_dir as files
+from tfaploss.durable.run_dir import RunState
+
+__all__ = ["diff_keys", "inspect", "normalised"]
+
+
+def inspect(run_dir: Path, cfg: Config) -> RunState:
+    """Check every file of ``run_dir`` (:func:`tfaploss.durable.run_dir.inspect`) and
+    that a previous run there ran ``cfg``.
+
+    Returns what the run resumes from. Raises
+    :class:`~tfaploss.durable.checkpoints.DamagedRunError` on damage, ConfigError when
+    the directory holds a run of another config.
+    """
+    current = _comparable(cfg.to_dict())
+
+    def check_config(previous, what: str) -> None:
+        previous = _comparable(previous)
+        if previous != current:
+            raise _other_config(run_dir, what, previous, current)
+
+    return files.inspect(run_dir, cfg.training.epochs, check_config)
+
+
+def normalised(raw):
+    """A config dict as this version writes it: keys added since (every default
+    filled in) do not make an older run's config differ. ``raw`` itself if invalid."""
+    if not isinstance(raw, dict):
+        return raw
+    try:
+        return config_from_dict(raw, warn=False).to_dict()
+    except (ConfigError, TypeError, ValueError, KeyError, AttributeError, RecursionError,
+            OverflowError):
+        return raw
+
+
+def _comparable(raw):
+    """A config as compared with a run's: its ``run_dir`` left out (a run directory
+    moved elsewhere still resumes)."""
+    raw = normalised(raw)
+    return {k: v for k, v in raw.items() if k != "run_dir"} if isinstance(raw, dict) else raw
+
+
+def diff_keys(a, b, prefix=""):
+    """The dotted keys where two config dicts differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in set(a) | set(b):
+            yield from diff_keys(a.get(key), b.get(key), f"{prefix}{key}.")
+    elif a != b:
+        yield prefix.rstrip(".")
+
+
+def _other_config(run_dir: Path, what: str, previous, current) -> ConfigError:
+    changed = sorted(diff_keys(previous, current))
+    return ConfigError(
+        f"run_dir {str(run_dir)!r} holds {what} made with a different config (differs "
+        f"in: {', '.join(changed[:12])}{', ...' if len(changed) > 12 else ''}). Resume it "
+        "with the same config, use a new run_dir (--set run_dir=...), or start over here "
+        "with --restart (the previous run's files are moved aside, not deleted).")
