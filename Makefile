@@ -10,7 +10,8 @@ PYTEST_ARGS ?=
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export PYTHONUNBUFFERED = 1
 
-.PHONY: demo test test-jax test-torch install install-torch bench data-glyphs clean help
+.PHONY: demo test test-fast test-jax test-torch install install-torch bench bench-quick data-glyphs \
+	clean help
 
 help:
 	@echo "make demo   - set up .venv and run the end-to-end demo on bundled data"
@@ -18,7 +19,8 @@ help:
 	@echo "              model and multi-stage tests again on JAX and on PyTorch)"
 	@echo "make test-jax / make test-torch - only those tests, on JAX / PyTorch"
 	@echo "              (test-torch installs a CPU build of PyTorch into .venv first)"
-	@echo "make bench  - run the benchmarks in benchmarks/ (long)"
+	@echo "make bench  - the performance suite, one summary table (long);"
+	@echo "              make bench-quick: the same in a few minutes"
 	@echo "make data-glyphs - fetch Debian's CJK fonts (apt-get download, not installed)"
 	@echo "              and render the glyph retrieval set into data/glyphs/"
 	@echo "              (FONTS=folder: use your own font files instead)"
