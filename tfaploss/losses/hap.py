@@ -122,7 +122,6 @@ class HAPLoss(ProxiesOwner, RetrievalLoss):
     """
 
     proxies_layer_class = ClusterProxies
-
     @classmethod
     def uses_proxies(cls, kwargs: dict) -> bool:
         return kwargs.get("clustering_weight", 0.0) > 0  # the clustering term only
@@ -164,14 +163,14 @@ class HAPLoss(ProxiesOwner, RetrievalLoss):
         self._levels = None
         self._init_proxies(num_classes, proxies_key)
 
+    # Ranks per call: its (B, L) labels are not gathered across replicas; under a
+    # strategy MultiStageModel gathers the batch itself (docs/losses.md, "Several devices").
+    gathers_global_batch = False
+
     # -- Keras entry points -------------------------------------------------------------
 
-    def __call__(self, y_true, y_pred, sample_weight=None):
-        """The reduced loss; as ``RetrievalLoss.__call__`` but accepting (B, L) labels."""
-        with keras.name_scope(self.name):
-            terms = self.call(y_true, y_pred)
-            sample_weight = self._check_sample_weight(sample_weight, terms)
-        return self._reduce(terms, sample_weight)
+    def _query_labels(self, y_true):
+        return _check_level_labels(type(self).__name__, y_true)
 
     def call(self, y_true, y_pred):
         """Per-query terms, shape (B,), masked where a query has no relevant item."""

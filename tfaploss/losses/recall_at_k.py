@@ -187,10 +187,16 @@ class RecallAtKLoss(RetrievalLoss):
                                                self.pairs_per_block)
         return 1.0 - recall, ops.cast(counts > 0, recall.dtype)
 
-    def __call__(self, y_true, y_pred, sample_weight=None):
+    @property
+    def gathers_global_batch(self):
+        # SiMix's F mixed queries have no replica's rows to return ("none"); under a
+        # strategy MultiStageModel gathers the batch itself.
+        return not self.simix
+
+    def _weighted_terms(self, labels, embeddings, sample_weight):
         if not self.simix:
-            return super().__call__(y_true, y_pred, sample_weight)
-        return self.mixed_loss(y_true, y_pred, sample_weight=sample_weight)
+            return super()._weighted_terms(labels, embeddings, sample_weight)
+        return self._mixed_weighted_terms(labels, embeddings, sample_weight)
 
     def call(self, y_true, y_pred):
         if not self.simix:
@@ -208,12 +214,17 @@ class RecallAtKLoss(RetrievalLoss):
         B + F items.
         """
         with keras.name_scope(self.name):
-            labels = check_labels(y_true)
-            terms, first, second = self._mixed_terms(labels, y_pred, alphas, first, second)
-            sample_weight = self._mixed_sample_weight(sample_weight, first, second,
-                                                      labels.shape[0])
-            sample_weight = self._check_sample_weight(sample_weight, terms)
+            terms, sample_weight = self._mixed_weighted_terms(
+                check_labels(y_true), y_pred, sample_weight, alphas, first, second)
         return self._reduce(terms, sample_weight)
+
+    def _mixed_weighted_terms(self, labels, y_pred, sample_weight, alphas=None,
+                              first=None, second=None):
+        """The B + F terms and their checked weights (sources' mean for mixed items)."""
+        terms, first, second = self._mixed_terms(labels, y_pred, alphas, first, second)
+        sample_weight = self._mixed_sample_weight(sample_weight, first, second,
+                                                  labels.shape[0])
+        return terms, self._check_sample_weight(sample_weight, terms)
 
     def _mixed_terms(self, labels, y_pred, alphas=None, first=None, second=None):
         owner = type(self).__name__
