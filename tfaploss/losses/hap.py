@@ -93,13 +93,8 @@ class HAPLoss(ProxiesOwner, RetrievalLoss):
     Cost: O(B·P·B) time with P the most relevant items of a query (the query's whole
     coarsest common group, e.g. its super-class: up to B/2 with the authors'
     two-super-classes-per-batch sampler) and O(chunk·B + B²) memory with chunk =
-    ``pairs_per_block``; never a B×B×B tensor. Measured (B=4096, D=512, 64 per class,
-    2 levels with 32 super-classes of 128 images, i.e. 128 relevant items per query,
-    float32, forward + backward under ``tf.function``, 2 busy CPU cores (other jobs running)):
-    ~17 s with ``jit_compile=True``, ~26 s without; peak RSS ~1.7 GB / ~2.1 GB. Time
-    grows with the relevant pairs: the authors' two super-classes per batch make ~2048
-    relevant items per query, 16 times as many (~140 s with XLA, peak RSS ~1.7 GB).
-    Under an eager ``tf.GradientTape`` the tape keeps every block's intermediates
+    ``pairs_per_block``; never a B×B×B tensor.
+    ``docs/losses.md`` has measured times and memory. Under an eager ``tf.GradientTape`` the tape keeps every block's intermediates
     (O(P·B) memory, as for the other smooth-rank losses: ~17 GB at B=1024, SupAP ~7 GB):
     train under ``tf.function`` (Keras's ``fit`` does).
 
@@ -119,6 +114,14 @@ class HAPLoss(ProxiesOwner, RetrievalLoss):
             by the loss itself.
         drop_lone_queries: see ``RetrievalLoss``; a query is lone when no other item
             of the batch is relevant to it (shares no level).
+
+    Example:
+
+    ```python
+    loss = tfaploss.losses.HAPLoss()
+    labels = np.array([[0, 0], [0, 0], [1, 0], [2, 1]])  # [class, super-class]
+    loss(labels, embeddings)                               # embeddings (4, D)
+    ```
     """
 
     proxies_layer_class = ClusterProxies
