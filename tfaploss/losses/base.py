@@ -367,7 +367,8 @@ class RetrievalLoss(keras.losses.Loss):
         if not per_replica:
             distribute.refuse_per_replica(
                 type(self).__name__,
-                "its own __call__ path, which does not gather the replicas' rows,", shapes_only=in_symbolic_scope())
+                "its own __call__ path, which does not gather the replicas' rows,",
+                shapes_only=in_symbolic_scope())
         reduction = _KerasReduction(name=self.name, reduction=self.reduction,
                                     dtype=self.dtype)
         return reduction(terms, terms, sample_weight)

@@ -95,6 +95,7 @@ class ProxyAnchorLoss(ProxiesOwner, RetrievalLoss):
     # -- Keras entry points -----------------------------------------------------------
 
     def _global_batch_call(self, y_true, y_pred, sample_weight, replicas):
+        # Stays: per-proxy terms have no rows of one replica, so "none" has no share.
         if self.reduction in (None, "none"):
             owner = type(self).__name__
             raise ValueError(f"{owner}: reduction='none' gives one term per proxy, "
