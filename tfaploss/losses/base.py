@@ -195,118 +195,51 @@ def _shape_text(shape):
 class RetrievalLoss(keras.losses.Loss):
     """Base class of the ranking losses: integer labels in, one term per query out.
 
-    ``loss(y_true, y_pred, sample_weight=None)`` with ``y_true`` the integer class
-    labels, shape (B,) or (B, 1), and ``y_pred`` the embeddings, shape (B, D). Each
-    item is a query ranked against the whole batch. :meth:`call` returns one term per
-    query, shape (B,): ``t_i = l_i``, the query's loss from :meth:`per_query` (e.g.
-    ``1 - AP_i``), for the "valid" queries, those with positives (see
-    ``drop_lone_queries``), and 0 for the others, which also carry a Keras mask.
-    Keras's ``Loss.__call__`` then reduces the terms, with ``s_i`` the
-    ``sample_weight`` (1 without one) and ``n`` the number of valid queries:
+    Each item of the batch is a query ranked against the whole batch. :meth:`call`
+    returns one term per query, shape (B,): the query's loss from :meth:`per_query`
+    (e.g. ``1 - AP_i``) where it has positives, else 0 under a Keras mask. Keras's
+    ``Loss.__call__`` then applies ``sample_weight`` and ``reduction``; the mask makes
+    the means divide by the number of queries with positives::
 
-    =============================  ==========================================
-    ``reduction``                  result
-    =============================  ==========================================
-    ``"sum_over_batch_size"``      ``sum_i s_i t_i / n`` (the default)
-    ``"mean"``                     the same
-    ``"mean_with_sample_weight"``  ``sum_i s_i t_i / sum_{i valid} s_i``
-    ``"sum"``                      ``sum_i s_i t_i``
-    ``"none"`` or ``None``         ``s_i t_i``, shape (B,), 0 where not valid
-    =============================  ==========================================
+        loss = sum_i s_i · l_i / #{i: query i has a positive}     (the default)
 
-    The mask is what makes the means divide by ``n``, not by B: queries without
-    positives are left out, not counted as zero losses. So the default is the mean
-    of ``l_i`` over the valid queries; a batch without a valid query gives 0 with zero
-    gradient (a warning once).
+    ``sample_weight`` scales each query's term, never the rankings. Under
+    ``tf.distribute`` and ``torch.distributed`` a call ranks the global batch
+    (:mod:`tfaploss.ops.distribute`). ``docs/losses.md`` has every reduction, the
+    built-in query weights and the multi-device contract.
 
-    ``sample_weight`` (shape (B,), (B, 1), or a scalar) only scales each query's term.
-    It does NOT change the rankings: every query is still ranked against the whole
-    batch, and an item of weight 0 is still a positive or a negative of the other
-    queries. Class balancing inside the rankings is a constructor option of the
-    losses that offer it.
-
-    Losses whose queries carry built-in weights ``w_i`` (``APLoss(class_balanced=
-    True)``: ``1 / class size``; ``ContrastiveLoss``: pairs per query;
-    ``TripletLoss``: positive pairs or triplets per anchor) return
-    ``t_i = l_i * w_i / mean_{valid}(w)``, so that the default reduction is their
-    weighted mean ``sum_i w_i l_i / sum_i w_i``; for the others ``w_i = 1`` and
-    ``t_i = l_i`` exactly. A batch-level term that does not decompose per query
-    (``CalibrationLoss``'s default averaging, ROADMAP's calibration part) is the same
-    in every valid query's term.
-
-    Under ``tf.distribute`` (``MirroredStrategy`` or ``MultiWorkerMirroredStrategy``
-    with R > 1 replicas in sync), ``__call__`` in a replica context (``Model.fit``,
-    ``evaluate``, ``strategy.run``; Keras 3's ``fit`` does not run under
-    ``MultiWorkerMirroredStrategy``, keras-team/keras#20585, so several machines train
-    in a ``strategy.run`` loop) ranks the GLOBAL batch, never one replica's shard:
-    it all-gathers every replica's labels, embeddings (with their gradient) and
-    ``sample_weight`` (shards may differ in size), reduces the global batch's terms as
-    above, and returns this replica's share of the result: the result divided by R
-    (Keras's own division of the mean reductions; ``"sum"`` is divided here), or for
-    ``"none"`` this replica's rows of it. The shares sum to the one-device loss, and
-    so do their gradients (the all-gather's backward sums the replicas' gradients of
-    every row; the optimizer sums the replicas' weight gradients), so ``fit`` takes
-    the one-device step and reports the one-device loss (Keras reports a share times
-    R). Each replica evaluates the loss of the whole global batch (the cost above at
-    the global B), plus an all-gather of the (B, D) embeddings and an all-reduce of
-    their gradient. :class:`~tfaploss.training.MultiStageModel` gathers the batch
-    itself and tells the loss so, which then does not gather it again. Where the
-    global batch cannot be gathered the call raises rather than rank each shard
-    alone: a cross-replica context (inside ``strategy.scope()``, outside
-    ``strategy.run``), another strategy with R > 1 (``CentralStorageStrategy``,
-    ``TPUStrategy``, ``ParameterServerStrategy`` with several devices per worker),
-    or a subclass's own ``__call__`` that does not gather (``HAPLoss``,
-    ``RecallAtKLoss(simix=...)``: train those with ``MultiStageModel``).
-    ``query_database_loss`` ranks each replica's queries against the database it is
-    given, with Keras's per-replica scaling, as before.
-
-    Under ``torch.distributed`` (PyTorch backend, an initialised default process group
-    of W > 1 ranks) ``__call__`` ranks the global batch the same way, on every rank (a
-    collective: all ranks must call it; inside
-    :func:`tfaploss.ops.distribute.global_batch` it ranks what it is given). The
-    contract is DistributedDataParallel's, whose parameter gradients are AVERAGED over
-    the ranks: every rank returns the global batch's loss itself (the one-process
-    value, for the mean reductions and ``"sum"``), and its backward gives this rank's
-    rows W times their one-process gradient, which the average turns into the
-    one-process gradient (:mod:`tfaploss.ops.distribute_torch`); ``"none"`` returns
-    this rank's rows of the global terms. So wrap the model in DDP (or average the
-    gradients once yourself); ``MultiStageModel`` averages them itself. The same
-    losses refuse to rank per shard as above.
-
-    Labels are compared exactly, before any cast (``__call__`` hands them to
-    :meth:`call` as given, where Keras's would cast them to ``dtype`` first), so ids
-    above 2**24 stay distinct. The loss is computed in ``dtype`` (float32 by default,
-    also under a mixed-precision policy); ``float16``/``bfloat16`` are refused because
-    they cannot hold label ids exactly.
+    Subclasses override :meth:`per_query` (and :meth:`pairwise` for distances) and
+    extend :meth:`get_config`; a loss whose terms are not per query overrides
+    :meth:`_weighted_terms`.
 
     Args:
         normalize: L2-normalise the embeddings first, so scores are cosines in [-1, 1].
         include_self: rank each query against itself too (it counts as its own
             positive), as Smooth-AP's and ROADMAP's code do. Otherwise the query is
             left out of its own ranking, as the histogram-AP paper describes.
-        drop_lone_queries: leave out of the mean every "lone" query, one whose class
-            has no other item in the batch (with ``include_self=True`` its only
-            positive is itself). By default such a query is kept, as the originals
-            of histogram AP, Smooth-AP, SupAP/ROADMAP and BlackBox AP keep it: its
-            AP is below 1 wherever negatives score close to it, so its gradient
-            pushes them away. Its AP is ~1 whatever the embedding does for ranking
-            OTHER items, though, and with BlackBox AP it gets a black-box gradient
-            that reflects only the query's own self-score; drop such queries when
-            the sampler can leave classes with one image in a batch and that signal
-            is unwanted. ``PNPLoss`` drops them by default (its original does).
-            Without ``include_self`` (and for a memory bank) a lone query has no
-            positive and is always left out; pair and triplet losses never use
-            lone queries either way.
-        reduction: how the per-query terms are reduced (table above).
-        name, dtype: as for ``keras.losses.Loss``.
+        drop_lone_queries: leave out every query whose class has no other item in the
+            batch. Kept by default, as the originals keep it (``docs/losses.md``, "Lone
+            queries"); without ``include_self`` such a query has no positive and is
+            always left out.
+        reduction: how the per-query terms are reduced (``docs/losses.md``).
+        name, dtype: as for ``keras.losses.Loss``; ``float16``/``bfloat16`` are refused
+            (they cannot hold label ids exactly).
 
-    Subclasses override :meth:`per_query` and extend :meth:`get_config`;
-    distance-based losses override :meth:`pairwise`. ``per_query`` also receives
-    ``self_pairs``: the (Q, N) mask of each query paired with itself when the batch is
-    ranked against itself with ``include_self=True``, else None;
-    :meth:`other_positive_counts` uses it to count the positives a query has besides
-    itself.
+    Example:
+
+    ```python
+    loss = tfaploss.losses.APLoss()
+    labels = np.array([0, 0, 1, 1])
+    embeddings = np.random.normal(size=(4, 8)).astype("float32")
+    loss(labels, embeddings)                                    # a scalar
+    tfaploss.losses.APLoss(reduction="none")(labels, embeddings)  # shape (4,)
+    model.compile(optimizer="adam", loss=loss)
+    ```
     """
+
+    #: Whether a call under several replicas gathers the global batch; a loss that
+    #: cannot sets False and is refused there rather than rank one shard.
+    gathers_global_batch = True
 
     def __init__(
         self,
@@ -331,52 +264,55 @@ class RetrievalLoss(keras.losses.Loss):
     # -- Keras entry points -------------------------------------------------------
 
     def __call__(self, y_true, y_pred, sample_weight=None):
-        """The reduced loss (see the class docstring); Keras's ``Loss.__call__``
-        reduces the terms of :meth:`call`, which sees the labels uncast."""
-        replicas = distribute.replicas_to_gather(type(self).__name__,
-                                                 shapes_only=in_symbolic_scope())
-        if replicas > 1:
-            return self._global_batch_call(y_true, y_pred, sample_weight, replicas)
+        """The reduced loss; :meth:`call` sees the labels uncast (class docstring)."""
+        if self.gathers_global_batch:
+            replicas = distribute.replicas_to_gather(type(self).__name__,
+                                                     shapes_only=in_symbolic_scope())
+            if replicas > 1:
+                return self._global_batch_call(y_true, y_pred, sample_weight, replicas)
         with keras.name_scope(self.name):
-            terms = self.call(check_labels(y_true), y_pred)
-            sample_weight = self._check_sample_weight(sample_weight, terms)
-        # per_replica: replicas_to_gather above already found no shard to refuse.
-        return self._reduce(terms, sample_weight, per_replica=True)
+            terms, sample_weight = self._weighted_terms(self._query_labels(y_true), y_pred,
+                                                        sample_weight)
+        # A loss that gathers found no shard to refuse above; one that does not is
+        # refused here when it would rank one replica's shard.
+        return self._reduce(terms, sample_weight, per_replica=self.gathers_global_batch)
+
+    def _query_labels(self, y_true):
+        """``y_true`` checked as this loss's labels (class ids, shape (B,))."""
+        return check_labels(y_true)
+
+    def _weighted_terms(self, labels, embeddings, sample_weight):
+        """The terms Keras reduces and their checked ``sample_weight`` (the one hook
+        that every entry point, gathered or not, goes through)."""
+        terms = self.call(labels, embeddings)
+        return terms, self._check_sample_weight(sample_weight, terms)
 
     def _global_batch_call(self, y_true, y_pred, sample_weight, replicas):
-        """``__call__`` in a replica context of a ``tf.distribute`` strategy (or a rank
-        of ``torch.distributed``): the loss of the global batch, as this replica's
-        share (class docstring, "Under tf.distribute")."""
+        """``__call__`` on one of several replicas: the global batch's loss, as this
+        replica's share (:func:`tfaploss.ops.distribute.global_batch_loss`)."""
         owner = type(self).__name__
         with keras.name_scope(self.name):
             embeddings = self._check_embeddings(ops.convert_to_tensor(y_pred), "y_pred")
-            labels = _check_sizes(owner, check_labels(y_true), embeddings, "y_true",
+            labels = _check_sizes(owner, self._query_labels(y_true), embeddings, "y_true",
                                   "y_pred")
-
             return self._rank_global_batch(labels, embeddings, sample_weight, replicas,
                                            self._reduced_loss)
 
     def _reduced_loss(self, labels, embeddings, sample_weight):
         """The loss of the (gathered) batch, reduced as this loss reduces."""
-        terms = self.call(labels, embeddings)
-        return self._reduce(terms, self._check_sample_weight(sample_weight, terms))
+        return self._reduce(*self._weighted_terms(labels, embeddings, sample_weight))
 
     def _rank_global_batch(self, labels, embeddings, sample_weight, replicas, reduced):
-        """``reduced(labels, embeddings, sample_weight)``, a loss reduced as this loss
-        reduces, of the global batch: every replica's rows of this replica's checked
-        ``labels``, ``embeddings`` and ``sample_weight`` gathered; returned as this
-        replica's share (:func:`tfaploss.ops.distribute.replica_share`)."""
+        """``reduced(labels, embeddings, sample_weight)`` of the global batch, as this
+        replica's share; ``labels`` and ``embeddings`` are this replica's, checked."""
         if sample_weight is not None:
             # One weight per local query, cast as Keras casts it, so that the
             # replicas' weights line up with their gathered rows.
             local = ops.zeros_like(labels, dtype=self.dtype)
             sample_weight = ops.reshape(ops.cast(
                 self._check_sample_weight(sample_weight, local), self.dtype), (-1,))
-        labels, embeddings, sample_weight, rows = distribute.gather_replicas(
-            labels, embeddings, sample_weight)
-        with distribute.global_batch():
-            loss = reduced(labels, embeddings, sample_weight)
-        return distribute.replica_share(loss, self.reduction, replicas, rows)
+        return distribute.global_batch_loss(reduced, labels, embeddings, sample_weight,
+                                            self.reduction, replicas)
 
     def call(self, y_true, y_pred):
         """Per-query terms, shape (B,), masked where a query has no positive."""
@@ -424,14 +360,14 @@ class RetrievalLoss(keras.losses.Loss):
     def _reduce(self, terms, sample_weight=None, per_replica=False):
         """Keras's reduction of the masked per-query ``terms`` (this loss's settings).
 
-        Refused in a replica context of a ``tf.distribute`` strategy, where ``terms``
-        would rank one replica's shard (a subclass's own ``__call__``), unless
-        ``per_replica`` (the caller's rankings are meant per replica) or the caller
-        holds the global batch (``distribute.global_batch``).
+        Refused on one of several replicas, where ``terms`` would rank that replica's
+        shard, unless ``per_replica`` (the caller's rankings are meant per replica) or
+        the caller holds the global batch (``distribute.global_batch``).
         """
         if not per_replica:
             distribute.refuse_per_replica(
-                type(self).__name__, "its own __call__ (which does not gather the replicas' rows)",
+                type(self).__name__,
+                "its own __call__ path, which does not gather the replicas' rows,",
                 shapes_only=in_symbolic_scope())
         reduction = _KerasReduction(name=self.name, reduction=self.reduction,
                                     dtype=self.dtype)
@@ -528,7 +464,8 @@ class RetrievalLoss(keras.losses.Loss):
     def per_query(self, scores, positives, candidates, self_pairs=None):
         """Per-query loss values (Q,) and weights (Q,); weight 0 leaves a query out.
 
-        The class docstring says how weights other than 0/1 enter the terms.
+        ``docs/losses.md`` ("Reductions and weights") says how weights other than
+        0/1 enter the terms.
         """
         raise NotImplementedError(f"{type(self).__name__} must implement per_query")
 

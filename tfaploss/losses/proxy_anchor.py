@@ -6,7 +6,6 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from tfaploss._keras_compat import in_symbolic_scope
 from tfaploss.losses.base import (
     RetrievalLoss,
     _check_sizes,
@@ -17,7 +16,6 @@ from tfaploss.losses.base import (
 )
 from tfaploss.losses.multi_similarity import _positive_number
 from tfaploss.losses.proxies import ProxiesOwner
-from tfaploss.ops import distribute
 from tfaploss.ops.masks import masked_logsumexp, pairwise_scores
 
 
@@ -96,22 +94,18 @@ class ProxyAnchorLoss(ProxiesOwner, RetrievalLoss):
 
     # -- Keras entry points -----------------------------------------------------------
 
-    def __call__(self, y_true, y_pred, sample_weight=None):
-        """``L`` reduced over the proxies; ``sample_weight`` weights items (class doc)."""
-        owner = type(self).__name__
-        replicas = distribute.replicas_to_gather(owner, shapes_only=in_symbolic_scope())
-        if replicas > 1:
-            if self.reduction in (None, "none"):
-                raise ValueError(f"{owner}: reduction='none' gives one term per proxy, "
-                                 "which no replica owns; use a mean or 'sum' under a "
-                                 f"distribution strategy; received reduction={self.reduction!r}.")
-            return self._global_batch_call(y_true, y_pred, sample_weight, replicas)
-        with keras.name_scope(self.name):
-            return self._reduced_loss(y_true, y_pred, sample_weight, per_replica=True)
+    def _global_batch_call(self, y_true, y_pred, sample_weight, replicas):
+        # Stays: per-proxy terms have no rows of one replica, so "none" has no share.
+        if self.reduction in (None, "none"):
+            owner = type(self).__name__
+            raise ValueError(f"{owner}: reduction='none' gives one term per proxy, "
+                             "which no replica owns; use a mean or 'sum' under a "
+                             f"distribution strategy; received reduction={self.reduction!r}.")
+        return super()._global_batch_call(y_true, y_pred, sample_weight, replicas)
 
-    def _reduced_loss(self, labels, embeddings, sample_weight, per_replica=False):
-        terms = self.proxy_terms(labels, embeddings, sample_weight)
-        return self._reduce(terms, None, per_replica=per_replica)
+    def _weighted_terms(self, labels, embeddings, sample_weight):
+        # sample_weight weights items inside the proxies' sums, not the terms.
+        return self.proxy_terms(labels, embeddings, sample_weight), None
 
     def call(self, y_true, y_pred):
         """Per-proxy terms, shape (num_classes,) (class docstring)."""

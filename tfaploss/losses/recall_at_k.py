@@ -59,15 +59,8 @@ class RecallAtKLoss(RetrievalLoss):
     0/0 = NaN there; here it is left out of the mean (weight 0). Their loop divides each
     query's term by B and sums: the default reduction's mean over the queries.
 
-    tau2 history: the paper sets the temperature of the "rank <= k" sigmoid
-    to 1 for every k, and so does the current code (commit ed05202, 2024-11-04:
-    ``--k_temperatures`` default ``[1,1,1,1,1]`` and ``opt.k_temperatures = [1] *
-    len(opt.k_vals)``). The first commit (c949c56, 2022-03-08) also forced 1.0; from
-    commit 063feca (2022-05-02) until ed05202 the override was gone and the default
-    ``[1, 2, 4, 8, 16]`` applied, i.e. tau2 = k. ``tau2=1.0`` (default) is the paper's
-    setting; ``tau2=[1, 2, 4, 8, 16]`` reproduces the 2022-2024 code. (The current
-    code sets one temperature per *evaluation* k; on SOP, iNaturalist and VehicleID,
-    with fewer evaluation ks than the five training ks, its loss indexes past that list.)
+    ``tau2=1.0`` (default) is the paper's and the current code's setting;
+    ``tau2=[1, 2, 4, 8, 16]`` reproduces the 2022-2024 code (``docs/losses.md``).
 
     SiMix (``simix=True``; the authors' ``src/mixup.py`` ``pos_mixup``
     and its use in ``src/main.py``): after L2 normalisation, for every pair (a, b) of
@@ -102,12 +95,8 @@ class RecallAtKLoss(RetrievalLoss):
     with a hand-written gradient, :mod:`tfaploss.ops.recall_rank`; the K values of k add
     O(K·B²)) and O(pairs_per_block·B + B²) memory; never a B×B×B tensor. The B² part is
     the score matrix and the block bookkeeping, ~0.1 KB per pair (i, j) at its peak.
-    SiMix multiplies B by 1 + (g-1)/2 (2.5 for g = 4), so memory by ~6. Measured
-    (TensorFlow, float32, forward + backward, 2 CPU cores busy with other jobs,
-    peak RSS of the whole process): B=4096, D=512, 64 per class: ~7-9 s with
-    ``jit_compile=True``, ~9-11 s under ``tf.function`` without XLA, peak RSS ~2.2 GB;
-    with SiMix at the authors' 4 per class (B=4096 + 6144 mixed): ~11 s (XLA), peak
-    RSS ~8.4 GB.
+    SiMix multiplies B by 1 + (g-1)/2 (2.5 for g = 4), so memory by ~6.
+    ``docs/losses.md`` has measured times and memory.
 
     Args:
         k: the k values, positive ints (paper: (1, 2, 4, 8, 16)).
@@ -123,6 +112,13 @@ class RecallAtKLoss(RetrievalLoss):
             Python's ``random``, which ``keras.utils.set_random_seed`` seeds).
         pairs_per_block: positive pairs ranked per loop step (None: automatic).
         drop_lone_queries, reduction, name, dtype: see ``RetrievalLoss``.
+
+    Example:
+
+    ```python
+    loss = tfaploss.losses.RecallAtKLoss(k=(1, 2, 4, 8, 16), simix=True)
+    model.compile(optimizer="adam", loss=loss)  # batches of 4 images per class
+    ```
     """
 
     def __init__(self, k=(1, 2, 4, 8, 16), tau1=0.01, tau2=1.0, include_self=True,
@@ -187,10 +183,16 @@ class RecallAtKLoss(RetrievalLoss):
                                                self.pairs_per_block)
         return 1.0 - recall, ops.cast(counts > 0, recall.dtype)
 
-    def __call__(self, y_true, y_pred, sample_weight=None):
+    @property
+    def gathers_global_batch(self):
+        # SiMix's F mixed queries have no replica's rows to return ("none"); under a
+        # strategy MultiStageModel gathers the batch itself.
+        return not self.simix
+
+    def _weighted_terms(self, labels, embeddings, sample_weight):
         if not self.simix:
-            return super().__call__(y_true, y_pred, sample_weight)
-        return self.mixed_loss(y_true, y_pred, sample_weight=sample_weight)
+            return super()._weighted_terms(labels, embeddings, sample_weight)
+        return self._mixed_weighted_terms(labels, embeddings, sample_weight)
 
     def call(self, y_true, y_pred):
         if not self.simix:
@@ -208,12 +210,17 @@ class RecallAtKLoss(RetrievalLoss):
         B + F items.
         """
         with keras.name_scope(self.name):
-            labels = check_labels(y_true)
-            terms, first, second = self._mixed_terms(labels, y_pred, alphas, first, second)
-            sample_weight = self._mixed_sample_weight(sample_weight, first, second,
-                                                      labels.shape[0])
-            sample_weight = self._check_sample_weight(sample_weight, terms)
+            terms, sample_weight = self._mixed_weighted_terms(
+                check_labels(y_true), y_pred, sample_weight, alphas, first, second)
         return self._reduce(terms, sample_weight)
+
+    def _mixed_weighted_terms(self, labels, y_pred, sample_weight, alphas=None,
+                              first=None, second=None):
+        """The B + F terms and their checked weights (sources' mean for mixed items)."""
+        terms, first, second = self._mixed_terms(labels, y_pred, alphas, first, second)
+        sample_weight = self._mixed_sample_weight(sample_weight, first, second,
+                                                  labels.shape[0])
+        return terms, self._check_sample_weight(sample_weight, terms)
 
     def _mixed_terms(self, labels, y_pred, alphas=None, first=None, second=None):
         owner = type(self).__name__

@@ -16,7 +16,6 @@ bigger batch.
 from __future__ import annotations
 
 import math
-import threading
 
 import keras
 from keras import ops
@@ -24,32 +23,6 @@ from keras import ops
 from tfaploss._keras_compat import in_symbolic_scope  # private Keras API
 from tfaploss.losses.base import RetrievalLoss, _check_sizes, _concrete, check_labels
 from tfaploss.ops import distribute
-
-# Per thread (MirroredStrategy traces each replica's step in a thread of its own) and
-# per memory: the `training` flag of the memory layer's last call, which the next
-# XBMLoss call consumes. A Keras loss is not told whether it runs in a training step;
-# the model's layers are, and the train and test steps call the model right before
-# the loss. Calls that Keras traces for shapes only (`fit` builds the model, then the
-# loss, that way before its first step) are recorded apart, so that a missing memory
-# layer is refused before any step runs.
-_CALLS = threading.local()
-
-
-def _record_call(memory, training, symbolic):
-    if not hasattr(_CALLS, "training"):
-        _CALLS.training = {}
-    _CALLS.training[(id(memory), symbolic)] = training
-
-
-def _take_call(memory, symbolic):
-    """The ``training`` flag of ``memory``'s last call in this thread, or None.
-
-    Taken by a step's call; kept for the shape-only calls (PyTorch's shape inference
-    may run the model and then the loss twice).
-    """
-    calls = getattr(_CALLS, "training", {})
-    key = (id(memory), symbolic)
-    return calls.get(key) if symbolic else calls.pop(key, None)
 
 
 def _check_int(owner, name, value, minimum):
@@ -68,8 +41,10 @@ class CrossBatchMemory(keras.layers.Layer):
     slots, with the gradient stopped on the memory side; it is 0 while the memory is
     empty.
 
-    Called as a layer it returns its input unchanged and records whether the call was
-    a training one, for :class:`XBMLoss` (which puts it on the model's output).
+    Called as a layer it returns its input unchanged and keeps the call's ``training``
+    flag for the next :class:`XBMLoss` call (:meth:`take_training`): a Keras loss is
+    not told whether it runs in a training step, while the model's layers are, and the
+    train and test steps call the model right before the loss.
 
     Under a distribution strategy every replica must enqueue the same (global) batch:
     the variables keep the first replica's write.
@@ -93,6 +68,8 @@ class CrossBatchMemory(keras.layers.Layer):
         self.size = size
         self.embedding_dim = embedding_dim
         self.supports_masking = True
+        # (replica, shape-only?) -> `training` of the last call not yet taken by a loss.
+        self._pending_training = {}
         if embedding_dim is not None:
             self.build((None, embedding_dim))
 
@@ -122,9 +99,24 @@ class CrossBatchMemory(keras.layers.Layer):
         self.built = True
 
     def call(self, inputs, training=None):
-        """``inputs`` unchanged; records ``training`` for the next :class:`XBMLoss` call."""
-        _record_call(self, bool(training), symbolic=in_symbolic_scope())
+        """``inputs`` unchanged; keeps ``training`` for the next :class:`XBMLoss` call."""
+        key = (distribute.replica_id(), in_symbolic_scope())
+        self._pending_training[key] = bool(training)
         return inputs
+
+    def take_training(self):
+        """The ``training`` flag of this layer's last call on this replica, or None when
+        no call came since the previous take.
+
+        Calls that Keras traces for shapes only (``fit`` builds the model, then the
+        loss, that way before its first step) are kept apart and not taken (PyTorch's
+        shape inference may run the model and then the loss twice), so that a model
+        without this layer is refused before any step runs.
+        """
+        symbolic = in_symbolic_scope()
+        key = (distribute.replica_id(), symbolic)
+        pending = self._pending_training
+        return pending.get(key) if symbolic else pending.pop(key, None)
 
     def valid_mask(self):
         """Bool (size,): which slots hold an entry."""
@@ -297,8 +289,7 @@ class XBMLoss(keras.losses.Loss):
     def __call__(self, y_true, y_pred, sample_weight=None):
         """The wrapped loss of the batch plus ``weight`` times its loss against the
         memory (class docstring); a training call then enqueues the batch."""
-        symbolic = in_symbolic_scope()  # Keras traces the call for its output shapes only
-        training = _take_call(self.memory, symbolic)
+        training = self.memory.take_training()
         if training is None:
             raise RuntimeError(
                 f"XBMLoss: its memory layer {self.memory.name!r} was not called since the "
@@ -307,7 +298,7 @@ class XBMLoss(keras.losses.Loss):
                 "state). Put it on the model's embedding output: `outputs = "
                 "xbm.memory(embeddings)`; in a custom loop call `xbm.memory(embeddings, "
                 "training=True)` before the loss.")
-        if symbolic:
+        if in_symbolic_scope():  # Keras traces the call for its output shapes only
             return self.loss(y_true, y_pred, sample_weight)
         owner = type(self).__name__
         replicas = distribute.replicas_to_gather(owner)

@@ -10,6 +10,7 @@ loss classes in :mod:`tfaploss.losses` are thin wrappers around these functions.
 from tfaploss.ops.blackbox import blackbox_ap, blackbox_ranks
 from tfaploss.ops.calibration import calibration_loss
 from tfaploss.ops.fastap import fastap
+from tfaploss.ops.hap import hap_per_query, hierarchy_levels, pop_relevance
 from tfaploss.ops.histogram import (
     histogram_ap,
     soft_bins_dense,
@@ -37,12 +38,15 @@ __all__ = [
     "blackbox_ranks",
     "calibration_loss",
     "fastap",
+    "hap_per_query",
+    "hierarchy_levels",
     "histogram_ap",
     "inverse_permutations",
     "label_masks",
     "pairwise_scores",
     "pnp_penalty",
     "pnp_per_query",
+    "pop_relevance",
     "positive_rank_terms",
     "safe_normalize",
     "sigmoid_tau",

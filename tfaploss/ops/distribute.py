@@ -1,19 +1,26 @@
-"""Ranking the global batch under ``tf.distribute``.
+"""Ranking the global batch on several devices: the one home of the gathering.
 
-A ranking loss is not a sum of per-sample losses: under a data-parallel strategy each
-replica holds a shard of the batch, and ranking each shard on its own gives another
-loss (none at all when no shard holds two items of one class). So
-:class:`tfaploss.losses.RetrievalLoss` all-gathers the embeddings, labels and sample
-weights of every replica and ranks the global batch on each of them (see its
-docstring). This module says when to gather and does it; the TensorFlow code runs only
-on the TensorFlow backend. On PyTorch the same entry points dispatch to
-:mod:`tfaploss.ops.distribute_torch` (an initialised ``torch.distributed`` process
-group of several ranks: each rank is a replica); JAX sees one batch per call and never
-gathers.
+A ranking loss is not a sum of per-sample losses: under data parallelism each replica
+holds a shard of the batch, and ranking each shard on its own gives another loss (none
+at all when no shard holds two items of one class). So a loss call on one of several
+replicas all-gathers every replica's labels, embeddings (with their gradient) and
+sample weights, ranks the global batch and returns this replica's share
+(:func:`global_batch_loss`): :class:`tfaploss.losses.RetrievalLoss`,
+:class:`tfaploss.losses.XBMLoss` and :class:`tfaploss.training.MultiStageModel` all go
+through this module.
 
-:func:`global_batch` marks code that already holds the global batch
-(:class:`tfaploss.training.MultiStageModel` gathers it itself), so that nothing is
-gathered twice.
+- TensorFlow: a replica context of ``MirroredStrategy`` or
+  ``MultiWorkerMirroredStrategy``; the shares sum to the one-device loss and so do
+  their gradients (the gather's backward sums the replicas' gradients of every row;
+  the optimizer sums the replicas' weight gradients).
+- PyTorch: an initialised ``torch.distributed`` process group of several ranks, each a
+  replica (:mod:`tfaploss.ops.distribute_torch`, DistributedDataParallel's averaged
+  gradients).
+- JAX sees one batch per call (Keras shards it under ``jit``) and never gathers.
+
+:func:`global_batch` marks code that already holds the global batch (``MultiStageModel``
+gathers it itself), so that nothing is gathered twice. ``docs/losses.md`` ("Several
+devices") states the contract for users.
 """
 
 from __future__ import annotations
@@ -97,6 +104,23 @@ def _supported_replicas(owner: str) -> int:
     return replicas
 
 
+def replica_id():
+    """This replica's index under a ``tf.distribute`` strategy with several replicas in
+    sync, as a Python int; None elsewhere (one replica, a cross-replica context, JAX,
+    PyTorch, where each process or trace is one replica). Keys state that one call of a
+    replica's step hands to the next (MirroredStrategy runs each replica in a thread of
+    its own)."""
+    if not on_tensorflow():
+        return None
+    import tensorflow as tf
+
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return None
+    replica = tf.get_static_value(context.replica_id_in_sync_group)
+    return None if replica is None else int(replica)
+
+
 def refuse_per_replica(owner: str, entry: str, shapes_only: bool = False) -> None:
     """Raise if ``entry`` (a loss entry point that does not gather) would rank each
     replica's shard of the batch on its own (``shapes_only``: see
@@ -178,3 +202,18 @@ def replica_share(loss, reduction: str, replicas: int, rows):
     if reduction == "sum":
         return loss / tf.cast(replicas, loss.dtype)
     return loss
+
+
+def global_batch_loss(reduced, labels, embeddings, sample_weight, reduction: str,
+                      replicas: int):
+    """``reduced(labels, embeddings, sample_weight)``, a loss reduced by ``reduction``, of
+    the global batch gathered from every replica's rows of this replica's ``labels``,
+    ``embeddings`` and ``sample_weight`` (None or one weight per row); returned as this
+    replica's share (:func:`replica_share`). Call where :func:`replicas_to_gather`
+    returned ``replicas`` > 1.
+    """
+    labels, embeddings, sample_weight, rows = gather_replicas(labels, embeddings,
+                                                              sample_weight)
+    with global_batch():
+        loss = reduced(labels, embeddings, sample_weight)
+    return replica_share(loss, reduction, replicas, rows)

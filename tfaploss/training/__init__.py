@@ -2,11 +2,14 @@
 the BatchNorm freezing that makes both exact, and batch-health metrics with a callback
 that warns when a run has collapsed or stalled."""
 
-from tfaploss.training.batch_norm import (
+# Re-exported from their homes (models.batch_norm, tfaploss.losses.xbm): the names
+# users train with, importable from the package that trains.
+from models.batch_norm import (
     FrozenBatchNormalization,
     freeze_batch_norm,
     has_training_batch_norm,
 )
+from tfaploss.losses.xbm import CrossBatchMemory
 from tfaploss.training.checks import (
     NondeterministicModelWarning,
     check_deterministic,
@@ -20,7 +23,6 @@ from tfaploss.training.health import (
     health_metrics,
 )
 from tfaploss.training.multistage import MultiStageModel
-from tfaploss.training.xbm import CrossBatchMemory
 
 __all__ = [
     "BatchHealthMetric",

@@ -47,9 +47,9 @@ from keras import ops, tree
 
 from tfaploss._keras_compat import unscale_loss_for_distribution  # private Keras API
 from tfaploss.losses.base import RetrievalLoss
+from tfaploss.losses.xbm import CrossBatchMemory
 from tfaploss.ops.distribute import global_batch
 from tfaploss.training.checks import check_deterministic, ghost_batch_norm_layers
-from tfaploss.training.xbm import CrossBatchMemory
 
 logger = logging.getLogger(__name__)
 
