@@ -17,6 +17,7 @@ help:
 	@echo "make demo   - set up .venv and run the end-to-end demo on bundled data"
 	@echo "make test   - set up .venv and run the test suite (TensorFlow, then the loss,"
 	@echo "              model and multi-stage tests again on JAX and on PyTorch)"
+	@echo "make test-fast - all but the tests marked slow, TensorFlow and JAX (minutes)"
 	@echo "make test-jax / make test-torch - only those tests, on JAX / PyTorch"
 	@echo "              (test-torch installs a CPU build of PyTorch into .venv first)"
 	@echo "make bench  - the performance suite, one summary table (long);"
@@ -60,17 +61,14 @@ install-torch: $(TORCH_STAMP)
 demo: $(STAMP)
 	$(BIN)/tfaploss demo
 
-# Tests that use no backend API: the main run checks them on TensorFlow, test-jax and
-# test-torch on the other Keras backends; `make test` runs all three (Keras fixes its
-# backend at import, so each backend gets its own process; --noconftest:
-# tests/conftest.py sets up TensorFlow devices, which these runs neither need nor
-# import). All of them run on PyTorch too, not a subset: ~30 s on 2 cores.
-BACKEND_TESTS := tests/backend_agnostic tests/test_models_backends.py \
-	tests/test_training_backends.py tests/test_training_simix.py
+# The tests mirror the package (tests/losses/, tests/pipelines/, ...). Keras fixes its
+# backend at import, so each backend gets its own process: the main run checks every test
+# on TensorFlow; test-jax and test-torch run these folders again on the other backends,
+# where tests/conftest.py deselects the tests marked `tensorflow` (TensorFlow APIs).
+BACKEND_TESTS := tests/losses tests/ops tests/models tests/training
 
-# The TensorFlow suite runs on 2 worker processes (pytest-xdist; 7 min instead of 10
-# on 2 cores): every test makes its own files under tmp_path and picks free ports.
-# PYTEST_WORKERS=0 runs it in one process.
+# The TensorFlow suite runs on 2 worker processes (pytest-xdist): every test makes its
+# own files under tmp_path and picks free ports. PYTEST_WORKERS=0 runs it in one process.
 PYTEST_WORKERS ?= 2
 
 test: $(STAMP) $(TORCH_STAMP)
@@ -78,19 +76,24 @@ test: $(STAMP) $(TORCH_STAMP)
 	$(MAKE) test-jax
 	$(MAKE) test-torch
 
+# Everything but the tests marked `slow` (end-to-end runs, killed and multi-process
+# jobs), on TensorFlow and JAX: the loop while editing.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
+	KERAS_BACKEND=jax $(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS) $(BACKEND_TESTS)
+
 # keras.distribution.DataParallel on 4 host devices: a process of its own, since the
 # device count is fixed when JAX starts.
 test-jax: $(STAMP)
-	KERAS_BACKEND=jax $(BIN)/python -m pytest --noconftest $(PYTEST_ARGS) $(BACKEND_TESTS)
+	KERAS_BACKEND=jax $(BIN)/python -m pytest $(PYTEST_ARGS) $(BACKEND_TESTS)
 	KERAS_BACKEND=jax XLA_FLAGS=--xla_force_host_platform_device_count=4 \
-		$(BIN)/python -m pytest --noconftest $(PYTEST_ARGS) tests/test_distribute_jax.py
+		$(BIN)/python -m pytest $(PYTEST_ARGS) tests/distribute/test_jax.py
 
 # torch.distributed (4 local gloo ranks forked from the test process): a process of its
-# own, so that the ranks fork from a fresh one; ~20 s on 2 cores.
+# own, so that the ranks fork from a fresh one.
 test-torch: $(TORCH_STAMP)
-	KERAS_BACKEND=torch $(BIN)/python -m pytest --noconftest $(PYTEST_ARGS) $(BACKEND_TESTS)
-	KERAS_BACKEND=torch $(BIN)/python -m pytest --noconftest $(PYTEST_ARGS) \
-		tests/test_distribute_torch.py
+	KERAS_BACKEND=torch $(BIN)/python -m pytest $(PYTEST_ARGS) $(BACKEND_TESTS)
+	KERAS_BACKEND=torch $(BIN)/python -m pytest $(PYTEST_ARGS) tests/distribute/test_torch.py
 
 # The performance suite (benchmarks/suite.py): every benchmark, one summary table.
 # QUICK=1 (or bench-quick): a few minutes on 2 cores; PREVIOUS=file: an earlier suite

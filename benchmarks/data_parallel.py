@@ -2,7 +2,7 @@
 
 ``keras.distribution.DataParallel`` hands the train step the global batch, sharded
 along the batch over the devices, and XLA inserts the communication, so a ranking loss
-ranks the global batch (``tests/test_distribute_jax.py`` pins that it equals one
+ranks the global batch (``tests/distribute/test_jax.py`` pins that it equals one
 device). This measures what it costs: an ``APLoss`` step of ``small_cnn`` (widths 64,
 128, 256; 32² images; 128-d) at ``--batch``, plain ``fit`` and ``MultiStageModel``
 (``--chunk`` rows per device per chunk), each with and without the distribution, in

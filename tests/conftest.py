@@ -1,9 +1,14 @@
-"""Shared test set-up.
+"""Shared test set-up, for every Keras backend.
 
-Two logical CPU devices are configured before TensorFlow initialises its devices, so
-that ``tf.distribute.MirroredStrategy`` tests can run with two replicas on a CPU-only
-machine. Golden numbers from the original implementations live in ``tests/goldens``
-(see its README).
+Keras fixes its backend at import, so each backend gets its own pytest process: ``make
+test`` runs everything on TensorFlow, then the folders that hold backend-agnostic tests
+again under ``KERAS_BACKEND=jax`` and ``torch``. There the tests marked ``tensorflow``
+(they use TensorFlow APIs) are deselected.
+
+On TensorFlow, two logical CPU devices are configured before TensorFlow initialises its
+devices, so that ``tf.distribute.MirroredStrategy`` tests can run with two replicas on a
+CPU-only machine. Golden numbers from the original implementations live in
+``tests/goldens`` (see its README).
 """
 
 import json
@@ -13,19 +18,32 @@ from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+ON_TENSORFLOW = os.environ["KERAS_BACKEND"] == "tensorflow"
 
 import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
-_cpus = tf.config.list_physical_devices("CPU")
-try:
-    tf.config.set_logical_device_configuration(
-        _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2
-    )
-except RuntimeError:
-    # Devices already initialised (e.g. a plugin touched them); tests that need two
-    # replicas check `len(tf.config.list_logical_devices("CPU"))` themselves.
-    pass
+if ON_TENSORFLOW:
+    import tensorflow as tf
+
+    _cpus = tf.config.list_physical_devices("CPU")
+    try:
+        tf.config.set_logical_device_configuration(
+            _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2
+        )
+    except RuntimeError:
+        # Devices already initialised (e.g. a plugin touched them); tests that need two
+        # replicas check `len(tf.config.list_logical_devices("CPU"))` themselves.
+        pass
+
+
+def pytest_collection_modifyitems(config, items):
+    if ON_TENSORFLOW:
+        return
+    kept = [item for item in items if item.get_closest_marker("tensorflow") is None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = kept
+
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GOLDENS_DIR = Path(__file__).resolve().parent / "goldens"
@@ -71,6 +89,8 @@ def two_replica_strategy():
     strategies in one process can hand the runtime two different collectives under one
     key ("Collective instance ... expected type"); sharing one strategy avoids that.
     """
+    import tensorflow as tf
+
     devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
     if len(devices) < 2:
         pytest.fail("tests/conftest.py should have configured two logical CPU devices")

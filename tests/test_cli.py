@@ -411,7 +411,7 @@ def test_class_chunks_smaller_than_m_are_refused_up_front(tmp_path, workspace):
     """Before: a warning, then an input pipeline waiting forever for its first batch.
     Checked on the config (check_data is what `train` runs first), so that a regression
     fails here instead of hanging."""
-    from tests.miniature import write_split_records
+    from tests.support.miniature import write_split_records
     from tfaploss.config import ConfigError, load_config
     from tfaploss.run import build as B
 

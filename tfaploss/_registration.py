@@ -30,7 +30,7 @@ on a small shared CPU machine with the plain variant built by calling
   instead of 1-2 s).
 - Loading works either way: ``import tfaploss`` then
   ``keras.saving.load_model`` in a fresh process restores a saved model and trainer
-  in both designs (``tests/test_saving.py``); ``import tfaploss`` alone takes 0.1-0.2 s
+  in both designs (``tests/test_registration.py``); ``import tfaploss`` alone takes 0.1-0.2 s
   with the hook, 10-17 s (TensorFlow's import) with plain imports.
 """
 

@@ -4,7 +4,7 @@
 (opcode floods, memo abuse, deep nesting), each with the phrase its refusal must hold
 (the bound it hits); :func:`shape_cases` and :func:`dtype_cases` give small arrays
 whose shape or element type must be refused before numpy sees them. The tests in
-``tests/test_safe_pickle.py`` refuse each, and ``tests/reliability/stress_pickles.py``
+``tests/pipelines/test_safe_pickle.py`` refuse each, and ``tests/reliability/stress_pickles.py``
 measures the worst time and peak memory over the 1 MiB set.
 """
 

@@ -649,7 +649,7 @@ def _check_loss_accepts(cls, kwargs: dict, path: str) -> None:
 
 # Loss arguments whose default is ``None`` ("automatic"/"random"): the default says
 # nothing about the type, so the type of a value set in a config is given here.
-# tests/test_config.py checks that every such argument of every loss is listed.
+# tests/config/test_schema.py checks that every such argument of every loss is listed.
 NONE_DEFAULT_LOSS_ARGS: dict[str, tuple[type, float | None]] = {
     # name: (type, smallest allowed value or None)
     "pairs_per_block": (int, 1),

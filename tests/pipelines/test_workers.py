@@ -1,0 +1,76 @@
+"""The image workers' part files and the shard writers that assemble them."""
+
+import os
+
+import pytest
+
+from pipelines import image_workers as W
+from pipelines import images as I
+from pipelines import shard_writers as S
+from pipelines import tf_example as X
+from tests.support import miniature as mini
+
+SETTINGS = {"max_side": 16, "jpeg_quality": 90, "min_side": 1, "max_pixels": 10**8}
+
+
+@pytest.fixture()
+def records(tmp_path):
+    """Three images (the middle one truncated) as work-list records."""
+    out = []
+    for i, kind in enumerate(["rgb", "corrupt", "exif"]):
+        path = str(tmp_path / f"img{i}.jpg")
+        mini.write_image(path, i + 1, kind)
+        out.append({"id": f"img{i}", "path": path, "relpath": f"img{i}.jpg", "label": i,
+                    "super_label": -1, "class_text": f"c{i}", "index": i})
+    return out
+
+
+def test_a_task_writes_its_records_where_it_says(records, tmp_path):
+    part = W.part_path(str(tmp_path), "train", records)
+    results = W.process_task([dict(r) for r in records], SETTINGS, str(tmp_path), part)
+    assert isinstance(results[1], dict) and results[1]["reason"] == I.TRUNCATED
+    with open(part, "rb") as f:
+        data = f.read()
+    ok = [results[0], results[2]]
+    assert ok[0][0] == 0 and ok[1][0] == ok[0][1] and ok[1][0] + ok[1][1] == len(data)
+    for record, (offset, length, jpeg_at, jpeg_length) in zip([records[0], records[2]], ok):
+        with open(record["path"], "rb") as f:
+            jpeg, h, w = I.process_image_bytes(f.read(), max_side=16)
+        assert data[offset:offset + length] == X.frame_record(
+            X.image_example(record, jpeg, h, w))
+        assert data[jpeg_at:jpeg_at + jpeg_length] == jpeg
+
+
+def test_no_part_file_when_every_image_fails(records, tmp_path):
+    part = W.part_path(str(tmp_path), "train", records[1:2])
+    results = W.process_task([dict(records[1])], SETTINGS, None, part)
+    assert results[0]["reason"] == I.TRUNCATED and not os.path.exists(part)
+
+
+def test_part_names_depend_on_the_ids_only(records, tmp_path):
+    assert W.part_path("p", "train", records) == W.part_path("p", "train", records)
+    assert W.part_path("p", "train", records) != W.part_path("p", "train", records[:2])
+    assert W.part_path("p", "train", records) != W.part_path("p", "test", records)
+
+
+def test_the_jpeg_is_found_even_behind_a_lookalike_prefix():
+    jpeg = b"\xff\xd8" + bytes(range(200)) * 2
+    framed = b"head" + jpeg[:64] + b"tail" + jpeg + b"end"
+    assert W._find(framed, jpeg) == 4 + 64 + 4
+
+
+def test_shard_writers_order_by_index_and_chunk_by_class(records, tmp_path):
+    part = W.part_path(str(tmp_path), "train", records)
+    results = W.process_task([dict(r) for r in records], SETTINGS, None, part)
+    ok = [(r, res) for r, res in zip(records, results) if not isinstance(res, dict)]
+    items = [(r["index"], r["id"], part, res[0], res[1]) for r, res in reversed(ok)]
+    out = tmp_path / "out"
+    assert S.write_image_shard(str(out / "images-00000-of-00001.tfrecord"), items) == 2
+    assert [e["image/index"][0] for e in mini.read_examples(str(out))] == [0, 2]
+    class_items = [(7, r["id"], 1, part, res[2], res[3]) for r, res in ok]
+    path = str(out / "by_class" / "classes-00000-of-00001.tfrecord")
+    assert S.write_class_shard(path, class_items, chunk_size=1) == 2
+    chunks = mini.read_examples(str(out), "by_class")
+    assert [(c["class/label"][0], c["class/chunk"][0], c["class/num_chunks"][0])
+            for c in chunks] == [(7, 0, 2), (7, 1, 2)]
+    assert [c["image/id"] for c in chunks] == [[b"img0"], [b"img2"]]
