@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import tfaploss
+from tfaploss.config import config_from_dict
 from tfaploss.run import build as B
-from tfaploss.config.schema import config_from_dict
 from tfaploss.training import MultiStageModel, health_metrics
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -263,7 +263,7 @@ def row_dir(args, row) -> Path:
 
 
 def cell_config(args, loss, batch, updates, lr, seed, run_dir):
-    from tfaploss.config.schema import config_from_dict
+    from tfaploss.config import config_from_dict
 
     cls, kwargs = LOSSES[loss]
     epochs = min(4, updates)
@@ -304,7 +304,7 @@ def _evaluate(args, row, split, path):
     """Add ``{split}_map@r`` and ``{split}_r@1`` of the cell's saved model to ``row``."""
     import keras
 
-    from tfaploss.config.schema import load_config
+    from tfaploss.config import load_config
     from tfaploss.run.trainer import evaluate_split
 
     run_dir = row_dir(args, row)

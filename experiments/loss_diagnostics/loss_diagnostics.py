@@ -64,7 +64,7 @@ def run(args, loss_name, bn, lr):
     import keras
     import tensorflow as tf
 
-    from tfaploss.config.schema import config_from_dict
+    from tfaploss.config import config_from_dict
     from tfaploss.run import build as B
     from tfaploss.training.health import cosine_stats
 

@@ -77,7 +77,7 @@ def main(argv=None):
     import keras
     import numpy as np
 
-    from tfaploss.config.schema import config_from_dict
+    from tfaploss.config import config_from_dict
     from tfaploss.run import build as B
 
     cfg = config_from_dict({

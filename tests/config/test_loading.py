@@ -15,7 +15,7 @@ from tfaploss.config import (
     loss_classes,
     loss_parameters,
 )
-from tfaploss.config.schema import NONE_DEFAULT_LOSS_ARGS
+from tfaploss.config.loss_section import NONE_DEFAULT_LOSS_ARGS
 from tfaploss.config.yaml_loader import YAMLLimitError, load_yaml_text
 
 

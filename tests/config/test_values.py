@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tfaploss.config import ConfigError, config_from_dict, load_config
-from tfaploss.config.schema import MAX_BATCH, MAX_SEED, Range
+from tfaploss.config.fields import MAX_BATCH, MAX_SEED, Range
 
 MINIMAL = {"loss": {"name": "APLoss"}}
 

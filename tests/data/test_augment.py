@@ -7,8 +7,8 @@ from PIL import Image
 
 import tfaploss.data as D
 from tests.support import miniature as mini
+from tfaploss.config import ConfigError, config_from_dict
 from tfaploss.run import build as B
-from tfaploss.config.schema import ConfigError, config_from_dict
 
 
 def _ramp(label, size):

@@ -47,7 +47,7 @@ def _raw(tmp: Path) -> dict:
 def runs(tmp_path_factory):
     """``(config file, unfinished run dir, finished run dir)``: the unfinished one
     stopped in epoch 3 after the checkpoint of epoch 2 (rows 1, 2; backup epoch 2)."""
-    from tfaploss.config.schema import config_from_dict
+    from tfaploss.config import config_from_dict
     from tfaploss.durable import faults
     from tfaploss.run.trainer import train
     from tfaploss.training.guards import NonFiniteTrainingError

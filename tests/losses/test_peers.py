@@ -257,7 +257,7 @@ def test_config_round_trip_keeps_every_argument(loss):
 
 @pytest.mark.tensorflow
 def test_the_losses_are_configurable_by_name():
-    from tfaploss.config.schema import loss_classes, loss_parameters
+    from tfaploss.config import loss_classes, loss_parameters
 
     classes = loss_classes()
     for name in ("MultiSimilarityLoss", "SupConLoss", "ProxyAnchorLoss"):
@@ -509,7 +509,7 @@ def test_train_runs_each_peer_on_the_digits(digits, loss):
 def test_train_builds_proxies_from_the_manifest_and_resumes_them(digits, monkeypatch):
     """A Proxy-Anchor run killed after its first checkpoint resumes with the proxies it
     had trained; the final model holds one proxy per training class."""
-    from tfaploss.config.schema import ConfigError
+    from tfaploss.config import ConfigError
     from tfaploss.durable import faults
     from tfaploss.durable.checkpoints import RunBackup
     from tfaploss.run import build

@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import pytest
 
-from tfaploss.config.schema import ConfigError, config_from_dict
+from tfaploss.config import ConfigError, config_from_dict
 from tfaploss.run.devices import plan_devices
 from tfaploss.run.trainer import initial_model, train
 

@@ -1,9 +1,8 @@
-"""Value and gradient of a loss on whichever Keras backend runs the tests.
+"""Value and gradient of a loss, and float64 models, on whichever Keras backend runs.
 
-The modules of this folder use no backend API themselves, so one file checks the
-losses on TensorFlow (``make test``), JAX (``KERAS_BACKEND=jax``, also in ``make
-test``) and PyTorch (``make test-torch``). Each backend's import stays inside the
-function that needs it.
+Keras fixes its backend at import, so the tests that use these helpers run once per
+backend process (see the Makefile's test-jax and test-torch). Nothing here imports
+TensorFlow; each backend's own import stays inside the function that needs it.
 """
 
 from __future__ import annotations

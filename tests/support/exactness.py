@@ -1,4 +1,4 @@
-"""Helpers shared by the ``test_training_*`` modules (this module holds no tests).
+"""The exactness model and batches shared by the multi-stage, XBM and loss tests (no tests here).
 
 The exactness model is the issue's: a small CNN with BatchNorm frozen, GeM pooling with
 trainable p, a Dense head (L2 weight-regularised) and L2 normalisation, on 8x8 images.

@@ -427,7 +427,7 @@ def test_tfaploss_train_stops_a_collapsed_run_and_records_why(tmp_path, capsys):
     and epochs.jsonl."""
     from PIL import Image
 
-    from tfaploss.config.schema import config_from_dict
+    from tfaploss.config import config_from_dict
     from tfaploss.run.trainer import train
 
     split = tmp_path / "train"
@@ -500,8 +500,7 @@ def test_the_config_defaults_are_the_monitors():
     ``tfaploss train`` stops."""
     import dataclasses
 
-    from tfaploss.config.health import HealthThresholds
-    from tfaploss.config.schema import HealthConfig
+    from tfaploss.config.health import HealthConfig, HealthThresholds
 
     monitor = TrainingHealthMonitor().thresholds
     config = HealthConfig()
@@ -712,7 +711,7 @@ def test_a_collapse_is_reported_once_not_again_as_a_stall():
 
 
 def test_tfaploss_train_passes_the_stall_settings_to_its_monitor():
-    from tfaploss.config.schema import config_from_dict
+    from tfaploss.config import config_from_dict
     from tfaploss.run.trainer import _health_monitor
 
     raw = {"data": {"train": "unused", "batch_size": 8, "m": 4},

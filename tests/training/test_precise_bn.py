@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from models.batch_norm import freeze_batch_norm
+from tfaploss.config import ConfigError, config_from_dict
 from tfaploss.run.build import estimate_batch_norm_statistics
-from tfaploss.config.schema import ConfigError, config_from_dict
 
 pytestmark = pytest.mark.tensorflow  # uses TensorFlow APIs: the TensorFlow run only
 

@@ -42,7 +42,7 @@ class ImageRunner:
         self.curve_images, self.eval_images = curve_images, eval_images
 
     def config(self, spec: RunSpec, run_dir: Path):
-        from tfaploss.config.schema import config_from_dict
+        from tfaploss.config.load import config_from_dict
 
         raw = self.cfg.to_dict()
         cls, _, _ = SEARCH_SPACES[spec.loss]

@@ -5,32 +5,35 @@ imports neither Keras nor TensorFlow; :mod:`tfaploss.run` carries it out
 (:mod:`tfaploss.run.build` turns a config into a model, a loss and an optimizer).
 """
 
-from tfaploss.config.health import HealthThresholds
+from tfaploss.config.consistency import ConfigWarning
+from tfaploss.config.fields import ConfigError
+from tfaploss.config.health import HealthConfig, HealthThresholds
+from tfaploss.config.load import (
+    apply_overrides,
+    config_from_dict,
+    config_notes,
+    load_config,
+    parse_override,
+    read_config_file,
+)
+from tfaploss.config.loss_section import (
+    LossConfig,
+    loss_class,
+    loss_classes,
+    loss_defaults,
+    loss_parameters,
+)
 from tfaploss.config.schema import (
     AugmentationConfig,
     Config,
-    ConfigError,
-    ConfigWarning,
     DataConfig,
     DistributeConfig,
     EvaluationConfig,
-    HealthConfig,
-    LossConfig,
     ModelConfig,
     OptimizerConfig,
     ScheduleConfig,
     TrainingConfig,
     XBMConfig,
-    apply_overrides,
-    config_from_dict,
-    config_notes,
-    load_config,
-    loss_class,
-    loss_classes,
-    loss_defaults,
-    loss_parameters,
-    parse_override,
-    read_config_file,
 )
 
 __all__ = [

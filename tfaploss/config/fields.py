@@ -1,6 +1,7 @@
-"""The building blocks of the schema's fields: the error a bad value raises and the
-range a numeric field allows. Kept apart from :mod:`tfaploss.config.schema` so that a
-section defined in its own module (:mod:`tfaploss.config.health`) uses the same
+"""The building blocks of the schema's fields: the error a bad value raises, the
+range a numeric field allows and the bounds that several sections share. Kept apart
+from :mod:`tfaploss.config.schema` so that a section defined in its own module
+(:mod:`tfaploss.config.health`, :mod:`tfaploss.config.loss_section`) uses the same
 ranges without importing the schema."""
 
 from __future__ import annotations
@@ -11,6 +12,11 @@ from dataclasses import dataclass, field
 
 class ConfigError(ValueError):
     """A run configuration that cannot be used as written; the message says what to fix."""
+
+
+MAX_BATCH = 2 ** 20
+MAX_SEED = 2 ** 31 - 1  # tf.random.set_seed and numpy's Generator both take it
+MAX_EPOCHS = 10 ** 6
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import math
 
+from tfaploss.config.fields import ConfigError
+from tfaploss.config.loss_section import loss_class
+from tfaploss.config.schema import Config
 from tfaploss.run.schedule import RecipeSchedule
-from tfaploss.config.schema import Config, ConfigError, loss_class
 
 
 def build_model(cfg: Config, input_shape=None, weights="config", calibrate=True):

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tfaploss.config.schema import Config, ConfigError, config_from_dict
+from tfaploss.config.fields import ConfigError
+from tfaploss.config.load import config_from_dict
+from tfaploss.config.schema import Config
 from tfaploss.durable import run_dir as files
 from tfaploss.durable.run_dir import RunState
 

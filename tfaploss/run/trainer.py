@@ -50,7 +50,9 @@ from pathlib import Path
 
 import yaml
 
-from tfaploss.config.schema import Config, ConfigError, config_from_dict
+from tfaploss.config.fields import ConfigError
+from tfaploss.config.load import config_from_dict
+from tfaploss.config.schema import Config
 from tfaploss.durable import atomic, faults, locks
 from tfaploss.durable import run_dir as D
 from tfaploss.durable.checkpoints import DamagedRunError, RunBackup
@@ -173,7 +175,7 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto",
 
     The run directory is checked first (:mod:`tfaploss.run.resume`): damage raises
     :class:`~tfaploss.durable.checkpoints.DamagedRunError` (naming the file; nothing is
-    changed), a run of another config :class:`~tfaploss.config.schema.ConfigError`, and
+    changed), a run of another config :class:`~tfaploss.config.ConfigError`, and
     another process training in it :class:`~tfaploss.durable.locks.LockHeldError`
     (naming it).
     ``restart=True`` starts over at epoch 1 whatever the directory holds: the previous
