@@ -172,6 +172,7 @@ def trained_run(workspace):
     return run_dir, runs
 
 
+@pytest.mark.slow
 def test_train_killed_anywhere_resumes_and_loses_at_most_one_epoch(trained_run):
     run_dir, runs = trained_run
     outputs = [r.stdout + r.stderr for r in runs]

@@ -94,6 +94,7 @@ def saved(tmp_path_factory):
     return {"expected": np.asarray(model(images)), "children": children}
 
 
+@pytest.mark.slow
 def test_plain_keras_load_after_import_tfaploss(saved):
     out = _result(saved["children"]["tfaploss"])
     assert "error" not in out, out.get("error")

@@ -150,6 +150,7 @@ def digit_splits(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_compare_quick_runs_resumes_and_writes_its_report(digit_splits, tmp_path, capsys):
     from tfaploss.cli import main
 

@@ -95,6 +95,7 @@ def test_no_shard_holds_a_positive_pair():
     assert float(APLoss()(y, embeddings)) > 0.1
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("multistage", [False, True], ids=["plain", "multistage"])
 @pytest.mark.parametrize("loss_name", list(LOSSES))
@@ -125,6 +126,7 @@ def _fit_proxy_anchor(multistage=False, strategy=None, sample_weight=None):
     return np.array(history.history["loss"]), model.get_weights()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("multistage", [False, True], ids=["plain", "multistage"])
 def test_replicas_give_the_proxy_anchor_steps_of_one_device(multistage, strategy):
     """Every replica scores the global batch against the same (mirrored) proxies, and
@@ -152,6 +154,7 @@ def _fit_xbm(strategy=None):
     return np.array(history.history["loss"]), model.get_weights(), xbm, model
 
 
+@pytest.mark.slow
 def test_replicas_give_the_xbm_steps_of_one_device(strategy):
     """Each replica ranks the global batch against the memory and enqueues it: the
     losses, the weights and the memory after each step are those of one device."""
@@ -171,6 +174,7 @@ def test_replicas_give_the_xbm_steps_of_one_device(strategy):
 
 
 # The mean reductions with weights: test_unequal_shards_... (loss and gradient).
+@pytest.mark.slow
 @pytest.mark.parametrize("reduction", ["sum"])
 def test_replicas_honour_sample_weight(reduction, strategy):
     weight = np.linspace(0.2, 2.0, BATCH).astype("float32")
@@ -185,6 +189,7 @@ def test_replicas_honour_sample_weight(reduction, strategy):
         np.testing.assert_allclose(w, e, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reduction", ["sum_over_batch_size", "mean_with_sample_weight",
                                        "sum", "none"])
 def test_unequal_shards_give_the_one_device_loss_and_gradient(reduction, strategy):

@@ -45,6 +45,7 @@ def _make(cls):
 CASES = [(mode, np.nan) for mode in MODES] + [(MODES[-1], np.inf), (MODES[-1], -np.inf)]
 
 
+@pytest.mark.slow
 @params
 @pytest.mark.parametrize("mode,bad", CASES, ids=[f"{m}-{b}" for m, b in CASES])
 def test_non_finite_embedding_gives_non_finite_loss(cls, mode, bad):
@@ -82,6 +83,7 @@ def test_label_count_mismatch_names_both_sizes(cls, n_labels, n_rows):
         cls().query_database_loss(labels, x, LABELS, _batch())
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="only TF graphs have unknown batch sizes")
 @params
 def test_label_count_mismatch_unknown_sizes_fails_at_run_time(cls):

@@ -87,6 +87,7 @@ def _value_and_grad(loss, labels, x):
     return value.numpy(), tape.gradient(value, xt).numpy()
 
 
+@pytest.mark.slow
 @params
 def test_compile_fit_two_epochs_then_save_and_reload(cls, tmp_path):
     keras.utils.set_random_seed(0)
@@ -128,6 +129,7 @@ def test_serialize_deserialize_round_trip(cls):
     np.testing.assert_allclose(again(labels, x).numpy(), det(labels, x).numpy(), rtol=1e-12)
 
 
+@pytest.mark.slow
 @params
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
 def test_tf_function_matches_eager(cls, jit_compile):

@@ -485,6 +485,7 @@ def _config(digits, run, loss, **model):
     return raw, config_from_dict(raw)
 
 
+@pytest.mark.slow
 @pytest.mark.tensorflow
 @pytest.mark.parametrize("loss", [
     {"name": "MultiSimilarityLoss", "epsilon": 0.1},
@@ -505,6 +506,7 @@ def test_train_runs_each_peer_on_the_digits(digits, loss):
     assert ("cluster_proxies" in names) == (loss["name"] == "HAPLoss")
 
 
+@pytest.mark.slow
 @pytest.mark.tensorflow
 def test_train_builds_proxies_from_the_manifest_and_resumes_them(digits, monkeypatch):
     """A Proxy-Anchor run killed after its first checkpoint resumes with the proxies it

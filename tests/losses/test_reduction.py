@@ -285,6 +285,7 @@ def _numerical_gradient(key, reduction, x):
     return _NUMERICAL[key, reduction]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("reduction", ["sum_over_batch_size", "mean_with_sample_weight",
                                        "sum"])

@@ -245,6 +245,7 @@ def test_memory_size_zero_is_the_plain_loss():
     assert history.history["loss"][0] == pytest.approx(plain_logs["loss"][0], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.tensorflow
 def test_multistage_step_adds_the_query_vs_memory_loss():
     images, labels = make_batch(24, seed=3)

@@ -53,6 +53,7 @@ def _serve(version_dir, data):
     return fn(image_bytes=tf.constant(data))["embedding"].numpy()
 
 
+@pytest.mark.slow
 def test_embed_tfrecords_matches_serving_signature(tmp_path, exported):
     colours = [(200, 30, 30), (30, 200, 30)]
     records = {f"img{i}": (i % 2, _jpeg(colours[i % 2], i)) for i in range(6)}
@@ -81,6 +82,7 @@ def test_embed_tfrecords_matches_serving_signature(tmp_path, exported):
         evaluate(want, labels, ks=(1,), verbose=0).metrics)
 
 
+@pytest.mark.slow
 def test_embed_image_folder_with_labels_and_too_many_failures(tmp_path, exported):
     root = tmp_path / "tree"
     for cls, colour in (("cat", (220, 200, 20)), ("dog", (20, 20, 220))):
@@ -115,6 +117,7 @@ def test_embed_command_line_help_and_bad_model(tmp_path, monkeypatch, capsys):
                        "--output", str(tmp_path / "o")]) == 2
 
 
+@pytest.mark.slow
 def test_embed_rerun_killed_midway_keeps_the_previous_output(tmp_path, exported):
     import hashlib
     import os

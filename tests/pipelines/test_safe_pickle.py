@@ -378,6 +378,7 @@ def test_total_work_attacks_are_refused_quickly(case):
     assert elapsed < 2.0, f"{case}: {elapsed:.2f} s"
 
 
+@pytest.mark.slow
 def test_total_work_attacks_use_bounded_memory():
     """Peak Python + numpy allocation of each 1 MiB attack (tracemalloc)."""
     peaks = {}

@@ -103,6 +103,7 @@ class _OwnKeys:
         return Strategy(devices)
 
 
+@pytest.mark.slow
 def test_a_run_over_two_devices_trains_and_records_its_devices(records, capsys,
                                                                monkeypatch):
     """The whole ``train`` path under MirroredStrategy: the health metrics (sync-on-read

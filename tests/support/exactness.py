@@ -1,6 +1,6 @@
-"""The exactness model and batches shared by the multi-stage, XBM and loss tests (no tests here).
+"""The exactness model and batches that the multi-stage, XBM and loss tests share.
 
-The exactness model is the issue's: a small CNN with BatchNorm frozen, GeM pooling with
+The exactness model: a small CNN with BatchNorm frozen, GeM pooling with
 trainable p, a Dense head (L2 weight-regularised) and L2 normalisation, on 8x8 images.
 """
 

@@ -421,6 +421,7 @@ def test_monitor_arguments_are_checked():
         BatchHealthMetric("cosine")
 
 
+@pytest.mark.slow
 def test_tfaploss_train_stops_a_collapsed_run_and_records_why(tmp_path, capsys):
     """`tfaploss train` compiles the metrics and runs the monitor: flat grey images
     embed to one point; the run is warned about, stopped, and says so in summary.json

@@ -97,6 +97,7 @@ def plain_reference(initial, images, labels, loss=None, optimizer=None, batch_si
     return weights_of(model), logs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_size", [1, 5, BATCH, None])
 def test_multistage_step_equals_plain_step_float64(chunk_size):
     images, labels = make_float64_batch()
@@ -115,6 +116,7 @@ def test_multistage_step_equals_plain_step_float64(chunk_size):
     assert int(to_numpy(wrapper.optimizer.iterations)) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_name", ["APLoss", "FastAPLoss", "SmoothAPLoss",
                                        "MultiSimilarityLoss", "SupConLoss"])
 def test_multistage_step_with_the_library_losses_float64(loss_name):
@@ -136,6 +138,7 @@ def test_multistage_step_with_the_library_losses_float64(loss_name):
     assert logs["loss"][0] == pytest.approx(plain_logs["loss"][0], rel=1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_size", [5, None])
 def test_proxy_anchor_proxies_get_the_exact_gradient_through_the_stages(chunk_size):
     """Proxy-Anchor's proxies (a layer of the model, read by the loss in stage 2): one
@@ -175,6 +178,7 @@ class ChunkedForward(keras.Model):
         return keras.ops.concatenate(parts, axis=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_size", [4, 5])
 def test_batch_statistics_batch_norm_gives_the_exact_ghost_batch_norm_step(chunk_size):
     """BatchNorm with batch statistics (a network trained from scratch): stage 1 and
@@ -236,6 +240,7 @@ def test_three_batches_with_a_schedule_count_batches_not_chunks():
     assert_weights_equal(weights_of(model), expected)
 
 
+@pytest.mark.slow
 def test_cross_batch_memory_step_equals_plain_step_with_that_memory():
     images, labels = make_float64_batch(2 * BATCH, seed=3)
     first, second = slice(0, BATCH), slice(BATCH, 2 * BATCH)
@@ -352,6 +357,7 @@ def multistage_fit(initial, loss, images, labels, batch_size=BATCH_TF, jit_compi
     return wrapper, model.get_weights(), history.history
 
 
+@pytest.mark.slow
 @pytest.mark.tensorflow
 @pytest.mark.parametrize("loss_name", list(LOSSES))
 @pytest.mark.parametrize("chunk_size", [1, 3, BATCH_TF])
@@ -399,6 +405,7 @@ def test_single_pass_step_equals_plain_step():
     assert_weights_close(updated, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.tensorflow
 def test_jit_compile_with_batch_not_divisible_by_chunk():
     initial, expected, _ = reference("fastap")
@@ -418,6 +425,7 @@ def mixed_float16():
         keras.config.set_dtype_policy(previous)
 
 
+@pytest.mark.slow
 @pytest.mark.tensorflow
 @pytest.mark.parametrize("loss_name", list(LOSSES))
 def test_mixed_precision_step_equals_plain_step(loss_name, mixed_float16):
@@ -442,6 +450,7 @@ def test_mixed_precision_step_equals_plain_step(loss_name, mixed_float16):
     assert_weights_close(updated, expected, rtol=1e-2, atol=2e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.tensorflow
 @pytest.mark.parametrize("loss_name", ["ap", "fastap"])
 def test_two_replicas_give_the_update_of_one_replica(loss_name, two_replica_strategy):

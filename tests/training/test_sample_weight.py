@@ -59,6 +59,7 @@ def test_weighted_multistage_step_equals_weighted_plain_step(chunk_size, reducti
     assert logs["loss"][0] == pytest.approx(plain_logs["loss"][0], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reduction", ["sum_over_batch_size", "sum"])
 def test_two_replicas_with_sample_weight_give_the_update_of_one(reduction,
                                                                  two_replica_strategy):

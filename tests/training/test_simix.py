@@ -95,6 +95,7 @@ def two_reference_steps():
             "second": second, "expected": expected, "stale": stale}
 
 
+@pytest.mark.slow
 def test_reference_steps_use_new_coefficients(two_reference_steps):
     ref = two_reference_steps
     assert ref["first"].shape == (12,)  # 4 groups of 3: 3 pairs each
@@ -104,6 +105,7 @@ def test_reference_steps_use_new_coefficients(two_reference_steps):
     assert max_abs_diff(ref["initial"], ref["expected"]) > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_size", [0, 5, None])
 def test_two_steps_draw_new_coefficients(two_reference_steps, chunk_size):
     """``fit`` (chunk_size 0) and MultiStageModel (chunks of 5; one chunk) over two steps
