@@ -1,5 +1,5 @@
 """A model.keras written the way `tfaploss train` writes it loads in plain Keras after
-one `import tfaploss` (issue 14, item 3), checked in fresh processes."""
+one `import tfaploss`, checked in fresh processes."""
 
 import inspect
 import json
@@ -101,7 +101,7 @@ def test_plain_keras_load_after_import_tfaploss(saved):
     np.testing.assert_allclose(out["model"], saved["expected"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(out["trainer"], saved["expected"], rtol=1e-5, atol=1e-6)
     assert out["classes"] == ["MultiStageModel", "LRMultiplierOptimizer", "ROADMAPLoss"]
-    # The classes issue 14 found unloadable are among those that came back.
+    # The classes that once failed to load are among those that came back.
     assert {"ImageNetNormalization", "FrozenBatchNormalization", "GeM",
             "L2Normalize"} <= set(out["layers"])
 

@@ -1,4 +1,4 @@
-"""The horizontal flip is its own option (issue 14, item 5): off when asked, on by
+"""The horizontal flip is its own option: off when asked, on by
 default after random_resized_crop (the papers' recipes), never silently."""
 
 import numpy as np

@@ -149,7 +149,7 @@ def test_triplet_and_contrastive_match_tf_addons_definitions(mining):
 
 
 def test_other_backends_never_import_tensorflow():
-    """On JAX and PyTorch the losses and ops are keras.ops only (issue 13)."""
+    """On JAX and PyTorch the losses and ops are keras.ops only."""
     import sys
 
     from tests.support.backend import BACKEND
