@@ -113,6 +113,7 @@ def float64_policy():
         keras.config.set_dtype_policy(policy)
 
 
+@keras.saving.register_keras_serializable(package="tfaploss_tests")
 class SoftNeighbourLoss(keras.losses.Loss):
     """Soft nearest-neighbour (NCA-style) ranking loss, written with keras.ops only.
 
