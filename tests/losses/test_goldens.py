@@ -7,6 +7,8 @@ their input are matched by ``normalize=False`` whole and by ``normalize=True`` i
 tangential part; those that re-normalise (calibration, FastAP of PML) whole.
 """
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -149,12 +151,24 @@ def test_triplet_and_contrastive_match_tf_addons_definitions(mining):
 
 
 def test_other_backends_never_import_tensorflow():
-    """On JAX and PyTorch the losses and ops are keras.ops only."""
+    """On JAX and PyTorch the losses and ops are keras.ops only: a fresh process (this one
+    also holds the TensorFlow-only test modules) computes every golden case's value and
+    gradient, and TensorFlow is imported exactly when it is the backend."""
+    import subprocess
     import sys
 
     from tests.support.backend import BACKEND
 
-    x, y = _inputs("B")
-    for make, _ in CASES.values():
-        loss_value_and_grad(make(), y, x)
-    assert ("tensorflow" in sys.modules) == (BACKEND == "tensorflow")
+    code = (
+        "import sys\n"
+        "from tests.losses.test_goldens import CASES, _inputs\n"
+        "from tests.support.backend import loss_value_and_grad\n"
+        "x, y = _inputs('B')\n"
+        "for make, _ in CASES.values():\n"
+        "    loss_value_and_grad(make(), y, x)\n"
+        "print('tensorflow' in sys.modules)\n")
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                            text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == str(BACKEND == "tensorflow")
