@@ -9,7 +9,6 @@ time of this (loaded) machine.
 
 import importlib.util
 import json
-import math
 import os
 import re
 import sys
@@ -26,6 +25,21 @@ from tfaploss.evaluation.tuner import measure_recall, search_report, tune_search
 needs_faiss = pytest.mark.skipif(importlib.util.find_spec("faiss") is None,
                                  reason='faiss is not installed (pip install "tfaploss[faiss]")')
 INSTALL = re.escape('pip install "tfaploss[faiss]"')
+
+
+@pytest.fixture(autouse=True)
+def _one_faiss_thread():
+    """faiss's OpenMP threads spin while they wait: on a shared machine one thread runs
+    these small searches several times faster, and no result depends on it."""
+    if importlib.util.find_spec("faiss") is None:
+        yield
+        return
+    import faiss
+
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    yield
+    faiss.omp_set_num_threads(before)
 
 
 def _clustered(seed, n, d=32, clusters=40, spread=0.5, centres_seed=123):
@@ -80,7 +94,7 @@ def test_approximate_kinds_recall_is_measured(kind, params, floor):
     assert np.all(np.diff(scores, axis=1) <= 0)
     report = search_report(s, db, 10, queries=q, sample_size=300)
     assert report["backend"] == "faiss" and not report["tuned"]
-    assert report["setting"].startswith("faiss") and 0 < report["recall"] <= 1
+    assert report["setting"].startswith(("IVF", "HNSW")) and 0 < report["recall"] <= 1
 
 
 @needs_faiss
@@ -95,22 +109,25 @@ def test_every_list_probed_is_exact():
 
 
 @needs_faiss
-def test_tuned_faiss_reaches_the_target_on_fresh_queries():
+def test_tuned_faiss_reaches_the_target_on_fresh_queries(tmp_path):
     db, _ = _clustered(0, 4000)
     target = 0.9
     s = build_searcher(db, "faiss", target_recall=target, k=10, speed="model")
     info = s.tuning
     assert isinstance(s, FaissSearcher) and not info["fell_back"]
-    assert info["backend"] == "faiss" and info["setting"].startswith("faiss")
+    assert info["backend"] == "faiss" and info["setting"].startswith(("IVF", "HNSW"))
     assert info["recall_ci"][0] >= target and info["speedup"] > 1
-    assert all(t["setting"].startswith("faiss") for t in info["tried"])
-    # Fresh queries of the same distribution, never seen by the tuner.
+    assert all(t["params"]["kind"] in ("ivf_flat", "ivf_pq", "hnsw") for t in info["tried"])
+    # Fresh queries of the same distribution, never seen by the tuner (the sample is
+    # database points). The acceptance rule (the lower end of the sample's 95 % interval
+    # at the target) leaves the headroom that sampling needs: 0.967 here.
     fresh, _ = _clustered(7, 1000)
     got = measure_recall(s, db, 10, queries=fresh)
-    # Tolerance as for ScaNN (test_tuner.py): two 1,000-query estimates of one recall
-    # differ by sampling alone by up to 1.96 standard errors of their difference.
-    margin = 1.96 * math.sqrt(2 * target * (1 - target) / 1000)
-    assert got["recall"] >= target - margin, (got, info["setting"])
+    assert got["recall"] >= target, (got, info["setting"])
+    # The tuned searcher is saved and restored whole.
+    restored = load_searcher(s.serialize(str(tmp_path / "tuned")))
+    assert restored.params == s.params
+    np.testing.assert_array_equal(restored.search(fresh, 10)[0], s.search(fresh, 10)[0])
 
 
 @needs_faiss
@@ -152,14 +169,6 @@ def test_save_and_load_give_identical_results(tmp_path, kind):
         got = restored.search(q, 10, exclude=exclude)
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
-
-
-@needs_faiss
-def test_tuned_searcher_round_trips(tmp_path):
-    db, _ = _clustered(0, 4000)
-    s = build_searcher(db, "faiss", target_recall=0.9, k=10, speed="model")
-    restored = load_searcher(s.serialize(str(tmp_path / "tuned")))
-    np.testing.assert_array_equal(restored.search(db[:50], 10)[0], s.search(db[:50], 10)[0])
 
 
 @needs_faiss

@@ -9,7 +9,8 @@ so inner product is cosine similarity):
   float32 scores;
 * ``kind="ivf_pq"``: the same lists holding 4-bit fast-scan PQ codes of ``d / 2``
   sub-quantizers (the code size of ScaNN's AH at 2 dimensions per block), then the
-  best ``k_factor * k`` candidates re-scored exactly (``RFlat``);
+  best ``k_factor * k`` candidates re-scored exactly (``RFlat``, which keeps a float32
+  copy of the database beside the codes);
 * ``kind="hnsw"``: a graph of ``hnsw_m`` links per point, searched with a beam of
   ``ef_search``.
 
@@ -37,7 +38,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from tfaploss.evaluation.searchers import Searcher, _as_matrix, _unit_rows
+from tfaploss.evaluation.searchers import Searcher, _as_matrix
 
 LOG = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ def faiss_params(num_database: int, dim: int, kind: str = "ivf_flat") -> dict[st
     * ``hnsw_m`` = 32 and ``ef_construction`` = 40 (faiss's default: a larger one costs
       minutes at 1M points on 2 cores), ``ef_search`` = 64 (4 times faiss's default of
       16, which is sized for k = 1);
+    * ``spherical`` = True: unit-norm list centres, faiss's own default for inner
+      product;
     * ``training_sample_size`` = 50 points per list, at least 10,000 (the 4-bit PQ
       codebooks want 16 x 39 points; the k-means' cost grows with the sample).
     """
@@ -85,7 +88,7 @@ def faiss_params(num_database: int, dim: int, kind: str = "ivf_flat") -> dict[st
     if kind in ("ivf_flat", "ivf_pq"):
         nlist = max(1, min(round(4 * math.sqrt(n)), n // _MIN_POINTS_PER_LIST))
         params.update(nlist=nlist, nprobe=min(nlist, max(8, math.ceil(nlist / 16))),
-                      training_sample_size=min(n, max(50 * nlist, 10_000)))
+                      training_sample_size=min(n, max(50 * nlist, 10_000)), spherical=True)
     if kind == "ivf_pq":
         params["k_factor"] = 10
     if kind == "hnsw":
@@ -111,8 +114,9 @@ class FaissSearcher(Searcher):
       database: (N, D) embeddings (L2-normalised: scores are inner products).
       kind: ``"flat"`` (default, exact), ``"ivf_flat"``, ``"ivf_pq"`` or ``"hnsw"``.
       nlist, nprobe, training_sample_size, spherical: IVF lists, lists scanned per
-        query, k-means training points, spherical k-means (``None``: when every row
-        has norm 1, as for ScaNN's tree: raw centres favour tight clusters).
+        query, k-means training points, spherical k-means (default ``True``, faiss's
+        own for inner product: raw centres favour tight clusters, see
+        ``docs/search.md``).
       k_factor: IVF-PQ: candidates re-scored exactly, as a multiple of k.
       hnsw_m, ef_construction, ef_search: HNSW links per point, build beam, search
         beam (faiss widens it to k when k is larger).
@@ -158,8 +162,6 @@ class FaissSearcher(Searcher):
                              f"{list(self._KIND_KEYS[kind]) or 'none'}.")
         params = faiss_params(self.size, self.dim, kind)
         params.update({k: v for k, v in given.items() if v is not None})
-        if kind in ("ivf_flat", "ivf_pq") and params.get("spherical") is None:
-            params["spherical"] = _unit_rows(database)
         self.params = self._checked(params)
         if kind == "ivf_pq" and self.dim % 2:
             raise ValueError(f"kind='ivf_pq' codes pairs of dimensions; the database has "
@@ -285,13 +287,13 @@ class FaissSearcher(Searcher):
         """The setting in words, as the tuner's reports write it."""
         p = self.params
         if self.kind == "flat":
-            return "faiss flat (exact)"
+            return "flat (exact)"
         if self.kind == "hnsw":
-            return f"faiss HNSW{p['hnsw_m']}, efSearch {p['ef_search']}"
+            return f"HNSW{p['hnsw_m']}, efSearch {p['ef_search']}"
         lists = f"{p['nprobe']}/{p['nlist']} lists"
         if self.kind == "ivf_flat":
-            return f"faiss IVF-Flat, {lists}"
-        return f"faiss IVF-PQ {self.dim // 2}x4 fast-scan, {lists}, re-rank {p['k_factor']} k"
+            return f"IVF-Flat, {lists}"
+        return f"IVF-PQ {self.dim // 2}x4 fast-scan, {lists}, re-rank {p['k_factor']} k"
 
     def _search(self, queries, k):
         if self.num_threads:
@@ -363,11 +365,11 @@ class FaissSetting:
 
     def describe(self) -> str:
         if self.kind == "hnsw":
-            return f"faiss HNSW{self.hnsw_m}, efSearch {self.ef_search}"
+            return f"HNSW{self.hnsw_m}, efSearch {self.ef_search}"
         lists = f"{self.nprobe}/{self.nlist} lists"
         if self.kind == "ivf_flat":
-            return f"faiss IVF-Flat, {lists}"
-        return f"faiss IVF-PQ 4-bit, {lists}, re-rank {self.k_factor} k"
+            return f"IVF-Flat, {lists}"
+        return f"IVF-PQ 4-bit, {lists}, re-rank {self.k_factor} k"
 
 
 def faiss_cost(setting: FaissSetting | None, n: int, d: int, k: int = 10) -> float:
