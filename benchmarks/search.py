@@ -16,10 +16,11 @@ Every figure is printed beside the floor it cannot beat, measured in the same ru
    then measured on the 1,000 *test* queries, which no tuner saw (both drawn from the
    database's distribution, apart from it). One acceptance rule for all: the fastest
    setting whose tuning recall has its 95 % Wilson lower bound at or above the target.
-   ScaNN by ``tfaploss.evaluation.tuner``, run once for the highest target
+   ScaNN and our faiss backend (``FaissSearcher``: IVF-Flat, IVF-PQ, HNSW) by
+   ``tfaploss.evaluation.tuner``, each run once for the highest target
    (``max_seconds=--tune_seconds``); a lower target takes the fastest of its trials
    that meets it (the trials go cheapest first, so they hold those settings); the
-   tuning time is ScaNN's build time; faiss-cpu IVF-Flat, IVF-PQ (4-bit fast-scan,
+   tuning time is the build time; faiss-cpu's own IVF-Flat, IVF-PQ (4-bit fast-scan,
    d/2 sub-quantizers, exact re-ranking: ScaNN's AH + reorder in faiss) and HNSW32 by
    a sweep of their search
    parameters (``nprobe``, ``k_factor``, ``efSearch``), which is what faiss's
@@ -63,6 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import harness
 
 from tfaploss.evaluation.exact_search import available_threads
+from tfaploss.evaluation.faiss_search import FaissSearcher, FaissSetting
 from tfaploss.evaluation.searchers import ExactSearcher, ScannSearcher
 
 CLUSTERS = 2000
@@ -215,6 +217,8 @@ def bench_ann(table, label, db, queries, tune_queries, exact, args):
         print("  faiss-cpu not installed (pip install -e '.[bench]'): skipped", flush=True)
         return
     faiss.omp_set_num_threads(available_threads())
+    bench_tuned(table, label, db, queries, tune_queries, reference, exact_qps, targets, args,
+                backend="faiss")
     tune_truth = exact.search(tune_queries, k)[0]
     for name, build_index, grid in faiss_peers(faiss, db):
         t0 = time.perf_counter()
@@ -353,33 +357,39 @@ def bench_metrics(table, args, rng):
 
 
 def bench_tuned(table, label, db, queries, tune_queries, reference, exact_qps, targets,
-                args):
-    """ScaNN tuned by ``tfaploss.evaluation.tuner`` on the tuning queries, measured on
-    the fresh ``queries``: one tuning run for the highest target, whose trials (cheapest
-    first) hold the settings of the lower ones: for each target, the fastest setting
-    tried whose recall's lower bound reaches it (the tuner's own rule)."""
+                args, backend="scann"):
+    """ScaNN (or our faiss backend) tuned by ``tfaploss.evaluation.tuner`` on the tuning
+    queries, measured on the fresh ``queries``: one tuning run for the highest target
+    (what ``build_searcher(db, backend, target_recall=max(targets))`` runs), whose
+    trials (cheapest first) hold the settings of the lower ones: for each target, the
+    fastest setting tried whose recall's lower bound reaches it (the tuner's own rule)."""
     from tfaploss.evaluation.tuner import Setting, tune_searcher
+
+    def rebuild(params):
+        if backend == "faiss":
+            return FaissSearcher(db, **FaissSetting(**params).searcher_params())
+        return ScannSearcher(db, mode="ah", num_neighbors=args.ann_k,
+                             **Setting(**params).searcher_params())
 
     t0 = time.perf_counter()
     _, info = tune_searcher(db, max(targets), k=args.ann_k, queries=tune_queries,
-                            max_seconds=args.tune_seconds)
+                            max_seconds=args.tune_seconds, backend=backend)
     tuning = time.perf_counter() - t0
     for target in targets:
         met = [e for e in info["tried"] if e["recall_ci"][0] >= target and e["speedup"] > 1]
         if not met:
-            table.add("ann", label, f"scann tuned to recall {target:g}: exact (fell back)",
+            table.add("ann", label, f"{backend} tuned to recall {target:g}: exact (fell back)",
                       exact_qps, "q/s", exact_qps, "exact q/s", recall=1.0,
                       build_s=round(tuning, 1),
                       setting=f"{info['settings_tried']} tried, {info['stopped']}",
                       target=target)
             continue
         entry = max(met, key=lambda e: e["speedup"])
-        searcher = ScannSearcher(db, mode="ah", num_neighbors=args.ann_k,
-                                 **Setting(**entry["params"]).searcher_params())
+        searcher = rebuild(entry["params"])
         idx, t = timed_search(searcher.search, queries, args.ann_k, args.repeats)
         got = recall(idx, reference)
         flag = "" if got >= target else " (fresh recall below target)"
-        table.add("ann", label, f"scann tuned to recall {target:g}{flag}", len(queries) / t,
+        table.add("ann", label, f"{backend} tuned to recall {target:g}{flag}", len(queries) / t,
                   "q/s", exact_qps, "exact q/s", recall=round(got, 4),
                   build_s=round(tuning, 1),
                   setting=f"{entry['setting']} ({info['settings_tried']} tried)",
@@ -388,7 +398,8 @@ def bench_tuned(table, label, db, queries, tune_queries, reference, exact_qps, t
 
 
 def _peer(what):
-    for prefix, name in (("scann tuned", "ScaNN tuned"), ("faiss HNSW", "faiss HNSW32")):
+    for prefix, name in (("scann tuned", "ScaNN tuned"), ("faiss tuned", "faiss tuned"),
+                         ("faiss HNSW", "faiss HNSW32")):
         if what.startswith(prefix):
             return name
     if what.startswith("faiss IVF"):
@@ -399,8 +410,10 @@ def _peer(what):
 def ann_table(rows) -> str:
     """The README's approximate-search table: per data set and target recall@10, each
     searcher's q/s on the fresh queries (× exact search), its recall there and build
-    time; in bold the fastest searcher that reached the target faster than exact search."""
-    peers = ["ScaNN tuned", "faiss IVF-Flat", "faiss IVF-PQ", "faiss HNSW32"]
+    time; in bold the fastest searcher that reached the target faster than exact search.
+    "faiss tuned" is this library's faiss backend, tuned as ScaNN is; the other faiss
+    columns are faiss's own indexes swept on the tuning queries."""
+    peers = ["ScaNN tuned", "faiss tuned", "faiss IVF-Flat", "faiss IVF-PQ", "faiss HNSW32"]
     lines = ["| data | target | exact q/s | " + " | ".join(peers) + " |",
              "|---|---|---|" + "---|" * len(peers)]
     for label in dict.fromkeys(r["data"] for r in rows if r["section"] == "ann"):
@@ -430,7 +443,7 @@ def ann_table(rows) -> str:
         if defaults:
             lines.append(f"| {label} | ScaNN defaults | | {defaults['value']:,.0f} "
                          f"({defaults['ratio']:.1f}×), recall {defaults['recall']:.3f}, "
-                         f"{defaults['build_s']:.0f} s | | | |")
+                         f"{defaults['build_s']:.0f} s |" + " |" * (len(peers) - 1))
     return "\n".join(lines)
 
 

@@ -158,11 +158,13 @@ def _add_evaluate(sub):
                         "that converts it) or gldv2")
     p.add_argument("--ks", default=None, help="comma-separated cut-offs, e.g. 1,10,100 "
                                               "(default: the protocol's)")
-    p.add_argument("--backend", default=None, choices=("exact", "scann", "scann_ah"),
+    p.add_argument("--backend", default=None, choices=("exact", "scann", "scann_ah", "faiss"),
                    help="search backend (default exact, or the config's; scann_ah: "
-                        "approximate, for large databases)")
+                        "approximate, for large databases; faiss: flat, or tuned with "
+                        "--target-recall)")
     p.add_argument("--target-recall", type=_target_recall, default=None, metavar="R",
-                   help="tune ScaNN to reach recall@k >= R in (0, 1] against exact search "
+                   help="tune ScaNN (faiss with --backend faiss) to reach recall@k >= R in "
+                        "(0, 1] against exact search "
                         "(k: the largest cut-off), measured on a sample of the queries; "
                         "exact search when no setting beats it (default: the config's "
                         "evaluation.target_recall, else none: search with --backend as is)")
@@ -466,8 +468,8 @@ def cmd_evaluate(args) -> int:
           + (f", queries {args.query}" + (f" ({n_q} images)" if n_q else "")
              if args.query else ", each image queries all the others"))
     print(f"  protocol       {args.protocol}, "
-          + (f"ScaNN search tuned to recall >= {target_recall:g} (exact when no setting "
-             "beats it)" if target_recall is not None else f"{backend} search")
+          + (f"{'faiss' if backend == 'faiss' else 'ScaNN'} search tuned to recall >= "
+             f"{target_recall:g} (exact when no setting beats it)" if target_recall is not None else f"{backend} search")
           + (f", ks {','.join(map(str, ks))}" if ks else ""))
     print(f"  preprocessing  {describe_preprocessing(size)}", flush=True)
 

@@ -147,7 +147,7 @@ def test_wrong_type_names_key_and_expected_type(raw, key, expected):
      "'m_per_class', 'hierarchical', 'all_classes'"),
     ({"optimizer": {"schedule": "cosin"}}, "optimizer.schedule.name",
      "'constant', 'linear', 'cosine', 'step'"),
-    ({"evaluation": {"backend": "faiss"}}, "evaluation.backend", "'exact', 'scann'"),
+    ({"evaluation": {"backend": "annoy"}}, "evaluation.backend", "'exact', 'scann'"),
 ])
 def test_wrong_enum_value_lists_allowed_values(raw, key, allowed):
     message = _error({**MINIMAL, **raw})

@@ -50,7 +50,7 @@ Sampler = Literal["m_per_class", "hierarchical", "all_classes"]
 Crop = Literal["random_resized_crop", "center_crop"]
 OptimizerName = Literal["adam", "adamw", "sgd"]
 ScheduleName = Literal["constant", "linear", "cosine", "step"]
-Backend = Literal["exact", "scann", "scann_ah"]
+Backend = Literal["exact", "scann", "scann_ah", "faiss"]
 Strategy = Literal["auto", "none", "data_parallel"]
 
 # Which schedule takes which parameter; any other parameter set on a schedule is an error.
@@ -259,8 +259,8 @@ class EvaluationConfig:
     if ``at_end``). ``max_images``: evaluate on at most this many test images during
     training (the final evaluation uses all of them). ``target_recall``: ``null``
     (default) searches with ``backend`` as is (exact search by default); a value in
-    (0, 1] tunes ScaNN to reach that recall@k against exact search on a sample of the
-    queries, or falls back to exact search when no setting beats it (the report says
+    (0, 1] tunes ScaNN (faiss when ``backend`` is ``faiss``) to reach that recall@k
+    against exact search on a sample of the queries, or falls back to exact search when no setting beats it (the report says
     which, with the recall measured).
     """
 

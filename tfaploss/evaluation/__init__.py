@@ -1,4 +1,4 @@
-"""Retrieval evaluation: searchers (exact / ScaNN), the metrics the papers report,
+"""Retrieval evaluation: searchers (exact / ScaNN / faiss), the metrics the papers report,
 revisited Oxford/Paris, query expansion and whitening, ``evaluate`` and figures.
 
 Public API::
@@ -11,12 +11,14 @@ Public API::
     embed_dataset(model, dataset)   # the one embedding loop (evaluate's and training's)
     build_searcher(database, backend) / load_searcher(directory)
     build_searcher(database, target_recall=0.95, k=10)   # ScaNN tuned (tuner.py)
+    build_searcher(database, "faiss", target_recall=0.95, k=10)   # faiss tuned
 
-ScaNN, matplotlib and Keras are imported only by the functions that need them.
+ScaNN, faiss, matplotlib and Keras are imported only by the functions that need them.
 """
 
 from tfaploss.evaluation.embed import embed_dataset
 from tfaploss.evaluation.evaluator import EvaluationResult, evaluate, load_embeddings
+from tfaploss.evaluation.faiss_search import FaissSearcher, faiss_params
 from tfaploss.evaluation.metrics import gldv2_map_at_k, hierarchical_metrics, retrieval_metrics
 from tfaploss.evaluation.query_expansion import PCAWhitening, alpha_query_expansion
 from tfaploss.evaluation.revisited import (
@@ -42,9 +44,9 @@ from tfaploss.evaluation.tuner import (
 )
 
 __all__ = [
-    "BACKENDS", "EvaluationResult", "ExactSearcher", "PCAWhitening", "ScannSearcher",
-    "Searcher", "alpha_query_expansion", "build_searcher", "embed_dataset", "evaluate",
-    "gldv2_map_at_k", "hierarchical_metrics",
+    "BACKENDS", "EvaluationResult", "ExactSearcher", "FaissSearcher", "PCAWhitening",
+    "ScannSearcher", "Searcher", "alpha_query_expansion", "build_searcher", "embed_dataset",
+    "evaluate", "faiss_params", "gldv2_map_at_k", "hierarchical_metrics",
     "load_embeddings", "load_revisited_gnd", "load_searcher", "measure_recall",
     "retrieval_metrics", "revisited_map", "revisited_map_from_ranks",
     "revisited_per_query_ap", "scann_ah_params", "search_report", "trapezoid_ap",

@@ -205,7 +205,7 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
       gnd: revisited ground truth (list of dicts or a file path) or, for ``gldv2``,
         per-query lists of relevant database indices.
       ks: cut-offs; default per protocol.
-      backend: ``"exact"``, ``"scann"`` or ``"scann_ah"``.
+      backend: ``"exact"``, ``"scann"``, ``"scann_ah"`` or ``"faiss"``.
       target_recall: ``None`` (default): search with ``backend`` as is. A value in
         (0, 1]: tune ScaNN to reach this recall@k (k: the largest cut-off) against
         exact search, on a sample of the queries (see
@@ -358,7 +358,7 @@ def _evaluate_revisited(q, db, gnd, ks, backend, depth, output_dir, figures, fig
         lower = False
         for p in RPROTOCOLS:
             r = revisited_map_from_ranks(ranks, gnd, protocol=p, ks=ks, database_size=len(db))
-            lower = lower or r.pop("lower_bound") or searcher.backend == "scann_ah"
+            lower = lower or r.pop("lower_bound") or searcher.approximate
             metrics.update({f"{p}/{k}": v for k, v in r.items()})
         details.update(depth=depth, lower_bound=lower, backend=searcher.backend,
                        search=search_report(searcher, db, max(ks), q))

@@ -241,8 +241,9 @@ def retrieval_metrics(query_embeddings, query_labels, db_embeddings=None, db_lab
         database and each query's own index is removed from its ranking.
       ks: cut-offs for ``recall@K``.
       backend: ``"exact"`` (blocked products; every positive is ranked among all
-        scores, no sort of the whole ranking), ``"scann"`` (ScaNN brute force) or
-        ``"scann_ah"`` (ScaNN tree + AH + reorder). Ignored when ``searcher`` is given.
+        scores, no sort of the whole ranking), ``"scann"`` (ScaNN brute force),
+        ``"scann_ah"`` (ScaNN tree + AH + reorder) or ``"faiss"`` (faiss, flat unless
+        ``searcher_kwargs`` name another kind). Ignored when ``searcher`` is given.
       map_depth: length of the ranking the metrics read. Default: the full ranking
         for ``"exact"``; ``max(max(ks), max R_q, 1000)`` (capped at the database
         size) for the ScaNN backends. ``map`` is a lower bound whenever the depth is

@@ -1,6 +1,6 @@
 """Nearest-neighbour search backends for retrieval evaluation.
 
-Three backends share one small interface (:class:`Searcher`):
+The backends share one small interface (:class:`Searcher`):
 
 * ``"exact"`` -- :class:`ExactSearcher`: inner products by matrix multiplication and
   a top-k, blocked over queries *and* database so that a 1M x 512 database never
@@ -12,9 +12,11 @@ Three backends share one small interface (:class:`Searcher`):
   tree + anisotropic asymmetric hashing + exact re-ordering, the fast default for
   large databases. Its parameters are chosen from the database size
   (:func:`scann_ah_params`) and every one can be overridden.
+* ``"faiss"`` -- :class:`tfaploss.evaluation.faiss_search.FaissSearcher`: faiss's
+  flat, IVF-Flat, IVF-PQ and HNSW indexes, on a GPU where faiss-gpu sees one.
 
 :func:`tfaploss.evaluation.tuner.build_searcher` picks one of them by name, or tunes
-ScaNN to a target recall.
+ScaNN or faiss to a target recall.
 
 Scores are inner products (cosine similarity for L2-normalised embeddings), higher is
 better. Every backend returns, per query, the ``k`` best database indices sorted by
@@ -42,6 +44,7 @@ import numpy as np
 
 _METADATA_FILE = "searcher.json"
 _FORMAT_VERSION = 1
+_LOADERS: dict[str, type] = {}  # saved backend name -> the Searcher class that loads it
 
 
 def _as_matrix(x, name: str) -> np.ndarray:
@@ -94,8 +97,19 @@ class Searcher:
     """
 
     backend: str = "base"
+    # False when every search returns the exact top-k (reports then need no lower bound).
+    approximate: bool = False
+    # The backend names in saved metadata that this class restores (see load_searcher).
+    _restores: ClassVar[tuple[str, ...]] = ()
     # True when _search already returns rows sorted by (score desc, index asc).
     _returns_tie_order: bool = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # A registry rather than an import of each backend here: the faiss module
+        # imports this one, so load_searcher cannot import it back.
+        for name in cls.__dict__.get("_restores", ()):
+            _LOADERS[name] = cls
 
     def __init__(self, database):
         database = _as_matrix(database, "database")
@@ -204,6 +218,7 @@ class ExactSearcher(Searcher):
     """
 
     backend = "exact"
+    _restores = ("exact",)
     _returns_tie_order = True  # both engines order ties by index (see _tf_chunk_topk)
     _DEFAULT_CHUNKS: ClassVar[dict[str, tuple[int, int]]] = {
         "numpy": (128, 8192), "tensorflow": (1024, 65536)}
@@ -378,6 +393,7 @@ class ScannSearcher(Searcher):
     """
 
     backend = "scann"
+    _restores = ("scann", "scann_ah")
     _AH_KEYS = ("num_leaves", "num_leaves_to_search", "dimensions_per_block",
                 "anisotropic_quantization_threshold", "reorder_num_neighbors",
                 "training_sample_size", "tree_training_sample_size", "leaf_scoring",
@@ -401,6 +417,7 @@ class ScannSearcher(Searcher):
         self.num_neighbors = int(num_neighbors)
         self.num_threads = int(num_threads)
         self.backend = "scann" if mode == "brute_force" else "scann_ah"
+        self.approximate = mode == "ah"
         if _searcher is not None:  # restored by load_searcher
             self._searcher, self.size, self.dim, self.params = _searcher
             return
@@ -540,7 +557,7 @@ class ScannSearcher(Searcher):
         return obj
 
 
-BACKENDS = ("exact", "scann", "scann_ah")
+BACKENDS = ("exact", "scann", "scann_ah", "faiss")
 
 
 def load_searcher(directory: str) -> Searcher:
@@ -553,8 +570,9 @@ def load_searcher(directory: str) -> Searcher:
     if meta.get("format_version") != _FORMAT_VERSION:
         raise ValueError(f"unsupported searcher format_version {meta.get('format_version')!r}.")
     backend = meta.get("backend")
-    if backend == "exact":
-        return ExactSearcher._load(directory, meta)
-    if backend in ("scann", "scann_ah"):
-        return ScannSearcher._load(directory, meta)
-    raise ValueError(f"unknown backend {backend!r} in {path}.")
+    # Every backend's module is imported by the package's __init__, so each has
+    # registered its class here before any load.
+    cls = _LOADERS.get(backend)
+    if cls is None:
+        raise ValueError(f"unknown backend {backend!r} in {path}.")
+    return cls._load(directory, meta)

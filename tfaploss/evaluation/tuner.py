@@ -1,4 +1,5 @@
-"""Tune ScaNN to a target recall on the user's own data, and measure the recall reached.
+"""Tune ScaNN or faiss to a target recall on the user's own data, and measure the recall
+reached.
 
 ScaNN's default parameters give recall@10 0.98 on clustered data, 0.8 on data with
 more spread and 0.4 on random vectors: a user who turns approximate search on cannot
@@ -9,12 +10,14 @@ know which of these they got. :func:`tune_searcher` asks for a recall instead:
    excluded from its own results (by index, as in self-retrieval).
 2. **Truth.** Their exact top-``k`` comes from :class:`ExactSearcher` (timed: the
    exact q/s every setting must beat).
-3. **Search.** It walks a small space of ScaNN settings (:func:`candidate_settings`)
-   in order of a cost model (:func:`estimated_cost`, cheapest first): partitions
-   (``num_leaves``: none, about sqrt(N) or 2 sqrt(N)), leaves searched (1, 2, 4 or 8
-   leaves, and 1/64 .. 1/2 of them), scoring inside the leaves (4-bit AH with 2 or 1
-   dimensions per block, anisotropic threshold 0.2 or off, or exact float32 brute
-   force), and the exact
+3. **Search.** It walks a small space of one backend's settings (its
+   :class:`SearchSpace`; faiss's IVF lists, lists probed, PQ re-ranking and HNSW beam
+   are in :mod:`tfaploss.evaluation.faiss_search`, with IVF-Flat over the same lists
+   as the probe). ScaNN's (:func:`candidate_settings`), in order of a cost model
+   (:func:`estimated_cost`, cheapest first): partitions (``num_leaves``: none, about
+   sqrt(N) or 2 sqrt(N)), leaves searched (1, 2, 4 or 8 leaves, and 1/64 .. 1/2 of
+   them), scoring inside the leaves (4-bit AH with 2 or 1 dimensions per block,
+   anisotropic threshold 0.2 or off, or exact float32 brute force), and the exact
    re-order size (2k, 4k, 10k). Settings the cost model already puts at or above exact
    search are never tried, and a setting is skipped when a setting that finds at least
    every neighbour it can find already missed the target (brute force over as many
@@ -52,9 +55,9 @@ query is found whole. The neighbours of one query are not independent, so poolin
 k neighbours of all queries as k Q trials would be too narrow; we do not.
 
 :func:`build_searcher` is the one place that decides how a backend and a target recall
-combine: with a target, whatever the backend, ScaNN is tuned (exact search has recall 1,
-so asking for a recall asks for approximate search); without one, the backend is built
-as named.
+combine: with a target, faiss is tuned for ``"faiss"`` and ScaNN for any other backend
+(exact search has recall 1, so asking for a recall asks for approximate search); without
+one, the backend is built as named.
 
 The tuned searcher carries its report as ``searcher.tuning`` (a JSON-able dict), and
 :func:`search_report` gives the same description for any searcher (exact: recall 1 by
@@ -69,10 +72,11 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from tfaploss.evaluation.faiss_search import FaissSearcher, FaissSpace
 from tfaploss.evaluation.searchers import (
     BACKENDS,
     ExactSearcher,
@@ -83,8 +87,8 @@ from tfaploss.evaluation.searchers import (
 
 LOG = logging.getLogger(__name__)
 
-__all__ = ["CI_METHOD", "Setting", "build_searcher", "candidate_settings", "estimated_cost",
-           "measure_recall", "recall_per_query", "search_report", "tune_searcher",
+__all__ = ["CI_METHOD", "SPACES", "SearchSpace", "Setting", "build_searcher",
+           "candidate_settings", "estimated_cost", "measure_recall", "recall_per_query", "search_report", "tune_searcher",
            "wilson_interval"]
 
 CI_METHOD = ("95% Wilson score interval over the sample queries (per-query recall@k as one "
@@ -195,6 +199,71 @@ def _dominates(a: Setting, b: Setting) -> bool:
             and a.reorder_num_neighbors >= b.reorder_num_neighbors)
 
 
+class SearchSpace(Protocol):
+    """What the tuner needs from a backend: settings in order of cost, and how to build.
+
+    A setting is a frozen dataclass with ``build_key`` (settings sharing it share one
+    built index) and ``describe()``.
+    """
+
+    name: str  # the backend, as the tuner's log lines name it
+
+    def check(self) -> None:
+        """Raise before any work when the backend cannot run (e.g. not installed)."""
+
+    def candidates(self, n: int, d: int, k: int) -> list:
+        """Every setting for an (n, d) database and top-``k``, cheapest first."""
+
+    def cost(self, setting, n: int, d: int, k: int) -> float:
+        """Cost of a query in multiply-adds of exact search (``None``: exact)."""
+
+    def dominates(self, a, b) -> bool:
+        """True when ``a`` finds at least every neighbour ``b`` finds."""
+
+    def probe(self, setting):
+        """A cheap setting whose miss rules ``setting`` out, or ``None``."""
+
+    def build(self, database, setting, k: int, num_threads: int) -> Searcher:
+        """A new searcher with ``setting``."""
+
+    def configure(self, searcher: Searcher, setting) -> None:
+        """Give a built searcher the search-time parameters of ``setting``."""
+
+
+class ScannSpace:
+    """ScaNN's plan: :func:`candidate_settings`, :func:`estimated_cost`, brute force
+    over the same leaves as the probe of an AH setting."""
+
+    name = "ScaNN"
+
+    def check(self) -> None:
+        pass  # ScaNN's import fails where the first searcher is built
+
+    def candidates(self, n, d, k):
+        return candidate_settings(n, d, k)
+
+    def cost(self, setting, n, d, k):
+        return estimated_cost(setting, n, d)
+
+    def dominates(self, a, b):
+        return _dominates(a, b)
+
+    def probe(self, setting):
+        if setting.num_leaves and setting.leaf_scoring == "ah":
+            return Setting(setting.num_leaves, setting.leaves_to_search, "brute_force")
+        return None
+
+    def build(self, database, setting, k, num_threads):
+        return ScannSearcher(database, mode="ah", num_neighbors=k, num_threads=num_threads,
+                             **setting.searcher_params())
+
+    def configure(self, searcher, setting):
+        searcher.params.update(setting.searcher_params())
+
+
+SPACES: dict[str, SearchSpace] = {"scann": ScannSpace(), "faiss": FaissSpace()}
+
+
 def wilson_interval(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
     """Wilson score interval of a success rate ``p`` observed over ``n`` trials."""
     if n <= 0:
@@ -250,6 +319,8 @@ def measure_recall(searcher: Searcher, database, k: int, queries=None,
 
 
 def _describe_params(searcher: Searcher) -> str:
+    if isinstance(searcher, FaissSearcher):
+        return searcher.describe()
     if isinstance(searcher, ScannSearcher) and searcher.mode == "ah":
         p = searcher.params
         leaves = p.get("num_leaves")
@@ -290,9 +361,10 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
                   sample_size: int = 1000, max_settings: int = 40, max_seconds: float = 120.0,
                   patience: int = 2, speed: str = "measure",
                   timer: Callable[[], float] = time.perf_counter, num_threads: int = 0,
-                  seed: int = 0) -> tuple[Searcher, dict[str, Any]]:
-    """The fastest ScaNN searcher whose recall@k on a sample reaches ``target_recall``,
-    or the exact searcher when none beats exact search (see the module doc).
+                  seed: int = 0, backend: str = "scann") -> tuple[Searcher, dict[str, Any]]:
+    """The fastest ScaNN (or faiss) searcher whose recall@k on a sample reaches
+    ``target_recall``, or the exact searcher when none beats exact search (see the
+    module doc).
 
     Args:
       database: (N, D) embeddings.
@@ -306,8 +378,9 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
       speed: ``"measure"`` (wall time of a search of the sample, via ``timer``) or
         ``"model"`` (the deterministic cost model of :func:`estimated_cost`).
       timer: the clock of ``speed="measure"`` and of ``max_seconds``.
-      num_threads: ScaNN threads (0: ScaNN's default).
+      num_threads: ScaNN or faiss threads (0: the library's default).
       seed: the sample's seed.
+      backend: ``"scann"`` or ``"faiss"``: whose settings are searched (:data:`SPACES`).
 
     Returns:
       ``(searcher, info)``; ``info`` is also ``searcher.tuning``.
@@ -317,6 +390,9 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
         raise ValueError(f"`target_recall` must be in (0, 1]; received {target_recall!r}.")
     if speed not in ("measure", "model"):
         raise ValueError(f"`speed` must be 'measure' or 'model'; received {speed!r}.")
+    if backend not in SPACES:
+        raise ValueError(f"`backend` must be one of {tuple(SPACES)}; received {backend!r}.")
+    space = SPACES[backend]
     for name, v in (("sample_size", sample_size), ("max_settings", max_settings)):
         if not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"`{name}` must be a positive integer; received {v!r}.")
@@ -325,6 +401,7 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
     q = None if queries is None else _as_matrix(queries, "queries")
     if q is None and n < 2:
         raise ValueError("tuning on database points needs at least 2 of them.")
+    space.check()
     start = timer()
     sample, exclude, what = _sample(database, q, sample_size, seed)
     exact = ExactSearcher(database)
@@ -337,16 +414,18 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
         t_exact = estimated_cost(None, n, d) * _MODEL_UNIT_SECONDS * len(sample)
     exact_qps = len(sample) / t_exact
     exact_units = estimated_cost(None, n, d)
-    LOG.info("tuning ScaNN for recall@%d >= %g on %d sample queries (%s); exact search: "
-             "%.0f q/s", k, target_recall, len(sample), what, exact_qps)
+    LOG.info("tuning %s for recall@%d >= %g on %d sample queries (%s); exact search: "
+             "%.0f q/s", space.name, k, target_recall, len(sample), what, exact_qps)
 
-    candidates = [s for s in candidate_settings(n, d, k)
-                  if estimated_cost(s, n, d) < exact_units]
-    built: dict[Any, ScannSearcher] = {}
-    failed: list[Setting] = []
-    done: set[Setting] = set()
+    def cost(setting) -> float:
+        return space.cost(setting, n, d, k)
+
+    candidates = [s for s in space.candidates(n, d, k) if cost(s) < exact_units]
+    built: dict[Any, Searcher] = {}
+    failed: list = []
+    done: set = set()
     tried: list[dict[str, Any]] = []
-    best: tuple[float, Setting, dict[str, Any]] | None = None
+    best: tuple[float, Any, dict[str, Any]] | None = None
     best_cost = math.inf  # the lowest estimated cost of a setting that met the target
 
     def bound_reached() -> str | None:
@@ -356,15 +435,14 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
             return f"max_seconds ({max_seconds:g} s)"
         return None
 
-    def trial(setting: Setting) -> None:
+    def trial(setting) -> None:
         nonlocal best, best_cost
         done.add(setting)
         searcher = built.pop(setting.build_key, None)
         if searcher is None:
-            searcher = ScannSearcher(database, mode="ah", num_neighbors=k,
-                                     num_threads=num_threads, **setting.searcher_params())
+            searcher = space.build(database, setting, k, num_threads)
         else:
-            searcher.params.update(setting.searcher_params())
+            space.configure(searcher, setting)
         built[setting.build_key] = searcher  # most recently used last
         keep = None if best is None else best[1].build_key
         for key in [key for key in built if key not in (keep, setting.build_key)]:
@@ -377,7 +455,7 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
             _, t2 = _timed(timer, lambda: searcher.search(sample, k, exclude=exclude))
             t = min(t, t2)
         else:
-            t = estimated_cost(setting, n, d) * _MODEL_UNIT_SECONDS * len(sample)
+            t = cost(setting) * _MODEL_UNIT_SECONDS * len(sample)
         qps = len(sample) / t
         # The lower end of the interval, not the mean: a setting accepted on its mean
         # lands below the target on fresh queries about half the time.
@@ -385,13 +463,13 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
         entry = {"setting": setting.describe(), "params": asdict(setting),
                  "recall": recall, "recall_ci": ci,
                  "qps": qps, "speedup": qps / exact_qps, "met": met,
-                 "estimated_cost": estimated_cost(setting, n, d) / exact_units}
+                 "estimated_cost": cost(setting) / exact_units}
         tried.append(entry)
         LOG.info("  [%d] %s: recall@%d %.4f (95%% CI %.4f-%.4f), %.0f q/s (%.2fx exact)%s",
                  len(tried), entry["setting"], k, recall, ci[0], ci[1], qps,
                  qps / exact_qps, " <- reaches the target" if met else "")
         if met:
-            best_cost = min(best_cost, estimated_cost(setting, n, d))
+            best_cost = min(best_cost, cost(setting))
             if best is None or qps > best[0]:
                 best = (qps, setting, entry)
         elif recall < target_recall:
@@ -400,9 +478,9 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
     stopped = "search space exhausted"
     after_success = 0
     for setting in candidates:
-        if setting in done or any(_dominates(f, setting) for f in failed):
+        if setting in done or any(space.dominates(f, setting) for f in failed):
             continue
-        if best is not None and estimated_cost(setting, n, d) >= best_cost:
+        if best is not None and cost(setting) >= best_cost:
             # Nothing left is expected to be cheaper than what met the target.
             if speed == "model" or after_success >= patience:
                 stopped = "target met"
@@ -412,14 +490,13 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
         if reached:
             stopped = reached
             break
-        # Probe: brute force over the same leaves bounds the recall of every AH setting
-        # searching as many leaves or fewer; when it misses, they are all skipped.
-        probe = (Setting(setting.num_leaves, setting.leaves_to_search, "brute_force")
-                 if setting.num_leaves and setting.leaf_scoring == "ah" else None)
-        if probe is not None and probe not in done \
-                and estimated_cost(probe, n, d) < exact_units:
+        # Probe: a cheap setting that bounds this one's recall (ScaNN: brute force over
+        # the same leaves, which bounds every AH setting searching as many leaves or
+        # fewer); when it misses, they are all skipped.
+        probe = space.probe(setting)
+        if probe is not None and probe not in done and cost(probe) < exact_units:
             trial(probe)
-            if any(_dominates(f, setting) for f in failed):
+            if any(space.dominates(f, setting) for f in failed):
                 continue
             reached = bound_reached()
             if reached:
@@ -439,7 +516,7 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
         "tried": tried,
     }
     if best is None:
-        reason = (f"no ScaNN setting reached recall@{k} >= {target_recall:g} faster than "
+        reason = (f"no {space.name} setting reached recall@{k} >= {target_recall:g} faster than "
                   f"exact search ({len(tried)} tried, stopped: {stopped})")
         LOG.warning("tuning: %s; using exact search", reason)
         info.update(backend="exact", setting="exact", params={}, recall=1.0,
@@ -449,7 +526,7 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
         return exact, info
     qps, setting, entry = best
     searcher = built[setting.build_key]
-    searcher.params.update(setting.searcher_params())
+    space.configure(searcher, setting)
     built.clear()
     info.update(backend=searcher.backend, setting=setting.describe(),
                 params=asdict(setting), recall=entry["recall"], recall_ci=entry["recall_ci"],
@@ -465,15 +542,17 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
 
 def build_searcher(database, backend: str = "exact", *, target_recall: float | None = None,
                    k: int | None = None, queries=None, **kwargs) -> Searcher:
-    """The searcher of an evaluation: ``backend`` as named, or ScaNN tuned to a recall.
+    """The searcher of an evaluation: ``backend`` as named, or tuned to a recall.
 
     Args:
       database: (N, D) embeddings.
-      backend: ``"exact"``, ``"scann"`` (ScaNN brute force) or ``"scann_ah"`` (tree +
-        AH + reorder); see :mod:`tfaploss.evaluation.searchers`.
+      backend: ``"exact"``, ``"scann"`` (ScaNN brute force), ``"scann_ah"`` (tree +
+        AH + reorder) or ``"faiss"`` (:class:`FaissSearcher`, flat by default); see
+        :mod:`tfaploss.evaluation.searchers`.
       target_recall: ``None``: build ``backend`` with ``kwargs``. A value in (0, 1]:
-        tune ScaNN instead, whatever ``backend`` names (with ``"exact"`` too: exact
-        search has recall 1, so a target asks for approximate search). The result is
+        tune faiss for ``"faiss"``, else ScaNN, whatever ``backend`` names (with
+        ``"exact"`` too: exact search has recall 1, so a target asks for approximate
+        search). The result is
         the fastest setting whose recall@``k`` on a sample of ``queries`` reaches the
         target, or the exact searcher when none beats exact search; ``kwargs`` then go
         to :func:`tune_searcher`, and the searcher carries its report as
@@ -485,13 +564,15 @@ def build_searcher(database, backend: str = "exact", *, target_recall: float | N
     Example::
 
         searcher = build_searcher(embeddings, target_recall=0.95, k=10)
+        searcher = build_searcher(embeddings, "faiss", target_recall=0.95, k=10)
         indices, scores = searcher.search(queries, 10)
     """
     if backend not in BACKENDS:
         raise ValueError(f"`backend` must be one of {BACKENDS}; received {backend!r}.")
     if target_recall is not None:
         searcher, _ = tune_searcher(database, target_recall, 10 if k is None else k,
-                                    queries, **kwargs)
+                                    queries, backend="faiss" if backend == "faiss" else "scann",
+                                    **kwargs)
         return searcher
     if k is not None or queries is not None:
         raise ValueError("`k` and `queries` of build_searcher only apply with `target_recall`.")
@@ -499,4 +580,6 @@ def build_searcher(database, backend: str = "exact", *, target_recall: float | N
         return ExactSearcher(database, **kwargs)
     if backend == "scann":
         return ScannSearcher(database, mode="brute_force", **kwargs)
+    if backend == "faiss":
+        return FaissSearcher(database, **kwargs)
     return ScannSearcher(database, mode="ah", **kwargs)
