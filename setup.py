@@ -14,7 +14,14 @@ BEAM = ["apache-beam[tfrecord]>=2.60", "google-crc32c>=1.5", "fonttools>=4.40"]
 # The jobs on a Dask cluster (--runner apache_beam.runners.dask.dask_runner.DaskRunner):
 # Beam's own dask and distributed requirements.
 DASK = ["apache-beam[dask]>=2.60"]
-SCANN = ["scann==1.4.2; platform_system == 'Linux'"]
+# scann 1.4.2 loads TensorFlow ops built for 2.20 (`import scann` fails on 2.21): the one
+# place tfaploss pins TensorFlow's minor.
+SCANN = ["scann==1.4.2; platform_system == 'Linux'", "tensorflow>=2.20,<2.21"]
+# faiss: exact and approximate search on every platform (faiss-gpu users install it).
+FAISS = ["faiss-cpu>=1.8"]
+# keras-hub: pretrained backbones (model.backbone: keras_hub:<preset>). It requires
+# tensorflow-text, whose release follows TensorFlow's minor.
+HUB = ["keras-hub>=0.20"]
 TFDS = ["tensorflow-datasets>=4.9", "importlib_resources"]
 VIZ = ["matplotlib>=3.7"]
 DEMO = ["scikit-learn>=1.3"]
@@ -23,14 +30,15 @@ TEST = ["pytest>=8", "pytest-xdist>=3", "import-linter>=2.1"]
 # tfaploss compare: Optuna's TPE sampler tunes every loss alike.
 COMPARE = ["optuna>=3.6"]
 # benchmarks/: faiss beside ScaNN (search.py), the PyTorch peers of the losses (losses.py).
-BENCH = ["faiss-cpu>=1.8", "torch", "pytorch-metric-learning>=2.9"]
+BENCH = FAISS + ["torch", "pytorch-metric-learning>=2.9"]
 
 setup(
     name="tfaploss",
     version="0.1.0",
     description=(
         "Train image-retrieval embeddings in Keras 3 by directly optimising "
-        "Average Precision (histogram AP, FastAP, Smooth-AP, ROADMAP, PNP)."
+        "Average Precision: the AP losses of the literature and their peers, large "
+        "batches, Beam pipelines, search and serving."
     ),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
@@ -40,8 +48,8 @@ setup(
                                     "pipelines", "pipelines.*"]),
     include_package_data=True,
     install_requires=[
-        # scann 1.4.2 loads TF ops built for 2.20; `import scann` fails on 2.21.
-        "tensorflow>=2.20,<2.21",
+        # The TensorFlow minors the suite runs on: 2.20 (with ScaNN) and 2.21 (without).
+        "tensorflow>=2.20,<2.22",
         # The minors tested (tests/test_keras_compat.py and the multi-backend tests on
         # TensorFlow, JAX and PyTorch): 3.14 and 3.15. Not 3.13 or older: the smooth-rank
         # kernels use keras.ops.scatter_update(..., reduction="add"), new in 3.14.
@@ -58,13 +66,16 @@ setup(
         "beam": BEAM,
         "dask": BEAM + DASK,
         "scann": SCANN,
+        "faiss": FAISS,
+        "hub": HUB,
         "tfds": TFDS,
         "viz": VIZ,
         "compare": COMPARE + VIZ,
         "bench": BENCH,
-        "demo": DEMO + BEAM + SCANN + VIZ,
-        "all": BEAM + SCANN + TFDS + VIZ + DEMO + COMPARE + ["jax[cpu]"],
-        "dev": BEAM + DASK + SCANN + TFDS + VIZ + DEMO + COMPARE + TEST + ["ruff", "jax[cpu]"],
+        "demo": DEMO + BEAM + VIZ,
+        "all": BEAM + SCANN + FAISS + HUB + TFDS + VIZ + DEMO + COMPARE + ["jax[cpu]"],
+        "dev": (BEAM + DASK + SCANN + FAISS + HUB + TFDS + VIZ + DEMO + COMPARE + TEST
+                + ["ruff", "jax[cpu]"]),
     },
     entry_points={"console_scripts": ["tfaploss=tfaploss.cli:main"]},
     classifiers=[
