@@ -21,7 +21,7 @@ SCANN = ["scann==1.4.2; platform_system == 'Linux'", "tensorflow>=2.20,<2.21"]
 FAISS = ["faiss-cpu>=1.8"]
 # keras-hub: pretrained backbones (model.backbone: keras_hub:<preset>). It requires
 # tensorflow-text, whose release follows TensorFlow's minor.
-HUB = ["keras-hub>=0.20"]
+HUB = ["keras-hub>=0.22"]
 TFDS = ["tensorflow-datasets>=4.9", "importlib_resources"]
 VIZ = ["matplotlib>=3.7"]
 DEMO = ["scikit-learn>=1.3"]
