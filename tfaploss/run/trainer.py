@@ -380,7 +380,7 @@ def _describe_run(cfg: Config, steps: int, chunk, model, resuming: bool,
         f"tfaploss train: {cfg.description or cfg.run_dir}",
         (f"  data     {cfg.data.train} ({cfg.data.sampler}, batch {cfg.data.batch_size}, "
          f"m={cfg.data.m}, {cfg.data.image_size}px)"),
-        (f"  model    {cfg.model.backbone}/{cfg.model.pooling} -> "
+        (f"  model    {cfg.model.backbone_file or cfg.model.backbone}/{cfg.model.pooling} -> "
          f"{cfg.model.embedding_dim}-d, {params:,} trainable parameters"),
         f"  loss     {cfg.loss.name}({kwargs})",
         *([f"  devices  {plan.describe()}"] if plan is not None else []),
