@@ -10,12 +10,12 @@ from models.backbones import BACKBONES, build_backbone
 from models.batch_norm import freeze_batch_norm
 from models.heads import L2Normalize, build_head, build_pooling
 from models.hub import (
-    _layer_name,
     hub_backbone,
     hub_preset,
     hub_rescaling,
     is_hub_backbone,
     prefix_tokens,
+    preset_layer_name,
 )
 from models.preprocessing import MODES, ImageNetNormalization, ImageRescaling
 
@@ -184,16 +184,15 @@ def _backbone(backbone, input_shape, weights, preprocessing, backbone_kwargs):
             raise ValueError(f"backbone={backbone!r} takes no backbone_kwargs; received "
                              f"{backbone_kwargs}")
         features, tokens = hub_backbone(backbone, input_shape, weights)
-        normalization = _normalization(preprocessing)
-        if preprocessing == "auto":
-            rescaling = hub_rescaling(backbone)
-            if rescaling is None:
-                LOG.info("keras-hub preset %s has no image converter: normalising as "
-                         "'torch' (ImageNet mean/std)", hub_preset(backbone))
-                normalization = _normalization("torch")
-            else:
-                normalization = ImageRescaling(*rescaling, name="normalization")
-        return features, tokens, normalization, _layer_name(hub_preset(backbone))
+        label = preset_layer_name(hub_preset(backbone))
+        if preprocessing != "auto":
+            return features, tokens, _normalization(preprocessing), label
+        rescaling = hub_rescaling(backbone)
+        if rescaling is None:
+            LOG.info("keras-hub preset %s has no image converter: normalising as 'torch' "
+                     "(ImageNet mean/std)", hub_preset(backbone))
+            return features, tokens, _normalization("torch"), label
+        return features, tokens, ImageRescaling(*rescaling, name="normalization"), label
     if backbone not in BACKBONES:
         raise ValueError(f"`backbone` must be one of {BACKBONES}, 'keras_hub:<preset>' or a "
                          f"keras.Model; received backbone={backbone!r}")

@@ -84,7 +84,7 @@ def plain_functional(backbone: keras.Model, name: str) -> keras.Model:
     return keras.Model(inputs[0], backbone.outputs[0], name=name)
 
 
-def _layer_name(preset: str) -> str:
+def preset_layer_name(preset: str) -> str:
     """A layer name for a preset: its last path part (Keras refuses '/' in names)."""
     base = os.path.basename(os.path.normpath(preset.split("://")[-1])) or "keras_hub"
     return "".join(c if c.isalnum() or c == "_" else "_" for c in base)
@@ -122,7 +122,7 @@ def hub_backbone(backbone: str, input_shape, weights=None):
     if path is not None:
         model.load_weights(path)
     tokens = prefix_tokens(model)
-    return plain_functional(model, _layer_name(preset)), tokens
+    return plain_functional(model, preset_layer_name(preset)), tokens
 
 
 def hub_rescaling(backbone: str):
