@@ -121,6 +121,11 @@ def hub_backbone(backbone: str, input_shape, weights=None):
                                             image_shape=tuple(input_shape))
     if path is not None:
         model.load_weights(path)
+    for variable in model.weights:
+        if variable.path.endswith("mask_token"):
+            # DINOv2's mask token replaces masked patches in its pretraining only; with no
+            # masks it gets no gradient, and Keras would warn about it at every step.
+            variable.trainable = False
     tokens = prefix_tokens(model)
     return plain_functional(model, preset_layer_name(preset)), tokens
 

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 # The keras-hub classes whose built-in presets the recipes may name, with a tiny
-# configuration of each (a few thousand weights, built in well under a second).
+# configuration of each (tens of thousands of weights; ResNetBackbone wants 64 filters
+# in its first stack).
 TINY = {
     "ResNetBackbone": {
-        "input_conv_filters": [8], "input_conv_kernel_sizes": [3],
-        "stackwise_num_filters": [8, 16], "stackwise_num_blocks": [1, 1],
+        "input_conv_filters": [64], "input_conv_kernel_sizes": [3],
+        "stackwise_num_filters": [64, 16], "stackwise_num_blocks": [1, 1],
         "stackwise_num_strides": [1, 2], "block_type": "basic_block",
         "image_shape": (None, None, 3)},
     # Patch 14 as the DINOv2 presets; the preset trains its position embeddings at 28 x 28
