@@ -59,6 +59,15 @@ def test_missing_keras_hub_is_one_line_with_the_install_command(monkeypatch):
     message = str(info.value)
     assert 'pip install "tfaploss[hub]"' in message and "\n" not in message
 
+    # From a config: a config error (the CLI's one line, exit 2) before any training.
+    from tfaploss.config import ConfigError, config_from_dict
+    from tfaploss.run import build as B
+
+    cfg = config_from_dict({"model": {"backbone": "keras_hub:resnet_50_imagenet",
+                                      "weights": "preset"}})
+    with pytest.raises(ConfigError, match=r"'model.backbone'.*tfaploss\[hub\]"):
+        B.build_model(cfg)
+
 
 def test_resnet_preset_trains_one_step_with_gem_and_frozen_batch_norm(tmp_path):
     preset = tiny_preset(tmp_path / "resnet", "ResNetBackbone",
