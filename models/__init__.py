@@ -1,7 +1,9 @@
 """Retrieval models: backbones, pooling, heads and whitening.
 
 ``build_embedding_model`` is the entry point: raw images in [0, 255] -> L2-normalised
-embeddings, with the papers' architectures in ``PAPER_ARCHITECTURES``.
+embeddings, with the papers' architectures in ``PAPER_ARCHITECTURES``. Backbones: the
+Keras ResNets, a small CNN, any keras-hub preset (``"keras_hub:<preset>"``, the optional
+``hub`` extra) or a Keras model of the user's (``load_backbone_file``); ``models.hub``.
 
 Every layer here is written with ``keras.ops`` only, so the models build and train
 under ``KERAS_BACKEND`` tensorflow, jax and torch (export stays TensorFlow-only).
@@ -15,9 +17,10 @@ from models.batch_norm import (
 )
 from models.embedding import PAPER_ARCHITECTURES, build_embedding_model, build_paper_model
 from models.gem import GeM
-from models.heads import L2Normalize, build_head, build_pooling
+from models.heads import L2Normalize, PoolingError, TokenPooling, build_head, build_pooling
+from models.hub import is_hub_backbone, load_backbone_file, require_keras_hub
 from models.lr_multipliers import LRMultiplierOptimizer, head_multipliers
-from models.preprocessing import ImageNetNormalization
+from models.preprocessing import ImageNetNormalization, ImageRescaling
 from models.whitening import PCAWhitening, fit_pca_whitening, with_whitening
 
 __all__ = [
@@ -25,9 +28,12 @@ __all__ = [
     "FrozenBatchNormalization",
     "GeM",
     "ImageNetNormalization",
+    "ImageRescaling",
     "L2Normalize",
     "LRMultiplierOptimizer",
     "PCAWhitening",
+    "PoolingError",
+    "TokenPooling",
     "build_backbone",
     "build_embedding_model",
     "build_head",
@@ -37,6 +43,9 @@ __all__ = [
     "freeze_batch_norm",
     "has_training_batch_norm",
     "head_multipliers",
+    "is_hub_backbone",
+    "load_backbone_file",
+    "require_keras_hub",
     "resolve_imagenet_weights",
     "small_cnn",
     "with_whitening",

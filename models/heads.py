@@ -7,7 +7,7 @@ from keras import ops
 
 from models.gem import GeM
 
-POOLINGS = ("gem", "avg", "max_ln")
+POOLINGS = ("gem", "avg", "max_ln", "cls")
 HEAD_TYPES = ("linear", "identity")
 # Name of the head's Dense layer; ``models.lr_multipliers.head_multipliers`` targets it.
 HEAD_LAYER_NAME = "head"
@@ -43,8 +43,59 @@ class L2Normalize(keras.layers.Layer):
         return config
 
 
-def build_pooling(pooling="gem", gem_p=3.0, gem_trainable_p=True):
-    """A global pooling layer ``(B, H, W, C) -> (B, C)``.
+class PoolingError(ValueError):
+    """A pooling that does not fit the backbone's output (GeM on tokens, a class token
+    of a feature map): a setting to change, not a damaged weights file."""
+
+
+@keras.saving.register_keras_serializable(package="tfaploss")
+class TokenPooling(keras.layers.Layer):
+    """Pool a token sequence ``(B, T, C)`` of a ViT-like backbone into ``(B, C)``.
+
+    - ``mode="cls"``: the class token, ``x[:, 0]``. ViT is trained to classify from it
+      and DINO/DINOv2's objective is on it, so it is their image descriptor (DINOv2
+      reports its retrieval results with it).
+    - ``mode="avg"``: the mean of the patch tokens ``x[:, prefix_tokens:]``, leaving out
+      the class and register tokens, the counterpart of a CNN's average pooling.
+    - ``mode="max"``: the per-channel maximum over the patch tokens.
+
+    Args:
+        mode: ``"cls"``, ``"avg"`` or ``"max"``.
+        prefix_tokens: leading tokens that are not patches (class token, registers).
+
+    Cost: O(B T C).
+    """
+
+    def __init__(self, mode="cls", prefix_tokens=1, **kwargs):
+        super().__init__(**kwargs)
+        if mode not in ("cls", "avg", "max"):
+            raise ValueError(f"TokenPooling: `mode` must be 'cls', 'avg' or 'max'; "
+                             f"received mode={mode!r}")
+        self.mode = mode
+        self.prefix_tokens = int(prefix_tokens)
+
+    def call(self, inputs):
+        if self.mode == "cls":
+            return inputs[:, 0]
+        patches = inputs[:, self.prefix_tokens:]
+        if self.mode == "avg":
+            return ops.mean(patches, axis=1)
+        return ops.max(patches, axis=1)
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], input_shape[-1])
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(mode=self.mode, prefix_tokens=self.prefix_tokens)
+        return config
+
+
+def build_pooling(pooling="gem", gem_p=3.0, gem_trainable_p=True, features_rank=4,
+                  prefix_tokens=None):
+    """A global pooling layer ``(B, H, W, C) -> (B, C)`` or ``(B, T, C) -> (B, C)``.
+
+    For a feature map (``features_rank=4``):
 
     - ``"gem"``: generalised mean (``models.GeM``), ``p`` initialised to ``gem_p`` and
       learned when ``gem_trainable_p`` (Revaud et al.).
@@ -52,8 +103,25 @@ def build_pooling(pooling="gem", gem_p=3.0, gem_trainable_p=True):
     - ``"max_ln"``: global max pooling then LayerNorm without affine parameters
       (ROADMAP on CUB).
 
+    For tokens (``features_rank=3``, ViT, DINOv2), with :class:`TokenPooling`:
+
+    - ``"cls"``: the class token; ``"avg"``: the mean of the patch tokens;
+      ``"max_ln"``: their maximum, then LayerNorm without affine parameters.
+    - ``"gem"`` is refused: GeM's power mean needs non-negative activations (ReLU
+      feature maps); tokens leave LayerNorm signed, and clamping them at ``eps`` would
+      drop half of every channel.
+
+    ``prefix_tokens``: leading non-patch tokens (class token, registers); ``None``
+    (unknown, e.g. a model file) counts none for ``avg``/``max_ln`` and takes token 0 as
+    the class token.
+
     Returns one layer (a ``keras.Sequential`` for ``"max_ln"``).
+
+    Raises:
+        PoolingError: the pooling does not fit the features.
     """
+    if features_rank == 3:
+        return _token_pooling(pooling, prefix_tokens)
     if pooling == "gem":
         return GeM(p=gem_p, trainable_p=gem_trainable_p, name="gem")
     if pooling == "avg":
@@ -66,6 +134,30 @@ def build_pooling(pooling="gem", gem_p=3.0, gem_trainable_p=True):
             ],
             name="max_ln",
         )
+    if pooling == "cls":
+        raise PoolingError("pooling='cls' takes the class token of a token sequence "
+                           "(B, T, C); this backbone gives a feature map (B, H, W, C): use "
+                           "'gem', 'avg' or 'max_ln'.")
+    raise ValueError(f"`pooling` must be one of {POOLINGS}; received pooling={pooling!r}")
+
+
+def _token_pooling(pooling, prefix_tokens):
+    skip = prefix_tokens or 0
+    if pooling == "cls":
+        if prefix_tokens == 0:
+            raise PoolingError("pooling='cls': this backbone has no class token; use 'avg'.")
+        return TokenPooling("cls", name="cls_token")
+    if pooling == "avg":
+        return TokenPooling("avg", prefix_tokens=skip, name="avg_pool")
+    if pooling == "max_ln":
+        return keras.Sequential(
+            [TokenPooling("max", prefix_tokens=skip, name="max_pool"),
+             keras.layers.LayerNormalization(center=False, scale=False, name="ln")],
+            name="max_ln")
+    if pooling == "gem":
+        raise PoolingError("pooling='gem' needs a non-negative feature map (B, H, W, C); "
+                           "this backbone gives signed tokens (B, T, C): use 'cls' (the "
+                           "class token) or 'avg' (the mean of the patch tokens).")
     raise ValueError(f"`pooling` must be one of {POOLINGS}; received pooling={pooling!r}")
 
 

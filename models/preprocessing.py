@@ -50,3 +50,58 @@ class ImageNetNormalization(keras.layers.Layer):
         config = super().get_config()
         config.update(mode=self.mode)
         return config
+
+
+@keras.saving.register_keras_serializable(package="tfaploss")
+class ImageRescaling(keras.layers.Layer):
+    """``x * scale + offset`` on raw RGB pixels in [0, 255], per channel or global.
+
+    The normalisation of a keras-hub preset, taken from its ``ImageConverter`` (whose
+    ``scale`` and ``offset`` mean the same), inside the model so that a served model
+    still takes raw pixels. ``ImageNetNormalization("torch")`` is the case
+    ``scale = 1 / (255 std)``, ``offset = -mean / std``.
+
+    Args:
+        scale: a number, 3 numbers (R, G, B) or ``None`` (1).
+        offset: a number, 3 numbers or ``None`` (0).
+
+    Input and output ``(..., 3)``, channels last. Cost: O(pixels).
+
+    Example:
+
+    >>> layer = ImageRescaling(scale=1 / 127.5, offset=-1.0)  # [0, 255] -> [-1, 1]
+    """
+
+    def __init__(self, scale=None, offset=None, **kwargs):
+        super().__init__(**kwargs)
+        self.scale = _numbers(scale, "scale")
+        self.offset = _numbers(offset, "offset")
+
+    def call(self, inputs):
+        x = ops.cast(inputs, self.compute_dtype)
+        if self.scale is not None:
+            x = x * ops.convert_to_tensor(self.scale, dtype=x.dtype)
+        if self.offset is not None:
+            x = x + ops.convert_to_tensor(self.offset, dtype=x.dtype)
+        return x
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(scale=self.scale, offset=self.offset)
+        return config
+
+
+def _numbers(value, name):
+    """``None``, a float, or a list of 3 floats (one per channel)."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    values = [float(v) for v in value]
+    if len(values) != 3:
+        raise ValueError(f"ImageRescaling: `{name}` must be a number or 3 numbers (R, G, B); "
+                         f"received {value!r}")
+    return values

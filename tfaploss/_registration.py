@@ -2,11 +2,13 @@
 Keras itself.
 
 A ``model.keras`` written by ``tfaploss train`` holds layers of ``models``
-(``ImageNetNormalization``, ``GeM``, ``L2Normalize``, ``PCAWhitening``), the frozen
-BatchNorm of :mod:`tfaploss.training`, and (for a saved trainer) the losses, the
-``LRMultiplierOptimizer``, the learning-rate schedule and ``MultiStageModel``. Keras finds
-them by their registered names (``"tfaploss>GeM"``) only once the modules that define
-them have run, so :func:`register_keras_objects` imports those modules.
+(``ImageNetNormalization``, ``ImageRescaling``, ``GeM``, ``TokenPooling``, ``L2Normalize``,
+``PCAWhitening``), the frozen BatchNorm of :mod:`tfaploss.training`, and (for a saved
+trainer) the losses, the ``LRMultiplierOptimizer``, the learning-rate schedule and
+``MultiStageModel``. Keras finds them by their registered names (``"tfaploss>GeM"``)
+only once the modules that define them have run, so :func:`register_keras_objects`
+imports those modules. A keras-hub backbone's classes need nothing here: Keras imports
+``keras_hub`` modules itself when it meets them in a file.
 
 ``import tfaploss`` stays cheap (the command line sets TensorFlow's log level before
 TensorFlow loads): when Keras is already imported it registers at once; otherwise a

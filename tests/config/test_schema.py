@@ -44,7 +44,7 @@ def test_the_seven_recipes_are_there():
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
-def test_recipe_loads_validates_and_builds(path, monkeypatch):
+def test_recipe_loads_validates_and_builds(path, monkeypatch, tmp_path):
     # A proxy loss takes its class count from the training manifest (none here).
     monkeypatch.setattr(B, "_manifest", lambda path: {"num_classes": 2})
     with warnings.catch_warnings():
@@ -52,6 +52,13 @@ def test_recipe_loads_validates_and_builds(path, monkeypatch):
         cfg = load_config(path)
     # The round trip through a plain dict is lossless.
     assert config_from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
+    if cfg.model.backbone.startswith("keras_hub:"):
+        # Tests never download: the preset's architecture (its keras-hub class, which
+        # also proves the preset name exists), tiny and random, from a local folder.
+        from tests.support.hub import preset_class, tiny_preset
+
+        folder = tiny_preset(tmp_path / "preset", preset_class(cfg.model.backbone.split(":", 1)[1]))
+        cfg = config_from_dict(cfg.to_dict(), [f"model.backbone=keras_hub:{folder}"])
 
     loss = B.build_loss(cfg)
     assert type(loss).__name__ == cfg.loss.name
@@ -332,3 +339,39 @@ def test_every_loss_class_is_reachable_from_a_config():
     assert {"APLoss", "FastAPLoss", "SmoothAPLoss", "ROADMAPLoss", "PNPLoss"} <= names
     for name in names:
         assert getattr(tfaploss.losses, name) is loss_classes()[name]
+
+
+# -- backbones: built-in, keras-hub presets, a model file ----------------------------------
+
+
+def test_keras_hub_backbone_and_its_weights():
+    cfg = config_from_dict({**MINIMAL, "model": {"backbone": "keras_hub:dinov2_small",
+                                                 "weights": "preset", "pooling": "cls"}})
+    assert cfg.model.backbone == "keras_hub:dinov2_small" and cfg.model.frozen_bn
+    with pytest.warns(ConfigWarning, match="weights: preset"):
+        config_from_dict({**MINIMAL, "model": {"backbone": "keras_hub:dinov2_small"}})
+    message = _error({**MINIMAL, "model": {"backbone": "keras_hub:resnet_50_imagenet",
+                                           "weights": "imagenet"}})
+    assert "'model.weights'" in message and "'preset'" in message
+    assert "names no preset" in _error({**MINIMAL, "model": {"backbone": "keras_hub:"}})
+
+
+def test_unknown_backbone_names_the_choices():
+    message = _error({**MINIMAL, "model": {"backbone": "resnet5"}})
+    assert "'model.backbone'" in message and "'resnet50'" in message
+    assert "keras_hub:<preset>" in message and "Did you mean 'resnet50'" in message
+
+
+def test_settings_that_do_not_fit_the_backbone_are_refused():
+    for model, key in [({"weights": "preset"}, "'model.weights'"),
+                       ({"pooling": "cls"}, "'model.pooling'"),
+                       ({"backbone_file": "mine.keras", "weights": "imagenet"},
+                        "'model.weights'")]:
+        assert key in _error({**MINIMAL, "model": model}), model
+
+
+def test_backbone_file_by_override_freezes_batch_norm_by_default():
+    cfg = config_from_dict(MINIMAL, ["model.backbone_file=mine.keras"])
+    assert cfg.model.backbone_file == "mine.keras" and cfg.model.frozen_bn
+    assert not config_from_dict(MINIMAL, ["model.backbone_file=mine.keras",
+                                          "model.freeze_bn=false"]).model.frozen_bn

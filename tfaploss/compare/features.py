@@ -35,24 +35,35 @@ LOG = logging.getLogger(__name__)
 def _fingerprint(cfg, paths: dict) -> str:
     m = cfg.model
     weights = m.weights
-    digest = None
-    if weights and os.path.isfile(weights):
-        with open(weights, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()[:16]
-    text = json.dumps([m.backbone, m.pooling, weights, digest, list(cfg.image_shape),
-                       sorted(paths.items())], sort_keys=True)
+    digest = _digest(weights)
+    parts = [m.backbone, m.pooling, weights, digest, list(cfg.image_shape),
+             sorted(paths.items())]
+    if m.backbone_file or m.preprocessing != "auto":  # older caches keep their names
+        parts.append([m.backbone_file, _digest(m.backbone_file), m.preprocessing])
+    text = json.dumps(parts, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _digest(path) -> str | None:
+    if not path or not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
 def feature_model(cfg):
     """The config's backbone and pooling, no head, BatchNorm frozen (L2-normalised
     pooled features)."""
     from models import build_embedding_model
+    from tfaploss.run.build import config_backbone
 
     m = cfg.model
-    return build_embedding_model(backbone=m.backbone, pooling=m.pooling, embedding_dim=None,
-                                 head="identity", weights=m.weights,
-                                 input_shape=(*cfg.image_shape, 3), freeze_bn=True)
+    return build_embedding_model(backbone=config_backbone(m), pooling=m.pooling,
+                                 embedding_dim=None, head="identity",
+                                 weights=None if m.backbone_file else m.weights,
+                                 input_shape=(*cfg.image_shape, 3), freeze_bn=True,
+                                 preprocessing=None if m.preprocessing == "none"
+                                 else m.preprocessing)
 
 
 def extract_features(cfg, paths: dict, cache_dir: str | os.PathLike) -> dict:

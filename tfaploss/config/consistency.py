@@ -11,11 +11,19 @@ the batch, which turns multi-stage backpropagation off) is a note, given as a
 from __future__ import annotations
 
 import dataclasses
+import typing
 
+from tfaploss.config.convert import close_match
 from tfaploss.config.fields import ConfigError
 from tfaploss.config.health import HealthConfig
 from tfaploss.config.loss_section import MULTI_LEVEL_LOSSES
-from tfaploss.config.schema import OPTIMIZER_PARAMS, SCHEDULE_PARAMS, Config
+from tfaploss.config.schema import (
+    KERAS_HUB_PREFIX,
+    OPTIMIZER_PARAMS,
+    SCHEDULE_PARAMS,
+    Backbone,
+    Config,
+)
 
 __all__ = ["ConfigWarning", "check_consistency"]
 
@@ -75,9 +83,7 @@ def check_consistency(cfg: Config) -> list[str]:
             "config key 'model.bn_calibration_images' only sets the statistics of frozen "
             "BatchNorm layers, but model.freeze_bn is false (the statistics then follow "
             "each batch); remove it or set model.freeze_bn: true.")
-    if cfg.model.backbone == "small_cnn" and cfg.model.weights == "imagenet":
-        raise ConfigError("config key 'model.weights': the small_cnn backbone has no "
-                          "ImageNet weights; use null or a file path.")
+    notes.extend(_check_backbone(cfg.model))
 
     for name, keys in OPTIMIZER_PARAMS.items():
         if name == opt.name:
@@ -156,3 +162,50 @@ def _check_health(health: HealthConfig) -> None:
             f"{health.window_share:g} (stop at the first warning) and 1, or null (never "
             f"stop, only warn); received {health.stop_share}.")
 
+
+
+def _check_backbone(model) -> list[str]:
+    """The backbone named, and the weights that go with it."""
+    notes = []
+    if model.backbone_file is not None:
+        if model.weights in ("imagenet", "preset"):
+            raise ConfigError(
+                f"config key 'model.weights': {model.weights!r} does not apply to "
+                "model.backbone_file, which brings its own weights; use null (the file's "
+                "weights) or the path of a .weights.h5 file to load over them.")
+        return notes
+    builtin = typing.get_args(Backbone)
+    if model.backbone.startswith(KERAS_HUB_PREFIX):
+        if not model.backbone[len(KERAS_HUB_PREFIX):].strip():
+            raise ConfigError("config key 'model.backbone': 'keras_hub:' names no preset; "
+                              "write e.g. keras_hub:resnet_50_imagenet or "
+                              "keras_hub:path/to/preset_dir.")
+        if model.weights == "imagenet":
+            raise ConfigError(
+                "config key 'model.weights': 'imagenet' is for the built-in ResNets; a "
+                "keras_hub backbone takes 'preset' (the preset's own weights), null or a "
+                ".weights.h5 path.")
+        if model.weights is None:
+            notes.append(
+                f"model.backbone {model.backbone} with model.weights null trains the "
+                "preset's architecture from random weights; set model.weights: preset to "
+                "start from its pretrained weights.")
+        return notes
+    if model.backbone not in builtin:
+        raise ConfigError(
+            f"config key 'model.backbone': {model.backbone!r} is not allowed; choose one of "
+            f"{', '.join(repr(b) for b in builtin)} or keras_hub:<preset> (e.g. "
+            "keras_hub:resnet_50_imagenet), or set model.backbone_file."
+            f"{close_match(model.backbone, builtin)}")
+    if model.weights == "preset":
+        raise ConfigError(
+            f"config key 'model.weights': 'preset' is for keras_hub backbones; "
+            f"{model.backbone} takes null, imagenet or a file path.")
+    if model.backbone == "small_cnn" and model.weights == "imagenet":
+        raise ConfigError("config key 'model.weights': the small_cnn backbone has no "
+                          "ImageNet weights; use null or a file path.")
+    if model.pooling == "cls":
+        raise ConfigError(
+            f"config key 'model.pooling': 'cls' takes the class token of a ViT-like "
+            f"backbone; {model.backbone} gives a feature map: use gem, avg or max_ln.")
+    return notes

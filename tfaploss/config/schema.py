@@ -45,7 +45,10 @@ __all__ = [
 
 
 Backbone = Literal["resnet50", "resnet101", "small_cnn"]
-Pooling = Literal["gem", "avg", "max_ln"]
+# A keras-hub preset is any "keras_hub:<preset>" string; check_consistency refuses others.
+KERAS_HUB_PREFIX = "keras_hub:"
+Pooling = Literal["gem", "avg", "max_ln", "cls"]
+Preprocessing = Literal["auto", "torch", "caffe", "none"]
 Sampler = Literal["m_per_class", "hierarchical", "all_classes"]
 Crop = Literal["random_resized_crop", "center_crop"]
 OptimizerName = Literal["adam", "adamw", "sgd"]
@@ -121,14 +124,31 @@ class DataConfig:
 class ModelConfig:
     """The embedding network: backbone → pooling → Dense head → L2 normalisation.
 
-    ``weights``: ``null`` (random init), ``imagenet`` (Keras's cache) or the path of a
-    weights file. ``freeze_bn: true`` keeps BatchNorm statistics fixed (gamma/beta
+    ``backbone``: ``resnet50``, ``resnet101``, ``small_cnn``, or ``keras_hub:<preset>``:
+    a keras-hub preset name (``keras_hub:resnet_50_imagenet``, ``keras_hub:dinov2_small``,
+    ``keras_hub:vit_base_patch16_224_imagenet``), a Kaggle/Hugging Face handle or a local
+    preset folder (``pip install "tfaploss[hub]"``). ``backbone_file``: a Keras model file
+    of your own (``.keras``) that maps images to a feature map, tokens or pooled
+    features; when set it replaces ``backbone`` and brings its own weights.
+    ``pooling``: ``gem``, ``avg``, ``max_ln`` for feature maps; for the tokens of a
+    ViT-like backbone ``cls`` (the class token) or ``avg`` (the mean of the patch
+    tokens), see :func:`models.build_pooling`.
+
+    ``weights``: ``null`` (random init), ``imagenet`` (the built-in ResNets, from Keras's
+    cache), ``preset`` (a keras-hub preset's own weights, downloaded by keras-hub on
+    first use) or the path of a weights file. ``preprocessing``: how raw pixels are
+    normalised inside the model: ``auto`` (the ResNets' caffe mode, a preset's own
+    image converter, ImageNet mean/std for ``small_cnn`` and for a ``backbone_file``),
+    ``torch``, ``caffe`` or ``none`` (the backbone normalises its input itself).
+
+    ``freeze_bn: true`` keeps BatchNorm statistics fixed (gamma/beta
     still train), as the papers do when they fine-tune pretrained networks;
     ``false`` normalises with batch statistics (under multi-stage backpropagation,
     each chunk with its own: ghost batch norm, still exact, see
     :mod:`tfaploss.training.multistage`). ``null`` (default) picks: frozen when
-    ``weights`` are loaded or ``bn_calibration_images`` is set, batch statistics for a
-    network trained from scratch. Why: frozen statistics of a random initialisation
+    ``weights`` are loaded, a ``backbone_file`` is used (it holds trained weights) or
+    ``bn_calibration_images`` is set, batch statistics for a network trained from
+    scratch. Why: frozen statistics of a random initialisation
     stop normalising as soon as the weights move; on the glyph set that cost 8 points
     of MAP@R and made higher learning rates collapse (``docs/batch_sweep/first_sweep.md``).
     ``head_lr_multiplier``: the head learns this many times faster than the backbone.
@@ -145,10 +165,12 @@ class ModelConfig:
     glyph set, MAP@R 49 with them, 72 after re-estimation). 0 keeps them.
     """
 
-    backbone: Backbone = "resnet50"
+    backbone: Backbone | str = "resnet50"
+    backbone_file: str | None = None
     pooling: Pooling = "avg"
     embedding_dim: int = ranged(512, low=1, high=65536)
     weights: str | None = None
+    preprocessing: Preprocessing = "auto"
     freeze_bn: bool | None = None
     head_lr_multiplier: float = ranged(1.0, low=0, low_open=True, high=1e4)
     proxy_lr_multiplier: float = ranged(1.0, low=0, low_open=True, high=1e6)
@@ -160,7 +182,8 @@ class ModelConfig:
         """Whether BatchNorm statistics are frozen (``freeze_bn``, or its automatic value)."""
         if self.freeze_bn is not None:
             return self.freeze_bn
-        return self.weights is not None or self.bn_calibration_images > 0
+        return (self.weights is not None or self.backbone_file is not None
+                or self.bn_calibration_images > 0)
 
 
 

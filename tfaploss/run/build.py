@@ -10,7 +10,7 @@ import math
 
 from tfaploss.config.fields import ConfigError
 from tfaploss.config.loss_section import loss_class
-from tfaploss.config.schema import Config
+from tfaploss.config.schema import KERAS_HUB_PREFIX, Config
 from tfaploss.run.schedule import RecipeSchedule
 
 
@@ -18,38 +18,63 @@ def build_model(cfg: Config, input_shape=None, weights="config", calibrate=True)
     """The embedding model of ``cfg.model`` (``models.build_embedding_model``).
 
     ``input_shape`` defaults to the training crops, ``(*data.image_size, 3)``;
-    ``weights="config"`` uses ``model.weights`` (pass ``None`` for random weights).
-    With ``model.bn_calibration_images > 0`` (and ``calibrate``) the frozen BatchNorm
-    statistics are then estimated on that many training images
-    (:func:`calibrate_batch_norm`), the same images for the same ``data.seed``.
+    ``weights="config"`` uses ``model.weights`` (pass ``None`` for random weights; a
+    ``model.backbone_file`` keeps its own). With ``model.bn_calibration_images > 0`` (and
+    ``calibrate``) the frozen BatchNorm statistics are then estimated on that many
+    training images (:func:`calibrate_batch_norm`), the same images for the same
+    ``data.seed``.
     """
-    from models import build_embedding_model
+    from models import PoolingError, build_embedding_model
 
     m = cfg.model
     if input_shape is None:
         input_shape = (*cfg.image_shape, 3)
     weights = m.weights if weights == "config" else weights
     try:
+        backbone = config_backbone(m, weights)
         model = build_embedding_model(
-            backbone=m.backbone,
+            backbone=backbone,
             pooling=m.pooling,
             embedding_dim=m.embedding_dim,
-            weights=weights,
+            weights=None if m.backbone_file else weights,
             input_shape=tuple(input_shape),
             freeze_bn=m.frozen_bn,
+            preprocessing=None if m.preprocessing == "none" else m.preprocessing,
         )
+    except PoolingError as err:
+        raise ConfigError(f"config key 'model.pooling': {err}") from None
     except (OSError, ValueError, KeyError) as err:
-        if weights in (None, "imagenet") or isinstance(err, FileNotFoundError):
+        if weights in (None, "imagenet", "preset") or isinstance(err, FileNotFoundError):
             raise
         # A weights file that is there but does not load: cut short, damaged, or the
         # weights of another backbone. A clear error, not h5py's traceback.
         raise ConfigError(
             f"config key 'model.weights': {weights!r} does not load into a "
-            f"{m.backbone} backbone ({type(err).__name__}: {str(err)[:300]}): a truncated "
-            "or damaged file, or the weights of another backbone.") from None
+            f"{m.backbone_file or m.backbone} backbone ({type(err).__name__}: "
+            f"{str(err)[:300]}): a truncated or damaged file, or the weights of another "
+            "backbone.") from None
     if calibrate and m.bn_calibration_images:
         calibrate_batch_norm(model, calibration_images(cfg, m.bn_calibration_images))
     return model
+
+
+def config_backbone(m, weights="config"):
+    """What ``models.build_embedding_model`` takes as ``backbone`` for ``cfg.model``:
+    its name, or the model loaded from ``model.backbone_file`` (with ``weights`` loaded
+    over the file's when they are a path)."""
+    if m.backbone_file is None:
+        if m.backbone.startswith(KERAS_HUB_PREFIX):
+            from models import require_keras_hub
+
+            try:
+                require_keras_hub(m.backbone)
+            except ImportError as err:  # one line from the CLI, before any training
+                raise ConfigError(f"config key 'model.backbone': {err}") from None
+        return m.backbone
+    from models import load_backbone_file
+
+    weights = m.weights if weights == "config" else weights
+    return load_backbone_file(m.backbone_file, weights=weights)
 
 
 def calibration_images(cfg: Config, count: int):

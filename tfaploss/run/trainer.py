@@ -152,6 +152,13 @@ def _repair_epoch_log(path: Path) -> None:
             data[:data.rfind(b"\n") + 1]))
 
 
+def _backbone_and_pooling(m) -> str:
+    """``resnet50/gem``; a file or preset folder as ``path (gem)``, where a slash would
+    read as part of the path."""
+    name = m.backbone_file or m.backbone
+    return f"{name} ({m.pooling})" if "/" in name or "\\" in name else f"{name}/{m.pooling}"
+
+
 def initial_model(cfg: Config):
     """The embedding model ``train`` starts from: same seed, same weights, same
     BatchNorm calibration (what ``tfaploss evaluate --config`` evaluates)."""
@@ -380,7 +387,7 @@ def _describe_run(cfg: Config, steps: int, chunk, model, resuming: bool,
         f"tfaploss train: {cfg.description or cfg.run_dir}",
         (f"  data     {cfg.data.train} ({cfg.data.sampler}, batch {cfg.data.batch_size}, "
          f"m={cfg.data.m}, {cfg.data.image_size}px)"),
-        (f"  model    {cfg.model.backbone}/{cfg.model.pooling} -> "
+        (f"  model    {_backbone_and_pooling(cfg.model)} -> "
          f"{cfg.model.embedding_dim}-d, {params:,} trainable parameters"),
         f"  loss     {cfg.loss.name}({kwargs})",
         *([f"  devices  {plan.describe()}"] if plan is not None else []),
