@@ -11,10 +11,12 @@ Public API::
     embed_dataset(model, dataset)   # the one embedding loop (evaluate's and training's)
     build_searcher(database, backend) / load_searcher(directory)
     build_searcher(database, target_recall=0.95, k=10)   # ScaNN tuned (tuner.py)
+    resolve_backend("auto", target_recall)   # what backend="auto" stands for
 
 ScaNN, matplotlib and Keras are imported only by the functions that need them.
 """
 
+from tfaploss.evaluation.backend_choice import resolve_backend
 from tfaploss.evaluation.embed import embed_dataset
 from tfaploss.evaluation.evaluator import EvaluationResult, evaluate, load_embeddings
 from tfaploss.evaluation.metrics import gldv2_map_at_k, hierarchical_metrics, retrieval_metrics
@@ -46,7 +48,7 @@ __all__ = [
     "Searcher", "alpha_query_expansion", "build_searcher", "embed_dataset", "evaluate",
     "gldv2_map_at_k", "hierarchical_metrics",
     "load_embeddings", "load_revisited_gnd", "load_searcher", "measure_recall",
-    "retrieval_metrics", "revisited_map", "revisited_map_from_ranks",
+    "resolve_backend", "retrieval_metrics", "revisited_map", "revisited_map_from_ranks",
     "revisited_per_query_ap", "scann_ah_params", "search_report", "trapezoid_ap",
     "tune_searcher",
 ]
