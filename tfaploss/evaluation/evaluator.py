@@ -213,11 +213,12 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
         :func:`~tfaploss.evaluation.backend_choice.resolve_backend`), ``"exact"``,
         ``"scann"`` or ``"scann_ah"``.
       target_recall: ``None`` (default): search with ``backend`` as is. A value in
-        (0, 1]: tune ScaNN to reach this recall@k (k: the largest cut-off) against
-        exact search, on a sample of the queries (see
-        :func:`tfaploss.evaluation.tuner.build_searcher`, whatever ``backend``
-        names); exact search when no setting beats it. ``searcher_kwargs`` then go to
-        the tuner (``max_settings``, ``max_seconds``, ...).
+        (0, 1]: tune the search to reach this recall@k (k: the largest cut-off)
+        against exact search, on a sample of the queries (see
+        :func:`tfaploss.evaluation.tuner.build_searcher`: ScaNN for a named backend,
+        the best installed searcher for ``"auto"``); exact search when no setting
+        beats it. ``searcher_kwargs`` then go to the tuner (``max_settings``,
+        ``max_seconds``, ...).
       query_expansion: apply α-QE (``qe_alpha``, ``qe_k``) to the queries.
       whitening: a fitted :class:`~tfaploss.evaluation.PCAWhitening` applied to
         queries and database.

@@ -54,7 +54,8 @@ k neighbours of all queries as k Q trials would be too narrow; we do not.
 :func:`build_searcher` is the one place that decides how a backend and a target recall
 combine: with a target, whatever the backend, ScaNN is tuned (exact search has recall 1,
 so asking for a recall asks for approximate search); without one, the backend is built
-as named.
+as named. ``"auto"`` is first made a concrete backend
+(:func:`~tfaploss.evaluation.backend_choice.resolve_backend`).
 
 The tuned searcher carries its report as ``searcher.tuning`` (a JSON-able dict), and
 :func:`search_report` gives the same description for any searcher (exact: recall 1 by
