@@ -158,7 +158,7 @@ def import_extra(extra: str, needed_by: str, module: str | None = None):
         else:
             problem = None
         raise MissingExtraError(extra, needed_by, problem) from err
-    except Exception as err:  # noqa: BLE001  (a broken install: any error of its import)
+    except Exception as err:  # a broken install: any error of its import
         first = (str(err).strip().splitlines() or [""])[0][:200]
         raise MissingExtraError(
             extra, needed_by,
