@@ -72,6 +72,7 @@ layout :mod:`tfaploss.data` samples P classes x m images from while streaming:
 ============================ ========= ==================================================
 """
 
+import logging
 import sys
 
 JOBS = ("sop", "inaturalist", "gldv2", "revisited", "folder", "tfds_source", "glyphs")
@@ -112,7 +113,9 @@ def _check_job_extras(argv: list[str]) -> None:
         for extra, modules in needs:
             extras.require(extra, f"python -m pipelines.{job}", modules)
     except extras.MissingExtraError as err:
-        print(f"error: {err}", file=sys.stderr)
+        # Nothing configured logging yet: Python's last-resort handler writes the bare
+        # line on stderr, as the jobs' own errors read.
+        logging.getLogger("pipelines").error("error: %s", err)
         sys.exit(2)
 
 
