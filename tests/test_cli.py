@@ -550,3 +550,18 @@ def test_core_install_trains_the_demo_without_scann_or_matplotlib(tmp_path):
     assert summary["config"]["evaluation"]["backend"] == "auto"
     assert summary["final_search"]["auto"]["chosen"] == "exact"
     assert "search backend auto: exact" in result.stdout
+
+
+def test_tensorflow_log_level_is_quiet_unless_asked_for(monkeypatch):
+    from tfaploss.cli import _quiet_tensorflow
+
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    _quiet_tensorflow(["train", "--config", "x.yaml"])
+    assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "3"  # 2 still shows the cuInit error
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL")
+    for verbose in (["-v", "train"], ["train", "--verbose"]):
+        _quiet_tensorflow(verbose)
+        assert "TF_CPP_MIN_LOG_LEVEL" not in os.environ  # TensorFlow's own default
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "1")
+    _quiet_tensorflow(["train"])
+    assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "1"  # the user's choice is kept
