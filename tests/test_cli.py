@@ -565,3 +565,28 @@ def test_tensorflow_log_level_is_quiet_unless_asked_for(monkeypatch):
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "1")
     _quiet_tensorflow(["train"])
     assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "1"  # the user's choice is kept
+
+
+def test_an_extra_failing_at_the_final_evaluation_never_costs_the_summary(
+        workspace, tmp_path, monkeypatch, capsys):
+    """Installed, so the start-up check passes, but broken when the final evaluation
+    imports it: the model and summary.json are written, without final metrics."""
+    from tfaploss.cli import main
+    from tfaploss.extras import MissingExtraError
+    from tfaploss.run import trainer
+
+    def broken(*args, **kwargs):
+        raise MissingExtraError("scann", "evaluation.backend: scann",
+                                "which is installed but cannot be imported (NotFoundError)")
+
+    monkeypatch.setattr(trainer, "evaluate_split", broken)
+    _, config = workspace
+    run_dir = tmp_path / "run"
+    assert main(["train", "--config", str(config), "--set", f"run_dir={run_dir}",
+                 "--set", "training.epochs=1", "--set", "evaluation.every_n_epochs=0"]) == 0
+    assert "warning: final evaluation skipped: evaluation.backend: scann needs ScaNN" in \
+        capsys.readouterr().err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_metrics"] is None and summary["epochs_completed"] == 1
+    assert 'pip install "tfaploss[scann]"' in summary["final_search"]["skipped"]
+    assert (run_dir / "model.keras").is_file() and not (run_dir / "backup").exists()
