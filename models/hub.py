@@ -30,20 +30,17 @@ import os
 
 import keras
 
+from tfaploss import extras
+
 LOG = logging.getLogger(__name__)
 
 KERAS_HUB_PREFIX = "keras_hub:"
-HUB_INSTALL = 'pip install "tfaploss[hub]"'
 
 
 def require_keras_hub(what: str = "a keras_hub: backbone"):
-    """The ``keras_hub`` module, or an ``ImportError`` whose one line says how to install it."""
-    try:
-        import keras_hub
-    except ImportError:
-        raise ImportError(f"{what} needs keras-hub, which is not installed: "
-                          f"{HUB_INSTALL}") from None
-    return keras_hub
+    """The ``keras_hub`` module, or a :class:`~tfaploss.extras.MissingExtraError` (an
+    ``ImportError``) whose one line says how to install it."""
+    return extras.import_extra("hub", what)
 
 
 def is_hub_backbone(backbone) -> bool:

@@ -32,6 +32,10 @@ Record ``i`` of a split's ``n`` (sorted by id) is in shard ``i * num_shards // n
 shard with no record is not written. A rerun writes into ``OUT/.incoming/`` and swaps
 each split in only when it is complete (:mod:`pipelines.storage`).
 
+The jobs need the ``beam`` extra (``pip install "tfaploss[beam]"``; ``tfds_source`` also
+``tfds``, the Dask runner ``dask``): ``python -m pipelines.<job>`` without it stops with
+one line saying so. ``import pipelines`` itself needs nothing beyond the core install.
+
 Per-image ``tf.train.Example`` schema (:data:`pipelines.tf_example.IMAGE_FEATURES`):
 
 =========================== ========= ===================================================
@@ -68,4 +72,52 @@ layout :mod:`tfaploss.data` samples P classes x m images from while streaming:
 ============================ ========= ==================================================
 """
 
+import logging
+import sys
+
 JOBS = ("sop", "inaturalist", "gldv2", "revisited", "folder", "tfds_source", "glyphs")
+
+# The extra modules each job imports, beyond apache_beam (the beam extra, every job).
+_JOB_NEEDS = {"glyphs": (("beam", ("apache_beam", "fontTools")),),
+              "tfds_source": (("beam", ("apache_beam",)), ("tfds", None))}
+
+
+def _check_job_extras(argv: list[str]) -> None:
+    """``python -m pipelines.<job>`` without what the job imports: one line naming the
+    job and the install command, exit status 2, instead of the traceback of the job's
+    first ``import apache_beam``.
+
+    Python imports this package on its way to the job module, while ``sys.argv[0]``
+    is ``"-m"``; ``argv`` (``sys.orig_argv``) names the module. Any other import of
+    ``pipelines`` (tfaploss's own code, the tests, a Beam worker) is left alone.
+    """
+    module = None
+    for i, arg in enumerate(argv[1:], 1):
+        if arg == "-m":
+            module = argv[i + 1] if i + 1 < len(argv) else None
+            break
+        if arg.startswith("-m"):
+            module = arg[2:]
+            break
+    if not module or not module.startswith("pipelines."):
+        return
+    job = module.split(".")[1]
+    if job not in (*JOBS, "embed"):
+        return
+    from tfaploss import extras
+
+    needs = _JOB_NEEDS.get(job, (("beam", ("apache_beam",)),))
+    if any("DaskRunner" in arg for arg in argv):
+        needs = (*needs, ("dask", None))
+    try:
+        for extra, modules in needs:
+            extras.require(extra, f"python -m pipelines.{job}", modules)
+    except extras.MissingExtraError as err:
+        # Nothing configured logging yet: Python's last-resort handler writes the bare
+        # line on stderr, as the jobs' own errors read.
+        logging.getLogger("pipelines").error("error: %s", err)
+        sys.exit(2)
+
+
+if sys.argv[:1] == ["-m"]:
+    _check_job_extras(getattr(sys, "orig_argv", []))

@@ -30,20 +30,20 @@ def import_beam_quietly():
     """Import ``apache_beam`` without its import-time warnings (``apitools not found``,
     logged on the root logger, which also makes Python install a root handler).
 
-    Only when nobody configured logging yet; returns the module.
+    Only when nobody configured logging yet; returns the module. Without Beam:
+    :class:`~tfaploss.extras.MissingExtraError` with the install command.
     """
+    from tfaploss import extras
+
     root = logging.getLogger()
     if "apache_beam" in sys.modules or root.handlers:
-        import apache_beam
-
-        return apache_beam
+        return extras.import_extra("beam", "the pipelines jobs")
     sink = logging.NullHandler()
     root.addHandler(sink)
     try:
-        import apache_beam
+        return extras.import_extra("beam", "the pipelines jobs")
     finally:
         root.removeHandler(sink)
-    return apache_beam
 
 
 def wants_verbose(argv) -> bool:

@@ -23,6 +23,7 @@ import apache_beam as beam
 
 from pipelines import options as opts
 from pipelines import runner as R
+from tfaploss import extras
 
 
 def parser():
@@ -42,7 +43,7 @@ def parser():
 
 
 def _builder(name: str, data_dir):
-    import tensorflow_datasets as tfds
+    tfds = extras.import_extra("tfds", "pipelines.tfds_source")
 
     return tfds.builder(name, data_dir=data_dir)
 

@@ -429,3 +429,164 @@ def test_class_chunks_smaller_than_m_are_refused_up_front(tmp_path, workspace):
         assert "wait forever" in str(err.value)
     # Chunks of 5 hold 3 images each for a class of 6: enough for m=2, so it is accepted.
     B.check_data(load_config(config, [f"data.train={tmp_path / 'chunks5'}"]))
+
+
+# --- optional parts: checked at start-up, one line each; a quiet start -------------------
+
+# What TensorFlow's C++ side prints as it loads (absl-style "E0000 00:00:..." lines, the
+# older "2024-01-01 ...: E tensorflow/..." ones, cuInit on a machine without GPU, oneDNN).
+TF_NOISE = re.compile(r"^[IWEF]\d{4} |^\d{4}-\d\d-\d\d [\d:.]+: [IWEF] |cuInit|oneDNN|"
+                      r"absl::InitializeLog", re.MULTILINE)
+
+
+def _blocking(tmp_path: Path, *modules: str) -> dict:
+    """Environment of a subprocess in which ``modules`` cannot be imported, as if not
+    installed (a sitecustomize sets ``sys.modules[name] = None``)."""
+    site = tmp_path / "blocked_site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(
+        "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in modules))
+    path = os.pathsep.join(p for p in (str(site), str(REPO), os.environ.get("PYTHONPATH"))
+                           if p)
+    return {"PYTHONPATH": path}
+
+
+def _without_tf_log_level() -> dict:
+    env = _env()
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    return env
+
+
+def test_missing_extra_stops_train_before_training_in_one_line(workspace, tmp_path,
+                                                               monkeypatch, capsys):
+    from tfaploss.cli import main
+
+    monkeypatch.setitem(sys.modules, "scann", None)  # as if not installed
+    _, config = workspace
+    run_dir = tmp_path / "never"
+    assert main(["train", "--config", str(config), "--set", "evaluation.backend=scann",
+                 "--set", f"run_dir={run_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert ('error: evaluation.backend: scann needs ScaNN, which is not installed: '
+            'pip install "tfaploss[scann]" (Linux only)\n') in err
+    assert "Traceback" not in err
+    assert not run_dir.exists()  # nothing trained, nothing written
+
+
+def test_evaluate_without_matplotlib_writes_metrics_and_skips_figures(workspace, tmp_path,
+                                                                     monkeypatch, capsys):
+    from tfaploss.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    _, config = workspace
+    out = tmp_path / "eval"
+    assert main(["evaluate", "--config", str(config), "--set", "evaluation.backend=auto",
+                 "--ks", "1,2", "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "exact search (auto)" in printed.out
+    assert ('warning: drawing the figures needs matplotlib, which is not installed: '
+            'pip install "tfaploss[viz]"; skipping them') in printed.err
+    saved = json.loads((out / "metrics.json").read_text())
+    assert "recall@1" in saved["metrics"] and saved["figures"] == []
+    assert not list(out.glob("*.png"))
+
+
+def test_help_starts_quietly_and_loads_no_tensorflow():
+    result = subprocess.run([sys.executable, "-m", "tfaploss.cli", "--help"], check=False,
+                            capture_output=True, text=True, cwd=REPO, timeout=60,
+                            env=_without_tf_log_level())
+    assert result.returncode == 0 and result.stderr == ""
+    assert result.stdout.startswith("usage: tfaploss")
+    # The log level can only be set before TensorFlow loads: nothing before main() may.
+    probe = ("import sys, tfaploss.cli as c; c.build_parser(); "
+             "print(sorted(m for m in ('tensorflow', 'keras', 'jax', 'torch') "
+             "if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True,
+                            text=True, cwd=REPO, timeout=60, env=_env())
+    assert loaded.stdout.strip() == "[]"
+
+
+def test_a_beam_job_without_beam_says_how_to_install_it(tmp_path):
+    env = _env(_blocking(tmp_path, "apache_beam"))
+    for job in ("folder", "tfds_source"):
+        result = subprocess.run([sys.executable, "-m", f"pipelines.{job}", "--help"],
+                                check=False, capture_output=True, text=True, cwd=REPO,
+                                timeout=60, env=env)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr == (f"error: python -m pipelines.{job} needs Apache Beam, "
+                                 'which is not installed: pip install "tfaploss[beam]"\n')
+    # The package itself stays importable without Beam.
+    subprocess.run([sys.executable, "-c", "import pipelines"], check=True, cwd=REPO,
+                   timeout=60, env=env)
+
+
+@pytest.mark.slow
+def test_core_install_trains_the_demo_without_scann_or_matplotlib(tmp_path):
+    """What a fresh core install does with the demo recipe: no ScaNN, no matplotlib, no
+    faiss (blocked in the subprocess), TensorFlow's log level not set by the user. The
+    run finishes with metrics from backend auto, and prints nothing before its first
+    line."""
+    pytest.importorskip("sklearn")
+    from tfaploss.demo import run_folder_job, write_digit_pngs
+
+    write_digit_pngs(tmp_path / "pngs")
+    run_folder_job(tmp_path / "pngs", tmp_path / "records")
+    env = {**_without_tf_log_level(),
+           **_blocking(tmp_path, "scann", "matplotlib", "faiss")}
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "tfaploss.cli", "train", "--config",
+         "configs/demo_digits.yaml", "--set", f"data.train={tmp_path / 'records' / 'train'}",
+         "--set", f"data.test={tmp_path / 'records' / 'test'}", "--set", f"run_dir={run_dir}",
+         "--set", "training.epochs=1", "--set", "training.steps_per_epoch=2",
+         "--set", "evaluation.at_end=true"],
+        check=False, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("tfaploss train: "), result.stdout[:500]
+    assert not TF_NOISE.search(result.stderr), result.stderr
+    assert "Traceback" not in result.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(summary["final_metrics"]) >= {"recall@1", "map@r"}
+    assert summary["config"]["evaluation"]["backend"] == "auto"
+    assert summary["final_search"]["auto"]["chosen"] == "exact"
+    assert "search backend auto: exact" in result.stdout
+
+
+def test_tensorflow_log_level_is_quiet_unless_asked_for(monkeypatch):
+    from tfaploss.cli import _quiet_tensorflow
+
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    _quiet_tensorflow(["train", "--config", "x.yaml"])
+    assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "3"  # 2 still shows the cuInit error
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL")
+    for verbose in (["-v", "train"], ["train", "--verbose"]):
+        _quiet_tensorflow(verbose)
+        assert "TF_CPP_MIN_LOG_LEVEL" not in os.environ  # TensorFlow's own default
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "1")
+    _quiet_tensorflow(["train"])
+    assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "1"  # the user's choice is kept
+
+
+def test_an_extra_failing_at_the_final_evaluation_never_costs_the_summary(
+        workspace, tmp_path, monkeypatch, capsys):
+    """Installed, so the start-up check passes, but broken when the final evaluation
+    imports it: the model and summary.json are written, without final metrics."""
+    from tfaploss.cli import main
+    from tfaploss.extras import MissingExtraError
+    from tfaploss.run import trainer
+
+    def broken(*args, **kwargs):
+        raise MissingExtraError("scann", "evaluation.backend: scann",
+                                "which is installed but cannot be imported (NotFoundError)")
+
+    monkeypatch.setattr(trainer, "evaluate_split", broken)
+    _, config = workspace
+    run_dir = tmp_path / "run"
+    assert main(["train", "--config", str(config), "--set", f"run_dir={run_dir}",
+                 "--set", "training.epochs=1", "--set", "evaluation.every_n_epochs=0"]) == 0
+    assert "warning: final evaluation skipped: evaluation.backend: scann needs ScaNN" in \
+        capsys.readouterr().err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_metrics"] is None and summary["epochs_completed"] == 1
+    assert 'pip install "tfaploss[scann]"' in summary["final_search"]["skipped"]
+    assert (run_dir / "model.keras").is_file() and not (run_dir / "backup").exists()

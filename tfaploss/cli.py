@@ -83,6 +83,11 @@ def _add_train(sub):
             previous-<time>/), never deleting them. One run per run directory: a
             second run started on it exits with status 2, naming the first (its PID,
             since when, its command).
+            Optional parts the config names are checked first: a missing one
+            (evaluation.backend: scann without ScaNN) stops with exit status 2 and
+            the pip install line, before anything is trained. The default
+            evaluation.backend, auto, needs none: exact search, or with
+            evaluation.target_recall the best searcher installed (ScaNN, else exact).
             Training stops (exit status 3) at the first non-finite loss or weight,
             and nothing non-finite is saved. With stdout not a terminal (a log file),
             progress is one line per epoch."""),
@@ -113,7 +118,9 @@ def _add_evaluate(sub):
         description=textwrap.dedent("""\
             Embed a split with a model and report retrieval metrics (Recall@K,
             Precision@1, MAP@R, R-precision, mAP; mAP/mP@K for revisited
-            Oxford/Paris), as a table on screen and metrics.json + figures in --out.
+            Oxford/Paris), as a table on screen and metrics.json + figures in --out
+            (metrics.json first; without matplotlib, pip install "tfaploss[viz]", the
+            figures are skipped with a warning).
 
             --model: a .keras file (e.g. RUN_DIR/model.keras) or a SavedModel written
             by `tfaploss export` (its version folder or the folder holding versions).
@@ -158,16 +165,20 @@ def _add_evaluate(sub):
                         "that converts it) or gldv2")
     p.add_argument("--ks", default=None, help="comma-separated cut-offs, e.g. 1,10,100 "
                                               "(default: the protocol's)")
-    p.add_argument("--backend", default=None, choices=("exact", "scann", "scann_ah", "faiss"),
-                   help="search backend (default exact, or the config's; scann_ah: "
+    p.add_argument("--backend", default=None,
+                   choices=("auto", "exact", "scann", "scann_ah", "faiss"),
+                   help="search backend (default: the config's, else auto: exact search "
+                        "without --target-recall, with it the best installed searcher "
+                        "tuned to it, ScaNN, else faiss, else exact; scann_ah: "
                         "approximate, for large databases; faiss: flat, or tuned with "
-                        "--target-recall)")
+                        "--target-recall; scann and scann_ah need pip install "
+                        "\"tfaploss[scann]\", faiss pip install \"tfaploss[faiss]\")")
     p.add_argument("--target-recall", type=_target_recall, default=None, metavar="R",
-                   help="tune ScaNN (faiss with --backend faiss) to reach recall@k >= R in "
-                        "(0, 1] against exact search "
-                        "(k: the largest cut-off), measured on a sample of the queries; "
-                        "exact search when no setting beats it (default: the config's "
-                        "evaluation.target_recall, else none: search with --backend as is)")
+                   help="tune the search to reach recall@k >= R in (0, 1] against exact "
+                        "search (k: the largest cut-off), measured on a sample of the "
+                        "queries; exact search when no setting beats it (default: the "
+                        "config's evaluation.target_recall, else none: search with "
+                        "--backend as is)")
     p.add_argument("--image-size", default=None,
                    help="side of the centre crop the images are resized to, or 'original' "
                         "(default: the model's input size, else 224)")
@@ -282,8 +293,18 @@ def command_output(quiet: bool = False, verbose: bool = False):
                           others_level=logging.DEBUG if verbose else logging.WARNING)
 
 
-def _quiet_tensorflow():
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+def _quiet_tensorflow(argv: list[str]) -> None:
+    """Keep TensorFlow's C++ start-up lines (``cuInit`` failing on a machine without a
+    GPU is logged as an error, oneDNN notices) off the terminal unless asked for.
+
+    Runs first in :func:`main`, before anything imports TensorFlow (``import tfaploss``
+    and this module do not): TensorFlow reads ``TF_CPP_MIN_LOG_LEVEL`` once, as it
+    loads. 3 hides its INFO, WARNING and ERROR lines (2 still shows the ``cuInit``
+    error); a value the user set is kept, and ``-v`` / ``--verbose`` leaves
+    TensorFlow's own default (everything shown).
+    """
+    if not any(a in ("-v", "--verbose") for a in argv):
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 
@@ -316,7 +337,10 @@ def cmd_train(args) -> int:
 
     _show_config_warnings()
     cfg = load_config(args.config, args.set)
+    from tfaploss.run.needs import check_config_extras
     from tfaploss.run.trainer import train
+
+    check_config_extras(cfg)  # train() checks too; here before its run directory
 
     train(cfg, run_dir=args.run_dir, verbose=2 if args.quiet or not _is_terminal() else 1,
           restart=args.restart)
@@ -455,10 +479,13 @@ def cmd_evaluate(args) -> int:
         except ValueError:
             raise SystemExit(f"error: --ks must be comma-separated integers, e.g. 1,10,100; "
                              f"received {args.ks!r}") from None
-    backend = args.backend or (cfg.evaluation.backend if cfg is not None else "exact")
+    backend = args.backend or (cfg.evaluation.backend if cfg is not None else "auto")
     target_recall = args.target_recall
     if target_recall is None and cfg is not None:
         target_recall = cfg.evaluation.target_recall
+    figures = _check_evaluate_extras(backend, target_recall,
+                                     "--backend" if args.backend or cfg is None
+                                     else "evaluation.backend")
 
     database, n_db = _eval_dataset(args.data, size, batch)
     query, n_q = _eval_dataset(args.query, size, batch) if args.query else (None, None)
@@ -468,8 +495,7 @@ def cmd_evaluate(args) -> int:
           + (f", queries {args.query}" + (f" ({n_q} images)" if n_q else "")
              if args.query else ", each image queries all the others"))
     print(f"  protocol       {args.protocol}, "
-          + (f"{'faiss' if backend == 'faiss' else 'ScaNN'} search tuned to recall >= "
-             f"{target_recall:g} (exact when no setting beats it)" if target_recall is not None else f"{backend} search")
+          + _describe_search(backend, target_recall)
           + (f", ks {','.join(map(str, ks))}" if ks else ""))
     print(f"  preprocessing  {describe_preprocessing(size)}", flush=True)
 
@@ -482,7 +508,7 @@ def cmd_evaluate(args) -> int:
     try:
         result = evaluate(model, database, protocol=args.protocol, query=query,
                           gnd=args.gnd, ks=ks, backend=backend, target_recall=target_recall,
-                          output_dir=out,
+                          output_dir=out, figures=figures,
                           label_names=label_names, verbose=1 if progress else 0)
     except tf.errors.FailedPreconditionError as err:
         raise SystemExit(f"error: a split holds another number of images than its "
@@ -493,6 +519,38 @@ def cmd_evaluate(args) -> int:
     print(f"\nWrote {os.path.join(out, 'metrics.json')}"
           + (f" and {len(result.figures)} figure(s)" if result.figures else ""))
     return 0
+
+
+def _check_evaluate_extras(backend: str, target_recall, key: str) -> bool:
+    """Before any embedding: the search's extra must be installed (else
+    MissingExtraError); returns whether figures can be drawn (without matplotlib they
+    are skipped, with a warning: metrics.json is written all the same)."""
+    from tfaploss import extras
+    from tfaploss.evaluation.backend_choice import required_extra
+
+    need = required_extra(backend, target_recall, key=key)
+    if need is not None:
+        extras.require(*need)
+    if not extras.installed("viz"):
+        print(f"warning: {extras.MissingExtraError('viz', 'drawing the figures')}; "
+              "skipping them (metrics.json is written as usual)", file=sys.stderr)
+        return False
+    return True
+
+
+def _describe_search(backend: str, target_recall) -> str:
+    """The search of the header line; for auto, what it chose (logged too)."""
+    from tfaploss.evaluation.backend_choice import resolve_backend
+
+    chosen = resolve_backend(backend, target_recall)
+    if target_recall is None:
+        return f"{chosen} search" + (" (auto)" if backend == "auto" else "")
+    if backend == "auto" and chosen == "exact":
+        return (f"exact search (auto: no tuned searcher installed; exact meets recall >= "
+                f"{target_recall:g})")
+    name = "ScaNN" if chosen in ("exact", "scann", "scann_ah") else chosen
+    return (f"{name} search tuned to recall >= {target_recall:g} (exact when no setting "
+            "beats it)")
 
 
 def cmd_export(args) -> int:
@@ -527,6 +585,7 @@ def cmd_demo(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _quiet_tensorflow(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     args.quiet = bool(getattr(args, "quiet", False))
@@ -536,13 +595,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    _quiet_tensorflow()
     from tfaploss.config import ConfigError
+    from tfaploss.extras import MissingExtraError
 
     try:
         with command_output(args.quiet, args.verbose):
             return int(args.func(args) or 0)
-    except ConfigError as err:
+    except (ConfigError, MissingExtraError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except FileNotFoundError as err:

@@ -7,7 +7,7 @@ the demo needs no download. It walks the production path:
 2. run the ``folder`` Beam job: PNGs -> sharded TFRecords + manifests (digits 0-5 train,
    6-9 test: the test classes are never seen in training, as in the retrieval benchmarks);
 3. embed the unseen digits with the untrained small CNN and measure Recall@1, MAP@R and
-   mAP with a ScaNN searcher;
+   mAP (exact search: ``evaluation.backend: auto`` without a target recall);
 4. train it with ``APLoss`` through ``tfaploss train``'s code path, batches larger than the
    chunk size so multi-stage backpropagation runs, with checkpoints and TensorBoard logs;
 5. measure again, write the metrics JSON and a retrieval-examples figure;
@@ -28,6 +28,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from tfaploss import extras
 from tfaploss.config import config_from_dict
 
 TRAIN_DIGITS = (0, 1, 2, 3, 4, 5)
@@ -58,7 +59,7 @@ DEMO_CONFIG = {
                  "chunk_size": 32,  # ... embedded 32 at a time: 3 chunks per batch
                  "mixed_precision": False, "jit_compile": False, "seed": 0},
     "evaluation": {"every_n_epochs": 0, "at_end": False, "ks": [1, 10],
-                   "backend": "scann"},
+                   "backend": "auto"},
 }
 QUICK_STEPS = 20
 
@@ -189,7 +190,7 @@ def _step_evaluate_untrained(cfg, timings: dict) -> dict:
 
     from tfaploss.run import build as B
 
-    _say(3, TOTAL_STEPS, "Untrained small CNN on the unseen digits 6-9 (ScaNN search)")
+    _say(3, TOTAL_STEPS, "Untrained small CNN on the unseen digits 6-9 (exact search)")
     with _timed(timings, "evaluate_before"):
         keras.utils.set_random_seed(cfg.training.seed)  # the same initial weights train() gets
         before = _measure(B.build_model(cfg), cfg)
@@ -291,6 +292,9 @@ def _print_summary(out: Path, before: dict, after: dict, elapsed: float) -> None
 
 def run_demo(out: str = "demo_output", quick: bool = False, steps: int | None = None) -> int:
     """Run the demo into ``out``; returns 0 on success (any failure raises)."""
+    # Before the first step: the digits come from scikit-learn, the records from Beam.
+    extras.require("demo", "tfaploss demo (scikit-learn's digits)")
+    extras.require("beam", "tfaploss demo (its Beam folder job)", ("apache_beam",))
     started = time.time()
     out = Path(out)
     _prepare_output_dir(out)
@@ -331,7 +335,7 @@ DEMO_DESCRIPTION = textwrap.dedent("""\
 
       1. write the digits as PNG files, one folder per class
       2. run the Beam `folder` job: PNGs -> TFRecords (train: 0-5, test: 6-9)
-      3. evaluate a random small CNN on the unseen digits 6-9 (ScaNN)
+      3. evaluate a random small CNN on the unseen digits 6-9 (exact search)
       4. train it with APLoss and multi-stage backpropagation on digits 0-5
       5. evaluate again: Recall@1, MAP@R, mAP; figures and JSON
       6. export a SavedModel, reload it with plain TensorFlow and embed a PNG

@@ -184,3 +184,20 @@ def test_compare_quick_runs_resumes_and_writes_its_report(digit_splits, tmp_path
     with pytest.raises(SystemExit, match=r"batch sizes \[64\] need more than the 5 "
                                          r"training classes with >= m=8"):
         main(args + ["--batch-sizes", "16,64"])
+
+
+def test_compare_without_optuna_stops_before_any_run(tmp_path, monkeypatch, capsys):
+    import sys
+    from pathlib import Path
+
+    from tfaploss.cli import main
+
+    monkeypatch.setitem(sys.modules, "optuna", None)  # as if not installed
+    recipe = Path(__file__).resolve().parents[2] / "configs" / "demo_digits.yaml"
+    assert main(["compare", "--config", str(recipe), "--val", "nowhere",
+                 "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: tfaploss compare's tuning (Optuna TPE; --settings-from "
+                          "needs no tuning) needs Optuna, which is not installed: "
+                          'pip install "tfaploss[compare]"')
+    assert "Traceback" not in err and not (tmp_path / "out").exists()

@@ -133,3 +133,52 @@ def test_figure_titles_name_the_class_from_a_label_map():
     assert _label_title(1, {1: "bicycle"}) == "class bicycle"
     assert _label_title(5, {"0": "6"}) == "label 5"
     assert _label_title(2, None) == "label 2"
+
+
+def test_metrics_json_is_written_without_matplotlib_and_figures_are_skipped(
+        tmp_path, monkeypatch, caplog):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    images, labels = _toy_images()
+    ds = tf.data.Dataset.from_tensor_slices((images, labels)).batch(5)
+    with caplog.at_level("WARNING", logger="tfaploss.evaluation.evaluator"):
+        result = evaluate(_toy_model(), ds, protocol="cub", output_dir=str(tmp_path),
+                          verbose=0, num_examples=3, examples_k=4)
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["metrics"] == pytest.approx(result.metrics) and saved["figures"] == []
+    assert result.figures == [] and not list(tmp_path.glob("*.png"))
+    warning = " ".join(r.getMessage() for r in caplog.records)
+    assert "figure skipped (retrieval examples)" in warning
+    assert 'pip install "tfaploss[viz]"' in warning
+
+
+def test_a_figure_that_cannot_be_drawn_never_costs_the_metrics(tmp_path, monkeypatch,
+                                                                caplog):
+    from tfaploss.evaluation import figures
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no display")
+
+    monkeypatch.setattr(figures, "plot_per_query_ap", broken)
+    db = np.eye(6, dtype=np.float32)
+    q = np.array([[0.9, 0.1, 0.3, 0, 0, 0], [0, 0, 0, 0, 1.0, 0.5]], np.float32)
+    gnd = [{"easy": [0], "hard": [2], "junk": [1]}, {"easy": [5], "hard": [], "junk": []}]
+    with caplog.at_level("WARNING", logger="tfaploss.evaluation.evaluator"):
+        res = evaluate(db, query=q, gnd=gnd, protocol="roxford", output_dir=str(tmp_path),
+                       verbose=0)
+    assert res["medium/map"] == pytest.approx((1.0 + 0.25) / 2)
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["metrics"]["medium/map"] == pytest.approx(res["medium/map"])
+    assert "figure skipped (per-query AP): RuntimeError: no display" in caplog.text
+
+
+def test_evaluate_defaults_to_auto_search():
+    import inspect
+
+    assert inspect.signature(evaluate).parameters["backend"].default == "auto"
+    rng = np.random.default_rng(3)
+    db = rng.standard_normal((40, 6)).astype(np.float32)
+    labels = rng.integers(0, 4, 40)
+    assert evaluate(db, labels, verbose=0).metrics == evaluate(
+        db, labels, backend="exact", verbose=0).metrics

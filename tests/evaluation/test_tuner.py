@@ -246,8 +246,12 @@ def test_config_accepts_target_recall(value):
 
 
 def test_config_default_is_exact_search():
+    from tfaploss.evaluation.backend_choice import resolve_backend
+
     cfg = config_from_dict(MINIMAL, [], warn=False)
-    assert cfg.evaluation.target_recall is None and cfg.evaluation.backend == "exact"
+    # auto, which without a target recall is exact search
+    assert cfg.evaluation.target_recall is None and cfg.evaluation.backend == "auto"
+    assert resolve_backend(cfg.evaluation.backend, cfg.evaluation.target_recall) == "exact"
 
 
 @pytest.mark.parametrize("value", ["0", "1.5", "-0.1", "true", "'high'"])
@@ -271,7 +275,14 @@ def test_training_time_evaluation_honours_target_recall(monkeypatch, target):
     exact = trainer.evaluate_split(None, config_from_dict(MINIMAL, ["evaluation.ks=[1,10]"],
                                                           warn=False), "unused")
     if target is None:
-        assert "search_recall" not in metrics and search == {}
+        # backend auto (the default) records its choice, exact search; nothing tuned
+        assert "search_recall" not in metrics and search["auto"]["chosen"] == "exact"
+        assert search["backend"] == "exact" and search["recall"] == 1.0
+        named = {}
+        trainer.evaluate_split(None, config_from_dict(
+            MINIMAL, ["evaluation.ks=[1,10]", "evaluation.backend=exact"], warn=False),
+            "unused", search=named)
+        assert named == {}
         return
     assert search["backend"] in ("scann_ah", "exact") and search["setting"]
     assert search["recall"] == metrics["search_recall"]

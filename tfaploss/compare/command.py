@@ -9,6 +9,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from tfaploss import extras
+
 LOG = logging.getLogger("tfaploss.compare")
 
 # --quick: a few minutes on a CPU, for a first look or a test.
@@ -142,6 +144,13 @@ def cmd_compare(args) -> str:
     from tfaploss.config import load_config
 
     cfg = load_config(args.config, args.set)
+    # Before any run: the tuning needs Optuna; without matplotlib only the figure is lost.
+    if not args.settings_from:
+        extras.require("compare", "tfaploss compare's tuning (Optuna TPE; --settings-from "
+                                  "needs no tuning)")
+    if not extras.installed("viz"):
+        LOG.warning("warning: %s; the report is written without it",
+                    extras.MissingExtraError("viz", "the report's figure"))
     for key, path in (("data.train", cfg.data.train), ("data.test", cfg.data.test),
                       ("--val", args.val)):
         if path is None or ("://" not in str(path) and not Path(path).exists()):
@@ -206,6 +215,6 @@ def cmd_compare(args) -> str:
     os.replace(tmp, out / "results.json")
     figure = report.plot(results, out / "report.png")
     LOG.info("wrote %s, %s%s in %.0f s", out / "report.md", out / "results.json",
-             f", {figure}" if figure else " (no figure: pip install 'tfaploss[viz]')",
+             f", {figure}" if figure else f" (no figure: {extras.install_command('viz')})",
              time.time() - started)
     return text

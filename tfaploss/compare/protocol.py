@@ -39,6 +39,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from tfaploss import extras
+
 LOG = logging.getLogger(__name__)
 
 # The learning rate's range, the same at every batch size.
@@ -244,11 +246,7 @@ def tune(protocol: Protocol, ledger: Ledger, runner: Runner, loss: str, batch: i
          updates: int, progress: Callable[[str], None] = lambda _: None) -> dict:
     """``protocol.trials`` TPE trials of ``loss`` at (batch, updates); returns the best
     trial's settings (the highest validation MAP@R; a failed trial scores 0)."""
-    try:
-        import optuna
-    except ImportError:
-        raise ImportError("the comparison protocol tunes with Optuna's TPE sampler: "
-                          "pip install 'tfaploss[compare]' (or optuna)") from None
+    optuna = extras.import_extra("compare", "the comparison protocol's tuning (Optuna TPE)")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     _, _, knobs = SEARCH_SPACES[loss]
     sampler = optuna.samplers.TPESampler(

@@ -53,7 +53,8 @@ Sampler = Literal["m_per_class", "hierarchical", "all_classes"]
 Crop = Literal["random_resized_crop", "center_crop"]
 OptimizerName = Literal["adam", "adamw", "sgd"]
 ScheduleName = Literal["constant", "linear", "cosine", "step"]
-Backend = Literal["exact", "scann", "scann_ah", "faiss"]
+# auto: tfaploss.evaluation.backend_choice (exact, or the best installed tuned searcher)
+Backend = Literal["auto", "exact", "scann", "scann_ah", "faiss"]
 Strategy = Literal["auto", "none", "data_parallel"]
 
 # Which schedule takes which parameter; any other parameter set on a schedule is an error.
@@ -280,17 +281,21 @@ class EvaluationConfig:
 
     ``every_n_epochs``: evaluate during training every N epochs (0: only at the end,
     if ``at_end``). ``max_images``: evaluate on at most this many test images during
-    training (the final evaluation uses all of them). ``target_recall``: ``null``
-    (default) searches with ``backend`` as is (exact search by default); a value in
-    (0, 1] tunes ScaNN (faiss when ``backend`` is ``faiss``) to reach that recall@k
-    against exact search on a sample of the queries, or falls back to exact search when no setting beats it (the report says
-    which, with the recall measured).
+    training (the final evaluation uses all of them). ``backend``: ``auto`` (default)
+    searches exactly without a target recall, and with one picks the best installed
+    searcher that can be tuned to it (ScaNN, else faiss, else exact search), logging
+    the choice; ``exact``, ``scann``, ``scann_ah`` or ``faiss`` name one (ScaNN and faiss:
+    their extras, checked before training starts). ``target_recall``: ``null`` (default)
+    searches with ``backend`` as is; a value in (0, 1] tunes the search to reach that
+    recall@k against exact search on a sample of the queries (faiss when ``backend`` is
+    ``faiss``, else ScaNN), or falls back to exact search when no setting beats it (the
+    report says which, with the recall measured).
     """
 
     every_n_epochs: int = ranged(0, low=0, high=MAX_EPOCHS)
     at_end: bool = True
     ks: list[int] = ranged(default_factory=lambda: [1, 10, 100], low=1, high=MAX_BATCH)
-    backend: Backend = "exact"
+    backend: Backend = "auto"
     target_recall: float | None = ranged(None, low=0, low_open=True, high=1)
     max_images: int | None = ranged(None, low=2, high=2 ** 31 - 1)
 

@@ -12,10 +12,12 @@ Public API::
     build_searcher(database, backend) / load_searcher(directory)
     build_searcher(database, target_recall=0.95, k=10)   # ScaNN tuned (tuner.py)
     build_searcher(database, "faiss", target_recall=0.95, k=10)   # faiss tuned
+    resolve_backend("auto", target_recall)   # what backend="auto" stands for
 
 ScaNN, faiss, matplotlib and Keras are imported only by the functions that need them.
 """
 
+from tfaploss.evaluation.backend_choice import resolve_backend
 from tfaploss.evaluation.embed import embed_dataset
 from tfaploss.evaluation.evaluator import EvaluationResult, evaluate, load_embeddings
 from tfaploss.evaluation.faiss_search import FaissSearcher, faiss_params
@@ -48,7 +50,7 @@ __all__ = [
     "ScannSearcher", "Searcher", "alpha_query_expansion", "build_searcher", "embed_dataset",
     "evaluate", "faiss_params", "gldv2_map_at_k", "hierarchical_metrics",
     "load_embeddings", "load_revisited_gnd", "load_searcher", "measure_recall",
-    "retrieval_metrics", "revisited_map", "revisited_map_from_ranks",
+    "resolve_backend", "retrieval_metrics", "revisited_map", "revisited_map_from_ranks",
     "revisited_per_query_ap", "scann_ah_params", "search_report", "trapezoid_ap",
     "tune_searcher",
 ]

@@ -37,10 +37,13 @@ from typing import Any
 
 import numpy as np
 
+from tfaploss import extras
+from tfaploss.evaluation.backend_choice import check_backend, resolve_backend
 from tfaploss.evaluation.embed import embed_dataset, split_element
 from tfaploss.evaluation.embedding_files import load_embeddings
 from tfaploss.evaluation.metrics import retrieval_metrics
 from tfaploss.evaluation.tuner import build_searcher, exact_report, search_report
+from tfaploss.extras import MissingExtraError
 from tfaploss.log import reporting
 
 LOG = logging.getLogger(__name__)
@@ -183,7 +186,7 @@ def _resolve(model_or_embeddings, data, labels, verbose, what: str):
 
 def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
              labels=None, query=None, query_labels=None, gnd=None, ks=None,
-             backend: str = "exact", target_recall: float | None = None,
+             backend: str = "auto", target_recall: float | None = None,
              query_expansion: bool = False, qe_alpha: float = 2.0,
              qe_k: int = 10, whitening=None, depth: int | None = None,
              output_dir: str | None = None,
@@ -205,20 +208,26 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
       gnd: revisited ground truth (list of dicts or a file path) or, for ``gldv2``,
         per-query lists of relevant database indices.
       ks: cut-offs; default per protocol.
-      backend: ``"exact"``, ``"scann"``, ``"scann_ah"`` or ``"faiss"``.
+      backend: ``"auto"`` (default: exact search without ``target_recall``, else the
+        best installed searcher tuned to it; see
+        :func:`~tfaploss.evaluation.backend_choice.resolve_backend`), ``"exact"``,
+        ``"scann"``, ``"scann_ah"`` or ``"faiss"``.
       target_recall: ``None`` (default): search with ``backend`` as is. A value in
-        (0, 1]: tune ScaNN to reach this recall@k (k: the largest cut-off) against
-        exact search, on a sample of the queries (see
-        :func:`tfaploss.evaluation.tuner.build_searcher`, whatever ``backend``
-        names); exact search when no setting beats it. ``searcher_kwargs`` then go to
-        the tuner (``max_settings``, ``max_seconds``, ...).
+        (0, 1]: tune the search to reach this recall@k (k: the largest cut-off)
+        against exact search, on a sample of the queries (see
+        :func:`tfaploss.evaluation.tuner.build_searcher`: ScaNN for a named backend,
+        the best installed searcher for ``"auto"``); exact search when no setting
+        beats it. ``searcher_kwargs`` then go to the tuner (``max_settings``,
+        ``max_seconds``, ...).
       query_expansion: apply α-QE (``qe_alpha``, ``qe_k``) to the queries.
       whitening: a fitted :class:`~tfaploss.evaluation.PCAWhitening` applied to
         queries and database.
       depth: ranking length read by the metrics (``map_depth`` of
         :func:`retrieval_metrics`; for revisited with a ScaNN backend the top-k kept,
         default 1,000). Shorter than the database: mAP is reported as a lower bound.
-      output_dir: where to write ``metrics.json`` and the figures.
+      output_dir: where to write ``metrics.json`` and the figures. ``metrics.json``
+        is written first, then each figure: a figure that cannot be drawn (matplotlib,
+        the ``viz`` extra, missing) is skipped with a warning, never the metrics.
       figures: write figures into ``output_dir`` (retrieval examples when a dataset
         of images was given; per-query AP for revisited).
       label_names: optional mapping label -> class name shown in the figures (e.g. a
@@ -236,6 +245,9 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
             or not 0 < target_recall <= 1):
         raise ValueError(f"`target_recall` must be in (0, 1] or None; received "
                          f"{target_recall!r}.")
+    check_backend(backend)
+    if target_recall is None:
+        backend = resolve_backend(backend)  # "auto" without a target: exact
     db, db_labels, _ = _resolve(model_or_embeddings, dataset, labels, verbose, "database")
     model = None if isinstance(model_or_embeddings, (np.ndarray, str, os.PathLike)) or \
         hasattr(model_or_embeddings, "numpy") else model_or_embeddings
@@ -258,14 +270,15 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
         else:
             q = alpha_query_expansion(q, db, alpha=qe_alpha, k=qe_k)
 
-    figure_paths: list[str] = []
+    drawers = []  # the figures, drawn once metrics.json is written
     if output_dir:
         os.makedirs(output_dir, exist_ok=True)
 
     if protocol in _REVISITED:
-        metrics, details = _evaluate_revisited(q, db, gnd, ks, backend, depth, output_dir,
-                                               figures, figure_paths, target_recall,
+        metrics, details = _evaluate_revisited(q, db, gnd, ks, backend, depth, target_recall,
                                                **searcher_kwargs)
+        aps = details["per_query_ap_medium"]
+        drawers.append(("per-query AP", lambda: _per_query_ap_figure(aps, output_dir)))
     elif protocol == "gldv2":
         metrics, details = _evaluate_gldv2(q, db, gnd, ks, backend, target_recall,
                                            **searcher_kwargs)
@@ -282,22 +295,56 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
         else:
             metrics, details = _expanded_or_separate(q, q_labels, db, db_labels, query is None,
                                                      ks, searcher, depth, verbose)
-        if output_dir and figures and model is not None and _is_dataset(dataset):
-            figure_paths.append(_retrieval_figure(
+        if model is not None and _is_dataset(dataset):
+            drawers.append(("retrieval examples", lambda: _retrieval_figure(
                 searcher, db, db_labels, q, q_labels, dataset, query, output_dir,
-                num_examples, examples_k, label_names))
+                num_examples, examples_k, label_names)))
         details.pop("per_query", None)
         details["search"] = search_report(searcher, db, max(ks),
                                           q if query is not None else None)
     details["query_expansion"] = ({"alpha": qe_alpha, "k": qe_k} if query_expansion else None)
     details["whitening"] = whitening is not None
-    result = EvaluationResult(protocol, metrics, details, figure_paths)
+    result = EvaluationResult(protocol, metrics, details)
     if output_dir:
-        result.save_json(os.path.join(output_dir, "metrics.json"))
+        path = result.save_json(os.path.join(output_dir, "metrics.json"))
+        if figures and drawers:
+            result.figures = _draw(drawers)
+            if result.figures:  # metrics.json lists them
+                result.save_json(path)
     if verbose:
         with reporting():
             LOG.info("%s", result.table())
     return result
+
+
+def _draw(drawers) -> list[str]:
+    """Draw each figure; one that cannot be drawn is skipped with a warning (the
+    metrics are already written)."""
+    paths = []
+    for what, draw in drawers:
+        try:
+            paths.append(draw())
+        except MissingExtraError as err:
+            LOG.warning("warning: figure skipped (%s): %s", what, err)
+        except Exception as err:  # noqa: BLE001  (a figure never costs the metrics)
+            LOG.warning("warning: figure skipped (%s): %s: %s", what, type(err).__name__,
+                        err)
+    return paths
+
+
+def _per_query_ap_figure(aps, output_dir: str) -> str:
+    figures = _figures("the per-query AP figure")
+    return figures.plot_per_query_ap(
+        aps, os.path.join(output_dir, "per_query_ap_medium.png"),
+        title="revisited, medium protocol: per-query AP")
+
+
+def _figures(what: str):
+    """:mod:`tfaploss.evaluation.figures`, once matplotlib is known to import."""
+    extras.import_extra("viz", what, "matplotlib")
+    from tfaploss.evaluation import figures
+
+    return figures
 
 
 def _build(db, backend, target_recall, k, queries, searcher_kwargs, verbose=0):
@@ -323,8 +370,8 @@ def _expanded_or_separate(q, q_labels, db, db_labels, self_retrieval, ks, search
                              map_depth=depth, return_details=True, progress=bool(verbose))
 
 
-def _evaluate_revisited(q, db, gnd, ks, backend, depth, output_dir, figures, figure_paths,
-                        target_recall=None, **searcher_kwargs):
+def _evaluate_revisited(q, db, gnd, ks, backend, depth, target_recall=None,
+                        **searcher_kwargs):
     from tfaploss.evaluation.revisited import (
         PROTOCOLS as RPROTOCOLS,
     )
@@ -364,12 +411,6 @@ def _evaluate_revisited(q, db, gnd, ks, backend, depth, output_dir, figures, fig
                        search=search_report(searcher, db, max(ks), q))
         aps = revisited_per_query_ap(None, gnd, "medium", ranks=ranks)
     details["per_query_ap_medium"] = aps
-    if output_dir and figures:
-        from tfaploss.evaluation.figures import plot_per_query_ap
-
-        figure_paths.append(plot_per_query_ap(
-            aps, os.path.join(output_dir, "per_query_ap_medium.png"),
-            title="revisited, medium protocol: per-query AP"))
     return metrics, details
 
 
@@ -406,8 +447,7 @@ def _gather_images(dataset, wanted: np.ndarray) -> dict[int, np.ndarray]:
 
 def _retrieval_figure(searcher, db, db_labels, q, q_labels, dataset, query, output_dir,
                       num_examples, k, label_names=None):
-    from tfaploss.evaluation.figures import plot_retrieval_examples
-
+    figures = _figures("the retrieval-examples figure")
     self_mode = query is None
     queries = db if self_mode else q
     qlab = db_labels if self_mode else q_labels
@@ -420,7 +460,7 @@ def _retrieval_figure(searcher, db, db_labels, q, q_labels, dataset, query, outp
                                                       else np.zeros(0, np.int64)]))
     q_imgs = db_imgs if self_mode else _gather_images(query, chosen)
     path = os.path.join(output_dir, "retrieval_examples.png")
-    return plot_retrieval_examples(
+    return figures.plot_retrieval_examples(
         [q_imgs[int(i)] for i in chosen],
         [[db_imgs[int(j)] for j in row] for row in idx], rel, path, scores=scores,
         query_titles=[f"query {int(i)} ({_label_title(qlab[i], label_names)})"

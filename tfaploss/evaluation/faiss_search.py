@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from tfaploss import extras
 from tfaploss.evaluation.searchers import Searcher, _as_matrix
 
 LOG = logging.getLogger(__name__)
@@ -58,13 +59,9 @@ _QUERY_OVERHEAD = 20_000.0
 
 
 def import_faiss():
-    """``import faiss``, or an ImportError that says how to install it."""
-    try:
-        import faiss
-    except ImportError as err:
-        raise ImportError('the "faiss" search backend needs faiss, which is not installed: '
-                          'pip install "tfaploss[faiss]"') from err
-    return faiss
+    """``import faiss``, or a :class:`~tfaploss.extras.MissingExtraError` that says how to
+    install it."""
+    return extras.import_extra("faiss", 'the "faiss" search backend')
 
 
 def faiss_params(num_database: int, dim: int, kind: str = "ivf_flat") -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 The figure objects are created directly on a ``FigureCanvasAgg`` (no pyplot, no
 global backend switch), so this works headless and leaves the caller's matplotlib
-state alone.
+state alone. matplotlib is the ``viz`` extra; without it a figure raises
+:class:`~tfaploss.extras.MissingExtraError` with the install command.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tfaploss import extras
+
 GREEN = "#1a9850"
 RED = "#d73027"
 
 
 def _new_figure(width: float, height: float):
+    extras.import_extra("viz", "drawing a figure", "matplotlib")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from tfaploss.evaluation.searchers import BACKENDS, Searcher, _as_matrix, _check_exclude
+from tfaploss.evaluation.backend_choice import check_backend
+from tfaploss.evaluation.searchers import Searcher, _as_matrix, _check_exclude
 from tfaploss.evaluation.tuner import build_searcher
 
 # Rank entries (int64 + float32) materialised per query chunk.
@@ -242,8 +243,10 @@ def retrieval_metrics(query_embeddings, query_labels, db_embeddings=None, db_lab
       ks: cut-offs for ``recall@K``.
       backend: ``"exact"`` (blocked products; every positive is ranked among all
         scores, no sort of the whole ranking), ``"scann"`` (ScaNN brute force),
-        ``"scann_ah"`` (ScaNN tree + AH + reorder) or ``"faiss"`` (faiss, flat unless
-        ``searcher_kwargs`` name another kind). Ignored when ``searcher`` is given.
+        ``"scann_ah"`` (ScaNN tree + AH + reorder), ``"faiss"`` (faiss, flat unless
+        ``searcher_kwargs`` name another kind), or ``"auto"`` (exact without a target
+        recall, see :func:`~tfaploss.evaluation.backend_choice.resolve_backend`).
+        Ignored when ``searcher`` is given.
       map_depth: length of the ranking the metrics read. Default: the full ranking
         for ``"exact"``; ``max(max(ks), max R_q, 1000)`` (capped at the database
         size) for the ScaNN backends. ``map`` is a lower bound whenever the depth is
@@ -270,8 +273,7 @@ def retrieval_metrics(query_embeddings, query_labels, db_embeddings=None, db_lab
     query, then ``O(Q * depth)``.
     """
     ks = _check_ks(ks)
-    if backend not in BACKENDS:
-        raise ValueError(f"`backend` must be one of {BACKENDS}; received {backend!r}.")
+    check_backend(backend)
     queries = np.asarray(query_embeddings)
     if queries.ndim != 2:
         raise ValueError(f"`query_embeddings` must be 2-D; received shape {queries.shape}.")

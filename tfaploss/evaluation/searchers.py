@@ -42,6 +42,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from tfaploss import extras
+
 _METADATA_FILE = "searcher.json"
 _FORMAT_VERSION = 1
 _LOADERS: dict[str, type] = {}  # saved backend name -> the Searcher class that loads it
@@ -448,7 +450,8 @@ class ScannSearcher(Searcher):
         self._searcher = self._build(database)
 
     def _build(self, db):
-        import scann
+        scann = extras.import_extra(
+            "scann", f"ScaNN search (backend {self.backend!r}, or a tuned target_recall)")
 
         nn = max(1, min(self.num_neighbors, db.shape[0]))
         builder = scann.scann_ops_pybind.builder(db, nn, "dot_product")
@@ -536,7 +539,8 @@ class ScannSearcher(Searcher):
 
     @classmethod
     def _load(cls, directory, meta):
-        import scann  # noqa: F401  (puts scann_pybind on sys.path)
+        # importing scann puts scann_pybind on sys.path
+        extras.import_extra("scann", f"loading the ScaNN searcher of {directory!r}")
         from scann.scann_ops.py import scann_ops_pybind
 
         sub = os.path.join(directory, "scann")

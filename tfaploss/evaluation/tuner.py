@@ -57,7 +57,8 @@ k neighbours of all queries as k Q trials would be too narrow; we do not.
 :func:`build_searcher` is the one place that decides how a backend and a target recall
 combine: with a target, faiss is tuned for ``"faiss"`` and ScaNN for any other backend
 (exact search has recall 1, so asking for a recall asks for approximate search); without
-one, the backend is built as named.
+one, the backend is built as named. ``"auto"`` is first made a concrete backend
+(:func:`~tfaploss.evaluation.backend_choice.resolve_backend`).
 
 The tuned searcher carries its report as ``searcher.tuning`` (a JSON-able dict), and
 :func:`search_report` gives the same description for any searcher (exact: recall 1 by
@@ -77,8 +78,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from tfaploss.evaluation.faiss_search import FaissSearcher, FaissSpace
+from tfaploss.evaluation.backend_choice import AUTO, auto_record, resolve_backend
 from tfaploss.evaluation.searchers import (
-    BACKENDS,
     ExactSearcher,
     ScannSearcher,
     Searcher,
@@ -346,15 +347,17 @@ def search_report(searcher: Searcher | None, database, k: int, queries=None,
     A tuned searcher reports what the tuner measured; exact search reports recall 1;
     any other searcher is measured on a sample (:func:`measure_recall`).
     """
+    # What backend="auto" chose and why, when it chose (build_searcher records it).
+    auto = {"auto": searcher.auto} if getattr(searcher, "auto", None) else {}
     if searcher is None or searcher.backend == "exact":
         tuning = getattr(searcher, "tuning", None)
-        return dict(tuning) if tuning else exact_report(k)
+        return {**(dict(tuning) if tuning else exact_report(k)), **auto}
     tuning = getattr(searcher, "tuning", None)
     if tuning:
-        return dict(tuning)
+        return {**dict(tuning), **auto}
     out = {"backend": searcher.backend, "setting": _describe_params(searcher), "tuned": False}
     out.update(measure_recall(searcher, database, k, queries, sample_size, seed))
-    return out
+    return {**out, **auto}
 
 
 def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=None, *,
@@ -548,7 +551,11 @@ def build_searcher(database, backend: str = "exact", *, target_recall: float | N
       database: (N, D) embeddings.
       backend: ``"exact"``, ``"scann"`` (ScaNN brute force), ``"scann_ah"`` (tree +
         AH + reorder) or ``"faiss"`` (:class:`FaissSearcher`, flat by default); see
-        :mod:`tfaploss.evaluation.searchers`.
+        :mod:`tfaploss.evaluation.searchers`. ``"auto"``
+        (:func:`~tfaploss.evaluation.backend_choice.resolve_backend`, which logs its
+        choice): exact search without ``target_recall``; with one, the best installed
+        searcher tuned to it (ScaNN, else faiss), else exact search (recall 1 meets
+        any target).
       target_recall: ``None``: build ``backend`` with ``kwargs``. A value in (0, 1]:
         tune faiss for ``"faiss"``, else ScaNN, whatever ``backend`` names (with
         ``"exact"`` too: exact search has recall 1, so a target asks for approximate
@@ -567,17 +574,24 @@ def build_searcher(database, backend: str = "exact", *, target_recall: float | N
         searcher = build_searcher(embeddings, "faiss", target_recall=0.95, k=10)
         indices, scores = searcher.search(queries, 10)
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"`backend` must be one of {BACKENDS}; received {backend!r}.")
+    requested, backend = backend, resolve_backend(backend, target_recall)
+    if requested == AUTO and backend == "exact" and target_recall is not None:
+        # nothing installed to tune: exact search meets the target (recall 1)
+        searcher = ExactSearcher(database)
+        searcher.auto = auto_record(requested, target_recall)
+        return searcher
     if target_recall is not None:
         searcher, _ = tune_searcher(database, target_recall, 10 if k is None else k,
                                     queries, backend="faiss" if backend == "faiss" else "scann",
                                     **kwargs)
+        searcher.auto = auto_record(requested, target_recall)
         return searcher
     if k is not None or queries is not None:
         raise ValueError("`k` and `queries` of build_searcher only apply with `target_recall`.")
     if backend == "exact":
-        return ExactSearcher(database, **kwargs)
+        searcher = ExactSearcher(database, **kwargs)
+        searcher.auto = auto_record(requested, target_recall)
+        return searcher
     if backend == "scann":
         return ScannSearcher(database, mode="brute_force", **kwargs)
     if backend == "faiss":

@@ -56,10 +56,12 @@ from tfaploss.config.schema import Config
 from tfaploss.durable import atomic, faults, locks
 from tfaploss.durable import run_dir as D
 from tfaploss.durable.checkpoints import DamagedRunError, RunBackup
+from tfaploss.extras import MissingExtraError
 from tfaploss.log import reporting
 from tfaploss.run import build as B
 from tfaploss.run import resume as R
 from tfaploss.run.devices import DevicePlan, plan_devices
+from tfaploss.run.needs import check_config_extras
 
 __all__ = ["DamagedRunError", "embed_split", "evaluate_split", "initial_model", "train"]
 
@@ -102,16 +104,24 @@ def evaluate_split(embedding_model, cfg: Config, path: str, max_images: int | No
     (as ``tfaploss evaluate`` does, see :func:`tfaploss.evaluation.build_searcher`),
     the metrics gain ``search_recall`` (the recall@k the tuner measured) and
     ``search``, when given, receives the whole search report (backend, setting, recall
-    and its interval).
+    and its interval). With ``evaluation.backend: auto`` ``search`` also receives what
+    it chose and why (``search["auto"]``).
     """
     from tfaploss.evaluation import build_searcher, retrieval_metrics
+    from tfaploss.evaluation.backend_choice import auto_record, resolve_backend
 
     embeddings, labels = embed_split(embedding_model, cfg, path, max_images)
     n = len(labels)
     ks = [k for k in cfg.evaluation.ks if k < n] or [1]
     target = cfg.evaluation.target_recall
     if target is None:
-        return retrieval_metrics(embeddings, labels, ks=ks, backend=cfg.evaluation.backend)
+        backend = resolve_backend(cfg.evaluation.backend)
+        auto = auto_record(cfg.evaluation.backend)
+        if search is not None and auto is not None:  # auto without a target: exact
+            from tfaploss.evaluation.tuner import exact_report
+
+            search.update({**exact_report(max(ks)), "auto": auto})
+        return retrieval_metrics(embeddings, labels, ks=ks, backend=backend)
     from tfaploss.evaluation.tuner import search_report
 
     searcher = build_searcher(embeddings, cfg.evaluation.backend, target_recall=target,
@@ -193,8 +203,15 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto",
     goes to the ``tfaploss.run.trainer`` logger at INFO, shown on stdout unless the
     application configured logging (:func:`tfaploss.log.reporting`); ``verbose`` is
     Keras's progress display (``model.fit``).
+
+    The optional parts the config needs (``evaluation.backend: scann`` needs ScaNN) are
+    checked first: a missing one raises :class:`~tfaploss.extras.MissingExtraError`
+    (with its install command) before anything is trained or written. One that fails
+    only at the final evaluation (installed, but broken) costs the final metrics,
+    never the model or summary.json: a warning says why.
     """
     with reporting():
+        check_config_extras(cfg)
         run_dir = Path(run_dir or cfg.run_dir)
         if run_dir != Path(cfg.run_dir):
             cfg = config_from_dict(cfg.to_dict(), [f"run_dir={run_dir}"], warn=False)
@@ -338,8 +355,15 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
         if cfg.data.test and cfg.evaluation.at_end:
             LOG.info("Evaluating on %s ...", cfg.data.test)
             final_search = {}
-            final = evaluate_split(embedding_model, cfg, cfg.data.test, search=final_search)
-            LOG.info("  %s", ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
+            try:
+                final = evaluate_split(embedding_model, cfg, cfg.data.test,
+                                       search=final_search)
+            except MissingExtraError as err:
+                # the model is saved: the summary is still written, without metrics
+                LOG.warning("warning: final evaluation skipped: %s", err)
+                final_search = {"skipped": str(err)}
+            else:
+                LOG.info("  %s", ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
     finally:
         devices_scope.close()
         keras.config.set_dtype_policy(policy)

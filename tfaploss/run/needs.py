@@ -1,0 +1,36 @@
+"""The optional parts (pip extras) a run config needs, checked before any training.
+
+``tfaploss train`` (:func:`tfaploss.run.trainer.train`), ``tfaploss evaluate --config``
+and ``tfaploss compare`` call :func:`check_config_extras` first, so that a recipe
+naming a missing extra stops at once with the install command
+(:class:`~tfaploss.extras.MissingExtraError`) rather than after a day of training.
+"""
+
+from __future__ import annotations
+
+from tfaploss import extras
+from tfaploss.config.schema import Config
+from tfaploss.evaluation.backend_choice import required_extra
+
+__all__ = ["check_config_extras", "config_extras"]
+
+
+def config_extras(cfg: Config) -> list[tuple[str, str]]:
+    """``(extra, what needs it)`` for every optional part ``cfg`` uses."""
+    needs = []
+    ev = cfg.evaluation
+    if cfg.data.test and (ev.at_end or ev.every_n_epochs):
+        need = required_extra(ev.backend, ev.target_recall, key="evaluation.backend")
+        if need is not None:
+            needs.append(need)
+    backbone = str(cfg.model.backbone)
+    if backbone.startswith("keras_hub:"):
+        needs.append(("hub", f"model.backbone: {backbone}"))
+    return needs
+
+
+def check_config_extras(cfg: Config) -> None:
+    """Raise :class:`~tfaploss.extras.MissingExtraError` for the first extra ``cfg``
+    needs that is not installed (nothing is imported)."""
+    for extra, needed_by in config_extras(cfg):
+        extras.require(extra, needed_by)
