@@ -330,13 +330,13 @@ def test_readme_keras_example_runs_as_written():
 
 def test_evaluate_progress_bar_knows_its_total_and_quiet_silences_it(
         trained_run, workspace, tmp_path, capsys, monkeypatch):
-    from tfaploss import cli
+    from tfaploss import cli, evaluate_command
 
     root, _ = workspace
     run_dir, _ = trained_run
     args = ["evaluate", "--model", str(run_dir / "model.keras"), "--data",
             str(root / "records" / "test"), "--ks", "1", "--batch-size", "5"]
-    monkeypatch.setattr(cli, "_is_terminal", lambda: True)  # as on a terminal
+    monkeypatch.setattr(evaluate_command, "is_terminal", lambda: True)  # as on a terminal
     assert cli.main([*args, "--out", str(tmp_path / "a")]) == 0
     printed = capsys.readouterr().out
     assert "Unknown" not in printed

@@ -142,3 +142,8 @@ def reporting(name: str = ROOT):
         logger.removeHandler(handler)
         logger.setLevel(logging.NOTSET)
         logger.propagate = propagate
+
+
+def is_terminal() -> bool:
+    """Progress bars (carriage returns, colour codes) only on a terminal, never in a log."""
+    return hasattr(sys.stdout, "isatty") and sys.stdout.isatty()

@@ -1,0 +1,220 @@
+"""``tfaploss evaluate``: retrieval metrics of a ``.keras`` model, an exported SavedModel,
+or a config's untrained model, on a split of TFRecords (the flags: :mod:`tfaploss.cli`);
+and how every command shows a config's notes (:func:`show_config_warnings`).
+
+Heavy imports (TensorFlow, Keras) happen inside the functions, so ``--help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from tfaploss.log import is_terminal
+
+
+def load_any_model(path: str):
+    """A callable images -> embeddings from a ``.keras`` file or an exported SavedModel.
+
+    Returns ``(callable, input_size)`` where ``input_size`` is the model's fixed square
+    input side, or None.
+    """
+    if os.path.isfile(path) and path.endswith(".keras"):
+        import keras
+
+        import models  # noqa: F401  (registers the custom layers)
+        import tfaploss.losses
+        import tfaploss.training
+
+        model = keras.saving.load_model(path, compile=False)
+        if isinstance(model, tfaploss.training.MultiStageModel):
+            model = model.embedding_model
+        shape = tuple(model.input_shape)
+        return model, (shape[1] if shape[1] is not None and shape[1] == shape[2] else None)
+    if os.path.isdir(path):
+        from tfaploss.export import find_saved_model, load_pixels_embedder
+
+        try:
+            version_dir = find_saved_model(path)
+        except FileNotFoundError:
+            raise SystemExit(f"error: --model {path!r} is neither a .keras file nor a "
+                             "SavedModel folder (no saved_model.pb, no version folders)"
+                             ) from None
+        return load_pixels_embedder(version_dir)
+    raise SystemExit(f"error: --model {path!r} does not exist or is not a .keras file / "
+                     "SavedModel folder")
+
+
+def describe_preprocessing(size: int | None) -> str:
+    """How ``make_eval_dataset`` turns a stored image into model input, in words."""
+    if size is None:
+        return ("each image whole, at its own size (no resize, no crop; one image per "
+                "batch)")
+    from tfaploss.data.augment import DEFAULT_CROP_FRACTION
+
+    resize = round(size / DEFAULT_CROP_FRACTION)  # tfaploss.data.center_crop's default
+    return (f"shorter side resized to {resize} px, then the centre {size}x{size} px kept: "
+            f"{resize - size} px of the shorter side and more of the longer one are cut "
+            "off at the borders (--image-size original embeds whole images)")
+
+
+def _eval_dataset(path: str, size: int | None, batch: int):
+    """``make_eval_dataset`` with its length set from manifest.json, so progress bars
+    show a total."""
+    import tensorflow as tf
+
+    from tfaploss.data import make_eval_dataset, read_manifest
+
+    dataset = make_eval_dataset(path, image_size=size, batch_size=batch)
+    # Only a split folder's own manifest counts its images (not one for a glob of files).
+    own = os.path.isdir(path) and os.path.isfile(os.path.join(path, "manifest.json"))
+    n = (read_manifest(path) or {}).get("num_images") if own else None
+    if isinstance(n, int) and n > 0:
+        dataset = dataset.apply(tf.data.experimental.assert_cardinality(-(-n // batch)))
+    return dataset, n
+
+
+def _parse_image_size(value, default):
+    if value in (None, ""):
+        return default
+    if value == "original":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"error: --image-size must be an integer or 'original'; "
+                         f"received {value!r}") from None
+
+
+def cmd_evaluate(args) -> int:
+    from tfaploss.data import read_manifest
+
+    if args.set and not args.config:
+        raise SystemExit("error: --set changes a run config; it needs --config")
+    cfg = None
+    if args.config:
+        from tfaploss.config import load_config
+
+        show_config_warnings()
+        cfg = load_config(args.config, args.set)
+        if args.data is None:
+            if not cfg.data.test:
+                raise SystemExit(f"error: {args.config} has no data.test; give --data")
+            args.data = cfg.data.test
+    elif args.data is None:
+        raise SystemExit("error: --data is required with --model (the split to evaluate)")
+
+    for name in ("data", "query"):
+        value = getattr(args, name)
+        if value is not None and not os.path.exists(value):
+            raise SystemExit(f"error: --{name} {value!r} does not exist (a split folder "
+                             "written by a pipelines job)")
+    if cfg is not None:
+        from tfaploss.run.trainer import initial_model
+
+        model = initial_model(cfg)
+        size = _parse_image_size(args.image_size, cfg.test_image_size)
+        what = f"the untrained model of {args.config} (what `tfaploss train` starts from)"
+        default_out = os.path.join(cfg.run_dir, "eval_untrained_")
+    else:
+        model, model_size = load_any_model(args.model)
+        size = _parse_image_size(args.image_size, model_size or 224)
+        what = args.model
+        default_out = os.path.join(os.path.dirname(os.path.abspath(args.model)), "eval_")
+    batch = args.batch_size if size else 1
+    ks = cfg.evaluation.ks if cfg is not None else None
+    if args.ks:
+        try:
+            ks = [int(k) for k in args.ks.split(",") if k.strip()]
+        except ValueError:
+            raise SystemExit(f"error: --ks must be comma-separated integers, e.g. 1,10,100; "
+                             f"received {args.ks!r}") from None
+    backend = args.backend or (cfg.evaluation.backend if cfg is not None else "auto")
+    target_recall = args.target_recall
+    if target_recall is None and cfg is not None:
+        target_recall = cfg.evaluation.target_recall
+    figures = _check_evaluate_extras(backend, target_recall,
+                                     "--backend" if args.backend or cfg is None
+                                     else "evaluation.backend")
+
+    database, n_db = _eval_dataset(args.data, size, batch)
+    query, n_q = _eval_dataset(args.query, size, batch) if args.query else (None, None)
+    out = args.out or default_out + os.path.basename(os.path.normpath(args.data))
+    print(f"tfaploss evaluate: {what}")
+    print(f"  data           {args.data}" + (f" ({n_db} images)" if n_db else "")
+          + (f", queries {args.query}" + (f" ({n_q} images)" if n_q else "")
+             if args.query else ", each image queries all the others"))
+    print(f"  protocol       {args.protocol}, "
+          + _describe_search(backend, target_recall)
+          + (f", ks {','.join(map(str, ks))}" if ks else ""))
+    print(f"  preprocessing  {describe_preprocessing(size)}", flush=True)
+
+    import tensorflow as tf
+
+    from tfaploss.evaluation import evaluate
+
+    progress = not args.quiet and is_terminal()
+    label_names = (read_manifest(args.data) or {}).get("label_map")
+    try:
+        result = evaluate(model, database, protocol=args.protocol, query=query,
+                          gnd=args.gnd, ks=ks, backend=backend, target_recall=target_recall,
+                          output_dir=out, figures=figures,
+                          label_names=label_names, verbose=1 if progress else 0)
+    except tf.errors.FailedPreconditionError as err:
+        raise SystemExit(f"error: a split holds another number of images than its "
+                         f"manifest.json says ({err.message.splitlines()[0]}); write it "
+                         "again with its pipelines job") from None
+    if not progress:
+        print(result.table())
+    print(f"\nWrote {os.path.join(out, 'metrics.json')}"
+          + (f" and {len(result.figures)} figure(s)" if result.figures else ""))
+    return 0
+
+
+def _check_evaluate_extras(backend: str, target_recall, key: str) -> bool:
+    """Before any embedding: the search's extra must be installed (else
+    MissingExtraError); returns whether figures can be drawn (without matplotlib they
+    are skipped, with a warning: metrics.json is written all the same)."""
+    from tfaploss import extras
+    from tfaploss.evaluation.backend_choice import required_extra
+
+    need = required_extra(backend, target_recall, key=key)
+    if need is not None:
+        extras.require(*need)
+    if not extras.installed("viz"):
+        print(f"warning: {extras.MissingExtraError('viz', 'drawing the figures')}; "
+              "skipping them (metrics.json is written as usual)", file=sys.stderr)
+        return False
+    return True
+
+
+def _describe_search(backend: str, target_recall) -> str:
+    """The search of the header line; for auto, what it chose (logged too)."""
+    from tfaploss.evaluation.backend_choice import resolve_backend
+
+    chosen = resolve_backend(backend, target_recall)
+    if target_recall is None:
+        return f"{chosen} search" + (" (auto)" if backend == "auto" else "")
+    if backend == "auto" and chosen == "exact":
+        return (f"exact search (auto: no tuned searcher installed; exact meets recall >= "
+                f"{target_recall:g})")
+    name = "ScaNN" if chosen in ("exact", "scann", "scann_ah") else chosen
+    return (f"{name} search tuned to recall >= {target_recall:g} (exact when no setting "
+            "beats it)")
+
+
+def show_config_warnings() -> None:
+    """Show :class:`~tfaploss.config.ConfigWarning`s as ``note: ...`` lines on stderr, other warnings as
+    Python formats them: how every command presents a config's notes."""
+    import warnings
+
+    from tfaploss.config import ConfigWarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, ConfigWarning):
+            print(f"note: {message}", file=sys.stderr)
+        else:
+            print(warnings.formatwarning(message, category, filename, lineno, line),
+                  file=sys.stderr, end="")
+
+    warnings.showwarning = show
