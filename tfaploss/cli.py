@@ -199,8 +199,8 @@ def _add_export(sub):
         description=textwrap.dedent("""\
             Export a trained model as a TF Serving SavedModel in OUT/<version>/.
 
-            Signatures: serving_default takes encoded images (JPEG/PNG, input
-            'image_bytes', so the REST API accepts {"b64": ...}) and returns
+            Signatures: serving_default takes encoded images (JPEG, PNG, GIF, BMP or
+            WebP, input 'image_bytes', so the REST API accepts {"b64": ...}) and returns
             {"embedding": float32 [N, D]}; embed_pixels takes float RGB pixels.
             Serve it with:
               tensorflow_model_server --rest_api_port=8501 \\

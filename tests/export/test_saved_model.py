@@ -317,3 +317,23 @@ def test_readme_warns_to_load_only_trusted_models():
     paragraph = warning[1].split("\n\n", 1)[0]
     assert "tfaploss evaluate" in paragraph and "pipelines.embed" in paragraph
     assert "SavedModel" in paragraph and "run other code" in paragraph
+
+
+def test_the_image_formats_are_listed_alike():
+    """``export --help``, the export docstring and docs/serving.md name the formats the
+    signature decodes, in one wording."""
+    import re
+
+    from tfaploss import cli
+    from tfaploss.export import saved_model
+    from tfaploss.export.image_ops import IMAGE_FORMATS
+
+    wording = ", ".join(IMAGE_FORMATS[:-1]) + " or " + IMAGE_FORMATS[-1]
+    parser = cli.build_parser()
+    export = parser._subparsers._group_actions[0].choices["export"]
+    texts = {"export --help": export.format_help(),
+             "export_saved_model": saved_model.export_saved_model.__doc__,
+             "docs/serving.md": (Path(__file__).resolve().parents[2] / "docs" / "serving.md")
+             .read_text(encoding="utf-8")}
+    for where, text in texts.items():
+        assert wording in re.sub(r"\s+", " ", text), where

@@ -17,6 +17,8 @@ from tfaploss.data.augment import DEFAULT_CROP_FRACTION  # served as evaluated
 # ~1024 px: clients should downscale anything larger. Without a limit a 285 KB PNG
 # declaring 10000 x 10000 costs 1.3 GB, and a 30000² one kills the server.
 DEFAULT_MAX_PIXELS = 40_000_000
+# What the serving signature decodes (tf.io.decode_image), as the docs and --help list it.
+IMAGE_FORMATS = ("JPEG", "PNG", "GIF", "BMP", "WebP")
 
 
 def _check_image_size(image_size):

@@ -108,8 +108,8 @@ def export_saved_model(
 
     Signatures (``saved_model_cli show --dir path/<version> --all`` lists them):
 
-    - ``serving_default``: ``image_bytes`` string ``[None]`` (encoded JPEG, PNG, GIF or
-      BMP files; the ``_bytes`` suffix lets TF Serving's REST API take
+    - ``serving_default``: ``image_bytes`` string ``[None]`` (encoded JPEG, PNG, GIF, BMP or
+      WebP files; the ``_bytes`` suffix lets TF Serving's REST API take
       ``{"b64": ...}``) -> ``{"embedding": float32 [None, D]}``. Each image is decoded
       to RGB and preprocessed like evaluation: resized keeping its aspect so that
       ``image_size`` covers ``crop_fraction`` of the short side (224 / 0.875 = 256),
