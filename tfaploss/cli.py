@@ -552,6 +552,11 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as err:
+        # SIGTERM / Ctrl-C during training: checkpointed; the shell's status of the signal.
+        preemption = sys.modules.get("tfaploss.durable.preemption")
+        if preemption is not None and isinstance(err, preemption.Preempted):
+            print(f"tfaploss: {err}", file=sys.stderr)
+            return err.status
         guards = sys.modules.get("tfaploss.training.guards")  # loaded if training ran
         if guards is not None and isinstance(err, guards.NonFiniteTrainingError):
             print(f"error: {err}", file=sys.stderr)

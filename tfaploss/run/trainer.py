@@ -58,6 +58,7 @@ from tfaploss.durable import run_dir as D
 from tfaploss.durable.checkpoints import DamagedRunError, RunBackup
 from tfaploss.log import reporting
 from tfaploss.run import build as B
+from tfaploss.run import preemption
 from tfaploss.run import resume as R
 from tfaploss.run.devices import DevicePlan, plan_devices
 
@@ -288,8 +289,11 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
         if not model.built:
             model.build((None, *cfg.image_shape, 3))
         start_epoch = backup.restore(model, state.checkpoint) if resuming else 0
+        start_step = state.step[0] if state.step[0] < steps else 0  # steps changed: epoch
+        if start_step:  # a preempted run's step checkpoint, taken after that epoch
+            backup.restore(model, (start_epoch, state.step[1]))
         updates = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
-        if updates != start_epoch * steps:
+        if updates != start_epoch * steps + start_step:
             LOG.warning("warning: the checkpoint of epoch %d holds %d optimizer updates, not "
                         "%d x %d steps per epoch; did the training split change? "
                         "Continuing from it.", start_epoch, updates, start_epoch, steps)
@@ -298,7 +302,6 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
             # callbacks read variables outside its scope (inside it, reading a
             # sync-on-read variable as an array fails).
             devices_scope.close()
-        dataset = B.build_train_dataset(cfg, seed_offset=start_epoch)
 
         LOG.info("%s", _describe_run(cfg, steps, chunk, embedding_model, resuming,
                                      start_epoch, plan))
@@ -318,10 +321,10 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
             keras.callbacks.TensorBoard(log_dir=str(run_dir / "logs"), write_graph=False),
             EpochCheckpoint(backup),  # last: it saves what every other callback has seen
         ]
-        if start_epoch < cfg.training.epochs:
-            model.fit(dataset, epochs=cfg.training.epochs, initial_epoch=start_epoch,
-                      steps_per_epoch=steps, callbacks=callbacks, verbose=verbose,
-                      shuffle=False)
+        if start_epoch < cfg.training.epochs:  # SIGTERM, SIGINT: a step checkpoint, stop
+            preemption.fit(model, cfg, steps=steps, start_epoch=start_epoch,
+                           start_step=start_step, backup=backup, callbacks=callbacks,
+                           verbose=verbose)
         train_seconds = time.time() - started
         stopped = monitor.stopped if monitor is not None else None
         if stopped is not None:
