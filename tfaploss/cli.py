@@ -21,6 +21,7 @@ the command name (``tfaploss --quiet train ...`` = ``tfaploss train ... --quiet`
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -557,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
         if preemption is not None and isinstance(err, preemption.Preempted):
             print(f"tfaploss: {err}", file=sys.stderr)
             return err.status
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            print(f"error: {err}", file=sys.stderr)  # a full disk: one line, no traceback
+            return 2
         guards = sys.modules.get("tfaploss.training.guards")  # loaded if training ran
         if guards is not None and isinstance(err, guards.NonFiniteTrainingError):
             print(f"error: {err}", file=sys.stderr)

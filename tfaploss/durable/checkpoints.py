@@ -158,7 +158,7 @@ class RunBackup:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.checkpoint_path(epoch)
         atomic_write(path, lambda tmp: model.save_weights(tmp), fault="checkpoint",
-                     epoch=epoch)
+                     epoch=epoch, needed=self.expected_bytes())
         record = {"epoch": epoch, "file": path.name, "bytes": path.stat().st_size,
                   "sha256": sha256_of(path), **(extra or {})}
         atomic_write_json(self.index_path, {"format": 1, "latest": record},
@@ -170,6 +170,13 @@ class RunBackup:
         self._remove_steps()  # superseded: this epoch is complete
         faults.point("after_checkpoint", epoch)
         return path
+
+    def expected_bytes(self) -> int | None:
+        """What the next checkpoint will take: the newest one's size x 1.2 (the same
+        variables; HDF5's overhead varies a little), None before the first."""
+        sizes = [p.stat().st_size for p in [*self.checkpoints().values(),
+                                            *self.steps().values()]]
+        return int(max(sizes) * 1.2) + 4096 if sizes else None
 
     # -- step checkpoints (preemption) ---------------------------------------------------
 
@@ -210,7 +217,7 @@ class RunBackup:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.step_path(epoch, step)
         atomic_write(path, lambda tmp: model.save_weights(tmp), fault="step_checkpoint",
-                     epoch=epoch)
+                     epoch=epoch, needed=self.expected_bytes())
         record = {"epoch": epoch, "step": step, "file": path.name,
                   "bytes": path.stat().st_size, "sha256": sha256_of(path), **(extra or {})}
         atomic_write_json(self.step_index_path, {"format": 1, "latest": record},

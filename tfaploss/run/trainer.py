@@ -264,7 +264,8 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
     B.check_data(cfg)
     resuming = state.resuming
     atomic.atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(),
-                                                                 sort_keys=False))
+                                                                 sort_keys=False),
+                             fault="config")
     steps = B.steps_per_epoch(cfg)
     epochs_log = run_dir / "epochs.jsonl"
     _repair_epoch_log(epochs_log)
@@ -336,7 +337,8 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
             LOG.info("BatchNorm statistics re-estimated on %d training images "
                      "(model.precise_bn_images)", cfg.model.precise_bn_images)
         check_finite_weights(embedding_model, str(model_path))
-        atomic.atomic_write(model_path, embedding_model.save, fault="model")
+        atomic.atomic_write(model_path, embedding_model.save, fault="model",
+                            needed=backup.expected_bytes())  # weights + optimizer: above
         final, final_search = None, None
         if cfg.data.test and cfg.evaluation.at_end:
             LOG.info("Evaluating on %s ...", cfg.data.test)
