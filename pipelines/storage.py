@@ -13,18 +13,23 @@ one back if a crash fell between the two renames. On object stores, where folder
 cannot be renamed, the old manifest is deleted first and the new one written last, so
 a manifest never describes records that are not there.
 
-Fault point (:mod:`tfaploss.durable.faults`): ``publish``, between the two renames.
+A full disk raises :class:`tfaploss.durable.atomic.DiskFullError` (the file, the bytes
+it needed); the partial temporary file is removed.
+
+Fault points (:mod:`tfaploss.durable.faults`): ``publish``, between the two renames;
+``storage_enospc``, a :func:`write_atomic` failing as on a full disk.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
 import shutil
 import uuid
 
-from tfaploss.durable import faults
+from tfaploss.durable import atomic, faults
 
 
 def is_url(path: str) -> bool:
@@ -121,12 +126,21 @@ def write_atomic(path: str, data: bytes | str, *, durable: bool = True) -> None:
             f.write(data)
         _fs().rename([tmp], [path])
         return
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if durable:
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+            faults.no_space("storage_enospc", path=tmp)
+            if durable:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)  # a partial file would keep the disk full
+        if atomic.is_disk_full(err) and not isinstance(err, atomic.DiskFullError):
+            raise atomic.DiskFullError(path, len(data),
+                                       atomic.free_bytes(os.path.dirname(path) or ".")) from None
+        raise
 
 
 def write_json(path: str, obj, **kwargs) -> None:

@@ -21,6 +21,7 @@ the command name (``tfaploss --quiet train ...`` = ``tfaploss train ... --quiet`
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -405,6 +406,14 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as err:
+        # SIGTERM / Ctrl-C during training: checkpointed; the shell's status of the signal.
+        preemption = sys.modules.get("tfaploss.durable.preemption")
+        if preemption is not None and isinstance(err, preemption.Preempted):
+            print(f"tfaploss: {err}", file=sys.stderr)
+            return err.status
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            print(f"error: {err}", file=sys.stderr)  # a full disk: one line, no traceback
+            return 2
         guards = sys.modules.get("tfaploss.training.guards")  # loaded if training ran
         if guards is not None and isinstance(err, guards.NonFiniteTrainingError):
             print(f"error: {err}", file=sys.stderr)

@@ -8,16 +8,25 @@ itself survives a power cut. A reader therefore sees either the old complete fil
 the new complete file, never a torn one. A kill leaves at most a temporary file
 (:func:`is_temp_name`), which :func:`remove_temp_files` deletes.
 
+A full disk is one error, :class:`DiskFullError` (an ``OSError`` with ``errno.ENOSPC``)
+naming the file and, where known, the space needed: the temporary file is removed, the
+previous file stays. Given ``needed``, the free space is checked before writing, since
+h5py can die by a signal (not an exception) when the disk fills during a ``.keras`` or
+``.h5`` save.
+
 Fault points ``<fault>_write`` and ``<fault>_rename`` (:mod:`tfaploss.durable.faults`)
-let the crash tests kill a write at either step.
+let the crash tests kill a write at either step; ``<fault>_enospc`` makes the write
+fail as a full disk does, its temporary file half-written.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,29 +67,94 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+class DiskFullError(OSError):
+    """No space left for ``path``: ``needed`` bytes (None: unknown), ``free`` bytes
+    free on its file system when the write failed or was refused (None: unknown).
+
+    Nothing was written: the temporary file is removed and the previous file, if any,
+    is intact; the same command, once space is freed, resumes or finishes.
+    """
+
+    def __init__(self, path, needed: int | None = None, free: int | None = None):
+        self.path, self.needed, self.free = str(path), needed, free
+        need = f"about {_size(needed)} needed" if needed else "the space needed is unknown"
+        have = f", {_size(free)} free" if free is not None else ""
+        super().__init__(errno.ENOSPC, f"no space left on the device to write {self.path} "
+                         f"({need}{have}); nothing was written there. Free space (or use "
+                         "another folder) and run the same command again")
+
+    def __str__(self) -> str:
+        return self.strerror
+
+    def __reduce__(self):  # crosses process boundaries (Beam workers) intact
+        return type(self), (self.path, self.needed, self.free)
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def free_bytes(folder: str | os.PathLike) -> int | None:
+    """Bytes free for this user on ``folder``'s file system (None: unknown)."""
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether ``err`` says the disk is full (h5py's errors carry the text, not errno)."""
+    return isinstance(err, OSError) and (
+        err.errno in (errno.ENOSPC, errno.EDQUOT)
+        or "No space left on device" in str(err) or "Disk quota exceeded" in str(err))
+
+
+def check_space(path: str | os.PathLike, needed: int | None) -> None:
+    """Raise :class:`DiskFullError` when ``path``'s folder has less than ``needed``
+    bytes free (no-op when ``needed`` or the free space is unknown)."""
+    if not needed:
+        return
+    free = free_bytes(Path(path).parent)
+    if free is not None and free < needed:
+        raise DiskFullError(path, needed, free)
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[str], object], *,
-                 fault: str | None = None, epoch: int | None = None) -> Path:
+                 fault: str | None = None, epoch: int | None = None,
+                 needed: int | None = None) -> Path:
     """Create ``path`` through ``write(temp_path)``, all or nothing.
 
     ``write`` receives a temporary path in the same folder; the file is fsynced and
     renamed over ``path``. If ``write`` raises, the temporary file is removed and the
     previous ``path`` (if any) is untouched. ``fault`` names the fault points
-    ``<fault>_write`` and ``<fault>_rename`` (:mod:`tfaploss.durable.faults`). Returns ``path``.
+    ``<fault>_write``, ``<fault>_rename`` and ``<fault>_enospc``
+    (:mod:`tfaploss.durable.faults`). ``needed``: the bytes the file is expected to
+    take (e.g. the previous checkpoint's size x 1.2), checked free before writing.
+    Raises :class:`DiskFullError` when the disk is full. Returns ``path``.
     """
     path = Path(path)
     tmp = temp_name(path)
     try:
+        check_space(path, needed)
         write(str(tmp))
+        if fault:
+            faults.no_space(f"{fault}_enospc", epoch, path=tmp)
         _fsync_file(tmp)
         if fault:
             faults.point(f"{fault}_write", epoch, path=tmp)
             faults.point(f"{fault}_rename", epoch)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         try:
             os.remove(tmp)
         except OSError:
             pass
+        if is_disk_full(err) and not isinstance(err, DiskFullError):
+            raise DiskFullError(path, needed, free_bytes(path.parent)) from None
         raise
     fsync_dir(path.parent)
     return path

@@ -58,6 +58,10 @@ LOG = logging.getLogger(__name__)
 
 _CHECKPOINT_RE = re.compile(r"^epoch-(\d{4,})\.weights\.h5$")
 INDEX_NAME = "checkpoint.json"
+# A step checkpoint, written when the run is preempted mid-epoch: epoch E in progress,
+# S of its batches done. At most one is kept; an epoch checkpoint supersedes it.
+_STEP_RE = re.compile(r"^partial-epoch-(\d{4,})-step-(\d{6,})\.weights\.h5$")
+STEP_INDEX_NAME = "step.json"
 TRASH_PREFIX = ".backup-trash-"  # a finished run's backup, renamed aside to be deleted
 
 
@@ -154,7 +158,7 @@ class RunBackup:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.checkpoint_path(epoch)
         atomic_write(path, lambda tmp: model.save_weights(tmp), fault="checkpoint",
-                     epoch=epoch)
+                     epoch=epoch, needed=self.expected_bytes())
         record = {"epoch": epoch, "file": path.name, "bytes": path.stat().st_size,
                   "sha256": sha256_of(path), **(extra or {})}
         atomic_write_json(self.index_path, {"format": 1, "latest": record},
@@ -163,8 +167,107 @@ class RunBackup:
         for older, old_path in self.checkpoints().items():
             if older != epoch:
                 old_path.unlink()
+        self._remove_steps()  # superseded: this epoch is complete
         faults.point("after_checkpoint", epoch)
         return path
+
+    def expected_bytes(self) -> int | None:
+        """What the next checkpoint will take: the newest one's size x 1.2 (the same
+        variables; HDF5's overhead varies a little), None before the first."""
+        sizes = [p.stat().st_size for p in [*self.checkpoints().values(),
+                                            *self.steps().values()]]
+        return int(max(sizes) * 1.2) + 4096 if sizes else None
+
+    # -- step checkpoints (preemption) ---------------------------------------------------
+
+    def step_path(self, epoch: int, step: int) -> Path:
+        """The step checkpoint of ``step`` batches done in epoch ``epoch`` (1-based)."""
+        return self.directory / f"partial-epoch-{epoch:04d}-step-{step:06d}.weights.h5"
+
+    @property
+    def step_index_path(self) -> Path:
+        return self.directory / STEP_INDEX_NAME
+
+    def steps(self) -> dict[tuple[int, int], Path]:
+        """Step checkpoint files, by (epoch in progress, batches done), newest last."""
+        if not self.directory.is_dir():
+            return {}
+        found = {}
+        for entry in self.directory.iterdir():
+            match = _STEP_RE.match(entry.name)
+            if match and entry.is_file():
+                found[int(match.group(1)), int(match.group(2))] = entry
+        return dict(sorted(found.items()))
+
+    def _remove_steps(self, keep: Path | None = None) -> list[str]:
+        removed = []
+        for path in self.steps().values():
+            if path != keep:
+                path.unlink()
+                removed.append(path.name)
+        if keep is None and self.step_index_path.is_file():
+            self.step_index_path.unlink()
+            removed.append(self.step_index_path.name)
+        return removed
+
+    def save_step(self, model, epoch: int, step: int, extra: dict | None = None) -> Path:
+        """Checkpoint ``model`` after ``step`` batches of epoch ``epoch`` (1-based; the
+        epochs before it are complete): what a preempted run resumes from. Replaces
+        any older step checkpoint; the epoch checkpoints are left as they are."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.step_path(epoch, step)
+        atomic_write(path, lambda tmp: model.save_weights(tmp), fault="step_checkpoint",
+                     epoch=epoch, needed=self.expected_bytes())
+        record = {"epoch": epoch, "step": step, "file": path.name,
+                  "bytes": path.stat().st_size, "sha256": sha256_of(path), **(extra or {})}
+        atomic_write_json(self.step_index_path, {"format": 1, "latest": record},
+                          fault="step_metadata", epoch=epoch)
+        self._remove_steps(keep=path)
+        return path
+
+    def _read_step_index(self) -> dict | None:
+        try:
+            with open(self.step_index_path, encoding="utf-8") as f:
+                latest = json.load(f)["latest"]
+            return {k: latest[k] for k in ("epoch", "step", "file", "bytes", "sha256")}
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+            return None  # missing or torn: the file itself is checked instead
+
+    def find_step(self, done: int) -> tuple[int, Path | None]:
+        """``(step, path)`` of the step checkpoint of epoch ``done + 1`` (``done``: the
+        newest complete epoch checkpoint's epoch, 0 for none), checked complete;
+        ``(0, None)`` if there is none. Step checkpoints of earlier epochs (an epoch
+        checkpoint superseded them; a kill came before they were deleted) are removed
+        with a note. Raises :class:`DamagedRunError` when the step checkpoint is
+        damaged, or is of a later epoch than the epoch checkpoints account for."""
+        found = self.steps()
+        stale = [p for (e, _), p in found.items() if e <= done]
+        for path in stale:
+            path.unlink()
+        if stale:
+            self.log(f"note: removed {len(stale)} step checkpoint(s) that the checkpoint "
+                     f"of epoch {done} supersedes: {', '.join(p.name for p in stale)}")
+        current = {s: p for (e, s), p in found.items() if e == done + 1}
+        later = [p for (e, _), p in found.items() if e > done + 1]
+        if later:
+            raise DamagedRunError(
+                later[-1], f"is a step checkpoint of a later epoch than the newest epoch "
+                f"checkpoint ({done or 'none'}) accounts for (the checkpoints between "
+                "are missing)", f"put back the missing checkpoints, or remove it and "
+                f"{self.step_index_path.name}")
+        if not current:
+            if self.step_index_path.is_file():
+                self.step_index_path.unlink()
+            return 0, None
+        step = max(current)
+        path = current[step]
+        latest = self._read_step_index()
+        problem = self._problem(path, latest if latest and latest["file"] == path.name
+                                else None)
+        if problem is not None:
+            raise DamagedRunError(path, problem, f"remove it and {self.step_index_path.name} "
+                                  f"to resume from the start of epoch {done + 1}")
+        return step, path
 
     # -- restore -------------------------------------------------------------------------
 

@@ -43,6 +43,12 @@ Fault points of a training run (:mod:`tfaploss.run.trainer`,
 ``prune:E``              checkpoint E recorded, the previous one not yet deleted
 ``after_checkpoint:E``   checkpoint E saved and the previous one deleted
 ``backup_delete``        the finished run's backup renamed aside, not yet deleted
+``<file>_enospc:E``      does not kill: the write of that file (``checkpoint``,
+                         ``metadata``, ``step_checkpoint``, ``model``, ``summary``,
+                         ``config``, ``epochs``; Beam: ``storage``) fails with ENOSPC
+                         as on a full disk, its temporary file half-written
+``sigterm:E:B``,         does not kill: the process sends itself the signal after batch
+``sigint:E:B``           B of epoch E (:mod:`tfaploss.training.preemption`)
 ``nan_weights:E:B``      does not kill: sets the first trainable weight to NaN after
                          batch B of epoch E (tests the non-finite guard)
 ======================== ================================================================
@@ -171,6 +177,20 @@ def point(name: str, epoch: int | None = None, batch: int | None = None,
     where = name + (f" (epoch {epoch}" + (f", batch {batch}" if batch else "") + ")"
                     if epoch is not None else "")
     kill(item, where)
+
+
+def no_space(name: str, epoch: int | None = None, path=None) -> None:
+    """Raise ``OSError(ENOSPC)`` here if ``name`` is armed, as a write on a full disk
+    does; ``path`` (the file being written, if any) is first cut to half its size."""
+    if not _ARMED or requested(name, epoch) is None:
+        return
+    import errno
+
+    if path is not None and os.path.exists(path):
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+    LOG.warning("%s=%s: simulated full disk", ENV, name)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path) if path else None)
 
 
 def sigkill_self(item: str, where: str) -> None:

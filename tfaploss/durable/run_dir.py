@@ -59,11 +59,14 @@ _ROW_START = b'{"epoch": '  # every epoch row starts so (json.dumps, "epoch" fir
 @dataclass
 class RunState:
     """What :func:`inspect` found: a finished run's ``summary`` (nothing to do), or
-    whether there is a ``backup`` to resume from and its newest ``checkpoint``."""
+    whether there is a ``backup`` to resume from, its newest ``checkpoint`` and the
+    ``step`` checkpoint a preempted run left after it."""
 
     finished: dict | None = None
     resuming: bool = False
     checkpoint: tuple[int, Path | None] = (0, None)
+    # A preempted run's step checkpoint: (batches done of epoch checkpoint[0] + 1, path).
+    step: tuple[int, Path | None] = (0, None)
     rows: list[dict] = field(default_factory=list)
 
 
@@ -266,7 +269,8 @@ def inspect(run_dir: Path, epochs: int,
             + f", but the checkpoint {checkpoint[1]} is of epoch {done}: rows are missing "
             "(each epoch is logged before its checkpoint is written)",
             "put back the epoch log of this run")
-    return RunState(resuming=resuming, checkpoint=checkpoint, rows=rows)
+    step = backup.find_step(done) if resuming else (0, None)
+    return RunState(resuming=resuming, checkpoint=checkpoint, step=step, rows=rows)
 
 
 def _finished(run_dir: Path, epochs: int, check_config, summary: dict | None,

@@ -59,6 +59,7 @@ from tfaploss.durable.checkpoints import DamagedRunError, RunBackup
 from tfaploss.extras import MissingExtraError
 from tfaploss.log import reporting
 from tfaploss.run import build as B
+from tfaploss.run import preemption
 from tfaploss.run import resume as R
 from tfaploss.run.devices import DevicePlan, plan_devices
 from tfaploss.run.needs import check_config_extras
@@ -280,7 +281,8 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
     B.check_data(cfg)
     resuming = state.resuming
     atomic.atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(),
-                                                                 sort_keys=False))
+                                                                 sort_keys=False),
+                             fault="config")
     steps = B.steps_per_epoch(cfg)
     epochs_log = run_dir / "epochs.jsonl"
     _repair_epoch_log(epochs_log)
@@ -305,8 +307,11 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
         if not model.built:
             model.build((None, *cfg.image_shape, 3))
         start_epoch = backup.restore(model, state.checkpoint) if resuming else 0
+        start_step = state.step[0] if state.step[0] < steps else 0  # steps changed: epoch
+        if start_step:  # a preempted run's step checkpoint, taken after that epoch
+            backup.restore(model, (start_epoch, state.step[1]))
         updates = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
-        if updates != start_epoch * steps:
+        if updates != start_epoch * steps + start_step:
             LOG.warning("warning: the checkpoint of epoch %d holds %d optimizer updates, not "
                         "%d x %d steps per epoch; did the training split change? "
                         "Continuing from it.", start_epoch, updates, start_epoch, steps)
@@ -315,7 +320,6 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
             # callbacks read variables outside its scope (inside it, reading a
             # sync-on-read variable as an array fails).
             devices_scope.close()
-        dataset = B.build_train_dataset(cfg, seed_offset=start_epoch)
 
         LOG.info("%s", _describe_run(cfg, steps, chunk, embedding_model, resuming,
                                      start_epoch, plan))
@@ -335,10 +339,10 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
             keras.callbacks.TensorBoard(log_dir=str(run_dir / "logs"), write_graph=False),
             EpochCheckpoint(backup),  # last: it saves what every other callback has seen
         ]
-        if start_epoch < cfg.training.epochs:
-            model.fit(dataset, epochs=cfg.training.epochs, initial_epoch=start_epoch,
-                      steps_per_epoch=steps, callbacks=callbacks, verbose=verbose,
-                      shuffle=False)
+        if start_epoch < cfg.training.epochs:  # SIGTERM, SIGINT: a step checkpoint, stop
+            preemption.fit(model, cfg, steps=steps, start_epoch=start_epoch,
+                           start_step=start_step, backup=backup, callbacks=callbacks,
+                           verbose=verbose)
         train_seconds = time.time() - started
         stopped = monitor.stopped if monitor is not None else None
         if stopped is not None:
@@ -350,7 +354,8 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
             LOG.info("BatchNorm statistics re-estimated on %d training images "
                      "(model.precise_bn_images)", cfg.model.precise_bn_images)
         check_finite_weights(embedding_model, str(model_path))
-        atomic.atomic_write(model_path, embedding_model.save, fault="model")
+        atomic.atomic_write(model_path, embedding_model.save, fault="model",
+                            needed=backup.expected_bytes())  # weights + optimizer: above
         final, final_search = None, None
         if cfg.data.test and cfg.evaluation.at_end:
             LOG.info("Evaluating on %s ...", cfg.data.test)

@@ -25,6 +25,7 @@ from pathlib import Path
 import keras
 
 from tfaploss.durable import faults
+from tfaploss.durable.atomic import DiskFullError, free_bytes, is_disk_full
 from tfaploss.training.health import trace_columns
 
 __all__ = ["EpochCheckpoint", "EpochLogger", "FaultPoints", "RetrievalEvaluation",
@@ -126,10 +127,18 @@ class EpochLogger(keras.callbacks.Callback):
                 row["stopped_early"] = stop_summary(monitor.stopped)
             row["health_steps"] = finite(trace_columns(monitor.trace[self._traced:]))
             self._traced = len(monitor.trace)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row, allow_nan=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        line = json.dumps(row, allow_nan=False) + "\n"
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(line)
+                f.flush()
+                faults.no_space("epochs_enospc", epoch + 1)
+                os.fsync(f.fileno())
+        except OSError as err:  # a full disk: a cut line is dropped when the run resumes
+            if is_disk_full(err):
+                raise DiskFullError(self.path, len(line.encode()),
+                                    free_bytes(self.path.parent)) from None
+            raise
 
 
 class EpochCheckpoint(keras.callbacks.Callback):

@@ -1,0 +1,72 @@
+"""A run's batches, epoch by epoch, and ``fit`` that a preemption stops at a step.
+
+Each epoch's batches depend on ``(data.seed, epoch)`` only (:func:`epoch_batches`), so a
+run resumed at step S of epoch E (from the step checkpoint a SIGTERM or Ctrl-C left,
+:mod:`tfaploss.durable.preemption`) skips the S batches that epoch already trained and
+sees the rest in the order the interrupted run would have: its weights end equal to an
+uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tfaploss.config.schema import Config
+from tfaploss.durable.preemption import Preempted, SignalFlag
+from tfaploss.run import build as B
+
+__all__ = ["epoch_batches", "fit"]
+
+LOG = logging.getLogger(__name__)
+
+
+def epoch_batches(cfg: Config, steps: int, first: int, last: int, skip: int = 0):
+    """The batches of epochs ``first``..``last - 1`` (0-based), ``steps`` each, the
+    first ``skip`` batches of epoch ``first`` left out.
+
+    Epoch e reads the stream of :func:`tfaploss.run.build.build_train_dataset` with
+    ``seed_offset=e`` (what a run resumed at epoch e has always read). The epochs are
+    concatenated, so each one's pipeline starts only when the previous one ends.
+    """
+    import tensorflow as tf
+
+    ds = None
+    for epoch in range(first, last):
+        part = B.build_train_dataset(cfg, seed_offset=epoch)
+        part = part.skip(skip).take(steps - skip) if epoch == first else part.take(steps)
+        ds = part if ds is None else ds.concatenate(part)
+    return ds.prefetch(tf.data.AUTOTUNE) if ds is not None else None
+
+
+def fit(model, cfg: Config, *, steps: int, start_epoch: int, start_step: int, backup,
+        callbacks: list, verbose) -> None:
+    """``model.fit`` from epoch ``start_epoch`` (0-based), ``start_step`` batches of it
+    already done, to ``cfg.training.epochs``, stopping at SIGTERM or SIGINT.
+
+    A signal is handled at the end of the batch it arrives in: a step checkpoint is
+    saved (:class:`tfaploss.training.preemption.PreemptionCheckpoint`, added after
+    ``callbacks``) and :class:`~tfaploss.durable.preemption.Preempted` raised. The rest
+    of a partly trained epoch is one ``fit`` of ``steps - start_step`` batches (Keras
+    has no partial first epoch), the following epochs a second.
+    """
+    from tfaploss.training.preemption import PreemptionCheckpoint
+
+    epochs = cfg.training.epochs
+    with SignalFlag() as flag:
+        guard = PreemptionCheckpoint(flag, backup, steps, step_offset=start_step)
+        callbacks = [*callbacks, guard]
+        if start_step:
+            LOG.info("resuming epoch %d at step %d of %d (the batches before it are "
+                     "skipped)", start_epoch + 1, start_step + 1, steps)
+            model.fit(epoch_batches(cfg, steps, start_epoch, start_epoch + 1, start_step),
+                      epochs=start_epoch + 1, initial_epoch=start_epoch,
+                      steps_per_epoch=steps - start_step, callbacks=callbacks,
+                      verbose=verbose, shuffle=False)
+            start_epoch += 1
+            guard.step_offset = 0
+        if start_epoch < epochs and not model.stop_training:
+            model.fit(epoch_batches(cfg, steps, start_epoch, epochs), epochs=epochs,
+                      initial_epoch=start_epoch, steps_per_epoch=steps,
+                      callbacks=callbacks, verbose=verbose, shuffle=False)
+    if flag.signum is not None:  # between the last batch end and the end of fit
+        raise Preempted(flag.signum, epochs, 0, None, flag.seconds_since())

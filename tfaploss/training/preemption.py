@@ -1,0 +1,86 @@
+"""The callback that turns a preemption signal into a step checkpoint and a clean stop.
+
+:class:`tfaploss.durable.preemption.SignalFlag` records SIGTERM or SIGINT; this callback
+reads it at the end of each batch (never in the handler itself), saves model and
+optimizer with :meth:`~tfaploss.durable.checkpoints.RunBackup.save_step` and raises
+:class:`~tfaploss.durable.preemption.Preempted`. A signal that arrives during the last
+batch of an epoch, or during the epoch's evaluation, is handled after the epoch
+checkpoint instead (it is the step checkpoint then).
+
+Fault points (crash tests, :mod:`tfaploss.durable.faults`): ``sigterm:E:B`` and
+``sigint:E:B`` make the process send itself the signal after batch B of epoch E, a
+real signal through the real handler, at a step the test chooses.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import keras
+
+from tfaploss.durable import faults
+from tfaploss.durable.preemption import Preempted
+
+__all__ = ["PreemptionCheckpoint"]
+
+LOG = logging.getLogger(__name__)
+
+
+class PreemptionCheckpoint(keras.callbacks.Callback):
+    """Save a step checkpoint and stop when ``flag`` holds a signal.
+
+    Put it after :class:`~tfaploss.training.callbacks.EpochCheckpoint`: at an epoch's
+    end it stops only once that epoch's checkpoint is written.
+
+    Args:
+      flag: a :class:`~tfaploss.durable.preemption.SignalFlag`.
+      backup: the run's :class:`~tfaploss.durable.checkpoints.RunBackup`.
+      steps_per_epoch: batches per epoch.
+      step_offset: batches of the first epoch done before this ``fit`` began (a run
+        resumed from a step checkpoint trains the rest of that epoch in its own
+        ``fit``); the callback's caller sets it back to 0 for the next ``fit``.
+
+    Example::
+
+        with SignalFlag() as flag:
+            model.fit(ds, callbacks=[..., EpochCheckpoint(backup),
+                                     PreemptionCheckpoint(flag, backup, steps)])
+    """
+
+    def __init__(self, flag, backup, steps_per_epoch: int, step_offset: int = 0):
+        super().__init__()
+        self.flag = flag
+        self.backup = backup
+        self.steps_per_epoch = steps_per_epoch
+        self.step_offset = step_offset
+        self._epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = self.step_offset + batch + 1
+        if faults.active():
+            for name, signum in (("sigterm", signal.SIGTERM), ("sigint", signal.SIGINT)):
+                if faults.requested(name, self._epoch + 1, step):
+                    os.kill(os.getpid(), signum)
+        if self.flag.signum is None or step >= self.steps_per_epoch:
+            return  # the epoch's end handles a signal in its last batch
+        from tfaploss.training.guards import check_finite_weights
+
+        name = signal.Signals(self.flag.signum).name
+        LOG.warning("%s received: saving a checkpoint after step %d of epoch %d", name,
+                    step, self._epoch + 1)
+        check_finite_weights(self.model, "the step checkpoint")  # non-finite: no save
+        path = self.backup.save_step(self.model, self._epoch + 1, step, extra={
+            "updates": int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))})
+        raise Preempted(self.flag.signum, self._epoch, step, path,
+                        self.flag.seconds_since())
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.flag.signum is not None:
+            raise Preempted(self.flag.signum, epoch + 1, 0,
+                            self.backup.checkpoint_path(epoch + 1),
+                            self.flag.seconds_since())
