@@ -1,4 +1,5 @@
-"""The ``tfaploss verify`` command: a split's record files against its manifest.
+"""What ``tfaploss verify`` does (its arguments are in :mod:`tfaploss.cli`): a split's
+record files against its manifest, with a progress bar on a terminal.
 
     tfaploss verify data/sop/train             # sizes and CRC-32C of every shard
     tfaploss verify data/sop                   # every split folder below it
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from tfaploss.data import integrity as I
 
@@ -44,7 +46,9 @@ def command(args) -> int:
     splits = split_dirs(args.dir)
     total = sum(_total_bytes(s) for s in splits)
     bar = None
-    if not getattr(args, "quiet", False) and level != "sizes" and total:
+    # A bar only on a terminal (as the other commands): a log file gets the lines alone.
+    on_terminal = hasattr(sys.stdout, "isatty") and sys.stdout.isatty()
+    if on_terminal and not getattr(args, "quiet", False) and level != "sizes" and total:
         import keras
 
         bar = keras.utils.Progbar(max(1, total // (1 << 20)), unit_name="MiB")
