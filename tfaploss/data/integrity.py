@@ -521,16 +521,17 @@ def _first_line(err: BaseException) -> str:
 
 
 def locate(paths, err: BaseException | None = None, what: str = "",
-           ignore=frozenset()) -> DamagedDataError | None:
-    """Scan the splits ``paths`` (record by record, parsing each) for the damage behind
-    ``err``; the :class:`DamagedDataError` of the first damaged file, else None."""
+           ignore=frozenset(), level: str = "records") -> DamagedDataError | None:
+    """Scan the splits ``paths`` (record by record, parsing each; ``level="full"``:
+    the framing only) for the damage behind ``err``; the :class:`DamagedDataError` of
+    the first damaged file, else None."""
     for path in paths:
         if not path:
             continue
         split_dir = split_dir_of(path)
         if not os.path.isdir(split_dir):
             continue
-        report = check_split(split_dir, "records")
+        report = check_split(split_dir, level)
         damaged = [d for d in report.damaged if os.path.normpath(d.path) not in ignore]
         if damaged:
             for damage in damaged[1:]:
