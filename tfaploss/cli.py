@@ -506,9 +506,8 @@ def cmd_evaluate(args) -> int:
 
     import tensorflow as tf
 
-    from tfaploss.evaluation import evaluate
-
     from tfaploss.data.integrity import check_or_raise, reading
+    from tfaploss.evaluation import evaluate
 
     progress = not args.quiet and _is_terminal()
     label_names = (read_manifest(args.data) or {}).get("label_map")

@@ -24,8 +24,8 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from tests.support.miniature import write_split_records  # noqa: E402
-from tfaploss.data import integrity as I  # noqa: E402
+from tests.support.miniature import write_split_records
+from tfaploss.data import integrity as I
 
 SIZES = {0: 6, 1: 6, 2: 6, 3: 6}
 IMAGES = "images-00000-of-00001.tfrecord"

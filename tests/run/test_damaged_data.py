@@ -158,7 +158,7 @@ def test_skip_damaged_shards_trains_on_the_rest_and_says_so(workspace, tmp_path,
     run_dir = tmp_path / "run"
     rc = _main("train", "--config", config, "--set", f"data.train={split}",
                "--set", f"run_dir={run_dir}", "--skip-damaged-shards")
-    out, err = capsys.readouterr()
+    err = capsys.readouterr().err
     assert rc == 0, err
     assert "skipping 1 damaged file(s)" in err and shards[1].name in err
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -172,23 +172,23 @@ def test_skip_damaged_shards_trains_on_the_rest_and_says_so(workspace, tmp_path,
 
 @pytest.mark.slow
 def test_evaluate_and_train_in_a_subprocess_exit_2_without_traceback(workspace, tmp_path):
-    root, config = workspace
+    _, config = workspace
     split, shards = _copy(workspace, tmp_path)
     _flip_payload(shards[0])
     env_cmd = [sys.executable, "-m", "tfaploss.cli"]
     train = subprocess.run([*env_cmd, "train", "--config", str(config), "--set",
                             f"data.train={split}", "--set", f"run_dir={tmp_path / 'r'}",
                             "--verify-data", "off"],
-                           capture_output=True, text=True, timeout=300)
+                           capture_output=True, text=True, timeout=300, check=False)
     assert train.returncode == 2, train.stderr
     assert "Traceback" not in train.stderr and shards[0].name in train.stderr
     errors = [ln for ln in train.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, train.stderr
-    images = sorted(split.glob("images-*.tfrecord"))[0]  # what evaluation reads
+    images = min(split.glob("images-*.tfrecord"))  # what evaluation reads
     _flip_payload(images)
     evaluate = subprocess.run([*env_cmd, "evaluate", "--config", str(config), "--data",
                                str(split), "--image-size", "16"],
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=300, check=False)
     assert evaluate.returncode == 2, evaluate.stderr
     assert "Traceback" not in evaluate.stderr and images.name in evaluate.stderr
     assert "while evaluating" in evaluate.stderr

@@ -540,7 +540,7 @@ def locate(paths, err: BaseException | None = None, what: str = "",
     return None
 
 
-class reading:  # noqa: N801 - used as a context, like contextlib's
+class reading:
     """Turn a damaged record met inside the block into one :class:`DamagedDataError`.
 
     ``paths``: the splits the block reads (folders or globs). A ``DataLossError`` (a
