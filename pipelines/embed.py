@@ -374,8 +374,7 @@ def _embed(args, beam_argv, gfile, kind, inputs, final) -> dict:
          | "WriteFailures" >> beam.io.WriteToText(
              os.path.join(stage, DEAD_LETTERS), shard_name_template="",
              num_shards=1))
-    result = pipeline.run()
-    result.wait_until_finish()
+    result = _run_checked(pipeline, kind, inputs)
 
     dead_path = os.path.join(stage, DEAD_LETTERS)
     failures = []
@@ -404,6 +403,37 @@ def _embed(args, beam_argv, gfile, kind, inputs, final) -> dict:
             f"{len(failures)} of {total} inputs failed (more than --max_failure_fraction="
             f"{args.max_failure_fraction}); see {dead_path}", {"embed": manifest})
     return manifest
+
+
+def _run_checked(pipeline, kind, inputs):
+    """Run the pipeline; a damaged input record file (corrupt, truncated, not a
+    TFRecord file) ends it, before or during the run, with one DamagedDataError naming
+    the file, the record and the command that rebuilds it (a record that parses but
+    holds no image is a dead letter, as before)."""
+    from tfaploss.data import integrity
+
+    splits = sorted({integrity.split_dir_of(p) for p in inputs}) if kind == "tfrecord" else []
+    # One CRC pass over the inputs before the job: far cheaper than the inference that
+    # follows, and a damaged file is named before Beam logs its retries' tracebacks.
+    for split in splits:
+        if os.path.isfile(os.path.join(split, "manifest.json")):
+            integrity.check_or_raise(split, "full", layouts=("images",), what="embedding")
+    for path in inputs if kind == "tfrecord" else []:
+        if "://" not in path and not os.path.isfile(os.path.join(
+                integrity.split_dir_of(path), "manifest.json")):
+            _, damage = integrity.scan_shard(path)
+            if damage is not None:
+                raise integrity.damaged_error(integrity.split_dir_of(path), damage,
+                                              what="embedding")
+    try:
+        result = pipeline.run()
+        result.wait_until_finish()
+    except Exception:
+        found = integrity.locate(splits, what="embedding", level="full") if splits else None
+        if found is None:
+            raise
+        raise found from None
+    return result
 
 
 def _embedded_count(result, shards, output_dir) -> int:

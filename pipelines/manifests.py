@@ -18,6 +18,7 @@ import os
 from pipelines import storage
 from pipelines import tf_example as X
 from pipelines.plan import SplitPlan
+from tfaploss.data.integrity import manifest_checksums
 
 SCHEMA_VERSION = 1
 DEAD_LETTERS = "dead_letters.jsonl"
@@ -84,6 +85,10 @@ def finish_split(job: str, plan: SplitPlan, args, report: list[dict],
         "by_class": ({"shards": [f"by_class/{b}" for b in by_class],
                       "chunk_size": args.class_chunk_size} if by_class else None),
         "dead_letters": DEAD_LETTERS,
+        # Size, CRC-32C and records of each file, for `tfaploss verify` and the start-up
+        # check of `tfaploss train` (object stores: their own per-object checksums).
+        "checksums": (None if "://" in split_dir else manifest_checksums(
+            split_dir, shards + [f"by_class/{b}" for b in by_class])),
         "features": {k: v[0] for k, v in X.IMAGE_FEATURES.items()},
         "options": {k: getattr(args, k) for k in sorted(vars(args)) if not k.startswith("_")},
         **plan.extra,

@@ -110,6 +110,14 @@ def _add_train(sub):
                    help="start over at epoch 1 whatever the run directory holds (a "
                         "damaged, unfinished or finished run): its files are moved aside "
                         "into RUN_DIR/damaged-<time>/ or previous-<time>/, not deleted")
+    p.add_argument("--verify-data", choices=("sizes", "full", "off"), default="sizes",
+                   help="check the data against its manifest.json before the first step: "
+                        "sizes (default, no read), full (also every file's checksum: one "
+                        "read of the split) or off")
+    p.add_argument("--skip-damaged-shards", action="store_true",
+                   help="leave out damaged shards of the training split and go on (found "
+                        "by a full check at start-up; counted in summary.json) instead of "
+                        "stopping")
     _add_output_flags(p)
     p.set_defaults(func=cmd_train)
 
@@ -258,6 +266,27 @@ def _add_compare(sub):
     p.set_defaults(func=cmd_compare)
 
 
+def _add_verify(sub):
+    p = sub.add_parser(
+        "verify", formatter_class=_Formatter,
+        help="check a split's TFRecord files against its manifest (sizes, checksums)",
+        description=textwrap.dedent("""\
+            Check the record files of a split folder (or of every split folder below
+            DIR) against its manifest.json in one pass: each file's size and CRC-32C
+            and, with --records, every record (framing, features, labels among the
+            manifest's classes). A manifest without checksums (older pipelines): each
+            record's own CRCs. Exit 0 when all agree; 2 with one line per damaged
+            file and the command that rebuilds the split."""))
+    p.add_argument("dir", metavar="DIR",
+                   help="a split folder written by a pipelines job (OUT/train), or OUT")
+    p.add_argument("--records", action="store_true",
+                   help="also parse every record and check its features (slower)")
+    p.add_argument("--sizes-only", action="store_true",
+                   help="only sizes and file names against the manifest (no read)")
+    _add_output_flags(p)
+    p.set_defaults(func=cmd_verify)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tfaploss", formatter_class=_Formatter,
@@ -279,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_config(sub)
     _add_compare(sub)
+    _add_verify(sub)
     return parser
 
 
@@ -333,7 +363,8 @@ def cmd_train(args) -> int:
     check_config_extras(cfg)  # train() checks too; here before its run directory
 
     train(cfg, run_dir=args.run_dir, verbose=2 if args.quiet or not is_terminal() else 1,
-          restart=args.restart)
+          restart=args.restart, verify_data=args.verify_data,
+          skip_damaged=args.skip_damaged_shards)
     return 0
 
 
@@ -371,6 +402,12 @@ def cmd_compare(args) -> int:
 
     print(run(args))  # the report's tables: the command's result
     return 0
+
+
+def cmd_verify(args) -> int:
+    from tfaploss.data.verify import command
+
+    return command(args)
 
 
 def cmd_demo(args) -> int:
@@ -421,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
         # A damaged run directory, or one another run holds: like a config error.
         checkpoints = sys.modules.get("tfaploss.durable.checkpoints")
         locks = sys.modules.get("tfaploss.durable.locks")
+        integrity = sys.modules.get("tfaploss.data.integrity")  # a damaged record file
+        if integrity is not None and isinstance(err, integrity.DamagedDataError):
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         if ((checkpoints is not None and isinstance(err, checkpoints.DamagedRunError))
                 or (locks is not None and isinstance(err, locks.LockError))):
             print(f"error: {err}", file=sys.stderr)

@@ -155,11 +155,15 @@ def cmd_evaluate(args) -> int:
 
     progress = not args.quiet and is_terminal()
     label_names = (read_manifest(args.data) or {}).get("label_map")
+    for split in (args.data, args.query):
+        if split:
+            check_or_raise(split, "sizes", layouts=("images",), what="evaluating")
     try:
-        result = evaluate(model, database, protocol=args.protocol, query=query,
-                          gnd=args.gnd, ks=ks, backend=backend, target_recall=target_recall,
-                          output_dir=out, figures=figures,
-                          label_names=label_names, verbose=1 if progress else 0)
+        with reading(args.data, args.query, what="evaluating"):
+            result = evaluate(model, database, protocol=args.protocol, query=query,
+                              gnd=args.gnd, ks=ks, backend=backend,
+                              target_recall=target_recall, output_dir=out, figures=figures,
+                              label_names=label_names, verbose=1 if progress else 0)
     except tf.errors.FailedPreconditionError as err:
         raise SystemExit(f"error: a split holds another number of images than its "
                          f"manifest.json says ({err.message.splitlines()[0]}); write it "

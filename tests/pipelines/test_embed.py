@@ -152,3 +152,33 @@ def test_embed_rerun_killed_midway_keeps_the_previous_output(tmp_path, exported)
     _, labels, _ = load_embeddings(str(out))
     assert sorted(labels) == [0, 0, 0, 1, 1, 1]
     assert not (tmp_path / ".emb.incoming").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "jpeg"])
+def test_embed_on_a_damaged_shard_names_it_and_exits_2(tmp_path, exported, damage, capsys):
+    """A corrupt, truncated or foreign record file: one message naming the file and the
+    command that rebuilds it (from the split's manifest), exit 2."""
+    from tests.support.miniature import write_split_records
+    from tfaploss.data import integrity
+
+    split = tmp_path / "train"
+    manifest = write_split_records(str(split), {0: 3, 1: 3}, size=(20, 24))
+    manifest.update(job="pipelines.folder", split="train", options={"input_dir": "photos"},
+                    checksums=integrity.manifest_checksums(
+                        str(split), ["images-00000-of-00001.tfrecord"]))
+    (split / "manifest.json").write_text(json.dumps(manifest))
+    shard = split / "images-00000-of-00001.tfrecord"
+    data = shard.read_bytes()
+    if damage == "flipped":
+        data = data[:40] + bytes([data[40] ^ 0xFF]) + data[41:]
+        shard.write_bytes(data)
+    elif damage == "truncated":
+        shard.write_bytes(data[:len(data) // 2])
+    else:
+        shard.write_bytes(_jpeg((1, 2, 3), 0))
+    argv = ["--input", str(shard), "--model", exported, "--output", str(tmp_path / "emb")]
+    assert embed.main(argv) == 2
+    err = capsys.readouterr().err
+    assert str(shard) in err and "rebuild it: python -m pipelines.folder" in err
+    assert "Traceback" not in err and not (tmp_path / "emb").exists()

@@ -7,6 +7,7 @@ import logging
 import tensorflow as tf
 
 from tfaploss.data import augment as A
+from tfaploss.data import integrity as I
 from tfaploss.data import records as R
 from tfaploss.data import samplers as S
 
@@ -151,20 +152,21 @@ def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_
                          f"{label_levels!r}")
     A.normalize(tf.zeros([1, 1, 3]), normalize)  # validates `normalize` up front
     manifest = R.read_manifest(path)
+    labels = I.label_table(manifest)
     if sampler is None:
         files = R.split_files(path, "images")
         ds = tf.data.Dataset.from_tensor_slices(files).shuffle(len(files), seed=seed).repeat()
         ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=max(1, min(8, len(files))),
                            num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         ds = ds.shuffle(shuffle_buffer, seed=seed + 1).map(
-            R.parse_image_example, num_parallel_calls=tf.data.AUTOTUNE)
+            lambda r: R.parse_image_example(r, labels), num_parallel_calls=tf.data.AUTOTUNE)
         images = ds.map(lambda e: (e["encoded"], e["id"], _levels(e["label"], e["super_label"],
                                                                   label_levels)))
         batch = batch_size
     else:
         _validate_sampler(manifest, sampler, batch_size, m)
-        chunks = S.class_chunk_stream(R.split_files(path, "by_class"), seed=seed,
-                                      shuffle_buffer=shuffle_buffer)
+        chunks = S.class_chunk_stream(R.split_files(path, "by_class"),
+                                      seed=seed, shuffle_buffer=shuffle_buffer, labels=labels)
         if sampler == "m_per_class":
             batches = S.m_per_class(chunks, batch_size, m, seed)
             batch = batch_size

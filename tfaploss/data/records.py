@@ -13,6 +13,8 @@ import os
 
 import tensorflow as tf
 
+from tfaploss.data.integrity import label_table, skipped_files
+
 IMAGE_SPEC = {
     "image/encoded": tf.io.FixedLenFeature([], tf.string),
     "image/id": tf.io.FixedLenFeature([], tf.string),
@@ -43,6 +45,10 @@ def split_files(path_or_glob: str, layout: str = "images") -> list[str]:
     else:
         pattern = path_or_glob
     files = sorted(tf.io.gfile.glob(pattern))
+    skipped = skipped_files()
+    if skipped and files:
+        # damaged shards a run was told to skip (tfaploss.data.integrity.skipping)
+        files = [f for f in files if os.path.normpath(f) not in skipped]
     if not files:
         hint = (" (write it with the pipelines job's --by_class train|all)"
                 if layout == "by_class" else "")
@@ -61,10 +67,37 @@ def read_manifest(path_or_glob: str) -> dict | None:
     return None
 
 
-def parse_image_example(serialized: tf.Tensor) -> dict:
-    """Parse one per-image Example into a dict of tensors (``encoded`` stays JPEG)."""
+def _label_ok(label: tf.Tensor, table, lowest: int) -> tf.Tensor:
+    """``label >= lowest``, and a label >= 0 is one of ``table``'s (the manifest's
+    classes) when there is one."""
+    ok = label >= lowest
+    if table is not None:
+        member = tf.gather(tf.constant(table), tf.clip_by_value(label, 0, len(table) - 1))
+        ok = tf.logical_and(ok, tf.logical_or(label < 0, tf.logical_and(
+            label < len(table), member)))
+    return ok
+
+
+def _checked(out: dict, conditions: list, message: str) -> dict:
+    # One Assert per record: a few scalar ops, nothing next to the JPEG decode. The
+    # message starts with "damaged record" so that integrity.reading knows it.
+    check = tf.debugging.Assert(tf.reduce_all(tf.stack(conditions)),
+                                [f"damaged record: {message}"])
+    with tf.control_dependencies([check]):
+        return {k: tf.identity(v) for k, v in out.items()}
+
+
+def parse_image_example(serialized: tf.Tensor, labels: list[bool] | None = None) -> dict:
+    """Parse one per-image Example into a dict of tensors (``encoded`` stays JPEG).
+
+    A record whose ``image/encoded`` is empty, or whose label is below -1 (no class) or
+    outside ``labels`` (``labels[c]`` True for the manifest's classes,
+    :func:`~tfaploss.data.integrity.label_table`), fails with an
+    ``InvalidArgumentError`` starting "damaged record", as do a missing feature and one
+    of another type (``tf.io.parse_single_example``'s own).
+    """
     f = tf.io.parse_single_example(serialized, IMAGE_SPEC)
-    return {
+    out = {
         "encoded": f["image/encoded"],
         "id": f["image/id"],
         "index": f["image/index"],
@@ -74,18 +107,34 @@ def parse_image_example(serialized: tf.Tensor) -> dict:
         "super_label": tf.cast(f["image/class/super_label"], tf.int32),
         "bbox": tf.sparse.to_dense(f["image/bbox"]),
     }
+    return _checked(out, [tf.strings.length(out["encoded"]) > 0,
+                          _label_ok(f["image/class/label"], labels, -1)],
+                    "empty image/encoded, or image/class/label below -1 or not among the "
+                    "manifest's classes")
 
 
-def parse_class_example(serialized: tf.Tensor) -> dict:
-    """Parse one by-class record: ``encoded``/``id`` are vectors of the chunk's images."""
+def parse_class_example(serialized: tf.Tensor, labels: list[bool] | None = None) -> dict:
+    """Parse one by-class record: ``encoded``/``id`` are vectors of the chunk's images.
+
+    Checked as :func:`parse_image_example` does, with labels >= 0 and
+    at least one image, and no more than ``class/num_images`` (the class's, of which a
+    record holds a chunk).
+    """
     f = tf.io.parse_single_example(serialized, CLASS_SPEC)
-    return {
+    out = {
         "label": tf.cast(f["class/label"], tf.int32),
         "super_label": tf.cast(f["class/super_label"], tf.int32),
         "num_images": f["class/num_images"],
         "encoded": tf.sparse.to_dense(f["image/encoded"]),
         "id": tf.sparse.to_dense(f["image/id"]),
     }
+    return _checked(out, [
+        tf.reduce_all(tf.strings.length(out["encoded"]) > 0),
+        tf.size(out["encoded"]) > 0,
+        tf.size(out["encoded"], out_type=tf.int64) <= out["num_images"],
+        _label_ok(f["class/label"], labels, 0)],
+        "empty image/encoded, more images than class/num_images, or class/label "
+        "negative or not among the manifest's classes")
 
 
 def decode_rgb(encoded: tf.Tensor) -> tf.Tensor:
@@ -104,12 +153,13 @@ def load_split(path_or_glob: str, *, decode: bool = True, shuffle_files: bool = 
     ``decode=True``, ``image`` (uint8 [H, W, 3], raw pixels).
     """
     files = split_files(path_or_glob, "images")
+    labels = label_table(read_manifest(path_or_glob))
     ds = tf.data.Dataset.from_tensor_slices(files)
     if shuffle_files:
         ds = ds.shuffle(len(files), seed=seed)
     ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=1 if not shuffle_files else 4,
                        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    ds = ds.map(parse_image_example, num_parallel_calls=tf.data.AUTOTUNE)
+    ds = ds.map(lambda r: parse_image_example(r, labels), num_parallel_calls=tf.data.AUTOTUNE)
     if decode:
         ds = ds.map(lambda e: {**e, "image": decode_rgb(e["encoded"])},
                     num_parallel_calls=tf.data.AUTOTUNE)

@@ -34,14 +34,16 @@ SAMPLERS = ("m_per_class", "hierarchical", "all_classes")
 
 
 def class_chunk_stream(files: list[str], *, seed: int = 0, shuffle_buffer: int = 256,
-                       cycle_length: int = 8) -> tf.data.Dataset:
-    """Endless, shuffled stream of parsed by-class records."""
+                       cycle_length: int = 8, labels: list[bool] | None = None
+                       ) -> tf.data.Dataset:
+    """Endless, shuffled stream of parsed by-class records (``labels``: the manifest's
+    classes, see :func:`~tfaploss.data.records.parse_class_example`)."""
     ds = tf.data.Dataset.from_tensor_slices(files)
     ds = ds.shuffle(len(files), seed=seed, reshuffle_each_iteration=True).repeat()
     ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=max(1, min(cycle_length, len(files))),
                        block_length=1, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     ds = ds.shuffle(shuffle_buffer, seed=seed + 1, reshuffle_each_iteration=True)
-    return ds.map(parse_class_example, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return ds.map(lambda r: parse_class_example(r, labels), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
 
 def draw_groups(chunks: tf.data.Dataset, m: int, seed: int = 0) -> tf.data.Dataset:

@@ -45,6 +45,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -180,7 +181,8 @@ def initial_model(cfg: Config):
 
 
 def train(cfg: Config, *, run_dir: str | None = None, verbose="auto",
-          restart: bool = False) -> dict:
+          restart: bool = False, verify_data: str = "sizes",
+          skip_damaged: bool = False) -> dict:
     """Train ``cfg``; returns the run summary (also written to ``run_dir/summary.json``).
 
     A killed run resumes from its last checkpoint when called again with the same
@@ -210,6 +212,13 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto",
     (with its install command) before anything is trained or written. One that fails
     only at the final evaluation (installed, but broken) costs the final metrics,
     never the model or summary.json: a warning says why.
+
+    The data are checked against their manifest.json before the first step
+    (``verify_data``: ``"sizes"``, no read; ``"full"``, every file's checksum; ``"off"``),
+    and a damaged record met later stops the run with
+    :class:`~tfaploss.data.integrity.DamagedDataError`, naming the file and record and
+    the command that rebuilds it. ``skip_damaged=True`` reads the training split once
+    at start-up and leaves its damaged files out instead (``summary["skipped_data"]``).
     """
     with reporting():
         check_config_extras(cfg)
@@ -226,7 +235,12 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto",
                               f"({type(err).__name__}: {err}).") from None
         with locks.exclusive(run_dir, "run directory",
                              log=lambda line: LOG.warning("%s", line)):
-            return _train(cfg, run_dir, verbose=verbose, restart=restart)
+            from tfaploss.data import integrity
+
+            data = integrity.reading(cfg.data.train, cfg.data.test, what="training")
+            with data:
+                return _train(cfg, run_dir, verbose=verbose, restart=restart,
+                              data=(data, verify_data, skip_damaged))
 
 
 def _start_over(run_dir: Path, cfg: Config) -> None:
@@ -247,7 +261,7 @@ def _start_over(run_dir: Path, cfg: Config) -> None:
                 f" (damaged: {damage.path.name} {damage.problem})" if damage else "")
 
 
-def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
+def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data=None) -> dict:
     import keras
 
     from tfaploss.training import MultiStageModel
@@ -279,6 +293,7 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
                  run_dir, how, run_dir / "model.keras")
         return done
     B.check_data(cfg)
+    skipped, skipping = _check_records(cfg, *(data or (None, "sizes", False)))
     resuming = state.resuming
     atomic.atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(),
                                                                  sort_keys=False),
@@ -290,6 +305,8 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
     policy = keras.config.dtype_policy()
     started = time.time()
     devices_scope = contextlib.ExitStack()
+    data_scope = contextlib.ExitStack()  # every dataset of the run leaves skipped files out
+    data_scope.enter_context(skipping)
     try:
         devices_scope.enter_context(plan.scope())
         if cfg.training.mixed_precision:
@@ -371,6 +388,7 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
                 LOG.info("  %s", ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
     finally:
         devices_scope.close()
+        data_scope.close()
         keras.config.set_dtype_policy(policy)
 
     epochs = _read_epochs(epochs_log)
@@ -398,6 +416,8 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
         "final_metrics": final,
         # backend, setting and measured recall of the final evaluation's search
         "final_search": final_search or None,
+        # damaged training files left out (--skip-damaged-shards), null when none
+        "skipped_data": skipped,
         "train_seconds_this_process": round(train_seconds, 2),
         "model": str(model_path),
     }
@@ -405,6 +425,23 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool) -> dict:
     backup.discard()  # only now: model.keras and summary.json are in place
     LOG.info("Done: model %s, summary %s", model_path, run_dir / "summary.json")
     return summary
+
+
+def _check_records(cfg: Config, reading, level: str, skip: bool):
+    """The data against their manifests before the first step; with ``skip``, the
+    damaged training files and the context that leaves them out."""
+    from tfaploss.data import integrity
+
+    layout = "images" if cfg.data.sampler is None else "by_class"
+    skipped = integrity.startup_check(cfg.data.train, cfg.data.test, layout=layout,
+                                      level=level, skip=skip)
+    if not skipped:
+        return None, contextlib.nullcontext()
+    split = integrity.split_dir_of(cfg.data.train)
+    files = [os.path.normpath(os.path.join(split, s["file"])) for s in skipped["shards"]]
+    if reading is not None:
+        reading.ignore |= set(files)
+    return skipped, integrity.skipping(files)
 
 
 def _describe_run(cfg: Config, steps: int, chunk, model, resuming: bool,
