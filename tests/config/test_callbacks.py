@@ -25,10 +25,10 @@ def test_paths_with_and_without_arguments_load_and_build():
 
 
 @pytest.mark.parametrize("entry, says", [
-    ("no_such_module_xyz.Callback", "'training.callbacks[0]': 'no_such_module_xyz.Callback' "
-                                    "cannot be imported"),
-    ("keras.callbacks.NoSuchCallback", "'training.callbacks[0]': "
-                                       "'keras.callbacks.NoSuchCallback' not found"),
+    ("no_such_module_xyz.Callback",
+     "'training.callbacks[0]': 'no_such_module_xyz.Callback' cannot be imported"),
+    ("keras.callbacks.NoSuchCallback",
+     "'training.callbacks[0]': 'keras.callbacks.NoSuchCallback' not found"),
     ("EarlyStopping", "'training.callbacks[0]': 'EarlyStopping' is not an import path"),
     ({"class": "keras.callbacks.EarlyStopping", "kwargs": {"patiense": 3}},
      "'training.callbacks[0].kwargs': keras.callbacks.EarlyStopping does not take"),

@@ -3,25 +3,25 @@ evaluation's logs, and the share of lone queries in the epoch log."""
 
 import json
 
+import keras
 import numpy as np
 import pytest
 
-import keras
 from tfaploss.config import config_from_dict
 from tfaploss.run.trainer import train
+
+SEEN = []  # (tag, log keys) of each epoch a Recorder saw
 
 
 class Recorder(keras.callbacks.Callback):
     """A user's callback, named in the config by its import path."""
-
-    seen: list = []
 
     def __init__(self, tag):
         super().__init__()
         self.tag = tag
 
     def on_epoch_end(self, epoch, logs=None):
-        Recorder.seen.append((self.tag, sorted(logs or {})))
+        SEEN.append((self.tag, sorted(logs or {})))
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def records(tmp_path_factory):
 
 @pytest.mark.slow
 def test_user_callbacks_see_the_evaluation_and_the_log_has_the_lone_share(records):
-    Recorder.seen.clear()
+    SEEN.clear()
     cfg = config_from_dict({
         "run_dir": str(records / "run"),
         "data": {"train": str(records / "records" / "train"),
@@ -61,8 +61,8 @@ def test_user_callbacks_see_the_evaluation_and_the_log_has_the_lone_share(record
         "evaluation": {"every_n_epochs": 1, "at_end": False, "ks": [1]},
     }, warn=False)
     train(cfg, verbose=0)
-    assert [tag for tag, _ in Recorder.seen] == ["a", "a"]
-    assert {"loss", "val_recall@1", "val_map@r"} <= set(Recorder.seen[0][1])
+    assert [tag for tag, _ in SEEN] == ["a", "a"]
+    assert {"loss", "val_recall@1", "val_map@r"} <= set(SEEN[0][1])
     rows = [json.loads(line) for line in
             (records / "run" / "epochs.jsonl").read_text(encoding="utf-8").splitlines()]
     # m_per_class with m=2: every query has a positive.

@@ -22,7 +22,8 @@ import collections
 import inspect
 import warnings
 
-__all__ = ["LONE_SHARE_LIMIT", "LoneQueriesWarning", "LoneQueryTracker", "WINDOW_STEPS"]
+__all__ = ["LONE_SHARE_LIMIT", "MIN_STEPS", "WINDOW_STEPS", "LoneQueriesWarning",
+           "LoneQueryTracker"]
 
 #: "Most queries": above half, the loss's mean rests on fewer queries than it leaves out.
 LONE_SHARE_LIMIT = 0.5
