@@ -30,7 +30,8 @@ from tfaploss._registration import register_keras_objects as register_keras_obje
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("config", "data", "evaluation", "export", "losses", "ops", "run", "training")
+_SUBMODULES = ("callbacks", "config", "data", "evaluation", "export", "losses", "ops", "run",
+               "training")
 
 # Library convention: records go nowhere until the application configures logging.
 logging.getLogger("tfaploss").addHandler(logging.NullHandler())

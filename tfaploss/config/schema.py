@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tfaploss.config.callbacks import check_callbacks
 from tfaploss.config.fields import MAX_BATCH, MAX_EPOCHS, MAX_SEED, ranged
 from tfaploss.config.health import HealthConfig
 from tfaploss.config.loss_section import LossConfig, loss_defaults
@@ -261,7 +262,9 @@ class TrainingConfig:
     :class:`tfaploss.training.MultiStageModel`, giving the same gradient as one pass.
     ``health``: when to warn about, and stop, a run that has collapsed or stalled
     (:class:`HealthConfig`). ``distribute``: one device or several
-    (:class:`DistributeConfig`).
+    (:class:`DistributeConfig`). ``callbacks``: the user's Keras callbacks, each an
+    import path ``module.Class`` or ``{class: module.Class, kwargs: {...}}``, checked
+    when the config is loaded (:mod:`tfaploss.config.callbacks`).
     """
 
     epochs: int = ranged(1, low=1, high=MAX_EPOCHS)
@@ -273,6 +276,10 @@ class TrainingConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     distribute: DistributeConfig = field(default_factory=DistributeConfig)
     seed: int = ranged(0, low=0, high=MAX_SEED)
+    callbacks: list[str | dict] = field(default_factory=list)
+
+    def __post_init__(self):
+        check_callbacks(self.callbacks)
 
 
 @dataclass

@@ -19,6 +19,7 @@ import numpy as np
 from keras import ops
 
 from tfaploss._keras_compat import in_symbolic_scope
+from tfaploss.losses.lone_queries import LoneQueryTracker
 from tfaploss.ops import distribute
 from tfaploss.ops.backend import on_tensorflow
 from tfaploss.ops.masks import label_masks, pairwise_scores, self_pair_mask
@@ -71,6 +72,27 @@ def _warn_once_without_positives(has_positive_pair):
     from tfaploss.ops import tensorflow_kernels
 
     return tensorflow_kernels.print_unless(has_positive_pair, "WARNING: " + message)
+
+
+def _count_lone_queries(tracker, informative):
+    """Hand ``tracker`` this step's counts: lone queries (not ``informative``), all
+    queries. A compiled step calls back into Python (``tfaploss.losses.lone_queries``);
+    TensorFlow under XLA cannot, and counts nothing."""
+    if in_symbolic_scope():
+        return  # Keras inferring shapes: no step was taken
+    counts = ops.stack([ops.sum(ops.cast(ops.logical_not(informative), "int32")),
+                        ops.sum(ops.ones_like(informative, dtype="int32"))])
+    known = _concrete(counts)
+    if known is not None:
+        tracker.update(*known)
+    elif keras.backend.backend() == "jax":
+        import jax
+
+        jax.debug.callback(lambda c: tracker.update(*c), counts)
+    elif on_tensorflow() and not _in_xla_context():
+        from tfaploss.ops import tensorflow_kernels
+
+        tensorflow_kernels.call_on_host(lambda c: tracker.update(*c), counts)
 
 
 def _dtype_name(values):
@@ -260,6 +282,9 @@ class RetrievalLoss(keras.losses.Loss):
         self.normalize = bool(normalize)
         self.include_self = bool(include_self)
         self.drop_lone_queries = bool(drop_lone_queries)
+        #: The share of lone queries of the recent steps, and the warning when most
+        #: are (``tfaploss.losses.lone_queries``); off with ``drop_lone_queries``.
+        self.lone_queries = LoneQueryTracker(warn=not self.drop_lone_queries)
 
     # -- Keras entry points -------------------------------------------------------
 
@@ -324,7 +349,8 @@ class RetrievalLoss(keras.losses.Loss):
         scores = self.pairwise(y_pred, y_pred)
         positives, candidates = label_masks(labels, labels, exclude_self=not self.include_self)
         self_pairs = self_pair_mask(ops.shape(labels)[0]) if self.include_self else None
-        return self._query_terms(finite, scores, positives, candidates, self_pairs)
+        return self._query_terms(finite, scores, positives, candidates, self_pairs,
+                                 count_lone=True)
 
     def _check_embeddings(self, embeddings, name):
         if len(embeddings.shape) != 2:
@@ -408,18 +434,22 @@ class RetrievalLoss(keras.losses.Loss):
         return self._reduce(terms, self._check_sample_weight(sample_weight, terms),
                             per_replica=True)
 
-    def _query_terms(self, finite, scores, positives, candidates, self_pairs=None):
+    def _query_terms(self, finite, scores, positives, candidates, self_pairs=None,
+                     count_lone=False):
         """Masked per-query terms (Q,) from a (Q, N) score matrix and its boolean masks.
 
         ``self_pairs``: the (Q, N) mask of queries paired with themselves, when they
         are ranked (batch against itself, ``include_self=True``); else None. All NaN
-        unless ``finite`` (the embeddings were all finite).
+        unless ``finite`` (the embeddings were all finite). ``count_lone``: the batch
+        is ranked against itself, so its lone queries go to ``self.lone_queries``.
         """
         values, weights = self.per_query(scores, positives, candidates, self_pairs)
         weights = ops.cast(weights, values.dtype)
         # A query with a positive other than itself makes the batch informative; a
         # batch with none (every class alone) gives 0 whatever `drop_lone_queries`.
         informative = self.other_positive_counts(positives, self_pairs) > 0
+        if count_lone:
+            _count_lone_queries(self.lone_queries, informative)
         if self.drop_lone_queries:
             weights = ops.where(informative, weights, ops.zeros_like(weights))
         weights = ops.where(ops.any(informative), weights, ops.zeros_like(weights))

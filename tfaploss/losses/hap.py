@@ -192,7 +192,8 @@ class HAPLoss(ProxiesOwner, RetrievalLoss):
         positives = ops.logical_and(level > 0, candidates)
         self._levels = (level, int(labels.shape[-1]), labels[:, 0], y_pred)
         try:
-            return self._query_terms(finite, scores, positives, candidates, self_pairs)
+            return self._query_terms(finite, scores, positives, candidates, self_pairs,
+                                     count_lone=True)
         finally:
             self._levels = None
 

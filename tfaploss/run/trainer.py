@@ -51,6 +51,7 @@ from pathlib import Path
 
 import yaml
 
+from tfaploss.config.callbacks import build_callback
 from tfaploss.config.fields import ConfigError
 from tfaploss.config.load import config_from_dict
 from tfaploss.config.schema import Config
@@ -345,12 +346,16 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data=None) -> 
             callbacks.append(FaultPoints())
         if cfg.data.test and cfg.evaluation.every_n_epochs:
             callbacks.append(RetrievalEvaluation(
-                embedding_model,
-                lambda m: evaluate_split(m, cfg, cfg.data.test, cfg.evaluation.max_images),
-                cfg.evaluation.every_n_epochs))
+                embedding_model=embedding_model,
+                evaluate_fn=lambda m: evaluate_split(m, cfg, cfg.data.test,
+                                                     cfg.evaluation.max_images),
+                every_n_epochs=cfg.evaluation.every_n_epochs))
         monitor = _health_monitor(cfg)  # collapsed embeddings, flat loss: warn, stop
         if monitor is not None:
             callbacks.append(monitor)
+        # The user's, after the evaluation whose logs they may monitor (EarlyStopping).
+        callbacks += [build_callback(spec, f"training.callbacks[{i}]")
+                      for i, spec in enumerate(cfg.training.callbacks)]
         callbacks += [
             EpochLogger(epochs_log, monitor),
             keras.callbacks.TensorBoard(log_dir=str(run_dir / "logs"), write_graph=False),

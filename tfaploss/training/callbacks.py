@@ -1,7 +1,8 @@
 """The Keras callbacks of a training run, besides the batch-health check.
 
 - :class:`RetrievalEvaluation`: retrieval metrics on a held-out split every few epochs,
-  as ``val_*`` logs.
+  as ``val_*`` logs (and TensorBoard scalars).
+- :class:`EmbeddingProjector`: a split's embeddings for TensorBoard's projector.
 - :class:`EpochLogger`: one JSON line per finished epoch (``epochs.jsonl``), with what
   the batch-health check reported.
 - :class:`EpochCheckpoint`: a crash-safe checkpoint after every epoch whose loss and
@@ -17,6 +18,7 @@ non-finite guard, faults, evaluation, health check, epoch log, TensorBoard, chec
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -28,8 +30,10 @@ from tfaploss.durable import faults
 from tfaploss.durable.atomic import DiskFullError, free_bytes, is_disk_full
 from tfaploss.training.health import trace_columns
 
-__all__ = ["EpochCheckpoint", "EpochLogger", "FaultPoints", "RetrievalEvaluation",
-           "finite", "stop_summary"]
+__all__ = ["EmbeddingProjector", "EpochCheckpoint", "EpochLogger", "FaultPoints",
+           "RetrievalEvaluation", "finite", "stop_summary"]
+
+LOG = logging.getLogger(__name__)
 
 
 def finite(value):
@@ -51,42 +55,194 @@ def stop_summary(record: dict) -> dict:
                                       "share_of_run", "run_images", "message")}}
 
 
-class RetrievalEvaluation(keras.callbacks.Callback):
-    """Evaluate retrieval every ``every_n_epochs`` epochs; adds ``val_<metric>`` logs.
+def _as_dataset(data, labels, batch_size: int):
+    """``data`` as something :func:`~tfaploss.evaluation.embed.embed_dataset` reads:
+    a batched dataset kept as is, or arrays of images (and labels) cut into batches."""
+    if labels is None:
+        return data
+    import numpy as np
 
-    The logs are shown by the progress bar and written by the callbacks after this one
-    (TensorBoard, :class:`EpochLogger`).
+    images, labels = np.asarray(data), np.asarray(labels)
+    if len(images) != len(labels):
+        raise ValueError(f"RetrievalEvaluation: {len(images)} images but {len(labels)} "
+                         "labels; pass one label per image.")
+    return [(images[i:i + batch_size], labels[i:i + batch_size])
+            for i in range(0, len(images), batch_size)]
+
+
+class RetrievalEvaluation(keras.callbacks.Callback):
+    """Retrieval metrics on a held-out split every ``every_n_epochs`` epochs, as logs.
+
+    Each image of the split queries all the others (the split is its own database, the
+    query left out of its ranking), as :func:`tfaploss.evaluation.retrieval_metrics`
+    measures it: ``recall@K`` for each K, ``precision@1``, ``map@r``, ``r_precision``,
+    ``map``. They are added to the epoch's ``logs`` as ``<prefix><metric>``
+    (``val_map@r``, ``val_recall@1``), so the callbacks after this one read them:
+    ``keras.callbacks.EarlyStopping(monitor="val_map@r", mode="max")`` (``mode``:
+    Keras guesses "min" from the name), ``ModelCheckpoint``, ``TensorBoard``, the
+    progress bar. With ``log_dir`` they are also written as TensorBoard scalars
+    (``tf.summary``, TensorFlow installed), one step per epoch.
 
     Args:
-      embedding_model: the model that embeds images (not the trainer around it).
-      evaluate_fn: ``evaluate_fn(embedding_model) -> {metric: value}``, e.g. a
-        :func:`tfaploss.run.evaluate_split` with its config and split bound.
-      every_n_epochs: evaluate after every this many epochs (0: never).
+        data: the split: a batched ``tf.data.Dataset`` (or any iterable) of
+            ``(images, labels)``, or an array of images with ``labels``.
+        labels: (N,) labels when ``data`` is an array of images; else None.
+        embedding_model: the model whose output are the embeddings; None: the model
+            being trained (when its output are the embeddings).
+        every_n_epochs: evaluate after every this many epochs (0: never).
+        ks: the cut-offs of ``recall@K`` (those not below the split's size are left
+            out).
+        searcher: a backend name of :func:`tfaploss.evaluation.build_searcher`
+            (``"exact"``, ``"scann"``, ...), or a callable ``database -> Searcher``
+            (e.g. a :class:`~tfaploss.evaluation.Searcher` class), built anew at each
+            evaluation over that epoch's embeddings.
+        prefix: what the log keys start with.
+        log_dir: a folder for TensorBoard scalars, or None.
+        batch_size: images per batch when ``data`` is an array.
+        evaluate_fn: instead of ``data``: ``evaluate_fn(embedding_model) ->
+            {metric: value}`` (what ``tfaploss train`` passes, its split and search
+            taken from the run's config).
 
-    Example::
+    Example:
 
-        RetrievalEvaluation(embedding_model,
-                            lambda m: evaluate_split(m, cfg, cfg.data.test), 5)
+    ```python
+    model.fit(train_ds, epochs=20, callbacks=[
+        tfaploss.callbacks.RetrievalEvaluation(test_ds, every_n_epochs=2, ks=(1, 10)),
+        keras.callbacks.EarlyStopping(monitor="val_map@r", mode="max", patience=3),
+    ])
+    ```
     """
 
-    def __init__(self, embedding_model, evaluate_fn: Callable[[object], dict],
-                 every_n_epochs: int = 1):
+    def __init__(self, data=None, labels=None, *, embedding_model=None,
+                 every_n_epochs: int = 1, ks=(1, 10, 100), searcher="exact",
+                 prefix: str = "val_", log_dir=None, batch_size: int = 64,
+                 evaluate_fn: Callable[[object], dict] | None = None):
         super().__init__()
+        if (data is None) == (evaluate_fn is None):
+            raise ValueError("RetrievalEvaluation needs the split to evaluate on (data, "
+                             "and labels for an array of images) or an evaluate_fn, "
+                             "not both.")
+        if int(every_n_epochs) < 0:
+            raise ValueError(f"every_n_epochs must be >= 0; received {every_n_epochs}.")
+        self.data = _as_dataset(data, labels, batch_size) if data is not None else None
         self.embedding_model = embedding_model
+        self.every_n_epochs = int(every_n_epochs)
+        self.ks = tuple(int(k) for k in ks)
+        self.searcher = searcher
+        self.prefix = prefix
+        self.log_dir = None if log_dir is None else str(log_dir)
         self.evaluate_fn = evaluate_fn
-        self.every_n_epochs = every_n_epochs
+        self._writer = None
+
+    def evaluate(self) -> dict:
+        """The metrics of the split now (what an epoch's evaluation adds to its logs)."""
+        model = self.embedding_model if self.embedding_model is not None else self.model
+        if self.evaluate_fn is not None:
+            return self.evaluate_fn(model)
+        from tfaploss.evaluation import retrieval_metrics
+        from tfaploss.evaluation.embed import embed_dataset
+
+        embeddings, labels, _ = embed_dataset(model, self.data, verbose=0)
+        if labels is None:
+            raise ValueError("RetrievalEvaluation: the split's elements hold no labels; "
+                             "pass (images, labels) pairs.")
+        ks = [k for k in self.ks if k < len(labels)] or [1]
+        if isinstance(self.searcher, str):
+            return retrieval_metrics(embeddings, labels, ks=ks, backend=self.searcher)
+        return retrieval_metrics(embeddings, labels, ks=ks,
+                                 searcher=self.searcher(embeddings))
 
     def on_epoch_end(self, epoch, logs=None):
         every = self.every_n_epochs
-        if every and (epoch + 1) % every == 0 and logs is not None:
-            metrics = self.evaluate_fn(self.embedding_model)
-            logs.update({f"val_{k}": v for k, v in metrics.items()})
+        if not every or (epoch + 1) % every:
+            return
+        metrics = {f"{self.prefix}{k}": float(v) for k, v in self.evaluate().items()}
+        if logs is not None:
+            logs.update(metrics)
+        if self.log_dir is not None:
+            self._write_scalars(metrics, epoch + 1)
+
+    def _write_scalars(self, metrics: dict, step: int) -> None:
+        try:
+            import tensorflow as tf
+        except ImportError:
+            LOG.warning("RetrievalEvaluation: log_dir needs TensorFlow's tf.summary, "
+                        "which is not installed; the metrics are in the logs only.")
+            self.log_dir = None
+            return
+        if self._writer is None:
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+        with self._writer.as_default(step=step):
+            for key, value in metrics.items():
+                # TensorBoard's tag names take no "@".
+                tf.summary.scalar(key.replace("@", "_at_"), value)
+        self._writer.flush()
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+class EmbeddingProjector(keras.callbacks.Callback):
+    """Export a split's embeddings for TensorBoard's projector at the end of training
+    (and every ``every_n_epochs`` epochs when set): :func:`tfaploss.evaluation.
+    projector.export_projector` into ``log_dir``, the latest embeddings replacing the
+    previous ones.
+
+    Args:
+        log_dir: the folder the projector files go to (e.g. ``<logs>/projector``).
+        data, labels, batch_size: the split, as for :class:`RetrievalEvaluation`.
+        embedding_model: the model whose output are the embeddings; None: the model
+            being trained.
+        every_n_epochs: also export after every this many epochs (0: only at the end).
+        max_images: at most this many images (the projector handles ~10^5 points).
+
+    Example:
+
+    ```python
+    model.fit(train_ds, epochs=5, callbacks=[
+        tfaploss.callbacks.EmbeddingProjector("logs/projector", test_ds)])
+    ```
+    """
+
+    def __init__(self, log_dir, data, labels=None, *, embedding_model=None,
+                 every_n_epochs: int = 0, max_images: int | None = 10_000,
+                 batch_size: int = 64):
+        super().__init__()
+        self.log_dir = Path(log_dir)
+        self.data = _as_dataset(data, labels, batch_size)
+        self.embedding_model = embedding_model
+        self.every_n_epochs = int(every_n_epochs)
+        self.max_images = max_images
+
+    def export(self) -> Path:
+        """Embed the split and write the projector files now; their config's path."""
+        from tfaploss.evaluation.embed import embed_dataset
+        from tfaploss.evaluation.projector import export_projector
+
+        model = self.embedding_model if self.embedding_model is not None else self.model
+        embeddings, labels, _ = embed_dataset(model, self.data, verbose=0)
+        if self.max_images:
+            embeddings = embeddings[:self.max_images]
+            labels = None if labels is None else labels[:self.max_images]
+        return export_projector(embeddings, labels, self.log_dir)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.every_n_epochs and (epoch + 1) % self.every_n_epochs == 0:
+            self.export()
+
+    def on_train_end(self, logs=None):
+        self.export()
 
 
 class EpochLogger(keras.callbacks.Callback):
     """Append each finished epoch's logs and learning rate to a JSON-lines file.
 
-    A row is ``{"epoch": E, "learning_rate": ..., <every numeric log>}`` and, with a
+    A row is ``{"epoch": E, "learning_rate": ..., <every numeric log>}``, the share of
+    the epoch's queries that had no positive in their batch (``lone_query_share``, from
+    the loss's :class:`~tfaploss.losses.lone_queries.LoneQueryTracker`; null where it
+    counts nothing) and, with a
     ``health_monitor``, what it reported during the epoch (``health``,
     ``stopped_early`` on the row of the epoch it stopped) and, per step, what it saw
     (``health_steps``: :func:`tfaploss.training.health.trace_columns`, what a replay of
@@ -107,6 +263,14 @@ class EpochLogger(keras.callbacks.Callback):
         self._reported = 0
         self._traced = 0
 
+    def _lone_queries(self):
+        return getattr(getattr(self.model, "loss", None), "lone_queries", None)
+
+    def on_train_begin(self, logs=None):
+        tracker = self._lone_queries()
+        if tracker is not None:
+            tracker.start_run()  # its warning: once per fit
+
     def on_epoch_end(self, epoch, logs=None):
         row = {"epoch": epoch + 1}
         opt = self.model.optimizer
@@ -116,6 +280,9 @@ class EpochLogger(keras.callbacks.Callback):
             pass  # a wrapped optimizer without a scalar learning rate
         row.update({k: float(v) for k, v in (logs or {}).items()
                     if isinstance(v, (int, float)) or hasattr(v, "__float__")})
+        tracker = self._lone_queries()
+        if tracker is not None:
+            row["lone_query_share"] = tracker.take_epoch()
         row = finite(row)
         monitor = self.health_monitor
         if monitor is not None:

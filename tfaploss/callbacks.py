@@ -1,0 +1,33 @@
+"""Keras callbacks for training retrieval models, to add to any ``model.fit``.
+
+* :class:`RetrievalEvaluation`: Recall@K and MAP@R of a held-out split every few
+  epochs, as ``val_*`` logs (``EarlyStopping``, ``ModelCheckpoint`` and the progress
+  bar read them) and TensorBoard scalars; any ``keras.Model`` whose output are
+  embeddings, any split, any searcher.
+* :class:`TrainingHealthMonitor`: warns (or stops) when the embeddings collapse or
+  the loss stops moving (:mod:`tfaploss.training.health`).
+* :class:`EmbeddingProjector` and :func:`export_projector`: a split's embeddings for
+  TensorBoard's projector; :func:`umap_figure`: a UMAP plot (``viz`` extra).
+
+``tfaploss train`` uses the same classes, and adds the user's own callbacks named in
+``training.callbacks`` (:mod:`tfaploss.config.callbacks`).
+
+Example:
+
+```python
+model.compile(optimizer="adam", loss=tfaploss.losses.SmoothAPLoss(),
+              metrics=tfaploss.training.health_metrics())
+model.fit(train_ds, epochs=20, callbacks=[
+    tfaploss.callbacks.RetrievalEvaluation(test_ds, every_n_epochs=2, log_dir="logs"),
+    tfaploss.callbacks.TrainingHealthMonitor(),
+    keras.callbacks.EarlyStopping(monitor="val_map@r", mode="max", patience=3),
+])
+```
+"""
+
+from tfaploss.evaluation.projector import export_projector, umap_figure
+from tfaploss.training.callbacks import EmbeddingProjector, RetrievalEvaluation
+from tfaploss.training.health import TrainingHealthMonitor, TrainingHealthWarning
+
+__all__ = ["EmbeddingProjector", "RetrievalEvaluation", "TrainingHealthMonitor",
+           "TrainingHealthWarning", "export_projector", "umap_figure"]

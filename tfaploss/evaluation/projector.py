@@ -1,0 +1,186 @@
+"""Pictures of an embedding space: TensorBoard's embedding projector, and a UMAP plot.
+
+* :func:`export_projector` writes what TensorBoard's projector tab reads from a log
+  folder: the embeddings, ``metadata.tsv`` (one label per row) and
+  ``projector_config.pbtxt``. Every file is written to a temporary name and renamed
+  into place, so TensorBoard reading the folder never sees half a file.
+* :func:`umap_figure` draws the embeddings in 2-D with UMAP, coloured by label (the
+  ``viz`` extra: ``pip install "tfaploss[viz]"``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from tfaploss.durable import atomic
+
+__all__ = ["VIZ_INSTALL", "export_projector", "umap_figure"]
+
+VIZ_INSTALL = 'pip install "tfaploss[viz]"'
+#: The checkpoint prefix and the one tensor the projector shows.
+CHECKPOINT = "embeddings.ckpt"
+TENSOR_NAME = "embedding/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def _check(embeddings, labels):
+    embeddings = np.asarray(embeddings, dtype=np.float32)
+    if embeddings.ndim != 2 or not len(embeddings):
+        raise ValueError("export_projector: embeddings must be a non-empty (N, D) array; "
+                         f"received shape {embeddings.shape}.")
+    labels = np.asarray(labels).reshape(len(labels), -1) if labels is not None else None
+    if labels is not None and len(labels) != len(embeddings):
+        raise ValueError(f"export_projector: {len(labels)} labels for {len(embeddings)} "
+                         "embeddings; pass one label per embedding.")
+    return embeddings, labels
+
+
+def _tsv_cell(value) -> str:
+    # A tab or newline inside a cell would shift every later row of metadata.tsv.
+    return " ".join(str(value).split())
+
+
+def _metadata_text(labels: np.ndarray) -> str:
+    rows = ["\t".join(_tsv_cell(v) for v in row) for row in labels]
+    if labels.shape[1] > 1:  # the projector reads a header row only with 2+ columns
+        rows.insert(0, "\t".join(["label"] + [f"level_{i}" for i in
+                                              range(1, labels.shape[1])]))
+    return "\n".join(rows) + "\n"
+
+
+def _config_text(tensor_name: str, tensor_path: str | None, metadata: str | None) -> str:
+    try:
+        from google.protobuf import text_format
+        from tensorboard.plugins import projector
+    except ImportError:
+        # Without TensorBoard the same text, written by hand (TensorBoard reads it
+        # wherever it is installed later).
+        lines = ["embeddings {", f'  tensor_name: "{tensor_name}"']
+        if metadata:
+            lines.append(f'  metadata_path: "{metadata}"')
+        if tensor_path:
+            lines.append(f'  tensor_path: "{tensor_path}"')
+        return "\n".join(lines + ["}"]) + "\n"
+    config = projector.ProjectorConfig()
+    embedding = config.embeddings.add()
+    embedding.tensor_name = tensor_name
+    if metadata:
+        embedding.metadata_path = metadata
+    if tensor_path:
+        embedding.tensor_path = tensor_path
+    return text_format.MessageToString(config)
+
+
+def _write_checkpoint(embeddings: np.ndarray, log_dir: Path) -> bool:
+    """The embeddings as a TensorFlow checkpoint (what the projector reads by default)
+    and the ``checkpoint`` file naming it; False without TensorFlow."""
+    try:
+        import tensorflow as tf
+    except ImportError:
+        return False
+    tmp = atomic.temp_name(log_dir / CHECKPOINT)
+    written = tf.train.Checkpoint(embedding=tf.Variable(embeddings)).write(str(tmp))
+    # The index names its data shards by the prefix it is read with, so both files are
+    # renamed to the final prefix; the index last, as it is what a reader opens first.
+    shards = sorted(Path(p) for p in tf.io.gfile.glob(f"{written}.data-*"))
+    for shard in shards:
+        os.replace(shard, log_dir / (CHECKPOINT + shard.name[len(tmp.name):]))
+    os.replace(f"{written}.index", log_dir / f"{CHECKPOINT}.index")
+    atomic.atomic_write_text(log_dir / "checkpoint",
+                             f'model_checkpoint_path: "{CHECKPOINT}"\n'
+                             f'all_model_checkpoint_paths: "{CHECKPOINT}"\n')
+    return True
+
+
+def export_projector(embeddings, labels, log_dir, *, checkpoint: bool | None = None) -> Path:
+    """Write embeddings for TensorBoard's embedding projector into ``log_dir``.
+
+    Files: the embeddings (a TensorFlow checkpoint ``embeddings.ckpt`` with its
+    ``checkpoint`` file, or ``tensors.tsv`` without TensorFlow), ``metadata.tsv`` (one
+    row per embedding: its label, or its labels with a header when ``labels`` has
+    several columns) and ``projector_config.pbtxt``. Each is written to a temporary
+    name and renamed into place. Then ``tensorboard --logdir <log_dir>``, tab
+    "Projector".
+
+    Args:
+        embeddings: (N, D) array.
+        labels: (N,) or (N, L) labels, or None (no metadata).
+        log_dir: the folder (created if needed); a TensorBoard log folder, or one of
+            its own.
+        checkpoint: write a TensorFlow checkpoint (True) or ``tensors.tsv`` (False);
+            None: a checkpoint when TensorFlow is installed.
+
+    Returns:
+        The path of ``projector_config.pbtxt``.
+
+    Example:
+
+    ```python
+    embeddings, labels, _ = tfaploss.evaluation.embed_dataset(model, test_ds)
+    export_projector(embeddings, labels, "runs/my_run/logs/projector")
+    ```
+    """
+    embeddings, labels = _check(embeddings, labels)
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    metadata = None
+    if labels is not None:
+        metadata = "metadata.tsv"
+        atomic.atomic_write_text(log_dir / metadata, _metadata_text(labels))
+    tensor_path = None
+    if checkpoint is False or not _write_checkpoint(embeddings, log_dir):
+        if checkpoint:
+            raise ImportError("export_projector(checkpoint=True) needs TensorFlow; "
+                              "pass checkpoint=None to write tensors.tsv instead.")
+        tensor_path = "tensors.tsv"
+        atomic.atomic_write(log_dir / tensor_path, lambda tmp: np.savetxt(
+            tmp, embeddings, delimiter="\t", fmt="%.7g"))
+    config = log_dir / "projector_config.pbtxt"
+    atomic.atomic_write_text(config, _config_text(
+        TENSOR_NAME if tensor_path is None else "embeddings", tensor_path, metadata))
+    return config
+
+
+def umap_figure(embeddings, labels, path, *, n_neighbors: int = 15, seed: int = 0,
+                title: str | None = None) -> Path:
+    """A 2-D UMAP of ``embeddings`` (cosine metric), one colour per label, as a PNG.
+
+    Needs the ``viz`` extra (umap-learn, matplotlib): ``pip install "tfaploss[viz]"``.
+
+    Args:
+        embeddings: (N, D) array; labels: (N,) labels (their first column if 2-D).
+        path: the PNG written (atomically).
+        n_neighbors, seed: UMAP's neighbourhood size and random state.
+
+    Example:
+
+    ```python
+    umap_figure(embeddings, labels, "runs/my_run/umap.png")
+    ```
+    """
+    try:
+        import umap
+    except ImportError:
+        raise ImportError(f"umap_figure needs umap-learn, which is not installed: "
+                          f"{VIZ_INSTALL}") from None
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ImportError(f"umap_figure needs matplotlib, which is not installed: "
+                          f"{VIZ_INSTALL}") from None
+    embeddings, labels = _check(embeddings, labels)
+    points = umap.UMAP(n_neighbors=min(n_neighbors, len(embeddings) - 1), metric="cosine",
+                       random_state=seed).fit_transform(embeddings)
+    fig = Figure(figsize=(6, 6), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    colours = None if labels is None else np.unique(labels[:, 0], return_inverse=True)[1]
+    ax.scatter(points[:, 0], points[:, 1], c=colours, cmap="tab20", s=6)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    if title:
+        ax.set_title(title)
+    return atomic.atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
