@@ -23,7 +23,8 @@ FAISS = ["faiss-cpu>=1.8"]
 # tensorflow-text, whose release follows TensorFlow's minor.
 HUB = ["keras-hub>=0.22"]
 TFDS = ["tensorflow-datasets>=4.9", "importlib_resources"]
-VIZ = ["matplotlib>=3.7"]
+# umap-learn: the optional UMAP view of the embeddings (tfaploss.callbacks.umap_figure).
+VIZ = ["matplotlib>=3.7", "umap-learn>=0.5"]
 DEMO = ["scikit-learn>=1.3"]
 # import-linter: the layer and cycle contracts in pyproject.toml (tests/test_architecture.py).
 TEST = ["pytest>=8", "pytest-xdist>=3", "import-linter>=2.1"]
