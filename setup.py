@@ -57,6 +57,8 @@ setup(
         # tfaploss also uses a few private Keras names (tfaploss/_keras_compat.py) that
         # a minor release may move: widen the upper bound only after testing that minor.
         "keras>=3.14,<3.16",
+        # TensorBoard logs of every run (tf.summary); TensorFlow 2.21 no longer pulls it in.
+        "tensorboard>=2.20",
         "numpy>=2",
         "pyyaml>=6",
         "pillow>=10",

@@ -1,6 +1,6 @@
 """The ``tfaploss`` command: train, evaluate, export, demo.
 
-    tfaploss demo                                     # the 3-minute end-to-end tour
+    tfaploss demo                                     # the end-to-end tour (about 2 minutes)
     tfaploss train --config configs/roadmap_sop_resnet50.yaml --set data.train=sop/train
     tfaploss evaluate --model runs/x/model.keras --data sop/test --protocol sop
     tfaploss evaluate --config configs/demo_digits.yaml   # the untrained baseline

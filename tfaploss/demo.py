@@ -331,7 +331,7 @@ def run_demo(out: str = "demo_output", quick: bool = False, steps: int | None = 
 
 DEMO_DESCRIPTION = textwrap.dedent("""\
     The whole library on real data that ships with scikit-learn (1,797
-    scanned 8x8 digits), offline, in a few minutes on a laptop CPU:
+    scanned 8x8 digits), offline, in about 2 minutes on a laptop CPU:
 
       1. write the digits as PNG files, one folder per class
       2. run the Beam `folder` job: PNGs -> TFRecords (train: 0-5, test: 6-9)

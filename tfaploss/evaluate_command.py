@@ -151,6 +151,7 @@ def cmd_evaluate(args) -> int:
 
     import tensorflow as tf
 
+    from tfaploss.data.integrity import check_or_raise, reading
     from tfaploss.evaluation import evaluate
 
     progress = not args.quiet and is_terminal()

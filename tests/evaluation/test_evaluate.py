@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.support import needs_scann
 from tfaploss.evaluation import (
     PCAWhitening,
     alpha_query_expansion,
@@ -72,6 +73,7 @@ def test_evaluate_precomputed_embeddings_with_ids_dataset_and_query_set():
         evaluate(db, db_y, protocol="oxford5k", verbose=0)
 
 
+@needs_scann
 def test_evaluate_revisited_with_gnd(tmp_path):
     db = np.eye(6, dtype=np.float32)
     q = np.array([[0.9, 0.1, 0.3, 0, 0, 0], [0, 0, 0, 0, 1.0, 0.5]], np.float32)

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from tests.support import needs_scann
 from tfaploss.evaluation import gldv2_map_at_k, retrieval_metrics
 from tfaploss.evaluation.metrics import per_query_metrics
 
@@ -20,7 +21,7 @@ _GOLDEN_KEYS = {
 
 
 @pytest.mark.parametrize("case", ["A", "B"])
-@pytest.mark.parametrize("backend", ["exact", "scann"])
+@pytest.mark.parametrize("backend", ["exact", pytest.param("scann", marks=needs_scann)])
 def test_goldens(case, backend, smooth_rank_goldens, retrieval_goldens):
     x = np.asarray(smooth_rank_goldens["inputs"][case]["X"])
     y = np.asarray(smooth_rank_goldens["inputs"][case]["y"])
@@ -53,7 +54,7 @@ def test_ties_broken_by_index():
     assert swapped["map"] == pytest.approx((1 + 2 / 3) / 2)
 
 
-@pytest.mark.parametrize("backend", ["exact", "scann"])
+@pytest.mark.parametrize("backend", ["exact", pytest.param("scann", marks=needs_scann)])
 def test_self_removed_by_index_with_exact_duplicates(backend):
     # Rows 0 and 1 are identical but belong to different classes: dropping "the first
     # neighbour" of query 1 would drop row 0 and leave the query itself at rank 1.

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from tests.support import needs_scann
 from tfaploss.evaluation import (
     ExactSearcher,
     ScannSearcher,
@@ -40,6 +41,7 @@ def test_exact_chunked_with_ties_matches_reference(engine):
     np.testing.assert_array_equal(idx, _reference(q, db, 25, exclude))
 
 
+@needs_scann
 def test_scann_brute_force_equals_exact():
     rng = np.random.default_rng(1)
     db, q = _unit(rng, 3000, 32), _unit(rng, 100, 32)
@@ -55,6 +57,7 @@ def test_scann_brute_force_equals_exact():
     assert near_tie.mean() < 0.01
 
 
+@needs_scann
 def test_scann_ah_recall_on_random_20k():
     rng = np.random.default_rng(2)
     db, q = _unit(rng, 20_000, 64), _unit(rng, 300, 64)
@@ -66,6 +69,7 @@ def test_scann_ah_recall_on_random_20k():
     assert recall >= 0.95, recall
 
 
+@needs_scann
 def test_ah_params_follow_database_size():
     small, large = scann_ah_params(20_000, 64), scann_ah_params(1_000_000, 128)
     assert small["num_leaves"] is None  # no tree below 100k points
@@ -100,8 +104,8 @@ def test_ah_params_follow_database_size():
 
 @pytest.mark.parametrize("backend,kwargs", [
     ("exact", {}),
-    ("scann", {}),
-    ("scann_ah", {"num_leaves": 40, "num_leaves_to_search": 10}),
+    pytest.param("scann", {}, marks=needs_scann),
+    pytest.param("scann_ah", {"num_leaves": 40, "num_leaves_to_search": 10}, marks=needs_scann),
 ])
 def test_serialized_searcher_reloads_with_identical_results(tmp_path, backend, kwargs):
     rng = np.random.default_rng(5)
@@ -196,6 +200,7 @@ def _clustered_unit(seed, n, d=128, clusters=400, spread=1.0):
     return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
 
 
+@needs_scann
 def test_tree_is_spherical_for_unit_rows_and_finds_neighbours_in_one_leaf():
     """Unit-norm embeddings get spherical k-means leaves: with raw centres the dot
     product favours tight clusters' centres and sends queries to the wrong leaf."""

@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 
+from tests.support import needs_scann
 from tfaploss.cli import build_parser
 from tfaploss.config import ConfigError, config_from_dict
 from tfaploss.evaluation import ExactSearcher, ScannSearcher, build_searcher, evaluate
@@ -55,6 +56,7 @@ class _Clock:
         return self.now
 
 
+@needs_scann
 def test_tuned_setting_reaches_the_target_on_fresh_queries(caplog):
     db, _ = _clustered(0, 4000)
     target = 0.9
@@ -94,6 +96,7 @@ def test_falls_back_to_exact_on_a_tiny_database(caplog):
                for r in caplog.records)
 
 
+@needs_scann
 def test_falls_back_when_the_target_cannot_be_met():
     db = _random(0, 3000, 64)
     searcher, info = tune_searcher(db, 1.0, k=10, speed="model", max_settings=5)
@@ -102,6 +105,7 @@ def test_falls_back_when_the_target_cannot_be_met():
     assert all(t["recall"] < 1.0 for t in info["tried"])
 
 
+@needs_scann
 def test_falls_back_when_no_setting_is_faster_than_exact():
     # Every search of the sample takes one tick of the fake clock, exact search too:
     # a setting that reaches the target is not faster, so it does not count.
@@ -114,6 +118,7 @@ def test_falls_back_when_no_setting_is_faster_than_exact():
     assert not any(t["met"] for t in info["tried"])
 
 
+@needs_scann
 def test_cost_is_bounded_and_the_search_stops_early():
     db, _ = _clustered(0, 3000)
     space = [s for s in candidate_settings(3000, 32, 10)
@@ -157,6 +162,7 @@ def test_wilson_interval():
     assert lo == pytest.approx(0.4038, abs=1e-3) and hi == pytest.approx(0.5962, abs=1e-3)
 
 
+@needs_scann
 def test_build_searcher_knob_and_errors(tmp_path):
     db, _ = _clustered(0, 3000)
     queries, _ = _clustered(5, 200)
@@ -183,6 +189,7 @@ def test_build_searcher_knob_and_errors(tmp_path):
     assert build_searcher(db, "scann_ah").backend == "scann_ah"
 
 
+@needs_scann
 def test_tree_with_brute_force_leaves_round_trips(tmp_path):
     db, _ = _clustered(0, 3000)
     s = ScannSearcher(db, mode="ah", num_leaves=50, num_leaves_to_search=50,
@@ -197,6 +204,7 @@ def test_tree_with_brute_force_leaves_round_trips(tmp_path):
         ScannSearcher(db, mode="ah", leaf_scoring="lsh")
 
 
+@needs_scann
 def test_every_report_states_backend_setting_and_recall(tmp_path):
     emb, labels = _clustered(0, 3000)
     # Exact (the default): recall 1.
@@ -260,7 +268,7 @@ def test_config_refuses_target_recall(value):
         config_from_dict(MINIMAL, [f"evaluation.target_recall={value}"], warn=False)
 
 
-@pytest.mark.parametrize("target", [None, 0.9])
+@pytest.mark.parametrize("target", [None, pytest.param(0.9, marks=needs_scann)])
 def test_training_time_evaluation_honours_target_recall(monkeypatch, target):
     """The evaluation of `tfaploss train` (every N epochs and at the end) searches as
     `evaluation.target_recall` asks, and says what it measured."""
@@ -303,6 +311,7 @@ def test_cli_target_recall_flag(capsys):
         assert "--target-recall" in capsys.readouterr().err
 
 
+@needs_scann
 def test_unfilled_rows_are_padding_not_neighbours():
     # 2 of 100 leaves hold ~60 points: a search for 500 cannot be filled. Batched ScaNN
     # pads such rows with index 0 and a NaN score; they must come back as -1 / -inf

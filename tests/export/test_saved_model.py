@@ -309,11 +309,14 @@ def test_saved_model_cli_lists_string_input(exported):
     assert "shape: (-1, 16)" in outputs
 
 
-def test_readme_warns_to_load_only_trusted_models():
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Evaluating", 1)[1].split("\n## ", 1)[0]
+def test_the_docs_warn_to_load_only_trusted_models():
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    serve = readme.split("## Serve", 1)[1].split("\n## ", 1)[0]
+    assert "**Load only models you trust**" in serve and "docs/evaluation.md" in serve
+    section = (root / "docs" / "evaluation.md").read_text(encoding="utf-8")
     warning = section.split("**Load only models you trust.**", 1)
-    assert len(warning) == 2, "the Evaluating section must carry the trusted-models warning"
+    assert len(warning) == 2, "docs/evaluation.md must carry the trusted-models warning"
     paragraph = warning[1].split("\n\n", 1)[0]
     assert "tfaploss evaluate" in paragraph and "pipelines.embed" in paragraph
     assert "SavedModel" in paragraph and "run other code" in paragraph

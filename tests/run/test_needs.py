@@ -61,6 +61,8 @@ def test_train_checks_before_it_touches_the_run_directory(tmp_path, monkeypatch)
 def test_the_recipes_need_no_extra_unless_they_name_one(path):
     cfg = load_config(path, warn=False)
     names_scann = cfg.evaluation.backend in ("scann", "scann_ah")
-    assert [e for e, _ in config_extras(cfg)] == (["scann"] if names_scann else [])
+    names_hub = cfg.model.backbone.startswith("keras_hub:")
+    assert [e for e, _ in config_extras(cfg)] == (
+        (["scann"] if names_scann else []) + (["hub"] if names_hub else []))
     # Only the recipe whose 136k-image test set wants ScaNN's tree names it.
     assert names_scann == (path.name == "roadmap_inat_resnet50.yaml")
