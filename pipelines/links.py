@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 LEAVES_ROOT = "symlink leaving --input_dir (not followed; --follow_external_links follows it)"
 
