@@ -9,8 +9,14 @@ Every file under ``INPUT_DIR`` ends up in exactly one of: the records, the dead 
 (unreadable or undecodable images, file names that are not UTF-8, folders that cannot
 be listed), or ``ignored_files.jsonl`` with its reason (files that are not images,
 files outside a class folder, names starting with ``.`` or ``_`` at any depth and
-everything below such a folder, symlinks that leave their class folder or point at
-something already listed, e.g. a loop). A class folder may itself be a symlink.
+everything below such a folder, links refused by the link policy).
+
+Links, files and folders alike, class folders included (:mod:`pipelines.links`): a link
+inside ``INPUT_DIR`` is followed, one that leaves it is ignored unless
+``--follow_external_links`` is given, a loop or a second name for a file or folder already
+listed (e.g. a link into another class folder) is ignored with its reason, and a
+dangling link is a dead letter. Real paths are listed before any link, so a link never
+moves a file out of the class folder it sits in.
 
 Splits: without a split option everything goes to one split (``--split_name``,
 default ``train``). ``--test_classes 6,7,8,9`` puts those classes in ``test`` and the
@@ -33,6 +39,7 @@ import sys
 from dataclasses import dataclass, field
 
 from pipelines import images as I
+from pipelines import links as LK
 from pipelines import options as opts
 from pipelines import runner as R
 from pipelines import storage
@@ -57,6 +64,9 @@ def parser():
     g.add_argument("--splits_from_folders", action="store_true",
                    help="INPUT_DIR holds one folder per split (train/, test/, ...), each "
                         "with class folders; write each as its own split")
+    p.add_argument("--follow_external_links", action="store_true",
+                   help="follow symlinks (files and folders) that leave INPUT_DIR; without "
+                        "it they are listed in ignored_files.jsonl")
     p.add_argument("--split_name", default="train",
                    help="name of the single split when no class split is asked for")
     return p
@@ -85,21 +95,39 @@ def _hidden_reason(name: str) -> str:
             else "name starts with '_' (reserved, e.g. __MACOSX, _work)")
 
 
-def _inside(path: str, folder: str) -> bool:
-    return os.path.commonpath([path, folder]) == folder
+def _list_class(listing: Listing, policy: LK.LinkPolicy, cls: str, path: str,
+                rel_cls: str) -> None:
+    files = listing.classes.setdefault(cls, [])
 
+    def add_file(rel: str, real: str) -> None:
+        if not rel.lower().endswith(I.IMAGE_EXTENSIONS):
+            listing.add_ignored(cls, rel, "not an image file extension")
+            return
+        same = policy.claim_file(real, rel)
+        if same:
+            listing.add_ignored(cls, rel, same)
+        else:
+            files.append((rel, policy.bound(real)))
 
-
-def _list_class(listing: Listing, cls: str, path: str, rel_cls: str) -> None:
-    real_root = os.path.realpath(path)
-    visited_dirs = {real_root}
-    seen_files: dict[str, str] = {}
-    files: list[tuple[str, str]] = []
+    def follow(link_path: str, rel: str, real_dir: str) -> None:
+        real = os.path.realpath(link_path)
+        if os.path.isdir(link_path):
+            why = policy.dir_link_reason(link_path, real_dir)
+            if why:
+                listing.add_ignored(cls, rel, why)
+            else:
+                policy.claim_dir(real, rel)
+                visit(link_path, rel, real)
+        elif policy.leaves(real):
+            listing.add_ignored(cls, rel, LK.LEAVES_ROOT)
+        elif os.path.isfile(link_path):
+            add_file(rel, real)
+        else:
+            listing.add_ignored(cls, rel, "not a regular file (device, pipe)")
 
     def visit(dirpath: str, rel_dir: str, real_dir: str) -> None:
         try:
-            # Real files before links to them, so a link is what gets reported.
-            entries = sorted(os.scandir(dirpath), key=lambda e: (e.is_symlink(), e.name))
+            entries = sorted(os.scandir(dirpath), key=lambda e: e.name)
         except OSError as e:
             listing.add_dead(cls, rel_dir + "/", I.UNREADABLE_FOLDER,
                              f"cannot list folder {rel_dir}/: {e.strerror or e}")
@@ -107,9 +135,9 @@ def _list_class(listing: Listing, cls: str, path: str, rel_cls: str) -> None:
         for e in entries:
             shown = storage.printable_name(e.name)
             rel = f"{rel_dir}/{shown or e.name}"
-            is_dir = e.is_dir()  # follows symlinks
+            link = e.is_symlink()
             if shown is not None:
-                if is_dir and not e.is_symlink():
+                if e.is_dir() and not link:
                     storage.walk_all_files(e.path, rel, lambda r: listing.add_dead(
                         cls, r, I.BAD_FILE_NAME, f"a folder name in {r!r} is not UTF-8"))
                 else:
@@ -117,43 +145,34 @@ def _list_class(listing: Listing, cls: str, path: str, rel_cls: str) -> None:
                                      f"file name {rel!r} is not valid UTF-8")
                 continue
             if e.name.startswith((".", "_")):
-                if is_dir and not e.is_symlink():
+                if e.is_dir() and not link:
                     reason = f"inside {rel}/: " + _hidden_reason(e.name)
                     storage.walk_all_files(e.path, rel, lambda r, why=reason: listing.add_ignored(
                         cls, r, why))
                 else:
                     listing.add_ignored(cls, rel, _hidden_reason(e.name))
                 continue
-            real = os.path.realpath(e.path)
-            if e.is_symlink() and not os.path.exists(e.path):
+            if link and not os.path.exists(e.path):
                 listing.add_dead(cls, rel, I.MISSING_FILE,
                                  f"broken symlink to {os.readlink(e.path)}")
-                continue
-            if e.is_symlink() and not _inside(real, real_root):
-                listing.add_ignored(cls, rel, f"symlink leaving the class folder {rel_cls}/ "
-                                              "(not followed)")
-                continue
-            if is_dir:
-                if real in visited_dirs or _inside(real_dir, real):
-                    listing.add_ignored(cls, rel, "symlink to a folder already listed "
-                                                  "(loop; not followed again)")
-                    continue
-                visited_dirs.add(real)
-                visit(e.path, rel, real)
-            elif e.is_file():
-                if not e.name.lower().endswith(I.IMAGE_EXTENSIONS):
-                    listing.add_ignored(cls, rel, "not an image file extension")
-                elif real in seen_files:
-                    listing.add_ignored(cls, rel, f"same file as {seen_files[real]}")
+            elif link:
+                policy.defer(lambda p=e.path, r=rel, d=real_dir: follow(p, r, d))
+            elif e.is_dir():
+                real = os.path.realpath(e.path)
+                owner = policy.listed_as(real)
+                if owner is not None:  # a bind mount, or a followed folder holding it
+                    listing.add_ignored(cls, rel, f"folder already listed as {owner}/")
                 else:
-                    seen_files[real] = rel
-                    files.append((rel, real_root))
+                    policy.claim_dir(real, rel)
+                    visit(e.path, rel, real)
+            elif e.is_file():
+                add_file(rel, os.path.realpath(e.path))
             else:
-                listing.add_ignored(cls, rel, "not a regular file (broken link, device, "
-                                              "pipe)")
+                listing.add_ignored(cls, rel, "not a regular file (device, pipe)")
 
-    visit(path, rel_cls, real_root)
-    listing.classes[cls] = sorted(files)
+    real_top = os.path.realpath(path)
+    policy.claim_dir(real_top, rel_cls)
+    visit(path, rel_cls, real_top)
 
 
 def _list_url(listing: Listing, root: str, prefix: str) -> None:
@@ -173,9 +192,10 @@ def _list_url(listing: Listing, root: str, prefix: str) -> None:
             listing.classes.setdefault(cls, []).append((rel, None))
 
 
-def list_tree(input_dir: str, prefix: str = "") -> Listing:
+def list_tree(input_dir: str, prefix: str = "", follow_external_links: bool = False) -> Listing:
     """List the class folders of ``input_dir`` (of ``input_dir/prefix`` when given;
-    relative paths still start at ``input_dir``). See the module doc for the rules."""
+    relative paths still start at ``input_dir``). See the module doc for the rules;
+    ``follow_external_links``: follow symlinks that leave ``input_dir``."""
     root = input_dir.rstrip("/") or "/"
     top = storage.join(root, prefix) if prefix else root
     if not storage.isdir(top):
@@ -184,6 +204,8 @@ def list_tree(input_dir: str, prefix: str = "") -> Listing:
     if storage.is_url(root):
         _list_url(listing, root, prefix)
         return listing
+    policy = LK.LinkPolicy(root, follow_external_links)
+    real_top = os.path.realpath(top)
     for e in sorted(os.scandir(top), key=lambda e: e.name):
         shown = storage.printable_name(e.name)
         rel = f"{prefix}/{shown or e.name}" if prefix else (shown or e.name)
@@ -199,21 +221,26 @@ def list_tree(input_dir: str, prefix: str = "") -> Listing:
                 storage.walk_all_files(e.path, rel, lambda r, why=reason: listing.add_ignored(None, r, why))
             else:
                 listing.add_ignored(None, rel, _hidden_reason(e.name))
+        elif e.is_symlink() and e.is_dir():
+            policy.defer(lambda e=e, rel=rel: _class_link(listing, policy, e, rel, real_top))
         elif e.is_dir():
-            _list_class(listing, e.name, e.path, rel)
+            _list_class(listing, policy, e.name, e.path, rel)
         else:
             listing.add_ignored(None, rel, "not inside a class folder")
-    # Two class folders that are the same folder (one a symlink to the other).
-    reals: dict[str, str] = {}
-    for cls in sorted(listing.classes):
-        real = os.path.realpath(storage.join(top, cls))
-        if real in reals:
-            for rel, _ in listing.classes.pop(cls):
-                listing.add_ignored(None, rel, f"class folder {cls}/ is the same folder as "
-                                               f"{reals[real]}/")
-        else:
-            reals[real] = cls
+    policy.drain()
+    for cls in listing.classes:
+        listing.classes[cls].sort()
     return listing
+
+
+def _class_link(listing: Listing, policy: LK.LinkPolicy, e: os.DirEntry, rel: str,
+                real_top: str) -> None:
+    # A class folder that is a link: the same rule as a folder link inside a class.
+    why = policy.dir_link_reason(e.path, real_top)
+    if why:
+        listing.add_ignored(None, rel, why)
+    else:
+        _list_class(listing, policy, e.name, e.path, rel)
 
 
 def _looks_split(input_dir: str, listing: Listing) -> bool:
@@ -255,7 +282,7 @@ def _records(args, listing: Listing, members: list[str], split: str) -> R.SplitP
 
 
 def plan(args) -> list[R.SplitPlan]:
-    listing = list_tree(args.input_dir)
+    listing = list_tree(args.input_dir, follow_external_links=getattr(args, "follow_external_links", False))
     names = sorted(listing.classes, key=_natural_key)
     if getattr(args, "splits_from_folders", False):
         return _plan_split_folders(args, listing, names)
@@ -279,7 +306,8 @@ def _plan_split_folders(args, top: Listing, splits: list[str]) -> list[R.SplitPl
         raise ValueError(f"--splits_from_folders: {args.input_dir!r} has no split folders")
     plans = []
     for split in sorted(splits, key=lambda s: (s not in ("train", "training"), s)):
-        listing = list_tree(args.input_dir, prefix=split)
+        listing = list_tree(args.input_dir, prefix=split,
+                            follow_external_links=getattr(args, "follow_external_links", False))
         names = sorted(listing.classes, key=_natural_key)
         if not names:
             raise ValueError(f"--splits_from_folders: {split}/ has no class subfolders")

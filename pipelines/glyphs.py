@@ -31,8 +31,9 @@ the by-class layout the samplers read (unless ``--by_class none``).
 
 Every file under ``INPUT_DIR`` ends up in exactly one place: a font file that fontTools
 or FreeType cannot read is a dead letter (a glyph they fail on: that pair); other files, names starting with ``.`` or
-``_`` (at any depth), symlinks that leave ``INPUT_DIR`` or repeat a listed file are in
-``ignored_files.jsonl`` with their reason. Each (kept character, face taking part in
+``_`` (at any depth), and symlinks refused by the one link policy of
+:mod:`pipelines.links` (leaving ``INPUT_DIR`` without ``--follow_external_links``, loops,
+second names of a listed file or folder) are in ``ignored_files.jsonl`` with their reason. Each (kept character, face taking part in
 its set) pair gives an image or an entry ``{"path", "face", "char": "U+XXXX",
 "reason"}`` in the character's split's ``ignored_files.jsonl``: ``not in cmap``,
 ``mapped to .notdef``, ``same outline as .notdef`` (a box drawn as a glyph), ``empty
@@ -70,6 +71,7 @@ from pipelines import fonts as F
 from pipelines import glyph_render as G
 from pipelines import image_workers as W
 from pipelines import images as I
+from pipelines import links as LK
 from pipelines import options as opts
 from pipelines import runner as R
 
@@ -105,6 +107,9 @@ def parser():
                    help="fraction of the characters in the 'test' split")
     p.add_argument("--val_fraction", type=float, default=0.1,
                    help="fraction of the characters in the 'val' split (0: no val split)")
+    p.add_argument("--follow_external_links", action="store_true",
+                   help="follow symlinks (files and folders) that leave INPUT_DIR; without "
+                        "it they are listed in ignored_files.jsonl")
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the class sample, the split and every image's jitter")
     p.add_argument("--canvas_size", type=int, default=64,
@@ -229,23 +234,46 @@ class Listing:
         self.ignored.append({"path": rel, "reason": reason})
 
 
-def _inside(path: str, folder: str) -> bool:
-    return os.path.commonpath([path, folder]) == folder
-
-
-def list_fonts(input_dir: str) -> Listing:
-    """Every file under ``input_dir``: a font to read, a dead letter or ignored."""
+def list_fonts(input_dir: str, follow_external_links: bool = False) -> Listing:
+    """Every file under ``input_dir``: a font to read, a dead letter or ignored. Symlinks
+    follow :mod:`pipelines.links` (``follow_external_links``: follow those that leave
+    ``input_dir``)."""
     if not os.path.isdir(input_dir):
         raise FileNotFoundError(f"--input_dir {input_dir!r} is not a directory")
     listing = Listing()
-    root = os.path.realpath(input_dir)
-    visited = {root}
-    seen: dict[str, str] = {}
+    policy = LK.LinkPolicy(input_dir, follow_external_links)
+
+    def add_font(rel: str, path: str, real: str) -> None:
+        if not rel.lower().endswith(F.FONT_EXTENSIONS):
+            listing.add_ignored(rel, "not a font file (.ttf, .otf, .ttc, .otc)")
+            return
+        same = policy.claim_file(real, rel)
+        if same:
+            listing.add_ignored(rel, same)
+        else:
+            listing.fonts.append((rel, path))
+
+    def follow(path: str, rel: str, real_dir: str) -> None:
+        real = os.path.realpath(path)
+        if os.path.isdir(path):
+            why = policy.dir_link_reason(path, real_dir)
+            if why:
+                listing.add_ignored(rel, why)
+            else:
+                policy.claim_dir(real, rel)
+                visit(path, rel, real)
+        elif not rel.lower().endswith(F.FONT_EXTENSIONS):
+            listing.add_ignored(rel, "not a font file (.ttf, .otf, .ttc, .otc)")
+        elif policy.leaves(real):
+            listing.add_ignored(rel, LK.LEAVES_ROOT)
+        elif os.path.isfile(path):
+            add_font(rel, path, real)
+        else:
+            listing.add_ignored(rel, "not a regular file (device, pipe)")
 
     def visit(path: str, rel_dir: str, real_dir: str) -> None:
         try:
-            # Real files before links to them, so a link is what gets reported.
-            entries = sorted(os.scandir(path), key=lambda e: (e.is_symlink(), e.name))
+            entries = sorted(os.scandir(path), key=lambda e: e.name)
         except OSError as e:
             listing.add_dead(rel_dir + "/", I.UNREADABLE_FOLDER,
                              f"cannot list folder {rel_dir or '.'}/: {e.strerror or e}")
@@ -253,9 +281,9 @@ def list_fonts(input_dir: str) -> Listing:
         for e in entries:
             shown = storage.printable_name(e.name)
             rel = f"{rel_dir}/{shown or e.name}" if rel_dir else (shown or e.name)
-            is_dir = e.is_dir()  # follows symlinks
+            link = e.is_symlink()
             if shown is not None:
-                if is_dir and not e.is_symlink():
+                if e.is_dir() and not link:
                     storage.walk_all_files(e.path, rel, lambda r: listing.add_dead(
                         r, I.BAD_FILE_NAME, f"a folder name in {r!r} is not valid UTF-8"))
                 else:
@@ -264,37 +292,36 @@ def list_fonts(input_dir: str) -> Listing:
             if e.name.startswith((".", "_")):
                 why = ("name starts with '.' (hidden)" if e.name.startswith(".")
                        else "name starts with '_' (reserved, e.g. __MACOSX, _work)")
-                if is_dir and not e.is_symlink():
+                if e.is_dir() and not link:
                     storage.walk_all_files(e.path, rel, lambda r, why=f"inside {rel}/: {why}":
                                      listing.add_ignored(r, why))
                 else:
                     listing.add_ignored(rel, why)
                 continue
-            real = os.path.realpath(e.path)
-            if is_dir:
-                if e.is_symlink() and not _inside(real, root):
-                    listing.add_ignored(rel, "symlink leaving --input_dir (not followed)")
-                elif real in visited or _inside(real_dir, real):
-                    listing.add_ignored(rel, "symlink to a folder already listed (loop; "
-                                             "not followed again)")
+            if link and not os.path.exists(e.path):
+                if rel.lower().endswith(F.FONT_EXTENSIONS):
+                    listing.add_dead(rel, I.MISSING_FILE,
+                                     f"broken symlink to {os.readlink(e.path)}")
                 else:
-                    visited.add(real)
+                    listing.add_ignored(rel, "not a font file (.ttf, .otf, .ttc, .otc)")
+            elif link:
+                policy.defer(lambda p=e.path, r=rel, d=real_dir: follow(p, r, d))
+            elif e.is_dir():
+                real = os.path.realpath(e.path)
+                owner = policy.listed_as(real)
+                if owner is not None:  # a bind mount, or a followed folder holding it
+                    listing.add_ignored(rel, f"folder already listed as {owner}/")
+                else:
+                    policy.claim_dir(real, rel)
                     visit(e.path, rel, real)
-            elif not e.name.lower().endswith(F.FONT_EXTENSIONS):
-                listing.add_ignored(rel, "not a font file (.ttf, .otf, .ttc, .otc)")
-            elif e.is_symlink() and not os.path.exists(e.path):
-                listing.add_dead(rel, I.MISSING_FILE, f"broken symlink to {os.readlink(e.path)}")
-            elif e.is_symlink() and not _inside(real, root):
-                listing.add_ignored(rel, "symlink leaving --input_dir (not followed)")
             elif not e.is_file():
                 listing.add_ignored(rel, "not a regular file (device, pipe)")
-            elif real in seen:
-                listing.add_ignored(rel, f"same file as {seen[real]}")
             else:
-                seen[real] = rel
-                listing.fonts.append((rel, e.path))
+                add_font(rel, e.path, os.path.realpath(e.path))
 
-    visit(input_dir, "", root)
+    policy.claim_dir(policy.root, "")
+    visit(input_dir, "", policy.root)
+    policy.drain()
     listing.fonts.sort()
     return listing
 
@@ -516,7 +543,7 @@ def plan(args) -> list[R.SplitPlan]:
     _validate(args)
     parts = parse_charset(args.charset)
     part_of = {cp: name for name, cps in parts for cp in cps}
-    listing = list_fonts(args.input_dir)
+    listing = list_fonts(args.input_dir, getattr(args, "follow_external_links", False))
     processes = _processes(args)
     faces = _read_faces(listing, set(part_of), processes)
     if not faces:

@@ -311,6 +311,11 @@ def test_export_writes_a_servable_savedmodel(trained_run, workspace, tmp_path):
     model = keras.saving.load_model(run_dir / "model.keras", compile=False)
     expected = np.asarray(model(center_crop(tf.constant(png), 16)[None], training=False))
     np.testing.assert_allclose(embedding, np.repeat(expected, 2, axis=0), atol=1e-5)
+    limited = tmp_path / "limited"
+    assert main(["export", "--model", str(run_dir / "model.keras"), "--out", str(limited),
+                 "--max-request-pixels", "50000000"]) == 0
+    meta = json.loads((limited / "1" / "assets.extra" / "tfaploss_export.json").read_text())
+    assert meta["max_request_pixels"] == 50_000_000
     # The evaluate command reads the export too.
     assert main(["evaluate", "--model", str(out), "--data", str(root / "records" / "test"),
                  "--ks", "1", "--out", str(tmp_path / "eval_served")]) == 0

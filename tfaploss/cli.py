@@ -221,6 +221,9 @@ def _add_export(sub):
     p.add_argument("--image-size", type=int, default=None,
                    help="side of the square crop served images are resized to (default: the "
                         "model's input size, else 224)")
+    p.add_argument("--max-request-pixels", type=int, default=None,
+                   help="largest total width x height of one request's images, checked "
+                        "before decoding (default: 4 x the 40-megapixel per-image limit)")
     p.add_argument("--version", type=int, default=None,
                    help="version number (default: one more than the largest in OUT)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing version")
@@ -388,7 +391,8 @@ def cmd_export(args) -> int:
     model, size = load_any_model(args.model)
     size = args.image_size or size or 224
     target = export_saved_model(model, args.out, image_size=(size, size),
-                                version=args.version, overwrite=args.overwrite)
+                                version=args.version, overwrite=args.overwrite,
+                                max_request_pixels=args.max_request_pixels)
     print(f"Exported SavedModel to {target}")
     print(f"  serve: tensorflow_model_server --rest_api_port=8501 --model_name=retrieval "
           f"--model_base_path={os.path.abspath(args.out)}")

@@ -239,6 +239,54 @@ def test_max_pixels_option(tmp_path):
         export_saved_model(model, tmp_path / "m", image_size=(16, 16), max_pixels=-5)
 
 
+def test_a_request_of_many_allowed_images_is_refused_before_decoding(exported):
+    _, _, version_dir, _ = exported
+    fn = tf.saved_model.load(version_dir).signatures["serving_default"]
+    # Five 36-megapixel PNGs, each under the 40 MP limit, 180 MP in all (default limit:
+    # 4 x 40 MP). Their data is cut short, so any decoding would say "could not decode".
+    many = [_png_declaring(6000, 6000) for _ in range(5)]
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        fn(image_bytes=tf.constant(many))
+    message = info.value.message
+    assert "[declare] [180000000] [pixels in all, more than max_request_pixels=160000000" \
+        in message
+    assert "could not decode" not in message and "index(es)" not in message
+    with open(os.path.join(version_dir, "assets.extra", "tfaploss_export.json")) as f:
+        assert json.load(f)["max_request_pixels"] == 160_000_000
+    good = _jpeg_bytes()
+    assert fn(image_bytes=tf.constant(good * 4))["embedding"].shape == (8, 16)
+
+
+def test_max_request_pixels_option(tmp_path):
+    from tfaploss.export import decode_images
+
+    small = _encoded("PNG", 20, 20)
+    cut = small[:-30]  # its header declares 400 pixels; its data cannot be decoded
+    out = decode_images(tf.constant([small, small]), (16, 16), max_pixels=400,
+                        max_request_pixels=800)  # at the limit: allowed
+    assert out.shape == (2, 16, 16, 3)
+    for request in ([small, small, small], [small, small, cut]):
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match="pixels in all, more than max_request_pixels=800") as info:
+            decode_images(tf.constant(request), (16, 16), max_pixels=400,
+                          max_request_pixels=800)
+        assert "'declare'\n1200\n" in info.value.message
+        assert "could not decode" not in info.value.message
+    # The default: 4 x max_pixels.
+    assert decode_images(tf.constant([small] * 4), (16, 16), max_pixels=400).shape[0] == 4
+    with pytest.raises(tf.errors.InvalidArgumentError, match="max_request_pixels=1600"):
+        decode_images(tf.constant([small] * 5), (16, 16), max_pixels=400)
+    for bad in (399, 0, 1.5e9, True):
+        with pytest.raises(ValueError, match="max_request_pixels"):
+            decode_images(tf.constant([small]), (16, 16), max_pixels=400,
+                          max_request_pixels=bad)
+    model = keras.Sequential([keras.Input((16, 16, 3)), keras.layers.GlobalAveragePooling2D()])
+    with pytest.raises(ValueError, match="max_request_pixels"):
+        export_saved_model(model, tmp_path / "m", image_size=(16, 16), max_pixels=400,
+                           max_request_pixels=100)
+    assert "4 x ``max_pixels``" in export_saved_model.__doc__
+
+
 def test_whitening_is_applied_at_export(exported, tmp_path):
     model, _, _, _ = exported
     rng = np.random.default_rng(2)

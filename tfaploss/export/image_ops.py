@@ -17,6 +17,11 @@ from tfaploss.data.augment import DEFAULT_CROP_FRACTION  # served as evaluated
 # ~1024 px: clients should downscale anything larger. Without a limit a 285 KB PNG
 # declaring 10000 x 10000 costs 1.3 GB, and a 30000² one kills the server.
 DEFAULT_MAX_PIXELS = 40_000_000
+# Largest total of those sizes in one request, when the export does not name one:
+# REQUEST_PIXELS_PER_MAX_PIXELS x max_pixels. Four images at the limit (or 13 phone
+# photos of 12 MP) is ~2 s of one core's decoding and, decoded in parallel, ~2.4 GB of
+# uint8 + float32 copies at once: a batch of many allowed images costs no more than that.
+REQUEST_PIXELS_PER_MAX_PIXELS = 4
 # What the serving signature decodes (tf.io.decode_image), as the docs and --help list it.
 IMAGE_FORMATS = ("JPEG", "PNG", "GIF", "BMP", "WebP")
 
@@ -68,6 +73,19 @@ def check_max_pixels(max_pixels) -> int:
     return max_pixels
 
 
+def check_max_request_pixels(max_request_pixels, max_pixels: int) -> int:
+    """``max_request_pixels`` as an int >= ``max_pixels`` (``None``:
+    :data:`REQUEST_PIXELS_PER_MAX_PIXELS` x ``max_pixels``), or a ValueError naming it."""
+    if max_request_pixels is None:
+        return REQUEST_PIXELS_PER_MAX_PIXELS * max_pixels
+    if (isinstance(max_request_pixels, bool) or not isinstance(max_request_pixels, int)
+            or max_request_pixels < max_pixels):
+        raise ValueError("`max_request_pixels` must be an integer >= max_pixels="
+                         f"{max_pixels} (one allowed image must fit a request); received "
+                         f"{max_request_pixels!r}")
+    return max_request_pixels
+
+
 def _decode_within(data, declared, image_size, crop_fraction, method, antialias, max_pixels):
     """Decode one image, never past ``max_pixels``: ``(image, pixels)``, where ``pixels``
     is the size the decoder found and ``image`` zeros when it is over the limit.
@@ -101,7 +119,8 @@ def _decode_within(data, declared, image_size, crop_fraction, method, antialias,
 
 
 def decode_images(image_bytes, image_size=(224, 224), crop_fraction=DEFAULT_CROP_FRACTION,
-                  method="bilinear", antialias=True, max_pixels=DEFAULT_MAX_PIXELS):
+                  method="bilinear", antialias=True, max_pixels=DEFAULT_MAX_PIXELS,
+                  max_request_pixels=None):
     """Decode a batch of encoded images (JPEG, PNG, GIF, BMP, WebP) to ``(N, h, w, 3)``
     float32.
 
@@ -122,10 +141,19 @@ def decode_images(image_bytes, image_size=(224, 224), crop_fraction=DEFAULT_CROP
        (``tf.image.extract_jpeg_shape``) before it is decoded, and every decoded image's
        shape is checked before it is resized.
 
+    The whole request is held to ``max_request_pixels`` the same way: the declared
+    sizes' total is checked before anything is decoded, the decoded sizes' total
+    after. Its default, ``None``, is :data:`REQUEST_PIXELS_PER_MAX_PIXELS` (4) x
+    ``max_pixels`` (160 megapixels with the default ``max_pixels``), so that a batch of
+    many images, each under the limit, cannot tie up a server's memory and cores.
+
     Raises:
         tf.errors.InvalidArgumentError: some inputs declare more than ``max_pixels``
             pixels (``the image(s) at index(es) [2] declare [100000000] pixels, more
-            than max_pixels=...``; the request is refused before any decoding), decode
+            than max_pixels=...``; the request is refused before any decoding), declare
+            more than ``max_request_pixels`` in all (``the request's images declare
+            200000000 pixels in all, more than max_request_pixels=...``; also before
+            decoding), decode
             to more than that (``... decode to ...``), or cannot be decoded or are
             refused (``could not decode the image(s) at index(es) [1 3]``). The whole
             request fails (nothing is silently dropped) and a server keeps running.
@@ -134,6 +162,7 @@ def decode_images(image_bytes, image_size=(224, 224), crop_fraction=DEFAULT_CROP
 
     h, w = _check_image_size(image_size)
     max_pixels = check_max_pixels(max_pixels)
+    max_request_pixels = check_max_request_pixels(max_request_pixels, max_pixels)
     image_bytes = tf.convert_to_tensor(image_bytes, tf.string)
     n = tf.shape(image_bytes, out_type=tf.int64)[0]
     indices = tf.range(n)
@@ -148,7 +177,10 @@ def decode_images(image_bytes, image_size=(224, 224), crop_fraction=DEFAULT_CROP
           "(or export with a larger max_pixels)")],
         summarize=64,
     )
-    with tf.control_dependencies([size_check]):
+    # Unreadable headers count 0 here: they are refused below without being decoded.
+    total = tf.reduce_sum(tf.maximum(pixels, 0.0))
+    total_check = _request_check(total, "declare", max_request_pixels, "; nothing was decoded")
+    with tf.control_dependencies([size_check, total_check]):
         # Only what the header walk recognised and could read is decoded: the rest is
         # reported with the undecodable inputs below.
         readable = tf.identity(pixels > 0)
@@ -182,8 +214,10 @@ def decode_images(image_bytes, image_size=(224, 224), crop_fraction=DEFAULT_CROP
           "fewer; nothing larger was decoded")],
         summarize=64,
     )
+    decoded_total = _request_check(tf.reduce_sum(decoded_pixels), "decode to",
+                                   max_request_pixels, ", though they declare fewer")
     bad = tf.sparse.to_dense(tf.sets.difference(indices[None], decoded_indices[None]))[0]
-    with tf.control_dependencies([decode_check]):
+    with tf.control_dependencies([decode_check, decoded_total]):
         check = tf.debugging.Assert(
             tf.equal(tf.size(bad), 0),
             ["image_bytes: could not decode the image(s) at index(es)", bad,
@@ -194,3 +228,13 @@ def decode_images(image_bytes, image_size=(224, 224), crop_fraction=DEFAULT_CROP
         )
     with tf.control_dependencies([check]):
         return tf.identity(images)
+
+
+def _request_check(total, verb: str, max_request_pixels: int, tail: str):
+    return tf.debugging.Assert(
+        total <= max_request_pixels,
+        ["image_bytes: the request's images", verb, tf.cast(total, tf.int64),
+         (f"pixels in all, more than max_request_pixels={max_request_pixels}{tail}; send "
+          "fewer or smaller images per request (or export with a larger "
+          "max_request_pixels)")],
+    )

@@ -11,7 +11,12 @@ import keras
 import tensorflow as tf
 
 from tfaploss.data.augment import DEFAULT_CROP_FRACTION
-from tfaploss.export.image_ops import DEFAULT_MAX_PIXELS, check_max_pixels, decode_images
+from tfaploss.export.image_ops import (
+    DEFAULT_MAX_PIXELS,
+    check_max_pixels,
+    check_max_request_pixels,
+    decode_images,
+)
 
 BYTES_SIGNATURE = "serving_default"
 PIXELS_SIGNATURE = "embed_pixels"
@@ -101,6 +106,7 @@ def export_saved_model(
     resize_method="bilinear",
     antialias=True,
     max_pixels=DEFAULT_MAX_PIXELS,
+    max_request_pixels=None,
     overwrite=False,
     verbose=False,
 ):
@@ -116,7 +122,8 @@ def export_saved_model(
       then centre-cropped to ``image_size``
       (``tfaploss.export.resize_and_center_crop``). A batch holding an undecodable
       input fails with ``INVALID_ARGUMENT`` naming its index(es), and so does one whose
-      header declares more than ``max_pixels`` pixels (checked before decoding).
+      header declares more than ``max_pixels`` pixels, or whose images declare more than
+      ``max_request_pixels`` in all (both checked before decoding).
     - ``embed_pixels``: ``images`` float32 ``[None, h, w, 3]``, RGB pixels in
       [0, 255] already at ``image_size`` -> ``{"embedding": ...}`` (no resizing).
 
@@ -137,6 +144,10 @@ def export_saved_model(
         max_pixels: largest width x height (as the image header declares it; all frames
             of a GIF together) that ``serving_default`` decodes; default 40 megapixels
             (see ``tfaploss.export.image_ops.DEFAULT_MAX_PIXELS`` for why).
+        max_request_pixels: largest total of those sizes over one request's images;
+            default ``None``: 4 x ``max_pixels`` (160 megapixels by default; see
+            ``tfaploss.export.image_ops.REQUEST_PIXELS_PER_MAX_PIXELS`` for why). At
+            least ``max_pixels``.
         overwrite: replace an existing ``path/<version>``; otherwise it is an error.
         verbose: print Keras's summary of the exported endpoints.
 
@@ -149,6 +160,7 @@ def export_saved_model(
     """
     image_size = tuple(int(s) for s in image_size)
     max_pixels = check_max_pixels(max_pixels)
+    max_request_pixels = check_max_request_pixels(max_request_pixels, max_pixels)
     if whitening is not None:
         from models.whitening import with_whitening
 
@@ -173,7 +185,7 @@ def export_saved_model(
 
     def serve_bytes(image_bytes):
         images = decode_images(image_bytes, image_size, crop_fraction, resize_method,
-                               antialias, max_pixels)
+                               antialias, max_pixels, max_request_pixels)
         return embed(images)
 
     def serve_pixels(images):
@@ -206,6 +218,7 @@ def export_saved_model(
                     "resize_method": resize_method,
                     "antialias": antialias,
                     "max_pixels": max_pixels,
+                    "max_request_pixels": max_request_pixels,
                     "embedding_dim": int(model.output_shape[-1]),
                     "whitening": whitening is not None,
                     "model_name": model.name,

@@ -1,0 +1,115 @@
+"""One symlink policy for the jobs that walk an input folder (folder, glyphs).
+
+Files and folders alike:
+
+- a link whose target (the end of its chain, links to links followed) lies inside the
+  real ``--input_dir`` is followed;
+- a link that leaves it is not followed and is ignored with the reason
+  :data:`LEAVES_ROOT`, unless ``--follow_external_links`` is given;
+- a folder link to a folder that contains the link, or the input root (a loop), or to a
+  folder already listed (or inside one) is ignored with its reason, flag or not;
+- a file reached a second time (a link to a file already listed) is ignored as
+  ``same file as <first path>``;
+- a dangling link stays a dead letter (``missing_file``), as before this policy.
+
+Each file and folder is listed under its own path first: a walker lists every real
+entry, hands its links to :meth:`LinkPolicy.defer` and follows them only afterwards, so a
+link never takes a file from the class folder it really sits in, whatever the names'
+order. Entries are judged by real path (``os.path.realpath``), which also catches bind
+mounts of the same folder only when their paths agree (hard links are separate files).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Callable
+
+LEAVES_ROOT = "symlink leaving --input_dir (not followed; --follow_external_links follows it)"
+
+
+def inside(path: str, folder: str) -> bool:
+    """Whether real ``path`` is ``folder`` or below it."""
+    return os.path.commonpath([path, folder]) == folder
+
+
+class LinkPolicy:
+    """The state one walk of ``input_dir`` shares: what is listed, what waits.
+
+    Args:
+        input_dir: the folder walked; links are judged against its real path.
+        follow_external: follow links that leave it (``--follow_external_links``).
+
+    Example:
+
+    ```python
+    policy = LinkPolicy("photos/")
+    policy.claim_dir(os.path.realpath("photos/cat"), "cat")
+    reason = policy.dir_link_reason("photos/cat/dogs", os.path.realpath("photos/cat"))
+    ```
+    """
+
+    def __init__(self, input_dir: str, follow_external: bool = False):
+        self.root = os.path.realpath(input_dir)
+        self.follow_external = follow_external
+        self._dirs: dict[str, str] = {}
+        self._files: dict[str, str] = {}
+        self._pending: deque[Callable[[], None]] = deque()
+
+    def claim_dir(self, real: str, rel: str) -> None:
+        """Record that folder ``real`` is listed as ``rel``."""
+        self._dirs[real] = rel
+
+    def listed_as(self, real: str) -> str | None:
+        """The path folder ``real`` itself was listed as, if it was."""
+        return self._dirs.get(real)
+
+    def dir_owner(self, real: str) -> str | None:
+        """The path a listed folder containing (or equal to) ``real`` was listed as."""
+        probe = real
+        while True:
+            if probe in self._dirs:
+                return self._dirs[probe]
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                return None
+            probe = parent
+
+    def claim_file(self, real: str, rel: str) -> str | None:
+        """Record file ``real`` as ``rel``; the reason to ignore it if already listed."""
+        first = self._files.get(real)
+        if first is not None:
+            return f"same file as {first}"
+        self._files[real] = rel
+        return None
+
+    def leaves(self, real: str) -> bool:
+        """Whether a link to ``real`` is refused for leaving the input root."""
+        return not self.follow_external and not inside(real, self.root)
+
+    def dir_link_reason(self, path: str, real_dir: str) -> str | None:
+        """Why the folder link ``path`` (in real folder ``real_dir``) is not followed;
+        ``None``: follow it."""
+        real = os.path.realpath(path)
+        if self.leaves(real):
+            return LEAVES_ROOT
+        if inside(real_dir, real) or inside(self.root, real):
+            return "symlink to a folder that contains it (loop; not followed)"
+        owner = self.dir_owner(real)
+        if owner is not None:
+            return f"symlink to a folder already listed as {owner}/ (not followed again)"
+        return None
+
+    def bound(self, real: str) -> str:
+        """The real folder a later read of file ``real`` must stay in: the input root, or
+        for a file outside it (``--follow_external_links``) its own folder."""
+        return self.root if inside(real, self.root) else os.path.dirname(real)
+
+    def defer(self, step: Callable[[], None]) -> None:
+        """Handle a link after every real entry listed so far."""
+        self._pending.append(step)
+
+    def drain(self) -> None:
+        """Follow the deferred links, and the links found behind them, in order."""
+        while self._pending:
+            self._pending.popleft()()
