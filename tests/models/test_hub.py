@@ -18,6 +18,11 @@ from models.batch_norm import FrozenBatchNormalization
 from tests.support.backend import to_numpy
 from tests.support.hub import keras_hub, tiny_preset
 
+# The architectures train one step on every backend (above); what does not depend on the
+# backend (multi-stage, saving, model files, config) runs once, in the TensorFlow run.
+once = pytest.mark.skipif(keras.backend.backend() != "tensorflow",
+                          reason="backend-independent: checked in the TensorFlow run")
+
 # ImageNet mean/std as a converter's per-channel scale and offset (the ResNet presets').
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 TORCH_SCALE = [1 / (255 * s) for s in STD]
@@ -92,6 +97,7 @@ def test_resnet_preset_trains_one_step_with_gem_and_frozen_batch_norm(tmp_path):
     assert math.isfinite(loss) and change > 0
 
 
+@once
 def test_resnet_preset_multistage_step(tmp_path):
     preset = tiny_preset(tmp_path / "resnet", "ResNetBackbone")
     model = models.build_embedding_model(f"keras_hub:{preset}", pooling="avg",
@@ -103,6 +109,7 @@ def test_resnet_preset_multistage_step(tmp_path):
     assert math.isfinite(loss) and change > 0
 
 
+@once
 def test_random_weights_differ_from_the_preset(tmp_path):
     preset = tiny_preset(tmp_path / "resnet", "ResNetBackbone")
     kwargs = {"embedding_dim": 8, "input_shape": (32, 32, 3)}
@@ -148,6 +155,7 @@ def test_gem_on_tokens_and_cls_on_a_feature_map_are_refused(tmp_path):
                                      input_shape=(32, 32, 3))
 
 
+@once
 def test_saved_model_reloads_with_frozen_batch_norm(tmp_path):
     preset = tiny_preset(tmp_path / "resnet", "ResNetBackbone")
     model = models.build_embedding_model(f"keras_hub:{preset}", pooling="gem",
@@ -162,6 +170,7 @@ def test_saved_model_reloads_with_frozen_batch_norm(tmp_path):
     assert len(_frozen(loaded)) == len(_frozen(model)) > 0
 
 
+@once
 def test_backbone_file_feature_map_tokens_and_pooled(tmp_path):
     inputs = keras.Input((16, 16, 3))
     conv = keras.layers.Conv2D(6, 3, strides=2, activation="relu")(inputs)
@@ -183,6 +192,7 @@ def test_backbone_file_feature_map_tokens_and_pooled(tmp_path):
         models.load_backbone_file(tmp_path / "missing.keras")
 
 
+@once
 def test_config_keras_hub_backbone_and_backbone_file(tmp_path):
     from tfaploss.config import config_from_dict
     from tfaploss.run import build as B
