@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from tfaploss import extras
-from tfaploss.evaluation.searchers import Searcher, _as_matrix
+from tfaploss.evaluation.searchers import Searcher, _as_matrix, probe_counts
 
 LOG = logging.getLogger(__name__)
 
@@ -394,10 +394,7 @@ def faiss_candidates(n: int, d: int, k: int) -> list[FaissSetting]:
     if n >= _MIN_IVF_POINTS:
         cap = max(1, n // _MIN_POINTS_PER_LIST)
         for nlist in sorted({min(cap, round(f * math.sqrt(n))) for f in (1, 4)}):
-            probes = sorted({max(1, math.ceil(nlist * f))
-                             for f in (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)}
-                            | {t for t in (1, 2, 4, 8) if t < nlist})
-            for p in probes:
+            for p in probe_counts(nlist):
                 out.append(FaissSetting("ivf_flat", nlist, p))
                 if d % 2 == 0:
                     out += [FaissSetting("ivf_pq", nlist, p, f) for f in (2, 4, 10)]

@@ -580,3 +580,12 @@ def load_searcher(directory: str) -> Searcher:
     if cls is None:
         raise ValueError(f"unknown backend {backend!r} in {path}.")
     return cls._load(directory, meta)
+
+
+def probe_counts(parts: int) -> list[int]:
+    """How many of ``parts`` partitions (ScaNN leaves, faiss IVF lists) the tuners try to
+    search: a share of them (1/64 .. 1/2), and a few whatever their number, since on
+    data whose neighbours share a cluster one or two partitions hold them all."""
+    return sorted({max(1, math.ceil(parts * f))
+                   for f in (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)}
+                  | {t for t in (1, 2, 4, 8) if t < parts})

@@ -77,13 +77,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tfaploss.evaluation.faiss_search import FaissSearcher, FaissSpace
 from tfaploss.evaluation.backend_choice import AUTO, auto_record, resolve_backend
+from tfaploss.evaluation.faiss_search import FaissSearcher, FaissSpace
 from tfaploss.evaluation.searchers import (
     ExactSearcher,
     ScannSearcher,
     Searcher,
     _as_matrix,
+    probe_counts,
 )
 
 LOG = logging.getLogger(__name__)
@@ -173,10 +174,7 @@ def candidate_settings(n: int, d: int, k: int) -> list[Setting]:
             # whose neighbours share a cluster one or two leaves hold them all (faiss's
             # IVF reaches recall 0.9997 probing 2 of 2,190 lists on the clustered set
             # of benchmarks/search.py, where 1/64 of the leaves is already 17)
-            searched = sorted({max(1, math.ceil(leaves * f))
-                               for f in (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)}
-                              | {t for t in (1, 2, 4, 8) if t < leaves})
-            partitions.append((leaves, searched))
+            partitions.append((leaves, probe_counts(leaves)))
     out = []
     for leaves, searched in partitions:
         for t in searched:
