@@ -335,7 +335,8 @@ def test_readme_keras_example_runs_as_written():
 
 def test_evaluate_progress_bar_knows_its_total_and_quiet_silences_it(
         trained_run, workspace, tmp_path, capsys, monkeypatch):
-    from tfaploss import cli, evaluate_command
+    from tfaploss import cli
+    from tfaploss.cli import evaluate as evaluate_command
 
     root, _ = workspace
     run_dir, _ = trained_run

@@ -18,7 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # The command line and the demo talk to a person directly; everything else logs.
-MAY_PRINT = {"tfaploss/cli.py", "tfaploss/evaluate_command.py", "tfaploss/demo.py"}
+MAY_PRINT = {"tfaploss/cli/__init__.py", "tfaploss/cli/evaluate.py", "tfaploss/demo.py"}
 ESCAPES = ("\x1b", "\r", "\x08")
 
 

@@ -27,7 +27,7 @@ import os
 import sys
 import textwrap
 
-from tfaploss.evaluate_command import cmd_evaluate, load_any_model, show_config_warnings
+from tfaploss.cli.evaluate import cmd_evaluate, load_any_model, show_config_warnings
 from tfaploss.log import is_terminal
 
 _SET_HELP = (
@@ -472,6 +472,3 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         raise
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,5 @@
 """``tfaploss evaluate``: retrieval metrics of a ``.keras`` model, an exported SavedModel,
-or a config's untrained model, on a split of TFRecords (the flags: :mod:`tfaploss.cli`);
+or a config's untrained model, on a split of TFRecords (its flags: :mod:`tfaploss.cli`);
 and how every command shows a config's notes (:func:`show_config_warnings`).
 
 Heavy imports (TensorFlow, Keras) happen inside the functions, so ``--help`` stays instant.
