@@ -21,7 +21,8 @@ help:
 	@echo "make test-jax / make test-torch - only those tests, on JAX / PyTorch"
 	@echo "              (test-torch installs a CPU build of PyTorch into .venv first)"
 	@echo "make bench  - the performance suite, one summary table (long);"
-	@echo "              make bench-quick: the same in a few minutes"
+	@echo "              make bench-quick: the same in a few minutes;"
+	@echo "              make bench TINY=1: toy sizes, a check that it runs"
 	@echo "make data-glyphs - fetch Debian's CJK fonts (apt-get download, not installed)"
 	@echo "              and render the glyph retrieval set into data/glyphs/"
 	@echo "              (FONTS=folder: use your own font files instead)"
@@ -96,12 +97,15 @@ test-torch: $(TORCH_STAMP)
 	KERAS_BACKEND=torch $(BIN)/python -m pytest $(PYTEST_ARGS) tests/distribute/test_torch.py
 
 # The performance suite (benchmarks/suite.py): every benchmark, one summary table.
-# QUICK=1 (or bench-quick): a few minutes on 2 cores; PREVIOUS=file: an earlier suite
-# results file whose ratios are shown beside this run's.
+# QUICK=1 (or bench-quick): a few minutes on 2 cores; TINY=1: toy sizes, the check the
+# suite's test runs (its numbers mean nothing); PREVIOUS=file: an earlier suite results
+# file whose ratios are shown beside this run's.
 QUICK ?=
+TINY ?=
 PREVIOUS ?=
 bench: $(STAMP)
-	$(BIN)/python benchmarks/suite.py $(if $(QUICK),--quick) $(if $(PREVIOUS),--previous $(PREVIOUS))
+	$(BIN)/python benchmarks/suite.py $(if $(QUICK),--quick) $(if $(TINY),--tiny) \
+		$(if $(PREVIOUS),--previous $(PREVIOUS))
 
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/suite.py --quick $(if $(PREVIOUS),--previous $(PREVIOUS))

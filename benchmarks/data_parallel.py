@@ -58,11 +58,13 @@ def parse_args(argv=None):
     p.add_argument("--chunk", type=int, default=512, help="MultiStageModel rows per device")
     p.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up)")
     harness.add_arguments(p, harness.RESULTS_DIR / "data_parallel.json", out_aliases=("--json",),
-                          quick_help="B=128, chunk 16, 3 timed steps (on CPU: 2 devices)")
+                          quick_help="B=128, chunk 16, 3 timed steps (on CPU: 2 devices)",
+                          tiny_help="B=16, chunk 4, 2 timed steps (on CPU: 2 devices)")
     args = p.parse_args(argv)
-    if args.quick:
-        args.batch, args.chunk, args.steps = 128, 16, 3
+    if args.quick or args.tiny:
+        args.batch, args.chunk, args.steps = (16, 4, 2) if args.tiny else (128, 16, 3)
         args.cpu_devices = min(args.cpu_devices, 2)
+        args.quick = True
     return args
 
 

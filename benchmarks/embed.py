@@ -72,10 +72,16 @@ def main(argv=None):
     parser.add_argument("--pooling", default="gem")
     parser.add_argument("--embedding-dim", type=int, default=512)
     harness.add_arguments(parser, harness.RESULTS_DIR / "embed.json",
-                          quick_help="small_cnn at 64x64, batch 8")
+                          quick_help="small_cnn at 64x64, batch 8",
+                          tiny_help="small_cnn at 32x32, batch 4, 32-d, 3 repeats")
     args = parser.parse_args(argv)
+    if args.tiny:
+        args.quick, args.image_size, args.batch = True, 32, 4
+        args.embedding_dim, args.repeats = 32, 3
     if args.quick:
-        args.backbone, args.image_size, args.batch = "small_cnn", 64, 8
+        args.backbone = "small_cnn"
+        if not args.tiny:
+            args.image_size, args.batch = 64, 8
 
     size = (args.image_size, args.image_size)
     photos = Path(sklearn.datasets.__file__).parent / "images"

@@ -349,11 +349,18 @@ def main(argv=None):
     parser.add_argument("--step-loss", default="SmoothAPLoss",
                         help="a tfaploss.losses name, or 'reference' (keras.ops Smooth-AP)")
     harness.add_arguments(parser, "", out_aliases=("--output",),
-                          quick_help=f"B=4096, {QUICK_LOSSES} (--step: batch 1024)")
+                          quick_help=f"B=4096, {QUICK_LOSSES} (--step: batch 1024)",
+                          tiny_help="B=256, FastAPLoss (--step: small_cnn at 32², batch 8, "
+                                    "chunk 4)")
     parser.add_argument("--cell", help=argparse.SUPPRESS)
     parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.quick and not args.cell:
+    if args.tiny and not args.cell:
+        args.quick = True
+        args.sizes, args.losses = "256", args.losses or "FastAPLoss"
+        args.step_batch, args.chunk, args.image_size = 8, 4, 32
+        args.backbone = "small_cnn"
+    elif args.quick and not args.cell:
         args.sizes, args.losses = "4096", args.losses or QUICK_LOSSES
         args.step_batch = min(args.step_batch, 1024)
 

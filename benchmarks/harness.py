@@ -136,11 +136,21 @@ def figure(benchmark: str, name: str, value: float | None, unit: str, *,
             "higher_is_better": higher_is_better, "note": note}
 
 
-def add_arguments(parser, default_out: str | os.PathLike, out_aliases=(), quick_help=None):
-    """Adds ``--quick`` and ``--out`` (the results file) to a script's parser."""
+def add_arguments(parser, default_out: str | os.PathLike, out_aliases=(), quick_help=None,
+                  tiny_help=None):
+    """Adds ``--quick``, ``--tiny`` and ``--out`` (the results file) to a script's parser.
+
+    ``--tiny`` computes the same figures beside the same floors as ``--quick`` on toy
+    problems, so that a test can run the whole suite in seconds per script; its
+    numbers say nothing about speed. A script applies its tiny settings after (and on
+    top of) its quick ones: ``args.quick`` is set too.
+    """
     parser.add_argument("--quick", action="store_true",
                         help=quick_help or "a smaller run that keeps every figure (the "
                                            "suite's quick mode)")
+    parser.add_argument("--tiny", action="store_true",
+                        help=(tiny_help or "toy sizes") + ": the quick mode's figures in "
+                        "seconds, for the suite's test (the numbers mean nothing)")
     parser.add_argument("--out", *out_aliases, dest="out", default=str(default_out),
                         help="results JSON (written to a temporary name, then renamed)")
 
@@ -165,6 +175,7 @@ def write_results(path, benchmark: str, args, figures: list[dict], **extra) -> P
     """The results file of one script: its figures, the run's settings, and ``extra``."""
     config = {k: v for k, v in vars(args).items()} if args is not None else {}
     meta = {"benchmark": benchmark, "argv": sys.argv[1:], "quick": config.get("quick", False),
+            "tiny": config.get("tiny", False),
             "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(), "config": config}
     out = write_json(path, {"benchmark": benchmark, "meta": meta, "figures": figures, **extra})

@@ -134,13 +134,22 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default=None, help="keep (and reuse) the generated data here")
     harness.add_arguments(p, harness.RESULTS_DIR / "input_pipeline.json",
                           quick_help="small CNN at 64x64, B=64, 400 images of 50 classes, "
-                                     "one round: a check that runs in minutes")
+                                     "one round: a check that runs in minutes",
+                          tiny_help="small CNN at 32x32, B=16, 64 images of 64x48 in 8 "
+                                    "classes, 3 steps")
     args = p.parse_args(argv)
-    if args.quick:
-        args.batch_size, args.steps, args.rounds = 64, 20, 1
-        args.num_images, args.num_classes = min(args.num_images, 400), min(args.num_classes, 50)
-        args.set = ["model.backbone=small_cnn", "model.pooling=gem", "model.embedding_dim=64",
-                    "data.image_size=64", "model.freeze_bn=false", *args.set]
+    if args.quick or args.tiny:
+        tiny = args.tiny
+        args.quick = True
+        args.batch_size, args.steps, args.rounds = (16, 3, 1) if tiny else (64, 20, 1)
+        cap_images, cap_classes = (64, 8) if tiny else (400, 50)
+        args.num_images = min(args.num_images, cap_images)
+        args.num_classes = min(args.num_classes, cap_classes)
+        if tiny:
+            args.warmup, args.cached, args.image_size_on_disk = 1, 2, "64x48"
+        args.set = ["model.backbone=small_cnn", "model.pooling=gem",
+                    f"model.embedding_dim={32 if tiny else 64}",
+                    f"data.image_size={32 if tiny else 64}", "model.freeze_bn=false", *args.set]
     args.set = ["data.sampler=m_per_class", "data.m=4", f"data.batch_size={args.batch_size}",
                 "model.bn_calibration_images=0", *args.set]
 

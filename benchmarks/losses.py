@@ -51,6 +51,8 @@ SIZES = (256, 1024, 4096)
 # --quick: one histogram, one sorting-free and one sigmoid-rank loss, one size, graph mode
 QUICK_LOSSES = ("APLoss", "FastAPLoss", "SmoothAPLoss")
 QUICK_SIZES, QUICK_MODES = (1024,), ("graph",)
+# --tiny: one loss with a pytorch-metric-learning peer, at a size that runs in a blink
+TINY_LOSSES, TINY_SIZES = ("FastAPLoss",), (64,)
 
 # tfaploss loss -> pytorch-metric-learning's loss of the same definition, its arguments,
 # and how many float32 B x B x B tensors it holds at once (0: none; ~B^2 memory).
@@ -340,7 +342,8 @@ def main(argv=None):
     parser.add_argument("--cell-timeout", type=int, default=300,
                         help="seconds allowed for one cell (process start, warm-up, runs)")
     harness.add_arguments(parser, "", quick_help="APLoss, FastAPLoss and SmoothAPLoss at "
-                          "B=1024, graph mode (unless --losses/--sizes/--modes say otherwise)")
+                          "B=1024, graph mode (unless --losses/--sizes/--modes say otherwise)",
+                          tiny_help="FastAPLoss at B=64, graph mode")
     parser.add_argument("--cell", nargs=3, metavar=("LOSS", "BATCH", "MODE"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--compare", action="store_true",
@@ -351,6 +354,10 @@ def main(argv=None):
     parser.add_argument("--pml-cell", nargs=2, metavar=("LOSS", "BATCH"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.tiny:
+        args.quick = True
+        args.losses = args.losses or list(TINY_LOSSES)
+        args.sizes = args.sizes if args.sizes != list(SIZES) else list(TINY_SIZES)
     if args.quick:
         args.losses = args.losses or list(QUICK_LOSSES)
         args.sizes = args.sizes if args.sizes != list(SIZES) else list(QUICK_SIZES)

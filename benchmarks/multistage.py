@@ -49,6 +49,9 @@ import harness
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # --quick: the grid's shape on a model small enough for a few seconds per cell
 QUICK = {"batch_sizes": "128", "chunk": 32, "image_size": 32, "backbone": "small_cnn"}
+# --tiny: the same on a toy batch (the cells' time is then mostly their imports)
+TINY = {"batch_sizes": "16", "chunk": 8, "image_size": 16, "backbone": "small_cnn",
+        "embedding_dim": 32}
 
 # -- one cell, in its own process ---------------------------------------------------
 
@@ -326,17 +329,19 @@ def main(argv=None):
     harness.add_arguments(parser, harness.RESULTS_DIR / "multistage.json",
                           out_aliases=("--output",),
                           quick_help="small_cnn at 32², B=128, chunk 32 (with --stages: "
-                                     "small_cnn at 32², --batch 128)")
+                                     "small_cnn at 32², --batch 128)",
+                          tiny_help="small_cnn at 16², B=16, chunk 8, 32-d")
     # Internal: run one cell in this process and print its JSON.
     parser.add_argument("--cell", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=["plain", "multistage"], help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=32,
                         help="--stages: batch size (the grid uses --batch-sizes)")
     args = parser.parse_args(argv)
-    if args.quick and not args.cell:
-        for key, value in QUICK.items():
+    if (args.quick or args.tiny) and not args.cell:
+        args.quick = True
+        for key, value in (TINY if args.tiny else QUICK).items():
             setattr(args, key, value)
-        args.batch = 128
+        args.batch = int(args.batch_sizes)
 
     if args.stages:
         result = run_stages(args)

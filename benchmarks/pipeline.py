@@ -198,11 +198,21 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, default=30)
     p.add_argument("--workdir", default=None, help="keep generated data here")
     harness.add_arguments(p, harness.RESULTS_DIR / "pipeline.json",
-                          quick_help="120 images, one round, no extra --modes")
+                          quick_help="120 images, one round, no extra --modes",
+                          tiny_help="24 images in batches of 4, one round, no extra --modes")
+    p.add_argument("--images_per_batch", type=int, default=None,
+                   help="the job's --images_per_batch (default: the job's own)")
     args = p.parse_args(argv)
-    if args.quick:
-        args.num_images, args.num_classes = min(args.num_images, 120), min(args.num_classes, 20)
-        args.rounds, args.modes = 1, ""
+    if args.quick or args.tiny:
+        cap_images, cap_classes = (24, 4) if args.tiny else (120, 20)
+        args.num_images = min(args.num_images, cap_images)
+        args.num_classes = min(args.num_classes, cap_classes)
+        args.rounds, args.modes, args.quick = 1, "", True
+        if args.tiny and args.images_per_batch is None:
+            # more than one batch, or the job has no steady state to report
+            args.images_per_batch = 4
+    job_extra = ([] if args.images_per_batch is None
+                 else ["--images_per_batch", str(args.images_per_batch)])
 
     work = args.workdir or tempfile.mkdtemp(prefix="tfaploss_bench_")
     root = os.path.join(work, "images")
@@ -225,7 +235,7 @@ def main(argv=None) -> int:
             print(f"round {k + 1}/{args.rounds}: one-core floor, then the folder job...",
                   flush=True)
             floor_rate, floor_cpu = floor(files, args.max_side)
-            r = job_in_process(root, os.path.join(work, "out"), args.max_side, [])
+            r = job_in_process(root, os.path.join(work, "out"), args.max_side, job_extra)
             rounds.append((floor_rate, floor_cpu, r))
         ceiling = two_core_ceiling(files, args.max_side)
         floor_rate = statistics.median(f for f, _, _ in rounds)
@@ -264,7 +274,8 @@ def main(argv=None) -> int:
                 if workers:
                     extra += ["--direct_num_workers", workers]
             print(f"folder job, {mode}...", flush=True)
-            r = job_in_process(root, os.path.join(work, f"out_{name}"), args.max_side, extra)
+            r = job_in_process(root, os.path.join(work, f"out_{name}"), args.max_side,
+                               job_extra + extra)
             label = (f"folder job ({_workers(r)})" if name == "threads" else
                      f"folder job ({name}, {workers or 1} workers x {r['threads']} threads)")
             rows += [(f"{label}, incl. start-up", r["rate"], "images/s", floor_rate),

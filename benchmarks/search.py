@@ -470,7 +470,9 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=2, help="timed runs; the best is kept")
     p.add_argument("--seed", type=int, default=0)
     harness.add_arguments(p, harness.RESULTS_DIR / "search.json",
-                          quick_help="50k x 64, 300 queries, 20k x 64 metrics")
+                          quick_help="50k x 64, 300 queries, 20k x 64 metrics",
+                          tiny_help="clustered 4,000 x 16, 200 queries, 2,000 x 16 metrics, "
+                                    "target 0.9, 3 s of tuning")
     p.add_argument("--table_from", metavar="JSON",
                    help="print the README's approximate-search table of an earlier run "
                         "(its --out file) and stop")
@@ -479,7 +481,10 @@ def main(argv=None):
         with open(args.table_from, encoding="utf-8") as f:
             print(ann_table(json.load(f)["rows"]))
         return
-    if args.quick:
+    if args.tiny:
+        args.quick, args.sizes, args.queries, args.metrics_size = True, "4000x16", 200, "2000x16"
+        args.datasets, args.target_recall, args.tune_seconds = "clustered", "0.9", 3.0
+    elif args.quick:
         args.sizes, args.queries, args.metrics_size = "50000x64", 300, "20000x64"
     rng = np.random.default_rng(args.seed)
     table = Table()
