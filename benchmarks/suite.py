@@ -116,12 +116,12 @@ def docs_block(results: dict, previous: list[dict] | None = None, source: str = 
     mode = next((m for m in ("tiny", "quick") if config.get(m)), "full")
     scripts = results.get("scripts", [])
     lines = [f"Generated from `{source}`.", ""] if source else []
-    lines += [f"Suite run: `benchmarks/suite.py{'' if mode == 'full' else ' --' + mode}`, "
-              f"finished {meta.get('finished', '?')}, {host.get('cpus', '?')} CPUs, load "
-              f"average {host.get('load_average_1min', float('nan')):.1f} at the end, "
-              f"{results.get('wall_s', 0):.0f} s in all. A ratio is value / floor (or "
-              "peer): for a time or memory 1 is the floor and higher is worse; for a rate "
-              "1 is the floor's rate and lower is worse.", ""]
+    lines += [(f"Suite run: `benchmarks/suite.py{'' if mode == 'full' else ' --' + mode}`, "
+               f"finished {meta.get('finished', '?')}, {host.get('cpus', '?')} CPUs, load "
+               f"average {host.get('load_average_1min', float('nan')):.1f} at the end, "
+               f"{results.get('wall_s', 0):.0f} s in all. A ratio is value / floor (or "
+               "peer): for a time or memory 1 is the floor and higher is worse; for a rate "
+               "1 is the floor's rate and lower is worse."), ""]
     figures = results.get("figures", [])
     for name in dict.fromkeys([s["script"] for s in scripts]
                               + [f["benchmark"] for f in figures]):
