@@ -107,10 +107,13 @@ def free_bytes(folder: str | os.PathLike) -> int | None:
 
 
 def is_disk_full(err: BaseException) -> bool:
-    """Whether ``err`` says the disk is full (h5py's errors carry the text, not errno)."""
-    return isinstance(err, OSError) and (
-        err.errno in (errno.ENOSPC, errno.EDQUOT)
-        or "No space left on device" in str(err) or "Disk quota exceeded" in str(err))
+    """Whether ``err`` says the disk is full: an ``OSError`` with ENOSPC / EDQUOT, or
+    any error whose text carries the C library's words for them (h5py, TensorFlow's
+    file system, faiss and ScaNN raise their own types, not errno)."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return isinstance(err, Exception) and (
+        "No space left on device" in str(err) or "Disk quota exceeded" in str(err))
 
 
 def check_space(path: str | os.PathLike, needed: int | None) -> None:
