@@ -86,7 +86,10 @@ def _write_checkpoint(embeddings: np.ndarray, log_dir: Path) -> bool:
         faults.no_space("projector_enospc", path=f"{written}.index")
     except Exception as err:
         for path in tf.io.gfile.glob(f"{tmp}*"):  # half-written files keep the disk full
-            tf.io.gfile.rmtree(path) if tf.io.gfile.isdir(path) else tf.io.gfile.remove(path)
+            if tf.io.gfile.isdir(path):
+                tf.io.gfile.rmtree(path)
+            else:
+                tf.io.gfile.remove(path)
         if atomic.is_disk_full(err) and not isinstance(err, atomic.DiskFullError):
             raise atomic.DiskFullError(log_dir / CHECKPOINT, embeddings.nbytes,
                                        atomic.free_bytes(log_dir)) from None
