@@ -2,8 +2,8 @@
 file (not Beam's wrapped traceback) and exit 2, publishes nothing half, leaves no
 staging folder or temporary file; once space is freed, the same command writes the
 records of a run that never failed. The failures come from the fault injector's
-``<site>_enospc`` points of :func:`pipelines.storage.write_atomic` (a real small
-file system: tests/durable/test_tmpfs.py)."""
+``<site>_enospc`` points of :func:`pipelines.storage.write_atomic`, and from a real
+small file system (a tmpfs, where the test can mount one)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 from pipelines import console, folder
 from tests.support import miniature as mini
+from tests.support import small_fs
 from tfaploss.durable import faults
 from tfaploss.durable.atomic import DiskFullError, disk_full_in, is_temp_name
 
@@ -60,6 +61,29 @@ def test_a_full_disk_at_each_write_of_a_job_is_one_line_and_the_rerun_ends_equal
             assert console.main_wrapper(folder.run, argv) == 0
             assert _records(os.path.join(out, "train")) == _records(
                 os.path.join(reference, "train"))
+
+
+@pytest.mark.slow
+def test_a_job_on_a_full_tmpfs_stops_cleanly_and_the_rerun_publishes(tmp_path, monkeypatch,
+                                                                     caplog):
+    """The kernel's ENOSPC, in an image worker process writing a part file."""
+    from tfaploss.data import integrity
+
+    monkeypatch.setattr(console, "configure", lambda verbose=False: None)
+    tree = mini.make_folder(str(tmp_path / "tree"), num_classes=3, per_class=4)
+    with small_fs.mounted(tmp_path / "small", "1m") as mnt:
+        filler = small_fs.fill(mnt, keep=8192)  # the work list fits, the first part not
+        argv = ["--input_dir", tree.root, "--output_dir", str(mnt / "out"), *ARGS]
+        assert console.main_wrapper(folder.run, argv) == 2
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert len(errors) == 1 and "no space left on the device to write" in errors[0]
+        assert str(mnt / "out") in errors[0] and "Traceback" not in caplog.text
+        assert os.listdir(mnt / "out") == []  # nothing published, no staging folder
+        filler.unlink()
+        assert console.main_wrapper(folder.run, argv) == 0
+        split = str(mnt / "out" / "train")
+        integrity.check_or_raise(split, "full", layouts=("images",), what="checking")
+        assert _temp_files(mnt) == []
 
 
 def test_a_full_disk_is_found_however_beam_wraps_it(tmp_path):
