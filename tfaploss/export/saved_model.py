@@ -201,6 +201,9 @@ def export_saved_model(
             "version=None for the next one, or overwrite=True"
         )
 
+    needed = export_size(model)
+    atomic.check_space(target, needed)  # before tracing, before TensorFlow writes a byte
+
     height, width = image_size
 
     def embed(images):
@@ -225,8 +228,6 @@ def export_saved_model(
         input_signature=[tf.TensorSpec([None, height, width, 3], tf.float32, name="images")],
     )
 
-    needed = export_size(model)
-    atomic.check_space(target, needed)  # before TensorFlow writes a byte
     tmp = tempfile.mkdtemp(prefix=f".tmp-{version}-", dir=path)
     try:
         archive.write_out(tmp, verbose=verbose)
