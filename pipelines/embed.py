@@ -48,7 +48,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pipelines import console, storage
-from tfaploss.durable import faults, locks
+from tfaploss.durable import atomic, faults, locks
 
 beam = console.import_beam_quietly()
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import textwrap
 import time
 from pathlib import Path
