@@ -205,14 +205,15 @@ def describe_manifests(manifests: dict[str, dict]) -> str:
 
 def main_wrapper(run_fn, argv: list[str] | None = None, describe=describe_manifests) -> int:
     """Shared ``__main__``: quiet logging, exit 1 on too many failures, a dead image
-    worker or a run that lost images, 2 on bad arguments or an output folder another
-    job holds.
+    worker or a run that lost images, 2 on bad arguments, an output folder another
+    job holds or a full disk (one line naming the file).
 
     ``describe`` turns what ``run_fn`` returned into the result written on success
     (stdout, through the ``pipelines.result`` logger).
     """
     from pipelines.image_workers import WorkerDiedError
     from pipelines.manifests import IncompleteRunError, TooManyFailuresError
+    from tfaploss.durable.atomic import DiskFullError
     from tfaploss.durable.locks import LockError
 
     configure(wants_verbose(argv))
@@ -224,7 +225,7 @@ def main_wrapper(run_fn, argv: list[str] | None = None, describe=describe_manife
     except (WorkerDiedError, IncompleteRunError) as e:
         LOG.error("error: %s", e)
         return 1
-    except (ValueError, FileNotFoundError, LockError) as e:
+    except (ValueError, FileNotFoundError, LockError, DiskFullError) as e:
         LOG.error("error: %s", e)
         return 2
     RESULT.info("%s", describe(result))

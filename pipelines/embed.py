@@ -48,7 +48,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pipelines import console, storage
-from tfaploss.durable import faults, locks
+from tfaploss.durable import atomic, faults, locks
 
 beam = console.import_beam_quietly()
 
@@ -334,7 +334,17 @@ def run(argv: list[str] | None = None) -> dict:
     # folder itself is swapped whole when published.
     with locks.exclusive(parent or ".", "output", name=f".{base}.tfaploss.lock",
                          target=final):
-        return _embed(args, beam_argv, gfile, kind, inputs, final)
+        try:
+            return _embed(args, beam_argv, gfile, kind, inputs, final)
+        except Exception as err:
+            stage = storage.join(parent or ".", f".{base}.incoming")
+            full = atomic.disk_full_in(err, stage)
+            if full is None:
+                raise
+            # The previous output is untouched; what the run wrote would keep the disk
+            # full. The error comes out whole, not inside Beam's RuntimeError.
+            storage.remove_tree(stage)
+            raise full from None
 
 
 def _embed(args, beam_argv, gfile, kind, inputs, final) -> dict:
@@ -393,7 +403,8 @@ def _embed(args, beam_argv, gfile, kind, inputs, final) -> dict:
         "shards": shards, "dead_letters": DEAD_LETTERS,
         "format": "tfaploss.evaluation.embedding_files",
     }
-    storage.write_json(os.path.join(stage, MANIFEST), manifest, indent=1, sort_keys=True)
+    storage.write_json(os.path.join(stage, MANIFEST), manifest, indent=1, sort_keys=True,
+                       fault="manifest")
     storage.publish(stage, final)
     dead_path = os.path.join(final, DEAD_LETTERS)
     LOG.info("embedded %d images, %d failures -> %s", embedded_count, len(failures),
@@ -428,7 +439,9 @@ def _run_checked(pipeline, kind, inputs):
     try:
         result = pipeline.run()
         result.wait_until_finish()
-    except Exception:
+    except Exception as err:
+        if atomic.disk_full_in(err, ".") is not None:
+            raise  # not the inputs: no scan of them
         found = integrity.locate(splits, what="embedding", level="full") if splits else None
         if found is None:
             raise

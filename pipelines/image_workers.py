@@ -81,7 +81,7 @@ def process_task(records: list[dict], settings: dict, root: str | None,
         pieces.append(framed)
         offset += len(framed)
     if pieces:
-        storage.write_atomic(part_path, b"".join(pieces), durable=False)
+        storage.write_atomic(part_path, b"".join(pieces), durable=False, fault="part")
     if _WORKER is not None:
         _note({"doing": "idle"})
     return results

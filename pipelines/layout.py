@@ -91,7 +91,7 @@ def write_work_list(path: str, plan: SplitPlan, lay: Layout, per_batch: int,
         pieces.append(text)
         chunks.append((path, offset, len(text)))
         offset += len(text)
-    storage.write_atomic(path, b"".join(pieces))
+    storage.write_atomic(path, b"".join(pieces), fault="work_list")
     return chunks
 
 

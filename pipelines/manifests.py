@@ -55,12 +55,14 @@ def finish_split(job: str, plan: SplitPlan, args, report: list[dict],
             supers[int(label)] = int(sup)
         dead.extend(r["dead"])
     dead.sort(key=lambda d: (d["reason"], d["id"], d["path"]))
-    storage.write_atomic(join(split_dir, DEAD_LETTERS), storage.json_lines(dead))
+    storage.write_atomic(join(split_dir, DEAD_LETTERS), storage.json_lines(dead),
+                         fault="manifest")
     ignored = sorted(plan.ignored, key=lambda d: (d["path"], d["reason"]))
     if ignored:
-        storage.write_atomic(join(split_dir, IGNORED_FILES), storage.json_lines(ignored))
+        storage.write_atomic(join(split_dir, IGNORED_FILES), storage.json_lines(ignored),
+                             fault="manifest")
     for name, text in plan.files.items():
-        storage.write_atomic(join(split_dir, name), text)
+        storage.write_atomic(join(split_dir, name), text, fault="manifest")
     shards = [os.path.basename(p) for p in storage.glob(join(split_dir, "images-*.tfrecord"))]
     by_class = [os.path.basename(p)
                 for p in storage.glob(join(split_dir, "by_class", "classes-*.tfrecord"))]
@@ -95,7 +97,8 @@ def finish_split(job: str, plan: SplitPlan, args, report: list[dict],
     }
     manifest.update({"num_ignored_files": len(ignored), "ignored_files": ignored[:1000],
                      "ignored_list": IGNORED_FILES if ignored else None})
-    storage.write_json(join(split_dir, MANIFEST), manifest, indent=1, sort_keys=True)
+    storage.write_json(join(split_dir, MANIFEST), manifest, indent=1, sort_keys=True,
+                       fault="manifest")
     return manifest
 
 

@@ -66,7 +66,7 @@ from pipelines.steps import (
     image_processes,
     image_threads,
 )
-from tfaploss.durable import locks
+from tfaploss.durable import atomic, locks
 
 __all__ = [  # what the jobs, tests and benchmarks import from here
     "LAST_TIMING",
@@ -126,13 +126,25 @@ def run_job(job: str, plans: list[SplitPlan], args, options) -> dict[str, dict]:
     :class:`~tfaploss.durable.locks.LockHeldError` when another job writes the same output
     folder, :class:`~pipelines.image_workers.WorkerDiedError` (nothing published) when
     an image worker process died, :class:`IncompleteRunError` (nothing published) when
-    the runner's results do not account for every planned image of a split.
+    the runner's results do not account for every planned image of a split,
+    :class:`~tfaploss.durable.atomic.DiskFullError` (nothing published, the staging
+    folder removed) when a write found the disk full, wherever in the job.
     """
     started = getattr(args, "_started", None) or time.time()
     storage.makedirs(args.output_dir)
     with locks.exclusive(args.output_dir, "output folder",
                          log=lambda line: console.LOG.warning("%s", line)):
-        return _run_job(job, plans, args, options, started)
+        try:
+            return _run_job(job, plans, args, options, started)
+        except Exception as err:
+            stage = join(args.output_dir, STAGING)
+            full = atomic.disk_full_in(err, stage)
+            if full is None:
+                raise
+            # Nothing was published; the parts and shards written would keep the disk
+            # full. The error comes out whole, not inside Beam's RuntimeError.
+            storage.remove_tree(stage)
+            raise full from None
 
 
 def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):
@@ -168,7 +180,8 @@ def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):
     beam_started = time.time()
     p = None
     try:
-        with console.beam_quiet_on(), beam.Pipeline(options=options) as p:
+        with console.beam_quiet_on(atomic.DiskFullError), \
+                beam.Pipeline(options=options) as p:
             _assemble(p, plans, layouts, chunks, per_batch,
                       ProcessBatchDoFn(settings, threads, root, parts_dir, pool_token,
                                        emit_lag=emit_lag(options)),

@@ -40,4 +40,4 @@ def write_class_shard(path: str, items: list[tuple], chunk_size: int) -> int:
 
 def _write(path: str, data: bytes) -> None:
     storage.makedirs(os.path.dirname(path))  # nothing to make on object stores
-    storage.write_atomic(path, data)
+    storage.write_atomic(path, data, fault="shard")

@@ -165,7 +165,7 @@ class WriteOutputsDoFn(_PooledDoFn):
     def process(self, keyed):
         key, groups = keyed
         if key[0] == REPORT:
-            storage.write_atomic(self.report_path, storage.json_lines(groups))
+            storage.write_atomic(self.report_path, storage.json_lines(groups), fault="report")
             return
         kind, split, shard, num_shards = key
         items = [t for group in groups for t in group]

@@ -17,7 +17,9 @@ A full disk raises :class:`tfaploss.durable.atomic.DiskFullError` (the file, the
 it needed); the partial temporary file is removed.
 
 Fault points (:mod:`tfaploss.durable.faults`): ``publish``, between the two renames;
-``storage_enospc``, a :func:`write_atomic` failing as on a full disk.
+``storage_enospc``, every :func:`write_atomic` failing as on a full disk, and
+``<site>_enospc`` only the writes of one site (``work_list``, ``part``, ``shard``,
+``report``, ``manifest``: the ``fault`` its caller names).
 """
 
 from __future__ import annotations
@@ -111,12 +113,14 @@ def read_range(path: str, offset: int, length: int) -> bytes:
         return f.read(length)
 
 
-def write_atomic(path: str, data: bytes | str, *, durable: bool = True) -> None:
+def write_atomic(path: str, data: bytes | str, *, durable: bool = True,
+                 fault: str | None = None) -> None:
     """Write ``data`` to ``path`` through a temporary name, renamed into place when
     complete (a retried or killed writer never leaves a half file under ``path``).
 
     ``durable=False`` skips the fsync: for intermediate files of a run, which a crash
-    discards with the rest of the staging folder anyway.
+    discards with the rest of the staging folder anyway. ``fault``: the write site's
+    name, for its fault point ``<fault>_enospc`` (see the module doc).
     """
     if isinstance(data, str):
         data = data.encode("utf-8")
@@ -131,6 +135,8 @@ def write_atomic(path: str, data: bytes | str, *, durable: bool = True) -> None:
             f.write(data)
             f.flush()
             faults.no_space("storage_enospc", path=tmp)
+            if fault:
+                faults.no_space(f"{fault}_enospc", path=tmp)
             if durable:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -143,8 +149,8 @@ def write_atomic(path: str, data: bytes | str, *, durable: bool = True) -> None:
         raise
 
 
-def write_json(path: str, obj, **kwargs) -> None:
-    write_atomic(path, json.dumps(obj, **kwargs))
+def write_json(path: str, obj, *, fault: str | None = None, **kwargs) -> None:
+    write_atomic(path, json.dumps(obj, **kwargs), fault=fault)
 
 
 def json_lines(rows) -> str:

@@ -316,3 +316,53 @@ def test_the_checksum_is_crc32c_of_the_whole_file(pristine):
     assert entry["crc32c"] == f"{I._crc_value(data):08x}"
     # CRC-32C's check value
     assert I._crc_value(b"123456789") == 0xE3069283
+
+
+def test_skipping_a_by_class_file_shrinks_the_samplers_classes(pristine, tmp_path):
+    """A skipped by-class file takes its classes with it: the samplers' class checks
+    count only what the kept files hold, and a sampler the rest cannot fill is refused
+    with one message instead of waiting forever for its first batch."""
+    from types import SimpleNamespace
+
+    from tfaploss.data import datasets as D
+    from tfaploss.run.build import check_classes_left
+
+    split = tmp_path / "train"
+    shutil.copytree(pristine, split)
+    data = (split / CLASSES).read_bytes()
+    frames = _frames(data)  # two records (chunks of 3) per class, classes 0..3 in order
+    cut = frames[4][0]
+    (split / CLASSES).unlink()
+    halves = ["classes-00000-of-00002.tfrecord", "classes-00001-of-00002.tfrecord"]
+    (split / "by_class" / halves[0]).write_bytes(data[:cut])  # classes 0, 1
+    (split / "by_class" / halves[1]).write_bytes(_flip(data[cut:], 40))  # 2, 3: damaged
+    manifest = json.loads((split / "manifest.json").read_text())
+    manifest["checksums"] = I.manifest_checksums(
+        str(split), [IMAGES, *(os.path.join("by_class", h) for h in halves)])
+    (split / "manifest.json").write_text(json.dumps(manifest))
+
+    skipped = I.startup_check(str(split), layout="by_class", skip=True)
+    kept = skipped.pop("class_records")
+    assert [s["file"] for s in skipped["shards"]] == [f"by_class/{halves[1]}"]
+    assert kept == {0: 3, 1: 3} and skipped["classes_lost"] == [2, 3]
+    json.dumps(skipped)  # what summary.json records
+
+    with I.skipping([str(split / "by_class" / halves[1])], kept):
+        assert sorted(D._eligible(manifest, 2)) == [0, 1]  # all_classes: 2 classes
+        with pytest.raises(ValueError, match="the split has 2 once its damaged by-class"):
+            D._validate_sampler(manifest, "m_per_class", batch_size=8, m=2)
+    assert sorted(D._eligible(manifest, 2)) == [0, 1, 2, 3]  # outside: the manifest's
+
+    def cfg(batch, m):
+        return SimpleNamespace(data=SimpleNamespace(m=m, batch_size=batch, train=str(split),
+                                                    sampler="m_per_class"))
+
+    check_classes_left(cfg(4, 2), kept, skipped)  # two classes of two: enough
+    with pytest.raises(I.DamagedDataError) as err:
+        check_classes_left(cfg(8, 2), kept, skipped)
+    text = str(err.value)
+    assert "2 classes have a by-class record of m=2 images" in text and "needs 4" in text
+    assert halves[1] in text and "rebuild it: python -m pipelines.folder" in text
+    assert "\n" not in text
+    with pytest.raises(I.DamagedDataError, match="0 classes"):
+        check_classes_left(cfg(4, 4), kept, skipped)  # no kept record holds 4 images

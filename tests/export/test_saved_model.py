@@ -125,6 +125,34 @@ def test_layout_and_versions(exported, tmp_path):
         export_saved_model(model, tmp_path / "m", image_size=(64, 64))
 
 
+def test_a_full_disk_leaves_no_version_and_the_rerun_exports_the_same(exported, tmp_path,
+                                                                      monkeypatch):
+    """ENOSPC while the version is written: one DiskFullError naming it, no temporary
+    folder, no version; space freed, the same export as one that never failed. Too
+    little space for an overwrite: refused before tracing, the served version kept."""
+    from tfaploss.durable import atomic, faults
+
+    model, _, version_dir, _ = exported
+    base = tmp_path / "m"
+
+    def files(folder):
+        return {str(p.relative_to(folder)): p.read_bytes() for p in Path(folder).rglob("*")
+                if p.is_file() and p.name not in ("saved_model.pb", "fingerprint.pb")}
+    # (the graph and its fingerprint name functions by ids that vary from run to run)
+
+    with faults.armed("export_enospc"), pytest.raises(atomic.DiskFullError) as err:
+        export_saved_model(model, base, image_size=SIZE)
+    assert str(base / "1") in str(err.value) and "needed" in str(err.value)
+    assert os.listdir(base) == []
+    export_saved_model(model, base, image_size=SIZE)
+    assert files(base / "1") == files(version_dir)
+    before = files(base)
+    monkeypatch.setattr(atomic, "free_bytes", lambda folder: 1000)
+    with pytest.raises(atomic.DiskFullError, match="1000 bytes free"):
+        export_saved_model(model, base, image_size=SIZE, version=1, overwrite=True)
+    assert os.listdir(base) == ["1"] and files(base) == before
+
+
 def test_pixels_signature_matches_model(exported):
     model, _, version_dir, _ = exported
     loaded = tf.saved_model.load(version_dir)

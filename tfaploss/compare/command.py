@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import textwrap
 import time
 from pathlib import Path
 
 from tfaploss import extras
+from tfaploss.durable import atomic
 
 LOG = logging.getLogger("tfaploss.compare")
 
@@ -207,12 +207,10 @@ def cmd_compare(args) -> str:
               f"{len(ledger.rows)} runs, {sum(r.get('seconds', 0) for r in ledger.rows.values()) / 3600:.2f} "
               "hours of run time (wall clock of each run on this machine, summed).")
     text = report.markdown(results, header)
-    tmp = out / ".report.md.tmp"
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, out / "report.md")
-    tmp = out / ".results.json.tmp"
-    tmp.write_text(json.dumps(results, indent=1, default=str), encoding="utf-8")
-    os.replace(tmp, out / "results.json")
+    # Whole or absent; a full disk is one DiskFullError naming the file (fault "report").
+    atomic.atomic_write_text(out / "report.md", text, fault="report")
+    atomic.atomic_write_text(out / "results.json",
+                             json.dumps(results, indent=1, default=str), fault="report")
     figure = report.plot(results, out / "report.png")
     LOG.info("wrote %s, %s%s in %.0f s", out / "report.md", out / "results.json",
              f", {figure}" if figure else f" (no figure: {extras.install_command('viz')})",

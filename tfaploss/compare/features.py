@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from tfaploss.compare.protocol import SEARCH_SPACES, RunSpec
+from tfaploss.durable import atomic
 
 LOG = logging.getLogger(__name__)
 
@@ -86,9 +87,8 @@ def extract_features(cfg, paths: dict, cache_dir: str | os.PathLike) -> dict:
         features = np.asarray(features, "float32")
         labels = np.asarray(labels).astype("int64")
         cache.mkdir(parents=True, exist_ok=True)
-        tmp = cache / f".{split}.tmp.npz"
-        np.savez(tmp, features=features, labels=labels)
-        os.replace(tmp, file)
+        atomic.atomic_write(file, lambda tmp, f=features, y=labels: np.savez(
+            tmp, features=f, labels=y), fault="report")
         LOG.info("features of %s: %d x %d in %.0f s (cached in %s)", split, *features.shape,
                  time.time() - started, file)
         out[split] = (features, labels)

@@ -31,6 +31,7 @@ settings.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -40,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tfaploss import extras
+from tfaploss.durable import atomic, faults
 
 LOG = logging.getLogger(__name__)
 
@@ -154,10 +156,21 @@ class Ledger:
                "params": spec.settings, "batch": spec.batch, "updates": spec.updates,
                "images": spec.updates * spec.batch, "seed": spec.seed, "test": spec.test}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        line = (json.dumps(row, sort_keys=True) + "\n").encode("utf-8")
+        with open(self.path, "ab", buffering=0) as f:  # unbuffered: truncate never flushes
+            start = f.seek(0, os.SEEK_END)
+            try:
+                if f.write(line) != len(line):  # a short write to a file: the disk is full
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+                faults.no_space("ledger_enospc")
+                os.fsync(f.fileno())
+            except OSError as err:
+                # A half line would swallow the next run's line too: cut it off.
+                f.truncate(start)
+                if atomic.is_disk_full(err):
+                    raise atomic.DiskFullError(self.path, len(line),
+                                               atomic.free_bytes(self.path.parent)) from None
+                raise
         self.rows[row["key"]] = row
         return row
 

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from tfaploss.compare.protocol import AP_LOSSES, PEERS
+from tfaploss.durable import atomic
 
 
 def _num(value, digits=1):
@@ -129,8 +130,9 @@ def plot(results: list[dict], path: str | os.PathLike) -> Path | None:
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        atomic.atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"),
+                            fault="report")
+    finally:
+        plt.close(fig)
     return path

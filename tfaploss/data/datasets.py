@@ -15,9 +15,13 @@ LOG = logging.getLogger("tfaploss.data")
 
 
 def _eligible(manifest: dict, m: int) -> dict[int, int]:
-    """``{label: count}`` of the classes with at least m images."""
+    """``{label: count}`` of the classes with at least m images; while damaged by-class
+    files are skipped (:func:`tfaploss.data.integrity.skipping`), only the classes a
+    kept file holds in a record of m images (a sampler draws m from one record): a
+    sampler counting the lost ones would wait forever for a batch."""
+    kept = I.kept_class_records()
     return {int(k): v for k, v in manifest.get("class_counts", {}).items()
-            if v >= m and int(k) >= 0}
+            if v >= m and int(k) >= 0 and (kept is None or kept.get(int(k), 0) >= m)}
 
 
 def _validate_sampler(manifest, sampler: str, batch_size: int, m: int) -> None:
@@ -31,9 +35,11 @@ def _validate_sampler(manifest, sampler: str, batch_size: int, m: int) -> None:
                     "than m images and are then skipped", chunk, 2 * m)
     eligible = _eligible(manifest, m)
     if sampler == "m_per_class" and len(eligible) < batch_size // m:
+        left = (" once its damaged by-class files are skipped"
+                if I.kept_class_records() is not None else "")
         raise ValueError(
             f"batch_size={batch_size} with m={m} needs {batch_size // m} classes with >= {m} "
-            f"images, the split has {len(eligible)}; lower batch_size or m")
+            f"images, the split has {len(eligible)}{left}; lower batch_size or m")
     if sampler == "hierarchical":
         supers = manifest.get("class_super_labels") or {}
         if not supers:

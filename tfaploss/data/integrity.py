@@ -144,6 +144,9 @@ class SplitReport:
     bytes: int = 0
     damaged: list[Damage] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # by-class files read at level "records": {path: {label: images of its largest
+    # record}}, what the samplers can draw (m images of a class come from one record)
+    class_records: dict[str, dict[int, int]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -243,14 +246,16 @@ def _foreign(head: bytes) -> str | None:
 
 
 def scan_shard(path: str, *, layout: str | None = None, classes: set[int] | None = None,
-               expect: dict | None = None) -> tuple[int, Damage | None]:
+               expect: dict | None = None,
+               tally: dict[int, int] | None = None) -> tuple[int, Damage | None]:
     """One pass over a TFRecord file: ``(records read, first Damage or None)``.
 
     Checks each record's length and data CRC-32C (what TensorFlow's reader checks) and
     a last record cut short (which TensorFlow's reader takes for the end of the file).
     With ``layout`` ("images" or "by_class") every record is also parsed and its
     features checked (:func:`check_example`). ``expect``: the manifest's entry of this
-    file (``bytes``, ``records``), compared too.
+    file (``bytes``, ``records``), compared too. ``tally`` (by-class records): filled
+    as in :func:`check_example`.
     """
     size = os.path.getsize(path)
     if expect and "bytes" in expect and size != expect["bytes"]:
@@ -282,7 +287,7 @@ def scan_shard(path: str, *, layout: str | None = None, classes: set[int] | None
                 return n, Damage(path, "corrupted record (its data fail their CRC)",
                                  offset, n)
             if layout is not None:
-                problem = check_example(data, layout, classes)
+                problem = check_example(data, layout, classes, tally)
                 if problem:
                     return n, Damage(path, f"invalid record: {problem}", offset, n)
             offset, n = end, n + 1
@@ -304,11 +309,13 @@ _LISTS = ("image/bbox",)  # variable length; every other feature holds one value
 _IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG", b"GIF8", b"BM", b"RIFF")
 
 
-def check_example(data: bytes, layout: str, classes: set[int] | None = None) -> str | None:
+def check_example(data: bytes, layout: str, classes: set[int] | None = None,
+                  tally: dict[int, int] | None = None) -> str | None:
     """What is wrong with one serialized Example of ``layout`` ("images" or
     "by_class"), in words, or None: unparsable, a feature missing or of another type,
     a label negative (below -1 for images) or outside ``classes``, an empty or
-    non-image ``image/encoded``."""
+    non-image ``image/encoded``. ``tally``: for a sound by-class record,
+    ``tally[label]`` becomes the most images one record of that class holds."""
     from tensorflow.core.example import example_pb2
 
     try:
@@ -350,6 +357,9 @@ def check_example(data: bytes, layout: str, classes: set[int] | None = None) -> 
             return "image/encoded is empty"
         if not jpeg.startswith(_IMAGE_MAGIC):
             return "image/encoded is not a JPEG, PNG, GIF, BMP or WebP image"
+    if tally is not None and layout == "by_class":
+        label = features["class/label"].int64_list.value[0]
+        tally[label] = max(tally.get(label, 0), len(encoded))
     return None
 
 
@@ -423,7 +433,10 @@ def check_split(split_dir: str, level: str = "sizes", *, layouts=("images", "by_
                 continue
             path = os.path.join(split_dir, name)
             expect = (recorded or {}).get(name)
-            damage = _check_file(path, level, expect, layout, classes)
+            tally = {} if level == "records" and layout == "by_class" else None
+            damage = _check_file(path, level, expect, layout, classes, tally)
+            if tally is not None:
+                report.class_records[path] = tally
             report.checked.append(path)
             size = os.path.getsize(path)
             report.bytes += size
@@ -434,7 +447,7 @@ def check_split(split_dir: str, level: str = "sizes", *, layouts=("images", "by_
     return report
 
 
-def _check_file(path, level, expect, layout, classes) -> Damage | None:
+def _check_file(path, level, expect, layout, classes, tally=None) -> Damage | None:
     size = os.path.getsize(path)
     wrong_size = None
     if expect is not None and size != expect.get("bytes", size):
@@ -454,7 +467,7 @@ def _check_file(path, level, expect, layout, classes) -> Damage | None:
     # The record that fails says most; then the size, then the number of records.
     records = (expect or {}).get("records")
     n, damage = scan_shard(path, layout=layout if level == "records" else None,
-                           classes=classes)
+                           classes=classes, tally=tally)
     if damage is not None or wrong_size is not None:
         return damage or wrong_size
     if records is not None and n != records:
@@ -579,20 +592,30 @@ class reading:
 # ------------------------------------------------------------------------ skipping
 
 
-_SKIPPED: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
-    "tfaploss_skipped_shards", default=frozenset())
+_SKIPPED: contextvars.ContextVar[tuple] = contextvars.ContextVar(
+    "tfaploss_skipped_shards", default=(frozenset(), None))
 
 
 def skipped_files() -> frozenset:
     """Normalised paths of the record files :func:`skipping` leaves out."""
-    return _SKIPPED.get()
+    return _SKIPPED.get()[0]
+
+
+def kept_class_records() -> dict[int, int] | None:
+    """Within :func:`skipping` given ``class_records``: ``{label: images of its largest
+    record}`` of the by-class files kept, what the samplers' class checks count;
+    else None (the manifest's counts hold)."""
+    return _SKIPPED.get()[1]
 
 
 @contextlib.contextmanager
-def skipping(files):
+def skipping(files, class_records: dict[int, int] | None = None):
     """Within the block, :func:`tfaploss.data.records.split_files` leaves ``files`` out:
-    every dataset a run builds (training, BatchNorm calibration) skips them alike."""
-    token = _SKIPPED.set(frozenset(os.path.normpath(f) for f in files))
+    every dataset a run builds (training, BatchNorm calibration) skips them alike.
+    ``class_records``: what the kept by-class files hold (:func:`kept_class_records`),
+    so that a sampler counts only the classes it can still draw."""
+    token = _SKIPPED.set((frozenset(os.path.normpath(f) for f in files),
+                          None if class_records is None else dict(class_records)))
     try:
         yield
     finally:
@@ -609,6 +632,9 @@ def startup_check(train: str | None, test: str | None = None, *, layout: str = "
     files are left out instead of stopping the run; returns ``{"shards": [{"file",
     "problem", "records"}], "records": total or None}`` (None when nothing was
     skipped). Otherwise the first damaged file raises :class:`DamagedDataError`.
+    Skipping by-class files also returns ``"class_records"`` (``{label: images of its
+    largest record}`` in the files kept) and ``"classes_lost"`` (the manifest's
+    classes no kept file holds).
     """
     if level not in ("sizes", "full", "off"):
         raise ValueError(f"verify_data must be 'sizes', 'full' or 'off', got {level!r}")
@@ -633,6 +659,16 @@ def startup_check(train: str | None, test: str | None = None, *, layout: str = "
             counts = [s["records"] for s in shards]
             skipped = {"shards": shards,
                        "records": sum(counts) if None not in counts else None}
+            if layout == "by_class":
+                bad = {d.path for d in report.damaged}
+                kept: dict[int, int] = {}
+                for path, tally in report.class_records.items():
+                    if path not in bad:
+                        for label, n in tally.items():
+                            kept[label] = max(kept.get(label, 0), n)
+                skipped["class_records"] = kept
+                skipped["classes_lost"] = sorted(set(_classes(report.manifest) or ())
+                                                 - set(kept))
             if len(report.damaged) >= len(layout_files(split_dir, layout)):
                 raise damaged_error(split_dir, report.damaged[0], report.manifest,
                                     "checking the training data (every file is damaged: "

@@ -107,10 +107,35 @@ def free_bytes(folder: str | os.PathLike) -> int | None:
 
 
 def is_disk_full(err: BaseException) -> bool:
-    """Whether ``err`` says the disk is full (h5py's errors carry the text, not errno)."""
-    return isinstance(err, OSError) and (
-        err.errno in (errno.ENOSPC, errno.EDQUOT)
-        or "No space left on device" in str(err) or "Disk quota exceeded" in str(err))
+    """Whether ``err`` says the disk is full: an ``OSError`` with ENOSPC / EDQUOT, or
+    any error whose text carries the C library's words for them (h5py, TensorFlow's
+    file system, faiss and ScaNN raise their own types, not errno)."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return isinstance(err, Exception) and (
+        "No space left on device" in str(err) or "Disk quota exceeded" in str(err))
+
+
+def disk_full_in(err: BaseException, path: str | os.PathLike) -> DiskFullError | None:
+    """The :class:`DiskFullError` behind ``err``, however wrapped (Beam re-raises a
+    worker's error as a ``RuntimeError`` caused by it), else None.
+
+    A full disk known only as an ``OSError`` or by its text (TensorFlow's file system,
+    a runner that passes on the message alone) becomes a :class:`DiskFullError` for
+    ``path``, the folder being written.
+    """
+    seen, found, chain = set(), None, err
+    while chain is not None and id(chain) not in seen:
+        if isinstance(chain, DiskFullError):
+            return chain
+        if found is None and is_disk_full(chain):
+            found = chain
+        seen.add(id(chain))
+        chain = chain.__cause__ or chain.__context__
+    if found is None:
+        return None
+    return DiskFullError(path, None, free_bytes(path if os.path.isdir(path)
+                                                else os.path.dirname(os.fspath(path)) or "."))
 
 
 def check_space(path: str | os.PathLike, needed: int | None) -> None:

@@ -111,6 +111,18 @@ def _h5_readable(path: Path) -> str | None:
 # ---------------------------------------------------------------------------------------
 
 
+def weights_bytes(model, factor: float = 1.0) -> int:
+    """``model``'s variables' bytes x ``factor`` + 4 KB per variable and 64 KB: what an
+    HDF5 file adds around them (Keras 3's ``.weights.h5``: 1.5 KB per variable for a
+    ResNet-50, 2.2 KB for the small CNN, 11.8 KB in all for a two-variable model)."""
+    import numpy as np
+
+    weights = getattr(model, "weights", [])
+    raw = sum(int(np.prod(w.shape)) * np.dtype(getattr(w.dtype, "name", w.dtype)).itemsize
+              for w in weights)
+    return int(raw * factor) + 4096 * len(weights) + 65536
+
+
 class RunBackup:
     """Per-epoch checkpoints of a model (weights and optimizer state) in one folder.
 
@@ -158,7 +170,7 @@ class RunBackup:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.checkpoint_path(epoch)
         atomic_write(path, lambda tmp: model.save_weights(tmp), fault="checkpoint",
-                     epoch=epoch, needed=self.expected_bytes())
+                     epoch=epoch, needed=self.expected_bytes(model))
         record = {"epoch": epoch, "file": path.name, "bytes": path.stat().st_size,
                   "sha256": sha256_of(path), **(extra or {})}
         atomic_write_json(self.index_path, {"format": 1, "latest": record},
@@ -171,12 +183,17 @@ class RunBackup:
         faults.point("after_checkpoint", epoch)
         return path
 
-    def expected_bytes(self) -> int | None:
+    def expected_bytes(self, model=None) -> int | None:
         """What the next checkpoint will take: the newest one's size x 1.2 (the same
-        variables; HDF5's overhead varies a little), None before the first."""
+        variables; HDF5's overhead varies a little); before the first, ``model``'s
+        weights x 1.2 + 4 KB per variable (HDF5's per-dataset headers), else None."""
         sizes = [p.stat().st_size for p in [*self.checkpoints().values(),
                                             *self.steps().values()]]
-        return int(max(sizes) * 1.2) + 4096 if sizes else None
+        if sizes:
+            return int(max(sizes) * 1.2) + 4096
+        if model is None:
+            return None
+        return weights_bytes(model, 1.2)
 
     # -- step checkpoints (preemption) ---------------------------------------------------
 
@@ -217,7 +234,7 @@ class RunBackup:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.step_path(epoch, step)
         atomic_write(path, lambda tmp: model.save_weights(tmp), fault="step_checkpoint",
-                     epoch=epoch, needed=self.expected_bytes())
+                     epoch=epoch, needed=self.expected_bytes(model))
         record = {"epoch": epoch, "step": step, "file": path.name,
                   "bytes": path.stat().st_size, "sha256": sha256_of(path), **(extra or {})}
         atomic_write_json(self.step_index_path, {"format": 1, "latest": record},

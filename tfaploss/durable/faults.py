@@ -45,8 +45,12 @@ Fault points of a training run (:mod:`tfaploss.run.trainer`,
 ``backup_delete``        the finished run's backup renamed aside, not yet deleted
 ``<file>_enospc:E``      does not kill: the write of that file (``checkpoint``,
                          ``metadata``, ``step_checkpoint``, ``model``, ``summary``,
-                         ``config``, ``epochs``; Beam: ``storage``) fails with ENOSPC
-                         as on a full disk, its temporary file half-written
+                         ``config``, ``epochs``; evaluation: ``metrics``, ``figure``,
+                         ``searcher``, ``projector``; ``tfaploss compare``: ``report``,
+                         ``ledger``; ``tfaploss export``: ``export``; Beam:
+                         ``storage`` (every write), ``work_list``, ``part``, ``shard``,
+                         ``report``, ``manifest``) fails with ENOSPC as on a full disk,
+                         its temporary file half-written
 ``sigterm:E:B``,         does not kill: the process sends itself the signal after batch
 ``sigint:E:B``           B of epoch E (:mod:`tfaploss.training.preemption`)
 ``nan_weights:E:B``      does not kill: sets the first trainable weight to NaN after

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from tfaploss import extras
+from tfaploss.durable import atomic
 from tfaploss.evaluation.backend_choice import check_backend, resolve_backend
 from tfaploss.evaluation.embed import embed_dataset, split_element
 from tfaploss.evaluation.embedding_files import load_embeddings
@@ -91,8 +92,9 @@ class EvaluationResult:
 
     def save_json(self, path: str) -> str:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2)
+        # Whole or absent, and a full disk is one DiskFullError naming the file.
+        atomic.atomic_write_text(path, json.dumps(self.to_dict(), indent=2),
+                                 fault="metrics")
         return path
 
     def table(self) -> str:
@@ -319,11 +321,15 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
 
 def _draw(drawers) -> list[str]:
     """Draw each figure; one that cannot be drawn is skipped with a warning (the
-    metrics are already written)."""
+    metrics are already written). A full disk is not skipped: it ends the evaluation
+    with its one line, so that the rerun, space freed, writes what a run that never
+    failed writes."""
     paths = []
     for what, draw in drawers:
         try:
             paths.append(draw())
+        except atomic.DiskFullError:
+            raise
         except MissingExtraError as err:
             LOG.warning("warning: figure skipped (%s): %s", what, err)
         except Exception as err:  # noqa: BLE001  (a figure never costs the metrics)

@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from tfaploss import extras
+from tfaploss.durable import atomic
 from tfaploss.evaluation.searchers import Searcher, _as_matrix, probe_counts
 
 LOG = logging.getLogger(__name__)
@@ -305,10 +306,10 @@ class FaissSearcher(Searcher):
     def _save(self, directory):
         faiss = import_faiss()
         index = faiss.index_gpu_to_cpu(self._index) if self._use_gpu else self._index
-        path = os.path.join(directory, _INDEX_FILE)
-        tmp = path + ".tmp"
-        faiss.write_index(index, tmp)
-        os.replace(tmp, path)  # a killed save never leaves half an index under the name
+        # A killed save never leaves half an index under the name; a full disk (faiss
+        # says so in a RuntimeError) is one DiskFullError.
+        atomic.atomic_write(os.path.join(directory, _INDEX_FILE),
+                            lambda tmp: faiss.write_index(index, tmp), fault="searcher")
 
     @classmethod
     def _load(cls, directory, meta):

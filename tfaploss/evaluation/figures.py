@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tfaploss import extras
+from tfaploss.durable import atomic
 
 GREEN = "#1a9850"
 RED = "#d73027"
@@ -26,6 +27,12 @@ def _new_figure(width: float, height: float):
     fig = Figure(figsize=(width, height), dpi=100)
     FigureCanvasAgg(fig)
     return fig
+
+
+def _save(fig, path: str) -> None:
+    """Write ``fig`` as PNG to ``path``, whole or absent (fault point ``figure``); a
+    full disk raises :class:`~tfaploss.durable.atomic.DiskFullError`."""
+    atomic.atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"), fault="figure")
 
 
 def _displayable(img) -> np.ndarray:
@@ -82,7 +89,7 @@ def plot_retrieval_examples(query_images, result_images, relevant, path: str,
             title = f"{scores[r][c]:.3f}" if scores is not None else f"#{c + 1}"
             _show(axes[r, c + 1], result_images[r][c], GREEN if relevant[r, c] else RED, title)
     fig.tight_layout()
-    fig.savefig(path, format="png")
+    _save(fig, path)
     return path
 
 
@@ -107,5 +114,5 @@ def plot_per_query_ap(aps, path: str, names: Sequence[str] | None = None,
         ax.set_xticks(x)
         ax.set_xticklabels(names, rotation=90, fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, format="png")
+    _save(fig, path)
     return path

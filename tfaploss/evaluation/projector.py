@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tfaploss.durable import atomic
+from tfaploss.durable import atomic, faults
 
 __all__ = ["VIZ_INSTALL", "export_projector", "umap_figure"]
 
@@ -81,7 +81,19 @@ def _write_checkpoint(embeddings: np.ndarray, log_dir: Path) -> bool:
     except ImportError:
         return False
     tmp = atomic.temp_name(log_dir / CHECKPOINT)
-    written = tf.train.Checkpoint(embedding=tf.Variable(embeddings)).write(str(tmp))
+    try:
+        written = tf.train.Checkpoint(embedding=tf.Variable(embeddings)).write(str(tmp))
+        faults.no_space("projector_enospc", path=f"{written}.index")
+    except Exception as err:
+        for path in tf.io.gfile.glob(f"{tmp}*"):  # half-written files keep the disk full
+            if tf.io.gfile.isdir(path):
+                tf.io.gfile.rmtree(path)
+            else:
+                tf.io.gfile.remove(path)
+        if atomic.is_disk_full(err) and not isinstance(err, atomic.DiskFullError):
+            raise atomic.DiskFullError(log_dir / CHECKPOINT, embeddings.nbytes,
+                                       atomic.free_bytes(log_dir)) from None
+        raise
     # The index names its data shards by the prefix it is read with, so both files are
     # renamed to the final prefix; the index last, as it is what a reader opens first.
     shards = sorted(Path(p) for p in tf.io.gfile.glob(f"{written}.data-*"))
@@ -128,7 +140,8 @@ def export_projector(embeddings, labels, log_dir, *, checkpoint: bool | None = N
     metadata = None
     if labels is not None:
         metadata = "metadata.tsv"
-        atomic.atomic_write_text(log_dir / metadata, _metadata_text(labels))
+        atomic.atomic_write_text(log_dir / metadata, _metadata_text(labels),
+                                 fault="projector")
     tensor_path = None
     if checkpoint is False or not _write_checkpoint(embeddings, log_dir):
         if checkpoint:
@@ -136,10 +149,11 @@ def export_projector(embeddings, labels, log_dir, *, checkpoint: bool | None = N
                               "pass checkpoint=None to write tensors.tsv instead.")
         tensor_path = "tensors.tsv"
         atomic.atomic_write(log_dir / tensor_path, lambda tmp: np.savetxt(
-            tmp, embeddings, delimiter="\t", fmt="%.7g"))
+            tmp, embeddings, delimiter="\t", fmt="%.7g"), fault="projector")
     config = log_dir / "projector_config.pbtxt"
     atomic.atomic_write_text(config, _config_text(
-        TENSOR_NAME if tensor_path is None else "embeddings", tensor_path, metadata))
+        TENSOR_NAME if tensor_path is None else "embeddings", tensor_path, metadata),
+        fault="projector")
     return config
 
 
@@ -183,4 +197,5 @@ def umap_figure(embeddings, labels, path, *, n_neighbors: int = 15, seed: int = 
     ax.set_yticks([])
     if title:
         ax.set_title(title)
-    return atomic.atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    return atomic.atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"),
+                               fault="figure")

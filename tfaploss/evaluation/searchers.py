@@ -43,6 +43,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from tfaploss import extras
+from tfaploss.durable import atomic
 
 _METADATA_FILE = "searcher.json"
 _FORMAT_VERSION = 1
@@ -180,13 +181,19 @@ class Searcher:
         return {"backend": self.backend, **self._config()}
 
     def serialize(self, directory: str) -> str:
-        """Save the searcher into ``directory`` (created if missing); returns it."""
+        """Save the searcher into ``directory`` (created if missing); returns it.
+
+        Each file is written whole or not at all, the metadata last (what a load reads
+        first), so a save that a full disk stops leaves the previous searcher loadable:
+        :class:`~tfaploss.durable.atomic.DiskFullError` names the file (fault point
+        ``searcher``).
+        """
         os.makedirs(directory, exist_ok=True)
         self._save(directory)
         meta = {"format_version": _FORMAT_VERSION, "size": self.size, "dim": self.dim,
                 **self.get_config()}
-        with open(os.path.join(directory, _METADATA_FILE), "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=2)
+        atomic.atomic_write_text(os.path.join(directory, _METADATA_FILE),
+                                 json.dumps(meta, indent=2), fault="searcher")
         return directory
 
     def __repr__(self) -> str:
@@ -263,7 +270,9 @@ class ExactSearcher(Searcher):
                 "engine": self.engine, "num_threads": self.num_threads}
 
     def _save(self, directory):
-        np.save(os.path.join(directory, "database.npy"), self.database)
+        atomic.atomic_write(os.path.join(directory, "database.npy"),
+                            lambda tmp: np.save(tmp, self.database), fault="searcher",
+                            needed=self.database.nbytes)
 
     @classmethod
     def _load(cls, directory, meta):
@@ -535,7 +544,13 @@ class ScannSearcher(Searcher):
         os.makedirs(sub, exist_ok=True)
         # relative_path=True: the assets file names the artefacts relative to `sub`, so
         # the directory can be moved or copied.
-        self._searcher.searcher.serialize(sub, True)
+        try:
+            self._searcher.searcher.serialize(sub, True)
+        except Exception as err:  # ScaNN reports a full disk in a RuntimeError's text
+            if atomic.is_disk_full(err):
+                raise atomic.DiskFullError(sub, None, atomic.free_bytes(directory)) \
+                    from None
+            raise
 
     @classmethod
     def _load(cls, directory, meta):

@@ -11,6 +11,7 @@ import keras
 import tensorflow as tf
 
 from tfaploss.data.augment import DEFAULT_CROP_FRACTION
+from tfaploss.durable import atomic, faults
 from tfaploss.export.image_ops import (
     DEFAULT_MAX_PIXELS,
     check_max_pixels,
@@ -32,6 +33,28 @@ def _versions(path) -> list[int]:
 def next_version(path) -> int:
     """1 + the largest integer-named sub-directory of ``path`` (1 when none)."""
     return max(_versions(path), default=0) + 1
+
+
+def export_size(model) -> int:
+    """About the bytes a SavedModel of ``model`` takes: its variables as stored, plus
+    1 MB for the graph and assets (a ResNet-50's graph is ~0.6 MB)."""
+    import numpy as np
+
+    return sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize
+               for w in model.weights) + (1 << 20)
+
+
+def _publish(tmp: str, target: str) -> None:
+    """Rename the complete version ``tmp`` to ``target``; a version already there is
+    renamed aside first and deleted after, so it is replaced, never half deleted."""
+    aside = None
+    if os.path.exists(target):
+        aside = tempfile.mkdtemp(prefix=".old-", dir=os.path.dirname(target))
+        os.replace(target, os.path.join(aside, "version"))
+    os.replace(tmp, target)
+    atomic.fsync_dir(os.path.dirname(target))
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def find_saved_model(path) -> str:
@@ -178,6 +201,9 @@ def export_saved_model(
             "version=None for the next one, or overwrite=True"
         )
 
+    needed = export_size(model)
+    atomic.check_space(target, needed)  # before tracing, before TensorFlow writes a byte
+
     height, width = image_size
 
     def embed(images):
@@ -226,10 +252,11 @@ def export_saved_model(
                 f,
                 indent=2,
             )
-        if os.path.exists(target):
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        faults.no_space("export_enospc", path=os.path.join(tmp, "saved_model.pb"))
+        _publish(tmp, target)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial version would keep the disk full
+        if atomic.is_disk_full(err) and not isinstance(err, atomic.DiskFullError):
+            raise atomic.DiskFullError(target, needed, atomic.free_bytes(path)) from None
         raise
     return target

@@ -6,12 +6,15 @@ calls; they are importable so a notebook can start from a recipe and change one 
 
 from __future__ import annotations
 
+import logging
 import math
 
 from tfaploss.config.fields import ConfigError
 from tfaploss.config.loss_section import loss_class
 from tfaploss.config.schema import KERAS_HUB_PREFIX, Config
 from tfaploss.run.schedule import RecipeSchedule
+
+LOG = logging.getLogger(__name__)
 
 
 def build_model(cfg: Config, input_shape=None, weights="config", calibrate=True):
@@ -350,6 +353,36 @@ def _check_class_chunks(cfg: Config) -> None:
             f"manifest.json) only {usable} classes have a by-class record of m={m} "
             f"images; the {cfg.data.sampler} sampler needs {needed}, so training would "
             f"wait forever for its first batch. {fix}")
+
+
+def check_classes_left(cfg: Config, kept: dict[int, int], skipped: dict) -> None:
+    """After damaged by-class files are skipped: refuse (one
+    :class:`~tfaploss.data.integrity.DamagedDataError`, exit 2) a sampler that the
+    classes left, ``kept`` (``{label: images of its largest record}``), cannot fill,
+    rather than a run that waits forever for its first batch."""
+    from tfaploss.data import integrity
+
+    m, batch = cfg.data.m, cfg.data.batch_size
+    usable = sum(1 for n in kept.values() if n >= m)
+    needed = {"m_per_class": batch // m, "hierarchical": batch // m}.get(
+        cfg.data.sampler, 1)
+    lost = skipped.get("classes_lost") or []
+    if usable >= needed:
+        if lost:
+            LOG.warning("warning: the skipped files held every image of %d class(es) "
+                        "(%s); training goes on with the %d classes left", len(lost),
+                        ", ".join(map(str, lost[:10])) + (", ..." if len(lost) > 10 else ""),
+                        usable)
+        return
+    split = integrity.split_dir_of(cfg.data.train)
+    manifest = _manifest(cfg.data.train)
+    raise integrity.DamagedDataError(
+        f"after skipping {len(skipped['shards'])} damaged file(s) of {split} "
+        f"({', '.join(s['file'] for s in skipped['shards'])}), {usable} classes have a "
+        f"by-class record of m={m} images; the {cfg.data.sampler} sampler needs {needed} "
+        f"(data.batch_size={batch} / data.m={m}), so training would wait forever for "
+        f"its first batch. They were {integrity.describe_source(manifest, split)} "
+        "(or lower data.batch_size)", path=split, problem="too few classes left")
 
 
 def build_train_dataset(cfg: Config, seed_offset: int = 0):

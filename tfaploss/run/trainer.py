@@ -446,7 +446,10 @@ def _check_records(cfg: Config, reading, level: str, skip: bool):
     files = [os.path.normpath(os.path.join(split, s["file"])) for s in skipped["shards"]]
     if reading is not None:
         reading.ignore |= set(files)
-    return skipped, integrity.skipping(files)
+    kept = skipped.pop("class_records", None)  # {label: images}: not for summary.json
+    if kept is not None:
+        B.check_classes_left(cfg, kept, skipped)
+    return skipped, integrity.skipping(files, kept)
 
 
 def _describe_run(cfg: Config, steps: int, chunk, model, resuming: bool,
