@@ -2,7 +2,7 @@
 one global batch, decoding only its own rows against decoding the whole batch.
 
     python benchmarks/sharded_input.py                 # 600 JPEGs, B=64, W = 2 and 4
-    python benchmarks/sharded_input.py --quick         # 240 JPEGs, B=32, 3 s windows
+    python benchmarks/sharded_input.py --quick         # 240 JPEGs, B=32, one round
 
 1. Generates ``--num_images`` photo-like JPEGs (``input_pipeline.generate_jpegs``) and
    writes them with the folder job, as a user would before training.
@@ -186,7 +186,8 @@ def main(argv=None) -> int:
     p.add_argument("--image_size_on_disk", default="500x375", help="WxH of the JPEGs")
     p.add_argument("--workdir", default=None, help="keep (and reuse) the generated data here")
     harness.add_arguments(p, harness.RESULTS_DIR / "sharded_input.json",
-                          quick_help="240 JPEGs of 30 classes, B=32, 3 s windows, 2 rounds")
+                          quick_help="240 JPEGs of 30 classes, B=32, 3 s windows, one round, "
+                                     "the one-process run only before the ranks")
     # A rank process (started by main, not by hand).
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("modes", "split", "prefix"):
@@ -197,7 +198,7 @@ def main(argv=None) -> int:
     if args.worker:
         return worker(args)
     if args.quick:
-        args.batch, args.seconds, args.rounds = 32, 3.0, 2
+        args.batch, args.seconds, args.rounds = 32, 3.0, 1
         args.num_images, args.num_classes = min(args.num_images, 240), min(args.num_classes, 30)
     ranks = [int(w) for w in args.ranks.split(",") if w]
     for w in ranks:
@@ -227,8 +228,9 @@ def main(argv=None) -> int:
         # One process drawing the whole batch, before and after the ranks: the best of both.
         # "choose": one process decoding one class (m images) of each global batch, i.e.
         # about what choosing the batch costs every rank, whatever W.
+        after = [] if args.quick else [(1, ["own", "choose"])]
         for w, modes in ([(1, ["own", "choose"])] + [(w, ["all", "own"]) for w in ranks]
-                         + [(1, ["own", "choose"])]):
+                         + after):
             for phase in run_config(args, split, work, w, modes):
                 print(f"  W={w} {phase['mode']:>3}, round {phase['round'] + 1}: slowest "
                       f"rank {phase['per_rank']:7.1f} images/s of its shard, global batch "

@@ -41,6 +41,7 @@ SUITE = {
                     "--tune_seconds", "30"], False),
     "embed": ([], ["--quick"], False),
     "input_pipeline": ([], ["--quick"], False),
+    "sharded_input": ([], ["--quick"], False),
     "pipeline": ([], ["--quick"], False),
     "data_parallel": ({"gpu": ["--device", "gpu"], "cpu": ["--device", "cpu"]},
                       {"gpu": ["--device", "gpu", "--quick"],

@@ -220,9 +220,9 @@ def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_
 
     indexed = images.enumerate()  # the position i seeds each image's crop and flip
     if num_shards > 1:
-        # Choosing the global batch (records, ids, labels) is cheap and the same on every
-        # rank; decoding is the cost. Each rank cuts its rows out before the decode and
-        # keeps their global positions, so its images are those of the one-rank batch.
+        # Every rank chooses the same global batch (records, ids, labels), which costs a
+        # fraction of decoding it; each then cuts its rows out before the decode and keeps
+        # their global positions, so its images are those of the one-rank batch.
         def own_rows(i, elem):
             labels = elem[2] if sampler is not None else None
             rows = S.shard_rows((i, *elem), labels, num_shards, shard_index,
