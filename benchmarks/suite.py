@@ -51,6 +51,7 @@ SUITE = {
                     "--tune_seconds", "30"], ["--tiny"], False),
     "embed": ([], ["--quick"], ["--tiny"], False),
     "input_pipeline": ([], ["--quick"], ["--tiny"], False),
+    "sharded_input": ([], ["--quick"], ["--tiny"], False),
     "pipeline": ([], ["--quick"], ["--tiny"], False),
     "data_parallel": ({"gpu": ["--device", "gpu"], "cpu": ["--device", "cpu"]},
                       {"gpu": ["--device", "gpu", "--quick"],

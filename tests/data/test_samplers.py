@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 import tfaploss.data as D
+from tfaploss.data import datasets
 from tests.support import miniature as mini
 from tfaploss.data.samplers import shard_batches
 
@@ -124,3 +125,77 @@ def test_shard_batches_split_every_global_batch_into_whole_classes(split):
         next(iter(shard_batches(batch, 2, 0)))
     with pytest.raises(ValueError, match="index must be an int in \\[0, 3\\), got index=3"):
         shard_batches(batch, 3, 3)
+
+
+DECODE_AND_AUGMENT = datasets._augment_fn
+
+
+def counting_augment(monkeypatch, decoded: list):
+    """Makes every dataset built next record, in ``decoded``, the global stream position
+    of each image it decodes (the decode-and-augment function receives it in its seed)."""
+    real = DECODE_AND_AUGMENT
+
+    def make(*args, **kwargs):
+        inner = real(*args, **kwargs)
+
+        def fn(encoded, seed):
+            seen = tf.py_function(lambda i: decoded.append(int(i)) or 0, [seed[1]], tf.int64)
+            with tf.control_dependencies([seen]):
+                return inner(encoded, seed)
+        return fn
+
+    monkeypatch.setattr(datasets, "_augment_fn", make)
+
+
+def per_batch(positions, batch, steps):
+    return [sum(1 for p in positions if p // batch == k) for k in range(steps)]
+
+
+def test_each_rank_decodes_only_its_own_shard(split, monkeypatch):
+    """4 ranks of a global batch of 8 (4 classes x 2) each decode 2 images per batch,
+    the old decode-all route 8; the ranks' shards in order are the one-rank batch,
+    pixels, crops and flips included."""
+    kw = {"batch_size": 8, "m": 2, "image_size": 8, "seed": 3, "with_ids": True,
+          "shuffle_buffer": 8}
+    steps, ranks = 2, 4
+    whole = batches(D.make_train_dataset(split, **kw), steps)
+    decoded = {r: [] for r in range(ranks)}
+    shards = []
+    for r in range(ranks):
+        counting_augment(monkeypatch, decoded[r])
+        shards.append(batches(D.make_train_dataset(split, num_shards=ranks, shard_index=r,
+                                                   **kw), steps))
+    old = []
+    counting_augment(monkeypatch, old)
+    old_shard = batches(shard_batches(D.make_train_dataset(split, **kw), ranks, 1), steps)
+    for r in range(ranks):
+        positions = list(decoded[r])  # prefetching may still add later batches' rows
+        assert per_batch(positions, 8, steps) == [2] * steps
+        assert len(set(positions)) == len(positions)
+        assert {p % 8 // 2 for p in positions} == {r}  # its own rows, of any batch
+    assert per_batch(list(old), 8, steps) == [8] * steps  # decode all, keep a quarter
+    for step, (images, labels, ids) in enumerate(whole):
+        parts = [shard[step] for shard in shards]
+        for _, part_labels, part_ids in parts:
+            assert len(set(check_groups(part_labels, part_ids, 2))) == 1
+        np.testing.assert_array_equal(np.concatenate([p[1] for p in parts]), labels)
+        assert [i for p in parts for i in p[2]] == ids
+        np.testing.assert_array_equal(np.concatenate([p[0] for p in parts]), images)
+        np.testing.assert_array_equal(old_shard[step][0], parts[1][0])
+
+
+def test_shard_arguments_are_checked(split):
+    kw = {"batch_size": 8, "m": 2, "image_size": 8}
+    with pytest.raises(ValueError, match="num_shards=3 must divide the batch of 8 images"):
+        D.make_train_dataset(split, num_shards=3, **kw)
+    with pytest.raises(ValueError, match="num_shards=8 would split a class between two"):
+        D.make_train_dataset(split, num_shards=8, **kw)
+    with pytest.raises(ValueError, match="shard_index must be an int in \\[0, 2\\), got "
+                                         "shard_index=2"):
+        D.make_train_dataset(split, num_shards=2, shard_index=2, **kw)
+    with pytest.raises(ValueError, match="num_shards must be an int >= 1, got num_shards=0"):
+        D.make_train_dataset(split, num_shards=0, **kw)
+    # Plain shuffling is not class-major: shards of any m, no class check.
+    ds = D.make_train_dataset(split, sampler=None, num_shards=8, shard_index=7, **kw)
+    images, labels = next(iter(ds))
+    assert images.shape == (1, 8, 8, 3) and labels.shape == (1,)

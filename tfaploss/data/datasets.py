@@ -109,7 +109,8 @@ def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_
                        crop_scale: tuple[float, float] = (0.16, 1.0), normalize: str | None = None,
                        seed: int = 0, shuffle_buffer: int = 256, num_classes: int | None = None,
                        with_ids: bool = False, flip: bool | None = None,
-                       label_levels: int = 1) -> tf.data.Dataset:
+                       label_levels: int = 1, num_shards: int = 1,
+                       shard_index: int = 0) -> tf.data.Dataset:
     """Endless training batches ``(images float32 [B, S, S, 3], labels int32 [B])``.
 
     Args:
@@ -145,9 +146,26 @@ def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_
             (:class:`~tfaploss.losses.HAPLoss`). The samplers read each class's
             super-class from ``manifest.json``; a class without one gets a super-class
             of its own, which no other class has.
+        num_shards: ranks (processes) sharing each global batch of ``batch_size``
+            images under data parallelism (``torch.distributed``, one process per
+            worker). Every rank draws the same global batches (same ``seed``) and
+            decodes and augments only its own rows, ``shard_index * B / num_shards``
+            up to the next shard's start: whole classes, m images each, so
+            ``B / num_shards`` must be a multiple of m. The shards in rank order are
+            the ``num_shards=1`` batch, pixels, crops and flips included.
+        shard_index: this rank's shard, 0 <= shard_index < num_shards.
 
     Returns:
-        An infinite ``tf.data.Dataset``; use ``steps_per_epoch`` when fitting.
+        An infinite ``tf.data.Dataset`` of ``B / num_shards`` rows per batch; use
+        ``steps_per_epoch`` when fitting.
+
+    Example:
+
+    ```python
+    # rank r of W ranks, each a process of its own
+    ds = make_train_dataset("out/train", batch_size=256, m=4, seed=0,
+                            num_shards=W, shard_index=r)   # 256 / W images per batch
+    ```
     """
     if sampler not in (None, *S.SAMPLERS):
         raise ValueError(f"sampler must be one of {S.SAMPLERS} or None, got {sampler!r}")
@@ -156,6 +174,7 @@ def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_
     if label_levels not in (1, 2):
         raise ValueError(f"label_levels must be 1 (class) or 2 (class, super-class), got "
                          f"{label_levels!r}")
+    S.check_shard_args(num_shards, shard_index, "shard_index")
     A.normalize(tf.zeros([1, 1, 3]), normalize)  # validates `normalize` up front
     manifest = R.read_manifest(path)
     labels = I.label_table(manifest)
@@ -191,6 +210,13 @@ def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_
         if label_levels == 2:
             supers = _super_label_table(manifest)
             images = images.map(lambda e, i, y: (e, i, _levels(y, _lookup(supers, y), 2)))
+    if batch % num_shards:
+        raise ValueError(f"num_shards={num_shards} must divide the batch of {batch} images "
+                         "(batch_size, or the number of classes x m for all_classes)")
+    if sampler is not None and (batch // num_shards) % m:
+        raise ValueError(f"num_shards={num_shards} would split a class between two ranks: "
+                         f"the {batch // num_shards} images of a shard must be a multiple "
+                         f"of m={m}")
     fn = _augment_fn(image_size, augment, crop_scale, normalize, flip)
 
     def load(i, elem):
@@ -198,8 +224,20 @@ def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_
         image_seed = tf.stack([tf.cast(seed, tf.int64) + 7919, i])
         return fn(encoded, image_seed), tf.cast(label, tf.int32), ids
 
-    ds = images.enumerate().map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    ds = ds.batch(batch, drop_remainder=True)
+    indexed = images.enumerate()  # the position i seeds each image's crop and flip
+    if num_shards > 1:
+        # Every rank chooses the same global batch (records, ids, labels), which costs a
+        # fraction of decoding it; each then cuts its rows out before the decode and keeps
+        # their global positions, so its images are those of the one-rank batch.
+        def own_rows(i, elem):
+            labels = elem[2] if sampler is not None else None
+            rows = S.shard_rows((i, *elem), labels, num_shards, shard_index,
+                                caller="make_train_dataset")
+            return rows[0], rows[1:]
+
+        indexed = indexed.batch(batch, drop_remainder=True).map(own_rows).unbatch()
+    ds = indexed.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    ds = ds.batch(batch // num_shards, drop_remainder=True)
     if not with_ids:
         ds = ds.map(lambda x, y, i: (x, y))
     return ds.prefetch(tf.data.AUTOTUNE)

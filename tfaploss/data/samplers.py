@@ -153,6 +153,40 @@ def all_classes(chunks: tf.data.Dataset, num_classes: int, m: int, seed: int = 0
     return groups.batch(num_classes, drop_remainder=True).map(by_label)
 
 
+def check_shard_args(num_shards, index, index_name: str = "index") -> None:
+    """ValueError unless ``num_shards`` is an int >= 1 and ``index`` one in
+    [0, num_shards)."""
+    if not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"num_shards must be an int >= 1, got num_shards={num_shards!r}")
+    if not isinstance(index, int) or not 0 <= index < num_shards:
+        raise ValueError(f"{index_name} must be an int in [0, {num_shards}), got "
+                         f"{index_name}={index!r}")
+
+
+def shard_rows(batch: tuple, labels: tf.Tensor | None, num_shards: int, index: int,
+               caller: str = "shard_batches") -> tuple:
+    """Rows ``index * B / num_shards`` up to the next shard's start of every tensor in
+    ``batch`` (rows first), after checking, at run time, that B is a multiple of
+    ``num_shards`` and, when ``labels`` (class-major (B,) or (B, levels)) is given, that
+    no class straddles two shards."""
+    rows = tf.shape(batch[0])[0]
+    size = rows // num_shards
+    checks = [tf.debugging.assert_equal(rows % num_shards, 0, message=(
+        f"{caller}: batch size not a multiple of num_shards={num_shards}"))]
+    if labels is not None:
+        classes = tf.reshape(labels, [rows, -1])[:, 0]
+        # A class-major batch of distinct classes splits a class exactly where two
+        # neighbouring rows across a shard boundary share a label.
+        starts = tf.range(1, num_shards) * size
+        checks.append(tf.debugging.assert_none_equal(
+            tf.gather(classes, starts - 1), tf.gather(classes, starts), message=(
+                f"{caller}: a class straddles two of the {num_shards} shards; "
+                "B / num_shards must be a multiple of m")))
+    with tf.control_dependencies(checks):
+        start = index * size
+    return tuple(t[start:start + size] for t in batch)
+
+
 def shard_batches(dataset: tf.data.Dataset, num_shards: int, index: int,
                   label_index: int = 1) -> tf.data.Dataset:
     """Shard ``index`` of every class-major batch of ``dataset``, for data parallelism.
@@ -177,32 +211,10 @@ def shard_batches(dataset: tf.data.Dataset, num_shards: int, index: int,
             1 for ``make_train_dataset``'s ``(images, labels[, ids])``, 2 for the
             samplers' ``(encoded, ids, labels)``.
 
-    Cost: each rank reads (and, after ``make_train_dataset``, decodes and augments) the
-    whole global batch and drops the other shards.
+    Cost: each rank gets whole batches and drops the other shards, so after
+    ``make_train_dataset`` every rank decodes and augments the whole global batch.
+    ``make_train_dataset(..., num_shards=W, shard_index=rank)`` gives the same shards
+    and decodes only the rank's own rows.
     """
-    if not isinstance(num_shards, int) or num_shards < 1:
-        raise ValueError(f"num_shards must be an int >= 1, got num_shards={num_shards!r}")
-    if not isinstance(index, int) or not 0 <= index < num_shards:
-        raise ValueError(f"index must be an int in [0, {num_shards}), got index={index!r}")
-
-    def shard(*batch):
-        labels = batch[label_index]
-        rows = tf.shape(labels)[0]
-        size = rows // num_shards
-        classes = tf.reshape(labels, [rows, -1])[:, 0]
-        # A class-major batch of distinct classes splits a class exactly where two
-        # neighbouring rows across a shard boundary share a label.
-        starts = tf.range(1, num_shards) * size
-        checks = [
-            tf.debugging.assert_equal(rows % num_shards, 0, message=(
-                f"shard_batches: batch size not a multiple of num_shards={num_shards}")),
-            tf.debugging.assert_none_equal(
-                tf.gather(classes, starts - 1), tf.gather(classes, starts), message=(
-                    f"shard_batches: a class straddles two of the {num_shards} shards; "
-                    "B / num_shards must be a multiple of m")),
-        ]
-        with tf.control_dependencies(checks):
-            start = index * size
-        return tuple(t[start:start + size] for t in batch)
-
-    return dataset.map(shard)
+    check_shard_args(num_shards, index)
+    return dataset.map(lambda *batch: shard_rows(batch, batch[label_index], num_shards, index))

@@ -99,7 +99,8 @@ class MultiStageModel(_backend_steps(), keras.Model):
 
     Under ``torch.distributed`` (PyTorch backend, an initialised default process group
     of W > 1 ranks) call ``fit`` on every rank with its own shard of each global batch
-    (e.g. :func:`tfaploss.data.samplers.shard_batches`), WITHOUT a
+    (e.g. ``tfaploss.data.make_train_dataset(..., num_shards=W, shard_index=rank)``,
+    which decodes only the rank's rows), WITHOUT a
     DistributedDataParallel wrapper: the step all-gathers the ranks' stage-1
     embeddings, labels and sample weights, ranks the global batch on every rank, and
     averages the parameter gradients over the ranks itself (one all-reduce per step;
