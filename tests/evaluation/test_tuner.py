@@ -488,7 +488,7 @@ def test_report_records_the_timing_noise_and_rounds_fit_the_budget(monkeypatch):
     assert a["spread"] == pytest.approx(1.0) and exact["spread"] == pytest.approx(0.2)
     assert timing["noise"] == {"median_spread": pytest.approx(0.6),
                                "max_spread": pytest.approx(1.0)}
-    assert info["qps"] == pytest.approx(200 / 1.0)
+    assert info["qps"] == pytest.approx(200 / 1.0) and info["speedup"] == pytest.approx(4.0)
     json.dumps(info)  # the report stays JSON-able
     # A budget with room for the walk and one round only: one round is timed.
     durations = {"exact": [4.0] * 5, "A": [1.0] * 5, "B": [9.0] * 5}

@@ -34,12 +34,26 @@ know which of these they got. :func:`tune_searcher` asks for a recall instead:
    expects to be cheaper than it are still tried (a probe may meet the target before
    cheaper settings had their turn), then ``patience`` more (default 2; none with
    ``speed="model"``) in case the cost model misjudged their order; the fastest
-   setting that met the target wins. Then the search stops. It also stops after ``max_settings``
-   settings (default 40) or ``max_seconds`` (default 120 s, builds included).
-5. **Fall back.** If no setting reached the target faster than exact search, the
-   exact searcher is returned and the report says so (a WARNING on this module's
-   logger and ``fell_back: True`` in the returned info): an "approximate" search
-   slower than exact is never worth having.
+   setting that met the target wins (see 5). Then the search stops. It also stops after
+   ``max_settings`` settings (default 40) or ``max_seconds`` (default 120 s, builds
+   included).
+5. **Re-time and choose** (``speed="measure"``). One timing on a busy machine can
+   swap two settings of nearly equal speed, so the fastest settings that met the
+   target (at most 4, whose built indexes were kept) and exact search are timed again
+   in ``timing_rounds`` rounds (default 3), round-robin: each round times exact search
+   and then every finalist once, so a burst of load falls on all of them rather than
+   on every repeat of one. A round only starts when it fits in what is left of
+   ``max_seconds``. A finalist must be faster than exact search by median time;
+   among those whose time range (min-max) overlaps the fastest's, the one with the
+   largest recall margin (lower end of the interval minus the target) wins, then the
+   faster. The report's ``timing`` holds each finalist's and exact search's times,
+   min / median / max and spread ((max - min) / median), and the noise over all of
+   them (median and largest spread).
+6. **Fall back.** If no setting reached the target faster than exact search (by
+   the re-timing's medians when there was one), the exact searcher is returned and
+   the report says so (a WARNING on this module's logger and ``fell_back: True`` in
+   the returned info): an "approximate" search slower than exact is never worth
+   having.
 
 Every setting tried is logged at INFO: the setting, its recall@k on the sample with
 the confidence interval, and its q/s beside exact search's.
@@ -621,17 +635,20 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
         exact.tuning = info
         return exact, info
     qps, setting, entry = best
+    # measured speeds compare medians of the same rounds; the model's, nominal times
+    speedup = (qps * timing["exact"]["median_s"] / len(sample) if timing is not None
+               else qps / exact_qps)
     searcher = built[setting.build_key]
     space.configure(searcher, setting)
     built.clear()
     info.update(backend=searcher.backend, setting=setting.describe(),
                 params=asdict(setting), recall=entry["recall"], recall_ci=entry["recall_ci"],
-                qps=qps, speedup=qps / exact_qps, fell_back=False,
+                qps=qps, speedup=speedup, fell_back=False,
                 reason=(f"fastest setting reaching recall@{k} >= {target_recall:g}"
                         if timing is None else timing["choice"]))
     LOG.info("tuning: chose %s: recall@%d %.4f (95%% CI %.4f-%.4f) on the sample, %.2fx "
              "exact q/s; %d settings tried in %.1f s (%s)", setting.describe(), k,
-             entry["recall"], entry["recall_ci"][0], entry["recall_ci"][1], qps / exact_qps,
+             entry["recall"], entry["recall_ci"][0], entry["recall_ci"][1], speedup,
              len(tried), seconds, stopped)
     searcher.tuning = info
     return searcher, info
