@@ -379,7 +379,9 @@ def _choose(timing, finalists, target_recall, num_queries):
     tied = [p for p in pool if p[1]["min_s"] <= fastest["max_s"]]
     entry, stats = max(tied, key=lambda p: (p[0]["recall_ci"][0], -p[1]["median_s"]))
     timing["choice"] = (
-        f"largest recall margin among the {len(tied)} finalist(s) whose times overlap the "
+        f"fastest by median time of the {len(pool)} finalist(s) faster than exact search"
+        if len(tied) == 1 else
+        f"largest recall margin among the {len(tied)} finalists whose times overlap the "
         f"fastest's (of {len(pool)} faster than exact search by median time)")
     timing["chosen_margin"] = entry["recall_ci"][0] - target_recall
     return num_queries / stats["median_s"], entry["_setting"], entry
