@@ -223,7 +223,7 @@ class ExactSearcher(Searcher):
     _restores = ("exact",)
     _returns_tie_order = True  # both engines order ties by index (see _tf_chunk_topk)
     _DEFAULT_CHUNKS: ClassVar[dict[str, tuple[int, int]]] = {
-        # numpy: 512 query rows per BLAS call; 128 spent ~12 % more CPU on the product
+        # numpy: 512 query rows per BLAS call; 128 spent ~35 % more CPU on the product
         # (300k x 128, k = 100; docs/search.md)
         "numpy": (512, 8192), "tensorflow": (1024, 65536)}
 
