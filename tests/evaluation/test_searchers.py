@@ -167,6 +167,44 @@ def test_blocked_topk_adversarial_order_and_constant_scores():
     np.testing.assert_array_equal(idx, np.tile(np.arange(10), (3, 1)))
 
 
+@pytest.mark.parametrize("case", ["sorted_up", "sorted_down", "ties", "k_is_n", "k_is_1"])
+def test_blocked_topk_adversarial_cases_equal_full_sort(case):
+    from tfaploss.evaluation.exact_search import exact_topk
+
+    # Deferred merges and the folded first-block bound must not change a result:
+    # databases sorted by score (every block beats the last, or none does), heavy ties,
+    # -0.0 against 0.0 (equal in a sort, different bits), k = N and k = 1.
+    rng = np.random.default_rng(3)
+    n, k = 3000, 40
+    q = rng.integers(-2, 3, (9, 3)).astype(np.float32)
+    db = rng.integers(-2, 3, (n, 3)).astype(np.float32)
+    if case in ("sorted_up", "sorted_down"):
+        db = np.linspace(-1.0, 1.0, n, dtype=np.float32)[:, None]
+        db = db if case == "sorted_up" else db[::-1].copy()
+        q = np.array([[1.0], [-1.0], [0.0]], np.float32)
+    k = {"k_is_n": n, "k_is_1": 1}.get(case, k)
+    for threads in (1, 2):
+        scores, idx = exact_topk(q, db, k, query_block=4, database_block=256,
+                                 threads=threads)
+        np.testing.assert_array_equal(idx, _reference(q, db, k))
+        np.testing.assert_array_equal(scores, np.take_along_axis(q @ db.T, idx, 1))
+
+
+def test_sort_keys_order_like_a_stable_sort_by_score_then_index():
+    from tfaploss.evaluation.exact_search import _decode, _sort_keys
+
+    # -0.0 and 0.0 tie (as in a sort), denormals, negatives and infinities keep order.
+    scores = np.array([0.0, -0.0, 1e-45, -1e-45, -np.inf, np.inf, -2.5, 2.5, 0.0, -0.0,
+                       3.4e38, -3.4e38], np.float32)
+    indices = np.arange(len(scores))[::-1].copy()
+    keys = _sort_keys(scores, indices)
+    want = np.lexsort((indices, -scores.astype(np.float64)))
+    np.testing.assert_array_equal(np.argsort(keys), want)
+    got_s, got_i = _decode(np.sort(keys))
+    np.testing.assert_array_equal(got_i, indices[want])
+    np.testing.assert_array_equal(got_s, scores[want])  # -0.0 comes back as 0.0: equal
+
+
 def test_exact_k_larger_than_database_and_exclusion_of_unreturned_index():
     rng = np.random.default_rng(7)
     db, q = _unit(rng, 30, 4), _unit(rng, 6, 4)

@@ -5,6 +5,7 @@ tuner's deterministic cost model (``speed="model"``) or an injected clock, never
 wall time of this (loaded) machine.
 """
 
+import dataclasses
 import json
 import logging
 import math
@@ -16,7 +17,7 @@ from tests.support import needs_scann
 from tfaploss.cli import build_parser
 from tfaploss.config import ConfigError, config_from_dict
 from tfaploss.evaluation import ExactSearcher, ScannSearcher, build_searcher, evaluate
-from tfaploss.evaluation.searchers import load_searcher
+from tfaploss.evaluation.searchers import Searcher, load_searcher
 from tfaploss.evaluation.tuner import (
     candidate_settings,
     estimated_cost,
@@ -328,3 +329,170 @@ def test_unfilled_rows_are_padding_not_neighbours():
 
     m = retrieval_metrics(db, labels, ks=(1, 10), searcher=s)
     assert all(0 <= v <= 1 for v in m.values())
+
+
+# -- Re-timing: a fake backend whose searches take scripted times on a fake clock --------
+
+class _ScriptedClock:
+    """Reads the time without moving it; a fake search moves it by its duration."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@dataclasses.dataclass(frozen=True)
+class _FakeSetting:
+    name: str
+    missing: int  # result columns replaced by non-neighbours: recall = 1 - missing / k
+
+    @property
+    def build_key(self):
+        return self.name
+
+    def describe(self):
+        return self.name
+
+
+class _FakeSearcher(Searcher):
+    """Exact results with ``missing`` columns knocked out; each search takes the next
+    of its scripted durations on the shared clock and is logged by name."""
+
+    backend = "fake"
+    approximate = True
+
+    def __init__(self, database, setting, clock, durations, log):
+        super().__init__(database)
+        self.database, self.setting = database, setting
+        self.clock, self.durations, self.log = clock, durations, log
+
+    def _search(self, queries, k):
+        self.clock.now += self.durations[self.setting.name].pop(0)
+        self.log.append(self.setting.name)
+        idx, scores = ExactSearcher(self.database, engine="numpy")._search(queries, k)
+        if self.setting.missing:
+            idx = idx.copy()
+            idx[:, k - self.setting.missing:] = -1
+        return idx, scores
+
+
+class _FakeSpace:
+    name = "fake"
+
+    def __init__(self, settings, clock, durations, log):
+        self.settings, self.clock, self.durations, self.log = settings, clock, durations, log
+
+    def check(self):
+        pass
+
+    def candidates(self, n, d, k):
+        return list(self.settings)
+
+    def cost(self, setting, n, d, k):
+        return 0.5 * n * d if setting is not None else float(n * d)
+
+    def dominates(self, a, b):
+        return False
+
+    def probe(self, setting):
+        return None
+
+    def build(self, database, setting, k, num_threads):
+        return _FakeSearcher(database, setting, self.clock, self.durations, self.log)
+
+    def configure(self, searcher, setting):
+        searcher.setting = setting
+
+
+def _tune_fake(monkeypatch, durations, settings, target=0.8, **kwargs):
+    """Tune over ``settings`` with scripted search durations (seconds, per search, in
+    call order; "exact" for exact search). Returns (info, the log of searches)."""
+    from tfaploss.evaluation import tuner
+
+    clock, log = _ScriptedClock(), []
+    durations = {name: list(times) for name, times in durations.items()}
+
+    class _SlowExact(ExactSearcher):
+        def _search(self, queries, k):
+            clock.now += durations["exact"].pop(0)
+            log.append("exact")
+            return super()._search(queries, k)
+
+    monkeypatch.setattr(tuner, "ExactSearcher", _SlowExact)
+    monkeypatch.setitem(tuner.SPACES, "fake", _FakeSpace(settings, clock, durations, log))
+    db = _random(0, 400, 8)
+    queries = _random(1, 200, 8)
+    kwargs.setdefault("max_seconds", 1e6)
+    _, info = tune_searcher(db, target, k=10, queries=queries, backend="fake", timer=clock,
+                            patience=5, **kwargs)
+    return info, log
+
+
+# A: recall 1.0 (margin ~0.18 above 0.8 at 200 queries); B: recall 0.9 (margin ~0.05).
+_A, _B = _FakeSetting("A", 0), _FakeSetting("B", 1)
+
+
+def test_retiming_is_round_robin_over_exact_and_the_finalists(monkeypatch):
+    durations = {"exact": [2.0] * 5, "A": [1.0] * 5, "B": [0.5] * 5}
+    info, log = _tune_fake(monkeypatch, durations, [_B, _A])
+    # the walk: exact twice, then each setting twice (warm-up + timed); then three
+    # rounds, each timing every finalist once (fastest first) after exact search
+    assert log[:6] == ["exact", "exact", "B", "B", "A", "A"]
+    assert log[6:] == ["exact", "B", "A"] * 3
+    assert info["timing"]["rounds"] == 3
+    assert [f["setting"] for f in info["timing"]["finalists"]] == ["B", "A"]
+    # B is twice as fast as A and their times do not overlap: speed decides
+    assert info["setting"] == "B"
+
+
+def test_choice_holds_when_noise_reorders_overlapping_timings(monkeypatch):
+    # A and B overlap in time; which is faster by median flips with the noise (A on a
+    # quiet machine, B when A's runs are slowed), the choice does not: A, whose recall
+    # margin above the target is larger. Fastest-by-median would flip from A to B.
+    quiet = {"exact": [5.0] * 5, "A": [1.0, 1.0, 0.90, 0.95, 0.92],
+             "B": [0.9, 0.9, 0.95, 1.05, 1.00]}
+    busy_a = dict(quiet, A=[1.0, 1.0, 1.05, 1.02, 1.04])  # A inflated within B's range
+    choices, faster = [], []
+    for durations in (quiet, busy_a):
+        info, _ = _tune_fake(monkeypatch, durations, [_B, _A])
+        a, b = info["timing"]["finalists"][::-1] if info["timing"]["finalists"][0][
+            "setting"] == "B" else info["timing"]["finalists"]
+        faster.append("A" if a["median_s"] < b["median_s"] else "B")
+        choices.append(info["setting"])
+        assert "largest recall margin" in info["reason"]
+        assert info["timing"]["chosen_margin"] > 0.1
+    assert faster == ["A", "B"] and choices == ["A", "A"]
+
+
+def test_margin_preference_only_among_overlapping_timings(monkeypatch):
+    # B is clearly faster (its slowest run beats A's fastest): speed wins over margin.
+    durations = {"exact": [5.0] * 5, "A": [2.0, 2.0, 2.1, 1.9, 2.0],
+                 "B": [1.0, 1.0, 1.05, 0.95, 1.1]}
+    info, _ = _tune_fake(monkeypatch, durations, [_B, _A])
+    assert info["setting"] == "B" and info["reason"].startswith("fastest by median")
+    a, b = (next(t for t in info["tried"] if t["setting"] == s) for s in "AB")
+    assert a["recall_ci"][0] > b["recall_ci"][0] >= 0.8
+
+
+def test_report_records_the_timing_noise_and_rounds_fit_the_budget(monkeypatch):
+    durations = {"exact": [4.0, 4.0, 4.4, 3.6, 4.0], "A": [1.0, 1.0, 1.5, 1.0, 0.5],
+                 "B": [9.0] * 5}  # B misses the target: never a finalist
+    info, log = _tune_fake(monkeypatch, durations, [_A, _FakeSetting("B", 4)])
+    assert log.count("B") == 2  # timed in the walk only
+    timing = info["timing"]
+    exact, (a,) = timing["exact"], timing["finalists"]
+    assert exact["times_s"] == pytest.approx([4.0, 4.4, 3.6, 4.0])
+    assert a["times_s"] == pytest.approx([1.0, 1.5, 1.0, 0.5])
+    assert (a["min_s"], a["median_s"], a["max_s"]) == pytest.approx((0.5, 1.0, 1.5))
+    assert a["spread"] == pytest.approx(1.0) and exact["spread"] == pytest.approx(0.2)
+    assert timing["noise"] == {"median_spread": pytest.approx(0.6),
+                               "max_spread": pytest.approx(1.0)}
+    assert info["qps"] == pytest.approx(200 / 1.0) and info["speedup"] == pytest.approx(4.0)
+    json.dumps(info)  # the report stays JSON-able
+    # A budget with room for the walk and one round only: one round is timed.
+    durations = {"exact": [4.0] * 5, "A": [1.0] * 5, "B": [9.0] * 5}
+    info, _ = _tune_fake(monkeypatch, durations, [_A, _FakeSetting("B", 4)],
+                         max_seconds=4 * 2 + 2 + 18 + 5.5)
+    assert info["timing"]["rounds"] == 1 and info["seconds"] <= 4 * 2 + 2 + 18 + 5.5

@@ -10,14 +10,22 @@ one comparison:
   query row keeps its running top-k and its k-th best score ``t``. In a new block
   only the scores ``> t`` can enter (an equal score loses: the kept one has a lower
   index), and after the first blocks very few do (about ``k * block / seen``), so
-  the work per score is one compare plus a scan of a nearly empty mask (~0.2 ns).
+  the work per score is one compare plus a scan of a nearly empty mask (~0.3 ns,
+  against ~2 ns of product per score at D = 128 on one core).
 * The first block of a row (``t = -inf``) and any row that lets through more than
-  ``4 k`` candidates (adversarial orders, e.g. a database sorted by score) are cut
-  first by ``np.partition`` to the block's own k best; so a block never costs more
-  than a partition.
-* Candidates are merged with the running top-k by a *stable* sort on the score:
-  the kept entries come first and have lower indices, new ones follow in index
-  order, so ties end up ordered by index without an index key.
+  ``4 k`` candidates (adversarial orders, e.g. a database sorted by score) first get a
+  bound from the block alone: the k-th largest of the maxima of disjoint groups of
+  the row (folded in halves by ``np.maximum``, one pass), which is at most the row's
+  own k-th largest. So a block never costs much more than one pass.
+* Each kept entry is one uint64 key, the score's bits made to sort as integers
+  (descending) above the index (ascending). Keys are unique, so an unstable
+  ``np.partition`` / ``np.sort`` orders ties by index like a stable sort would.
+  Candidates wait in a pending list and are merged by one partition once a row has
+  ``k`` of them (not after every block): the merges cost a few % of the product.
+
+Measured on 300k x 128, k = 100, one thread (CPU time, so a busy machine counts
+less): the compare and ``flatnonzero`` cost 20-25 % of the product at D = 128; the
+bounds, keys and merges 5-8 %. See docs/search.md.
 
 Query blocks (and, when there are too few of them, database shards) run in a
 thread pool with single-threaded BLAS, so the selection runs in parallel too; the
@@ -38,7 +46,8 @@ import numpy as np
 
 QUERY_BLOCK = 512
 DATABASE_BLOCK = 8192  # 512 x 8192: ~8 % faster than 256 x 4096 (larger GEMMs)
-_HEAVY_FACTOR = 4  # a row with more than 4 k candidates in a block is partitioned first
+_HEAVY_FACTOR = 4  # a row with more than 4 k candidates in a block is bounded first
+_MERGE_AFTER = 1  # merge once a row has k pending candidates (0.5-2 k measured alike)
 
 
 def available_threads() -> int:
@@ -80,55 +89,131 @@ def merge_sorted_topk(parts_s, parts_i, k: int):
     return np.take_along_axis(s, order, 1), np.take_along_axis(i, order, 1)
 
 
+_EMPTY = np.uint64(0xFFFF_FFFF_FFFF_FFFF)  # an unfilled slot: sorts after every real key
+_INDEX_MASK = np.uint64(0xFFFF_FFFF)
+MAX_DATABASE = 0xFFFF_FFFF  # indices share a 64-bit key with the score: 32 bits each
+
+
+def _sort_keys(scores: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """uint64 keys whose ascending order is (score descending, index ascending).
+
+    The high half is the float32 score's bits made to sort as unsigned integers, then
+    flipped (descending); the low half is the index. Keys are unique, so an unstable
+    sort, partition or SIMD sort gives the same order as a stable sort by score with
+    ties by index.
+    """
+    bits = (scores + np.float32(0.0)).view(np.uint32)  # + 0: -0.0 and 0.0 tie, as in a sort
+    negative = bits >> np.uint32(31) == 1
+    ascending = np.where(negative, ~bits, bits | np.uint32(0x8000_0000))
+    return ((~ascending).astype(np.uint64) << np.uint64(32)) | indices.astype(np.uint64)
+
+
+def _decode(keys: np.ndarray):
+    """(scores float32, indices int64) of :func:`_sort_keys` keys; unfilled: -inf, -1."""
+    ascending = ~(keys >> np.uint64(32)).astype(np.uint32)
+    negative = ascending >> np.uint32(31) == 0
+    bits = np.where(negative, ~ascending, ascending & np.uint32(0x7FFF_FFFF))
+    scores = bits.view(np.float32)
+    indices = (keys & _INDEX_MASK).astype(np.int64)
+    empty = keys == _EMPTY
+    scores[empty], indices[empty] = -np.inf, -1
+    return scores, indices
+
+
 def _kth_largest_bound(s: np.ndarray, k: int) -> np.ndarray:
-    """Per row, the largest ``x`` with ``s > x`` <=> ``s >=`` the row's k-th largest."""
-    kth = np.partition(s, s.shape[1] - k, axis=1)[:, s.shape[1] - k]
+    """Per row, an ``x`` such that every score ``<= x`` has ``k`` scores of the row
+    strictly above it (so it cannot enter a top-k that already saw the row).
+
+    The k-th largest of the maxima of disjoint groups is at most the row's own k-th
+    largest (k groups hold a score at least that large), and folding the row in halves
+    with ``np.maximum`` costs one pass, against ~6 ns a score for ``np.partition`` of
+    the full row: the bound is a little looser (~10-25 % more candidates in this block).
+    """
+    m = s
+    while m.shape[1] >= 8 * k:
+        half = m.shape[1] // 2  # an odd last column is left out: still a lower bound
+        m = np.maximum(m[:, :half], m[:, half:2 * half])
+    kth = np.partition(m, m.shape[1] - k, axis=1)[:, m.shape[1] - k]
     return np.nextafter(kth, np.float32(-np.inf))
 
 
-def update_topk(best_s: np.ndarray, best_i: np.ndarray, s: np.ndarray, offset: int) -> None:
-    """Fold a score block into a running top-k, in place.
+class _RunningTopk:
+    """The running top-k of query rows over database blocks seen in index order.
 
-    Args:
-      best_s, best_i: (R, k) running top-k, sorted by score (descending), ties by
-        index; unfilled slots hold ``-inf`` / ``-1``. Every index is < ``offset``.
-      s: (R, nb) scores of database rows ``offset .. offset + nb - 1``.
+    Each entry is one uint64 key (:func:`_sort_keys`), so a merge is an unstable
+    ``np.partition`` and ties by index come for free. The candidates of several blocks
+    wait in a pending list and are merged at once when a row holds more than
+    ``merge_after`` of them (or at the end). ``lo`` is a lower bound on what a new
+    score must beat (the k-th best after the last merge, or a block's own bound); it
+    only rises, so a deferred merge admits a few more candidates but never loses one.
     """
-    rows_n, nb = s.shape
-    k = best_s.shape[1]
-    lo = best_s[:, -1].copy()  # a new score must be > lo to enter
-    if nb > k:
-        unfilled = np.flatnonzero(lo == -np.inf)
-        if unfilled.size:
-            lo[unfilled] = _kth_largest_bound(s[unfilled], k)
-    flat = s.reshape(-1)
-    pos = np.flatnonzero(s > lo[:, None])
-    if pos.size == 0:
-        return
-    rows = pos // nb
-    counts = np.bincount(rows, minlength=rows_n)
-    if nb > k:
-        heavy = np.flatnonzero(counts > _HEAVY_FACTOR * k)
-        if heavy.size:
-            lo[heavy] = np.maximum(lo[heavy], _kth_largest_bound(s[heavy], k))
-            keep = flat[pos] > lo[rows]
-            pos, rows = pos[keep], rows[keep]
-            counts = np.bincount(rows, minlength=rows_n)
-    active = np.flatnonzero(counts)
-    slot = np.zeros(rows_n, np.int64)
-    slot[active] = np.arange(active.size)
-    starts = np.cumsum(counts) - counts
-    col = k + np.arange(pos.size) - starts[rows]
-    width = k + int(counts.max())
-    cand_s = np.full((active.size, width), -np.inf, np.float32)
-    cand_i = np.full((active.size, width), -1, np.int64)
-    cand_s[:, :k] = best_s[active]
-    cand_i[:, :k] = best_i[active]
-    cand_s[slot[rows], col] = flat[pos]
-    cand_i[slot[rows], col] = offset + pos % nb
-    order = np.argsort(-cand_s, axis=1, kind="stable")[:, :k]
-    best_s[active] = np.take_along_axis(cand_s, order, 1)
-    best_i[active] = np.take_along_axis(cand_i, order, 1)
+
+    def __init__(self, rows: int, k: int, merge_after: int):
+        self.k = k
+        self.merge_after = merge_after
+        self.keys = np.full((rows, k), _EMPTY, np.uint64)
+        self.lo = np.full(rows, -np.inf, np.float32)
+        self.pending: list[tuple[np.ndarray, np.ndarray]] = []  # (rows, keys)
+        self.pending_count = np.zeros(rows, np.int64)
+
+    def add(self, s: np.ndarray, offset: int) -> None:
+        """Fold the scores ``s`` (R, nb) of database rows ``offset ..`` in."""
+        rows_n, nb = s.shape
+        k, lo = self.k, self.lo
+        if nb > k:
+            unfilled = np.flatnonzero(lo == -np.inf)
+            if unfilled.size:
+                lo[unfilled] = _kth_largest_bound(s[unfilled], k)
+        pos = np.flatnonzero(s > lo[:, None])  # one compare a score: most of the cost
+        if pos.size == 0:
+            return
+        rows = pos // nb
+        counts = np.bincount(rows, minlength=rows_n)
+        flat = s.reshape(-1)
+        if nb > k:
+            # Adversarial orders (e.g. a database sorted by score): a row that lets
+            # through many candidates is cut to about its k best in this block first.
+            heavy = np.flatnonzero(counts > _HEAVY_FACTOR * k)
+            if heavy.size:
+                lo[heavy] = np.maximum(lo[heavy], _kth_largest_bound(s[heavy], k))
+                keep = flat[pos] > lo[rows]
+                pos, rows = pos[keep], rows[keep]
+                counts = np.bincount(rows, minlength=rows_n)
+        self.pending.append((rows, _sort_keys(flat[pos], offset + pos % nb)))
+        self.pending_count += counts
+        if self.pending_count.max() > self.merge_after:
+            self.merge()
+
+    def merge(self) -> None:
+        """Merge the pending candidates into the kept top-k."""
+        if not self.pending:
+            return
+        k, counts = self.k, self.pending_count
+        if len(self.pending) == 1:
+            rows, keys = self.pending[0]
+        else:
+            rows, keys = (np.concatenate(p) for p in zip(*self.pending))
+            by_row = np.argsort(rows)  # any order within a row: keys are unique
+            rows, keys = rows[by_row], keys[by_row]
+        self.pending = []
+        active = np.flatnonzero(counts)
+        slot = np.zeros(len(counts), np.int64)
+        slot[active] = np.arange(active.size)
+        starts = np.cumsum(counts) - counts
+        col = k + np.arange(rows.size) - starts[rows]
+        cand = np.full((active.size, k + int(counts.max())), _EMPTY, np.uint64)
+        cand[:, :k] = self.keys[active]
+        cand[slot[rows], col] = keys
+        cand.partition(k - 1, axis=1)
+        self.keys[active] = cand[:, :k]
+        kth, _ = _decode(cand[:, k - 1])
+        self.lo[active] = np.maximum(self.lo[active], kth)
+        counts[:] = 0
+
+    def result(self):
+        """(scores, indices), (R, k), best first, ties by index."""
+        self.merge()
+        return _decode(np.sort(self.keys, axis=1))
 
 
 def _product(q: np.ndarray, block: np.ndarray, buffer: np.ndarray) -> np.ndarray:
@@ -136,14 +221,13 @@ def _product(q: np.ndarray, block: np.ndarray, buffer: np.ndarray) -> np.ndarray
     return np.matmul(q, block.T, out=out)
 
 
-def _topk_range(q, database, k, start, stop, database_block):
-    best_s = np.full((q.shape[0], k), -np.inf, np.float32)
-    best_i = np.full((q.shape[0], k), -1, np.int64)
-    buffer = np.empty((q.shape[0], min(database_block, stop - start)), np.float32)
+def _topk_range(q, database, k, start, stop, database_block, merge_after=None):
+    block = min(database_block, stop - start)
+    top = _RunningTopk(q.shape[0], k, _MERGE_AFTER * k if merge_after is None else merge_after)
+    buffer = np.empty((q.shape[0], block), np.float32)
     for d0 in range(start, stop, database_block):
-        s = _product(q, database[d0:min(d0 + database_block, stop)], buffer)
-        update_topk(best_s, best_i, s, d0)
-    return best_s, best_i
+        top.add(_product(q, database[d0:min(d0 + database_block, stop)], buffer), d0)
+    return top.result()
 
 
 def _plan(num_queries: int, size: int, query_block: int, threads: int):
@@ -175,6 +259,9 @@ def exact_topk(queries: np.ndarray, database: np.ndarray, k: int, *,
     Cost: ``Q N D`` multiply-adds (BLAS) plus about one comparison per score;
     memory ``threads x query_block x database_block`` floats.
     """
+    if len(database) >= MAX_DATABASE:
+        raise ValueError(f"`database` must have fewer than {MAX_DATABASE} rows for exact "
+                         f"search; received {len(database)}.")
     threads = threads or available_threads()
     tasks, shards = _plan(len(queries), len(database), query_block, threads)
     results = _run(tasks, lambda t: _topk_range(queries[t[0]:t[1]], database, k, t[2], t[3],

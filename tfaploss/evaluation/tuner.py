@@ -34,12 +34,26 @@ know which of these they got. :func:`tune_searcher` asks for a recall instead:
    expects to be cheaper than it are still tried (a probe may meet the target before
    cheaper settings had their turn), then ``patience`` more (default 2; none with
    ``speed="model"``) in case the cost model misjudged their order; the fastest
-   setting that met the target wins. Then the search stops. It also stops after ``max_settings``
-   settings (default 40) or ``max_seconds`` (default 120 s, builds included).
-5. **Fall back.** If no setting reached the target faster than exact search, the
-   exact searcher is returned and the report says so (a WARNING on this module's
-   logger and ``fell_back: True`` in the returned info): an "approximate" search
-   slower than exact is never worth having.
+   setting that met the target wins (see 5). Then the search stops. It also stops after
+   ``max_settings`` settings (default 40) or ``max_seconds`` (default 120 s, builds
+   included).
+5. **Re-time and choose** (``speed="measure"``). One timing on a busy machine can
+   swap two settings of nearly equal speed, so the fastest settings that met the
+   target (at most 4, whose built indexes were kept) and exact search are timed again
+   in ``timing_rounds`` rounds (default 3), round-robin: each round times exact search
+   and then every finalist once, so a burst of load falls on all of them rather than
+   on every repeat of one. A round only starts when it fits in what is left of
+   ``max_seconds``. A finalist must be faster than exact search by median time;
+   among those whose time range (min-max) overlaps the fastest's, the one with the
+   largest recall margin (lower end of the interval minus the target) wins, then the
+   faster. The report's ``timing`` holds each finalist's and exact search's times,
+   min / median / max and spread ((max - min) / median), and the noise over all of
+   them (median and largest spread).
+6. **Fall back.** If no setting reached the target faster than exact search (by
+   the re-timing's medians when there was one), the exact searcher is returned and
+   the report says so (a WARNING on this module's logger and ``fell_back: True`` in
+   the returned info): an "approximate" search slower than exact is never worth
+   having.
 
 Every setting tried is logged at INFO: the setting, its recall@k on the sample with
 the confidence interval, and its q/s beside exact search's.
@@ -108,6 +122,7 @@ _MODEL_UNIT_SECONDS = 1e-10  # the nominal time of one unit when speed="model"
 _MIN_TREE_POINTS = 2_000     # below this a partition does not pay
 _MIN_POINTS_PER_LEAF = 16
 _MAX_BUILDS_KEPT = 4         # built indexes kept for later settings (LRU, the best kept)
+_MAX_FINALISTS = 4           # settings that met the target re-timed against each other
 
 
 @dataclass(frozen=True)
@@ -304,6 +319,74 @@ def _timed(timer: Callable[[], float], fn):
     return out, max(timer() - t0, 1e-9)
 
 
+def _time_stats(name: str, times: list[float]) -> dict[str, Any]:
+    mid = float(np.median(times))
+    return {"setting": name, "times_s": [float(t) for t in times], "min_s": float(min(times)),
+            "median_s": mid, "max_s": float(max(times)),
+            "spread": float((max(times) - min(times)) / mid) if mid > 0 else 0.0}
+
+
+def _retime(tried, built, space, exact, t_exact, sample, k, exclude, timer, start,
+            max_seconds, rounds):
+    """Time exact search and the finalists again, round-robin, while the budget lasts.
+
+    The finalists are the fastest settings that met the target (at most
+    ``_MAX_FINALISTS``, whose builds were kept). One round times each of them and exact
+    search once, in turn, so a burst of load on the machine falls on all of them
+    rather than on every repeat of one. Returns (the report's ``timing`` dict, the
+    finalists' entries in the order of ``timing["finalists"]``).
+    """
+    finalists = sorted((e for e in tried if e["met"] and e["_setting"].build_key in built),
+                       key=lambda e: -e["qps"])[:_MAX_FINALISTS]
+    exact_times = [t_exact]
+    players = [(None, exact, exact_times)] + [
+        (e["_setting"], built[e["_setting"].build_key], e["_times"]) for e in finalists]
+    done = 0
+    for _ in range(rounds if finalists else 0):
+        expected = sum(float(np.median(times)) for _, _, times in players)
+        if timer() - start + expected > max_seconds:
+            break
+        for setting, searcher, times in players:
+            if setting is not None:
+                space.configure(searcher, setting)
+            times.append(_timed(timer, lambda s=searcher: s.search(sample, k,
+                                                                   exclude=exclude))[1])
+        done += 1
+    stats = [_time_stats(e["setting"], e["_times"]) for e in finalists]
+    spreads = [s["spread"] for s in [_time_stats("exact", exact_times), *stats]]
+    timing = {
+        "rounds": done, "order": "round-robin: exact search, then each finalist, once a round",
+        "exact": _time_stats("exact", exact_times), "finalists": stats,
+        # max-min over median of one setting's times: how much the machine moved them
+        "noise": {"median_spread": float(np.median(spreads)),
+                  "max_spread": float(max(spreads))} if done else None,
+    }
+    return timing, finalists
+
+
+def _choose(timing, finalists, target_recall, num_queries):
+    """The finalist to keep: among those faster than exact search (by median time),
+    the ones whose time range overlaps the fastest's cannot be told apart by speed on
+    this machine, so the one with the largest recall margin above the target wins
+    (then the faster). Returns ``(qps, setting, entry)`` or ``None``."""
+    exact_median = timing["exact"]["median_s"]
+    pool = [(e, s) for e, s in zip(finalists, timing["finalists"])
+            if s["median_s"] < exact_median]
+    if not pool:
+        timing["choice"] = "no finalist faster than exact search by median time"
+        return None
+    _, fastest = min(pool, key=lambda p: p[1]["median_s"])
+    tied = [p for p in pool if p[1]["min_s"] <= fastest["max_s"]]
+    entry, stats = max(tied, key=lambda p: (p[0]["recall_ci"][0], -p[1]["median_s"]))
+    timing["choice"] = (
+        f"fastest by median time of the {len(pool)} finalist(s) faster than exact search"
+        if len(tied) == 1 else
+        f"largest recall margin among the {len(tied)} finalists whose times overlap the "
+        f"fastest's (of {len(pool)} faster than exact search by median time)")
+    timing["chosen_margin"] = entry["recall_ci"][0] - target_recall
+    return num_queries / stats["median_s"], entry["_setting"], entry
+
+
 def measure_recall(searcher: Searcher, database, k: int, queries=None,
                    sample_size: int = 1000, seed: int = 0) -> dict[str, Any]:
     """Recall@k of ``searcher`` against exact search on a sample (see the module doc)."""
@@ -362,7 +445,8 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
                   sample_size: int = 1000, max_settings: int = 40, max_seconds: float = 120.0,
                   patience: int = 2, speed: str = "measure",
                   timer: Callable[[], float] = time.perf_counter, num_threads: int = 0,
-                  seed: int = 0, backend: str = "scann") -> tuple[Searcher, dict[str, Any]]:
+                  seed: int = 0, backend: str = "scann",
+                  timing_rounds: int = 3) -> tuple[Searcher, dict[str, Any]]:
     """The fastest ScaNN (or faiss) searcher whose recall@k on a sample reaches
     ``target_recall``, or the exact searcher when none beats exact search (see the
     module doc).
@@ -382,6 +466,9 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
       num_threads: ScaNN or faiss threads (0: the library's default).
       seed: the sample's seed.
       backend: ``"scann"`` or ``"faiss"``: whose settings are searched (:data:`SPACES`).
+      timing_rounds: rounds of re-timing after the search (``speed="measure"``): each
+        round times exact search and every finalist once, round-robin; a round is only
+        started when it fits in what is left of ``max_seconds``.
 
     Returns:
       ``(searcher, info)``; ``info`` is also ``searcher.tuning``.
@@ -394,6 +481,8 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
     if backend not in SPACES:
         raise ValueError(f"`backend` must be one of {tuple(SPACES)}; received {backend!r}.")
     space = SPACES[backend]
+    if not isinstance(timing_rounds, (int, np.integer)) or timing_rounds < 0:
+        raise ValueError(f"`timing_rounds` must be an integer >= 0; received {timing_rounds!r}.")
     for name, v in (("sample_size", sample_size), ("max_settings", max_settings)):
         if not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"`{name}` must be a positive integer; received {v!r}.")
@@ -446,7 +535,12 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
             space.configure(searcher, setting)
         built[setting.build_key] = searcher  # most recently used last
         keep = None if best is None else best[1].build_key
-        for key in [key for key in built if key not in (keep, setting.build_key)]:
+        # Evict the least recently used first, but the builds of settings that reached
+        # the recall last (their finalists are re-timed at the end), the slowest first.
+        reached_keys = {e["_setting"].build_key: e["qps"] for e in tried if e["_reached"]}
+        order = sorted((key for key in built if key not in (keep, setting.build_key)),
+                       key=lambda key: (key in reached_keys, reached_keys.get(key, 0.0)))
+        for key in order:
             if len(built) <= _MAX_BUILDS_KEPT:
                 break
             del built[key]  # memory: a brute-force tree holds a copy of the database
@@ -464,7 +558,8 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
         entry = {"setting": setting.describe(), "params": asdict(setting),
                  "recall": recall, "recall_ci": ci,
                  "qps": qps, "speedup": qps / exact_qps, "met": met,
-                 "estimated_cost": cost(setting) / exact_units}
+                 "estimated_cost": cost(setting) / exact_units,
+                 "_setting": setting, "_reached": ci[0] >= target_recall, "_times": [t]}
         tried.append(entry)
         LOG.info("  [%d] %s: recall@%d %.4f (95%% CI %.4f-%.4f), %.0f q/s (%.2fx exact)%s",
                  len(tried), entry["setting"], k, recall, ci[0], ci[1], qps,
@@ -507,6 +602,20 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
     else:
         if best is not None:
             stopped = "target met"
+    timing = None
+    if speed == "measure":
+        timing, finalists = _retime(tried, built, space, exact, t_exact, sample, k, exclude,
+                                    timer, start, max_seconds, timing_rounds)
+        best = _choose(timing, finalists, target_recall, len(sample))
+        LOG.info("tuning: %d round(s) of re-timing over exact search and %d finalist(s); "
+                 "timing spread (max-min)/median: %s", timing["rounds"], len(finalists),
+                 "n/a" if timing["noise"] is None else
+                 f"median {timing['noise']['median_spread']:.2f}, "
+                 f"max {timing['noise']['max_spread']:.2f}")
+    for entry in tried:
+        entry.pop("_setting")
+        entry.pop("_reached")
+        entry.pop("_times")
     seconds = timer() - start
     info: dict[str, Any] = {
         "tuned": True, "target_recall": float(target_recall), "k": k,
@@ -516,6 +625,8 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
         "max_seconds": float(max_seconds), "seconds": seconds, "stopped": stopped,
         "tried": tried,
     }
+    if timing is not None:
+        info["timing"] = timing
     if best is None:
         reason = (f"no {space.name} setting reached recall@{k} >= {target_recall:g} faster than "
                   f"exact search ({len(tried)} tried, stopped: {stopped})")
@@ -526,16 +637,20 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
         exact.tuning = info
         return exact, info
     qps, setting, entry = best
+    # measured speeds compare medians of the same rounds; the model's, nominal times
+    speedup = (qps * timing["exact"]["median_s"] / len(sample) if timing is not None
+               else qps / exact_qps)
     searcher = built[setting.build_key]
     space.configure(searcher, setting)
     built.clear()
     info.update(backend=searcher.backend, setting=setting.describe(),
                 params=asdict(setting), recall=entry["recall"], recall_ci=entry["recall_ci"],
-                qps=qps, speedup=qps / exact_qps, fell_back=False,
-                reason=f"fastest setting reaching recall@{k} >= {target_recall:g}")
+                qps=qps, speedup=speedup, fell_back=False,
+                reason=(f"fastest setting reaching recall@{k} >= {target_recall:g}"
+                        if timing is None else timing["choice"]))
     LOG.info("tuning: chose %s: recall@%d %.4f (95%% CI %.4f-%.4f) on the sample, %.2fx "
              "exact q/s; %d settings tried in %.1f s (%s)", setting.describe(), k,
-             entry["recall"], entry["recall_ci"][0], entry["recall_ci"][1], qps / exact_qps,
+             entry["recall"], entry["recall_ci"][0], entry["recall_ci"][1], speedup,
              len(tried), seconds, stopped)
     searcher.tuning = info
     return searcher, info
