@@ -291,6 +291,7 @@ def test_evaluate_prints_the_table_and_writes_json(trained_run, workspace, tmp_p
         assert metrics[key] == pytest.approx(summary["final_metrics"][key], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_export_writes_a_servable_savedmodel(trained_run, workspace, tmp_path):
     import keras
     import tensorflow as tf
@@ -353,6 +354,7 @@ def test_evaluate_progress_bar_knows_its_total_and_quiet_silences_it(
     assert "recall@1" in quiet  # the table is still there
 
 
+@pytest.mark.slow
 def test_untrained_baseline_is_the_model_train_starts_from(workspace, tmp_path, capsys):
     """`evaluate --config` gives the metrics of the model `train` starts from: a run
     whose updates are too small to change a float32 weight ends where it started."""

@@ -60,6 +60,7 @@ def test_the_scan_finds_a_print():
     assert sorted(_prints(tree)) == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_importing_configures_no_logging():
     """Importing the library (and the jobs' shared modules) installs no root handler and
     sets no level; the tfaploss logger only has its NullHandler."""

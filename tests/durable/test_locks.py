@@ -208,6 +208,7 @@ def _job(module, argv):
                           text=True, timeout=300, check=False)
 
 
+@pytest.mark.slow
 def test_a_second_job_on_one_output_is_refused_then_takes_over_a_stale_lock(tmp_path):
     from pipelines import folder
     from tests.support import miniature as mini

@@ -150,6 +150,7 @@ def test_triplet_and_contrastive_match_tf_addons_definitions(mining):
     np.testing.assert_allclose(grad, fd, rtol=0, atol=max(1e-6, GRAD_RTOL) * np.abs(fd).max())
 
 
+@pytest.mark.slow
 def test_other_backends_never_import_tensorflow():
     """On JAX and PyTorch the losses and ops are keras.ops only: a fresh process (this one
     also holds the TensorFlow-only test modules) computes every golden case's value and

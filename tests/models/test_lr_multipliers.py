@@ -65,6 +65,7 @@ def _fit_deltas(optimizer, seed=0):
     return {v.path: v.numpy() - before[v.path] for v in model.trainable_variables}
 
 
+@pytest.mark.slow
 def test_compiled_fit_with_adam_scales_the_learning_rate_not_the_gradient():
     # Adam is invariant to a gradient's scale: a k-times larger head step proves that
     # the learning rate is scaled.
@@ -118,6 +119,7 @@ def _per_sample_loss(y_true, y_pred):
     return y_pred[:, 0] + tf.reduce_sum(y_pred[:, 1:] ** 2, axis=1)
 
 
+@pytest.mark.slow
 def test_mirrored_strategy_two_replicas(two_replica_strategy):
     strategy = two_replica_strategy
     x = _data()

@@ -237,6 +237,7 @@ def test_rerun_writes_the_same_bytes(fonts, run, tmp_path):
         assert after[path] == before[path], path
 
 
+@pytest.mark.slow
 def test_jitter_is_deterministic_per_seed_and_differs_across_seeds(fonts, tmp_path):
     kw = {"scale": 0.15, "shift": 0.04, "stroke": 1.0}
     a = G.jitter(0, SANS, 0x41, **kw)

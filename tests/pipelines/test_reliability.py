@@ -68,6 +68,7 @@ def test_annotation_jobs_refuse_unsafe_relative_paths():
 # --------------------------------------------------------- item 11.8: deterministic shards
 
 
+@pytest.mark.slow
 def test_shards_are_deterministic_and_never_empty(tmp_path):
     tree = mini.make_folder(str(tmp_path / "tree"))
     args = ["--input_dir", tree.root, "--records_per_shard", "4", "--class_chunk_size", "2",
@@ -108,6 +109,7 @@ def test_shards_are_deterministic_and_never_empty(tmp_path):
 # ------------------------------------------------------------ item 11.6: killed reruns
 
 
+@pytest.mark.slow
 def test_rerun_killed_midway_leaves_the_previous_dataset_intact(tmp_path):
     tree = mini.make_folder(str(tmp_path / "tree"))
     out = str(tmp_path / "out")
@@ -253,6 +255,7 @@ def test_already_split_tree_is_refused_or_split(tmp_path):
 # ------------------------------------------------------------- item 14.7: quiet output
 
 
+@pytest.mark.slow
 def test_a_job_prints_a_few_lines_of_its_own(tmp_path):
     tree = mini.make_folder(str(tmp_path / "tree"))
     done = _job("folder", ["--input_dir", tree.root, "--output_dir", str(tmp_path / "out"),

@@ -209,6 +209,7 @@ def test_results_a_runner_drops_fail_the_job_publishing_nothing(inputs, dask_clu
 
 
 @pytest.mark.parametrize("job", list(JOBS))
+@pytest.mark.slow
 def test_portable_runner_writes_what_the_direct_runner_writes(job, inputs, direct,
                                                               setups_here, tmp_path):
     before = len(setups_here)

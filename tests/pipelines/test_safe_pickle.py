@@ -493,6 +493,7 @@ def test_new_limits_are_enforced():
             safe_loads(data, limits=limits)
 
 
+@pytest.mark.slow
 def test_refusals_are_value_errors_not_recursion_or_memory_errors():
     """Even with the depth bound lifted, nesting ends in a ValueError."""
     deep = b"\x80\x02" + b"]" * 30_000 + b"a" * 29_999 + b"."

@@ -26,6 +26,7 @@ ARGS = ["--max_failure_fraction", "0.5", "--records_per_shard", "4",
         "--direct_running_mode", "in_memory"]
 
 
+@pytest.mark.slow
 def test_a_killed_worker_ends_the_job_cleanly_naming_the_shard(tmp_path):
     """The job as a user runs it: one error line, exit 1, nothing written."""
     tree = mini.make_folder(str(tmp_path / "tree"))
@@ -51,6 +52,7 @@ def test_a_killed_worker_ends_the_job_cleanly_naming_the_shard(tmp_path):
     assert mini.processes_running_with(out) == []
 
 
+@pytest.mark.slow
 def test_a_killed_worker_keeps_the_previous_dataset(tmp_path):
     """In this process (the workers are forked from it, with the fault armed): the
     previous version of the split stays, byte for byte."""

@@ -132,6 +132,7 @@ def test_train_catches_a_truncated_copy_before_the_first_step(workspace, tmp_pat
     assert not (tmp_path / "run" / "backup").exists()
 
 
+@pytest.mark.slow
 def test_a_damaged_record_mid_run_stops_with_one_message(workspace, tmp_path, capsys):
     """--verify-data off: nothing checks before the run; the reader's DataLossError is
     found, named and turned into exit 2."""
@@ -151,6 +152,7 @@ def test_a_damaged_record_mid_run_stops_with_one_message(workspace, tmp_path, ca
     assert "checking the training data" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_skip_damaged_shards_trains_on_the_rest_and_says_so(workspace, tmp_path, capsys):
     _, config = workspace
     split, shards = _copy(workspace, tmp_path)

@@ -374,6 +374,7 @@ def test_multistage_step_equals_plain_step(loss_name, chunk_size):
 
 
 @pytest.mark.tensorflow
+@pytest.mark.slow
 def test_graph_mode_step_equals_plain_step_batch_not_divisible():
     initial, expected, plain_logs = reference("smooth_ap")
     images, labels = make_batch(BATCH_TF)
