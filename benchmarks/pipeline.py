@@ -28,8 +28,20 @@
 Prints a table and writes ``benchmarks/results/pipeline.json``; its figures are the rows
 measured beside the floor, with their ratio.
 
+With ``--sizes`` (e.g. ``600,2400,20000``) it measures instead what a user waits for: the
+job as a whole process (``python -m pipelines.folder``: interpreter, imports, start-up,
+finish), its defaults against ``--peers`` (Beam's ``multi_processing:2`` unless told),
+at each size, for ``--rounds`` rounds. The trees hard-link ``--unique_images`` generated
+JPEGs, so 20,000 images cost the generation of 1,000. Before each job run the floor
+runs on ``--floor_images`` of the same images, and the order of the modes rotates from
+round to round; each cell gives images/s, its ratio to that floor and the load average,
+and the table ends with the job's CPU-seconds per image (all its processes) beside the
+floor's, a figure a busy machine distorts less.
+
     python benchmarks/pipeline.py --num_images 600
     python benchmarks/pipeline.py --quick       # 120 images, one round, no extra modes
+    python benchmarks/pipeline.py --sizes 600,2400,20000 --workdir /tmp/folder_bench
+    python benchmarks/pipeline.py --sizes 600,2400 --quick  # 120 images at most, one round
 """
 
 from __future__ import annotations
@@ -210,28 +222,35 @@ def mode_args(mode: str) -> list[str]:
     if mode in MODES:
         return MODES[mode]
     name, _, workers = mode.partition(":")
+    if name == "batch" and workers.isdigit():
+        return ["--images_per_batch", workers]
     if name != "multi_processing":
-        raise ValueError(f"--peers: unknown mode {mode!r}; one of {sorted(MODES)} or "
-                         "multi_processing:N")
+        raise ValueError(f"--peers: unknown mode {mode!r}; one of {sorted(MODES)}, "
+                         "multi_processing:N or batch:N (--images_per_batch N)")
     return ["--direct_running_mode", name, "--direct_num_workers", workers or "2"]
 
 
-def job_subprocess(root: str, out: str, max_side: int, extra: list[str]) -> tuple[float, int]:
-    """(images/s, images) of ``python -m pipelines.folder``, its wall time including the
-    interpreter, imports and start-up."""
+def job_subprocess(root: str, out: str, max_side: int,
+                   extra: list[str]) -> tuple[float, int, float]:
+    """(images/s, images, CPU-seconds) of ``python -m pipelines.folder``: its wall time
+    includes the interpreter, imports and start-up; its CPU time, every process it
+    started (image processes, Beam's workers)."""
     shutil.rmtree(out, ignore_errors=True)
+    c = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pipelines.folder", "--input_dir", root,
                            "--output_dir", out, "--max_side", str(max_side), *extra],
                           cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
                           capture_output=True, text=True)
     wall = time.perf_counter() - t
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = r.ru_utime + r.ru_stime - c.ru_utime - c.ru_stime
     if done.returncode:
         raise SystemExit(f"the folder job failed ({' '.join(extra) or 'defaults'}):\n"
                          f"{done.stderr[-3000:]}")
     n = int(done.stdout.split()[1])
     shutil.rmtree(out, ignore_errors=True)
-    return n / wall, n
+    return n / wall, n, cpu
 
 
 def sizes_table(args, work: str) -> tuple[list[dict], list[dict]]:
@@ -258,17 +277,19 @@ def sizes_table(args, work: str) -> tuple[list[dict], list[dict]]:
             order = modes[k % len(modes):] + modes[:k % len(modes)]
             for mode in order:
                 load = os.getloadavg()[0]
-                floor_rate, _ = floor(files, args.max_side)
+                floor_rate, floor_cpu = floor(files, args.max_side)
                 print(f"round {k + 1}/{args.rounds}, {n} images, {mode}...", flush=True)
-                rate, done = job_subprocess(trees[n], os.path.join(work, "out"),
+                rate, done, cpu = job_subprocess(trees[n], os.path.join(work, "out"),
                                             args.max_side, mode_args(mode))
                 if done != n:
                     raise SystemExit(f"{mode} wrote {done} of {n} images")
                 rows.append({"round": k + 1, "images": n, "mode": mode, "rate": rate,
                              "floor": floor_rate, "ratio": rate / floor_rate,
-                             "load_average": load})
+                             "load_average": load, "cpu_ms_per_image": 1000 * cpu / n,
+                             "floor_cpu_ms_per_image": 1000 * floor_cpu})
                 print(f"  {rate:7.1f} images/s, floor {floor_rate:6.1f}, "
-                      f"x{rate / floor_rate:.2f}, load {load:.1f}", flush=True)
+                      f"x{rate / floor_rate:.2f}, load {load:.1f}; CPU per image "
+                      f"{1000 * cpu / n:.1f} ms (floor {1000 * floor_cpu:.1f} ms)", flush=True)
     figures = []
     for n in sizes:
         for mode in modes:
@@ -288,16 +309,19 @@ def print_sizes(rows: list[dict], max_side: int) -> None:
     print(f"\n800x600 JPEGs -> --max_side {max_side}, {os.cpu_count()} CPUs; each cell: "
           "images/s (x one-core floor measured just before, load average)")
     rounds = sorted({r["round"] for r in rows})
-    print("| images | mode | " + " | ".join(f"round {k}" for k in rounds) + " | x floor |")
-    print("|---|---|" + "---|" * len(rounds) + "---|")
+    print("| images | mode | " + " | ".join(f"round {k}" for k in rounds) +
+          " | x floor | CPU ms/image (floor) |")
+    print("|---|---|" + "---|" * len(rounds) + "---|---|")
     for n in sorted({r["images"] for r in rows}):
         for mode in dict.fromkeys(r["mode"] for r in rows):
             mine = {r["round"]: r for r in rows if r["images"] == n and r["mode"] == mode}
             cells = [f"{mine[k]['rate']:.0f} ({mine[k]['ratio']:.2f}, "
                      f"{mine[k]['load_average']:.1f})" if k in mine else "-" for k in rounds]
             ratios = [r["ratio"] for r in mine.values()]
+            cpu = statistics.median(r["cpu_ms_per_image"] for r in mine.values())
+            floor_cpu = statistics.median(r["floor_cpu_ms_per_image"] for r in mine.values())
             print(f"| {n:,} | {mode} | " + " | ".join(cells) +
-                  f" | {min(ratios):.2f}–{max(ratios):.2f} |")
+                  f" | {min(ratios):.2f}–{max(ratios):.2f} | {cpu:.1f} ({floor_cpu:.1f}) |")
 
 
 def input_pipeline(split_dir: str, batch_size: int, m: int, batches: int) -> float:
@@ -337,7 +361,7 @@ def main(argv=None) -> int:
                         "default against --peers, each beside the floor")
     p.add_argument("--peers", default="multi_processing:2",
                    help="with --sizes: the modes the default is compared with "
-                        "(multi_processing:N, in_memory, threads)")
+                        "(multi_processing:N, batch:N, in_memory, threads)")
     p.add_argument("--unique_images", type=int, default=1000,
                    help="with --sizes: distinct generated images; the trees hard-link them")
     p.add_argument("--floor_images", type=int, default=600,
