@@ -54,10 +54,8 @@ from pipelines import tf_example as X
 from tfaploss.durable import faults
 
 # The fewest images one task holds when it goes to a process pool. A batch is cut into
-# one task per process: the pool's feeder thread hands a process its next task only
-# when it is scheduled, and on a busy machine that waits tens of milliseconds, which
-# tasks of 4 images (20 ms of work) turned into idle processes (benchmarks/pipeline.py
-# --sizes; docs/benchmarks.md).
+# one task per process, not into tasks of 4: each task is a hand-off through the pool's
+# feeder thread, which a busy machine schedules late.
 PROCESS_TASK_IMAGES = 4
 
 
