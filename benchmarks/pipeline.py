@@ -40,7 +40,7 @@ floor's, a figure a busy machine distorts less.
 
     python benchmarks/pipeline.py --num_images 600
     python benchmarks/pipeline.py --quick       # 120 images, one round, no extra modes
-    python benchmarks/pipeline.py --sizes 600,2400,20000 --workdir /tmp/folder_bench
+    python benchmarks/pipeline.py --sizes 600,2400,20000 --workdir folder_bench
     python benchmarks/pipeline.py --sizes 600,2400 --quick  # 120 images at most, one round
 """
 
