@@ -28,8 +28,20 @@
 Prints a table and writes ``benchmarks/results/pipeline.json``; its figures are the rows
 measured beside the floor, with their ratio.
 
+With ``--sizes`` (e.g. ``600,2400,20000``) it measures instead what a user waits for: the
+job as a whole process (``python -m pipelines.folder``: interpreter, imports, start-up,
+finish), its defaults against ``--peers`` (Beam's ``multi_processing:2`` unless told),
+at each size, for ``--rounds`` rounds. The trees hard-link ``--unique_images`` generated
+JPEGs, so 20,000 images cost the generation of 1,000. Before each job run the floor
+runs on ``--floor_images`` of the same images, and the order of the modes rotates from
+round to round; each cell gives images/s, its ratio to that floor and the load average,
+and the table ends with the job's CPU-seconds per image (all its processes) beside the
+floor's, a figure a busy machine distorts less.
+
     python benchmarks/pipeline.py --num_images 600
     python benchmarks/pipeline.py --quick       # 120 images, one round, no extra modes
+    python benchmarks/pipeline.py --sizes 600,2400,20000 --workdir folder_bench
+    python benchmarks/pipeline.py --sizes 600,2400 --quick  # 120 images at most, one round
 """
 
 from __future__ import annotations
@@ -74,6 +86,37 @@ def generate(root: str, num_images: int, num_classes: int, size=(800, 600)) -> N
                                      quality=90)
         if (i + 1) % 250 == 0:
             print(f"  generated {i + 1}/{num_images}", flush=True)
+
+
+def generate_sizes(work: str, sizes: list[int], num_classes: int, unique: int) -> dict:
+    """One class-per-folder tree per size under ``work``, of hard links to ``unique``
+    generated JPEGs (image ``i`` is unique image ``i % unique``): 20,000 images cost the
+    generation of 1,000 and their page cache, and every tree holds distinct file names.
+    Returns ``{size: tree}``; trees already there are reused."""
+    pool = os.path.join(work, "unique")
+    unique = min(unique, max(sizes))
+    if not os.path.isdir(pool):
+        print(f"generating {unique} 800x600 JPEGs in {pool}", flush=True)
+        generate(pool + ".tmp", unique, 1)
+        os.replace(pool + ".tmp", pool)
+    sources = _files(pool)
+    trees = {}
+    for n in sizes:
+        tree = trees[n] = os.path.join(work, f"tree{n}")
+        if os.path.isdir(tree):
+            continue
+        tmp = tree + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        for i in range(n):
+            folder_ = os.path.join(tmp, f"class{i % num_classes:03d}")
+            os.makedirs(folder_, exist_ok=True)
+            target = os.path.join(folder_, f"{i:06d}.jpg")
+            try:
+                os.link(sources[i % len(sources)], target)
+            except OSError:  # a file system without hard links
+                shutil.copyfile(sources[i % len(sources)], target)
+        os.replace(tmp, tree)
+    return trees
 
 
 def _files(root: str) -> list[str]:
@@ -166,6 +209,121 @@ def job_cli(root: str, out: str, max_side: int) -> tuple[float, int]:
     return n / wall, n
 
 
+MODES = {
+    "default": [],
+    "in_memory": ["--direct_running_mode", "in_memory", "--direct_num_workers", "1"],
+    "threads": ["--image_processes", "1"],
+}
+
+
+def mode_args(mode: str) -> list[str]:
+    """The job's extra arguments for ``mode``: a name of :data:`MODES`, or
+    ``multi_processing:N`` (Beam's own mode, N workers)."""
+    if mode in MODES:
+        return MODES[mode]
+    name, _, workers = mode.partition(":")
+    if name == "batch" and workers.isdigit():
+        return ["--images_per_batch", workers]
+    if name != "multi_processing":
+        raise ValueError(f"--peers: unknown mode {mode!r}; one of {sorted(MODES)}, "
+                         "multi_processing:N or batch:N (--images_per_batch N)")
+    return ["--direct_running_mode", name, "--direct_num_workers", workers or "2"]
+
+
+def job_subprocess(root: str, out: str, max_side: int,
+                   extra: list[str]) -> tuple[float, int, float]:
+    """(images/s, images, CPU-seconds) of ``python -m pipelines.folder``: its wall time
+    includes the interpreter, imports and start-up; its CPU time, every process it
+    started (image processes, Beam's workers)."""
+    shutil.rmtree(out, ignore_errors=True)
+    c = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "pipelines.folder", "--input_dir", root,
+                           "--output_dir", out, "--max_side", str(max_side), *extra],
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = r.ru_utime + r.ru_stime - c.ru_utime - c.ru_stime
+    if done.returncode:
+        raise SystemExit(f"the folder job failed ({' '.join(extra) or 'defaults'}):\n"
+                         f"{done.stderr[-3000:]}")
+    n = int(done.stdout.split()[1])
+    shutil.rmtree(out, ignore_errors=True)
+    return n / wall, n, cpu
+
+
+def sizes_table(args, work: str) -> tuple[list[dict], list[dict]]:
+    """The job's default against ``--peers`` at each of ``--sizes``, whole processes
+    (start-up included), beside the one-core floor measured just before each job run.
+
+    Each round visits every size; within a size the floor runs first, then the modes in
+    an order that rotates from round to round, so no mode always runs on the warmest or
+    the coldest minute. Returns (rows, figures).
+    """
+    sizes = [int(n) for n in args.sizes.split(",") if n.strip()]
+    modes = ["default", *filter(None, args.peers.split(","))]
+    for mode in modes:
+        mode_args(mode)  # a bad name fails before the long part
+    trees = generate_sizes(work, sizes, args.num_classes, args.unique_images)
+    for tree in trees.values():
+        for path in _files(tree):  # page cache
+            with open(path, "rb") as f:
+                f.read()
+    rows = []
+    for k in range(args.rounds):
+        for n in sizes:
+            files = _files(trees[n])[:args.floor_images]
+            order = modes[k % len(modes):] + modes[:k % len(modes)]
+            for mode in order:
+                load = os.getloadavg()[0]
+                floor_rate, floor_cpu = floor(files, args.max_side)
+                print(f"round {k + 1}/{args.rounds}, {n} images, {mode}...", flush=True)
+                rate, done, cpu = job_subprocess(trees[n], os.path.join(work, "out"),
+                                            args.max_side, mode_args(mode))
+                if done != n:
+                    raise SystemExit(f"{mode} wrote {done} of {n} images")
+                rows.append({"round": k + 1, "images": n, "mode": mode, "rate": rate,
+                             "floor": floor_rate, "ratio": rate / floor_rate,
+                             "load_average": load, "cpu_ms_per_image": 1000 * cpu / n,
+                             "floor_cpu_ms_per_image": 1000 * floor_cpu})
+                print(f"  {rate:7.1f} images/s, floor {floor_rate:6.1f}, "
+                      f"x{rate / floor_rate:.2f}, load {load:.1f}; CPU per image "
+                      f"{1000 * cpu / n:.1f} ms (floor {1000 * floor_cpu:.1f} ms)", flush=True)
+    figures = []
+    for n in sizes:
+        for mode in modes:
+            mine = [r for r in rows if r["images"] == n and r["mode"] == mode]
+            ratio = statistics.median(r["ratio"] for r in mine)
+            floor_rate = statistics.median(r["floor"] for r in mine)
+            figures.append(harness.figure(
+                "pipeline", f"folder job, {mode}, {n} images, whole process", ratio * floor_rate,
+                "images/s", floor=floor_rate, higher_is_better=True,
+                floor_name="one core, bare PIL loop"))
+    return rows, figures
+
+
+def print_sizes(rows: list[dict], max_side: int) -> None:
+    """The sizes table in Markdown: per size and mode, each round's images/s, its ratio
+    to that round's floor and the load average, then the range of the ratios."""
+    print(f"\n800x600 JPEGs -> --max_side {max_side}, {os.cpu_count()} CPUs; each cell: "
+          "images/s (x one-core floor measured just before, load average)")
+    rounds = sorted({r["round"] for r in rows})
+    print("| images | mode | " + " | ".join(f"round {k}" for k in rounds) +
+          " | x floor | CPU ms/image (floor) |")
+    print("|---|---|" + "---|" * len(rounds) + "---|---|")
+    for n in sorted({r["images"] for r in rows}):
+        for mode in dict.fromkeys(r["mode"] for r in rows):
+            mine = {r["round"]: r for r in rows if r["images"] == n and r["mode"] == mode}
+            cells = [f"{mine[k]['rate']:.0f} ({mine[k]['ratio']:.2f}, "
+                     f"{mine[k]['load_average']:.1f})" if k in mine else "-" for k in rounds]
+            ratios = [r["ratio"] for r in mine.values()]
+            cpu = statistics.median(r["cpu_ms_per_image"] for r in mine.values())
+            floor_cpu = statistics.median(r["floor_cpu_ms_per_image"] for r in mine.values())
+            print(f"| {n:,} | {mode} | " + " | ".join(cells) +
+                  f" | {min(ratios):.2f}–{max(ratios):.2f} | {cpu:.1f} ({floor_cpu:.1f}) |")
+
+
 def input_pipeline(split_dir: str, batch_size: int, m: int, batches: int) -> float:
     import tfaploss.data as D
 
@@ -197,12 +355,25 @@ def main(argv=None) -> int:
     p.add_argument("--m", type=int, default=4)
     p.add_argument("--batches", type=int, default=30)
     p.add_argument("--workdir", default=None, help="keep generated data here")
+    p.add_argument("--sizes", default="",
+                   help="instead of the rounds above: the job as a whole process (start-up "
+                        "included) at each of these image counts, e.g. 600,2400,20000, "
+                        "default against --peers, each beside the floor")
+    p.add_argument("--peers", default="multi_processing:2",
+                   help="with --sizes: the modes the default is compared with "
+                        "(multi_processing:N, batch:N, in_memory, threads)")
+    p.add_argument("--unique_images", type=int, default=1000,
+                   help="with --sizes: distinct generated images; the trees hard-link them")
+    p.add_argument("--floor_images", type=int, default=600,
+                   help="with --sizes: images of the floor loop before each job run")
     harness.add_arguments(p, harness.RESULTS_DIR / "pipeline.json",
                           quick_help="120 images, one round, no extra --modes",
                           tiny_help="24 images in batches of 4, one round, no extra --modes")
     p.add_argument("--images_per_batch", type=int, default=None,
                    help="the job's --images_per_batch (default: the job's own)")
     args = p.parse_args(argv)
+    if args.sizes:
+        return main_sizes(args)
     if args.quick or args.tiny:
         cap_images, cap_classes = (24, 4) if args.tiny else (120, 20)
         args.num_images = min(args.num_images, cap_images)
@@ -305,6 +476,21 @@ def main(argv=None) -> int:
                           rows=[{"measurement": n, "value": v, "unit": u,
                                  "ratio_to_floor": (v / b if b else None)}
                                 for n, v, u, b in rows])
+    return 0
+
+
+def main_sizes(args) -> int:
+    if args.quick:
+        args.sizes = ",".join(str(min(int(n), 120)) for n in args.sizes.split(","))
+        args.rounds, args.unique_images, args.floor_images = 1, 60, 60
+    work = args.workdir or tempfile.mkdtemp(prefix="tfaploss_bench_")
+    try:
+        rows, figures = sizes_table(args, work)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    print_sizes(rows, args.max_side)
+    harness.write_results(args.out, "pipeline", args, figures, rows=rows)
     return 0
 
 

@@ -53,9 +53,9 @@ from pipelines import storage
 from pipelines import tf_example as X
 from tfaploss.durable import faults
 
-# How many images one task holds when it goes to a process pool: small enough that the
-# last tasks of a run keep every process busy, large enough that the per-task cost
-# (pickling the records, one part file) stays below 1 % of the image work.
+# The fewest images one task holds when it goes to a process pool. A batch is cut into
+# one task per process, not into tasks of 4: each task is a hand-off through the pool's
+# feeder thread, which a busy machine schedules late.
 PROCESS_TASK_IMAGES = 4
 
 
@@ -174,6 +174,7 @@ class _Pool:
 
     def __init__(self, processes: int):
         ctx = multiprocessing.get_context("fork")
+        self.processes = processes
         self.board = ctx.Array(ctypes.c_char, processes * _SLOT, lock=False)
         self.next_slot = ctx.Value(ctypes.c_int, 0)
         self.executor = ProcessPoolExecutor(
@@ -322,6 +323,12 @@ def local_pool(token: str | None) -> ProcessPoolExecutor | None:
     as in Beam's multi-process mode or on a remote worker)."""
     pool = _LOCAL_POOLS.get(token) if token else None
     return pool.executor if pool is not None else None
+
+
+def local_pool_size(token: str | None) -> int:
+    """How many processes the pool ``token`` has (0: no pool in this process)."""
+    pool = _LOCAL_POOLS.get(token) if token else None
+    return pool.processes if pool is not None else 0
 
 
 def stop_local_pool(token: str | None, forget: bool = True) -> None:

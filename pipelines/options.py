@@ -31,6 +31,14 @@ _BEAM_EPILOG = (
 )
 
 
+# Images per Beam element. With local image processes a batch is one wake-up of the
+# Beam thread that feeds them: 128 beat 32 in each of 6 rounds (600 and 2,400 images,
+# docs/benchmarks.md). Elsewhere a batch is the unit a remote runner spreads over its
+# workers, so it stays small.
+BATCH = 32
+LOCAL_POOL_BATCH = 128
+
+
 def build_parser(description: str, *, input_dir_required: bool = True) -> argparse.ArgumentParser:
     """Return a parser holding the options every job shares."""
     parser = argparse.ArgumentParser(
@@ -62,9 +70,11 @@ def build_parser(description: str, *, input_dir_required: bool = True) -> argpar
     parser.add_argument("--class_chunk_size", type=int, default=32,
                         help="most images per by_class record; larger classes are split into "
                              "balanced chunks of at least half this size (keep it >= 2 m)")
-    parser.add_argument("--images_per_batch", type=int, default=32,
+    parser.add_argument("--images_per_batch", type=int, default=0,
                         help="images handed to a worker as one Beam element (Beam's "
-                             "per-element cost is paid per batch, not per image)")
+                             "per-element cost is paid per batch, not per image); 0: "
+                             f"{LOCAL_POOL_BATCH} when the image work runs in local image "
+                             f"processes, {BATCH} elsewhere")
     parser.add_argument("--image_processes", type=int, default=0,
                         help="on the local DirectRunner (in-memory mode): processes forked "
                              "for the image work; 0: one per core; 1: none, the image work "
@@ -114,8 +124,9 @@ def _validate(args) -> None:
     for name in ("image_threads", "image_processes"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
-    for name in ("records_per_shard", "class_chunk_size", "min_side", "max_pixels",
-                 "images_per_batch"):
+    if args.images_per_batch < 0:
+        raise ValueError(f"--images_per_batch must be >= 0, got {args.images_per_batch}")
+    for name in ("records_per_shard", "class_chunk_size", "min_side", "max_pixels"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if not 0.0 <= args.max_failure_fraction <= 1.0:

@@ -50,6 +50,7 @@ from pipelines import console, storage
 from pipelines import image_workers as W
 from pipelines import layout as L
 from pipelines import manifests as M
+from pipelines import options as opts
 from pipelines.console import LAST_TIMING, describe_manifests, main_wrapper
 from pipelines.manifests import SCHEMA_VERSION, IncompleteRunError, TooManyFailuresError
 from pipelines.plan import (
@@ -159,7 +160,10 @@ def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):
     root = None
     if getattr(args, "input_dir", None) and not storage.is_url(args.input_dir):
         root = os.path.realpath(args.input_dir)
-    per_batch = args.images_per_batch
+    threads = image_threads(args, options)
+    processes = image_processes(args, options)
+    per_batch = args.images_per_batch or (opts.LOCAL_POOL_BATCH if processes > 1
+                                          else opts.BATCH)
     layouts = {plan.name: L.layout(args, plan) for plan in plans}
     chunks = []
     for plan in plans:
@@ -169,8 +173,6 @@ def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):
                                         layouts[plan.name], per_batch, root)
         console.log_plan(job, plan.name, plan.num_records_hint or len(plan.records),
                          len(plan.failures), len(plan.ignored))
-    threads = image_threads(args, options)
-    processes = image_processes(args, options)
     settings = {k: getattr(args, k) for k in ("max_side", "jpeg_quality", "min_side",
                                                "max_pixels")}
     report_path = join(work, "report.jsonl")

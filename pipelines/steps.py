@@ -79,7 +79,8 @@ class ProcessBatchDoFn(_PooledDoFn):
 
     def setup(self):
         super().setup()
-        self.task_images = W.PROCESS_TASK_IMAGES if self.processes else None
+        self.workers = W.local_pool_size(self.pool_token) if self.processes else self.threads
+        self.task_images = W.PROCESS_TASK_IMAGES if self.processes else 1
         self.fault_after = faults.threshold("images")  # crash tests only; 0: never
         self.progress = console.Progress("images processed")
 
@@ -90,7 +91,7 @@ class ProcessBatchDoFn(_PooledDoFn):
         # Tasks are submitted as batches come and emitted emit_lag (2) batches behind, so
         # the workers never wait for the slowest image of a batch before starting the next.
         records = batch["records"]
-        size = self.task_images or max(1, math.ceil(len(records) / self.threads))
+        size = max(self.task_images, math.ceil(len(records) / self.workers))
         tasks = [records[i:i + size] for i in range(0, len(records), size)]
         paths = [W.part_path(self.parts_dir, batch["split"], t) for t in tasks]
         where = {k: batch[k] for k in ("split", "shard", "num_shards")}

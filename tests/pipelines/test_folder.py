@@ -150,3 +150,17 @@ def test_argument_errors_name_the_argument(tree, tmp_path):
         folder.run(["--input_dir", tree.root, "--output_dir", str(tmp_path),
                     "--jpeg_quality", "0"])
     assert "--test_classes" in folder.parser().format_help()
+
+
+def test_the_job_does_not_load_tensorflow():
+    # TensorFlow took seconds of every job's start-up (through tfaploss.data's package
+    # imports) for nothing the job uses.
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import sys, pipelines.folder, pipelines.runner, tfaploss.data.integrity; "
+            "print(sorted(m for m in ('tensorflow', 'keras') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True,
+                          text=True, check=True, env={**os.environ, "PYTHONPATH": repo})
+    assert done.stdout.split("\n")[-2] == "[]", done.stdout

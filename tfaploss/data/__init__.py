@@ -9,17 +9,32 @@ Images are float32 raw pixels in [0, 255] by default, because the models carry t
 own preprocessing; pass ``normalize="imagenet"`` for (x / 255 - mean) / std.
 """
 
-from tfaploss.data.augment import (
-    DEFAULT_CROP_FRACTION,
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    center_crop,
-    normalize,
-    random_resized_crop,
-)
-from tfaploss.data.datasets import make_eval_dataset, make_train_dataset
-from tfaploss.data.records import decode_rgb, load_split, read_manifest, split_files
-from tfaploss.data.samplers import SAMPLERS
+import importlib
+
+# Each public name and the submodule that defines it, imported on first use: the Beam
+# jobs import tfaploss.data.integrity (manifest checksums), and an eager import here
+# would load TensorFlow into every job, seconds of start-up for nothing.
+_HOME = {
+    "DEFAULT_CROP_FRACTION": "augment", "IMAGENET_MEAN": "augment", "IMAGENET_STD": "augment",
+    "center_crop": "augment", "normalize": "augment", "random_resized_crop": "augment",
+    "make_eval_dataset": "datasets", "make_train_dataset": "datasets",
+    "decode_rgb": "records", "load_split": "records", "read_manifest": "records",
+    "split_files": "records", "SAMPLERS": "samplers",
+}
+
+
+def __getattr__(name: str):
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'tfaploss.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"tfaploss.data.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted({*globals(), *_HOME})
+
 
 __all__ = [
     "DEFAULT_CROP_FRACTION", "IMAGENET_MEAN", "IMAGENET_STD", "SAMPLERS", "center_crop",
