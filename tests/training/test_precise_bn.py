@@ -65,3 +65,28 @@ def test_bad_precise_bn_images_is_refused():
         _cfg(precise_bn_images=-1)
     with pytest.raises(ConfigError, match="bn_calibration_images"):
         _cfg(freeze_bn=False, bn_calibration_images=8)
+
+
+@pytest.mark.parametrize("split_images, asked, expected", [
+    (10, 4096, 12),   # one pass over a small split, rounded up to whole groups of 4
+    (10, 8, 8),       # fewer asked than the split holds: what was asked
+    (400, 4096, 400),
+])
+def test_precise_bn_reads_at_most_one_pass_over_the_split(tmp_path, monkeypatch,
+                                                          split_images, asked, expected):
+    from tests.support import miniature as mini
+    from tfaploss.run import build
+
+    mini.write_split_records(str(tmp_path / "train"), {0: split_images // 2,
+                                                       1: split_images - split_images // 2},
+                             size=(8, 8))
+    cfg = config_from_dict({
+        "data": {"train": str(tmp_path / "train"), "batch_size": 4, "m": 2,
+                 "image_size": 8, "augmentation": {"crop": "center_crop"}},
+        "model": {"backbone": "small_cnn", "weights": None, "precise_bn_images": asked}},
+        warn=False)
+    seen = []
+    monkeypatch.setattr(build, "estimate_batch_norm_statistics",
+                        lambda model, groups: seen.extend(int(g.shape[0]) for g in groups))
+    build.precise_batch_norm(None, cfg)
+    assert sum(seen) == expected and set(seen) <= {4}

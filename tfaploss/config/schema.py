@@ -164,7 +164,8 @@ class ModelConfig:
     get their moving statistics re-estimated on this many training images ("precise
     BN", Wu & Johnson 2021), so that the saved model normalises as it trained; the
     running averages lag far behind a network trained for a few hundred steps (on the
-    glyph set, MAP@R 49 with them, 72 after re-estimation). 0 keeps them.
+    glyph set, MAP@R 49 with them, 72 after re-estimation). At most one pass over the
+    training split (its manifest's ``num_images``). 0 keeps them.
     """
 
     backbone: Backbone | str = "resnet50"
