@@ -111,12 +111,12 @@ def best_time(fn, repeats):
     return harness.time_calls(fn, repeats, warmup=0).min
 
 
-def product_floor(queries, db, repeats):
-    """Seconds of the bare product queries @ db.T: best of one call (when its output
-    fits in 1.5 GB) and of row tiles written into a reused buffer (BLAS threads)."""
-    times = []
+def product_variants(queries, db):
+    """The bare product queries @ db.T, as callables: one call (when its output fits in
+    1.5 GB) and row tiles written into a reused buffer (BLAS threads)."""
+    variants = []
     if len(queries) * len(db) * 4 <= 1.5e9:
-        times.append(best_time(lambda: queries @ db.T, repeats))
+        variants.append(lambda: queries @ db.T)
     for rows in (8192, 65536):
         buf = np.empty((len(queries), rows), np.float32)
 
@@ -126,8 +126,13 @@ def product_floor(queries, db, repeats):
                 out = buf.reshape(-1)[:len(queries) * len(block)].reshape(len(queries), -1)
                 np.matmul(queries, block.T, out=out)
 
-        times.append(best_time(tiles, repeats))
-    return min(times)
+        variants.append(tiles)
+    return variants
+
+
+def product_floor(queries, db, repeats):
+    """Seconds of the bare product: the best of :func:`product_variants`."""
+    return min(best_time(fn, repeats) for fn in product_variants(queries, db))
 
 
 def recall(found, reference):
@@ -174,18 +179,7 @@ def bench_exact(table, label, db, queries, args):
     without the time lost waiting for a core."""
     exact = ExactSearcher(db)
     exact.search(queries[:8], args.k)  # warm-up (thread pool)
-    variants = []
-    if len(queries) * len(db) * 4 <= 1.5e9:
-        variants.append(lambda: queries @ db.T)
-    for rows in (8192, 65536):
-        buf = np.empty((len(queries), rows), np.float32)
-
-        def tiles(rows=rows, buf=buf):
-            for d0 in range(0, len(db), rows):
-                block = db[d0:d0 + rows]
-                out = buf.reshape(-1)[:len(queries) * len(block)].reshape(len(queries), -1)
-                np.matmul(queries, block.T, out=out)
-        variants.append(tiles)
+    variants = product_variants(queries, db)
     wall = {"floor": np.inf, "exact": np.inf}
     cpu = dict(wall)
     for _ in range(max(args.repeats, 1)):
