@@ -149,16 +149,21 @@ class RunBackup:
     def index_path(self) -> Path:
         return self.directory / INDEX_NAME
 
-    def checkpoints(self) -> dict[int, Path]:
-        """Complete-named checkpoint files, by epoch (newest last)."""
+    def _files(self, pattern, key) -> dict:
+        """The files of the folder whose names match ``pattern``, by ``key(match)``,
+        sorted by key."""
         if not self.directory.is_dir():
             return {}
         found = {}
         for entry in self.directory.iterdir():
-            match = _CHECKPOINT_RE.match(entry.name)
+            match = pattern.match(entry.name)
             if match and entry.is_file():
-                found[int(match.group(1))] = entry
+                found[key(match)] = entry
         return dict(sorted(found.items()))
+
+    def checkpoints(self) -> dict[int, Path]:
+        """Complete-named checkpoint files, by epoch (newest last)."""
+        return self._files(_CHECKPOINT_RE, lambda m: int(m.group(1)))
 
     def exists(self) -> bool:
         return self.directory.is_dir()
@@ -184,8 +189,8 @@ class RunBackup:
         return path
 
     def expected_bytes(self, model=None) -> int | None:
-        """What the next checkpoint will take: the newest one's size x 1.2 (the same
-        variables; HDF5's overhead varies a little); before the first, ``model``'s
+        """What the next checkpoint will take: the largest one's size x 1.2 + 4 KB (the
+        same variables; HDF5's overhead varies a little); before the first, ``model``'s
         weights x 1.2 + 4 KB per variable (HDF5's per-dataset headers), else None."""
         sizes = [p.stat().st_size for p in [*self.checkpoints().values(),
                                             *self.steps().values()]]
@@ -207,14 +212,7 @@ class RunBackup:
 
     def steps(self) -> dict[tuple[int, int], Path]:
         """Step checkpoint files, by (epoch in progress, batches done), newest last."""
-        if not self.directory.is_dir():
-            return {}
-        found = {}
-        for entry in self.directory.iterdir():
-            match = _STEP_RE.match(entry.name)
-            if match and entry.is_file():
-                found[int(match.group(1)), int(match.group(2))] = entry
-        return dict(sorted(found.items()))
+        return self._files(_STEP_RE, lambda m: (int(m.group(1)), int(m.group(2))))
 
     def _remove_steps(self, keep: Path | None = None) -> list[str]:
         removed = []
