@@ -83,7 +83,8 @@ def worker(args) -> int:
             return fn
         return make
 
-    kw = dict(batch_size=args.batch, m=args.m, image_size=args.image_size, seed=args.seed)
+    kw = {"batch_size": args.batch, "m": args.m, "image_size": args.image_size,
+          "seed": args.seed}
     w, r = args.num_shards, args.shard_index
     modes = args.modes.split(",")
     iters, decoded = {}, {}

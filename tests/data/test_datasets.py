@@ -79,3 +79,16 @@ def test_plain_shuffled_batches_without_sampler(split):
                    for i, label in zip(ids.numpy(), labels.numpy()))
     assert sorted(set(seen)) == sorted(f"{k}/{n}" for k, c in ((0, 3), (1, 4), (2, 2))
                                        for n in range(c))
+
+
+def test_the_lazily_loaded_names_are_the_public_ones():
+    """tfaploss.data loads each public name from its module on first use: the table of
+    homes and the literal __all__ (for static tools) name the same set, and each home
+    defines its name."""
+    import importlib
+
+    from tfaploss import data
+
+    assert set(data._HOME) == set(data.__all__)
+    for name, home in data._HOME.items():
+        assert hasattr(importlib.import_module(f"tfaploss.data.{home}"), name), name

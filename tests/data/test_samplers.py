@@ -5,8 +5,8 @@ import pytest
 import tensorflow as tf
 
 import tfaploss.data as D
-from tfaploss.data import datasets
 from tests.support import miniature as mini
+from tfaploss.data import datasets
 from tfaploss.data.samplers import shard_batches
 
 
