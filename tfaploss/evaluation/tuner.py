@@ -353,10 +353,11 @@ def _retime(tried, built, space, exact, t_exact, sample, k, exclude, timer, star
                                                                    exclude=exclude))[1])
         done += 1
     stats = [_time_stats(e["setting"], e["_times"]) for e in finalists]
-    spreads = [s["spread"] for s in [_time_stats("exact", exact_times), *stats]]
+    exact_stats = _time_stats("exact", exact_times)
+    spreads = [s["spread"] for s in [exact_stats, *stats]]
     timing = {
         "rounds": done, "order": "round-robin: exact search, then each finalist, once a round",
-        "exact": _time_stats("exact", exact_times), "finalists": stats,
+        "exact": exact_stats, "finalists": stats,
         # max-min over median of one setting's times: how much the machine moved them
         "noise": {"median_spread": float(np.median(spreads)),
                   "max_spread": float(max(spreads))} if done else None,
