@@ -6,10 +6,11 @@ No TensorFlow here (its import costs seconds): local paths use ``os``, URLs
 
 A job writes a new version of each output folder into a staging folder beside it and
 calls :func:`publish` only when the records, dead letters and manifest are all there.
-Locally, publish exchanges the two folders in one ``renameat2(RENAME_EXCHANGE)`` call
-(Linux); elsewhere it renames the old folder aside, renames the new one in and then
-deletes the old one, and :func:`recover` (run at the start of every job) puts the old
-one back if a crash fell between the two renames. On object stores, where folders
+Locally, publish is :func:`tfaploss.durable.atomic.replace_folder`: the two folders are
+exchanged in one ``renameat2(RENAME_EXCHANGE)`` call (Linux), or elsewhere the old one
+is renamed aside, the new one renamed in and the old one deleted, and :func:`recover`
+(run at the start of every job) puts the old one back if a crash fell between the two
+renames. On object stores, where folders
 cannot be renamed, the old manifest is deleted first and the new one written last, so
 a manifest never describes records that are not there.
 
@@ -25,7 +26,6 @@ Fault points (:mod:`tfaploss.durable.faults`): ``publish``, between the two rena
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -167,11 +167,6 @@ def remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _previous(final: str) -> str:
-    parent, base = os.path.split(final.rstrip("/"))
-    return os.path.join(parent, f".{base}.previous")
-
-
 def check_owned(folder: str, marker_keys=("job", "format")) -> None:
     """Refuse to replace ``folder`` unless it is absent, empty, or was written by one of
     these jobs (its ``manifest.json`` says so): a mistyped output path must not wipe a
@@ -194,47 +189,16 @@ def check_owned(folder: str, marker_keys=("job", "format")) -> None:
 
 def recover(final: str) -> None:
     """Undo a publish that was killed between its two renames (local folders)."""
-    if is_url(final):
-        return
-    previous = _previous(final)
-    if os.path.exists(previous):
-        if os.path.exists(final):
-            shutil.rmtree(previous)
-        else:
-            os.rename(previous, final)
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
-    if faults.requested("publish"):
-        return False  # the crash test exercises the two-rename path
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    ok = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
-    return ok
+    if not is_url(final):
+        atomic.recover_folder(final)
 
 
 def publish(staged: str, final: str) -> None:
     """Replace the folder ``final`` by the complete folder ``staged`` (see module doc)."""
     if is_url(final):
         _publish_objects(staged, final)
-        return
-    if not os.path.exists(final):
-        os.rename(staged, final)
-        return
-    if _exchange(staged, final):
-        shutil.rmtree(staged)  # now holds the old version
-        return
-    previous = _previous(final)
-    shutil.rmtree(previous, ignore_errors=True)
-    os.rename(final, previous)
-    faults.point("publish")
-    os.rename(staged, final)
-    shutil.rmtree(previous)
+    else:
+        atomic.replace_folder(staged, final)
 
 
 def _publish_objects(staged: str, final: str) -> None:

@@ -14,13 +14,20 @@ previous file stays. Given ``needed``, the free space is checked before writing,
 h5py can die by a signal (not an exception) when the disk fills during a ``.keras`` or
 ``.h5`` save.
 
+A folder is replaced whole the same way (:func:`replace_folder`): written complete
+beside its final name, then swapped in by one ``renameat2(RENAME_EXCHANGE)`` call
+(Linux), or elsewhere renamed in after the old one was renamed aside;
+:func:`recover_folder` puts the old one back if a kill fell between those two renames.
+
 Fault points ``<fault>_write`` and ``<fault>_rename`` (:mod:`tfaploss.durable.faults`)
-let the crash tests kill a write at either step; ``<fault>_enospc`` makes the write
+let the crash tests kill a write at either step, and ``publish`` a folder's replacement
+between its two renames; ``<fault>_enospc`` makes the write
 fail as a full disk does, its temporary file half-written.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import json
@@ -218,3 +225,51 @@ def sha256_of(path: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def _previous_folder(final: str) -> str:
+    parent, base = os.path.split(os.fspath(final).rstrip("/"))
+    return os.path.join(parent, f".{base}.previous")
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    if faults.requested("publish"):
+        return False  # the crash test exercises the two-rename path
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def replace_folder(staged: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Replace the local folder ``final`` by the complete folder ``staged`` (beside it,
+    on the same file system): a reader sees the old folder or the new one, never a mix,
+    and the old one is deleted only once the new one is in place."""
+    staged, final = os.fspath(staged), os.fspath(final)
+    if not os.path.exists(final):
+        os.rename(staged, final)
+    elif _exchange(staged, final):
+        shutil.rmtree(staged)  # now holds the old version
+    else:
+        previous = _previous_folder(final)
+        shutil.rmtree(previous, ignore_errors=True)
+        os.rename(final, previous)
+        faults.point("publish")
+        os.rename(staged, final)
+        shutil.rmtree(previous)
+    fsync_dir(os.path.dirname(final) or ".")
+
+
+def recover_folder(final: str | os.PathLike) -> None:
+    """Undo a :func:`replace_folder` killed between its two renames: the old folder is
+    put back if the new one never arrived, else deleted."""
+    previous = _previous_folder(final)
+    if os.path.exists(previous):
+        if os.path.exists(final):
+            shutil.rmtree(previous)
+        else:
+            os.rename(previous, final)

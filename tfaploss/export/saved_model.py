@@ -44,19 +44,6 @@ def export_size(model) -> int:
                for w in model.weights) + (1 << 20)
 
 
-def _publish(tmp: str, target: str) -> None:
-    """Rename the complete version ``tmp`` to ``target``; a version already there is
-    renamed aside first and deleted after, so it is replaced, never half deleted."""
-    aside = None
-    if os.path.exists(target):
-        aside = tempfile.mkdtemp(prefix=".old-", dir=os.path.dirname(target))
-        os.replace(target, os.path.join(aside, "version"))
-    os.replace(tmp, target)
-    atomic.fsync_dir(os.path.dirname(target))
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
-
-
 def find_saved_model(path) -> str:
     """The SavedModel folder ``path`` names: ``path`` itself when it holds
     ``saved_model.pb``, else its newest version folder (as TF Serving serves it).
@@ -253,7 +240,7 @@ def export_saved_model(
                 indent=2,
             )
         faults.no_space("export_enospc", path=os.path.join(tmp, "saved_model.pb"))
-        _publish(tmp, target)
+        atomic.replace_folder(tmp, target)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)  # a partial version would keep the disk full
         if atomic.is_disk_full(err) and not isinstance(err, atomic.DiskFullError):
