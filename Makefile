@@ -41,6 +41,8 @@ install: $(STAMP)
 # of CUDA libraries; the CPU wheel is ~190 MB (~900 MB installed; 40-90 s on 2 cores). A
 # torch already in .venv is kept. First a plain pip install of the +cpu release (found
 # where pip is configured with a local wheel folder), else from PyTorch's CPU index.
+# Then pytorch-metric-learning, the losses benchmark's peer (tests/test_benchmarks.py),
+# only once torch is there: installed before it, it would pull PyPI's CUDA torch.
 # torch requires setuptools>=77; setuptools 81 deprecates and 82 drops pkg_resources,
 # which the `tensorboard` command imports, hence the cap.
 TORCH_VERSION ?= 2.13.0
@@ -55,6 +57,7 @@ $(TORCH_STAMP): $(STAMP)
 		$(TORCH_PIP) || { echo "trying PyTorch's CPU index $(TORCH_INDEX)"; \
 			$(TORCH_PIP) --extra-index-url $(TORCH_INDEX); }; \
 	fi
+	$(BIN)/python -m pip install "pytorch-metric-learning>=2.9"
 	@touch $(TORCH_STAMP)
 
 install-torch: $(TORCH_STAMP)

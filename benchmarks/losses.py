@@ -123,6 +123,15 @@ def run_pml_cell(loss_name, batch, repeats, dim=512):
     }
 
 
+def missing_peer_packages() -> list[str]:
+    """The peers' packages (PyTorch, pytorch-metric-learning) that are not installed."""
+    import importlib.util
+
+    return [name for name, module in (("torch", "torch"),
+                                      ("pytorch-metric-learning", "pytorch_metric_learning"))
+            if importlib.util.find_spec(module) is None]
+
+
 def _spawn_pml(loss_name, batch, repeats, timeout, memory_cap_gb):
     """Run one pytorch-metric-learning cell in a fresh interpreter (no TF loaded)."""
     import subprocess
@@ -130,6 +139,10 @@ def _spawn_pml(loss_name, batch, repeats, timeout, memory_cap_gb):
     peer, _, cubes = PML_PEERS.get(loss_name, ("floor", None, 0))
     need_gb = cubes * 4 * batch**3 / 2**30
     base = {"loss": f"pml:{peer}", "batch": batch, "mode": "torch-cpu"}
+    missing = missing_peer_packages()
+    if missing:
+        return {**base, "status": f"not run: {' and '.join(missing)} not installed "
+                                  "(pip install 'tfaploss[bench]')"}
     if need_gb > memory_cap_gb:
         return {**base, "status": f"not run: needs ~{need_gb:.0f} GB (B^3 tensors)"}
     cmd = [sys.executable, os.path.abspath(__file__), "--pml-cell", loss_name, str(batch),
