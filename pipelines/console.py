@@ -28,21 +28,26 @@ _NOISY = ("apache_beam", "apache_beam.io.tfrecordio", "absl", "tensorflow", "url
 
 def import_beam_quietly():
     """Import ``apache_beam`` without its import-time warnings (``apitools not found``,
-    logged on the root logger, which also makes Python install a root handler).
+    logged on the root logger, which also makes Python install a root handler when
+    there is none).
 
-    Only when nobody configured logging yet; returns the module. Without Beam:
-    :class:`~tfaploss.extras.MissingExtraError` with the install command.
+    Returns the module. Without Beam: :class:`~tfaploss.extras.MissingExtraError` with
+    the install command.
     """
     from tfaploss import extras
 
+    if "apache_beam" in sys.modules:
+        return sys.modules["apache_beam"]
+    # The jobs configure logging before they import Beam (after planning), so the
+    # warnings are held back by level, and the sink keeps Python from adding a handler.
     root = logging.getLogger()
-    if "apache_beam" in sys.modules or root.handlers:
-        return extras.import_extra("beam", "the pipelines jobs")
-    sink = logging.NullHandler()
+    level, sink = root.level, logging.NullHandler()
     root.addHandler(sink)
+    root.setLevel(logging.ERROR)
     try:
         return extras.import_extra("beam", "the pipelines jobs")
     finally:
+        root.setLevel(level)
         root.removeHandler(sink)
 
 

@@ -44,8 +44,9 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 import uuid
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from pipelines import images as I
@@ -132,6 +133,12 @@ def _find(framed: bytes, jpeg: bytes) -> int:
     return at
 
 
+def cut_tasks(records: list[dict], workers: int, task_images: int) -> list[list[dict]]:
+    """A batch's records cut into one task per worker, of at least ``task_images``."""
+    size = max(task_images, -(-len(records) // max(1, workers)))
+    return [records[i:i + size] for i in range(0, len(records), size)]
+
+
 def part_path(parts_dir: str, split: str, records: list[dict]) -> str:
     """The part file of a task: named by its ids, so a retried task rewrites its own."""
     digest = hashlib.sha1("\0".join(r["id"] for r in records).encode("utf-8")).hexdigest()
@@ -154,6 +161,9 @@ def read_slices(ranges) -> list[memoryview]:
 # ---------------------------------------------------------------------- local processes
 
 _LOCAL_POOLS: dict[str, ProcessPoolExecutor] = {}
+# Tasks submitted before Beam started, by pool token, then by part file (a task's name):
+# (future, when it was submitted).
+_AHEAD: dict[str, dict[str, tuple[Future, float]]] = {}
 
 
 def can_fork() -> bool:
@@ -318,6 +328,40 @@ def describe_deaths(deaths: list[dict]) -> str:
     return "; ".join(parts)
 
 
+def submit_ahead(token: str, batches, settings: dict, root: str | None, parts_dir: str,
+                 limit: int) -> int:
+    """Submit the tasks of ``batches`` (work-list batches, as Beam will hand them to
+    :class:`~pipelines.steps.ProcessBatchDoFn`) to the pool ``token``, up to ``limit``
+    images; returns how many were submitted.
+
+    The local DirectRunner job calls it before it imports Beam, so that the workers
+    process images while Beam loads and builds its pipeline. The DoFn cuts the same
+    tasks, finds each one here by its part file (:func:`claim_ahead`) and takes its
+    future over instead of submitting it again, so every image is still processed once
+    and accounted for by Beam's steps.
+    """
+    pool = _LOCAL_POOLS[token]
+    ahead = _AHEAD.setdefault(token, {})
+    submitted = 0
+    for batch in batches:
+        if submitted >= limit:
+            break
+        where = {k: batch[k] for k in ("split", "shard", "num_shards")}
+        for task in cut_tasks(batch["records"], pool.processes, PROCESS_TASK_IMAGES):
+            path = part_path(parts_dir, batch["split"], task)
+            ahead[path] = (pool.executor.submit(process_task, task, settings, root, path,
+                                                where), time.time())
+        submitted += len(batch["records"])
+    return submitted
+
+
+def claim_ahead(token: str | None, path: str) -> tuple[Future, float] | None:
+    """The future of the task writing ``path`` that :func:`submit_ahead` submitted, and
+    when; once only (a retried bundle submits its task again)."""
+    ahead = _AHEAD.get(token) if token else None
+    return ahead.pop(path, None) if ahead else None
+
+
 def local_pool(token: str | None) -> ProcessPoolExecutor | None:
     """The pool :func:`start_local_pool` made in this process, or None (another process,
     as in Beam's multi-process mode or on a remote worker)."""
@@ -336,6 +380,7 @@ def stop_local_pool(token: str | None, forget: bool = True) -> None:
     for :func:`worker_deaths`, until a later call forgets it."""
     pool = (_LOCAL_POOLS.pop(token, None) if forget else _LOCAL_POOLS.get(token)) \
         if token else None
+    _AHEAD.pop(token, None)
     if pool is not None:
         pool.executor.shutdown(wait=True, cancel_futures=True)
 

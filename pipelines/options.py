@@ -1,24 +1,22 @@
-"""Command-line handling shared by every job.
+"""Command-line handling shared by every job, and how many workers do the image work.
 
 Beam jobs conventionally split ``argv`` in two: the job's own arguments (parsed with
-argparse here) and everything else, handed to :class:`PipelineOptions` (``--runner``,
+argparse here) and everything else, handed to Beam's ``PipelineOptions`` (``--runner``,
 ``--direct_num_workers``, ``--project``, ``--temp_location``, ``--setup_file``...).
+:class:`JobOptions` keeps that second part and reads the few of Beam's options that
+decide where the image work runs without importing Beam: on the local DirectRunner a
+job starts its image processes on the work list first, and imports Beam (about a
+second of one core) while they work.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from pipelines import console
-
-console.import_beam_quietly()
-
-from apache_beam.options.pipeline_options import (
-    DirectOptions,
-    PipelineOptions,
-    StandardOptions,
-)
+from pipelines import image_workers as W
 
 _BEAM_EPILOG = (
     "Any other option is passed to Apache Beam, e.g. --runner DataflowRunner --project P "
@@ -92,27 +90,91 @@ def build_parser(description: str, *, input_dir_required: bool = True) -> argpar
     return parser
 
 
+class JobOptions:
+    """Beam's part of a job's command line: every argument the job's parser left.
+
+    ``runner``, ``direct_running_mode`` (``None`` on other runners) and
+    ``direct_num_workers`` are read here as Beam reads them, with Beam's defaults
+    (DirectRunner, ``in_memory``, 1 worker) and full option names only (``--name value``
+    or ``--name=value``), but without importing Beam; :meth:`pipeline_options` builds
+    Beam's ``PipelineOptions`` from the same arguments. In the default in-memory mode
+    the image work runs in forked processes (:mod:`pipelines.image_workers`), where
+    Beam's multi-process mode would cost a second of start-up per worker and a gRPC copy
+    of every record.
+    """
+
+    def __init__(self, argv: list[str], verbose: bool = False):
+        self.argv = list(argv)
+        self.verbose = verbose
+        known, _ = _BEAM_PEEK.parse_known_args(self.argv)
+        self.runner = known.runner
+        self.direct_running_mode = (known.direct_running_mode
+                                    if "direct" in self.runner.lower() else None)
+        self.direct_num_workers = known.direct_num_workers
+
+    def pipeline_options(self):
+        """Beam's ``PipelineOptions`` for these arguments (imports Beam)."""
+        console.import_beam_quietly()
+        from apache_beam.options.pipeline_options import PipelineOptions
+
+        argv = self.argv
+        if not self.verbose and not any(a.startswith("--default_sdk_harness_log_level")
+                                        for a in argv):
+            argv = [*argv, "--default_sdk_harness_log_level", "ERROR"]
+        return PipelineOptions(argv)
+
+
+# Beam's own parser takes no abbreviations either: `--run X` is not --runner.
+_BEAM_PEEK = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+_BEAM_PEEK.add_argument("--runner", default="DirectRunner")
+_BEAM_PEEK.add_argument("--direct_running_mode", default="in_memory",
+                        choices=("in_memory", "multi_threading", "multi_processing"))
+_BEAM_PEEK.add_argument("--direct_num_workers", type=int, default=1)
+
+
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None):
-    """Split ``argv`` into the job's arguments and Beam's :class:`PipelineOptions`."""
+    """Split ``argv`` into the job's arguments and Beam's (:class:`JobOptions`)."""
     started = time.time()
     args, beam_argv = parser.parse_known_args(argv)
     _validate(args)
     args._started = started
-    if not args.verbose and not any(a.startswith("--default_sdk_harness_log_level")
-                                    for a in beam_argv):
-        beam_argv = [*beam_argv, "--default_sdk_harness_log_level", "ERROR"]
-    options = PipelineOptions(beam_argv)
-    standard = options.view_as(StandardOptions)
-    direct = options.view_as(DirectOptions)
-    runner = (standard.runner or "DirectRunner").lower()
-    if "direct" in runner and not any(a.startswith("--direct_running_mode") for a in beam_argv):
-        # One Beam process, its image work in forked processes (pipelines.image_workers):
-        # Beam's multi-process mode costs a second of start-up per worker and a gRPC copy
-        # of every record.
-        direct.direct_running_mode = "in_memory"
-        if not any(a.startswith("--direct_num_workers") for a in beam_argv):
-            direct.direct_num_workers = 1
-    return args, options
+    return args, JobOptions(beam_argv, verbose=args.verbose)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def emit_lag(options: JobOptions) -> int:
+    """How many batches :class:`~pipelines.steps.ProcessBatchDoFn` may hold back until
+    ``finish_bundle``: 2, but 0 on Beam's DaskRunner, which collects a bundle's outputs
+    before it calls ``finish_bundle`` and so drops whatever is emitted there (Beam 2.77)."""
+    return 0 if options.runner.rsplit(".", 1)[-1].lower() == "daskrunner" else 2
+
+
+def image_threads(args, options: JobOptions) -> int:
+    """``--image_threads``, or the cores this worker may use when it is 0."""
+    if getattr(args, "image_threads", 0):
+        return args.image_threads
+    mode = options.direct_running_mode
+    if mode is None:
+        return 2  # remote workers already run one process per core
+    cpus = _cores()
+    if mode == "multi_processing":
+        return max(1, cpus // max(1, options.direct_num_workers or cpus))
+    return cpus
+
+
+def image_processes(args, options: JobOptions) -> int:
+    """How many forked processes do the image work: ``--image_processes``, or one per
+    core when it is 0, on the local DirectRunner in its in-memory mode where ``fork``
+    exists; 1 (threads in the Beam worker) everywhere else."""
+    if options.direct_running_mode != "in_memory" or not W.can_fork():
+        return 1
+    return getattr(args, "image_processes", 0) or _cores()
 
 
 def _validate(args) -> None:

@@ -7,7 +7,9 @@ driver and hands :func:`run_job` one :class:`~pipelines.plan.SplitPlan` per spli
 1. lays each split out in shards and writes its work list, JSON lines of batches of one
    shard, into a staging folder (:mod:`pipelines.layout`);
 2. on the local DirectRunner, forks one image process per core
-   (:mod:`pipelines.image_workers`) before Beam starts its threads;
+   (:mod:`pipelines.image_workers`) and hands it the first batches of the work lists,
+   then imports Beam while those processes work (Beam's import and start-up take a
+   second or more of one core, which would otherwise hold up every image);
 3. assembles and runs one Beam pipeline: the byte range of each shard in the work
    lists (a ``Create``, which every runner can start from), read and spread over the
    workers (or the splits' source transforms) ->
@@ -37,7 +39,7 @@ The names the jobs, tests and benchmarks use are importable from here:
 ``SplitPlan``, ``dedupe_and_index``, ``contiguous_labels``, ``dead_letter``,
 ``shard_of`` (planning), ``run_job``, ``STAGING``, ``TooManyFailuresError``,
 ``IncompleteRunError``, ``main_wrapper``, ``describe_manifests``, ``LAST_TIMING``,
-``image_threads``, ``image_processes``.
+``image_threads``, ``image_processes``. Importing it does not import Beam.
 """
 
 from __future__ import annotations
@@ -53,19 +55,13 @@ from pipelines import manifests as M
 from pipelines import options as opts
 from pipelines.console import LAST_TIMING, describe_manifests, main_wrapper
 from pipelines.manifests import SCHEMA_VERSION, IncompleteRunError, TooManyFailuresError
+from pipelines.options import emit_lag, image_processes, image_threads
 from pipelines.plan import (
     SplitPlan,
     contiguous_labels,
     dead_letter,
     dedupe_and_index,
     shard_of,
-)
-from pipelines.steps import (
-    ProcessBatchDoFn,
-    WriteOutputsDoFn,
-    emit_lag,
-    image_processes,
-    image_threads,
 )
 from tfaploss.durable import atomic, locks
 
@@ -74,10 +70,8 @@ __all__ = [  # what the jobs, tests and benchmarks import from here
     "SCHEMA_VERSION",
     "STAGING",
     "IncompleteRunError",
-    "ProcessBatchDoFn",
     "SplitPlan",
     "TooManyFailuresError",
-    "WriteOutputsDoFn",
     "contiguous_labels",
     "dead_letter",
     "dedupe_and_index",
@@ -90,17 +84,20 @@ __all__ = [  # what the jobs, tests and benchmarks import from here
     "shard_of",
 ]
 
-beam = console.import_beam_quietly()
-
 STAGING = ".incoming"
 join = storage.join
+# Images each local image process gets before Beam is imported: about 5 s of work, a few
+# times what Beam's import and start-up take, but not the whole work list of a large job.
+AHEAD_IMAGES_PER_PROCESS = 512
 
 
 def _assemble(p, plans: list[SplitPlan], layouts: dict, chunks: list, per_batch: int,
-              process: ProcessBatchDoFn, write: WriteOutputsDoFn) -> None:
+              process, write) -> None:
     """The job's Beam graph: work lists (``chunks``: byte ranges of the work-list files,
-    :func:`pipelines.layout.write_work_list`) and source splits -> process -> write
-    files."""
+    :func:`pipelines.layout.write_work_list`) and source splits -> ``process``
+    (:class:`~pipelines.steps.ProcessBatchDoFn`) -> ``write``
+    (:class:`~pipelines.steps.WriteOutputsDoFn`)."""
+    beam = console.import_beam_quietly()
     inputs = []
     if chunks:
         # The Reshuffle spreads a shard's batches over the workers instead of leaving
@@ -182,8 +179,14 @@ def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):
     beam_started = time.time()
     p = None
     try:
+        if pool_token is not None:
+            W.submit_ahead(pool_token, (b for c in chunks for b in L.read_work_chunk(c)),
+                           settings, root, parts_dir, AHEAD_IMAGES_PER_PROCESS * processes)
+        beam = console.import_beam_quietly()
+        from pipelines.steps import ProcessBatchDoFn, WriteOutputsDoFn
+
         with console.beam_quiet_on(atomic.DiskFullError), \
-                beam.Pipeline(options=options) as p:
+                beam.Pipeline(options=options.pipeline_options()) as p:
             _assemble(p, plans, layouts, chunks, per_batch,
                       ProcessBatchDoFn(settings, threads, root, parts_dir, pool_token,
                                        emit_lag=emit_lag(options)),

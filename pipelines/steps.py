@@ -1,5 +1,4 @@
-"""The two Beam steps of a preprocessing job, and how many threads or processes do their
-work.
+"""The two Beam steps of a preprocessing job.
 
 :class:`ProcessBatchDoFn` hands each batch of the work list to the image workers
 (:mod:`pipelines.image_workers`: forked processes on the local DirectRunner, threads of
@@ -17,8 +16,6 @@ Fault point (:mod:`tfaploss.durable.faults`): ``images:N``, after N images proce
 from __future__ import annotations
 
 import collections
-import math
-import os
 import time
 
 from pipelines import console, storage
@@ -90,15 +87,18 @@ class ProcessBatchDoFn(_PooledDoFn):
     def process(self, batch: dict):
         # Tasks are submitted as batches come and emitted emit_lag (2) batches behind, so
         # the workers never wait for the slowest image of a batch before starting the next.
-        records = batch["records"]
-        size = max(self.task_images, math.ceil(len(records) / self.workers))
-        tasks = [records[i:i + size] for i in range(0, len(records), size)]
+        tasks = W.cut_tasks(batch["records"], self.workers, self.task_images)
         paths = [W.part_path(self.parts_dir, batch["split"], t) for t in tasks]
         where = {k: batch[k] for k in ("split", "shard", "num_shards")}
-        futures = ([self.pool.submit(W.process_task, t, self.settings, self.root, path,
-                                     where)
-                    for t, path in zip(tasks, paths)] if self.pool is not None else None)
-        self.pending.append((batch, tasks, paths, futures, time.time()))
+        futures, t0 = None, time.time()
+        if self.pool is not None:
+            # A task the job submitted before Beam started (W.submit_ahead) is taken over.
+            ahead = [W.claim_ahead(self.pool_token, path) for path in paths]
+            futures = [a[0] if a else self.pool.submit(W.process_task, t, self.settings,
+                                                       self.root, path, where)
+                       for a, t, path in zip(ahead, tasks, paths)]
+            t0 = min([a[1] for a in ahead if a] + [t0])
+        self.pending.append((batch, tasks, paths, futures, t0))
         while len(self.pending) > self.emit_lag:
             yield from self._emit(*self.pending.popleft())
 
@@ -186,59 +186,3 @@ class WriteOutputsDoFn(_PooledDoFn):
     def finish_bundle(self):
         for out, future in self.pending:
             yield _windowed((*out, future.result()))
-
-
-# ------------------------------------------------------------------- how many workers
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def _direct_mode(options) -> str | None:
-    """The DirectRunner's running mode, or None for any other runner."""
-    from apache_beam.options.pipeline_options import DirectOptions, StandardOptions
-
-    runner = (options.view_as(StandardOptions).runner or "DirectRunner").lower()
-    if "direct" not in runner:
-        return None
-    return options.view_as(DirectOptions).direct_running_mode or "in_memory"
-
-
-def emit_lag(options) -> int:
-    """How many batches :class:`ProcessBatchDoFn` may hold back until ``finish_bundle``:
-    2, but 0 on Beam's DaskRunner, which collects a bundle's outputs before it calls
-    ``finish_bundle`` and so drops whatever is emitted there (Beam 2.77)."""
-    from apache_beam.options.pipeline_options import StandardOptions
-
-    runner = options.view_as(StandardOptions).runner or ""
-    name = runner if isinstance(runner, str) else type(runner).__name__
-    return 0 if name.rsplit(".", 1)[-1].lower() == "daskrunner" else 2
-
-
-def image_threads(args, options) -> int:
-    """``--image_threads``, or the cores this worker may use when it is 0."""
-    if getattr(args, "image_threads", 0):
-        return args.image_threads
-    mode = _direct_mode(options)
-    if mode is None:
-        return 2  # remote workers already run one process per core
-    cpus = _cores()
-    if mode == "multi_processing":
-        from apache_beam.options.pipeline_options import DirectOptions
-
-        workers = options.view_as(DirectOptions).direct_num_workers
-        return max(1, cpus // max(1, workers or cpus))
-    return cpus
-
-
-def image_processes(args, options) -> int:
-    """How many forked processes do the image work: ``--image_processes``, or one per
-    core when it is 0, on the local DirectRunner in its in-memory mode where ``fork``
-    exists; 1 (threads in the Beam worker) everywhere else."""
-    if _direct_mode(options) != "in_memory" or not W.can_fork():
-        return 1
-    return getattr(args, "image_processes", 0) or _cores()

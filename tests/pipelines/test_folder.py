@@ -152,15 +152,64 @@ def test_argument_errors_name_the_argument(tree, tmp_path):
     assert "--test_classes" in folder.parser().format_help()
 
 
-def test_the_job_does_not_load_tensorflow():
+def test_importing_the_job_loads_neither_tensorflow_nor_beam():
     # TensorFlow took seconds of every job's start-up (through tfaploss.data's package
-    # imports) for nothing the job uses.
+    # imports) for nothing the job uses; Beam is imported once the image processes work.
     import subprocess
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = ("import sys, pipelines.folder, pipelines.runner, tfaploss.data.integrity; "
-            "print(sorted(m for m in ('tensorflow', 'keras') if m in sys.modules))")
+            "print(sorted(m for m in ('tensorflow', 'keras', 'apache_beam') "
+            "if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True,
                           text=True, check=True, env={**os.environ, "PYTHONPATH": repo})
     assert done.stdout.split("\n")[-2] == "[]", done.stdout
+
+
+def test_image_processes_start_before_beam_and_each_task_runs_once(tree, tmp_path,
+                                                                    monkeypatch):
+    from pipelines import console
+    from pipelines import image_workers as W
+    from pipelines import runner as R
+
+    submitted, claimed, at_beam_import = [], [], []
+    submit, claim, import_beam = W.submit_ahead, W.claim_ahead, console.import_beam_quietly
+
+    def submit_spy(token, *args, **kwargs):
+        n = submit(token, *args, **kwargs)
+        submitted.extend(W._AHEAD[token])
+        return n
+
+    def claim_spy(token, path):
+        out = claim(token, path)
+        if out is not None:
+            claimed.append(path)
+        return out
+
+    def import_spy():
+        at_beam_import.append(list(submitted))
+        return import_beam()
+
+    monkeypatch.setattr(W, "submit_ahead", submit_spy)
+    monkeypatch.setattr(W, "claim_ahead", claim_spy)
+    monkeypatch.setattr(console, "import_beam_quietly", import_spy)
+    # 3 images per batch, tasks of 4: batches of one task, each its own part file
+    base = ["--input_dir", tree.root, "--num_shards", "2", "--images_per_batch", "3",
+            "--max_failure_fraction", "1", "--image_processes", "2"]
+    monkeypatch.setattr(R, "AHEAD_IMAGES_PER_PROCESS", 4)  # 8 images: 3 of the batches
+    ahead = folder.run([*base, "--output_dir", str(tmp_path / "ahead")])
+
+    assert len(submitted) == 3 and at_beam_import[0] == submitted
+    assert sorted(claimed) == sorted(submitted)  # each taken over once, none run twice
+    assert not W._AHEAD  # nothing left behind once the job ended
+
+    submitted.clear()
+    monkeypatch.setattr(R, "AHEAD_IMAGES_PER_PROCESS", 0)
+    plain = folder.run([*base, "--output_dir", str(tmp_path / "plain")])
+    assert submitted == []
+    assert ahead["train"]["num_images"] == plain["train"]["num_images"] > 9
+    for split in ahead:
+        files = [mini.snapshot(str(tmp_path / run / split)) for run in ("ahead", "plain")]
+        assert files[0].pop("manifest.json") and files[1].pop("manifest.json")
+        assert files[0] == files[1] and any(f.endswith(".tfrecord") for f in files[0])
