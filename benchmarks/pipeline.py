@@ -413,19 +413,26 @@ def main(argv=None) -> int:
         floor_cpu = statistics.median(c for _, c, _ in rounds)
         r = rounds[-1][2]
         label = f"folder job ({_workers(r)})"
+        # A job of one batch (the quick mode's 120 images in batches of 128) has no
+        # steady state: its rate is left out rather than shown as 0.
+        steady = all(jr["steady"] > 0 for *_, jr in rounds)
         for k, (f, _, jr) in enumerate(rounds):
             rows += [(f"round {k + 1}: one-core floor", f, "images/s", None),
-                     (f"round {k + 1}: {label}, incl. start-up", jr["rate"], "images/s", f),
-                     (f"round {k + 1}: {label}, steady state", jr["steady"], "images/s", f)]
+                     (f"round {k + 1}: {label}, incl. start-up", jr["rate"], "images/s", f)]
+            if steady:
+                rows.append((f"round {k + 1}: {label}, steady state", jr["steady"],
+                             "images/s", f))
         rows += [
             ("median one-core floor: PIL decode+RGB+resize+JPEG encode", floor_rate,
              "images/s", None),
             ("two-core ceiling: the floor loop in a process per core", ceiling, "images/s",
              floor_rate),
             (f"median {label}, incl. start-up", _median_ratio(rounds, "rate") * floor_rate,
-             "images/s", floor_rate),
-            (f"median {label}, steady state", _median_ratio(rounds, "steady") * floor_rate,
-             "images/s", floor_rate),
+             "images/s", floor_rate)]
+        if steady:
+            rows.append((f"median {label}, steady state",
+                         _median_ratio(rounds, "steady") * floor_rate, "images/s", floor_rate))
+        rows += [
             (f"median {label}, start-up", statistics.median(x["startup"] for *_, x in rounds),
              "s", None),
             (f"median {label}, finish (write shards, manifest, publish)",
@@ -450,7 +457,8 @@ def main(argv=None) -> int:
             label = (f"folder job ({_workers(r)})" if name == "threads" else
                      f"folder job ({name}, {workers or 1} workers x {r['threads']} threads)")
             rows += [(f"{label}, incl. start-up", r["rate"], "images/s", floor_rate),
-                     (f"{label}, steady state", r["steady"], "images/s", floor_rate),
+                     *([(f"{label}, steady state", r["steady"], "images/s", floor_rate)]
+                       if r["steady"] > 0 else []),
                      (f"{label}, start-up", r["startup"], "s", None)]
         if args.input_pipeline:
             print("m_per_class input pipeline...", flush=True)
