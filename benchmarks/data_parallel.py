@@ -8,7 +8,11 @@ device). This measures what it costs: an ``APLoss`` step of ``small_cnn`` (width
 (``--chunk`` rows per device per chunk), each with and without the distribution, in
 the same process. Prints the device count, the global and per-device batch, ms per
 step, images/s, and the first step's loss of each distributed run beside the one-device
-loss (they must agree).
+loss. The plain step's must agree. ``small_cnn``'s BatchNorm normalises on batch
+statistics, so the multi-stage step's differs by design: each chunk of ``--chunk``
+rows per device is normalised as one group of ``--chunk`` x D images
+(``tests/distribute/test_jax.py`` pins that it equals one device with chunks of that
+size holding the same rows).
 
     python benchmarks/data_parallel.py --device gpu                  # every GPU
     python benchmarks/data_parallel.py --device cpu --cpu-devices 4 --batch 256 --chunk 32

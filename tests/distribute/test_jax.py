@@ -202,3 +202,41 @@ def test_a_chunk_takes_chunk_size_rows_of_every_device():
     np.testing.assert_array_equal(tail_rows, [15, 31, 47, 63])
     np.testing.assert_array_equal(np.asarray(merged), rows)
     assert full_spec[1] is not None                   # the chunk's rows stay sharded
+
+
+def _bn_model():
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((FEATURES,))
+    hidden = keras.layers.BatchNormalization()(keras.layers.Dense(16)(inputs))
+    hidden = keras.layers.Activation("tanh")(hidden)
+    outputs = keras.layers.UnitNormalization()(keras.layers.Dense(DIM)(hidden))
+    return keras.Model(inputs, outputs)
+
+
+def _train_bn(distributed, chunk_size, order=None):
+    x, y = _data()
+    if order is not None:
+        x, y = x[order], y[order]
+    with _distribution(distributed):
+        model = MultiStageModel(_bn_model(), chunk_size=chunk_size)
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=APLoss())
+        losses = [float(model.train_on_batch(x, y)) for _ in range(STEPS)]
+        weights = [np.asarray(w) for w in model.get_weights()]
+    return losses, weights
+
+
+def test_batch_statistics_normalise_a_chunk_of_every_device_together():
+    # With BatchNorm on batch statistics each chunk is normalised on its own (ghost
+    # batch norm), and under DataParallel a chunk is chunk_size rows of every device:
+    # one group of chunk_size x D images. So 4 devices with chunks of 4 equal one device
+    # with chunks of 16 holding the same rows, not one device with chunks of 4.
+    per_device = BATCH // DEVICES
+    regrouped = np.concatenate([np.arange(per_device * d + 4 * i, per_device * d + 4 * i + 4)
+                                for i in range(per_device // 4) for d in range(DEVICES)])
+    losses, weights = _train_bn(True, 4)
+    same_groups = _train_bn(False, 4 * DEVICES, regrouped)
+    np.testing.assert_allclose(losses, same_groups[0], rtol=1e-5, atol=1e-6)
+    for w, ref in zip(weights, same_groups[1]):
+        np.testing.assert_allclose(w, ref, rtol=1e-4, atol=1e-5)
+    smaller_groups = _train_bn(False, 4)
+    assert abs(losses[0] - smaller_groups[0][0]) > 1e-4

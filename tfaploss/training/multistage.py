@@ -130,7 +130,10 @@ class MultiStageModel(_backend_steps(), keras.Model):
             torch rank chunks its own shard, and under JAX's ``DataParallel`` a
             chunk takes ``chunk_size`` rows of every device's shard
             (``multistage_jax``), so each device holds the activations of
-            ``chunk_size`` images at a time.
+            ``chunk_size`` images at a time. BatchNorm on batch statistics then
+            normalises each chunk's ``chunk_size`` x D images together (one SPMD
+            program), as one device would with chunks of that size; a TensorFlow
+            replica or torch rank normalises its own ``chunk_size`` images.
         xbm_size: cross-batch memory slots (0 = no memory).
         xbm_weight: weight of the query-vs-memory loss.
         xbm_loss: loss for the memory term (must have ``query_database_loss``);
