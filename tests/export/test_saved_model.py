@@ -153,6 +153,36 @@ def test_a_full_disk_leaves_no_version_and_the_rerun_exports_the_same(exported, 
     assert os.listdir(base) == ["1"] and files(base) == before
 
 
+def test_what_a_killed_export_left_is_cleaned_up_and_exports_take_turns(exported, tmp_path,
+                                                                        caplog):
+    """An export killed outright leaves its ``.tmp-*`` staging folder; one killed
+    between the two renames of an overwrite (no atomic exchange) leaves ``.N.previous``
+    and no ``N``. The next export removes the first and puts the version back, before it
+    picks its version number. A second export while one holds the folder is refused."""
+    from tfaploss.durable import locks
+
+    model, _, version_dir, _ = exported
+    base = tmp_path / "m"
+    base.mkdir()
+    for name in (".tmp-2-abcd1234", ".tmp-3-0000ffff"):  # two killed exports
+        (base / name / "variables").mkdir(parents=True)
+        (base / name / "variables" / "variables.data-00000-of-00001").write_bytes(b"x" * 99)
+    shutil.copytree(version_dir, base / ".1.previous")  # version 1, mid-replace
+    (base / ".tmp-notes.txt").write_text("a file of the user's, not a staging folder")
+    with caplog.at_level("WARNING", logger="tfaploss.export.saved_model"):
+        out = export_saved_model(model, base, image_size=SIZE)
+    assert Path(out) == base / "2"  # version 1 came back first, so the next one is 2
+    assert sorted(os.listdir(base)) == [".tmp-notes.txt", "1", "2"]
+    assert (base / "1" / "saved_model.pb").read_bytes() == \
+        (Path(version_dir) / "saved_model.pb").read_bytes()
+    assert "removed 2 staging folder(s)" in caplog.text
+
+    with locks.exclusive(base, "a test holding the folder"), \
+            pytest.raises(locks.LockHeldError, match="SavedModel export folder"):
+        export_saved_model(model, base, image_size=SIZE)
+    assert sorted(os.listdir(base)) == [".tmp-notes.txt", "1", "2"]
+
+
 def test_pixels_signature_matches_model(exported):
     model, _, version_dir, _ = exported
     loaded = tf.saved_model.load(version_dir)

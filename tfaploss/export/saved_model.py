@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -11,7 +12,7 @@ import keras
 import tensorflow as tf
 
 from tfaploss.data.augment import DEFAULT_CROP_FRACTION
-from tfaploss.durable import atomic, faults
+from tfaploss.durable import atomic, faults, locks
 from tfaploss.export.image_ops import (
     DEFAULT_MAX_PIXELS,
     check_max_pixels,
@@ -24,10 +25,33 @@ PIXELS_SIGNATURE = "embed_pixels"
 OUTPUT_KEY = "embedding"
 METADATA_FILE = os.path.join("assets.extra", "tfaploss_export.json")
 
+logger = logging.getLogger(__name__)
+
 
 def _versions(path) -> list[int]:
     """The integer-named sub-directories of ``path`` (TF Serving's version folders)."""
     return [int(d) for d in os.listdir(path) if d.isdigit()] if os.path.isdir(path) else []
+
+
+def recover_export_folder(path) -> list[str]:
+    """Undo what exports killed outright left in ``path``; returns what it removed.
+
+    A version whose replacement was killed between its two renames (where the atomic
+    exchange is unavailable) is put back or its old copy dropped
+    (:func:`tfaploss.durable.atomic.recover_folder`), and ``.tmp-*`` staging folders
+    are deleted: the caller holds the folder's lock, so no export is writing them.
+    """
+    removed = []
+    for name in sorted(os.listdir(path)):
+        if name.startswith(".") and name.endswith(".previous") and name[1:-9].isdigit():
+            atomic.recover_folder(os.path.join(path, name[1:-9]))
+        elif name.startswith(".tmp-") and os.path.isdir(os.path.join(path, name)):
+            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+            removed.append(name)
+    if removed:
+        logger.warning("export: removed %d staging folder(s) that a killed export left in "
+                       "%s: %s", len(removed), path, ", ".join(removed))
+    return removed
 
 
 def next_version(path) -> int:
@@ -165,8 +189,10 @@ def export_saved_model(
         The version directory (``str``) holding ``saved_model.pb`` and ``variables/``.
 
     The version is written to a temporary directory and renamed into place, so a
-    server polling ``path`` never loads a half-written version. Cost: one trace of the
-    model per signature.
+    server polling ``path`` never loads a half-written version. One export at a time
+    holds ``path``'s lock (a second gets :class:`~tfaploss.durable.locks.LockHeldError`),
+    and each first cleans up what a killed export left (:func:`recover_export_folder`).
+    Cost: one trace of the model per signature.
     """
     image_size = tuple(int(s) for s in image_size)
     max_pixels = check_max_pixels(max_pixels)
@@ -178,72 +204,76 @@ def export_saved_model(
     _check_model(model, image_size)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    version = next_version(path) if version is None else int(version)
-    if version < 0:
-        raise ValueError(f"export_saved_model: `version` must be >= 0; received {version!r}")
-    target = os.path.join(path, str(version))
-    if os.path.exists(target) and not overwrite:
-        raise FileExistsError(
-            f"export_saved_model: {target} already exists; pass another `version`, "
-            "version=None for the next one, or overwrite=True"
+    # One export at a time per folder, so that what a killed export left behind is known
+    # to be stale and is cleaned up before the version number is chosen.
+    with locks.exclusive(path, "SavedModel export folder"):
+        recover_export_folder(path)
+        version = next_version(path) if version is None else int(version)
+        if version < 0:
+            raise ValueError(f"export_saved_model: `version` must be >= 0; received {version!r}")
+        target = os.path.join(path, str(version))
+        if os.path.exists(target) and not overwrite:
+            raise FileExistsError(
+                f"export_saved_model: {target} already exists; pass another `version`, "
+                "version=None for the next one, or overwrite=True"
+            )
+
+        needed = export_size(model)
+        atomic.check_space(target, needed)  # before tracing, before TensorFlow writes a byte
+
+        height, width = image_size
+
+        def embed(images):
+            return {OUTPUT_KEY: tf.cast(model(images, training=False), tf.float32)}
+
+        def serve_bytes(image_bytes):
+            images = decode_images(image_bytes, image_size, crop_fraction, resize_method,
+                                   antialias, max_pixels, max_request_pixels)
+            return embed(images)
+
+        def serve_pixels(images):
+            return embed(images)
+
+        archive = keras.export.ExportArchive()
+        archive.track(model)
+        archive.add_endpoint(
+            BYTES_SIGNATURE, serve_bytes,
+            input_signature=[tf.TensorSpec([None], tf.string, name="image_bytes")],
+        )
+        archive.add_endpoint(
+            PIXELS_SIGNATURE, serve_pixels,
+            input_signature=[tf.TensorSpec([None, height, width, 3], tf.float32, name="images")],
         )
 
-    needed = export_size(model)
-    atomic.check_space(target, needed)  # before tracing, before TensorFlow writes a byte
-
-    height, width = image_size
-
-    def embed(images):
-        return {OUTPUT_KEY: tf.cast(model(images, training=False), tf.float32)}
-
-    def serve_bytes(image_bytes):
-        images = decode_images(image_bytes, image_size, crop_fraction, resize_method,
-                               antialias, max_pixels, max_request_pixels)
-        return embed(images)
-
-    def serve_pixels(images):
-        return embed(images)
-
-    archive = keras.export.ExportArchive()
-    archive.track(model)
-    archive.add_endpoint(
-        BYTES_SIGNATURE, serve_bytes,
-        input_signature=[tf.TensorSpec([None], tf.string, name="image_bytes")],
-    )
-    archive.add_endpoint(
-        PIXELS_SIGNATURE, serve_pixels,
-        input_signature=[tf.TensorSpec([None, height, width, 3], tf.float32, name="images")],
-    )
-
-    tmp = tempfile.mkdtemp(prefix=f".tmp-{version}-", dir=path)
-    try:
-        archive.write_out(tmp, verbose=verbose)
-        os.makedirs(os.path.join(tmp, "assets.extra"), exist_ok=True)
-        with open(os.path.join(tmp, METADATA_FILE), "w", encoding="utf-8") as f:
-            json.dump(
-                {
-                    "signatures": {
-                        BYTES_SIGNATURE: {"input": "image_bytes", "output": OUTPUT_KEY},
-                        PIXELS_SIGNATURE: {"input": "images", "output": OUTPUT_KEY},
+        tmp = tempfile.mkdtemp(prefix=f".tmp-{version}-", dir=path)
+        try:
+            archive.write_out(tmp, verbose=verbose)
+            os.makedirs(os.path.join(tmp, "assets.extra"), exist_ok=True)
+            with open(os.path.join(tmp, METADATA_FILE), "w", encoding="utf-8") as f:
+                json.dump(
+                    {
+                        "signatures": {
+                            BYTES_SIGNATURE: {"input": "image_bytes", "output": OUTPUT_KEY},
+                            PIXELS_SIGNATURE: {"input": "images", "output": OUTPUT_KEY},
+                        },
+                        "image_size": list(image_size),
+                        "crop_fraction": crop_fraction,
+                        "resize_method": resize_method,
+                        "antialias": antialias,
+                        "max_pixels": max_pixels,
+                        "max_request_pixels": max_request_pixels,
+                        "embedding_dim": int(model.output_shape[-1]),
+                        "whitening": whitening is not None,
+                        "model_name": model.name,
                     },
-                    "image_size": list(image_size),
-                    "crop_fraction": crop_fraction,
-                    "resize_method": resize_method,
-                    "antialias": antialias,
-                    "max_pixels": max_pixels,
-                    "max_request_pixels": max_request_pixels,
-                    "embedding_dim": int(model.output_shape[-1]),
-                    "whitening": whitening is not None,
-                    "model_name": model.name,
-                },
-                f,
-                indent=2,
-            )
-        faults.no_space("export_enospc", path=os.path.join(tmp, "saved_model.pb"))
-        atomic.replace_folder(tmp, target)
-    except BaseException as err:
-        shutil.rmtree(tmp, ignore_errors=True)  # a partial version would keep the disk full
-        if atomic.is_disk_full(err) and not isinstance(err, atomic.DiskFullError):
-            raise atomic.DiskFullError(target, needed, atomic.free_bytes(path)) from None
-        raise
-    return target
+                    f,
+                    indent=2,
+                )
+            faults.no_space("export_enospc", path=os.path.join(tmp, "saved_model.pb"))
+            atomic.replace_folder(tmp, target)
+        except BaseException as err:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial version would keep the disk full
+            if atomic.is_disk_full(err) and not isinstance(err, atomic.DiskFullError):
+                raise atomic.DiskFullError(target, needed, atomic.free_bytes(path)) from None
+            raise
+        return target
