@@ -222,6 +222,7 @@ def test_train_killed_anywhere_resumes_and_loses_at_most_one_epoch(trained_run):
     assert _epochs_begun(outputs[-1]) == []
 
 
+@pytest.mark.slow
 def test_train_log_holds_no_terminal_escape_codes(trained_run):
     """stdout is a pipe here, as when redirected to a log: one line per epoch."""
     _, runs = trained_run
@@ -235,6 +236,7 @@ def test_train_log_holds_no_terminal_escape_codes(trained_run):
 # subprocess would pay TensorFlow's import again (the test budget is tight).
 
 
+@pytest.mark.slow
 def test_quiet_and_verbose_set_what_a_command_shows(trained_run, workspace, capsys):
     """On the finished run (`train` only says there is nothing to do): the line is
     there by default, gone with --quiet (before or after the command name), and
@@ -269,6 +271,7 @@ def test_quiet_and_verbose_set_what_a_command_shows(trained_run, workspace, caps
                for h in logging.getLogger("tfaploss").handlers)
 
 
+@pytest.mark.slow
 def test_evaluate_prints_the_table_and_writes_json(trained_run, workspace, tmp_path, capsys):
     from tfaploss.cli import main
 
@@ -380,6 +383,7 @@ def test_untrained_baseline_is_the_model_train_starts_from(workspace, tmp_path, 
         assert metrics[key] == pytest.approx(summary["final_metrics"][key], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_diverging_learning_rate_stops_training_and_saves_nothing(workspace, tmp_path,
                                                                    capsys):
     from tfaploss.cli import main
@@ -399,6 +403,7 @@ def test_diverging_learning_rate_stops_training_and_saves_nothing(workspace, tmp
     assert not list(run_dir.glob("backup/*.weights.h5"))
 
 
+@pytest.mark.slow
 def test_nan_in_epoch_two_stops_before_its_checkpoint(workspace, tmp_path, capsys):
     from tfaploss.cli import main
     from tfaploss.durable import faults
@@ -575,6 +580,7 @@ def test_tensorflow_log_level_is_quiet_unless_asked_for(monkeypatch):
     assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "1"  # the user's choice is kept
 
 
+@pytest.mark.slow
 def test_an_extra_failing_at_the_final_evaluation_never_costs_the_summary(
         workspace, tmp_path, monkeypatch, capsys):
     """Installed, so the start-up check passes, but broken when the final evaluation

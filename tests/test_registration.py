@@ -106,6 +106,7 @@ def test_plain_keras_load_after_import_tfaploss(saved):
             "L2Normalize"} <= set(out["layers"])
 
 
+@pytest.mark.slow
 def test_keras_alone_names_the_tfaploss_package(saved):
     out = _result(saved["children"]["keras_only"])
     # Keras cannot import an unknown package by itself; its error names the class by

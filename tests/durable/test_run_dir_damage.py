@@ -273,6 +273,7 @@ FINISHED = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant, damage, name, words",
                          UNFINISHED + FINISHED, ids=[v[0] for v in UNFINISHED + FINISHED])
 def test_a_damaged_run_dir_stops_with_exit_2_naming_the_file(runs, tmp_path, variant,
