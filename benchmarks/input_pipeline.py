@@ -69,6 +69,29 @@ def write_records(images: str, out: str) -> str:
     return os.path.join(out, "train")
 
 
+def add_data_arguments(p, num_images: int, num_classes: int) -> None:
+    """The synthetic data's options: how many JPEGs, of how many classes, how large, and
+    where to keep them."""
+    p.add_argument("--num_images", type=int, default=num_images)
+    p.add_argument("--num_classes", type=int, default=num_classes)
+    p.add_argument("--image_size_on_disk", default="500x375", help="WxH of the JPEGs")
+    p.add_argument("--workdir", default=None, help="keep (and reuse) the generated data here")
+
+
+def prepare_split(args, work: str) -> str:
+    """The training split of ``args``' synthetic JPEGs, as TFRecords written by the
+    folder job, under ``work``; what is already there is reused."""
+    images, records = os.path.join(work, "images"), os.path.join(work, "records")
+    if not os.path.isdir(images):
+        w, h = (int(v) for v in args.image_size_on_disk.split("x"))
+        print(f"generating {args.num_images} {w}x{h} JPEGs...", flush=True)
+        generate_jpegs(images, args.num_images, args.num_classes, (w, h))
+    if not os.path.isdir(os.path.join(records, "train")):
+        print("writing TFRecords with the folder job...", flush=True)
+        write_records(images, records)
+    return os.path.join(records, "train")
+
+
 def build_run(args, split: str):
     """Dataset, compiled model and config, as ``tfaploss.run.trainer.train`` makes them."""
     import keras
@@ -128,10 +151,7 @@ def main(argv=None) -> int:
     p.add_argument("--cached", type=int, default=4, help="distinct batches replayed")
     p.add_argument("--rounds", type=int, default=2,
                    help="interleaved (cached, pipeline) timings; the best of each is kept")
-    p.add_argument("--num_images", type=int, default=1200)
-    p.add_argument("--num_classes", type=int, default=100)
-    p.add_argument("--image_size_on_disk", default="500x375", help="WxH of the JPEGs")
-    p.add_argument("--workdir", default=None, help="keep (and reuse) the generated data here")
+    add_data_arguments(p, num_images=1200, num_classes=100)
     harness.add_arguments(p, harness.RESULTS_DIR / "input_pipeline.json",
                           quick_help="small CNN at 64x64, B=64, 400 images of 50 classes, "
                                      "one round: a check that runs in minutes",
@@ -155,15 +175,7 @@ def main(argv=None) -> int:
 
     work = args.workdir or tempfile.mkdtemp(prefix="tfaploss_input_")
     try:
-        images, records = os.path.join(work, "images"), os.path.join(work, "records")
-        if not os.path.isdir(images):
-            w, h = (int(v) for v in args.image_size_on_disk.split("x"))
-            print(f"generating {args.num_images} {w}x{h} JPEGs...", flush=True)
-            generate_jpegs(images, args.num_images, args.num_classes, (w, h))
-        if not os.path.isdir(os.path.join(records, "train")):
-            print("writing TFRecords with the folder job...", flush=True)
-            write_records(images, records)
-        split = os.path.join(records, "train")
+        split = prepare_split(args, work)
 
         import tensorflow as tf
 

@@ -46,6 +46,7 @@ sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, HERE)
 
 import harness
+import input_pipeline
 
 
 def _wait_for(path: str) -> None:
@@ -182,10 +183,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="batches before each window")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num_images", type=int, default=600)
-    p.add_argument("--num_classes", type=int, default=50)
-    p.add_argument("--image_size_on_disk", default="500x375", help="WxH of the JPEGs")
-    p.add_argument("--workdir", default=None, help="keep (and reuse) the generated data here")
+    input_pipeline.add_data_arguments(p, num_images=600, num_classes=50)
     harness.add_arguments(p, harness.RESULTS_DIR / "sharded_input.json",
                           quick_help="240 JPEGs of 30 classes, B=32, 3 s windows, one round, "
                                      "the one-process run only before the ranks",
@@ -213,19 +211,9 @@ def main(argv=None) -> int:
             p.error(f"--batch {args.batch} must split into {w} shards of a multiple of "
                     f"m={args.m} images")
 
-    import input_pipeline
-
     work = args.workdir or tempfile.mkdtemp(prefix="tfaploss_sharded_")
     try:
-        images, records = os.path.join(work, "images"), os.path.join(work, "records")
-        if not os.path.isdir(images):
-            size = tuple(int(v) for v in args.image_size_on_disk.split("x"))
-            print(f"generating {args.num_images} {args.image_size_on_disk} JPEGs...", flush=True)
-            input_pipeline.generate_jpegs(images, args.num_images, args.num_classes, size)
-        if not os.path.isdir(os.path.join(records, "train")):
-            print("writing TFRecords with the folder job...", flush=True)
-            input_pipeline.write_records(images, records)
-        split = os.path.join(records, "train")
+        split = input_pipeline.prepare_split(args, work)
         load_before = os.getloadavg()
         print(f"B={args.batch}, m={args.m}, {args.image_size}² crops of "
               f"{args.image_size_on_disk} JPEGs; {os.cpu_count()} CPUs; load average "
