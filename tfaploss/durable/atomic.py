@@ -264,6 +264,15 @@ def replace_folder(staged: str | os.PathLike, final: str | os.PathLike) -> None:
     fsync_dir(os.path.dirname(final) or ".")
 
 
+def interrupted_replacements(parent: str | os.PathLike) -> list[str]:
+    """The folders of ``parent`` whose :func:`replace_folder` was killed between its two
+    renames (each one's old copy is still set aside): what :func:`recover_folder` is for."""
+    parent = os.fspath(parent)
+    bases = [name[1:-len(".previous")] for name in sorted(os.listdir(parent))
+             if name.startswith(".") and name.endswith(".previous")]
+    return [os.path.join(parent, base) for base in bases if base]
+
+
 def recover_folder(final: str | os.PathLike) -> None:
     """Undo a :func:`replace_folder` killed between its two renames: the old folder is
     put back if the new one never arrived, else deleted."""

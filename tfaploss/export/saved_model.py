@@ -41,13 +41,13 @@ def recover_export_folder(path) -> list[str]:
     (:func:`tfaploss.durable.atomic.recover_folder`), and ``.tmp-*`` staging folders
     are deleted: the caller holds the folder's lock, so no export is writing them.
     """
-    removed = []
-    for name in sorted(os.listdir(path)):
-        if name.startswith(".") and name.endswith(".previous") and name[1:-9].isdigit():
-            atomic.recover_folder(os.path.join(path, name[1:-9]))
-        elif name.startswith(".tmp-") and os.path.isdir(os.path.join(path, name)):
-            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
-            removed.append(name)
+    for final in atomic.interrupted_replacements(path):
+        if os.path.basename(final).isdigit():
+            atomic.recover_folder(final)
+    removed = [name for name in sorted(os.listdir(path))
+               if name.startswith(".tmp-") and os.path.isdir(os.path.join(path, name))]
+    for name in removed:
+        shutil.rmtree(os.path.join(path, name), ignore_errors=True)
     if removed:
         logger.warning("export: removed %d staging folder(s) that a killed export left in "
                        "%s: %s", len(removed), path, ", ".join(removed))
