@@ -180,6 +180,8 @@ def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):
     p = None
     try:
         if pool_token is not None:
+            # Read back from the work lists (lazily, up to the limit): the tasks then hold
+            # the records exactly as Beam hands them to ProcessBatchDoFn.
             W.submit_ahead(pool_token, (b for c in chunks for b in L.read_work_chunk(c)),
                            settings, root, parts_dir, AHEAD_IMAGES_PER_PROCESS * processes)
         beam = console.import_beam_quietly()
