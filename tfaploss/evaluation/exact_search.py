@@ -120,9 +120,9 @@ def _decode(keys: np.ndarray):
     return scores, indices
 
 
-def _kth_largest_bound(s: np.ndarray, k: int) -> np.ndarray:
-    """Per row, an ``x`` such that every score ``<= x`` has ``k`` scores of the row
-    strictly above it (so it cannot enter a top-k that already saw the row).
+def kth_of_group_maxima(s: np.ndarray, k: int) -> np.ndarray:
+    """Per row, a value at most the row's k-th largest, in about one pass (any
+    ordered dtype).
 
     The k-th largest of the maxima of disjoint groups is at most the row's own k-th
     largest (k groups hold a score at least that large), and folding the row in halves
@@ -133,8 +133,13 @@ def _kth_largest_bound(s: np.ndarray, k: int) -> np.ndarray:
     while m.shape[1] >= 8 * k:
         half = m.shape[1] // 2  # an odd last column is left out: still a lower bound
         m = np.maximum(m[:, :half], m[:, half:2 * half])
-    kth = np.partition(m, m.shape[1] - k, axis=1)[:, m.shape[1] - k]
-    return np.nextafter(kth, np.float32(-np.inf))
+    return np.partition(m, m.shape[1] - k, axis=1)[:, m.shape[1] - k]
+
+
+def _kth_largest_bound(s: np.ndarray, k: int) -> np.ndarray:
+    """Per row, an ``x`` such that every score ``<= x`` has ``k`` scores of the row
+    strictly above it (so it cannot enter a top-k that already saw the row)."""
+    return np.nextafter(kth_of_group_maxima(s, k), np.float32(-np.inf))
 
 
 class _RunningTopk:

@@ -213,6 +213,14 @@ class ExactSearcher(Searcher):
     * ``"auto"`` (default): ``"tensorflow"`` when TensorFlow is already imported and
       sees a GPU, else ``"numpy"``.
 
+    On CPUs with bfloat16 matrix units (AMX, AVX512-BF16) the numpy engine can run a
+    **bfloat16 prefilter** (:mod:`tfaploss.evaluation.bfloat16_prefilter`): a bfloat16
+    product (PyTorch's where installed, else TensorFlow's) picks every candidate that a
+    rigorous error bound cannot rule out, and float32 re-scores them. The result is the
+    exact top-k all the same (the bound also covers float32's own rounding); on 300k x
+    128, k = 100 it ran at 1.2-1.3x the speed of the bare float32 product with PyTorch,
+    0.8-0.9x with TensorFlow, against 0.65-0.74x without it (docs/search.md).
+
     Cost: ``O(Q * N * D)`` multiply-adds; memory ``O(query_chunk * database_chunk)``
     per thread for the score tile plus ``O(Q * k)`` for the results, so a 1M x 512
     database (2 GB of float32) is searched with a few tens of MB on top.
@@ -224,6 +232,10 @@ class ExactSearcher(Searcher):
         chunks is merged with each new chunk (default 8192 numpy, 65536 tensorflow).
       engine: ``"auto"``, ``"numpy"`` or ``"tensorflow"``.
       num_threads: threads of the numpy engine (0: every core this process may use).
+      prefilter: ``"auto"`` (default: the bfloat16 prefilter when the CPU has
+        bfloat16 units, the product is checked to accumulate in float32, and a search
+        has at least 2^32 multiply-adds), ``"bfloat16"`` (always; a ValueError where it
+        cannot run) or ``"none"``. The numpy engine only.
     """
 
     backend = "exact"
@@ -236,8 +248,17 @@ class ExactSearcher(Searcher):
 
     def __init__(self, database, query_chunk: int | None = None,
                  database_chunk: int | None = None, engine: str = "auto",
-                 num_threads: int = 0):
+                 num_threads: int = 0, prefilter: str = "auto"):
         super().__init__(database)
+        if prefilter not in ("auto", "bfloat16", "none"):
+            raise ValueError(f"`prefilter` must be 'auto', 'bfloat16' or 'none'; "
+                             f"received {prefilter!r}.")
+        if prefilter == "bfloat16":
+            from tfaploss.evaluation import bfloat16_prefilter
+
+            product, why = bfloat16_prefilter.choose_product()
+            if product is None:
+                raise ValueError(f"`prefilter='bfloat16'` cannot run here: {why}.")
         if engine not in ("auto", "tensorflow", "numpy"):
             raise ValueError(f"`engine` must be 'auto', 'tensorflow' or 'numpy'; "
                              f"received {engine!r}.")
@@ -251,7 +272,10 @@ class ExactSearcher(Searcher):
         self.query_chunk = None if query_chunk is None else int(query_chunk)
         self.database_chunk = None if database_chunk is None else int(database_chunk)
         self.num_threads = int(num_threads)
+        self.prefilter = prefilter
         self._tf_db = None
+        self._prepared = None  # the database in bfloat16, made at the first prefiltered search
+        self._prepared_failed = False
 
     @property
     def resolved_engine(self) -> str:
@@ -269,7 +293,20 @@ class ExactSearcher(Searcher):
 
     def _config(self):
         return {"query_chunk": self.query_chunk, "database_chunk": self.database_chunk,
-                "engine": self.engine, "num_threads": self.num_threads}
+                "engine": self.engine, "num_threads": self.num_threads,
+                "prefilter": self.prefilter}
+
+    def resolved_prefilter(self, num_queries: int) -> str | None:
+        """The bfloat16 product a search of ``num_queries`` queries prefilters with
+        (``"torch"`` or ``"tensorflow"``), or None when it runs in float32 alone."""
+        if self.prefilter == "none" or self.resolved_engine != "numpy":
+            return None
+        from tfaploss.evaluation import bfloat16_prefilter
+
+        if self.prefilter == "auto" and not bfloat16_prefilter.worthwhile(
+                num_queries, self.size, self.dim):
+            return None
+        return bfloat16_prefilter.choose_product()[0]
 
     def _save(self, directory):
         atomic.atomic_write(os.path.join(directory, "database.npy"),
@@ -280,18 +317,43 @@ class ExactSearcher(Searcher):
     def _load(cls, directory, meta):
         db = np.load(os.path.join(directory, "database.npy"), allow_pickle=False)
         return cls(db, query_chunk=meta["query_chunk"], database_chunk=meta["database_chunk"],
-                   engine=meta["engine"], num_threads=meta.get("num_threads", 0))
+                   engine=meta["engine"], num_threads=meta.get("num_threads", 0),
+                   prefilter=meta.get("prefilter", "auto"))
 
     def _search(self, queries, k):
         engine = self.resolved_engine
         if engine == "numpy":
             from tfaploss.evaluation.exact_search import exact_topk
 
+            prepared = self._prepared_database(len(queries))
+            if prepared is not None and prepared.fits(queries):
+                from tfaploss.evaluation import bfloat16_prefilter
+
+                scores, idx = bfloat16_prefilter.exact_topk(
+                    queries, prepared, k, query_block=self.query_chunk
+                    or bfloat16_prefilter.QUERY_BLOCK, threads=self.num_threads)
+                return idx, scores
             qc, dc = self._chunks(engine)
             scores, idx = exact_topk(queries, self.database, k, query_block=qc,
                                      database_block=dc, threads=self.num_threads)
             return idx, scores
         return self._search_tf(queries, k)
+
+    def _prepared_database(self, num_queries: int):
+        product = self.resolved_prefilter(num_queries)
+        if product is None or self._prepared_failed:
+            return None
+        if self._prepared is None or self._prepared.product.name != product:
+            from tfaploss.evaluation import bfloat16_prefilter
+
+            try:
+                self._prepared = bfloat16_prefilter.PreparedDatabase(
+                    self.database, product,
+                    self.database_chunk or bfloat16_prefilter.DATABASE_BLOCK)
+            except OverflowError:  # rows beyond bfloat16's range: float32 alone
+                self._prepared_failed = True
+                return None
+        return self._prepared
 
     def _search_tf(self, queries, k):
         import tensorflow as tf

@@ -1,0 +1,257 @@
+"""The bfloat16 prefilter of exact search: its bit tricks, its error bound, and that
+the top-k it returns is the float32 top-k, on data made to strain each part."""
+
+import logging
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tfaploss.evaluation import bfloat16_prefilter as bp
+from tfaploss.evaluation import load_searcher
+from tfaploss.evaluation.exact_search import exact_topk as fp32_topk
+from tfaploss.evaluation.searchers import ExactSearcher
+
+ALL_BITS = np.arange(-(1 << 15), 1 << 15, dtype=np.int32).astype(np.int16)
+FINITE_BITS = ALL_BITS[np.isfinite(bp.bfloat16_values(ALL_BITS))]
+
+
+def _products():
+    params = []
+    for name in ("torch", "tensorflow"):
+        why = (None if bp._cpu_has_bfloat16_units()
+               else "the CPU has no bfloat16 matrix units")
+        why = why or bp._product_support(name)
+        params.append(pytest.param(name, marks=pytest.mark.skipif(
+            why is not None, reason=str(why))))
+    return params
+
+
+# -- the bits -------------------------------------------------------------------------
+
+def test_rounding_is_to_nearest_even_like_ml_dtypes():
+    rng = np.random.default_rng(0)
+    x = np.concatenate([
+        rng.standard_normal(20_000).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 20_000),
+        # exact halfway cases, both parities, and the edges of the range
+        bp.bfloat16_values(FINITE_BITS[::97]) * np.float32(1 + 2.0 ** -8),
+        np.array([0.0, -0.0, 1e-45, -1e-45, 1.17e-38, 3.38e38, -3.38e38, 3.4e38],
+                 np.float32)]).astype(np.float32)
+    expected = x.astype(ml_dtypes.bfloat16).view(np.int16)
+    np.testing.assert_array_equal(bp.round_to_bfloat16(x), expected)
+    np.testing.assert_array_equal(bp.bfloat16_values(expected),
+                                  expected.view(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_keys_order_every_finite_bfloat16_like_its_value():
+    values = bp.bfloat16_values(FINITE_BITS)
+    keys = bp._keys(FINITE_BITS)
+    by_key = np.argsort(keys, kind="stable")
+    assert np.all(np.diff(values[by_key]) >= 0)  # -0 sits just below +0: still in order
+    np.testing.assert_array_equal(bp._values(keys), values)
+    # Positive values: the raw bits already are the keys (the compare's fast path).
+    positive = values > 0
+    np.testing.assert_array_equal(keys[positive], FINITE_BITS[positive])
+
+
+@pytest.mark.parametrize("t", [-np.inf, -3.0, -1e-30, -0.0, 0.0, 1e-40, 0.2,
+                               0.70703125, 0.7071, 1.0, 5e37])
+def test_key_at_most_admits_every_value_at_or_above_the_threshold(t):
+    values = bp.bfloat16_values(FINITE_BITS)
+    key = bp._key_at_most(np.array([t]))[0]
+    keys = bp._keys(FINITE_BITS)
+    assert np.all(keys[values >= t] >= key)
+    # ... and not much more: at most one bfloat16 step below the threshold.
+    below = values[(keys >= key) & (values < t)]
+    assert below.size <= 2
+
+
+# -- the error bound ------------------------------------------------------------------
+
+def _strained_data(rng, n, d, nq):
+    """Mixed norms (1e-3 .. 1e3), signs, and exact duplicates of some queries."""
+    db = rng.standard_normal((n, d)).astype(np.float32)
+    db *= (10.0 ** rng.uniform(-3, 3, (n, 1))).astype(np.float32)
+    q = rng.standard_normal((nq, d)).astype(np.float32)
+    q *= (10.0 ** rng.uniform(-2, 2, (nq, 1))).astype(np.float32)
+    db[rng.integers(0, n, nq // 4)] = q[: nq // 4]
+    return db, q
+
+
+@pytest.mark.parametrize("product", _products())
+@pytest.mark.parametrize("d, scale", [(32, 1.0), (131, 1.0), (131, 1e-20)])
+def test_the_error_bound_holds_for_every_score(product, d, scale):
+    """At scale 1e-20 most products are subnormal in float32 (flushed to zero)."""
+    rng = np.random.default_rng(d)
+    db, q = _strained_data(rng, 3000, d, 64)
+    db, q = db * np.float32(scale), q * np.float32(scale)
+    prepared = bp.PreparedDatabase(db, product, database_block=1024)
+    bits = bp.round_to_bfloat16(q)
+    bound = prepared.error_bounds(q, bp.bfloat16_values(bits))
+    handle = prepared.product.from_bits(bits)
+    approx = np.concatenate([bp.bfloat16_values(prepared.product.matmul(handle, b))
+                             for b in prepared.blocks], axis=1).astype(np.float64)
+    exact = q.astype(np.float64) @ db.T.astype(np.float64)
+    err = np.abs(approx - exact)
+    allowed = bp._U_OUT * np.abs(approx) + bound[:, None]
+    assert np.all(err <= allowed)
+    # The bound is not vacuous: the worst score uses a fair share of it (with
+    # subnormals the flush-to-zero terms dominate, and rarely bite in full).
+    assert (err / allowed).max() > (0.1 if scale == 1.0 else 0.01)
+
+
+def test_the_self_check_rejects_products_that_accumulate_or_round_in_bfloat16():
+    class _Emulated:
+        name = "emulated"
+
+        def __init__(self, accumulate_in_bfloat16=False, truncate=False):
+            self.accumulate, self.truncate = accumulate_in_bfloat16, truncate
+
+        def from_bits(self, bits):
+            return bp.bfloat16_values(bits)
+
+        def matmul(self, q, x):
+            if self.accumulate:
+                out = np.zeros((len(q), len(x)), np.float32)
+                for i in range(q.shape[1]):
+                    out = bp.bfloat16_values(bp.round_to_bfloat16(out + np.outer(q[:, i], x[:, i])))
+            else:
+                out = (q @ x.T).astype(np.float32)
+            if self.truncate:
+                return (out.view(np.uint32) >> np.uint32(16)).astype(np.uint16).view(np.int16)
+            return bp.round_to_bfloat16(out)
+
+    assert bp._check_product(_Emulated()) is None
+    assert "accumulate" in bp._check_product(_Emulated(accumulate_in_bfloat16=True))
+    assert "round to nearest" in bp._check_product(_Emulated(truncate=True))
+
+
+# -- the top-k ------------------------------------------------------------------------
+
+def _assert_same_topk(got, want):
+    """Same scores (to float32 re-scoring), same indices except among scores that
+    agree to float32 rounding."""
+    (gs, gi), (ws, wi) = got, want
+    np.testing.assert_allclose(gs, ws, rtol=1e-5, atol=1e-5 * np.abs(ws).max())
+    near = np.abs(gs[:, :, None] - ws[:, None, :]) <= 1e-5 * np.abs(ws).max()
+    differ = gi != wi
+    # Where the indices differ, the scores there have a near-tie in the other result.
+    assert np.all(near.any(axis=2)[differ])
+    assert differ.mean() < 0.05
+
+
+def _clustered(rng, n, d, nq, clusters=50):
+    centres = rng.standard_normal((clusters, d)).astype(np.float32)
+
+    def draw(m):
+        x = centres[rng.integers(0, clusters, m)] + 0.5 * rng.standard_normal((m, d))
+        return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+    return draw(n), draw(nq)
+
+
+@pytest.mark.parametrize("product", _products())
+@pytest.mark.parametrize("case", ["clustered", "strained", "negative", "sorted"])
+def test_the_top_k_is_the_float32_top_k(product, case):
+    rng = np.random.default_rng(7)
+    if case == "clustered":
+        db, q = _clustered(rng, 20_000, 64, 300)
+    elif case == "strained":
+        db, q = _strained_data(rng, 20_000, 48, 300)
+    elif case == "negative":  # every score below zero: the keys' slow path
+        db, q = _clustered(rng, 20_000, 64, 300)
+        db = -np.abs(db)
+        q = np.abs(q)
+    else:  # a database sorted by score for the first query: every block raises the bar
+        db, q = _clustered(rng, 20_000, 64, 300)
+        db = db[np.argsort(db @ q[0])]
+    prepared = bp.PreparedDatabase(db, product, database_block=2048)
+    for k, threads in ((1, 1), (37, 2), (100, 2)):
+        got = bp.exact_topk(q, prepared, k, query_block=128, threads=threads)
+        _assert_same_topk(got, fp32_topk(q, db, k))
+
+
+@pytest.mark.parametrize("product", _products())
+def test_small_and_ragged_shapes(product):
+    rng = np.random.default_rng(3)
+    db, q = _clustered(rng, 5000, 40, 70)
+    # database smaller than k in a shard, a last partial block, one query
+    prepared = bp.PreparedDatabase(db[:150], product, database_block=64)
+    _assert_same_topk(bp.exact_topk(q, prepared, 120, query_block=16, threads=2),
+                      fp32_topk(q, db[:150], 120))
+    prepared = bp.PreparedDatabase(db, product, database_block=1000)
+    _assert_same_topk(bp.exact_topk(q[:1], prepared, 10, threads=2), fp32_topk(q[:1], db, 10))
+
+
+@pytest.mark.parametrize("product", _products())
+def test_a_database_of_duplicates_falls_back_to_float32_and_keeps_memory_bounded(
+        product, monkeypatch, caplog):
+    rng = np.random.default_rng(5)
+    row = rng.standard_normal((1, 32)).astype(np.float32)
+    db = np.repeat(row, 6000, axis=0)
+    db[::7] += 1e-3  # a few rows score differently
+    q = rng.standard_normal((20, 32)).astype(np.float32)
+    monkeypatch.setattr(bp, "MAX_CANDIDATES", 2000)
+    prepared = bp.PreparedDatabase(db, product, database_block=1024)
+    with caplog.at_level(logging.INFO, logger=bp.__name__):
+        got = bp.exact_topk(q, prepared, 50, query_block=8, threads=1)
+    assert "searched in float32" in caplog.text
+    want = fp32_topk(q, db, 50)
+    np.testing.assert_array_equal(got[1], want[1])  # ties by index, like float32
+    np.testing.assert_array_equal(got[0], want[0])
+
+
+# -- the searcher ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("product", _products())
+def test_exact_searcher_with_the_prefilter(product, tmp_path, monkeypatch):
+    monkeypatch.setattr(bp, "choose_product", lambda: (product, None))
+    rng = np.random.default_rng(11)
+    db, q = _clustered(rng, 12_000, 64, 200)
+    plain = ExactSearcher(db, prefilter="none")
+    fast = ExactSearcher(db, prefilter="bfloat16")
+    assert fast.resolved_prefilter(len(q)) == product
+    assert plain.resolved_prefilter(len(q)) is None
+    exclude = np.arange(len(q)) * 3
+    got_i, got_s = fast.search(q, 25, exclude=exclude)
+    want_i, want_s = plain.search(q, 25, exclude=exclude)
+    _assert_same_topk((got_s, got_i), (want_s, want_i))
+    assert not np.any(got_i == exclude[:, None])
+    restored = load_searcher(fast.serialize(str(tmp_path / "s")))
+    assert restored.get_config()["prefilter"] == "bfloat16"
+    np.testing.assert_array_equal(restored.search(q, 25)[0], fast.search(q, 25)[0])
+
+
+def test_auto_leaves_small_searches_in_float32(monkeypatch):
+    called = []
+    monkeypatch.setattr(bp, "choose_product", lambda: called.append(1) or ("torch", None))
+    searcher = ExactSearcher(np.ones((1000, 64), np.float32))
+    assert searcher.resolved_prefilter(100) is None
+    assert not called  # nothing imported, nothing checked
+    assert bp.worthwhile(2000, 300_000, 128)
+
+
+def test_prefilter_argument_errors(monkeypatch):
+    db = np.ones((10, 4), np.float32)
+    with pytest.raises(ValueError, match=r"`prefilter`.*'fast'"):
+        ExactSearcher(db, prefilter="fast")
+    monkeypatch.setattr(bp, "choose_product", lambda: (None, "the CPU has no bfloat16 units"))
+    with pytest.raises(ValueError, match="cannot run here: the CPU has no bfloat16 units"):
+        ExactSearcher(db, prefilter="bfloat16")
+
+
+@pytest.mark.parametrize("big", [3.4e38, 1e36, 1e20])
+def test_scores_near_float32_range_are_searched_in_float32(monkeypatch, big):
+    """3.4e38 rounds to infinity in bfloat16; 1e36 and 1e20 stay finite but their
+    scores (or norms) could overflow, and the bound assumes none does."""
+    monkeypatch.setattr(bp, "choose_product", lambda: ("tensorflow", None))
+    prefiltered = []
+    real = bp.exact_topk
+    monkeypatch.setattr(bp, "exact_topk", lambda *a, **kw: prefiltered.append(1) or real(*a, **kw))
+    db = np.ones((300, 8), np.float32)
+    db[5] = big
+    q = np.full((2, 8), 1e12 if big == 1e20 else 1.0, np.float32)
+    searcher = ExactSearcher(db, prefilter="bfloat16")
+    with np.errstate(over="ignore"):
+        idx, _ = searcher.search(q, 3)
+    assert idx[0, 0] == 5 and not prefiltered
