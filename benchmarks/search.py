@@ -12,7 +12,11 @@ Every figure is printed beside the floor it cannot beat, measured in the same ru
    the bare float32 product ``queries @ database.T`` with nothing selected (the best of
    one call and of the same product in tiles written into a reused buffer), timed
    in turn with the search (best of ``--repeats`` each), in wall time and in CPU
-   seconds (robust to a busy machine). Target: >= 0.8 of the floor.
+   seconds (robust to a busy machine). Target: >= 0.8 of the floor. Contenders:
+   float32 alone (``prefilter="none"``: any CPU), the bfloat16 prefilter with each
+   product that can run here (PyTorch, TensorFlow; CPUs with AMX or AVX512-BF16), and
+   the default, which picks one; beside them the bare bfloat16 products, the
+   prefilter's own floor.
 2. **Approximate search** at k = ``--ann_k`` (10), every searcher tuned to each target
    recall@10 of ``--target_recall`` (0.9, 0.95, 0.99) on 1,000 *tuning* queries and
    then measured on the 1,000 *test* queries, which no tuner saw (both drawn from the
@@ -65,6 +69,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import harness
 
+from tfaploss.evaluation import bfloat16_prefilter
 from tfaploss.evaluation.exact_search import available_threads
 from tfaploss.evaluation.faiss_search import FaissSearcher, FaissSetting
 from tfaploss.evaluation.searchers import ExactSearcher, ScannSearcher
@@ -172,35 +177,76 @@ class Table:
         print(f"  {what:<44} {value:10.1f} {unit}{tail}{more}", flush=True)
 
 
+def bfloat16_product(queries, db, product):
+    """The bare bfloat16 product of the prefilter (its own floor), in database blocks,
+    or None where that product cannot run."""
+    if bfloat16_prefilter.choose_product(product)[0] is None:
+        return None
+    prepared = bfloat16_prefilter.PreparedDatabase(db, product)
+    q = prepared.product.from_bits(bfloat16_prefilter.round_to_bfloat16(queries))
+    return lambda: [prepared.product.matmul(q, block) for block in prepared.blocks]
+
+
+def exact_contenders(db, queries, k):
+    """(name, searcher) of exact search: float32 alone and, where the CPU can, each
+    bfloat16 prefilter; the default's name says what it resolved to."""
+    out = [("exact float32 alone", ExactSearcher(db, prefilter="none"))]
+    for product in ("torch", "tensorflow"):
+        if bfloat16_prefilter.choose_product(product)[0] is not None:
+            out.append((f"exact, bfloat16 prefilter ({product})",
+                        ExactSearcher(db, prefilter=f"bfloat16-{product}")))
+    default = ExactSearcher(db)
+    resolved = default.resolved_prefilter(len(queries))
+    out.append((f"exact default ({'bfloat16 ' + resolved if resolved else 'float32'})",
+                default))
+    return out
+
+
 def bench_exact(table, label, db, queries, args):
-    """Exact search against the bare product, interleaved (product variants, search,
-    product variants, ...; the best of ``--repeats`` each), in wall time and in CPU
-    seconds of this process: on a busy machine the CPU seconds measure the work
-    without the time lost waiting for a core."""
-    exact = ExactSearcher(db)
-    exact.search(queries[:8], args.k)  # warm-up (thread pool)
+    """Exact search against the bare float32 product, interleaved (product variants,
+    each searcher, product variants, ...; the best of ``--repeats`` each), in wall time
+    and in CPU seconds of this process: on a busy machine the CPU seconds measure the
+    work without the time lost waiting for a core. Each searcher runs once before the
+    timing (thread pools; the prefilter's bfloat16 copy of the database, timed apart)."""
+    contenders = exact_contenders(db, queries, args.k)
+    for name, searcher in contenders:
+        t0 = time.perf_counter()
+        searcher.search(queries, args.k)
+        if searcher._prepared is not None:
+            table.add("exact", label, f"{name}: its first search (bfloat16 copy made)",
+                      time.perf_counter() - t0, "s")
     variants = product_variants(queries, db)
-    wall = {"floor": np.inf, "exact": np.inf}
+    wall = {"floor": np.inf, **{name: np.inf for name, _ in contenders}}
     cpu = dict(wall)
+    runs = [("floor", v) for v in variants] + [
+        (name, lambda s=searcher: s.search(queries, args.k)) for name, searcher in contenders]
+    for product in ("torch", "tensorflow"):
+        fn = bfloat16_product(queries, db, product)
+        if fn is not None:
+            runs.append((f"bare bfloat16 product ({product})", fn))
+            wall[runs[-1][0]] = cpu[runs[-1][0]] = np.inf
     for _ in range(max(args.repeats, 1)):
-        for name, fn in [("floor", v) for v in variants] + [
-                ("exact", lambda: exact.search(queries, args.k))]:
+        for name, fn in runs:
             c0, t0 = time.process_time(), time.perf_counter()
             fn()
             wall[name] = min(wall[name], time.perf_counter() - t0)
             cpu[name] = min(cpu[name], time.process_time() - c0)
     floor_qps = len(queries) / wall["floor"]
-    table.add("exact", label, f"exact numpy, k={args.k}", len(queries) / wall["exact"], "q/s",
-              floor_qps, "bare product q @ db.T")
-    table.add("exact", label, f"exact numpy, k={args.k}, per CPU second",
-              len(queries) / cpu["exact"], "q/CPU-s", len(queries) / cpu["floor"],
-              "bare product per CPU second")
+    for name in wall:
+        if name == "floor":
+            continue
+        what = name if name.startswith("bare") else f"{name}, k={args.k}"
+        table.add("exact", label, what, len(queries) / wall[name], "q/s",
+                  floor_qps, "bare float32 product q @ db.T")
+        if not name.startswith("bare"):
+            table.add("exact", label, f"{what}, per CPU second", len(queries) / cpu[name],
+                      "q/CPU-s", len(queries) / cpu["floor"], "bare product per CPU second")
     if args.with_tf:
         tf_exact = ExactSearcher(db, engine="tensorflow")
         _, t_tf = timed_search(tf_exact.search, queries, args.k, 1)
         table.add("exact", label, f"exact tensorflow (before), k={args.k}",
                   len(queries) / t_tf, "q/s", floor_qps, "bare product q @ db.T")
-    return exact, floor_qps
+    return contenders[-1][1], floor_qps
 
 
 def bench_ann(table, label, db, queries, tune_queries, exact, args):

@@ -205,11 +205,10 @@ def test_a_database_of_duplicates_falls_back_to_float32_and_keeps_memory_bounded
 
 @pytest.mark.parametrize("product", _products())
 def test_exact_searcher_with_the_prefilter(product, tmp_path, monkeypatch):
-    monkeypatch.setattr(bp, "choose_product", lambda: (product, None))
     rng = np.random.default_rng(11)
     db, q = _clustered(rng, 12_000, 64, 200)
     plain = ExactSearcher(db, prefilter="none")
-    fast = ExactSearcher(db, prefilter="bfloat16")
+    fast = ExactSearcher(db, prefilter=f"bfloat16-{product}")
     assert fast.resolved_prefilter(len(q)) == product
     assert plain.resolved_prefilter(len(q)) is None
     exclude = np.arange(len(q)) * 3
@@ -218,13 +217,13 @@ def test_exact_searcher_with_the_prefilter(product, tmp_path, monkeypatch):
     _assert_same_topk((got_s, got_i), (want_s, want_i))
     assert not np.any(got_i == exclude[:, None])
     restored = load_searcher(fast.serialize(str(tmp_path / "s")))
-    assert restored.get_config()["prefilter"] == "bfloat16"
+    assert restored.get_config()["prefilter"] == f"bfloat16-{product}"
     np.testing.assert_array_equal(restored.search(q, 25)[0], fast.search(q, 25)[0])
 
 
 def test_auto_leaves_small_searches_in_float32(monkeypatch):
     called = []
-    monkeypatch.setattr(bp, "choose_product", lambda: called.append(1) or ("torch", None))
+    monkeypatch.setattr(bp, "choose_product", lambda only=None: called.append(1) or ("torch", None))
     searcher = ExactSearcher(np.ones((1000, 64), np.float32))
     assert searcher.resolved_prefilter(100) is None
     assert not called  # nothing imported, nothing checked
@@ -235,23 +234,26 @@ def test_prefilter_argument_errors(monkeypatch):
     db = np.ones((10, 4), np.float32)
     with pytest.raises(ValueError, match=r"`prefilter`.*'fast'"):
         ExactSearcher(db, prefilter="fast")
-    monkeypatch.setattr(bp, "choose_product", lambda: (None, "the CPU has no bfloat16 units"))
-    with pytest.raises(ValueError, match="cannot run here: the CPU has no bfloat16 units"):
-        ExactSearcher(db, prefilter="bfloat16")
+    monkeypatch.setattr(bp, "_cpu_has_bfloat16_units", lambda: False)
+    for prefilter in ("bfloat16", "bfloat16-torch", "bfloat16-tensorflow"):
+        with pytest.raises(ValueError, match=f"`prefilter='{prefilter}'` cannot run here: "
+                                             "the CPU has no bfloat16 matrix units"):
+            ExactSearcher(db, prefilter=prefilter)
+    assert ExactSearcher(np.ones((10, 64), np.float32)).resolved_prefilter(10**8) is None
 
 
+@pytest.mark.parametrize("product", _products())
 @pytest.mark.parametrize("big", [3.4e38, 1e36, 1e20])
-def test_scores_near_float32_range_are_searched_in_float32(monkeypatch, big):
+def test_scores_near_float32_range_are_searched_in_float32(monkeypatch, big, product):
     """3.4e38 rounds to infinity in bfloat16; 1e36 and 1e20 stay finite but their
     scores (or norms) could overflow, and the bound assumes none does."""
-    monkeypatch.setattr(bp, "choose_product", lambda: ("tensorflow", None))
     prefiltered = []
     real = bp.exact_topk
     monkeypatch.setattr(bp, "exact_topk", lambda *a, **kw: prefiltered.append(1) or real(*a, **kw))
     db = np.ones((300, 8), np.float32)
     db[5] = big
     q = np.full((2, 8), 1e12 if big == 1e20 else 1.0, np.float32)
-    searcher = ExactSearcher(db, prefilter="bfloat16")
+    searcher = ExactSearcher(db, prefilter=f"bfloat16-{product}")
     with np.errstate(over="ignore"):
         idx, _ = searcher.search(q, 3)
     assert idx[0, 0] == 5 and not prefiltered

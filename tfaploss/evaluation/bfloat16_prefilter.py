@@ -167,12 +167,13 @@ def _product_support(name: str) -> str | None:
     return _check_product(_PRODUCTS[name]())
 
 
-def choose_product() -> tuple[str | None, str | None]:
-    """(the fastest product that can run the prefilter here, or None; why none can)."""
+def choose_product(only: str | None = None) -> tuple[str | None, str | None]:
+    """(the fastest product that can run the prefilter here, or None; why none can).
+    ``only``: consider that product alone."""
     if not _cpu_has_bfloat16_units():
         return None, "the CPU has no bfloat16 matrix units (amx_bf16 or avx512_bf16)"
     reasons = []
-    for name in ("torch", "tensorflow"):
+    for name in (only,) if only else ("torch", "tensorflow"):
         why = _product_support(name)
         if why is None:
             return name, None

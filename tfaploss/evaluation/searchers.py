@@ -235,12 +235,14 @@ class ExactSearcher(Searcher):
       prefilter: ``"auto"`` (default: the bfloat16 prefilter when the CPU has
         bfloat16 units, the product is checked to accumulate in float32, and a search
         has at least 2^32 multiply-adds), ``"bfloat16"`` (always; a ValueError where it
-        cannot run) or ``"none"``. The numpy engine only.
+        cannot run), ``"bfloat16-torch"`` / ``"bfloat16-tensorflow"`` (always, with that
+        product) or ``"none"``. The numpy engine only.
     """
 
     backend = "exact"
     _restores = ("exact",)
     _returns_tie_order = True  # both engines order ties by index (see _tf_chunk_topk)
+    _PREFILTERS = ("auto", "bfloat16", "bfloat16-torch", "bfloat16-tensorflow", "none")
     _DEFAULT_CHUNKS: ClassVar[dict[str, tuple[int, int]]] = {
         # numpy: 512 query rows per BLAS call; 128 spent ~35 % more CPU on the product
         # (300k x 128, k = 100; docs/search.md)
@@ -250,15 +252,15 @@ class ExactSearcher(Searcher):
                  database_chunk: int | None = None, engine: str = "auto",
                  num_threads: int = 0, prefilter: str = "auto"):
         super().__init__(database)
-        if prefilter not in ("auto", "bfloat16", "none"):
-            raise ValueError(f"`prefilter` must be 'auto', 'bfloat16' or 'none'; "
+        if prefilter not in self._PREFILTERS:
+            raise ValueError(f"`prefilter` must be one of {', '.join(self._PREFILTERS)}; "
                              f"received {prefilter!r}.")
-        if prefilter == "bfloat16":
+        if prefilter.startswith("bfloat16"):
             from tfaploss.evaluation import bfloat16_prefilter
 
-            product, why = bfloat16_prefilter.choose_product()
+            product, why = bfloat16_prefilter.choose_product(prefilter.partition("-")[2] or None)
             if product is None:
-                raise ValueError(f"`prefilter='bfloat16'` cannot run here: {why}.")
+                raise ValueError(f"`prefilter={prefilter!r}` cannot run here: {why}.")
         if engine not in ("auto", "tensorflow", "numpy"):
             raise ValueError(f"`engine` must be 'auto', 'tensorflow' or 'numpy'; "
                              f"received {engine!r}.")
@@ -306,7 +308,7 @@ class ExactSearcher(Searcher):
         if self.prefilter == "auto" and not bfloat16_prefilter.worthwhile(
                 num_queries, self.size, self.dim):
             return None
-        return bfloat16_prefilter.choose_product()[0]
+        return bfloat16_prefilter.choose_product(self.prefilter.partition("-")[2] or None)[0]
 
     def _save(self, directory):
         atomic.atomic_write(os.path.join(directory, "database.npy"),
