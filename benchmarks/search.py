@@ -239,11 +239,11 @@ def bench_exact(table, label, db, queries, args):
             wall[name] = min(wall[name], time.perf_counter() - t0)
             cpu[name] = min(cpu[name], time.process_time() - c0)
     floor_qps = len(queries) / wall["floor"]
-    for name in wall:
+    for name, seconds in wall.items():
         if name == "floor":
             continue
         what = name if name.startswith("bare") else f"{name}, k={args.k}"
-        table.add("exact", label, what, len(queries) / wall[name], "q/s",
+        table.add("exact", label, what, len(queries) / seconds, "q/s",
                   floor_qps, "bare float32 product q @ db.T")
         if not name.startswith("bare"):
             table.add("exact", label, f"{what}, per CPU second", len(queries) / cpu[name],

@@ -60,18 +60,20 @@ from tfaploss.evaluation import exact_search as fp32
 
 logger = logging.getLogger(__name__)
 
-QUERY_BLOCK = 512  # 512 x 8192 tiles: 1.1-1.6x the float32 product; 256 or 1024 rows: 0.8-1.3x
+QUERY_BLOCK = 512  # 512 x 8192 tiles: the fastest of those measured (docs/search.md)
 DATABASE_BLOCK = 8192
 MAX_CANDIDATES = 16384  # per row; above this a query block falls back to float32
 _U_OUT = 2.0 ** -8 / (1 - 2.0 ** -8)  # bfloat16 round-to-nearest, relative to the result
 _U32 = 2.0 ** -24
 _SMALLEST_NORMAL = 2.0 ** -126
-# Below this many multiply-adds the float32 path is as fast (and importing TensorFlow,
-# the first time, costs seconds).
+# Searches below this many multiply-adds (~30 ms of float32 product on 2 cores) stay in
+# float32: too short to pay for the prefilter's one-off costs, importing its framework
+# (seconds, once a process) and the bfloat16 copy of the database (~0.6 s at 300k x 128).
 MIN_WORK = 1 << 32
 _CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
+@functools.cache
 def _cpu_has_bfloat16_units() -> bool:
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
@@ -85,7 +87,8 @@ def _cpu_has_bfloat16_units() -> bool:
 
 
 class _TorchProduct:
-    """PyTorch's bfloat16 matmul (oneDNN): about twice TensorFlow's speed here."""
+    """PyTorch's bfloat16 matmul (oneDNN): the faster product in the prefilter's tiles
+    (1.5 against TensorFlow's 1.1 of the float32 product at 300k x 128)."""
 
     name = "torch"
 
@@ -161,7 +164,7 @@ def _check_product(product) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _product_support(name: str) -> str | None:
     if importlib.util.find_spec(name) is None:
         return f"{name} is not installed"

@@ -5,7 +5,8 @@ The backends share one small interface (:class:`Searcher`):
 * ``"exact"`` -- :class:`ExactSearcher`: inner products by matrix multiplication and
   a top-k, blocked over queries *and* database so that a 1M x 512 database never
   needs a (queries x database) matrix in memory. NumPy/BLAS with a threshold top-k
-  on CPUs (close to the bare product's speed), TensorFlow on a GPU.
+  on CPUs (0.63-0.79 of the bare float32 product's speed), ahead of it through a
+  bfloat16 prefilter on CPUs with bfloat16 units; TensorFlow on a GPU.
 * ``"scann"`` -- :class:`ScannSearcher` with ``mode="brute_force"``: ScaNN's exact
   float32 brute force.
 * ``"scann_ah"`` -- :class:`ScannSearcher` with ``mode="ah"``: ScaNN's partitioning
@@ -218,8 +219,8 @@ class ExactSearcher(Searcher):
     product (PyTorch's where installed, else TensorFlow's) picks every candidate that a
     rigorous error bound cannot rule out, and float32 re-scores them. The result is the
     exact top-k all the same (the bound also covers float32's own rounding); on 300k x
-    128, k = 100 it ran at 1.2-1.3x the speed of the bare float32 product with PyTorch,
-    0.8-0.9x with TensorFlow, against 0.65-0.74x without it (docs/search.md).
+    128, k = 100 it ran at 1.5-1.8x the speed of the bare float32 product with PyTorch,
+    1.1-1.15x with TensorFlow, against 0.68-0.74x without it (docs/search.md).
 
     Cost: ``O(Q * N * D)`` multiply-adds; memory ``O(query_chunk * database_chunk)``
     per thread for the score tile plus ``O(Q * k)`` for the results, so a 1M x 512
