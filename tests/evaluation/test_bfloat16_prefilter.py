@@ -68,6 +68,24 @@ def test_key_at_most_admits_every_value_at_or_above_the_threshold(t):
 
 # -- the error bound ------------------------------------------------------------------
 
+def test_admission_drops_only_what_cannot_reach_the_kth_score():
+    """Below the admission threshold an entry's upper bound a + u'|a| + E is below the
+    k-th entry's lower bound lo - u'|lo| - E; just above it, it is not."""
+    rng = np.random.default_rng(1)
+    lo = np.concatenate([rng.uniform(-2, 2, 2000), [0.0, 1e-30, -1e-30, 0.003, -0.003]])
+    bound = 10.0 ** rng.uniform(-8, -1, lo.size)
+    adm = bp._admission(lo, bound)
+    kth_low = lo - bp._U_OUT * np.abs(lo) - bound
+
+    def high(a):
+        return a + bp._U_OUT * np.abs(a) + bound
+
+    step = 1e-7 * (1 + np.abs(adm))
+    assert np.all(high(adm - step) < kth_low)
+    assert np.all(high(adm + step) >= kth_low)
+    assert np.all(np.isneginf(bp._admission(np.array([-np.inf]), np.array([0.1]))))
+
+
 def _strained_data(rng, n, d, nq):
     """Mixed norms (1e-3 .. 1e3), signs, and exact duplicates of some queries."""
     db = rng.standard_normal((n, d)).astype(np.float32)

@@ -249,9 +249,10 @@ class PreparedDatabase:
             back = bfloat16_values(bits)
             if not np.all(np.isfinite(back)):
                 raise OverflowError("the database overflows bfloat16")
-            max_dx = max(max_dx, float(np.linalg.norm(part - back, axis=1).max()))
-            max_x = max(max_x, float(np.linalg.norm(part, axis=1).max()))
-            max_xr = max(max_xr, float(np.linalg.norm(back, axis=1).max()))
+            # float64 norms: the bound must not inherit float32 rounding of its own.
+            max_dx = max(max_dx, _max_norm(part - back))  # x - x^ is exact in float32
+            max_x = max(max_x, _max_norm(part))
+            max_xr = max(max_xr, _max_norm(back))
             self.blocks.append(self.product.from_bits(bits))
         self.max_dx, self.max_x, self.max_xr = max_dx, max_x, max_xr
         d = database.shape[1]
@@ -271,8 +272,13 @@ class PreparedDatabase:
         # Subnormals flushed to zero: inputs (each term at most 2^-126 times the other
         # factor), products and partial sums (2^-126 each), and the output.
         tiny = _SMALLEST_NORMAL * (math.sqrt(self.dim) * (self.max_xr + qr) + 2 * self.dim + 2)
-        return (qr * self.max_dx + dq * self.max_x + self.gamma * qr * self.max_xr
-                + self.gamma * q * self.max_x + tiny)
+        bound = (qr * self.max_dx + dq * self.max_x + self.gamma * qr * self.max_xr
+                 + self.gamma * q * self.max_x + tiny)
+        return bound * (1 + 1e-9)  # float64's own rounding in the lines above
+
+
+def _max_norm(x: np.ndarray) -> float:
+    return float(np.sqrt(np.einsum("ij,ij->i", x, x, dtype=np.float64).max()))
 
 
 def _admission(lo: np.ndarray, bound: np.ndarray) -> np.ndarray:
@@ -282,7 +288,8 @@ def _admission(lo: np.ndarray, bound: np.ndarray) -> np.ndarray:
     t = lo - _U_OUT * np.abs(lo) - 2 * bound  # (lower bound of the k-th true) - E
     with np.errstate(invalid="ignore"):
         a = np.where(t >= 0, t / (1 + _U_OUT), t / (1 - _U_OUT))
-    return np.where(np.isneginf(lo), -np.inf, a * (1 + 1e-12) - 1e-300)
+    # Lowered a little for float64's rounding in the lines above (never raised).
+    return np.where(np.isneginf(lo), -np.inf, a - 1e-12 * np.abs(a) - 1e-300)
 
 
 class _Candidates:
