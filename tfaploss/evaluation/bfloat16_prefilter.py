@@ -411,9 +411,7 @@ def exact_topk(queries: np.ndarray, prepared: PreparedDatabase, k: int, *,
     indices (Q, k) int64), best first, ties by index. Same contract as
     :func:`tfaploss.evaluation.exact_search.exact_topk`."""
     database = prepared.database
-    if len(database) >= fp32.MAX_DATABASE:
-        raise ValueError(f"`database` must have fewer than {fp32.MAX_DATABASE} rows for "
-                         f"exact search; received {len(database)}.")
+    fp32.check_database_size(len(database))
     threads = threads or fp32.available_threads()
     tasks, shards = fp32._plan(len(queries), len(database), query_block, threads)
     # Shards start on block edges, so each task reads whole prepared blocks.
@@ -441,13 +439,4 @@ def exact_topk(queries: np.ndarray, prepared: PreparedDatabase, k: int, *,
         logger.info("exact search: %d of %d query blocks kept more than %d candidates a "
                     "query under the bfloat16 bound and were searched in float32",
                     len(fallbacks), len(tasks), MAX_CANDIDATES)
-    out_s, out_i = [], []
-    for b in range(0, len(results), shards):
-        group = results[b:b + shards]
-        if shards == 1:
-            s, i = group[0]
-        else:
-            s, i = fp32.merge_sorted_topk([g[0] for g in group], [g[1] for g in group], k)
-        out_s.append(s)
-        out_i.append(i)
-    return np.concatenate(out_s), np.concatenate(out_i)
+    return fp32.join_shards(results, shards, k)

@@ -264,13 +264,23 @@ def exact_topk(queries: np.ndarray, database: np.ndarray, k: int, *,
     Cost: ``Q N D`` multiply-adds (BLAS) plus about one comparison per score;
     memory ``threads x query_block x database_block`` floats.
     """
-    if len(database) >= MAX_DATABASE:
-        raise ValueError(f"`database` must have fewer than {MAX_DATABASE} rows for exact "
-                         f"search; received {len(database)}.")
+    check_database_size(len(database))
     threads = threads or available_threads()
     tasks, shards = _plan(len(queries), len(database), query_block, threads)
     results = _run(tasks, lambda t: _topk_range(queries[t[0]:t[1]], database, k, t[2], t[3],
                                                 database_block), threads)
+    return join_shards(results, shards, k)
+
+
+def check_database_size(size: int) -> None:
+    if size >= MAX_DATABASE:
+        raise ValueError(f"`database` must have fewer than {MAX_DATABASE} rows for exact "
+                         f"search; received {size}.")
+
+
+def join_shards(results, shards: int, k: int):
+    """The (scores, indices) of every query block from its tasks' results, in
+    :func:`_plan`'s order (each query block's database shards in turn)."""
     out_s, out_i = [], []
     for b in range(0, len(results), shards):
         group = results[b:b + shards]
