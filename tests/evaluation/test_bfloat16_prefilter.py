@@ -239,6 +239,30 @@ def test_exact_searcher_with_the_prefilter(product, tmp_path, monkeypatch):
     np.testing.assert_array_equal(restored.search(q, 25)[0], fast.search(q, 25)[0])
 
 
+@pytest.mark.parametrize("product", [p for p in _products() if p.values[0] == "torch"])
+def test_overlapping_searches_give_torch_back_its_threads(product):
+    """Search A starts, B starts, A ends (torch must stay single-threaded for B), B
+    ends (torch gets the count A found)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        first, second = bp._TorchProduct(), bp._TorchProduct()
+        a, b = first.one_thread_each(True), second.one_thread_each(True)
+        a.__enter__()
+        b.__enter__()
+        assert torch.get_num_threads() == 1
+        a.__exit__(None, None, None)
+        assert torch.get_num_threads() == 1
+        b.__exit__(None, None, None)
+        assert torch.get_num_threads() == 3
+        with first.one_thread_each(False):
+            assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_auto_leaves_small_searches_in_float32(monkeypatch):
     called = []
     monkeypatch.setattr(bp, "choose_product", lambda only=None: called.append(1) or ("torch", None))

@@ -53,6 +53,7 @@ import functools
 import importlib.util
 import logging
 import math
+import threading
 
 import numpy as np
 
@@ -86,6 +87,9 @@ def _cpu_has_bfloat16_units() -> bool:
     return False
 
 
+_TORCH_THREADS = {"lock": threading.Lock(), "searches": 0, "before": 1}
+
+
 class _TorchProduct:
     """PyTorch's bfloat16 matmul (oneDNN): the faster product in the prefilter's tiles
     (1.5 against TensorFlow's 1.1 of the float32 product at 300k x 128)."""
@@ -112,12 +116,19 @@ class _TorchProduct:
         if not active:
             yield
             return
-        before = self.torch.get_num_threads()
-        self.torch.set_num_threads(1)
+        with _TORCH_THREADS["lock"]:
+            if _TORCH_THREADS["searches"] == 0:
+                _TORCH_THREADS["before"] = self.torch.get_num_threads()
+                self.torch.set_num_threads(1)
+            _TORCH_THREADS["searches"] += 1
         try:
             yield
         finally:
-            self.torch.set_num_threads(before)
+            # The last of concurrent searches restores the count the first one found.
+            with _TORCH_THREADS["lock"]:
+                _TORCH_THREADS["searches"] -= 1
+                if _TORCH_THREADS["searches"] == 0:
+                    self.torch.set_num_threads(_TORCH_THREADS["before"])
 
 
 class _TensorFlowProduct:
