@@ -2,12 +2,13 @@
 candidates, float32 re-scores them, and an error bound makes sure none is missed.
 
 On CPUs with bfloat16 matrix units (Intel AMX, AVX512-BF16), a bfloat16 product runs
-2-3x faster than the float32 one, and no float32 selection can make up for that (the
-selection after a float32 product costs at least ~20 % of it; docs/search.md). So:
+1.4-5x faster than the float32 one (more at larger D), and no float32 selection can
+make up for that (the selection after a float32 product costs at least ~20 % of it;
+docs/search.md). So:
 
 1. **Approximate scores.** Queries and database are rounded to bfloat16 (``q^``,
-   ``x^``) and multiplied by oneDNN (TensorFlow), which accumulates in float32 and
-   rounds each score to bfloat16 (``a``).
+   ``x^``) and multiplied by oneDNN (PyTorch's or TensorFlow's matmul), which
+   accumulates in float32 and rounds each score to bfloat16 (``a``).
 2. **A bound on the error.** With ``dx = x - x^`` and ``dq = q - q^`` known exactly
    (we rounded them) and ``g = D u32 / (1 - D u32)`` (float32 summation, ``u32 =
    2^-24``), for every pair::
@@ -21,9 +22,10 @@ selection after a float32 product costs at least ~20 % of it; docs/search.md). S
    product would rank), and ``tiny`` covers subnormals flushed to zero (inputs,
    products, partial sums and the output).
 3. **Candidates.** If ``a_k`` is a row's k-th largest approximate score, ``k`` entries
-   have a true score at least ``L = a_k - u'|a_k| - E``, so an entry whose upper bound
-   ``a + u'|a| + E`` is below ``L`` cannot be in the top-k. Everything else is kept:
-   about 1.1 k per query on clustered unit-norm embeddings (300k x 128, k = 100).
+   have a true score at least ``L = a_k - u'|a_k| - E`` (``a - u'|a|`` rises with
+   ``a``), so an entry whose upper bound ``a + u'|a| + E`` is below ``L`` cannot be in
+   the top-k. Everything else is kept: about 1.1 k per query on clustered unit-norm
+   embeddings (300k x 128, k = 100).
 4. **Exact re-scoring** of the candidates in float32, and the top-k of those, ties by
    index.
 
@@ -36,7 +38,7 @@ When the bound is loose (a row keeps more than :data:`MAX_CANDIDATES` candidates
 a database of duplicates), that query block is searched by the float32 path instead, so
 memory stays bounded and the result is the same.
 
-The prefilter is used only where it is sound and fast: :func:`support` checks the CPU
+The prefilter is used only where it is sound and fast: :func:`choose_product` checks the CPU
 flags and, once, that the product accumulates in float32 and rounds to nearest (a
 product of 512 ones is 512 and ``1 + 1.25 * 2^-8`` rounds up), which rules out a
 bfloat16 build that accumulates in bfloat16.
