@@ -276,6 +276,8 @@ def test_prefilter_argument_errors(monkeypatch):
     db = np.ones((10, 4), np.float32)
     with pytest.raises(ValueError, match=r"`prefilter`.*'fast'"):
         ExactSearcher(db, prefilter="fast")
+    with pytest.raises(ValueError, match=r"runs on the numpy engine; received engine='tensorflow'"):
+        ExactSearcher(db, prefilter="bfloat16", engine="tensorflow")
     monkeypatch.setattr(bp, "_cpu_has_bfloat16_units", lambda: False)
     for prefilter in ("bfloat16", "bfloat16-torch", "bfloat16-tensorflow"):
         with pytest.raises(ValueError, match=f"`prefilter='{prefilter}'` cannot run here: "

@@ -259,6 +259,10 @@ class ExactSearcher(Searcher):
         if prefilter.startswith("bfloat16"):
             from tfaploss.evaluation import bfloat16_prefilter
 
+            if engine == "tensorflow":
+                raise ValueError(f"`prefilter={prefilter!r}` runs on the numpy engine; "
+                                 f"received engine={engine!r}.")
+
             product, why = bfloat16_prefilter.choose_product(prefilter.partition("-")[2] or None)
             if product is None:
                 raise ValueError(f"`prefilter={prefilter!r}` cannot run here: {why}.")
