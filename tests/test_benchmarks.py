@@ -4,7 +4,8 @@
 The end-to-end run covers ``losses`` (a floor, a memory and a peer figure) and
 ``gpu_losses`` (skipped, and said so, without a GPU). The other scripts each start
 TensorFlow or JAX in one or more fresh processes: 40-130 s apiece in tiny mode on the
-busy 2-core machine, beyond this test's budget, so ``make bench TINY=1`` is their check.
+busy 2-core machine, beyond this test's budget, so ``make bench TINY=1`` is their check;
+the exception is the exact-search section of ``search.py`` (``--exact_only``, ~12 s).
 """
 
 from __future__ import annotations
@@ -191,3 +192,30 @@ def test_every_script_has_a_tiny_mode(suite):
         for arguments in (tiny.values() if isinstance(tiny, dict) else [tiny]):
             assert "--tiny" in arguments, name
         assert (BENCHMARKS / f"{name}.py").read_text().count("args.tiny") >= 1, name
+
+
+@pytest.mark.slow
+def test_search_times_each_exact_contender_beside_the_float32_product(tmp_path):
+    """benchmarks/search.py's exact section (tiny): float32 alone, the default, and the
+    bfloat16 prefilter with each product that can run here, each beside the bare
+    float32 product of the same run; the prefilter's own floor beside it too."""
+    from tfaploss.evaluation import bfloat16_prefilter
+
+    out = tmp_path / "search.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "search.py"), "--tiny", "--exact_only",
+         "--repeats", "1", "--out", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["unit"] == "q/s"]
+    names = {r["what"].split(", k=")[0] for r in rows}
+    products = [p for p in ("torch", "tensorflow")
+                if bfloat16_prefilter.choose_product(p)[0] is not None]
+    assert names == ({"exact float32 alone", "exact default (float32)"}
+                     | {f"exact, bfloat16 prefilter ({p})" for p in products}
+                     | {f"bare bfloat16 product ({p})" for p in products})
+    for r in rows:
+        assert r["floor_what"] == "bare float32 product q @ db.T", r
+        assert r["value"] > 0
+        assert r["ratio"] == pytest.approx(r["value"] / r["floor"], rel=1e-2, abs=1e-3)
