@@ -1,0 +1,30 @@
+"""Time bounds that hold on a crowded CI host.
+
+CPU time is not immune to other tenants: CI once charged 2.63 CPU seconds to a pickle
+refusal that costs 0.06 s, while the whole suite ran 1.5x slower. A bound scaled by
+this thread's speed at the moment still catches unbounded work, which grows with the
+input, not with the host.
+"""
+
+from __future__ import annotations
+
+import time
+
+_IDLE_SECONDS = 0.033  # the loop below on an idle core of the CI machine: 0.027-0.03 s
+
+
+def speed_factor(wall: bool = False) -> float:
+    """How many times slower this thread runs now than on an idle core (at least 1):
+    a fixed allocation-heavy loop timed in this thread's CPU time (``wall``: in wall
+    time, which also counts waiting for a core)."""
+    clock = time.perf_counter if wall else time.thread_time
+    _ = [[] for _ in range(50_000)]  # warm: the first round also grows the heap
+    started = clock()
+    for _ in range(4):
+        _ = [[] for _ in range(50_000)]
+    return max(1.0, (clock() - started) / _IDLE_SECONDS)
+
+
+def budget(seconds: float, wall: bool = False) -> float:
+    """``seconds`` on an idle core, scaled by :func:`speed_factor` measured now."""
+    return seconds * speed_factor(wall)
