@@ -219,8 +219,8 @@ class ExactSearcher(Searcher):
     product (PyTorch's where installed, else TensorFlow's) picks every candidate that a
     rigorous error bound cannot rule out, and float32 re-scores them. The result is the
     exact top-k all the same (the bound also covers float32's own rounding); on 300k x
-    128, k = 100 it ran at 1.5-1.8x the speed of the bare float32 product with PyTorch,
-    1.1-1.15x with TensorFlow, against 0.68-0.74x without it (docs/search.md).
+    128, k = 100 it ran at 1.2-1.8x the speed of the bare float32 product with PyTorch,
+    0.9-1.15x with TensorFlow, against 0.66-0.74x without it (four runs; docs/search.md).
 
     Cost: ``O(Q * N * D)`` multiply-adds; memory ``O(query_chunk * database_chunk)``
     per thread for the score tile plus ``O(Q * k)`` for the results, so a 1M x 512
