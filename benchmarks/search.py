@@ -219,7 +219,7 @@ def bench_exact(table, label, db, queries, args):
     for name, searcher in contenders:
         t0 = time.perf_counter()
         searcher.search(queries, args.k)
-        if searcher._prepared is not None:
+        if searcher.resolved_prefilter(len(queries)) is not None:
             table.add("exact", label, f"{name}: its first search (bfloat16 copy made)",
                       time.perf_counter() - t0, "s")
     variants = product_variants(queries, db)
@@ -239,13 +239,14 @@ def bench_exact(table, label, db, queries, args):
             wall[name] = min(wall[name], time.perf_counter() - t0)
             cpu[name] = min(cpu[name], time.process_time() - c0)
     floor_qps = len(queries) / wall["floor"]
+    searchers = {name for name, _ in contenders}
     for name, seconds in wall.items():
         if name == "floor":
             continue
-        what = name if name.startswith("bare") else f"{name}, k={args.k}"
+        what = f"{name}, k={args.k}" if name in searchers else name
         table.add("exact", label, what, len(queries) / seconds, "q/s",
                   floor_qps, "bare float32 product q @ db.T")
-        if not name.startswith("bare"):
+        if name in searchers:
             table.add("exact", label, f"{what}, per CPU second", len(queries) / cpu[name],
                       "q/CPU-s", len(queries) / cpu["floor"], "bare product per CPU second")
     if args.with_tf:

@@ -19,9 +19,7 @@ FINITE_BITS = ALL_BITS[np.isfinite(bp.bfloat16_values(ALL_BITS))]
 def _products():
     params = []
     for name in ("torch", "tensorflow"):
-        why = (None if bp._cpu_has_bfloat16_units()
-               else "the CPU has no bfloat16 matrix units")
-        why = why or bp._product_support(name)
+        why = bp.choose_product(name)[1]
         params.append(pytest.param(name, marks=pytest.mark.skipif(
             why is not None, reason=str(why))))
     return params

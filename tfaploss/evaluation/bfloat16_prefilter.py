@@ -372,15 +372,16 @@ class _Candidates:
         full = np.flatnonzero(self.count >= k)
         if full.size == 0:
             return
-        kth = np.partition(self.values[full], width - k, axis=1)[:, width - k]
+        values = self.values[full]
+        kth = np.partition(values, width - k, axis=1)[:, width - k]
         self._raise_lo(full, kth)
-        keep = self.values[full] >= _admission(self.lo[full], self.bound[full])[:, None]
+        keep = values >= _admission(self.lo[full], self.bound[full])[:, None]
         col = np.cumsum(keep, axis=1) - 1
         r, c = np.nonzero(keep)
-        values, indices = self.values[full][r, c], self.indices[full][r, c]
+        kept_values, kept_indices = values[r, c], self.indices[full][r, c]
         self.values[full] = -np.inf
-        self.values[full[r], col[r, c]] = values
-        self.indices[full[r], col[r, c]] = indices
+        self.values[full[r], col[r, c]] = kept_values
+        self.indices[full[r], col[r, c]] = kept_indices
         self.count[full] = keep.sum(axis=1)
 
     def topk(self, q: np.ndarray, database: np.ndarray, rows_at_once: int = 64):

@@ -263,7 +263,7 @@ class ExactSearcher(Searcher):
                 raise ValueError(f"`prefilter={prefilter!r}` runs on the numpy engine; "
                                  f"received engine={engine!r}.")
 
-            product, why = bfloat16_prefilter.choose_product(prefilter.partition("-")[2] or None)
+            product, why = bfloat16_prefilter.choose_product(_prefilter_product(prefilter))
             if product is None:
                 raise ValueError(f"`prefilter={prefilter!r}` cannot run here: {why}.")
         if engine not in ("auto", "tensorflow", "numpy"):
@@ -313,7 +313,7 @@ class ExactSearcher(Searcher):
         if self.prefilter == "auto" and not bfloat16_prefilter.worthwhile(
                 num_queries, self.size, self.dim):
             return None
-        return bfloat16_prefilter.choose_product(self.prefilter.partition("-")[2] or None)[0]
+        return bfloat16_prefilter.choose_product(_prefilter_product(self.prefilter))[0]
 
     def _save(self, directory):
         atomic.atomic_write(os.path.join(directory, "database.npy"),
@@ -376,6 +376,12 @@ class ExactSearcher(Searcher):
             out_i.append(i.numpy())
             out_s.append(s.numpy())
         return np.concatenate(out_i), np.concatenate(out_s)
+
+
+def _prefilter_product(prefilter: str) -> str | None:
+    """The product a ``prefilter`` setting names (``"bfloat16-torch"``: ``"torch"``), or
+    None for any."""
+    return prefilter.partition("-")[2] or None
 
 
 def _tf_chunk_topk(q, db_chunks, offsets, k):
