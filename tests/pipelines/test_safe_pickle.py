@@ -8,6 +8,7 @@ The attacks on the total work (floods, memo abuse, deep nesting, ~1 MiB each) an
 array shapes and dtypes come from :mod:`tests.reliability.hostile_pickles`, class by class.
 """
 
+import gc
 import json
 import os
 import pickle
@@ -16,6 +17,7 @@ import random
 import struct
 import subprocess
 import sys
+import threading
 import time
 import tracemalloc
 import warnings
@@ -551,3 +553,85 @@ def test_a_shared_array_where_a_scalar_belongs_is_refused():
         with pytest.raises(UnsafePickleError) as info:
             safe_loads(data, name=f"gnd_{name}.pkl")
         assert f"gnd_{name}.pkl" in str(info.value), (name, info.value)
+
+
+# ---------------------------------------------------------------------------------------
+# The cycle collector: paused during a read, restored as found
+# ---------------------------------------------------------------------------------------
+
+@pytest.fixture
+def collections_seen():
+    """The cycle collections that start inside the reader's loop, with a gen-0 threshold
+    of 1, so that any allocation would start one."""
+    from pipelines.safe_pickle import _Interpreter
+
+    seen: list[int] = []
+    reading = _Interpreter.run.__code__
+
+    def record(phase, info):
+        frame = sys._getframe()
+        while phase == "start" and frame is not None:
+            if frame.f_code is reading:
+                seen.append(info["generation"])
+                return
+            frame = frame.f_back
+
+    thresholds = gc.get_threshold()
+    gc.callbacks.append(record)
+    gc.set_threshold(1, *thresholds[1:])
+    try:
+        yield seen
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.callbacks.remove(record)
+
+
+@pytest.mark.parametrize("case", ["flood EMPTY_LIST", "deep 20k dicts by SETITEM"])
+def test_a_read_never_starts_a_collection(case, collections_seen):
+    """A flood of containers would otherwise trigger collections, full ones among them,
+    each a pass over every object of the process (2.63 CPU s in a CI test worker)."""
+    assert gc.isenabled()
+    with pytest.raises(UnsafePickleError):
+        safe_loads(ONE_MB[case][0], name="gnd_hostile.pkl")
+    good = pickle.dumps({"gnd": [{"easy": list(range(500)), "hard": [i, 2]}
+                                 for i in range(70)]}, protocol=4)
+    assert len(safe_loads(good)["gnd"]) == 70
+    assert collections_seen == []
+    assert gc.isenabled()
+
+
+def test_the_collector_is_restored_as_found_by_nested_and_threaded_reads():
+    from pipelines import safe_pickle
+
+    data = ONE_MB["flood EMPTY_LIST"][0]
+    with safe_pickle._collector_paused():
+        with safe_pickle._collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled(), "an inner read turned the collector on under an outer one"
+    assert gc.isenabled()
+
+    errors = []
+
+    def read():
+        for _ in range(5):
+            try:
+                safe_loads(data)
+            except UnsafePickleError:
+                pass
+            except Exception as err:  # noqa: BLE001 - reported below
+                errors.append(err)
+
+    threads = [threading.Thread(target=read) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and gc.isenabled()
+
+    gc.disable()
+    try:
+        with pytest.raises(UnsafePickleError):
+            safe_loads(data)
+        assert not gc.isenabled(), "a read turned on a collector its caller had off"
+    finally:
+        gc.enable()

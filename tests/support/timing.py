@@ -1,9 +1,15 @@
 """Time bounds that hold on a crowded CI host.
 
-CPU time is not immune to other tenants: CI once charged 2.63 CPU seconds to a pickle
-refusal that costs 0.06 s, while the whole suite ran 1.5x slower. A bound scaled by
-this thread's speed at the moment still catches unbounded work, which grows with the
-input, not with the host.
+CPU time is not immune to other tenants: on a crowded host a thread's CPU seconds
+stretch (cache and memory bandwidth are shared). A bound scaled by this thread's speed
+at the moment still catches unbounded work, which grows with the input, not with the
+host.
+
+Nor is it immune to the process: CPython's cycle collector makes whichever allocation
+crosses its threshold pay a pass over every object of the process. CI twice charged
+2.63 CPU s to a pickle refusal that costs 0.01 s, in a test worker holding millions of
+objects; code under a time bound must not start collections (the pickle reader now
+pauses the collector: ``pipelines.safe_pickle._collector_paused``).
 """
 
 from __future__ import annotations
