@@ -14,6 +14,7 @@ pauses the collector: ``pipelines.safe_pickle._collector_paused``).
 
 from __future__ import annotations
 
+import gc
 import time
 
 _IDLE_SECONDS = 0.033  # the loop below on an idle core of the CI machine: 0.027-0.03 s
@@ -24,11 +25,18 @@ def speed_factor(wall: bool = False) -> float:
     a fixed allocation-heavy loop timed in this thread's CPU time (``wall``: in wall
     time, which also counts waiting for a core)."""
     clock = time.perf_counter if wall else time.thread_time
-    _ = [[] for _ in range(50_000)]  # warm: the first round also grows the heap
-    started = clock()
-    for _ in range(4):
-        _ = [[] for _ in range(50_000)]
-    return max(1.0, (clock() - started) / _IDLE_SECONDS)
+    was_on = gc.isenabled()
+    gc.disable()  # a collection here would time the process's heap, not the thread
+    try:
+        _ = [[] for _ in range(50_000)]  # warm: the first round also grows the heap
+        started = clock()
+        for _ in range(4):
+            _ = [[] for _ in range(50_000)]
+        seconds = clock() - started
+    finally:
+        if was_on:
+            gc.enable()
+    return max(1.0, seconds / _IDLE_SECONDS)
 
 
 def budget(seconds: float, wall: bool = False) -> float:
