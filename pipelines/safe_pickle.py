@@ -93,18 +93,17 @@ from __future__ import annotations
 
 import _compat_pickle
 import codecs
-import contextlib
-import gc
 import hashlib
 import math
 import pickle
 import pickletools
 import struct
-import threading
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import numpy as np
+
+from tfaploss.process_settings import COLLECTOR_OFF
 
 __all__ = ["PickleLimits", "UnsafePickleError", "safe_load", "safe_load_path", "safe_loads",
            "sha256_of"]
@@ -855,45 +854,19 @@ for _core in ("numpy.core", "numpy._core"):
 del _core
 
 
-_PAUSE_LOCK = threading.Lock()
-_PAUSES = [0, False]  # reads inside _collector_paused, and whether gc was on before them
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    """Hold CPython's cycle collector off while the reader builds its objects.
-
-    What the reader builds is a tree (a second reference to a container is refused), so
-    a collection during a read cannot find anything to free. Yet a flood of 50 000
-    lists triggers collections, full ones among them: each a pass over every object of
-    the process, a cost that comes from the host, not from the file. CI charged 2.63 CPU
-    s to a refusal that costs 0.01 s, in a test worker holding millions of objects.
-    Counted, so that overlapping reads in several threads restore the collector once,
-    as they found it.
-    """
-    with _PAUSE_LOCK:
-        if _PAUSES[0] == 0:
-            _PAUSES[1] = gc.isenabled()
-            gc.disable()
-        _PAUSES[0] += 1
-    try:
-        yield
-    finally:
-        with _PAUSE_LOCK:
-            _PAUSES[0] -= 1
-            if _PAUSES[0] == 0 and _PAUSES[1]:
-                gc.enable()
-
-
 def safe_loads(data: bytes, *, name: str = "<bytes>",
                limits: PickleLimits = DEFAULT_LIMITS) -> Any:
     """Read a pickle of plain data (see the module docstring) from ``data``.
 
     ``name`` is used in error messages. Raises :class:`UnsafePickleError` (a
-    ``ValueError``) for anything else. The cycle collector is paused during the read
-    (see :func:`_collector_paused`).
+    ``ValueError``) for anything else.
     """
-    with _collector_paused():
+    # What the reader builds is a tree (a second reference to a container is refused),
+    # so a collection during a read cannot find anything to free. Yet a flood of 50 000
+    # lists triggers collections, full ones among them: each a pass over every object of
+    # the process, a cost from the host, not from the file. CI charged 2.63 CPU s to a
+    # refusal that costs 0.01 s, in a test worker holding millions of objects.
+    with COLLECTOR_OFF.held():
         return _Interpreter(bytes(data), name, limits).run()
 
 

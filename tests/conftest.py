@@ -48,9 +48,8 @@ def pytest_collection_modifyitems(config, items):
     # worker idle. Whole modules move, not single tests: a module's tests kept together
     # set up its module fixtures once, where splitting test_cli.py's slow tests from
     # its fast ones trained its 50 s run twice. (Stable: the order is kept otherwise.)
-    slow_files = {item.nodeid.split("::")[0] for item in items
-                  if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_files)
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow_files)
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -601,11 +601,11 @@ def test_a_read_never_starts_a_collection(case, collections_seen):
 
 
 def test_the_collector_is_restored_as_found_by_nested_and_threaded_reads():
-    from pipelines import safe_pickle
+    from tfaploss.process_settings import COLLECTOR_OFF
 
     data = ONE_MB["flood EMPTY_LIST"][0]
-    with safe_pickle._collector_paused():
-        with safe_pickle._collector_paused():
+    with COLLECTOR_OFF.held():
+        with COLLECTOR_OFF.held():
             assert not gc.isenabled()
         assert not gc.isenabled(), "an inner read turned the collector on under an outer one"
     assert gc.isenabled()

@@ -8,14 +8,15 @@ host.
 Nor is it immune to the process: CPython's cycle collector makes whichever allocation
 crosses its threshold pay a pass over every object of the process. CI twice charged
 2.63 CPU s to a pickle refusal that costs 0.01 s, in a test worker holding millions of
-objects; code under a time bound must not start collections (the pickle reader now
-pauses the collector: ``pipelines.safe_pickle._collector_paused``).
+objects; code under a time bound must not start collections (the pickle reader, like
+the probe below, holds ``tfaploss.process_settings.COLLECTOR_OFF``).
 """
 
 from __future__ import annotations
 
-import gc
 import time
+
+from tfaploss.process_settings import COLLECTOR_OFF
 
 _IDLE_SECONDS = 0.033  # the loop below on an idle core of the CI machine: 0.027-0.03 s
 
@@ -25,17 +26,13 @@ def speed_factor(wall: bool = False) -> float:
     a fixed allocation-heavy loop timed in this thread's CPU time (``wall``: in wall
     time, which also counts waiting for a core)."""
     clock = time.perf_counter if wall else time.thread_time
-    was_on = gc.isenabled()
-    gc.disable()  # a collection here would time the process's heap, not the thread
-    try:
+    # A collection here would time the process's heap, not the thread.
+    with COLLECTOR_OFF.held():
         _ = [[] for _ in range(50_000)]  # warm: the first round also grows the heap
         started = clock()
         for _ in range(4):
             _ = [[] for _ in range(50_000)]
         seconds = clock() - started
-    finally:
-        if was_on:
-            gc.enable()
     return max(1.0, seconds / _IDLE_SECONDS)
 
 

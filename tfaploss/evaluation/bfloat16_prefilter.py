@@ -55,11 +55,11 @@ import functools
 import importlib.util
 import logging
 import math
-import threading
 
 import numpy as np
 
 from tfaploss.evaluation import exact_search as fp32
+from tfaploss.process_settings import HeldSetting
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,16 @@ def _cpu_has_bfloat16_units() -> bool:
     return False
 
 
-_TORCH_THREADS = {"lock": threading.Lock(), "searches": 0, "before": 1}
+def _torch():
+    import torch
+
+    return torch
+
+
+# PyTorch single-threaded while searches run (concurrent ones too: the last to end
+# restores the count the first one found).
+_TORCH_ONE_THREAD = HeldSetting(lambda: _torch().get_num_threads(),
+                                lambda count: _torch().set_num_threads(count), 1)
 
 
 class _TorchProduct:
@@ -118,19 +127,8 @@ class _TorchProduct:
         if not active:
             yield
             return
-        with _TORCH_THREADS["lock"]:
-            if _TORCH_THREADS["searches"] == 0:
-                _TORCH_THREADS["before"] = self.torch.get_num_threads()
-                self.torch.set_num_threads(1)
-            _TORCH_THREADS["searches"] += 1
-        try:
+        with _TORCH_ONE_THREAD.held():
             yield
-        finally:
-            # The last of concurrent searches restores the count the first one found.
-            with _TORCH_THREADS["lock"]:
-                _TORCH_THREADS["searches"] -= 1
-                if _TORCH_THREADS["searches"] == 0:
-                    self.torch.set_num_threads(_TORCH_THREADS["before"])
 
 
 class _TensorFlowProduct:

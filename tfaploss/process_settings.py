@@ -1,0 +1,60 @@
+"""Process-wide settings held for the length of a block, by holders that overlap.
+
+Some settings belong to the whole process: PyTorch's thread count, CPython's cycle
+collector. Code that needs one changed while it runs cannot save it on entry and restore
+it on exit: when two threads overlap, the first to leave would undo the setting under
+the second, and the second would "restore" the value the first had set.
+:class:`HeldSetting` counts its holders instead: the first to enter saves the value it
+finds and sets its own, the last to leave restores the saved one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+class HeldSetting:
+    """A process-wide setting, set to ``value`` while any holder is inside :meth:`held`.
+
+    ``read()`` gives the setting's current value and ``write(v)`` sets it. Costs two
+    acquisitions of a lock per block; ``read``/``write`` run only at the first entry and
+    the last exit.
+    """
+
+    def __init__(self, read: Callable[[], Any], write: Callable[[Any], None], value: Any):
+        self._read, self._write, self._value = read, write, value
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._found: Any = None
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            if self._holders == 0:
+                self._found = self._read()
+                self._write(self._value)
+            self._holders += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holders -= 1
+                if self._holders == 0:
+                    self._write(self._found)
+
+
+def _set_collector(on: bool) -> None:
+    if on:
+        gc.enable()
+    else:
+        gc.disable()
+
+
+#: CPython's cycle collector, off while held: for code that builds many objects that
+#: cannot form cycles, where a collection would find nothing to free but still pass over
+#: every object of the process (the pickle reader; the tests' speed probe).
+COLLECTOR_OFF = HeldSetting(gc.isenabled, _set_collector, False)
