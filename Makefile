@@ -126,19 +126,19 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/suite.py --quick $(if $(PREVIOUS),--previous $(PREVIOUS))
 
-# The glyph retrieval set (pipelines/glyphs.py): one class per CJK character, one image
+# The glyph retrieval set (tfaploss/pipelines/glyphs.py): one class per CJK character, one image
 # per font face. Without FONTS, Debian's CJK font packages are downloaded and unpacked
-# into data/fonts/ (pipelines/fetch_fonts.sh; nothing is installed); FONTS=folder reads
+# into data/fonts/ (tfaploss/pipelines/fetch_fonts.sh; nothing is installed); FONTS=folder reads
 # any folder of .ttf/.otf/.ttc/.otc files instead. GLYPHS_ARGS: more job options.
 FONTS ?=
 GLYPHS_ARGS ?=
 data-glyphs: $(STAMP)
 ifeq ($(strip $(FONTS)),)
-	sh pipelines/fetch_fonts.sh data/fonts
-	$(BIN)/python -m pipelines.glyphs --input_dir data/fonts/extracted \
+	sh tfaploss/pipelines/fetch_fonts.sh data/fonts
+	$(BIN)/python -m tfaploss.pipelines.glyphs --input_dir data/fonts/extracted \
 		--output_dir data/glyphs $(GLYPHS_ARGS)
 else
-	$(BIN)/python -m pipelines.glyphs --input_dir $(FONTS) --output_dir data/glyphs \
+	$(BIN)/python -m tfaploss.pipelines.glyphs --input_dir $(FONTS) --output_dir data/glyphs \
 		$(GLYPHS_ARGS)
 endif
 

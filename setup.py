@@ -1,9 +1,10 @@
 """Packaging entry point for tfaploss.
 
-Installs three packages: ``tfaploss`` (losses, training, data, evaluation, export,
-CLI), ``models`` (backbones, pooling, heads, whitening) and ``pipelines`` (Apache
-Beam preprocessing jobs). A Beam job ships them to its workers with
-``--setup_file ./setup.py``.
+Installs one top-level package, ``tfaploss``: losses, training, data, evaluation,
+export and the CLI, with ``tfaploss.models`` (backbones, pooling, heads, whitening)
+and ``tfaploss.pipelines`` (the Apache Beam preprocessing jobs) inside it, so that a
+user's own ``models.py`` or ``pipelines/`` never shadows ours. A Beam job ships it to
+its workers with ``--setup_file ./setup.py``.
 """
 
 from setuptools import find_packages, setup
@@ -45,8 +46,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_packages(include=["tfaploss", "tfaploss.*", "models", "models.*",
-                                    "pipelines", "pipelines.*"]),
+    packages=find_packages(include=["tfaploss", "tfaploss.*"]),
     include_package_data=True,
     install_requires=[
         # The TensorFlow minors the suite runs on: 2.20 (with ScaNN) and 2.21 (without).

@@ -44,7 +44,7 @@ def build_model(seed):
     widths 64, 128, 256, 32² images, GeM, 128-d."""
     import keras
 
-    from models.embedding import build_embedding_model
+    from tfaploss.models.embedding import build_embedding_model
 
     keras.utils.set_random_seed(seed)
     return build_embedding_model(

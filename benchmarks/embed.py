@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 
 import harness
 
-import models
+from tfaploss import models
 from tfaploss.export import decode_images, export_saved_model
 
 

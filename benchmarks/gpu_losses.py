@@ -239,7 +239,7 @@ def run_step(args) -> dict:
     import keras
     import numpy as np
 
-    import models
+    from tfaploss import models
     from tfaploss.training import MultiStageModel
 
     keras.config.set_dtype_policy(args.policy)

@@ -7,7 +7,7 @@ pipeline against the same step fed from batches cached in memory.
 
 1. Generates ``--num_images`` photo-like JPEGs (``--image_size_on_disk``, smooth colour
    fields plus block noise, so they compress like photos) in ``--num_classes`` class
-   folders and writes them with the folder job (``pipelines.folder``: per-image records
+   folders and writes them with the folder job (``tfaploss.pipelines.folder``: per-image records
    + the by_class layout + manifest), as a user would before training.
 2. Builds the run of ``--config`` exactly as ``tfaploss train`` does
    (``tfaploss.run.build``: ``build_train_dataset`` = TFRecords -> class-balanced
@@ -63,7 +63,7 @@ def generate_jpegs(root: str, num_images: int, num_classes: int, size: tuple[int
 
 
 def write_records(images: str, out: str) -> str:
-    from pipelines import folder
+    from tfaploss.pipelines import folder
 
     folder.run(["--input_dir", images, "--output_dir", out])
     return os.path.join(out, "train")

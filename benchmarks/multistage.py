@@ -63,7 +63,7 @@ def _build_model(backbone: str, image_size: int, embedding_dim: int):
 
     shape = (image_size, image_size, 3)
     try:
-        from models import build_embedding_model
+        from tfaploss.models import build_embedding_model
     except ImportError:  # models package unavailable: the same architecture by hand
         build_embedding_model = None
     if build_embedding_model is not None:
@@ -71,7 +71,7 @@ def _build_model(backbone: str, image_size: int, embedding_dim: int):
                                       embedding_dim=embedding_dim, weights=None,
                                       input_shape=shape)
     else:
-        from models.gem import GeM
+        from tfaploss.models.gem import GeM
 
         inputs = keras.Input(shape)
         features = keras.applications.ResNet50(weights=None, include_top=False)(inputs)

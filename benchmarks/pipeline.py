@@ -8,7 +8,7 @@
    the same settings as the job, so the same output bytes. Beside it, the two-core
    ceiling: the same loop in one process per core, all at once (what the cores give
    when nothing else runs).
-3. **Job**: ``pipelines.folder --max_side 512`` with its defaults (the local
+3. **Job**: ``tfaploss.pipelines.folder --max_side 512`` with its defaults (the local
    DirectRunner in one process, image work in one forked process per core),
    in-process: images/s including start-up (planning, Beam set-up, the by_class
    layout, manifest, publish), start-up seconds (job start to the first image work),
@@ -16,7 +16,7 @@
    published), each rate with its ratio to the floor. Floor and job alternate for
    ``--rounds`` rounds (a shared machine's speed drifts by 20 % between minutes): each
    round's ratio pairs figures taken seconds apart, and the table shows every round
-   and their median. Also the same job through ``python -m pipelines.folder`` (adds
+   and their median. Also the same job through ``python -m tfaploss.pipelines.folder`` (adds
    the interpreter and imports), and any extra ``--modes`` (``threads``: the image
    work on threads of the Beam process, ``--image_processes 1``; ``multi_processing:2``:
    Beam's own multi-process mode).
@@ -29,7 +29,7 @@ Prints a table and writes ``benchmarks/results/pipeline.json``; its figures are 
 measured beside the floor, with their ratio.
 
 With ``--sizes`` (e.g. ``600,2400,20000``) it measures instead what a user waits for: the
-job as a whole process (``python -m pipelines.folder``: interpreter, imports, start-up,
+job as a whole process (``python -m tfaploss.pipelines.folder``: interpreter, imports, start-up,
 finish), its defaults against ``--peers`` (Beam's ``multi_processing:2`` unless told),
 at each size, for ``--rounds`` rounds. The trees hard-link ``--unique_images`` generated
 JPEGs, so 20,000 images cost the generation of 1,000. Before each job run the floor
@@ -67,7 +67,7 @@ sys.path.insert(0, REPO)
 
 import harness
 
-from pipelines import folder, images, runner
+from tfaploss.pipelines import folder, images, runner
 
 
 def generate(root: str, num_images: int, num_classes: int, size=(800, 600)) -> None:
@@ -200,7 +200,7 @@ def _median_ratio(rounds, key: str) -> float:
 def job_cli(root: str, out: str, max_side: int) -> tuple[float, int]:
     shutil.rmtree(out, ignore_errors=True)
     t = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "pipelines.folder", "--input_dir", root,
+    done = subprocess.run([sys.executable, "-m", "tfaploss.pipelines.folder", "--input_dir", root,
                            "--output_dir", out, "--max_side", str(max_side)], cwd=REPO,
                           env={**os.environ, "PYTHONPATH": REPO}, capture_output=True,
                           text=True, check=True)
@@ -232,13 +232,13 @@ def mode_args(mode: str) -> list[str]:
 
 def job_subprocess(root: str, out: str, max_side: int,
                    extra: list[str]) -> tuple[float, int, float]:
-    """(images/s, images, CPU-seconds) of ``python -m pipelines.folder``: its wall time
+    """(images/s, images, CPU-seconds) of ``python -m tfaploss.pipelines.folder``: its wall time
     includes the interpreter, imports and start-up; its CPU time, every process it
     started (image processes, Beam's workers)."""
     shutil.rmtree(out, ignore_errors=True)
     c = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "pipelines.folder", "--input_dir", root,
+    done = subprocess.run([sys.executable, "-m", "tfaploss.pipelines.folder", "--input_dir", root,
                            "--output_dir", out, "--max_side", str(max_side), *extra],
                           cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
                           capture_output=True, text=True, check=False)
@@ -439,9 +439,9 @@ def main(argv=None) -> int:
              statistics.median(x["finish"] for *_, x in rounds), "s", None),
             (f"median {label}, CPU per image (floor: {1000 * floor_cpu:.1f} ms)",
              1000 * statistics.median(x["cpu_per_image"] for *_, x in rounds), "ms", None)]
-        print("folder job, defaults, python -m pipelines.folder...", flush=True)
+        print("folder job, defaults, python -m tfaploss.pipelines.folder...", flush=True)
         rate, _ = job_cli(root, os.path.join(work, "out_cli"), args.max_side)
-        rows.append(("python -m pipelines.folder, incl. interpreter and imports", rate,
+        rows.append(("python -m tfaploss.pipelines.folder, incl. interpreter and imports", rate,
                      "images/s", floor_rate))
         for mode in filter(None, args.modes.split(",")):
             name, _, workers = mode.partition(":")

@@ -6,9 +6,9 @@ characters that are in none of the retrieval set's train, val or test classes: t
 glyph job renders every covered character (``--max_classes 0``) into a second folder,
 and this script drops the retrieval set's characters by name (its manifests' label
 maps) before training. The backbone's weights are saved as a Keras weights file that
-``model.weights`` loads exactly as a user's ImageNet file (``models.build_backbone``).
+``model.weights`` loads exactly as a user's ImageNet file (``tfaploss.models.build_backbone``).
 
-    python -m pipelines.glyphs --input_dir data/fonts/extracted \\
+    python -m tfaploss.pipelines.glyphs --input_dir data/fonts/extracted \\
         --output_dir data/glyphs_pretrain --max_classes 0 --test_fraction 0.02 \\
         --val_fraction 0 --seed 1
     nice python experiments/pretrain_glyphs.py --data data/glyphs_pretrain/train \\
@@ -70,7 +70,7 @@ def main(argv=None):
     import numpy as np
     import tensorflow as tf
 
-    from models import build_embedding_model
+    from tfaploss.models import build_embedding_model
 
     started = time.time()
     images, labels, names, excluded = load(args.data, args.exclude, args.image_size)

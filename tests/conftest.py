@@ -104,7 +104,8 @@ def two_replica_strategy():
     return tf.distribute.MirroredStrategy(devices)
 
 
-_LOGGERS = ("", "tfaploss", "pipelines", "models", "pipelines.result")
+_LOGGERS = ("", "tfaploss", "tfaploss.pipelines", "tfaploss.models",
+            "tfaploss.pipelines.result")
 
 
 @pytest.fixture(autouse=True)

@@ -71,7 +71,7 @@ def _write_tree(root: Path, classes: int, per_class: int, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    from pipelines import folder
+    from tfaploss.pipelines import folder
 
     root = tmp_path_factory.mktemp("cli")
     _write_tree(root / "pngs", classes=7, per_class=8, seed=0)
@@ -522,7 +522,7 @@ def test_help_starts_quietly_and_loads_no_tensorflow():
 def test_a_beam_job_without_beam_says_how_to_install_it(tmp_path):
     env = _env(_blocking(tmp_path, "apache_beam"))
     for job in ("folder", "tfds_source"):
-        result = subprocess.run([sys.executable, "-m", f"pipelines.{job}", "--help"],
+        result = subprocess.run([sys.executable, "-m", f"tfaploss.pipelines.{job}", "--help"],
                                 check=False, capture_output=True, text=True, cwd=REPO,
                                 timeout=60, env=env)
         assert result.returncode == 2, result.stderr

@@ -70,10 +70,10 @@ def test_require_can_check_part_of_an_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "fontTools", None)
     if not extras.installed("beam") and extras.missing("beam") != ["fontTools"]:
         pytest.skip("Apache Beam is not installed here")
-    extras.require("beam", "python -m pipelines.folder", ("apache_beam",))
-    with pytest.raises(MissingExtraError, match=r'pipelines.glyphs needs Apache Beam.*'
+    extras.require("beam", "python -m tfaploss.pipelines.folder", ("apache_beam",))
+    with pytest.raises(MissingExtraError, match=r'tfaploss.pipelines.glyphs needs Apache Beam.*'
                                                 r'tfaploss\[beam\]'):
-        extras.require("beam", "python -m pipelines.glyphs", ("apache_beam", "fontTools"))
+        extras.require("beam", "python -m tfaploss.pipelines.glyphs", ("apache_beam", "fontTools"))
 
 
 def test_an_unknown_extra_is_a_programming_error():

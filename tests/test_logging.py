@@ -23,7 +23,7 @@ ESCAPES = ("\x1b", "\r", "\x08")
 
 
 def _library_modules():
-    for package in ("tfaploss", "pipelines", "models"):
+    for package in ("tfaploss",):
         for path in sorted((REPO / package).rglob("*.py")):
             rel = path.relative_to(REPO).as_posix()
             if rel not in MAY_PRINT:
@@ -69,12 +69,12 @@ def test_importing_configures_no_logging():
         "import tfaploss, tfaploss.durable.faults, tfaploss.log, tfaploss.cli\n"
         "import tfaploss.durable.checkpoints, tfaploss.run.trainer\n"
         "import tfaploss.evaluation.evaluator\n"
-        "import pipelines.runner, pipelines.embed\n"
+        "import tfaploss.pipelines.runner, tfaploss.pipelines.embed\n"
         "root = logging.getLogger()\n"
         "t = logging.getLogger('tfaploss')\n"
         "print(len(root.handlers), root.level, t.level,\n"
         "      [type(h).__name__ for h in t.handlers],\n"
-        "      logging.getLogger('pipelines').level)\n")
+        "      logging.getLogger('tfaploss.pipelines').level)\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                           text=True, timeout=240, check=False,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3",
@@ -115,24 +115,24 @@ def test_the_command_handler_writes_plain_lines_to_the_right_stream():
             logger.debug("hidden")
             logger.info("progress %d", 1)
             logger.warning("warning: careful")
-            logging.getLogger("pipelines.x").info("hidden too")  # WARNING by default
-            logging.getLogger("pipelines.x").warning("shown")
+            logging.getLogger("tfaploss.pipelines.x").info("hidden too")  # WARNING by default
+            logging.getLogger("tfaploss.pipelines.x").warning("shown")
         with log.command_output(logging.WARNING):
             logger.info("quiet")
             logger.error("error: bad")
         with log.command_output(logging.DEBUG, detailed=True, others_level=logging.DEBUG):
             logger.debug("detail")
-            logging.getLogger("pipelines.x").debug("job detail")
+            logging.getLogger("tfaploss.pipelines.x").debug("job detail")
     assert out.getvalue().splitlines()[:1] == ["progress 1"]
     assert err.getvalue().splitlines() == ["warning: careful", "shown", "error: bad"]
     detailed = out.getvalue().splitlines()[1:]
     assert [line.split(" ", 2)[2] for line in detailed] == [
-        "tfaploss.test_logging DEBUG: detail", "pipelines.x DEBUG: job detail"]
+        "tfaploss.test_logging DEBUG: detail", "tfaploss.pipelines.x DEBUG: job detail"]
     for code in ESCAPES:
         assert code not in out.getvalue() + err.getvalue()
     # Everything as it was.
     assert logging.getLogger("tfaploss").level == logging.NOTSET
-    assert logging.getLogger("pipelines").level == logging.NOTSET
+    assert logging.getLogger("tfaploss.pipelines").level == logging.NOTSET
 
 
 def test_reporting_shows_info_only_where_logging_is_not_configured(capsys):
@@ -199,7 +199,7 @@ def test_command_lines_are_not_shown_again_by_a_root_handler():
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             with log.command_output(logging.INFO):
                 logging.getLogger("tfaploss.test_logging").info("once")
-                logging.getLogger("pipelines.x").warning("job warning")
+                logging.getLogger("tfaploss.pipelines.x").warning("job warning")
         assert out.getvalue() == "once\n" and err.getvalue() == "job warning\n"
         assert root_stream.getvalue() == ""
         assert logging.getLogger("tfaploss").propagate  # as it was

@@ -73,7 +73,7 @@ def test_tfaploss_commands_parse(command):
 @pytest.mark.parametrize("command", _by("python"), ids=" ".join)
 @pytest.mark.slow
 def test_pipeline_job_flags_are_in_its_help(command):
-    assert command[1] == "-m" and command[2].startswith("pipelines."), command
+    assert command[1] == "-m" and command[2].startswith("tfaploss.pipelines."), command
     result = subprocess.run([sys.executable, "-m", command[2], "--help"], cwd=REPO,
                             capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-2000:]

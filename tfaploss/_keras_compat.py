@@ -56,13 +56,13 @@ PRIVATE_ATTRIBUTES = (
     ("keras.Model", "_aggregate_additional_loss", "class",
      "tfaploss/training/multistage.py"),
     ("keras.layers.Layer", "_flatten_layers", "class",
-     "models/batch_norm.py, tfaploss/run/build.py, tfaploss/training/checks.py"),
+     "tfaploss/models/batch_norm.py, tfaploss/run/build.py, tfaploss/training/checks.py"),
     ("keras.optimizers.Optimizer", "_trainable_variables", "instance",
-     "models/lr_multipliers.py"),
+     "tfaploss/models/lr_multipliers.py"),
     ("keras.optimizers.Optimizer", "_get_variable_index", "class",
-     "models/lr_multipliers.py"),
+     "tfaploss/models/lr_multipliers.py"),
     ("keras.optimizers.Optimizer", "_backend_update_step", "class",
-     "models/lr_multipliers.py"),
+     "tfaploss/models/lr_multipliers.py"),
 )
 
 __all__ = ["PRIVATE_ATTRIBUTES", "PRIVATE_IMPORTS", "in_symbolic_scope",

@@ -28,7 +28,7 @@ on a small shared CPU machine with the plain variant built by calling
   ``tfaploss --help`` taking 8-11 s instead of 0.1-0.3 s.
 - The Beam jobs of ``pipelines`` import light helpers (``tfaploss.durable.faults``,
   ``tfaploss.evaluation.revisited``); with plain imports every job and every Beam
-  worker would load TensorFlow first (``python -m pipelines.revisited --help``: 6-13 s
+  worker would load TensorFlow first (``python -m tfaploss.pipelines.revisited --help``: 6-13 s
   instead of 1-2 s).
 - Loading works either way: ``import tfaploss`` then
   ``keras.saving.load_model`` in a fresh process restores a saved model and trainer
@@ -45,7 +45,7 @@ import warnings
 
 # Every module that defines a class tfaploss saves with register_keras_serializable.
 # Importing them is all registration takes; none needs Beam, ScaNN or matplotlib.
-REGISTERING_MODULES = ("models", "tfaploss.losses", "tfaploss.training",
+REGISTERING_MODULES = ("tfaploss.models", "tfaploss.losses", "tfaploss.training",
                        "tfaploss.run.schedule")
 PACKAGE = "tfaploss"
 
@@ -62,7 +62,7 @@ def register_keras_objects() -> dict:
 
 
 def _ours(name: str) -> bool:
-    return name in ("tfaploss", "models") or name.startswith(("tfaploss.", "models."))
+    return name == "tfaploss" or name.startswith("tfaploss.")
 
 
 def _half_imported() -> bool:

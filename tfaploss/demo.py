@@ -85,7 +85,7 @@ def write_digit_pngs(root: Path) -> int:
 
 def run_folder_job(png_root: Path, out: Path) -> dict:
     """The ``folder`` Beam job, in-process on the local DirectRunner."""
-    from pipelines import folder
+    from tfaploss.pipelines import folder
 
     argv = ["--input_dir", str(png_root), "--output_dir", str(out),
             "--test_classes", ",".join(str(d) for d in TEST_DIGITS),

@@ -14,7 +14,7 @@ extra       imports               what needs it
             ``fontTools``         the ``glyphs`` job)
 ``dask``    ``dask``              the Beam jobs on a Dask cluster (``DaskRunner``)
 ``viz``     ``matplotlib``        the figures of ``tfaploss evaluate`` and ``compare``
-``tfds``    ``tensorflow_datasets`` ``python -m pipelines.tfds_source``
+``tfds``    ``tensorflow_datasets`` ``python -m tfaploss.pipelines.tfds_source``
 ``compare`` ``optuna``            ``tfaploss compare``'s tuning
 ``hub``     ``keras_hub``         ``model.backbone: keras_hub:<preset>``
 ``demo``    ``sklearn``           ``tfaploss demo`` (scikit-learn's digits)

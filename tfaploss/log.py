@@ -31,8 +31,8 @@ Who decides what is shown:
   as the ``print`` calls they replace were, and only there. An application that
   configures logging for them gets them its way.
 * The Beam jobs (``python -m pipelines.<job>``) are configured by
-  :func:`pipelines.console.configure`: their lines on stderr, the one-line-per-split
-  result on stdout (logger ``pipelines.result``), Beam's own loggers at WARNING unless
+  :func:`tfaploss.pipelines.console.configure`: their lines on stderr, the one-line-per-split
+  result on stdout (logger ``tfaploss.pipelines.result``), Beam's own loggers at WARNING unless
   ``--verbose``.
 * ``absl`` is used only where Beam or TensorFlow already log through it.
 """
@@ -76,7 +76,7 @@ class _CommandHandler(PlainHandler):
 
 def configure(level: int = logging.INFO, *, detailed: bool = False,
               others_level: int = logging.WARNING,
-              others: tuple[str, ...] = ("pipelines", "models")) -> PlainHandler:
+              others: tuple[str, ...] = ("tfaploss.pipelines", "tfaploss.models")) -> PlainHandler:
     """What the ``tfaploss`` command shows: ``tfaploss.*`` at ``level``, the ``others``
     loggers at ``others_level``, through one :class:`PlainHandler` (``detailed``: with
     time, logger and level). Replaces what an earlier call installed; returns the
@@ -97,7 +97,7 @@ def configure(level: int = logging.INFO, *, detailed: bool = False,
 @contextlib.contextmanager
 def command_output(level: int = logging.INFO, *, detailed: bool = False,
                    others_level: int = logging.WARNING,
-                   others: tuple[str, ...] = ("pipelines", "models")):
+                   others: tuple[str, ...] = ("tfaploss.pipelines", "tfaploss.models")):
     """:func:`configure` for the duration of the block, then the loggers' handlers and
     levels as they were (a command run in-process, e.g. by a test, leaves no trace)."""
     loggers = [logging.getLogger(name) for name in (ROOT, *others)]

@@ -242,7 +242,7 @@ def _centre(images_u8):
 def build_model(seed):
     import keras
 
-    from models.embedding import build_embedding_model
+    from tfaploss.models.embedding import build_embedding_model
 
     keras.utils.set_random_seed(seed)
     return build_embedding_model(

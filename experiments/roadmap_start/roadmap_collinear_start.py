@@ -61,7 +61,7 @@ def mean_cos(model, images):
 
 
 def build(seed, train_images, collinear=0.0):
-    import models
+    from tfaploss import models
     from tfaploss.run.build import calibrate_batch_norm
 
     keras.utils.set_random_seed(seed)

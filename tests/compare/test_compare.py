@@ -128,7 +128,7 @@ def digit_splits(tmp_path_factory):
     from PIL import Image
     from sklearn.datasets import load_digits
 
-    from pipelines import folder
+    from tfaploss.pipelines import folder
 
     root = tmp_path_factory.mktemp("compare")
     digits = load_digits()

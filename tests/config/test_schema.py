@@ -303,7 +303,7 @@ def test_build_optimizer_schedule_counts_updates_and_head_multiplier():
                                      "optimizer.schedule.gamma=0.1",
                                      "model.head_lr_multiplier=10"])
     optimizer = B.build_optimizer(cfg, steps_per_epoch=5)
-    from models import LRMultiplierOptimizer
+    from tfaploss.models import LRMultiplierOptimizer
 
     assert isinstance(optimizer, LRMultiplierOptimizer)
     schedule = optimizer.inner_optimizer._learning_rate

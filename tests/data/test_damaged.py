@@ -30,7 +30,7 @@ from tfaploss.data import integrity as I
 SIZES = {0: 6, 1: 6, 2: 6, 3: 6}
 IMAGES = "images-00000-of-00001.tfrecord"
 CLASSES = os.path.join("by_class", "classes-00000-of-00001.tfrecord")
-JOB = {"job": "pipelines.folder", "split": "train",
+JOB = {"job": "tfaploss.pipelines.folder", "split": "train",
        "options": {"input_dir": "photos", "output_dir": "records", "verbose": False,
                    "by_class": "train", "class_chunk_size": 4}}
 
@@ -170,7 +170,7 @@ def _assert_one_message(err: I.DamagedDataError, path, *, located=True):
     text = str(err)
     assert str(path) in text, text
     assert "written by pipelines.folder (split train)" in text, text
-    assert "rebuild it: python -m pipelines.folder" in text and "--input_dir photos" in text
+    assert "rebuild it: python -m tfaploss.pipelines.folder" in text and "--input_dir photos" in text
     assert "\n" not in text and "Traceback" not in text and "function_node" not in text
     if located:
         assert err.record is not None or err.offset is not None or "bytes" in err.problem
@@ -362,7 +362,7 @@ def test_skipping_a_by_class_file_shrinks_the_samplers_classes(pristine, tmp_pat
         check_classes_left(cfg(8, 2), kept, skipped)
     text = str(err.value)
     assert "2 classes have a by-class record of m=2 images" in text and "needs 4" in text
-    assert halves[1] in text and "rebuild it: python -m pipelines.folder" in text
+    assert halves[1] in text and "rebuild it: python -m tfaploss.pipelines.folder" in text
     assert "\n" not in text
     with pytest.raises(I.DamagedDataError, match="0 classes"):
         check_classes_left(cfg(4, 4), kept, skipped)  # no kept record holds 4 images

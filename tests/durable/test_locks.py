@@ -203,15 +203,15 @@ def test_a_folder_that_cannot_hold_a_lock_is_a_clear_error(tmp_path):
 
 
 def _job(module, argv):
-    return subprocess.run([sys.executable, "-m", f"pipelines.{module}", *argv], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", f"tfaploss.pipelines.{module}", *argv], cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
                           text=True, timeout=300, check=False)
 
 
 @pytest.mark.slow
 def test_a_second_job_on_one_output_is_refused_then_takes_over_a_stale_lock(tmp_path):
-    from pipelines import folder
     from tests.support import miniature as mini
+    from tfaploss.pipelines import folder
 
     tree = mini.make_folder(str(tmp_path / "tree"))
     out = tmp_path / "out"
@@ -238,8 +238,8 @@ def test_a_second_job_on_one_output_is_refused_then_takes_over_a_stale_lock(tmp_
 
 
 def test_the_embed_job_locks_its_output_from_beside_it(tmp_path):
-    from pipelines import embed
     from tests.support import miniature as mini
+    from tfaploss.pipelines import embed
 
     mini.write_image(str(tmp_path / "images" / "a.jpg"), 1)
     model = tmp_path / "model"

@@ -123,7 +123,7 @@ def test_gnd_loader_never_unpickles_and_names_the_conversion(tmp_path, name):
         load_revisited_gnd(str(path))
     message = str(info.value)
     assert str(path) in message and "JSON only" in message
-    assert "python -m pipelines.revisited" in message and "--ground_truth_only" in message
+    assert "python -m tfaploss.pipelines.revisited" in message and "--ground_truth_only" in message
     assert ("rparis6k" if "rparis" in name else "roxford5k") in message
     assert not marker.exists()
 
@@ -136,9 +136,9 @@ def _pickle_scores(truth, seed=0):
 def test_json_ground_truth_gives_the_same_metrics_as_the_pickle(tmp_path):
     """Converted once (restricted reader -> JSON), the ground truth scores exactly as
     the pickle's own content (read here by pickle itself, trusted) did before."""
-    from pipelines.safe_pickle import safe_load_path
     from tests.reliability.hostile_pickles import realistic_gnd
     from tfaploss.evaluation.revisited import check_revisited_gnd
+    from tfaploss.pipelines.safe_pickle import safe_load_path
 
     truth = realistic_gnd(num_db=400, num_queries=9, index_dtype=np.int32)
     pkl = tmp_path / "gnd_roxford5k.pkl"

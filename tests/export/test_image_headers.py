@@ -19,13 +19,13 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from pipelines import folder, image_headers
-from pipelines import images as I
 from tests.reliability import hostile_images as H
 from tests.support import miniature as mini
 from tests.support import timing
 from tfaploss.export import export_saved_model
 from tfaploss.export.image_header import UNREADABLE, declared_pixels
+from tfaploss.pipelines import folder, image_headers
+from tfaploss.pipelines import images as I
 
 CASES = H.cases()
 IDS = [c.name for c in CASES]

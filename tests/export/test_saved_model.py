@@ -17,8 +17,8 @@ import sklearn.datasets
 import tensorflow as tf
 from PIL import Image
 
-import models
 from tests.reliability import hostile_images
+from tfaploss import models
 from tfaploss.export import export_saved_model, next_version, resize_and_center_crop
 
 SIZE = (32, 32)
@@ -58,7 +58,7 @@ fn = tf.saved_model.load(d).signatures['serving_default']
 data = [open(path, 'rb').read() for path in inputs]
 res = fn(image_bytes=tf.constant(data))
 np.save(out, res['embedding'].numpy())
-mods = [m for m in ('keras', 'tfaploss', 'models') if sys.modules.get(m)]
+mods = [m for m in ('keras', 'tfaploss') if sys.modules.get(m)]
 print(json.dumps({'imported': mods, 'keys': sorted(res)}))
 """
 
@@ -424,7 +424,7 @@ def test_the_docs_warn_to_load_only_trusted_models():
     warning = section.split("**Load only models you trust.**", 1)
     assert len(warning) == 2, "docs/evaluation.md must carry the trusted-models warning"
     paragraph = warning[1].split("\n\n", 1)[0]
-    assert "tfaploss evaluate" in paragraph and "pipelines.embed" in paragraph
+    assert "tfaploss evaluate" in paragraph and "tfaploss.pipelines.embed" in paragraph
     assert "SavedModel" in paragraph and "run other code" in paragraph
 
 

@@ -370,7 +370,7 @@ def test_proxies_that_no_model_trains_are_refused():
 
 @pytest.mark.tensorflow
 def test_proxies_train_with_fit_and_faster_with_a_multiplier():
-    from models.lr_multipliers import LRMultiplierOptimizer
+    from tfaploss.models.lr_multipliers import LRMultiplierOptimizer
 
     x, y = _data()
     moved = {}

@@ -13,10 +13,10 @@ import keras
 import numpy as np
 import pytest
 
-import models
-from models.batch_norm import FrozenBatchNormalization
 from tests.support.backend import to_numpy
 from tests.support.hub import keras_hub, tiny_preset
+from tfaploss import models
+from tfaploss.models.batch_norm import FrozenBatchNormalization
 
 # The architectures train one step on every backend (above); what does not depend on the
 # backend (multi-stage, saving, model files, config) runs once, in the TensorFlow run.

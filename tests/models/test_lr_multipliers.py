@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
+from tfaploss import models
 
 pytestmark = pytest.mark.tensorflow  # uses TensorFlow APIs: the TensorFlow run only
 

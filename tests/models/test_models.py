@@ -1,4 +1,4 @@
-"""models/ layers on every Keras backend (no TensorFlow import): values against numpy
+"""tfaploss/models/ layers on every Keras backend (no TensorFlow import): values against numpy
 references, gradients through a fit step, frozen BatchNorm, saving.
 
 Runs under the process's KERAS_BACKEND (see tests/support/backend.py).
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
-from models.backbones import IMAGENET_NOTOP_FILES, KERAS_WEIGHTS_BASE_URL
 from tests.support.backend import float64_policy, to_numpy
+from tfaploss import models
+from tfaploss.models.backbones import IMAGENET_NOTOP_FILES, KERAS_WEIGHTS_BASE_URL
 from tfaploss.training import FrozenBatchNormalization, has_training_batch_norm
 
 

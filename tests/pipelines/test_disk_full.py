@@ -2,7 +2,7 @@
 file (not Beam's wrapped traceback) and exit 2, publishes nothing half, leaves no
 staging folder or temporary file; once space is freed, the same command writes the
 records of a run that never failed. The failures come from the fault injector's
-``<site>_enospc`` points of :func:`pipelines.storage.write_atomic`, and from a real
+``<site>_enospc`` points of :func:`tfaploss.pipelines.storage.write_atomic`, and from a real
 small file system (a tmpfs, where the test can mount one)."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import os
 
 import pytest
 
-from pipelines import console, folder
 from tests.support import miniature as mini
 from tests.support import small_fs
 from tfaploss.durable import faults
 from tfaploss.durable.atomic import DiskFullError, disk_full_in, is_temp_name
+from tfaploss.pipelines import console, folder
 
 ARGS = ["--max_failure_fraction", "0.5", "--records_per_shard", "4",
         "--images_per_batch", "2", "--direct_running_mode", "in_memory"]

@@ -1,4 +1,4 @@
-"""The Beam embedding job (`pipelines/embed.py`) with a tiny exported SavedModel."""
+"""The Beam embedding job (`tfaploss/pipelines/embed.py`) with a tiny exported SavedModel."""
 
 import io
 import json
@@ -11,9 +11,9 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from pipelines import embed
 from tfaploss.evaluation import evaluate, load_embeddings
 from tfaploss.export import export_saved_model
+from tfaploss.pipelines import embed
 
 SIZE = 16
 
@@ -104,12 +104,12 @@ def test_embed_image_folder_with_labels_and_too_many_failures(tmp_path, exported
 
 
 def test_embed_command_line_help_and_bad_model(tmp_path, monkeypatch, capsys):
-    # `python -m pipelines.embed --help`, run in-process (a new interpreter would spend
+    # `python -m tfaploss.pipelines.embed --help`, run in-process (a new interpreter would spend
     # seconds importing Beam and TensorFlow again).
-    monkeypatch.setattr(sys, "argv", ["python -m pipelines.embed", "--help"])
-    monkeypatch.delitem(sys.modules, "pipelines.embed")  # run it fresh, as `-m` does
+    monkeypatch.setattr(sys, "argv", ["python -m tfaploss.pipelines.embed", "--help"])
+    monkeypatch.delitem(sys.modules, "tfaploss.pipelines.embed")  # run it fresh, as `-m` does
     with pytest.raises(SystemExit) as done:
-        runpy.run_module("pipelines.embed", run_name="__main__")
+        runpy.run_module("tfaploss.pipelines.embed", run_name="__main__")
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert "--model" in out and "--input" in out and "--output" in out
@@ -140,7 +140,7 @@ def test_embed_rerun_killed_midway_keeps_the_previous_output(tmp_path, exported)
     before = snapshot()
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     killed = subprocess.run(
-        [sys.executable, "-m", "pipelines.embed", *argv, "--labels_from_folders"], cwd=repo,
+        [sys.executable, "-m", "tfaploss.pipelines.embed", *argv, "--labels_from_folders"], cwd=repo,
         env={**os.environ, "PYTHONPATH": repo, faults.ENV: "images:3"},
         capture_output=True, text=True, timeout=300, check=False)
     assert killed.returncode == 75, killed.stderr[-2000:]
@@ -164,7 +164,7 @@ def test_embed_on_a_damaged_shard_names_it_and_exits_2(tmp_path, exported, damag
 
     split = tmp_path / "train"
     manifest = write_split_records(str(split), {0: 3, 1: 3}, size=(20, 24))
-    manifest.update(job="pipelines.folder", split="train", options={"input_dir": "photos"},
+    manifest.update(job="tfaploss.pipelines.folder", split="train", options={"input_dir": "photos"},
                     checksums=integrity.manifest_checksums(
                         str(split), ["images-00000-of-00001.tfrecord"]))
     (split / "manifest.json").write_text(json.dumps(manifest))
@@ -180,5 +180,5 @@ def test_embed_on_a_damaged_shard_names_it_and_exits_2(tmp_path, exported, damag
     argv = ["--input", str(shard), "--model", exported, "--output", str(tmp_path / "emb")]
     assert embed.main(argv) == 2
     err = capsys.readouterr().err
-    assert str(shard) in err and "rebuild it: python -m pipelines.folder" in err
+    assert str(shard) in err and "rebuild it: python -m tfaploss.pipelines.folder" in err
     assert "Traceback" not in err and not (tmp_path / "emb").exists()

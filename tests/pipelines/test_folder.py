@@ -6,9 +6,9 @@ import os
 import numpy as np
 import pytest
 
-from pipelines import folder
-from pipelines import transforms as T
 from tests.support import miniature as mini
+from tfaploss.pipelines import folder
+from tfaploss.pipelines import transforms as T
 
 IN_MEMORY = ["--direct_running_mode", "in_memory"]
 
@@ -159,7 +159,7 @@ def test_importing_the_job_loads_neither_tensorflow_nor_beam():
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = ("import sys, pipelines.folder, pipelines.runner, tfaploss.data.integrity; "
+    code = ("import sys, tfaploss.pipelines.folder, tfaploss.pipelines.runner, tfaploss.data.integrity; "
             "print(sorted(m for m in ('tensorflow', 'keras', 'apache_beam') "
             "if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True,
@@ -169,9 +169,9 @@ def test_importing_the_job_loads_neither_tensorflow_nor_beam():
 
 def test_image_processes_start_before_beam_and_each_task_runs_once(tree, tmp_path,
                                                                     monkeypatch):
-    from pipelines import console
-    from pipelines import image_workers as W
-    from pipelines import runner as R
+    from tfaploss.pipelines import console
+    from tfaploss.pipelines import image_workers as W
+    from tfaploss.pipelines import runner as R
 
     submitted, claimed, at_beam_import = [], [], []
     submit, claim, import_beam = W.submit_ahead, W.claim_ahead, console.import_beam_quietly

@@ -20,10 +20,10 @@ import pytest
 from fontTools.ttLib import TTFont
 from fontTools.ttLib.ttCollection import TTCollection
 
-from pipelines import glyph_render as G
-from pipelines import glyphs
-from pipelines import runner as R
 from tests.support import miniature as mini
+from tfaploss.pipelines import glyph_render as G
+from tfaploss.pipelines import glyphs
+from tfaploss.pipelines import runner as R
 
 FONT_DIR = os.path.join(matplotlib.get_data_path(), "fonts", "ttf")
 CHARSET = "U+0041-U+0043,U+0180-U+0189,U+2800"
@@ -401,7 +401,7 @@ def _cff_font(path, name):
 
 
 def test_cff_outlines_and_collections_sharing_one_cff_table(tmp_path):
-    from pipelines import fonts as F
+    from tfaploss.pipelines import fonts as F
 
     _cff_font(str(tmp_path / "a.otf"), "Aaa")
     # Two faces with the same tables: the collection stores the CFF table once.

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from pipelines import folder
 from tests.support import miniature as mini
+from tfaploss.pipelines import folder
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARGS = ["--max_failure_fraction", "0.5", "--records_per_shard", "4",
@@ -31,7 +31,7 @@ def _records(split_dir):
 
 
 def _job(argv):
-    return subprocess.Popen([sys.executable, "-m", "pipelines.folder", *argv], cwd=REPO,
+    return subprocess.Popen([sys.executable, "-m", "tfaploss.pipelines.folder", *argv], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": REPO})
 

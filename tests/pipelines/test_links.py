@@ -1,4 +1,4 @@
-"""One link policy for the jobs that walk a folder (pipelines/links.py), files and
+"""One link policy for the jobs that walk a folder (tfaploss/pipelines/links.py), files and
 folders alike: links inside the input root are followed, links that leave it are ignored
 with a reason unless ``--follow_external_links``, loops and second names of what is
 already listed are ignored either way, dangling links are dead letters."""
@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from pipelines import folder, glyphs
-from pipelines import links as LK
 from tests.support import miniature as mini
+from tfaploss.pipelines import folder, glyphs
+from tfaploss.pipelines import links as LK
 
 IN_MEMORY = ["--direct_running_mode", "in_memory"]
 

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from pipelines import folder, revisited, runner, storage
 from tests.support import miniature as mini
 from tfaploss.durable import faults
+from tfaploss.pipelines import folder, revisited, runner, storage
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 IN_MEMORY = ["--direct_running_mode", "in_memory"]
@@ -20,7 +20,7 @@ IN_MEMORY = ["--direct_running_mode", "in_memory"]
 
 def _job(module, argv, env_extra=None, timeout=300):
     env = {**os.environ, "PYTHONPATH": REPO, **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", f"pipelines.{module}", *argv], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", f"tfaploss.pipelines.{module}", *argv], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=timeout,
                           check=False)
 
@@ -215,7 +215,7 @@ def test_folder_job_accounts_for_every_file(messy_tree, tmp_path, monkeypatch):
     assert not records & set(ignored) and not records & set(dead) and not set(dead) & set(
         ignored)
     assert records | set(dead) - {"c/locked/"} | set(ignored) == entries
-    # One link policy (pipelines/links.py): links inside the input root are followed, so
+    # One link policy (tfaploss/pipelines/links.py): links inside the input root are followed, so
     # a link into another class folder is a second name for what that class lists.
     assert "loop" in ignored["a/loop"] and "already listed as b/" in ignored["a/leak"]
     assert ignored["a/sub/leak.jpg"] == "same file as b/q.jpg"

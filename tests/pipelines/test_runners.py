@@ -29,9 +29,9 @@ import sys
 import matplotlib
 import pytest
 
-from pipelines import folder, glyphs, steps
-from pipelines import runner as R
 from tests.support import miniature as mini
+from tfaploss.pipelines import folder, glyphs, steps
+from tfaploss.pipelines import runner as R
 
 try:
     import dask.distributed  # noqa: F401

@@ -25,16 +25,21 @@ import warnings
 import numpy as np
 import pytest
 
-from pipelines.safe_pickle import PickleLimits, UnsafePickleError, safe_load_path, safe_loads
 from tests.reliability import hostile_pickles as H
 from tests.support import timing
 from tfaploss.evaluation import load_revisited_gnd
 from tfaploss.evaluation.revisited import check_revisited_gnd
+from tfaploss.pipelines.safe_pickle import (
+    PickleLimits,
+    UnsafePickleError,
+    safe_load_path,
+    safe_loads,
+)
 
 
 def _load_pickled(path):
     """What the revisited job does with a gnd pickle: the restricted reader, then the
-    structure check (``pipelines.revisited.read_pickled_ground_truth`` without Beam)."""
+    structure check (``tfaploss.pipelines.revisited.read_pickled_ground_truth`` without Beam)."""
     return check_revisited_gnd(safe_load_path(str(path)), str(path))
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -206,7 +211,7 @@ EXPECTED = {
 
 _RUNNER = r"""
 import json, sys
-from pipelines.safe_pickle import safe_load_path
+from tfaploss.pipelines.safe_pickle import safe_load_path
 from tfaploss.evaluation.revisited import check_revisited_gnd
 out = {}
 for path in sys.argv[1:]:
@@ -563,7 +568,7 @@ def test_a_shared_array_where_a_scalar_belongs_is_refused():
 def collections_seen():
     """The cycle collections that start inside the reader's loop, with a gen-0 threshold
     of 1, so that any allocation would start one."""
-    from pipelines.safe_pickle import _Interpreter
+    from tfaploss.pipelines.safe_pickle import _Interpreter
 
     seen: list[int] = []
     reading = _Interpreter.run.__code__

@@ -8,9 +8,9 @@ import pickle
 import numpy as np
 import pytest
 
-from pipelines import gldv2, inaturalist, revisited, safe_pickle, sop
 from tests.support import miniature as mini
 from tfaploss.evaluation.revisited import check_revisited_gnd, load_revisited_gnd
+from tfaploss.pipelines import gldv2, inaturalist, revisited, safe_pickle, sop
 
 IN_MEMORY = ["--direct_running_mode", "in_memory", "--max_failure_fraction", "0.5"]
 

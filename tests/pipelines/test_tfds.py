@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from pipelines import tfds_source
 from tests.support import miniature as mini
+from tfaploss.pipelines import tfds_source
 
 
 class TinyRetrievalSet(tfds.core.GeneratorBasedBuilder):

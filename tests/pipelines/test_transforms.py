@@ -7,8 +7,8 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from pipelines import transforms as T
 from tests.support import miniature as mini
+from tfaploss.pipelines import transforms as T
 
 
 def _bytes(img, fmt="JPEG", **kw):
@@ -126,7 +126,7 @@ def test_class_chunks_are_balanced():
 
 
 def test_tfrecord_framing_is_byte_identical_to_tensorflow(tmp_path):
-    from pipelines import tf_example as X
+    from tfaploss.pipelines import tf_example as X
 
     records = [b"", b"x", T.serialize_example({"k": [1, 2]}), bytes(range(256)) * 300]
     path = str(tmp_path / "tf.tfrecord")

@@ -13,10 +13,10 @@ import sys
 
 import pytest
 
-from pipelines import folder
-from pipelines import image_workers as W
 from tests.support import miniature as mini
 from tfaploss.durable import faults, locks
+from tfaploss.pipelines import folder
+from tfaploss.pipelines import image_workers as W
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # 29 images in 8 shards of about 4, batches of 2, two image processes: a worker's
@@ -32,7 +32,7 @@ def test_a_killed_worker_ends_the_job_cleanly_naming_the_shard(tmp_path):
     tree = mini.make_folder(str(tmp_path / "tree"))
     out = str(tmp_path / "out")
     job = subprocess.run(
-        [sys.executable, "-m", "pipelines.folder", "--input_dir", tree.root, "--output_dir",
+        [sys.executable, "-m", "tfaploss.pipelines.folder", "--input_dir", tree.root, "--output_dir",
          out, *ARGS], cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
         env={**os.environ, "PYTHONPATH": REPO, faults.ENV: "worker_kill:3"})
     assert job.returncode == 1, job.stderr

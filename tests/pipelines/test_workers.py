@@ -4,11 +4,11 @@ import os
 
 import pytest
 
-from pipelines import image_workers as W
-from pipelines import images as I
-from pipelines import shard_writers as S
-from pipelines import tf_example as X
 from tests.support import miniature as mini
+from tfaploss.pipelines import image_workers as W
+from tfaploss.pipelines import images as I
+from tfaploss.pipelines import shard_writers as S
+from tfaploss.pipelines import tf_example as X
 
 SETTINGS = {"max_side": 16, "jpeg_quality": 90, "min_side": 1, "max_pixels": 10**8}
 

@@ -18,10 +18,10 @@ Each input goes, one at a time, through
 
 1. **serving**: ``serving_default`` of an exported SavedModel (224x224, a pooling
    model: the preprocessing is the real one) in a fresh process; limit: 40 MP;
-2. **job**: ``pipelines.images.process_image_bytes`` with the folder job's settings
+2. **job**: ``tfaploss.pipelines.images.process_image_bytes`` with the folder job's settings
    (``--max_side 512``, ``--max_pixels`` 100 MP) in a fresh process;
 
-and the whole set through one **folder job** (``python -m pipelines.folder``) whose
+and the whole set through one **folder job** (``python -m tfaploss.pipelines.folder``) whose
 dead letters must hold every refused input with its reason.
 
 Peak RSS is sampled every millisecond from ``/proc/self/statm`` while an input is in
@@ -190,7 +190,7 @@ def measure_serving(inputs: list[dict]) -> list[dict]:
 
 
 def measure_job(inputs: list[dict]) -> list[dict]:
-    from pipelines import images as I
+    from tfaploss.pipelines import images as I
 
     def process(data):
         try:
@@ -223,7 +223,7 @@ def _run_folder_job(root: str, out: str, report: str) -> None:
     image processes, which the job waits for)."""
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "pipelines.folder", "--input_dir", root, "--output_dir", out,
+        [sys.executable, "-m", "tfaploss.pipelines.folder", "--input_dir", root, "--output_dir", out,
          "--max_side", "512", "--max_failure_fraction", "1"],
         cwd=REPO, capture_output=True, text=True, check=False)
     with open(report, "w") as f:

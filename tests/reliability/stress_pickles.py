@@ -2,7 +2,7 @@
 
 For each input of :func:`tests.reliability.hostile_pickles.one_megabyte_cases` (opcode floods of
 each container opcode, memo floods and memo-reference blow-ups, deep nesting), plus the
-array shape and dtype attacks, runs :func:`pipelines.safe_pickle.safe_loads` and
+array shape and dtype attacks, runs :func:`tfaploss.pipelines.safe_pickle.safe_loads` and
 prints one row: the input's size, the bound that refused it, the worst wall time over
 ``--repeats`` runs, and the peak memory that Python and numpy allocated (tracemalloc,
 measured in a separate run, since tracing slows the reader). A full-size realistic
@@ -30,8 +30,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pipelines.safe_pickle import UnsafePickleError, safe_loads
 from tests.reliability import hostile_pickles as H
+from tfaploss.pipelines.safe_pickle import UnsafePickleError, safe_loads
 
 
 def _run(data: bytes) -> str:

@@ -36,7 +36,7 @@ def _write_tree(root: Path, classes: int = 6, per_class: int = 8) -> None:
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    from pipelines import folder
+    from tfaploss.pipelines import folder
 
     root = tmp_path_factory.mktemp("damaged")
     _write_tree(root / "pngs")
@@ -113,7 +113,7 @@ def test_verify_exits_0_then_2_with_one_line_per_damaged_shard(workspace, tmp_pa
         lines = [ln for ln in err.splitlines() if ln.startswith("DAMAGED")]
         assert [Path(ln.split()[1].rstrip(":")).name for ln in lines] == [s.name for s in shards], err
         assert "record 1" in lines[0] and "CRC" in lines[0]
-        assert "python -m pipelines.folder" in err and "--records_per_shard 16" in err
+        assert "python -m tfaploss.pipelines.folder" in err and "--records_per_shard 16" in err
     # The folder above the splits: each split's manifest.
     assert _main("verify", split.parent, "--sizes-only") == 2
     assert _main("verify", tmp_path / "nowhere") == 1  # like every missing path
@@ -144,7 +144,7 @@ def test_a_damaged_record_mid_run_stops_with_one_message(workspace, tmp_path, ca
     err = capsys.readouterr().err
     assert rc == 2, err
     assert f"{shards[0]} at record 1" in err and "corrupted record" in err
-    assert "while training" in err and "rebuild it: python -m pipelines.folder" in err
+    assert "while training" in err and "rebuild it: python -m tfaploss.pipelines.folder" in err
     assert "Traceback" not in err and "function_node" not in err
     # The full check finds the same before the first step.
     assert _main("train", "--config", config, "--set", f"data.train={split}",

@@ -71,7 +71,7 @@ def test_bad_distribute_keys_are_refused(bad):
 def records(tmp_path_factory):
     from PIL import Image
 
-    from pipelines import folder
+    from tfaploss.pipelines import folder
 
     root = tmp_path_factory.mktemp("devices")
     rng = np.random.default_rng(0)

@@ -14,12 +14,12 @@ import os
 
 import pytest
 
-from pipelines import storage
 from tests.run.test_preemption import _assert_same_weights, _config, _noise, _weights
 from tests.support import miniature as mini
 from tfaploss.durable import faults
 from tfaploss.durable.atomic import DiskFullError, atomic_write_text, is_temp_name
 from tfaploss.durable.checkpoints import RunBackup
+from tfaploss.pipelines import storage
 
 # (fault, the file its error names): every file a training run writes.
 SITES = [

@@ -7,8 +7,8 @@ trainable p, a Dense head (L2 weight-regularised) and L2 normalisation, on 8x8 i
 import keras
 import numpy as np
 
-from models.batch_norm import freeze_batch_norm
-from models.gem import GeM
+from tfaploss.models.batch_norm import freeze_batch_norm
+from tfaploss.models.gem import GeM
 
 IMAGE_SHAPE = (8, 8, 3)
 EMBEDDING_DIM = 5

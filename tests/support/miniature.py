@@ -287,7 +287,7 @@ def write_split_records(split_dir: str, class_sizes: dict[int, int],
 
     import tensorflow as tf
 
-    from pipelines import transforms as T
+    from tfaploss.pipelines import transforms as T
 
     super_labels = super_labels or {}
     os.makedirs(os.path.join(split_dir, "by_class"), exist_ok=True)

@@ -28,7 +28,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
 from tests.support.backend import (
     BACKEND,
     SoftNeighbourLoss,
@@ -44,6 +43,7 @@ from tests.support.exactness import (
     max_abs_diff,
     plain_fit,
 )
+from tfaploss import models
 from tfaploss.losses import APLoss, FastAPLoss, SmoothAPLoss
 from tfaploss.training import (
     FrozenBatchNormalization,

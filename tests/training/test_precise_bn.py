@@ -4,8 +4,8 @@ import keras
 import numpy as np
 import pytest
 
-from models.batch_norm import freeze_batch_norm
 from tfaploss.config import ConfigError, config_from_dict
+from tfaploss.models.batch_norm import freeze_batch_norm
 from tfaploss.run.build import estimate_batch_norm_statistics
 
 pytestmark = pytest.mark.tensorflow  # uses TensorFlow APIs: the TensorFlow run only

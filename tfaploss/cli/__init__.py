@@ -172,7 +172,7 @@ def _add_evaluate(sub):
                    help="separate query split (revisited, gldv2, or any query/database set)")
     p.add_argument("--gnd", default=None,
                    help="ground truth for revisited (the gnd_<dataset>.json that "
-                        "pipelines.revisited writes; a gnd_*.pkl is refused with the command "
+                        "tfaploss.pipelines.revisited writes; a gnd_*.pkl is refused with the command "
                         "that converts it) or gldv2")
     p.add_argument("--ks", default=None, help="comma-separated cut-offs, e.g. 1,10,100 "
                                               "(default: the protocol's)")

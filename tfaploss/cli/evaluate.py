@@ -22,9 +22,9 @@ def load_any_model(path: str):
     if os.path.isfile(path) and path.endswith(".keras"):
         import keras
 
-        import models  # noqa: F401  (registers the custom layers)
         import tfaploss.losses
         import tfaploss.training
+        from tfaploss import models  # noqa: F401  (registers the custom layers)
 
         model = keras.saving.load_model(path, compile=False)
         if isinstance(model, tfaploss.training.MultiStageModel):

@@ -55,7 +55,7 @@ def _digest(path) -> str | None:
 def feature_model(cfg):
     """The config's backbone and pooling, no head, BatchNorm frozen (L2-normalised
     pooled features)."""
-    from models import build_embedding_model
+    from tfaploss.models import build_embedding_model
     from tfaploss.run.build import config_backbone
 
     m = cfg.model
@@ -197,7 +197,7 @@ class FeatureRunner:
         optimizer = keras.optimizers.Adam(schedule)
         factor = settings.get("proxy_lr_multiplier", 1.0)
         if factor != 1.0:
-            from models.lr_multipliers import LRMultiplierOptimizer
+            from tfaploss.models.lr_multipliers import LRMultiplierOptimizer
 
             optimizer = LRMultiplierOptimizer(optimizer, losses.proxies_multipliers(factor))
         model.compile(optimizer=optimizer, loss=loss, jit_compile=False)

@@ -134,7 +134,7 @@ class ModelConfig:
     features; when set it replaces ``backbone`` and brings its own weights.
     ``pooling``: ``gem``, ``avg``, ``max_ln`` for feature maps; for the tokens of a
     ViT-like backbone ``cls`` (the class token) or ``avg`` (the mean of the patch
-    tokens), see :func:`models.build_pooling`.
+    tokens), see :func:`tfaploss.models.build_pooling`.
 
     ``weights``: ``null`` (random init), ``imagenet`` (the built-in ResNets, from Keras's
     cache), ``preset`` (a keras-hub preset's own weights, downloaded by keras-hub on

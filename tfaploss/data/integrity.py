@@ -180,20 +180,27 @@ def manifest_checksums(split_dir: str, files: list[str]) -> dict:
                       for name in sorted(files)}}
 
 
+def job_module(manifest: dict) -> str:
+    """The module that runs the manifest's job. Splits written before the jobs moved
+    into the ``tfaploss`` namespace name them ``pipelines.<job>``."""
+    job = manifest.get("job") or "tfaploss.pipelines.<job>"
+    return f"tfaploss.{job}" if job.startswith("pipelines.") else job
+
+
 def describe_source(manifest: dict | None, split_dir: str) -> str:
-    """``written by pipelines.folder (split train)`` and the command that writes it
+    """``written by tfaploss.pipelines.folder (split train)`` and the command that writes it
     again, from the manifest's ``job``, ``split`` and ``options``."""
     if not manifest or not manifest.get("job"):
         return ("no manifest.json names the job that wrote it; write the split again "
-                "with the pipelines job that made it")
-    job, split = manifest["job"], manifest.get("split", os.path.basename(split_dir))
+                "with the tfaploss.pipelines job that made it")
+    job, split = job_module(manifest), manifest.get("split", os.path.basename(split_dir))
     return f"written by {job} (split {split}); rebuild it: {rebuild_command(manifest)}"
 
 
 def rebuild_command(manifest: dict) -> str:
-    """``python -m pipelines.<job> --flag value ...`` from the manifest's options (the
+    """``python -m tfaploss.pipelines.<job> --flag value ...`` from the manifest's options (the
     options left at their off value are left out)."""
-    words = ["python", "-m", manifest.get("job", "pipelines.<job>")]
+    words = ["python", "-m", job_module(manifest)]
     for key, value in sorted((manifest.get("options") or {}).items()):
         if value is None or value is False or value == "" or key == "verbose":
             continue

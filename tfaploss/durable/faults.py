@@ -57,18 +57,18 @@ Fault points of a training run (:mod:`tfaploss.run.trainer`,
                          batch B of epoch E (tests the non-finite guard)
 ======================== ================================================================
 
-Fault points of the Beam jobs (:mod:`pipelines.runner`, :mod:`pipelines.embed`,
-:mod:`pipelines.storage`):
+Fault points of the Beam jobs (:mod:`tfaploss.pipelines.runner`, :mod:`tfaploss.pipelines.embed`,
+:mod:`tfaploss.pipelines.storage`):
 
 ======================== ================================================================
 ``images:N``             after N images were processed (preprocessing jobs) or embedded
-                         (``pipelines.embed``), counted by each worker's step; the
+                         (``tfaploss.pipelines.embed``), counted by each worker's step; the
                          threshold is read when the step is set up, so the per-image cost
                          is one integer comparison
 ``publish``              between the two renames of a publish (the old split renamed
                          aside, the new one not yet in); armed, it also turns off the
                          one-call ``renameat2`` exchange so that this path runs
-``worker_kill:N``        an image worker process (:mod:`pipelines.image_workers`, the
+``worker_kill:N``        an image worker process (:mod:`tfaploss.pipelines.image_workers`, the
                          forked pool of the local DirectRunner) kills itself with
                          SIGKILL as it starts its N-th image (counted per worker), as
                          the OOM killer would: the job itself is not killed, it must

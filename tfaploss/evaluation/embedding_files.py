@@ -1,4 +1,4 @@
-"""The on-disk format of embeddings written by ``pipelines/embed.py``.
+"""The on-disk format of embeddings written by ``tfaploss/pipelines/embed.py``.
 
 Sharded TFRecord files ``<output>/embeddings-SSSSS-of-NNNNN.tfrecord``, one
 ``tf.train.Example`` per image:
@@ -54,7 +54,7 @@ def embedding_files(path: str) -> list[str]:
     files = sorted(tf.io.gfile.glob(pattern))
     if not files:
         raise FileNotFoundError(f"no embedding files match {pattern!r}; expected the output "
-                                "of `python -m pipelines.embed`.")
+                                "of `python -m tfaploss.pipelines.embed`.")
     return files
 
 

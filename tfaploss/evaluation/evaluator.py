@@ -199,7 +199,7 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
     Args:
       model_or_embeddings: a Keras model (or any callable images -> embeddings),
         a (N, D) array of database embeddings, or the output directory of
-        ``python -m pipelines.embed``.
+        ``python -m tfaploss.pipelines.embed``.
       dataset: the database: a batched ``tf.data.Dataset`` of ``(images, labels)`` or
         ``(images, labels, ids)`` when a model is given; with an array of embeddings it
         may instead be the labels array.
@@ -391,7 +391,7 @@ def _evaluate_revisited(q, db, gnd, ks, backend, depth, target_recall=None,
     if q is None or gnd is None:
         raise ValueError("the revisited protocol needs `query=` (the cropped queries) and "
                          "`gnd=` (ground truth list, or the gnd_*.json path that "
-                         "pipelines.revisited wrote).")
+                         "tfaploss.pipelines.revisited wrote).")
     if isinstance(gnd, (str, os.PathLike)):
         gnd = load_revisited_gnd(str(gnd))["gnd"]
     metrics: dict[str, float] = {}

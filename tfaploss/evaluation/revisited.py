@@ -165,12 +165,12 @@ _MAX_GND_BYTES = 64 << 20
 
 
 def load_revisited_gnd(path: str) -> dict:
-    """Load the JSON ground truth that ``pipelines.revisited`` wrote
+    """Load the JSON ground truth that ``tfaploss.pipelines.revisited`` wrote
     (``gnd_roxford5k.json`` / ``gnd_rparis6k.json``).
 
     Evaluation never unpickles: the published ``gnd_*.pkl`` is untrusted, and it is
     converted once, when the data is prepared, by the revisited job (its restricted
-    reader, :mod:`pipelines.safe_pickle`, is the only code that reads such a pickle). A
+    reader, :mod:`tfaploss.pipelines.safe_pickle`, is the only code that reads such a pickle). A
     pickle given here raises a ``ValueError`` naming the conversion command. The content
     is checked by :func:`check_revisited_gnd`. Anything unusable raises ``ValueError``
     naming the file (and the key, for a wrong structure).
@@ -188,7 +188,7 @@ def _pickle_refusal(path: str) -> ValueError:
     dataset = next((d for d in ("roxford5k", "rparis6k") if d in name), "roxford5k")
     return ValueError(
         f"{path}: a pickle; evaluation reads the ground truth as JSON only (a downloaded "
-        "pickle can run code). Convert it once with `python -m pipelines.revisited "
+        "pickle can run code). Convert it once with `python -m tfaploss.pipelines.revisited "
         f"--input_dir <folder of {name}> --dataset {dataset} --output_dir <out> "
         f"--ground_truth_only` and pass <out>/gnd_{dataset}.json (the full revisited job "
         "writes that file next to its records too).")

@@ -167,11 +167,11 @@ def export_saved_model(
 
     Args:
         model: a Keras model from raw ``(B, H, W, 3)`` images in [0, 255] to
-            embeddings (e.g. from ``models.build_embedding_model``).
+            embeddings (e.g. from ``tfaploss.models.build_embedding_model``).
         path: the model's base directory (TF Serving's ``--model_base_path``).
         image_size: ``(height, width)`` the served images are cropped to.
         version: integer version directory; ``None`` takes 1 + the largest existing.
-        whitening: optional ``models.PCAWhitening`` (from ``models.fit_pca_whitening``)
+        whitening: optional ``tfaploss.models.PCAWhitening`` (from ``tfaploss.models.fit_pca_whitening``)
             appended to the model before export.
         crop_fraction: see above; 1.0 keeps the whole short side.
         resize_method, antialias: passed to ``tf.image.resize``.
@@ -198,7 +198,7 @@ def export_saved_model(
     max_pixels = check_max_pixels(max_pixels)
     max_request_pixels = check_max_request_pixels(max_request_pixels, max_pixels)
     if whitening is not None:
-        from models.whitening import with_whitening
+        from tfaploss.models.whitening import with_whitening
 
         model = with_whitening(model, whitening)
     _check_model(model, image_size)

@@ -39,7 +39,7 @@ PROXIES_LAYER_NAME = "class_proxies"
 
 
 def proxies_multipliers(factor: float) -> dict:
-    """``{pattern: factor}`` for ``models.lr_multipliers.LRMultiplierOptimizer``: the
+    """``{pattern: factor}`` for ``tfaploss.models.lr_multipliers.LRMultiplierOptimizer``: the
     variables of every ``ClassProxies`` layer (the papers train proxies faster, e.g.
     Proxy-Anchor's x100)."""
     return {rf"(^|/)({PROXIES_LAYER_NAME}|cluster_proxies)(_\d+)?/": float(factor)}

@@ -18,7 +18,7 @@ LOG = logging.getLogger(__name__)
 
 
 def build_model(cfg: Config, input_shape=None, weights="config", calibrate=True):
-    """The embedding model of ``cfg.model`` (``models.build_embedding_model``).
+    """The embedding model of ``cfg.model`` (``tfaploss.models.build_embedding_model``).
 
     ``input_shape`` defaults to the training crops, ``(*data.image_size, 3)``;
     ``weights="config"`` uses ``model.weights`` (pass ``None`` for random weights; a
@@ -27,7 +27,7 @@ def build_model(cfg: Config, input_shape=None, weights="config", calibrate=True)
     training images (:func:`calibrate_batch_norm`), the same images for the same
     ``data.seed``.
     """
-    from models import PoolingError, build_embedding_model
+    from tfaploss.models import PoolingError, build_embedding_model
 
     m = cfg.model
     if input_shape is None:
@@ -62,19 +62,19 @@ def build_model(cfg: Config, input_shape=None, weights="config", calibrate=True)
 
 
 def config_backbone(m, weights="config"):
-    """What ``models.build_embedding_model`` takes as ``backbone`` for ``cfg.model``:
+    """What ``tfaploss.models.build_embedding_model`` takes as ``backbone`` for ``cfg.model``:
     its name, or the model loaded from ``model.backbone_file`` (with ``weights`` loaded
     over the file's when they are a path)."""
     if m.backbone_file is None:
         if m.backbone.startswith(KERAS_HUB_PREFIX):
-            from models import require_keras_hub
+            from tfaploss.models import require_keras_hub
 
             try:
                 require_keras_hub(m.backbone)
             except ImportError as err:  # one line from the CLI, before any training
                 raise ConfigError(f"config key 'model.backbone': {err}") from None
         return m.backbone
-    from models import load_backbone_file
+    from tfaploss.models import load_backbone_file
 
     weights = m.weights if weights == "config" else weights
     return load_backbone_file(m.backbone_file, weights=weights)
@@ -267,7 +267,7 @@ def build_optimizer(cfg: Config, steps_per_epoch: int):
     optimizer = cls(**common, **extra)
     multipliers = {}
     if cfg.model.head_lr_multiplier != 1.0:
-        from models.lr_multipliers import head_multipliers
+        from tfaploss.models.lr_multipliers import head_multipliers
 
         multipliers.update(head_multipliers(cfg.model.head_lr_multiplier, include_gem=False))
     if cfg.model.proxy_lr_multiplier != 1.0:
@@ -275,7 +275,7 @@ def build_optimizer(cfg: Config, steps_per_epoch: int):
 
         multipliers.update(proxies_multipliers(cfg.model.proxy_lr_multiplier))
     if multipliers:
-        from models.lr_multipliers import LRMultiplierOptimizer
+        from tfaploss.models.lr_multipliers import LRMultiplierOptimizer
 
         optimizer = LRMultiplierOptimizer(optimizer, multipliers)
     return optimizer
@@ -325,7 +325,7 @@ def check_data(cfg: Config) -> None:
 
 def _largest_chunk(n: int, chunk_size: int) -> int:
     """Images in the largest by-class record of a class of ``n`` images: the pipelines
-    cut it into ceil(n / chunk_size) balanced chunks (pipelines.transforms.class_chunks)."""
+    cut it into ceil(n / chunk_size) balanced chunks (tfaploss.pipelines.transforms.class_chunks)."""
     return -(-n // max(1, -(-n // chunk_size)))
 
 
@@ -344,7 +344,7 @@ def _check_class_chunks(cfg: Config) -> None:
         return
     m, train = cfg.data.m, cfg.data.train
     fix = (f"Rewrite the split with a larger --class_chunk_size (at least 2*m={2 * m}, e.g. "
-           f"python -m pipelines.folder ... --class_chunk_size {max(32, 2 * m)}) or lower "
+           f"python -m tfaploss.pipelines.folder ... --class_chunk_size {max(32, 2 * m)}) or lower "
            f"data.m.")
     if chunk < m:
         raise ConfigError(

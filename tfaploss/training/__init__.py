@@ -4,12 +4,12 @@ that warns when a run has collapsed or stalled."""
 
 # Re-exported from their homes (models.batch_norm, tfaploss.losses.xbm): the names
 # users train with, importable from the package that trains.
-from models.batch_norm import (
+from tfaploss.losses.xbm import CrossBatchMemory
+from tfaploss.models.batch_norm import (
     FrozenBatchNormalization,
     freeze_batch_norm,
     has_training_batch_norm,
 )
-from tfaploss.losses.xbm import CrossBatchMemory
 from tfaploss.training.checks import (
     NondeterministicModelWarning,
     check_deterministic,

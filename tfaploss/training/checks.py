@@ -22,7 +22,7 @@ import warnings
 
 import keras
 
-from models.batch_norm import FrozenBatchNormalization
+from tfaploss.models.batch_norm import FrozenBatchNormalization
 
 _NONDETERMINISTIC_CHOICES = ("warn", "raise", "ignore")
 

@@ -1,0 +1,52 @@
+"""Retrieval models: backbones, pooling, heads and whitening.
+
+``build_embedding_model`` is the entry point: raw images in [0, 255] -> L2-normalised
+embeddings, with the papers' architectures in ``PAPER_ARCHITECTURES``. Backbones: the
+Keras ResNets, a small CNN, any keras-hub preset (``"keras_hub:<preset>"``, the optional
+``hub`` extra) or a Keras model of the user's (``load_backbone_file``); ``tfaploss.models.hub``.
+
+Every layer here is written with ``keras.ops`` only, so the models build and train
+under ``KERAS_BACKEND`` tensorflow, jax and torch (export stays TensorFlow-only).
+"""
+
+from tfaploss.models.backbones import build_backbone, resolve_imagenet_weights, small_cnn
+from tfaploss.models.batch_norm import (
+    FrozenBatchNormalization,
+    freeze_batch_norm,
+    has_training_batch_norm,
+)
+from tfaploss.models.embedding import PAPER_ARCHITECTURES, build_embedding_model, build_paper_model
+from tfaploss.models.gem import GeM
+from tfaploss.models.heads import L2Normalize, PoolingError, TokenPooling, build_head, build_pooling
+from tfaploss.models.hub import is_hub_backbone, load_backbone_file, require_keras_hub
+from tfaploss.models.lr_multipliers import LRMultiplierOptimizer, head_multipliers
+from tfaploss.models.preprocessing import ImageNetNormalization, ImageRescaling
+from tfaploss.models.whitening import PCAWhitening, fit_pca_whitening, with_whitening
+
+__all__ = [
+    "PAPER_ARCHITECTURES",
+    "FrozenBatchNormalization",
+    "GeM",
+    "ImageNetNormalization",
+    "ImageRescaling",
+    "L2Normalize",
+    "LRMultiplierOptimizer",
+    "PCAWhitening",
+    "PoolingError",
+    "TokenPooling",
+    "build_backbone",
+    "build_embedding_model",
+    "build_head",
+    "build_paper_model",
+    "build_pooling",
+    "fit_pca_whitening",
+    "freeze_batch_norm",
+    "has_training_batch_norm",
+    "head_multipliers",
+    "is_hub_backbone",
+    "load_backbone_file",
+    "require_keras_hub",
+    "resolve_imagenet_weights",
+    "small_cnn",
+    "with_whitening",
+]

@@ -1,0 +1,132 @@
+"""Convolutional backbones: ResNet-50/101 from ``keras.applications`` and a small CNN.
+
+A backbone maps images (already normalised, see ``tfaploss.models.preprocessing``) to a feature
+map ``(B, H', W', C)``; pooling and the head come after it (``tfaploss.models.heads``).
+
+ImageNet weights are never downloaded here. ``weights="imagenet"`` uses the file only
+if Keras's cache already holds it; otherwise the error says which file to fetch, from
+where, and how to pass it as ``weights=path``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import keras
+
+# The files ``keras.applications`` fetches for ``include_top=False`` (see
+# keras/src/applications/resnet.py); Keras caches them in ``$KERAS_HOME/models``.
+KERAS_WEIGHTS_BASE_URL = "https://storage.googleapis.com/tensorflow/keras-applications/resnet/"
+IMAGENET_NOTOP_FILES = {
+    "resnet50": "resnet50_weights_tf_dim_ordering_tf_kernels_notop.h5",
+    "resnet101": "resnet101_weights_tf_dim_ordering_tf_kernels_notop.h5",
+}
+_RESNETS = {
+    "resnet50": keras.applications.ResNet50,
+    "resnet101": keras.applications.ResNet101,
+}
+BACKBONES = ("resnet50", "resnet101", "small_cnn")
+
+
+def keras_cache_dir() -> str:
+    """Where Keras keeps downloaded weights: ``$KERAS_HOME/models`` or ``~/.keras/models``."""
+    home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    return os.path.join(home, "models")
+
+
+def resolve_imagenet_weights(backbone: str) -> str:
+    """Path of the cached ImageNet weights of ``backbone``, or a clear error.
+
+    Raises:
+        FileNotFoundError: the file is not in Keras's cache; the message gives the file
+            name, its URL and the ``weights=path`` alternative.
+    """
+    file_name = IMAGENET_NOTOP_FILES[backbone]
+    path = os.path.join(keras_cache_dir(), file_name)
+    if os.path.isfile(path):
+        return path
+    raise FileNotFoundError(
+        f"weights='imagenet' for backbone={backbone!r}: {file_name} is not in Keras's "
+        f"cache ({keras_cache_dir()}), and tfaploss never downloads weights. Fetch it on "
+        f"a machine with network access from {KERAS_WEIGHTS_BASE_URL}{file_name} and "
+        "either put it in that cache directory (or $KERAS_HOME/models) or pass its path "
+        f"as weights='path/to/{file_name}'. Use weights=None for random weights."
+    )
+
+
+def _resolve_weights(backbone: str, weights):
+    if weights is None:
+        return None
+    if weights == "imagenet":
+        if backbone == "small_cnn":
+            raise ValueError(
+                "backbone='small_cnn' has no ImageNet weights; received weights='imagenet'. "
+                "Use weights=None or a path to a small_cnn weights file (.weights.h5)."
+            )
+        return resolve_imagenet_weights(backbone)
+    if isinstance(weights, (str, os.PathLike)):
+        path = os.fspath(weights)
+        if not os.path.isfile(path):
+            what = "a folder, not a weights file" if os.path.isdir(path) else "no such file"
+            raise FileNotFoundError(
+                f"weights={path!r}: {what}. Pass None, 'imagenet' (cached file "
+                "only) or the path of a backbone weights file."
+            )
+        return path
+    raise ValueError(
+        f"`weights` must be None, 'imagenet' or a file path; received weights={weights!r}"
+    )
+
+
+def small_cnn(input_shape=(32, 32, 3), widths=(32, 64, 128), name="small_cnn"):
+    """A small VGG-like CNN for tests and demos, fast on a CPU.
+
+    ``len(widths)`` stages; each is two ``Conv 3x3 -> BatchNorm -> ReLU`` blocks, and
+    every stage but the last ends with a 2x2 max-pool, so a 32x32 input gives an 8x8
+    map with ``widths[-1]`` channels (a 16x16 input gives 4x4). BatchNorm is there so
+    that ``freeze_batch_norm`` matters; there is no dropout (multi-staged backprop
+    needs a deterministic model). Cost: about 38 M multiply-adds per 32x32 image.
+    """
+    if not widths:
+        raise ValueError(f"small_cnn: `widths` must be non-empty, received widths={widths!r}")
+    inputs = keras.Input(shape=input_shape, name="images")
+    x = inputs
+    for stage, width in enumerate(widths):
+        for block in range(2):
+            prefix = f"stage{stage + 1}_block{block + 1}"
+            x = keras.layers.Conv2D(
+                width, 3, padding="same", use_bias=False, name=f"{prefix}_conv"
+            )(x)
+            x = keras.layers.BatchNormalization(name=f"{prefix}_bn")(x)
+            x = keras.layers.ReLU(name=f"{prefix}_relu")(x)
+        if stage < len(widths) - 1:
+            x = keras.layers.MaxPooling2D(2, name=f"stage{stage + 1}_pool")(x)
+    return keras.Model(inputs, x, name=name)
+
+
+def build_backbone(name="resnet50", input_shape=(224, 224, 3), weights=None, **kwargs):
+    """Build a backbone feature extractor (no pooling, no top).
+
+    Args:
+        name: ``"resnet50"``, ``"resnet101"`` (``keras.applications``, caffe-style
+            ImageNet weights) or ``"small_cnn"``.
+        input_shape: ``(H, W, 3)``; ``None`` for H and W accepts any size.
+        weights: ``None`` (random), ``"imagenet"`` (only from Keras's cache, see
+            ``resolve_imagenet_weights``) or the path of a weights file for this
+            backbone (for ResNets the ``*_notop.h5`` file Keras uses).
+        **kwargs: for ``small_cnn`` only: ``widths``.
+
+    Returns:
+        A ``keras.Model`` mapping normalised images to a ``(B, H', W', C)`` feature map.
+    """
+    if name not in BACKBONES:
+        raise ValueError(f"`backbone` must be one of {BACKBONES}; received backbone={name!r}")
+    weights_path = _resolve_weights(name, weights)
+    if name == "small_cnn":
+        model = small_cnn(input_shape=input_shape, **kwargs)
+        if weights_path is not None:
+            model.load_weights(weights_path)
+        return model
+    if kwargs:
+        raise ValueError(f"backbone={name!r} takes no extra arguments; received {kwargs}")
+    return _RESNETS[name](include_top=False, weights=weights_path, input_shape=input_shape)

@@ -1,0 +1,123 @@
+"""Apache Beam jobs that turn raw image datasets into sharded TFRecords.
+
+One job per source, all sharing :mod:`tfaploss.pipelines.runner` (plan -> Beam -> publish),
+:mod:`tfaploss.pipelines.images` (the per-image work) and :mod:`tfaploss.pipelines.tf_example` (the
+record format)::
+
+    python -m tfaploss.pipelines.sop          --input_dir SOP_ROOT    --output_dir OUT [Beam options]
+    python -m tfaploss.pipelines.inaturalist  --input_dir INAT_ROOT   --output_dir OUT
+    python -m tfaploss.pipelines.gldv2        --input_dir GLDV2_ROOT  --output_dir OUT [--subset train|retrieval]
+    python -m tfaploss.pipelines.revisited    --input_dir ROXF_ROOT   --output_dir OUT --dataset roxford5k
+    python -m tfaploss.pipelines.folder       --input_dir TREE        --output_dir OUT [--test_classes a,b]
+    python -m tfaploss.pipelines.tfds_source  --dataset cars196 --data_dir TFDS_DIR --output_dir OUT
+    python -m tfaploss.pipelines.glyphs       --input_dir FONTS_DIR   --output_dir OUT [--charset cjk]
+
+Each module also exposes ``run(argv: list[str] | None = None) -> dict`` that runs the
+job in-process and returns ``{split: manifest_dict}``. Beam's own options
+(``--runner``, ``--direct_num_workers``, ``--project``, ``--setup_file ./setup.py``, ...)
+pass through; without ``--runner`` the job runs on the local DirectRunner in one
+process whose image work runs in one forked process per CPU (``--image_processes``; see
+:mod:`tfaploss.pipelines.image_workers`).
+
+Output layout (one folder per split)::
+
+    OUT/<split>/images-00000-of-00004.tfrecord     one tf.train.Example per image
+    OUT/<split>/by_class/classes-00000-of-00001.tfrecord
+                                                   one record per class chunk (train splits)
+    OUT/<split>/manifest.json                      counts, label map, options, failures
+    OUT/<split>/dead_letters.jsonl                 one JSON object per rejected input
+    OUT/<split>/ignored_files.jsonl                files deliberately left out, with why
+
+Record ``i`` of a split's ``n`` (sorted by id) is in shard ``i * num_shards // n``; a
+shard with no record is not written. A rerun writes into ``OUT/.incoming/`` and swaps
+each split in only when it is complete (:mod:`tfaploss.pipelines.storage`).
+
+The jobs need the ``beam`` extra (``pip install "tfaploss[beam]"``; ``tfds_source`` also
+``tfds``, the Dask runner ``dask``): ``python -m pipelines.<job>`` without it stops with
+one line saying so. ``import pipelines`` itself needs nothing beyond the core install.
+
+Per-image ``tf.train.Example`` schema (:data:`tfaploss.pipelines.tf_example.IMAGE_FEATURES`):
+
+=========================== ========= ===================================================
+key                         type      meaning
+=========================== ========= ===================================================
+``image/encoded``           bytes     JPEG, RGB, EXIF orientation applied, resized so the
+                                      longer side is at most ``--max_side`` (if given)
+``image/format``            bytes     ``b"jpeg"``
+``image/id``                bytes     the dataset's image id (unique within a split)
+``image/path``              bytes     path of the source file relative to ``--input_dir``
+``image/index``             int64     position of the image in the split's sorted listing
+                                      (for revisited Oxford/Paris: the index into
+                                      ``imlist`` / ``qimlist`` the ground truth uses)
+``image/height``            int64     height of the encoded image
+``image/width``             int64     width of the encoded image
+``image/class/label``       int64     class, contiguous ``0..C-1`` per split (-1: none)
+``image/class/super_label`` int64     super-class, contiguous ``0..S-1`` (-1: none)
+``image/class/text``        bytes     the class as the dataset names it (folder, id)
+``image/bbox``              float x4  ``[x0, y0, x1, y1]`` in source pixels; only for
+                                      images cropped to a box (revisited queries)
+=========================== ========= ===================================================
+
+Per-class ("by_class") record schema (:data:`tfaploss.pipelines.tf_example.CLASS_FEATURES`), the
+layout :mod:`tfaploss.data` samples P classes x m images from while streaming:
+
+============================ ========= ==================================================
+``class/label``              int64     class label (as in the per-image records)
+``class/super_label``        int64     super-class label (-1: none)
+``class/num_images``         int64     images of the whole class
+``class/chunk``              int64     chunk index within the class
+``class/num_chunks``         int64     chunks the class was split into
+``image/encoded``            bytes xN  the chunk's JPEGs (N <= ``--class_chunk_size``)
+``image/id``                 bytes xN  their ids
+============================ ========= ==================================================
+"""
+
+import logging
+import sys
+
+JOBS = ("sop", "inaturalist", "gldv2", "revisited", "folder", "tfds_source", "glyphs")
+
+# The extra modules each job imports, beyond apache_beam (the beam extra, every job).
+_JOB_NEEDS = {"glyphs": (("beam", ("apache_beam", "fontTools")),),
+              "tfds_source": (("beam", ("apache_beam",)), ("tfds", None))}
+
+
+def _check_job_extras(argv: list[str]) -> None:
+    """``python -m pipelines.<job>`` without what the job imports: one line naming the
+    job and the install command, exit status 2, instead of the traceback of the job's
+    first ``import apache_beam``.
+
+    Python imports this package on its way to the job module, while ``sys.argv[0]``
+    is ``"-m"``; ``argv`` (``sys.orig_argv``) names the module. Any other import of
+    ``tfaploss.pipelines`` (tfaploss's own code, the tests, a Beam worker) is left alone.
+    """
+    module = None
+    for i, arg in enumerate(argv[1:], 1):
+        if arg == "-m":
+            module = argv[i + 1] if i + 1 < len(argv) else None
+            break
+        if arg.startswith("-m"):
+            module = arg[2:]
+            break
+    if not module or not module.startswith("tfaploss.pipelines."):
+        return
+    job = module.split(".")[2]
+    if job not in (*JOBS, "embed"):
+        return
+    from tfaploss import extras
+
+    needs = _JOB_NEEDS.get(job, (("beam", ("apache_beam",)),))
+    if any("DaskRunner" in arg for arg in argv):
+        needs = (*needs, ("dask", None))
+    try:
+        for extra, modules in needs:
+            extras.require(extra, f"python -m tfaploss.pipelines.{job}", modules)
+    except extras.MissingExtraError as err:
+        # Nothing configured logging yet: Python's last-resort handler writes the bare
+        # line on stderr, as the jobs' own errors read.
+        logging.getLogger("tfaploss.pipelines").error("error: %s", err)
+        sys.exit(2)
+
+
+if sys.argv[:1] == ["-m"]:
+    _check_job_extras(getattr(sys, "orig_argv", []))

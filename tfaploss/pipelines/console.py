@@ -1,0 +1,237 @@
+"""What a job prints: its plan, progress and summary, its result, and Beam's internals
+only when asked; and the shared ``__main__`` of the jobs.
+
+Beam logs dozens of lines per local run (``apitools not found``, Google Cloud scopes,
+worker start-up, snappy/CRC notices); none of them helps a user. The jobs keep Beam's
+loggers at WARNING (``--verbose``: INFO) and log their own lines on their module
+loggers under ``pipelines`` (the scheme: :mod:`tfaploss.log`): the plan, progress every
+few seconds on long runs, and a summary, on stderr as plain lines (no carriage returns,
+no colour codes: a log file reads the same as the terminal). The result, one line per
+split (what a script reads), goes to the ``tfaploss.pipelines.result`` logger, which
+:func:`configure` sends to stdout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+
+PACKAGE = logging.getLogger("tfaploss.pipelines")  # every module logger of the jobs is below it
+LOG = logging.getLogger(__name__)
+RESULT = logging.getLogger("tfaploss.pipelines.result")
+
+_NOISY = ("apache_beam", "apache_beam.io.tfrecordio", "absl", "tensorflow", "urllib3",
+          "google", "oauth2client")
+
+
+def import_beam_quietly():
+    """Import ``apache_beam`` without its import-time warnings (``apitools not found``,
+    logged on the root logger, which also makes Python install a root handler when
+    there is none).
+
+    Returns the module. Without Beam: :class:`~tfaploss.extras.MissingExtraError` with
+    the install command.
+    """
+    from tfaploss import extras
+
+    if "apache_beam" in sys.modules:
+        return sys.modules["apache_beam"]
+    # The jobs configure logging before they import Beam (after planning), so the
+    # warnings are held back by level, and the sink keeps Python from adding a handler.
+    root = logging.getLogger()
+    level, sink = root.level, logging.NullHandler()
+    root.addHandler(sink)
+    root.setLevel(logging.ERROR)
+    try:
+        return extras.import_extra("beam", "the pipelines jobs")
+    finally:
+        root.setLevel(level)
+        root.removeHandler(sink)
+
+
+def wants_verbose(argv) -> bool:
+    return "--verbose" in (sys.argv[1:] if argv is None else argv)
+
+
+class _DropReportsOf(logging.Filter):
+    """Drops a Beam log record whose exception is (or was raised from) one of ``types``:
+    the job reports that failure itself, in one line instead of Beam's traceback."""
+
+    def __init__(self, types: tuple[type, ...]):
+        super().__init__()
+        self.types = types
+
+    def filter(self, record):
+        err = record.exc_info[1] if record.exc_info else None
+        seen = set()
+        while err is not None and id(err) not in seen:
+            if isinstance(err, self.types):
+                LOG.debug("Beam's report, left out: %s", record.getMessage())
+                return False
+            seen.add(id(err))
+            err = err.__cause__ or err.__context__
+        return True
+
+
+@contextlib.contextmanager
+def beam_quiet_on(*types: type):
+    """While the block runs, Beam's loggers drop their reports (with traceback) of a
+    broken process pool (an image worker died) or of an error of ``types``: the job
+    reports those itself, in one line."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    drop = _DropReportsOf((BrokenProcessPool, *types))
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name == "apache_beam" or name.startswith("apache_beam.")]
+    for logger in loggers:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(drop)
+
+
+class _StdoutHandler(logging.Handler):
+    """The result lines, on the ``sys.stdout`` of the moment, flushed at once."""
+
+    def emit(self, record):
+        try:
+            sys.stdout.write(self.format(record) + "\n")
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001 - logging must not raise
+            self.handleError(record)
+
+
+def configure(verbose: bool = False) -> None:
+    """For a job's ``__main__`` only: its lines on stderr as ``message`` (``verbose``:
+    with time, logger and level), the result on stdout, Beam at WARNING unless
+    ``verbose``."""
+    root = logging.getLogger()
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(
+        "%(asctime)s %(name)s %(levelname)s: %(message)s" if verbose else "%(message)s"))
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+    PACKAGE.setLevel(logging.INFO)
+    RESULT.handlers[:] = [_StdoutHandler()]
+    RESULT.propagate = False
+    for name in _NOISY:
+        logging.getLogger(name).setLevel(logging.INFO if verbose else logging.ERROR
+                                         if name.endswith("tfrecordio") else logging.WARNING)
+
+
+class Progress:
+    """Logs ``what: done/total (rate/s)`` at most every ``every`` seconds."""
+
+    def __init__(self, what: str, total: int | None = None, every: float = 10.0):
+        self.what, self.total, self.every = what, total, every
+        self.started = self.last = time.time()
+        self.done = 0
+
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.time()
+        if now - self.last >= self.every:
+            self.last = now
+            rate = self.done / max(now - self.started, 1e-9)
+            of = f"/{self.total}" if self.total else ""
+            LOG.info("%s: %d%s (%.1f/s)", self.what, self.done, of, rate)
+
+
+# ---------------------------------------------------------------------- the summary
+
+
+LAST_TIMING: dict = {}
+"""Wall-clock figures of the last :func:`tfaploss.pipelines.runner.run_job` in this process (for
+benchmarks): ``images``, ``seconds``, ``images_per_second``, ``startup_seconds`` (job
+start to the first image work), ``steady_images_per_second`` (after the first batch
+finished), ``finish_seconds`` (last batch to published), ``planning_seconds``,
+``threads``, ``processes``."""
+
+
+def batch_timing(report: list[dict], started: float, beam_started: float) -> dict:
+    """Timing figures from the workers' per-batch report rows (``n``, ``t0``, ``t1``)."""
+    n = sum(r["n"] for r in report)
+    if not report:
+        return {"images": 0, "startup_seconds": time.time() - started,
+                "steady_images_per_second": 0.0, "planning_seconds": beam_started - started}
+    first_end = min(r["t1"] for r in report)
+    last_end = max(r["t1"] for r in report)
+    after = sum(r["n"] for r in report if r["t1"] > first_end)
+    steady = after / (last_end - first_end) if last_end > first_end else 0.0
+    return {"images": n, "startup_seconds": min(r["t0"] for r in report) - started,
+            "steady_images_per_second": steady, "planning_seconds": beam_started - started,
+            "_last_batch_end": last_end}
+
+
+def finish_timing(timing: dict, started: float, threads: int, processes: int) -> dict:
+    """Complete :func:`batch_timing`'s figures once the job is published, and keep them
+    in :data:`LAST_TIMING`."""
+    timing["seconds"] = time.time() - started
+    # Grouping, writing the shards and by-class records, manifests and publish.
+    timing["finish_seconds"] = time.time() - timing.pop("_last_batch_end", started)
+    timing["images_per_second"] = timing["images"] / max(timing["seconds"], 1e-9)
+    LAST_TIMING.clear()
+    LAST_TIMING.update(timing, threads=threads, processes=processes)
+    return timing
+
+
+def log_plan(job: str, split: str, num_records: int, rejected: int, ignored: int) -> None:
+    LOG.info("%s/%s: %d images to process, %d rejected and %d ignored while planning",
+             job, split, num_records, rejected, ignored)
+
+
+def log_summary(job: str, manifests: dict[str, dict], timing: dict) -> None:
+    """One line per split, then the job's throughput (stderr)."""
+    for split, m in manifests.items():
+        LOG.info("%s/%s: %d images of %d classes in %d shards, %d failures, %d ignored",
+                 job, split, m["num_images"], m["num_classes"], len(m["shards"]),
+                 m["num_failures"], m.get("num_ignored_files", 0))
+    steady = (f", then {timing['steady_images_per_second']:.1f} images/s"
+              if timing["steady_images_per_second"] else "")
+    workers = (f"{timing['processes']} image processes" if timing["processes"] > 1
+               else f"{timing['threads']} image threads per worker")
+    LOG.info("%s: %d images in %.1f s (%.1f images/s; start-up %.1f s%s; %s)", job,
+             timing["images"], timing["seconds"], timing["images_per_second"],
+             timing["startup_seconds"], steady, workers)
+
+
+def describe_manifests(manifests: dict[str, dict]) -> str:
+    """One line per split of a job's ``{split: manifest}`` result."""
+    return "\n".join(
+        f"{split}: {m['num_images']} images, {m['num_classes']} classes, "
+        f"{m['num_failures']} failures, {len(m['shards'])} shards"
+        for split, m in manifests.items()
+    )
+
+
+def main_wrapper(run_fn, argv: list[str] | None = None, describe=describe_manifests) -> int:
+    """Shared ``__main__``: quiet logging, exit 1 on too many failures, a dead image
+    worker or a run that lost images, 2 on bad arguments, an output folder another
+    job holds or a full disk (one line naming the file).
+
+    ``describe`` turns what ``run_fn`` returned into the result written on success
+    (stdout, through the ``tfaploss.pipelines.result`` logger).
+    """
+    from tfaploss.durable.atomic import DiskFullError
+    from tfaploss.durable.locks import LockError
+    from tfaploss.pipelines.image_workers import WorkerDiedError
+    from tfaploss.pipelines.manifests import IncompleteRunError, TooManyFailuresError
+
+    configure(wants_verbose(argv))
+    try:
+        result = run_fn(argv)
+    except TooManyFailuresError as e:
+        LOG.error("%s", e)
+        return 1
+    except (WorkerDiedError, IncompleteRunError) as e:
+        LOG.error("error: %s", e)
+        return 1
+    except (ValueError, FileNotFoundError, LockError, DiskFullError) as e:
+        LOG.error("error: %s", e)
+        return 2
+    RESULT.info("%s", describe(result))
+    return 0

@@ -1,0 +1,279 @@
+"""Font files read with fontTools: their faces, what each face maps a character to, and
+whether that glyph has an outline worth rendering.
+
+Used by the driver of :mod:`tfaploss.pipelines.glyphs` while planning (the workers render with
+FreeType through Pillow, :mod:`tfaploss.pipelines.glyph_render`). A ``.ttf`` / ``.otf`` file holds
+one face; a ``.ttc`` / ``.otc`` collection holds several, each a face of its own. Only
+the tables needed are read, and glyphs one by one: a CJK font has tens of thousands of
+glyphs and a job looks at a few thousand. Faces of a collection that share their
+outline table (the Noto CJK collections: one CFF table for ten faces) read it once.
+
+:meth:`Face.glyph` sorts one character of a face into: not in the cmap; mapped to the
+``.notdef`` glyph (glyph 0) or to a copy of its outline (a "missing glyph" box drawn
+as a glyph of its own); an empty outline (a TrueType glyph without contours or with a
+bounding box of zero area, a CFF charstring without a line, a curve or a subroutine
+call); or a usable glyph, with a fingerprint of its outline. Two faces whose glyphs
+share a fingerprint draw the same outline: the same charstring of the same CFF table
+(by content) or TrueType glyphs with the same points, whatever their hinting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from dataclasses import dataclass, field
+
+from fontTools.ttLib import TTCollection, TTFont
+
+from tfaploss.pipelines import images as I
+
+FONT_EXTENSIONS = (".ttf", ".otf", ".ttc", ".otc")
+COLLECTION_EXTENSIONS = (".ttc", ".otc")
+
+# Why a (character, face) pair gives no image: the reasons of the ignored entries.
+NOT_IN_CMAP = "not in cmap"
+NOTDEF = "mapped to .notdef"
+NOTDEF_OUTLINE = "same outline as .notdef"
+EMPTY_OUTLINE = "empty outline"
+
+_OUTLINE_TABLES = ("glyf", "CFF ", "CFF2")
+# CFF (Type 2) operators that draw, or may draw through a subroutine.
+_CFF_DRAWING = frozenset({
+    "rlineto", "hlineto", "vlineto", "rrcurveto", "hhcurveto", "vvcurveto", "hvcurveto",
+    "vhcurveto", "rcurveline", "rlinecurve", "flex", "hflex", "hflex1", "flex1",
+    "callsubr", "callgsubr"})
+# A charstring longer than this draws (an empty one is a width and endchar); shorter
+# ones are decompiled to make sure, longer ones are left to the FreeType check.
+_CFF_SHORT = 16
+
+
+class FontError(Exception):
+    """A font file fontTools cannot read, or one without outlines or a Unicode cmap;
+    ``code`` is a failure code of :mod:`tfaploss.pipelines.images` (``truncated``,
+    ``undecodable``, ``empty_file``)."""
+
+    def __init__(self, code: str, detail: str):
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Glyph:
+    """What a face maps one character to: ``reason`` (one of the constants above) when
+    it gives no image, else the ``fingerprint`` of its outline."""
+
+    reason: str | None = None
+    fingerprint: str = ""
+
+
+class _Table:
+    """An outline table of a file, shared by the faces that point at it; read when
+    first needed."""
+
+    def __init__(self, font: TTFont, tag: str):
+        self.font, self.tag = font, tag
+        self._data: bytes | None = None
+        self._cff = None
+        self._identity: bytes | None = None
+
+    @property
+    def data(self) -> bytes:
+        if self._data is None:
+            self._data = self.font.reader[self.tag]
+        return self._data
+
+    @property
+    def identity(self) -> bytes:
+        if self._identity is None:
+            self._identity = hashlib.sha1(self.tag.encode() + self.data).digest()
+        return self._identity
+
+    @property
+    def top(self):
+        """The CFF top dict (the table decompiled once, by the first face)."""
+        if self._cff is None:
+            self._cff = self.font[self.tag]
+        return self._cff.cff.topDictIndex[0]
+
+
+@dataclass
+class Face:
+    """One face of a font file: ``relpath`` of the file (relative to the job's input
+    folder), ``index`` in the file (0 outside collections), ``name`` (its full name).
+    :attr:`cmap` maps code points to glyph ids."""
+
+    relpath: str
+    index: int
+    font: TTFont = field(repr=False)
+    table: _Table = field(repr=False)
+    _cmap: dict[int, int] | None = field(repr=False, default=None)
+    _notdef: str | None = field(repr=False, default=None)
+
+    @property
+    def id(self) -> str:
+        return f"{self.relpath}#{self.index}"
+
+    @property
+    def name(self) -> str:
+        try:
+            name = self.font["name"].getDebugName(4) or self.font["name"].getDebugName(1)
+        except Exception:  # noqa: BLE001 - a broken name table only costs the name
+            name = None
+        return name or "?"
+
+    @property
+    def cmap(self) -> dict[int, int]:
+        """Code point -> glyph id, from the face's best Unicode cmap (read once)."""
+        if self._cmap is None:
+            names = self.font.getBestCmap()
+            if names is None:
+                raise FontError(I.UNDECODABLE, f"face {self.index} has no Unicode cmap")
+            self._cmap = {cp: _gid(name) for cp, name in names.items()}
+        return self._cmap
+
+    def glyph(self, cp: int) -> Glyph:
+        """Sort character ``cp`` of this face (see the module doc)."""
+        gid = self.cmap.get(cp)
+        if gid is None:
+            return Glyph(NOT_IN_CMAP)
+        if gid == 0:
+            return Glyph(NOTDEF)
+        glyph = self._outline(gid)
+        if glyph.reason is None:
+            if self._notdef is None:
+                self._notdef = self._outline(0).fingerprint
+            if glyph.fingerprint == self._notdef:
+                return Glyph(NOTDEF_OUTLINE)
+        return glyph
+
+    def _outline(self, gid: int) -> Glyph:
+        if self.table.tag == "glyf":
+            return self._truetype(gid)
+        return self._cff(gid)
+
+    def _truetype(self, gid: int) -> Glyph:
+        loca = self.font["loca"]
+        data = self.table.data[loca[gid]:loca[gid + 1]] if gid + 1 < len(loca) else b""
+        if len(data) < 10:
+            return Glyph(EMPTY_OUTLINE)
+        contours, x0, y0, x1, y1 = struct.unpack(">hhhhh", data[:10])
+        if contours == 0 or x1 <= x0 or y1 <= y0:
+            return Glyph(EMPTY_OUTLINE)
+        if contours > 0:
+            # Points and flags without the hinting instructions: the same outline in
+            # two fonts with their own hinting still matches.
+            at = 10 + 2 * contours
+            if at + 2 > len(data):
+                raise FontError(I.UNDECODABLE, f"glyph {gid} claims {contours} contours "
+                                               f"in {len(data)} bytes")
+            (n_instructions,) = struct.unpack(">H", data[at:at + 2])
+            return Glyph(fingerprint=_digest(b"glyf", data[:at],
+                                             data[at + 2 + n_instructions:]))
+        # A composite glyph names its components by glyph id: only in the same table.
+        return Glyph(fingerprint=_digest(self.table.identity, struct.pack(">I", gid)))
+
+    def _cff(self, gid: int) -> Glyph:
+        top = self.table.top
+        charstring = top.CharStrings.charStringsIndex[gid]
+        if charstring.bytecode is None:  # decompiled before (a short one)
+            charstring.compile()
+        bytecode = charstring.bytecode
+        if len(bytecode) <= _CFF_SHORT:
+            charstring.decompile()
+            if not any(isinstance(t, str) and t in _CFF_DRAWING for t in charstring.program):
+                return Glyph(EMPTY_OUTLINE)
+        # Subroutines belong to the table and to the glyph's private dict (CID fonts
+        # select one per glyph): only charstrings of the same table and dict match.
+        private = top.FDSelect[gid] if hasattr(top, "FDSelect") else -1
+        return Glyph(fingerprint=_digest(self.table.identity, struct.pack(">i", private),
+                                         bytecode))
+
+
+def _gid(name: str) -> int:
+    # The names FontFile gives the glyphs ("gid123"; fontTools: "glyph00123" past the
+    # end of the glyph order).
+    return int(name[3:]) if name.startswith("gid") else int(name[5:])
+
+
+def _digest(*parts: bytes) -> str:
+    h = hashlib.sha1()
+    for p in parts:
+        h.update(struct.pack(">I", len(p)))
+        h.update(p)
+    return h.hexdigest()[:20]
+
+
+class FontFile:
+    """An open font file (a local path) and its :attr:`faces`; a context manager.
+
+    ``cmaps``: the faces' :attr:`Face.cmap` from an earlier opening of the same file
+    (reading a large cmap costs a tenth of a second). Raises :class:`FontError` when
+    fontTools cannot read the file, a table lies beyond its end, a face has no
+    outlines or no Unicode cmap, or a collection holds no face.
+    """
+
+    def __init__(self, path: str, relpath: str, cmaps: list[dict[int, int]] | None = None):
+        self.path, self.relpath = path, relpath
+        self._fonts: list[TTFont] = []
+        try:
+            self.faces = self._read(cmaps)
+        except FontError:
+            self.close()
+            raise
+        except Exception as e:
+            self.close()
+            raise FontError(I.UNDECODABLE, f"fontTools cannot read it: {type(e).__name__}"
+                                           + (f": {e}" if str(e) else "")) from e
+
+    def _read(self, cmaps) -> list[Face]:
+        size = os.path.getsize(self.path)
+        if size == 0:
+            raise FontError(I.EMPTY_FILE, "file is empty (0 bytes)")
+        with open(self.path, "rb") as f:
+            head = f.read(4)
+        if self.relpath.lower().endswith(COLLECTION_EXTENSIONS) or head == b"ttcf":
+            self._fonts = list(TTCollection(self.path, lazy=True).fonts)
+        else:
+            self._fonts = [TTFont(self.path, lazy=True)]
+        if not self._fonts:
+            raise FontError(I.UNDECODABLE, "the collection holds no font")
+        tables: dict[tuple[str, int], _Table] = {}
+        faces = []
+        for index, font in enumerate(self._fonts):
+            for tag, entry in font.reader.tables.items():
+                if entry.offset + entry.length > size:
+                    raise FontError(I.TRUNCATED, f"face {index}: its {tag.strip()} table "
+                                                 f"ends at byte {entry.offset + entry.length}"
+                                                 f" of a {size}-byte file")
+            tag = next((t for t in _OUTLINE_TABLES if t in font.reader), None)
+            if tag is None:
+                raise FontError(I.UNDECODABLE, f"face {index} has no outlines (glyf, CFF or "
+                                               "CFF2 table); bitmap-only fonts are not "
+                                               "supported")
+            if tag == "glyf" and "loca" not in font.reader:
+                raise FontError(I.UNDECODABLE, f"face {index} has a glyf table but no loca")
+            key = (tag, font.reader.tables[tag].offset)
+            table = tables.get(key)
+            if table is None:
+                table = tables[key] = _Table(font, tag)
+            # Glyphs are found by id, never by name: numbered names spare fontTools
+            # reading the post table's names or decompiling the CFF table for them.
+            font.setGlyphOrder([f"gid{i}" for i in range(font["maxp"].numGlyphs)])
+            face = Face(self.relpath, index, font, table,
+                        _cmap=cmaps[index] if cmaps is not None else None)
+            face.cmap  # noqa: B018 - read now, so that a face without one fails here
+            faces.append(face)
+        return faces
+
+    def close(self) -> None:
+        for font in self._fonts:
+            font.close()
+        self._fonts = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,176 @@
+"""Google Landmarks Dataset v2 (Weyand et al., CVPR'20) -> TFRecords.
+
+``--subset train`` (default): reads ``--train_csv`` from ``INPUT_DIR``, either the full
+``train.csv`` (``id,url,landmark_id``) or ``train_clean.csv`` (``landmark_id,images``
+with space-separated ids); the format is recognised from the header. Images live at
+``INPUT_DIR/train/a/b/c/<id>.jpg`` (the first three characters of the id). Classes
+with fewer than ``--min_images_per_class`` listed images are left out (counted in the
+manifest, not failures). Labels are contiguous ``0..C-1`` (sorted landmark id).
+
+``--subset retrieval``: the index and test sets for evaluation. ``index`` images
+(``index/a/b/c/<id>.jpg``) are labelled from ``index_image_to_landmark.csv``
+(``id,landmark_id``); ``test`` queries (``test/a/b/c/<id>.jpg``) come from
+``retrieval_solution_v2.1.csv`` (``id,images,Usage``; ``images`` are the relevant index
+ids or ``None``) and get the label of their relevant index images. The ground truth is
+written as JSON to ``OUTPUT_DIR/test/ground_truth.json`` (published with the test records):
+``[{"id", "relevant": [index ids], "usage"}]``.
+
+    python -m tfaploss.pipelines.gldv2 --input_dir gldv2 --output_dir out/gldv2 \\
+        --train_csv train_clean.csv --max_side 512 --runner DataflowRunner ...
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import io
+import json
+import sys
+
+from tfaploss.pipelines import images as I
+from tfaploss.pipelines import options as opts
+from tfaploss.pipelines import runner as R
+from tfaploss.pipelines import storage
+
+
+def parser():
+    p = opts.build_parser(__doc__.splitlines()[0])
+    p.add_argument("--subset", choices=("train", "retrieval"), default="train",
+                   help="train: the training set; retrieval: the index and test sets")
+    p.add_argument("--train_csv", default="train_clean.csv",
+                   help="train.csv (id,url,landmark_id) or train_clean.csv (landmark_id,images)")
+    p.add_argument("--min_images_per_class", type=int, default=1,
+                   help="leave out landmarks with fewer listed training images")
+    p.add_argument("--index_csv", default="index_image_to_landmark.csv")
+    p.add_argument("--solution_csv", default="retrieval_solution_v2.1.csv")
+    p.add_argument("--include_non_landmark_queries", action="store_true",
+                   help="also write test queries whose solution is 'None'")
+    return p
+
+
+def image_path(root: str, folder: str, image_id: str) -> tuple[str, str]:
+    rel = f"{folder}/{image_id[0]}/{image_id[1]}/{image_id[2]}/{image_id}.jpg"
+    return storage.join(root, rel), rel
+
+
+def _read_csv(path: str) -> tuple[list[str], list[tuple[int, list[str]]]]:
+    if not storage.exists(path):
+        raise FileNotFoundError(f"GLDv2 file not found: {path}")
+    reader = csv.reader(io.StringIO(storage.read_text(path)))
+    header = next(reader, [])
+    return header, [(i, row) for i, row in enumerate(reader, start=2)]
+
+
+def _bad(path: str, lineno: int, row, why: str) -> dict:
+    return {"id": f"line {lineno}", "path": ",".join(row)[:200], "reason": I.BAD_ANNOTATION,
+            "detail": f"{path}:{lineno}: {why}"}
+
+
+def read_train(path: str) -> tuple[list[tuple[str, int]], list[dict]]:
+    """``[(image id, landmark id)]`` from train.csv or train_clean.csv, plus bad rows."""
+    header, rows = _read_csv(path)
+    pairs, bad = [], []
+    if header[:1] == ["id"] and "landmark_id" in header:
+        col = header.index("landmark_id")
+        for lineno, row in rows:
+            try:
+                if len(row) != len(header) or len(row[0]) < 3:
+                    raise ValueError(f"expected {len(header)} fields and an id")
+                pairs.append((row[0], int(row[col])))
+            except ValueError as e:
+                bad.append(_bad(path, lineno, row, str(e)))
+    elif header == ["landmark_id", "images"]:
+        for lineno, row in rows:
+            try:
+                if len(row) != 2:
+                    raise ValueError("expected landmark_id,images")
+                landmark = int(row[0])
+                pairs.extend((i, landmark) for i in row[1].split() if len(i) >= 3)
+            except ValueError as e:
+                bad.append(_bad(path, lineno, row, str(e)))
+    else:
+        raise ValueError(f"{path}: unknown header {header}; expected 'id,url,landmark_id' "
+                         "(train.csv) or 'landmark_id,images' (train_clean.csv)")
+    return pairs, bad
+
+
+def plan_train(args) -> list[R.SplitPlan]:
+    pairs, bad = read_train(storage.join(args.input_dir, args.train_csv))
+    counts = collections.Counter(lm for _, lm in pairs)
+    keep = {lm for lm, n in counts.items() if n >= args.min_images_per_class}
+    labels = R.contiguous_labels(keep)
+    records = []
+    for image_id, lm in pairs:
+        if lm in keep:
+            path, rel = image_path(args.input_dir, "train", image_id)
+            records.append({"id": image_id, "path": path, "relpath": rel,
+                            "label": labels[lm], "super_label": -1, "class_text": str(lm)})
+    records, dups = R.dedupe_and_index(records)
+    dropped = {"num_classes_below_min": len(counts) - len(keep),
+               "num_images_below_min": sum(n for lm, n in counts.items() if lm not in keep)}
+    return [R.SplitPlan("train", records, bad + dups,
+                        label_map={v: str(k) for k, v in labels.items()}, extra=dropped)]
+
+
+def plan_retrieval(args) -> list[R.SplitPlan]:
+    index_csv = storage.join(args.input_dir, args.index_csv)
+    header, rows = _read_csv(index_csv)
+    if header[:2] != ["id", "landmark_id"]:
+        raise ValueError(f"{index_csv}: expected header 'id,landmark_id', got {header}")
+    index_lm, bad_index = {}, []
+    for lineno, row in rows:
+        try:
+            if len(row) != 2 or len(row[0]) < 3:
+                raise ValueError("expected id,landmark_id")
+            index_lm[row[0]] = int(row[1].split()[0])
+        except (ValueError, IndexError) as e:
+            bad_index.append(_bad(index_csv, lineno, row, str(e)))
+    labels = R.contiguous_labels(index_lm.values())
+    index_records = []
+    for image_id, lm in index_lm.items():
+        path, rel = image_path(args.input_dir, "index", image_id)
+        index_records.append({"id": image_id, "path": path, "relpath": rel,
+                              "label": labels[lm], "super_label": -1, "class_text": str(lm)})
+    index_records, dups = R.dedupe_and_index(index_records)
+
+    solution_csv = storage.join(args.input_dir, args.solution_csv)
+    header, rows = _read_csv(solution_csv)
+    if header[:2] != ["id", "images"]:
+        raise ValueError(f"{solution_csv}: expected header 'id,images,Usage', got {header}")
+    truth, test_records, bad_test = [], [], []
+    for lineno, row in rows:
+        if len(row) < 2 or len(row[0]) < 3:
+            bad_test.append(_bad(solution_csv, lineno, row, "expected id,images,Usage"))
+            continue
+        relevant = [] if row[1].strip() == "None" else row[1].split()
+        if not relevant and not args.include_non_landmark_queries:
+            continue
+        usage = row[2] if len(row) > 2 else ""
+        known = [index_lm[i] for i in relevant if i in index_lm]
+        label = labels[known[0]] if known else -1
+        truth.append({"id": row[0], "relevant": relevant, "usage": usage})
+        path, rel = image_path(args.input_dir, "test", row[0])
+        test_records.append({"id": row[0], "path": path, "relpath": rel, "label": label,
+                             "super_label": -1,
+                             "class_text": str(known[0]) if known else ""})
+    test_records, test_dups = R.dedupe_and_index(test_records)
+    truth_json = json.dumps(sorted(truth, key=lambda t: t["id"]), sort_keys=True)
+    label_map = {v: str(k) for k, v in labels.items()}
+    return [R.SplitPlan("index", index_records, bad_index + dups, label_map=label_map,
+                        by_class=False),
+            R.SplitPlan("test", test_records, bad_test + test_dups, label_map=label_map,
+                        by_class=False, extra={"ground_truth": "ground_truth.json"},
+                        files={"ground_truth.json": truth_json})]
+
+
+def run(argv: list[str] | None = None) -> dict[str, dict]:
+    """Run the job in-process; returns ``{split: manifest}``."""
+    args, options = opts.parse_args(parser(), argv)
+    if args.min_images_per_class < 1:
+        raise ValueError(f"--min_images_per_class must be >= 1, got {args.min_images_per_class}")
+    plans = plan_train(args) if args.subset == "train" else plan_retrieval(args)
+    return R.run_job("gldv2", plans, args, options)
+
+
+if __name__ == "__main__":
+    sys.exit(R.main_wrapper(run))

@@ -1,0 +1,128 @@
+"""One character of one font face -> a small image: the worker side of :mod:`tfaploss.pipelines.glyphs`.
+
+Pillow's FreeType renders the glyph at a fixed size, ``2 * canvas`` pixels per em
+(anti-aliased, then scaled down: smooth edges at any canvas size); its ink is cropped,
+scaled so that the em square fills ``scale`` of the canvas inside the margin (glyphs
+keep their sizes relative to each other: a small character stays small), scaled down
+further if its ink would leave that box, and pasted black on a white square canvas,
+centred on its ink and shifted by ``(shift_x, shift_y)`` canvas widths, never past the
+canvas edge, so no glyph is cropped. ``stroke`` (canvas pixels) thickens the strokes
+with Pillow's ``stroke_width``.
+
+The jitter of each image (scale, shift, stroke) comes from :func:`jitter`, a function
+of ``(seed, face id, code point)`` through SHA-256, so a rerun draws the same images
+whatever the order or the process the work runs in. Pure Pillow, no Beam, no fontTools.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import os
+import random
+
+from PIL import Image, ImageDraw, ImageFont
+
+from tfaploss.pipelines import images as I
+
+NO_INK = "no_ink"            # dead-letter code: a glyph that rendered nothing
+UNREADABLE_FONT = "unreadable_font"
+
+SUPERSAMPLE = 2  # render at this many times the canvas, then scale down
+# Ink: a pixel at least this dark (of 255). FreeType leaves coverage of 1-3 along a
+# contour of zero area (points on a line), which nobody can see.
+INK_LEVEL = 32
+PROBE_EM = 24  # pixels per em of the planning check for ink (:func:`has_ink`)
+
+
+def jitter(seed: int, face_id: str, cp: int, *, scale: float, shift: float,
+           stroke: float) -> dict:
+    """The seeded jitter of one image: ``scale`` in ``[1 - scale, 1]``, ``shift_x`` and
+    ``shift_y`` in ``[-shift, shift]`` (canvas widths), ``stroke`` in ``[0, stroke]``
+    (canvas pixels). Depends only on its arguments (not on Python's ``hash``)."""
+    key = f"{seed}\0{face_id}\0{cp}".encode()
+    rng = random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))
+    return {"scale": round(1.0 - scale * rng.random(), 6),
+            "shift_x": round(shift * (2 * rng.random() - 1), 6),
+            "shift_y": round(shift * (2 * rng.random() - 1), 6),
+            "stroke": round(stroke * rng.random(), 6)}
+
+
+def _font(path: str, index: int, size: int) -> ImageFont.FreeTypeFont:
+    # Keyed by process: FreeType reads a face through its own file handle, whose
+    # position a forked worker would share with its parent and siblings.
+    return _open_font(path, index, size, os.getpid())
+
+
+@functools.lru_cache(maxsize=256)
+def _open_font(path: str, index: int, size: int, pid: int) -> ImageFont.FreeTypeFont:
+    try:
+        return ImageFont.truetype(path, size, index=index)
+    except OSError as e:
+        raise I.ImageError(UNREADABLE_FONT, f"FreeType cannot open face {index} of "
+                                            f"{path}: {e}") from e
+
+
+def open_face(path: str, index: int, em: int = PROBE_EM) -> ImageFont.FreeTypeFont:
+    """Face ``index`` of ``path`` as FreeType opens it (cached); raises
+    :class:`ImageError` (``unreadable_font``)."""
+    return _font(path, index, em)
+
+
+def close_fonts() -> None:
+    """Forget the faces opened in this process (closing their files)."""
+    _open_font.cache_clear()
+
+
+def has_ink(path: str, index: int, cp: int) -> bool:
+    """Whether FreeType draws any ink (:data:`INK_LEVEL`) for ``cp`` at
+    :data:`PROBE_EM` pixels per em: the planning check, as a glyph with an outline may
+    still draw nothing."""
+    extrema = _font(path, index, PROBE_EM).getmask(chr(cp)).getextrema()
+    return extrema is not None and extrema[1] >= INK_LEVEL
+
+
+def render(path: str, index: int, cp: int, *, canvas: int, margin: float,
+           scale: float = 1.0, shift_x: float = 0.0, shift_y: float = 0.0,
+           stroke: float = 0.0) -> Image.Image:
+    """Render code point ``cp`` of face ``index`` of the font file ``path`` (see the
+    module doc); a grayscale ``canvas x canvas`` image. Raises :class:`ImageError`
+    (``no_ink`` when the glyph draws nothing)."""
+    em = SUPERSAMPLE * canvas
+    font = _font(path, index, em)
+    char = chr(cp)
+    # Stroke widths are whole pixels before Pillow 11.1: at 2x, half a canvas pixel.
+    stroke_px = max(0, round(stroke * SUPERSAMPLE))
+    left, top, right, bottom = font.getbbox(char, stroke_width=stroke_px)
+    pad = 2 + stroke_px
+    w, h = max(1, right - left + 2 * pad), max(1, bottom - top + 2 * pad)
+    big = Image.new("L", (w, h), 0)
+    ImageDraw.Draw(big).text((pad - left, pad - top), char, font=font, fill=255,
+                             stroke_width=stroke_px, stroke_fill=255)
+    if big.getextrema()[1] < INK_LEVEL:
+        raise I.ImageError(NO_INK, f"U+{cp:04X} of face {index} of {path} draws nothing")
+    big = big.crop(big.getbbox())
+    box = canvas * (1.0 - 2.0 * margin)  # the square the em fills at scale 1
+    factor = min(box * scale / em, box / max(big.size))
+    size = (max(1, min(canvas, round(big.size[0] * factor))),
+            max(1, min(canvas, round(big.size[1] * factor))))
+    small = big.resize(size, Image.Resampling.LANCZOS)
+    x = _place(canvas, size[0], shift_x)
+    y = _place(canvas, size[1], shift_y)
+    out = Image.new("L", (canvas, canvas), 255)
+    out.paste(0, (x, y, x + size[0], y + size[1]), mask=small)
+    return out
+
+
+def _place(canvas: int, size: int, shift: float) -> int:
+    return min(max(0, round((canvas - size) / 2 + shift * canvas)), canvas - size)
+
+
+def render_png(path: str, index: int, cp: int, **kwargs) -> bytes:
+    """:func:`render`, PNG-encoded: what the image workers take in (the recipe of a
+    :mod:`tfaploss.pipelines.glyphs` record is ``{"fn": "tfaploss.pipelines.glyph_render:render_png",
+    "args": {...}}``)."""
+    buf = io.BytesIO()
+    render(path, index, cp, **kwargs).save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()

@@ -1,0 +1,596 @@
+"""A folder of fonts -> a retrieval dataset: one class per character, one image per face.
+
+Reads every ``.ttf``, ``.otf``, ``.ttc`` and ``.otc`` file under ``INPUT_DIR`` (searched
+recursively; each face of a collection is a face of its own) with fontTools, picks the
+characters of ``--charset`` that most faces have, and has the image workers render
+each with every face that has it (:mod:`tfaploss.pipelines.glyph_render`, FreeType through
+Pillow): black on a white ``--canvas_size`` square, the em filling the canvas inside
+``--margin`` (so a small character stays small), centred on its ink and shrunk if its
+ink would not fit (never cropped), with a seeded jitter of scale, shift and stroke
+width. Like SOP's products the classes are many and small, and test classes are never
+seen in training.
+
+Characters (``--charset``, default ``cjk``): ``cjk`` (CJK unified ideographs
+U+4E00-U+9FFF), ``hangul`` (Hangul syllables U+AC00-U+D7A3), ``latin`` (U+0021-U+007E,
+U+00A1-U+017F), several joined by ``+`` (``cjk+hangul``), or ranges such as
+``U+4E00-U+4FFF,U+AC00-U+ACFF``; control, format, space, combining and unassigned code
+points are left out. A face *takes part* in a named set or range when its cmap has at
+least one of its characters; a character is *covered* when at least
+``--min_coverage`` (0.9) of the faces taking part in its set have it in their cmap.
+At most ``--max_classes`` (3000; 0: all) covered characters are kept, a seeded sample
+when there are more; characters left with fewer than ``--min_images`` (2) images after
+the checks below are dropped.
+
+Splits, by class (zero-shot): a seeded shuffle of the kept characters puts
+``--test_fraction`` (0.5) of them in ``test``, ``--val_fraction`` (0.1; 0: no val
+split) in ``val``, held out of the training side to tune e.g. learning rates without
+touching test, and the rest in ``train``. Labels are contiguous ``0..C-1`` within each
+split in code-point order; the manifest's ``label_map`` gives ``"U+4E00 一"`` for each
+label, its ``glyphs`` entry the faces and their image counts. ``train`` and ``val`` get
+the by-class layout the samplers read (unless ``--by_class none``).
+
+Every file under ``INPUT_DIR`` ends up in exactly one place: a font file that fontTools
+or FreeType cannot read is a dead letter (a glyph they fail on: that pair); other files, names starting with ``.`` or
+``_`` (at any depth), and symlinks refused by the one link policy of
+:mod:`tfaploss.pipelines.links` (leaving ``INPUT_DIR`` without ``--follow_external_links``, loops,
+second names of a listed file or folder) are in ``ignored_files.jsonl`` with their reason. Each (kept character, face taking part in
+its set) pair gives an image or an entry ``{"path", "face", "char": "U+XXXX",
+"reason"}`` in the character's split's ``ignored_files.jsonl``: ``not in cmap``,
+``mapped to .notdef``, ``same outline as .notdef`` (a box drawn as a glyph), ``empty
+outline``, ``no ink when rendered`` (FreeType, while planning), ``same outline as
+another face`` (``same_as`` names it: the faces of a collection share most glyphs,
+IPAPGothic and TakaoGothic draw IPAGothic's; ``--keep_duplicate_outlines`` renders
+them all) or ``character with fewer than --min_images images``. No tofu box is
+rendered. A face taking part in no set is listed once; dead letters and file-level
+entries go with the first split (``train``).
+
+Each image's jitter comes from SHA-256 of (``--seed``, face, code point): a rerun with
+the same fonts and options writes the same bytes. Fonts are read from a local folder
+(FreeType opens the files); the planning runs on one forked process per core.
+
+    python -m tfaploss.pipelines.glyphs --input_dir data/fonts/extracted --output_dir data/glyphs
+    python -m tfaploss.pipelines.glyphs --input_dir my_fonts/ --output_dir out/ --charset latin
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import multiprocessing
+import os
+import random
+import re
+import sys
+import unicodedata
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+
+from tfaploss.pipelines import console, storage
+from tfaploss.pipelines import fonts as F
+from tfaploss.pipelines import glyph_render as G
+from tfaploss.pipelines import image_workers as W
+from tfaploss.pipelines import images as I
+from tfaploss.pipelines import links as LK
+from tfaploss.pipelines import options as opts
+from tfaploss.pipelines import runner as R
+
+LOG = logging.getLogger("tfaploss.pipelines.glyphs")  # not __name__: "__main__" under -m
+
+NAMED_SETS = {
+    "cjk": ((0x4E00, 0x9FFF),),
+    "hangul": ((0xAC00, 0xD7A3),),
+    "latin": ((0x0021, 0x007E), (0x00A1, 0x017F)),
+}
+_RANGE = re.compile(r"U\+([0-9A-F]{1,6})(?:-U\+([0-9A-F]{1,6}))?", re.IGNORECASE)
+SPLITS = ("train", "val", "test")
+
+NO_INK = "no ink when rendered"
+BROKEN = "broken"  # a glyph fontTools or FreeType fails on: a dead letter
+SAME_OUTLINE = "same outline as another face"
+NO_CHARSET = "no character of --charset"
+FEW_IMAGES = "character with fewer than --min_images images"
+RENDER_FN = "tfaploss.pipelines.glyph_render:render_png"
+
+
+def parser():
+    p = opts.build_parser(__doc__.splitlines()[0])
+    p.add_argument("--charset", default="cjk",
+                   help="characters: cjk, hangul, latin, several joined by '+' "
+                        "(cjk+hangul), or comma-separated ranges U+4E00-U+4FFF,U+AC00")
+    p.add_argument("--min_coverage", type=float, default=0.9,
+                   help="fraction of the faces taking part in a character's set that "
+                        "must have it in their cmap")
+    p.add_argument("--max_classes", type=int, default=3000,
+                   help="most characters kept (a seeded sample of the covered ones); 0: all")
+    p.add_argument("--test_fraction", type=float, default=0.5,
+                   help="fraction of the characters in the 'test' split")
+    p.add_argument("--val_fraction", type=float, default=0.1,
+                   help="fraction of the characters in the 'val' split (0: no val split)")
+    p.add_argument("--follow_external_links", action="store_true",
+                   help="follow symlinks (files and folders) that leave INPUT_DIR; without "
+                        "it they are listed in ignored_files.jsonl")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the class sample, the split and every image's jitter")
+    p.add_argument("--canvas_size", type=int, default=64,
+                   help="width and height of the images in pixels")
+    p.add_argument("--margin", type=float, default=0.08,
+                   help="blank border on each side, as a fraction of the canvas")
+    p.add_argument("--scale_jitter", type=float, default=0.15,
+                   help="each glyph is drawn at 1 - U(0, this) of its full size")
+    p.add_argument("--shift_jitter", type=float, default=0.04,
+                   help="each glyph is shifted by U(-this, this) canvas widths in x and "
+                        "y (never past the canvas edge)")
+    p.add_argument("--stroke_jitter", type=float, default=1.0,
+                   help="strokes are thickened by U(0, this) canvas pixels")
+    p.add_argument("--min_images", type=int, default=2,
+                   help="characters left with fewer images than this (after the checks "
+                        "below) are dropped: a class needs two images to be retrieved")
+    p.add_argument("--keep_duplicate_outlines", action="store_true",
+                   help="also render a face whose glyph has the same outline as an "
+                        "earlier face's (by default listed as ignored)")
+    return p
+
+
+def _validate(args) -> None:
+    if storage.is_url(args.input_dir):
+        raise ValueError(f"--input_dir must be a local folder (FreeType reads the font "
+                         f"files), got {args.input_dir!r}")
+    if not 0.0 < args.min_coverage <= 1.0:
+        raise ValueError(f"--min_coverage must be in (0, 1], got {args.min_coverage}")
+    if args.max_classes < 0:
+        raise ValueError(f"--max_classes must be >= 0 (0: all), got {args.max_classes}")
+    if not 0.0 < args.test_fraction < 1.0:
+        raise ValueError(f"--test_fraction must be in (0, 1), got {args.test_fraction}")
+    if not 0.0 <= args.val_fraction < 1.0:
+        raise ValueError(f"--val_fraction must be in [0, 1), got {args.val_fraction}")
+    if args.test_fraction + args.val_fraction >= 1.0:
+        raise ValueError(
+            f"--test_fraction + --val_fraction must be below 1 (the rest is train), got "
+            f"{args.test_fraction} + {args.val_fraction} = "
+            f"{args.test_fraction + args.val_fraction:g}")
+    if args.min_images < 1:
+        raise ValueError(f"--min_images must be >= 1, got {args.min_images}")
+    if args.canvas_size < 8:
+        raise ValueError(f"--canvas_size must be >= 8, got {args.canvas_size}")
+    if not 0.0 <= args.margin < 0.4:
+        raise ValueError(f"--margin must be in [0, 0.4), got {args.margin}")
+    if not 0.0 <= args.scale_jitter < 1.0:
+        raise ValueError(f"--scale_jitter must be in [0, 1), got {args.scale_jitter}")
+    if not 0.0 <= args.shift_jitter <= 0.5:
+        raise ValueError(f"--shift_jitter must be in [0, 0.5], got {args.shift_jitter}")
+    if args.stroke_jitter < 0.0:
+        raise ValueError(f"--stroke_jitter must be >= 0, got {args.stroke_jitter}")
+    parse_charset(args.charset)
+
+
+# ------------------------------------------------------------------------------ charset
+
+
+def _graphic(cp: int) -> bool:
+    return unicodedata.category(chr(cp))[0] in "LNPS"
+
+
+def parse_charset(spec: str) -> list[tuple[str, list[int]]]:
+    """``--charset`` -> ``[(set name, sorted code points)]``, one entry per named set
+    or range (a character in two of them counts in the first)."""
+    parts: list[tuple[str, list[tuple[int, int]]]] = []
+    for token in (t.strip() for t in spec.split(",")):
+        m = _RANGE.fullmatch(token)
+        if m:
+            lo = int(m.group(1), 16)
+            hi = int(m.group(2), 16) if m.group(2) else lo
+            if not lo <= hi <= 0x10FFFF:
+                raise ValueError(f"--charset: range {token!r} is empty or beyond U+10FFFF "
+                                 f"(in {spec!r})")
+            parts.append((token.upper(), [(lo, hi)]))
+            continue
+        names = [n.strip().lower() for n in token.split("+")]
+        unknown = [n for n in names if n not in NAMED_SETS]
+        if not token or unknown:
+            raise ValueError(
+                f"--charset: unknown character set {token!r} in {spec!r}; use "
+                f"{', '.join(NAMED_SETS)}, several joined by '+' (cjk+hangul) or "
+                "comma-separated ranges like U+4E00-U+4FFF,U+AC00-U+ACFF")
+        parts.extend((n, list(NAMED_SETS[n])) for n in names)
+    seen: set[int] = set()
+    out = []
+    for name, ranges in parts:
+        cps = [cp for lo, hi in ranges for cp in range(lo, hi + 1)
+               if cp not in seen and _graphic(cp)]
+        seen.update(cps)
+        if cps:
+            out.append((name, sorted(cps)))
+    if not out:
+        raise ValueError(f"--charset {spec!r} holds no graphic character")
+    return out
+
+
+def _rng(seed: int, purpose: str) -> random.Random:
+    digest = hashlib.sha256(f"{seed}\0{purpose}".encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "big"))
+
+
+def char_name(cp: int) -> str:
+    return f"U+{cp:04X}"
+
+
+# ------------------------------------------------------------------------------ listing
+
+
+@dataclass
+class Listing:
+    """What :func:`list_fonts` found: ``fonts`` ``[(relpath, path)]`` in name order,
+    ``dead`` letters and ``ignored`` ``{"path", "reason"}`` entries."""
+
+    fonts: list[tuple[str, str]] = field(default_factory=list)
+    dead: list[dict] = field(default_factory=list)
+    ignored: list[dict] = field(default_factory=list)
+
+    def add_dead(self, rel: str, code: str, detail: str) -> None:
+        self.dead.append({"id": rel, "path": rel, "reason": code, "detail": detail})
+
+    def add_ignored(self, rel: str, reason: str) -> None:
+        self.ignored.append({"path": rel, "reason": reason})
+
+
+def list_fonts(input_dir: str, follow_external_links: bool = False) -> Listing:
+    """Every file under ``input_dir``: a font to read, a dead letter or ignored. Symlinks
+    follow :mod:`tfaploss.pipelines.links` (``follow_external_links``: follow those that leave
+    ``input_dir``)."""
+    if not os.path.isdir(input_dir):
+        raise FileNotFoundError(f"--input_dir {input_dir!r} is not a directory")
+    listing = Listing()
+    policy = LK.LinkPolicy(input_dir, follow_external_links)
+
+    def add_font(rel: str, path: str, real: str) -> None:
+        if not rel.lower().endswith(F.FONT_EXTENSIONS):
+            listing.add_ignored(rel, "not a font file (.ttf, .otf, .ttc, .otc)")
+            return
+        same = policy.claim_file(real, rel)
+        if same:
+            listing.add_ignored(rel, same)
+        else:
+            listing.fonts.append((rel, path))
+
+    def follow(path: str, rel: str, real_dir: str) -> None:
+        real = os.path.realpath(path)
+        if os.path.isdir(path):
+            why = policy.dir_link_reason(path, real_dir)
+            if why:
+                listing.add_ignored(rel, why)
+            else:
+                policy.claim_dir(real, rel)
+                visit(path, rel, real)
+        elif not rel.lower().endswith(F.FONT_EXTENSIONS):
+            listing.add_ignored(rel, "not a font file (.ttf, .otf, .ttc, .otc)")
+        elif policy.leaves(real):
+            listing.add_ignored(rel, LK.LEAVES_ROOT)
+        elif os.path.isfile(path):
+            add_font(rel, path, real)
+        else:
+            listing.add_ignored(rel, "not a regular file (device, pipe)")
+
+    def visit(path: str, rel_dir: str, real_dir: str) -> None:
+        try:
+            entries = sorted(os.scandir(path), key=lambda e: e.name)
+        except OSError as e:
+            listing.add_dead(rel_dir + "/", I.UNREADABLE_FOLDER,
+                             f"cannot list folder {rel_dir or '.'}/: {e.strerror or e}")
+            return
+        for e in entries:
+            shown = storage.printable_name(e.name)
+            rel = f"{rel_dir}/{shown or e.name}" if rel_dir else (shown or e.name)
+            link = e.is_symlink()
+            if shown is not None:
+                if e.is_dir() and not link:
+                    storage.walk_all_files(e.path, rel, lambda r: listing.add_dead(
+                        r, I.BAD_FILE_NAME, f"a folder name in {r!r} is not valid UTF-8"))
+                else:
+                    listing.add_dead(rel, I.BAD_FILE_NAME, f"name {rel!r} is not valid UTF-8")
+                continue
+            if e.name.startswith((".", "_")):
+                why = ("name starts with '.' (hidden)" if e.name.startswith(".")
+                       else "name starts with '_' (reserved, e.g. __MACOSX, _work)")
+                if e.is_dir() and not link:
+                    storage.walk_all_files(e.path, rel, lambda r, why=f"inside {rel}/: {why}":
+                                     listing.add_ignored(r, why))
+                else:
+                    listing.add_ignored(rel, why)
+                continue
+            if link and not os.path.exists(e.path):
+                if rel.lower().endswith(F.FONT_EXTENSIONS):
+                    listing.add_dead(rel, I.MISSING_FILE,
+                                     f"broken symlink to {os.readlink(e.path)}")
+                else:
+                    listing.add_ignored(rel, "not a font file (.ttf, .otf, .ttc, .otc)")
+            elif link:
+                policy.defer(lambda p=e.path, r=rel, d=real_dir: follow(p, r, d))
+            elif e.is_dir():
+                real = os.path.realpath(e.path)
+                owner = policy.listed_as(real)
+                if owner is not None:  # a bind mount, or a followed folder holding it
+                    listing.add_ignored(rel, f"folder already listed as {owner}/")
+                else:
+                    policy.claim_dir(real, rel)
+                    visit(e.path, rel, real)
+            elif not e.is_file():
+                listing.add_ignored(rel, "not a regular file (device, pipe)")
+            else:
+                add_font(rel, e.path, os.path.realpath(e.path))
+
+    policy.claim_dir(policy.root, "")
+    visit(input_dir, "", policy.root)
+    policy.drain()
+    listing.fonts.sort()
+    return listing
+
+
+# ------------------------------------------------------------------------------ planning
+
+
+@dataclass
+class _FaceInfo:
+    relpath: str
+    path: str
+    index: int
+    name: str
+    cmap: dict[int, int]  # the charset's characters in its cmap -> glyph id
+
+    @property
+    def id(self) -> str:
+        return f"{self.relpath}#{self.index}"
+
+
+def _processes(args) -> int:
+    if not W.can_fork():
+        return 1
+    return args.image_processes or len(os.sched_getaffinity(0)) or 1
+
+
+def _map_files(fn, jobs: list[tuple], processes: int, what: str) -> list:
+    """``[fn(*job) for job in jobs]``, the font files spread over ``processes`` forked
+    processes (largest first) when there are several."""
+    progress = console.Progress(what, total=len(jobs))
+    if processes <= 1 or len(jobs) <= 1:
+        out = []
+        for job in jobs:
+            out.append(fn(*job))
+            progress.add(1)
+        return out
+    order = sorted(range(len(jobs)), key=lambda i: -os.path.getsize(jobs[i][1]))
+    with ProcessPoolExecutor(min(processes, len(jobs)),
+                             mp_context=multiprocessing.get_context("fork")) as pool:
+        futures = {i: pool.submit(fn, *jobs[i]) for i in order}
+        for future in as_completed(futures.values()):
+            future.result()
+            progress.add(1)
+    return [futures[i].result() for i in range(len(jobs))]
+
+
+def _scan_file(rel: str, path: str, charset: frozenset[int]):
+    """One font file's faces ``[(index, name, {cp: glyph id} of the charset)]``, or its
+    dead letter when fontTools or FreeType cannot read it."""
+    try:
+        with F.FontFile(path, rel) as font:
+            faces = [(f.index, f.name, {cp: g for cp, g in f.cmap.items() if cp in charset})
+                     for f in font.faces]
+        for index, _, _ in faces:
+            G.open_face(path, index)
+        return faces
+    except (F.FontError, I.ImageError) as e:
+        return {"id": rel, "path": rel, "reason": e.code, "detail": e.detail}
+    finally:
+        G.close_fonts()
+
+
+def _read_faces(listing: Listing, charset: set[int], processes: int) -> list[_FaceInfo]:
+    """Open every listed font (fontTools and FreeType); unreadable ones become dead
+    letters. Returns the faces with the charset's characters they map."""
+    chars = frozenset(charset)
+    scans = _map_files(_scan_file, [(rel, path, chars) for rel, path in listing.fonts],
+                       processes, "font files read")
+    faces = []
+    for (rel, path), scan in zip(listing.fonts, scans):
+        if isinstance(scan, dict):
+            listing.dead.append(scan)
+        else:
+            faces.extend(_FaceInfo(rel, path, index, name, cmap)
+                         for index, name, cmap in scan)
+    return faces
+
+
+def _check_file(rel: str, path: str, cmaps: list[dict[int, int]],
+                todo: list[list[int]]) -> list[list[tuple[str | None, str, bool]]]:
+    """For each face of a font file and each of its ``todo`` characters: ``(reason it
+    gives no image or None, outline fingerprint, has ink)``, or ``(BROKEN, what went
+    wrong, False)``. FreeType checks the ink once per outline."""
+    ink: dict[tuple[int, str], bool] = {}
+    out = []
+    try:
+        with F.FontFile(path, rel, cmaps=cmaps) as font:
+            for face, cps in zip(font.faces, todo):
+                rows = []
+                for cp in cps:
+                    try:
+                        g = face.glyph(cp)
+                        has = False
+                        if g.reason is None:
+                            key = (cp, g.fingerprint)
+                            if key not in ink:
+                                ink[key] = G.has_ink(path, face.index, cp)
+                            has = ink[key]
+                        rows.append((g.reason, g.fingerprint, has))
+                    except F.FontError as e:
+                        rows.append((BROKEN, e.detail, False))
+                    except Exception as e:  # noqa: BLE001 - one bad glyph is one dead letter
+                        why = f"cannot read its glyph: {type(e).__name__}: {e}"
+                        rows.append((BROKEN, why, False))
+                out.append(rows)
+    finally:
+        G.close_fonts()
+    return out
+
+
+def _select(args, parts, faces: list[_FaceInfo]):
+    """Covered characters -> the kept ones; also the faces taking part in each set."""
+    taking_part = {name: [f for f in faces if not f.cmap.keys().isdisjoint(cps)]
+                   for name, cps in parts}
+    covered = []
+    for name, cps in parts:
+        members = taking_part[name]
+        if not members:
+            continue
+        need = args.min_coverage * len(members) - 1e-9
+        counts = collections.Counter(cp for f in members for cp in f.cmap)
+        covered.extend(cp for cp in cps if counts[cp] >= need)
+    covered.sort()
+    kept = covered
+    if args.max_classes and len(covered) > args.max_classes:
+        kept = sorted(_rng(args.seed, "classes").sample(covered, args.max_classes))
+    return covered, kept, taking_part
+
+
+def _split_characters(args, kept: list[int]) -> dict[str, list[int]]:
+    n = len(kept)
+    n_test = max(1, round(args.test_fraction * n))
+    n_val = max(1, round(args.val_fraction * n)) if args.val_fraction > 0 else 0
+    if n - n_test - n_val < 1:
+        raise ValueError(
+            f"only {n} characters are kept: too few for a train split beside "
+            f"--test_fraction {args.test_fraction} and --val_fraction {args.val_fraction}; "
+            "add faces, widen --charset or lower --min_coverage")
+    order = list(kept)
+    _rng(args.seed, "splits").shuffle(order)
+    groups = {"test": order[:n_test], "val": order[n_test:n_test + n_val],
+              "train": order[n_test + n_val:]}
+    return {s: sorted(groups[s]) for s in SPLITS if groups[s]}
+
+
+def _check_glyphs(args, faces: list[_FaceInfo], part_of: dict[int, str],
+                  taking_part: dict[str, list], kept: list[int], processes: int):
+    """Sort every (kept character, face taking part in its set) pair: ``{cp: [face]}``
+    to render, and ignored entries and dead letters per character."""
+    member_of = {name: {f.id for f in members} for name, members in taking_part.items()}
+    by_file: dict[tuple[str, str], list[_FaceInfo]] = collections.defaultdict(list)
+    for f in faces:
+        by_file[(f.relpath, f.path)].append(f)
+    files = sorted(by_file)
+    todo = {f.id: [cp for cp in kept if f.id in member_of[part_of[cp]]] for f in faces}
+    checks = _map_files(_check_file, [
+        (rel, path, [f.cmap for f in by_file[(rel, path)]],
+         [todo[f.id] for f in by_file[(rel, path)]]) for rel, path in files],
+        processes, "font files checked")
+    use: dict[int, list[_FaceInfo]] = collections.defaultdict(list)
+    ignored: dict[int, list[dict]] = collections.defaultdict(list)
+    dead: dict[int, list[dict]] = collections.defaultdict(list)
+    first: dict[tuple[int, str], str] = {}  # (character, outline) -> first face drawing it
+    for key, check in zip(files, checks):
+        for info, rows in zip(by_file[key], check):
+            for cp, (reason, fingerprint, ink) in zip(todo[info.id], rows):
+                extra = {}
+                if reason == BROKEN:
+                    dead[cp].append({"id": f"{char_name(cp)}/{info.id}", "path": info.relpath,
+                                     "reason": I.UNDECODABLE, "detail": fingerprint})
+                    continue
+                if reason is None and not ink:
+                    reason = NO_INK
+                elif reason is None and not args.keep_duplicate_outlines:
+                    earlier = first.setdefault((cp, fingerprint), info.id)
+                    if earlier != info.id:
+                        reason, extra = SAME_OUTLINE, {"same_as": earlier}
+                if reason is None:
+                    use[cp].append(info)
+                else:
+                    ignored[cp].append({"path": info.relpath, "face": info.index,
+                                        "char": char_name(cp), "reason": reason, **extra})
+    return use, ignored, dead
+
+
+def _render_args(args, info: _FaceInfo, cp: int) -> dict:
+    return {"path": info.path, "index": info.index, "cp": cp, "canvas": args.canvas_size,
+            "margin": args.margin,
+            **G.jitter(args.seed, info.id, cp, scale=args.scale_jitter,
+                       shift=args.shift_jitter, stroke=args.stroke_jitter)}
+
+
+def _split_plan(args, split: str, cps: list[int], use, ignored, dead) -> R.SplitPlan:
+    records = []
+    per_face = collections.Counter()
+    for label, cp in enumerate(cps):
+        for info in use.get(cp, []):
+            records.append({
+                "id": f"{char_name(cp)}/{info.id}", "path": info.path,
+                "relpath": info.relpath, "label": label, "super_label": -1,
+                "class_text": chr(cp),
+                "render": {"fn": RENDER_FN, "args": _render_args(args, info, cp)}})
+            per_face[(info.id, info.name)] += 1
+    records, failures = R.dedupe_and_index(records)
+    by_class = (args.by_class != "none") if split == "val" else None
+    extra = {"glyphs": {
+        "charset": args.charset,
+        "faces": [{"face": fid, "name": name, "images": n}
+                  for (fid, name), n in sorted(per_face.items())],
+        "canvas_size": args.canvas_size}}
+    failures = [d for cp in cps for d in dead.get(cp, [])] + failures
+    return R.SplitPlan(split, records, failures,
+                       label_map={i: f"{char_name(cp)} {chr(cp)}" for i, cp in enumerate(cps)},
+                       ignored=[d for cp in cps for d in ignored.get(cp, [])],
+                       by_class=by_class, extra=extra)
+
+
+def plan(args) -> list[R.SplitPlan]:
+    _validate(args)
+    parts = parse_charset(args.charset)
+    part_of = {cp: name for name, cps in parts for cp in cps}
+    listing = list_fonts(args.input_dir, getattr(args, "follow_external_links", False))
+    processes = _processes(args)
+    faces = _read_faces(listing, set(part_of), processes)
+    if not faces:
+        raise ValueError(f"--input_dir {args.input_dir!r} holds no readable font file "
+                         f"({', '.join(F.FONT_EXTENSIONS)}); {len(listing.dead)} unreadable")
+    covered, kept, taking_part = _select(args, parts, faces)
+    members = {f.id for fs in taking_part.values() for f in fs}
+    face_ignored = [{"path": f.relpath, "face": f.index, "reason": NO_CHARSET}
+                    for f in faces if f.id not in members]
+    LOG.info("glyphs: %d faces in %d font files, %d of them taking part in --charset %s; "
+             "%d dead letters, %d other files ignored", len(faces),
+             len({f.relpath for f in faces}), len(members), args.charset,
+             len(listing.dead), len(listing.ignored))
+    if not kept:
+        sizes = ", ".join(f"{n}: {len(fs)} faces" for n, fs in taking_part.items())
+        raise ValueError(f"no character of --charset {args.charset!r} is in at least "
+                         f"--min_coverage={args.min_coverage} of the faces taking part "
+                         f"({sizes or 'none'}); lower --min_coverage or add fonts")
+    use, ignored, dead = _check_glyphs(args, faces, part_of, taking_part, kept, processes)
+    thin = [cp for cp in kept if len(use.get(cp, [])) < args.min_images]
+    for cp in thin:
+        for info in use.pop(cp, []):
+            ignored[cp].append({"path": info.relpath, "face": info.index,
+                                "char": char_name(cp), "reason": FEW_IMAGES})
+    thin_ignored = [d for cp in thin for d in ignored.pop(cp, [])]
+    thin_dead = [d for cp in thin for d in dead.pop(cp, [])]
+    kept = [cp for cp in kept if cp in use]
+    splits = _split_characters(args, kept)
+    LOG.info("glyphs: %d characters kept of %d covered (%d with fewer than %d images "
+             "dropped): %s", len(kept), len(covered), len(thin), args.min_images,
+             ", ".join(f"{s} {len(c)}" for s, c in splits.items()))
+    plans = [_split_plan(args, split, cps, use, ignored, dead)
+             for split, cps in splits.items()]
+    plans[0].failures = listing.dead + thin_dead + plans[0].failures
+    plans[0].ignored = listing.ignored + face_ignored + thin_ignored + plans[0].ignored
+    return plans
+
+
+def run(argv: list[str] | None = None) -> dict[str, dict]:
+    """Run the job in-process; returns ``{split: manifest}``."""
+    args, options = opts.parse_args(parser(), argv)
+    if not args.verbose:
+        # fontTools warns about harmless oddities of real fonts ("'created' timestamp
+        # seems very low"), once per face.
+        logging.getLogger("fontTools").setLevel(logging.ERROR)
+    return R.run_job("glyphs", plan(args), args, options)
+
+
+if __name__ == "__main__":
+    sys.exit(R.main_wrapper(run))

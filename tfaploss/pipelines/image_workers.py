@@ -1,0 +1,401 @@
+"""Where the image work runs, and how its results reach the shard writers.
+
+A *task* is a few work-list records of one shard. A worker reads (or, for a record
+carrying a ``render`` recipe such as the glyphs job's, draws), decodes, resizes and
+re-encodes each image (:mod:`tfaploss.pipelines.images`), wraps it in its Example and TFRecord
+framing (:mod:`tfaploss.pipelines.tf_example`), and writes the framed records of the whole task
+to one *part file* in the run's staging folder. What goes back to Beam is four numbers
+per image (where its record and its JPEG lie in the part file), never the image: neither
+Beam's data plane nor a pool's pipes carry pixels, and the shard writers assemble their
+files from the parts, a copy from the page cache.
+
+Tasks run
+
+* on the local DirectRunner in its in-memory mode (the jobs' default), in a pool of
+  forked worker processes, one per core, forked before Beam starts its own threads.
+  PIL holds the GIL for part of every image (header parsing, mode conversion, the
+  Python around the codecs), so two threads of one process reach about 1.75x one core
+  on 2 cores where two processes reach 1.86x (``benchmarks/pipeline.py``);
+* everywhere else (remote runners already run a worker process per core; Beam's
+  multi-process mode; platforms without ``fork``; ``--image_processes 1``), on
+  ``--image_threads`` threads of the Beam worker.
+
+Workers import neither Beam nor TensorFlow. The part files stay in the staging folder
+until the run is published, so a run needs free space for about twice its output.
+
+A worker process that dies (SIGKILL, the kernel's OOM killer) breaks its pool. Each
+worker notes what it is doing (split, shard, image) in a small shared-memory board
+before each image and each shard it writes, so :func:`worker_deaths` can tell the job
+which worker died, how, and on what; the job then stops with
+:class:`WorkerDiedError` and publishes nothing (:func:`tfaploss.pipelines.runner.run_job`).
+
+Fault point (:mod:`tfaploss.durable.faults`): ``worker_kill:N``, a worker SIGKILLs itself as
+it starts its N-th image.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import uuid
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from tfaploss.durable import faults
+from tfaploss.pipelines import images as I
+from tfaploss.pipelines import storage
+from tfaploss.pipelines import tf_example as X
+
+# The fewest images one task holds when it goes to a process pool. A batch is cut into
+# one task per process, not into tasks of 4: each task is a hand-off through the pool's
+# feeder thread, which a busy machine schedules late.
+PROCESS_TASK_IMAGES = 4
+
+
+def process_task(records: list[dict], settings: dict, root: str | None,
+                 part_path: str, where: dict | None = None) -> list:
+    """Process ``records`` and write their framed records to ``part_path``.
+
+    Returns one entry per record, in order: its dead letter (a dict) or
+    ``(offset, length, jpeg_offset, jpeg_length)`` in the part file. No part file is
+    written when every record failed. ``where`` (``split``, ``shard``, ``num_shards``)
+    is what a worker notes on the board before each image (see the module doc).
+    """
+    results, pieces, offset = [], [], 0
+    for record in records:
+        if _WORKER is not None:
+            _starting(where, record)
+        out = _one(record, settings, root)
+        if isinstance(out, dict):
+            results.append(out)
+            continue
+        framed, jpeg_at, jpeg_length = out
+        results.append((offset, len(framed), offset + jpeg_at, jpeg_length))
+        pieces.append(framed)
+        offset += len(framed)
+    if pieces:
+        storage.write_atomic(part_path, b"".join(pieces), durable=False, fault="part")
+    if _WORKER is not None:
+        _note({"doing": "idle"})
+    return results
+
+
+def _one(record: dict, s: dict, root: str | None):
+    try:
+        data = _image_bytes(record, root)
+        jpeg, h, w = I.process_image_bytes(
+            data, max_side=s["max_side"], jpeg_quality=s["jpeg_quality"],
+            min_side=s["min_side"], max_pixels=s["max_pixels"], bbox=record.get("bbox"))
+        framed = X.frame_record(X.image_example(record, jpeg, h, w))
+        return framed, _find(framed, jpeg), len(jpeg)
+    except I.ImageError as e:
+        return I.dead_letter(record, e.code, e.detail)
+    except Exception as e:  # noqa: BLE001 - one odd file must not stop the job
+        return I.dead_letter(record, I.UNDECODABLE, f"{type(e).__name__}: {e}")
+
+
+def _image_bytes(record: dict, root: str | None) -> bytes:
+    """A record's encoded image: carried along under ``_bytes`` (TFDS), drawn from the
+    recipe under ``render`` (``{"fn": "tfaploss.pipelines.<module>:<function>", "args": {...}}``,
+    e.g. the glyphs job's fonts), or read from its ``path``."""
+    data = record.pop("_bytes", None)
+    if data is not None:
+        return data
+    recipe = record.get("render")
+    if recipe is not None:
+        return _renderer(recipe["fn"])(**recipe["args"])
+    return I.read_bytes(record["path"], record.get("root", root))
+
+
+@functools.cache
+def _renderer(name: str):
+    module, _, function = name.partition(":")
+    if not module.startswith("tfaploss.pipelines.") or not function:
+        raise ValueError(f"a render recipe names {name!r}; only functions of the "
+                         "tfaploss.pipelines package ('tfaploss.pipelines.<module>:<function>') are called")
+    return getattr(importlib.import_module(module), function)
+
+
+def _find(framed: bytes, jpeg: bytes) -> int:
+    # A JPEG starts with 0xFF, which no UTF-8 text field holds; checking the whole match
+    # covers the rare length varint that does.
+    at = framed.find(jpeg[:64])
+    if at < 0 or framed[at:at + len(jpeg)] != jpeg:
+        at = framed.find(jpeg)
+    return at
+
+
+def cut_tasks(records: list[dict], workers: int, task_images: int) -> list[list[dict]]:
+    """A batch's records cut into one task per worker, of at least ``task_images``."""
+    size = max(task_images, -(-len(records) // max(1, workers)))
+    return [records[i:i + size] for i in range(0, len(records), size)]
+
+
+def part_path(parts_dir: str, split: str, records: list[dict]) -> str:
+    """The part file of a task: named by its ids, so a retried task rewrites its own."""
+    digest = hashlib.sha1("\0".join(r["id"] for r in records).encode("utf-8")).hexdigest()
+    return storage.join(parts_dir, f"{split}-{digest[:20]}.part")
+
+
+def read_slices(ranges) -> list[memoryview]:
+    """The bytes at ``(part_path, start, length)`` for each of ``ranges``, reading each
+    part file once."""
+    cache: dict[str, memoryview] = {}
+    out = []
+    for path, start, length in ranges:
+        data = cache.get(path)
+        if data is None:
+            data = cache[path] = memoryview(storage.read_binary(path))
+        out.append(data[start:start + length])
+    return out
+
+
+# ---------------------------------------------------------------------- local processes
+
+_LOCAL_POOLS: dict[str, ProcessPoolExecutor] = {}
+# Tasks submitted before Beam started, by pool token, then by part file (a task's name):
+# (future, when it was submitted).
+_AHEAD: dict[str, dict[str, tuple[Future, float]]] = {}
+
+
+def can_fork() -> bool:
+    return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
+
+
+_SLOT = 512  # bytes of the board per worker: its pid and what it is doing, as JSON
+
+
+class WorkerDiedError(RuntimeError):
+    """An image worker process died during the job (killed: SIGKILL, the OOM killer);
+    nothing was published. The message names the worker, the signal, and the split,
+    shard and image it was working on."""
+
+
+class _Pool:
+    """A local pool, its worker processes (by pid) and their board."""
+
+    def __init__(self, processes: int):
+        ctx = multiprocessing.get_context("fork")
+        self.processes = processes
+        self.board = ctx.Array(ctypes.c_char, processes * _SLOT, lock=False)
+        self.next_slot = ctx.Value(ctypes.c_int, 0)
+        self.executor = ProcessPoolExecutor(
+            processes, mp_context=ctx, initializer=_worker_init,
+            initargs=(os.getpid(), self.board, self.next_slot))
+        self.executor.submit(os.getpid).result()  # forks every worker now, not inside Beam
+        # The worker processes (forked up front with the fork context), kept to learn
+        # how each ended: the executor forgets them once it is broken.
+        self.workers = dict(getattr(self.executor, "_processes", None) or {})
+
+    def doing(self, pid: int) -> dict | None:
+        """What worker ``pid`` last noted on the board, else None."""
+        raw = bytes(self.board)
+        for at in range(0, len(raw), _SLOT):
+            text = raw[at:at + _SLOT].rstrip(b"\0")
+            try:
+                note = json.loads(text) if text else None
+            except ValueError:
+                continue
+            if isinstance(note, dict) and note.get("pid") == pid:
+                return note
+        return None
+
+
+_WORKER: dict | None = None  # in a worker process: its board slot and fault threshold
+
+
+def start_local_pool(processes: int) -> str:
+    """Fork ``processes`` image workers now; returns the token a DoFn finds them by.
+
+    Call it before Beam starts its threads: a process forked while other threads hold
+    locks could inherit them held.
+    """
+    token = uuid.uuid4().hex
+    _LOCAL_POOLS[token] = _Pool(processes)
+    return token
+
+
+def _worker_init(parent: int, board=None, next_slot=None) -> None:
+    """Tie a worker's life to the job's: a job killed with SIGKILL or ``os._exit`` runs no
+    clean-up, and its workers, which share the pool's pipes, would wait forever. Then
+    take a slot of the board."""
+    global _WORKER
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the job's to handle
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the job died before prctl took effect
+        os._exit(1)
+    if board is not None:
+        with next_slot.get_lock():
+            slot = next_slot.value
+            next_slot.value += 1
+        _WORKER = {"board": board, "at": slot * _SLOT, "images": 0,
+                   "kill_at": faults.threshold("worker_kill")}  # crash tests only; 0: never
+        _note({"doing": "idle"})
+
+
+def _note(note: dict) -> None:
+    """Put what this worker is doing on its slot of the board (a memory copy)."""
+    if _WORKER is None or _WORKER["at"] + _SLOT > len(_WORKER["board"]):
+        return
+    data = json.dumps({"pid": os.getpid(), **note}).encode("ascii")
+    if len(data) > _SLOT:  # a very long id or path: shorten it, still valid JSON
+        data = json.dumps({"pid": os.getpid(), **{
+            k: v[:30] + "..." if isinstance(v, str) and len(v) > 30 else v
+            for k, v in note.items()}}).encode("ascii")
+    if len(data) > _SLOT:
+        data = json.dumps({"pid": os.getpid(), "doing": note.get("doing")}).encode("ascii")
+    at = _WORKER["at"]
+    _WORKER["board"][at:at + _SLOT] = data.ljust(_SLOT, b"\0")
+
+
+def _starting(where: dict | None, record: dict) -> None:
+    _note({"doing": "image", **(where or {}), "id": str(record.get("id")),
+           "path": str(record.get("relpath") or record.get("path") or "")})
+    _WORKER["images"] += 1
+    if _WORKER["kill_at"] and _WORKER["images"] == _WORKER["kill_at"]:
+        faults.sigkill_self(f"worker_kill:{_WORKER['kill_at']}",
+                            f"image {record.get('id')!r} of split "
+                            f"{(where or {}).get('split')!r}")
+
+
+def noted(where: dict, fn, *args):
+    """``fn(*args)``, noted on the board first (the shard writers' tasks in the pool)."""
+    _note({"doing": "write", **where})
+    out = fn(*args)
+    _note({"doing": "idle"})
+    return out
+
+
+def worker_deaths(token: str | None) -> list[dict]:
+    """The workers of the pool ``token`` that died other than by the pool's own
+    shutdown: ``pid``, ``exitcode`` (``-9``: SIGKILL), ``signal`` (its name) and
+    ``doing`` (their last note on the board). Empty when none died (or no pool)."""
+    pool = _LOCAL_POOLS.get(token) if token else None
+    if pool is None:
+        return []
+    ended = {pid: p.exitcode for pid, p in pool.workers.items()}
+    # When one worker dies, the executor terminates the others (SIGTERM): report those
+    # only when nothing else explains the break.
+    dead = {pid: code for pid, code in ended.items() if code not in (None, 0)}
+    culprits = {pid: c for pid, c in dead.items() if c != -signal.SIGTERM} or dead
+    out = []
+    for pid, code in sorted(culprits.items()):
+        name = None
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+        out.append({"pid": pid, "exitcode": code, "signal": name, "doing": pool.doing(pid)})
+    return out
+
+
+def describe_deaths(deaths: list[dict]) -> str:
+    """One sentence per dead worker: who, how, on what."""
+    parts = []
+    for d in deaths:
+        how = (f"was killed by {d['signal']}" + (
+            " (what the kernel's OOM killer sends when memory runs out)"
+            if d["signal"] == "SIGKILL" else "") if d["signal"]
+            else f"exited with status {d['exitcode']}")
+        note = d["doing"] or {}
+        if note.get("doing") in ("image", "write"):
+            where = f"split {note.get('split')!r}"
+            if note.get("shard") is not None:
+                where += f", shard {note['shard']} of {note.get('num_shards')}"
+            if note.get("file"):
+                where += f" ({note['file']})"
+            path = note.get("path")
+            image = f"{note.get('id')!r}" + (f" ({path})" if path and path != note.get("id")
+                                             else "")
+            what = (f"while processing image {image} of {where}" if note["doing"] == "image"
+                    else f"while writing {where}")
+        else:
+            what = "between tasks"
+        parts.append(f"image worker process {d['pid']} {how} {what}")
+    return "; ".join(parts)
+
+
+def submit_ahead(token: str, batches, settings: dict, root: str | None, parts_dir: str,
+                 limit: int) -> int:
+    """Submit the tasks of ``batches`` (work-list batches, as Beam will hand them to
+    :class:`~tfaploss.pipelines.steps.ProcessBatchDoFn`) to the pool ``token``, up to ``limit``
+    images; returns how many were submitted.
+
+    The local DirectRunner job calls it before it imports Beam, so that the workers
+    process images while Beam loads and builds its pipeline. The DoFn cuts the same
+    tasks, finds each one here by its part file (:func:`claim_ahead`) and takes its
+    future over instead of submitting it again, so every image is still processed once
+    and accounted for by Beam's steps.
+    """
+    pool = _LOCAL_POOLS[token]
+    ahead = _AHEAD.setdefault(token, {})
+    submitted = 0
+    for batch in batches:
+        if submitted >= limit:
+            break
+        where = {k: batch[k] for k in ("split", "shard", "num_shards")}
+        for task in cut_tasks(batch["records"], pool.processes, PROCESS_TASK_IMAGES):
+            path = part_path(parts_dir, batch["split"], task)
+            ahead[path] = (pool.executor.submit(process_task, task, settings, root, path,
+                                                where), time.time())
+        submitted += len(batch["records"])
+    return submitted
+
+
+def claim_ahead(token: str | None, path: str) -> tuple[Future, float] | None:
+    """The future of the task writing ``path`` that :func:`submit_ahead` submitted, and
+    when; once only (a retried bundle submits its task again)."""
+    ahead = _AHEAD.get(token) if token else None
+    return ahead.pop(path, None) if ahead else None
+
+
+def local_pool(token: str | None) -> ProcessPoolExecutor | None:
+    """The pool :func:`start_local_pool` made in this process, or None (another process,
+    as in Beam's multi-process mode or on a remote worker)."""
+    pool = _LOCAL_POOLS.get(token) if token else None
+    return pool.executor if pool is not None else None
+
+
+def local_pool_size(token: str | None) -> int:
+    """How many processes the pool ``token`` has (0: no pool in this process)."""
+    pool = _LOCAL_POOLS.get(token) if token else None
+    return pool.processes if pool is not None else 0
+
+
+def stop_local_pool(token: str | None, forget: bool = True) -> None:
+    """Shut the pool down (waiting for its workers); ``forget=False`` keeps it known,
+    for :func:`worker_deaths`, until a later call forgets it."""
+    pool = (_LOCAL_POOLS.pop(token, None) if forget else _LOCAL_POOLS.get(token)) \
+        if token else None
+    _AHEAD.pop(token, None)
+    if pool is not None:
+        pool.executor.shutdown(wait=True, cancel_futures=True)
+
+
+def is_pool_broken(err: BaseException) -> bool:
+    """Whether ``err`` (or what it wraps: Beam re-raises a DoFn's error in its own)
+    comes from a broken process pool."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, BrokenProcessPool):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def thread_pool(threads: int) -> Executor | None:
+    return ThreadPoolExecutor(threads) if threads > 1 else None

@@ -1,0 +1,80 @@
+"""iNaturalist-2018 with the metric-learning split of Brown et al. (Smooth-AP) -> TFRecords.
+
+Reads the split lists ``Inaturalist_train_set1.txt`` / ``Inaturalist_test_set1.txt``
+(one path per line relative to ``INPUT_DIR``, e.g.
+``train_val2018/Plantae/7477/3b60c9486db1d2ee875f11a669fbde4a.jpg``): the class is the
+category id folder, the super-class the supercategory folder. Labels are contiguous
+``0..C-1`` per split (sorted category id); super-classes ``0..S-1`` (sorted name).
+Image ids are the relative paths. Expected: train 325,846 images / 5,690 classes,
+test 136,093 / 2,452.
+
+    python -m tfaploss.pipelines.inaturalist --input_dir iNat2018 --output_dir out/inat
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tfaploss.pipelines import images as I
+from tfaploss.pipelines import options as opts
+from tfaploss.pipelines import runner as R
+from tfaploss.pipelines import storage
+
+
+def parser():
+    p = opts.build_parser(__doc__.splitlines()[0])
+    p.add_argument("--train_list", default="Inaturalist_train_set1.txt",
+                   help="train split list, relative to --input_dir")
+    p.add_argument("--test_list", default="Inaturalist_test_set1.txt",
+                   help="test split list, relative to --input_dir")
+    p.add_argument("--splits", default="train,test", help="splits to write: train, test")
+    return p
+
+
+def read_list(path: str) -> tuple[list[dict], list[dict]]:
+    if not storage.exists(path):
+        raise FileNotFoundError(f"iNaturalist split list not found: {path}")
+    lines = storage.read_text(path).splitlines()
+    rows, bad = [], []
+    for lineno, line in enumerate(lines, start=1):
+        rel = line.strip()
+        if not rel:
+            continue
+        parts = rel.split("/")
+        if len(parts) < 3 or not parts[-2].isdigit():
+            bad.append({"id": rel, "path": rel, "reason": I.BAD_ANNOTATION,
+                        "detail": f"{path}:{lineno}: expected <supercategory>/<category id>/"
+                                  "<file>.jpg at the end of the path"})
+            continue
+        rows.append({"relpath": rel, "class_id": int(parts[-2]), "super_name": parts[-3]})
+    return rows, bad
+
+
+def plan(args) -> list[R.SplitPlan]:
+    lists = {"train": args.train_list, "test": args.test_list}
+    plans = []
+    for split in [s.strip() for s in args.splits.split(",") if s.strip()]:
+        if split not in lists:
+            raise ValueError(f"--splits: unknown split {split!r}; expected train and/or test")
+        rows, bad = read_list(storage.join(args.input_dir, lists[split]))
+        labels = R.contiguous_labels(r["class_id"] for r in rows)
+        supers = R.contiguous_labels(r["super_name"] for r in rows)
+        records = [{"id": r["relpath"], "path": storage.join(args.input_dir, r["relpath"]),
+                    "relpath": r["relpath"], "label": labels[r["class_id"]],
+                    "super_label": supers[r["super_name"]], "class_text": str(r["class_id"])}
+                   for r in rows]
+        records, dups = R.dedupe_and_index(records)
+        plans.append(R.SplitPlan(split, records, bad + dups,
+                                 label_map={v: str(k) for k, v in labels.items()},
+                                 super_label_map={v: k for k, v in supers.items()}))
+    return plans
+
+
+def run(argv: list[str] | None = None) -> dict[str, dict]:
+    """Run the job in-process; returns ``{split: manifest}``."""
+    args, options = opts.parse_args(parser(), argv)
+    return R.run_job("inaturalist", plan(args), args, options)
+
+
+if __name__ == "__main__":
+    sys.exit(R.main_wrapper(run))

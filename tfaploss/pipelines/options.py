@@ -1,0 +1,196 @@
+"""Command-line handling shared by every job, and how many workers do the image work.
+
+Beam jobs conventionally split ``argv`` in two: the job's own arguments (parsed with
+argparse here) and everything else, handed to Beam's ``PipelineOptions`` (``--runner``,
+``--direct_num_workers``, ``--project``, ``--temp_location``, ``--setup_file``...).
+:class:`JobOptions` keeps that second part and reads the few of Beam's options that
+decide where the image work runs without importing Beam: on the local DirectRunner a
+job starts its image processes on the work list first, and imports Beam (about a
+second of one core) while they work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from tfaploss.pipelines import console
+from tfaploss.pipelines import image_workers as W
+
+_BEAM_EPILOG = (
+    "Any other option is passed to Apache Beam, e.g. --runner DataflowRunner --project P "
+    "--region R --temp_location gs://... --setup_file ./setup.py, or on a Dask cluster "
+    "--runner apache_beam.runners.dask.dask_runner.DaskRunner (the full name) "
+    "--dask_client_address HOST:8786 --dask_npartitions N, or for the local "
+    "DirectRunner --direct_running_mode in_memory|multi_processing --direct_num_workers N "
+    "(default when no runner is given: in_memory, one Beam process whose image work "
+    "runs in --image_processes forked processes, one per core)."
+)
+
+
+# Images per Beam element. With local image processes a batch is one wake-up of the
+# Beam thread that feeds them: 128 beat 32 in each of 6 rounds (600 and 2,400 images,
+# docs/benchmarks.md). Elsewhere a batch is the unit a remote runner spreads over its
+# workers, so it stays small.
+BATCH = 32
+LOCAL_POOL_BATCH = 128
+
+
+def build_parser(description: str, *, input_dir_required: bool = True) -> argparse.ArgumentParser:
+    """Return a parser holding the options every job shares."""
+    parser = argparse.ArgumentParser(
+        description=description,
+        epilog=_BEAM_EPILOG,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--input_dir", required=input_dir_required,
+                        help="root of the raw dataset (local path or any Beam filesystem URL)")
+    parser.add_argument("--output_dir", required=True,
+                        help="where <split>/ folders of TFRecords and manifests are written")
+    parser.add_argument("--max_side", type=int, default=0,
+                        help="resize so that the longer side is at most this (keeps aspect "
+                             "ratio; never upscales); 0 keeps the original size")
+    parser.add_argument("--jpeg_quality", type=int, default=90,
+                        help="JPEG quality of the re-encoded images (1-100)")
+    parser.add_argument("--min_side", type=int, default=1,
+                        help="images whose shorter side is below this are rejected")
+    parser.add_argument("--max_pixels", type=int, default=100_000_000,
+                        help="images with more pixels than this are rejected (decompression bombs)")
+    parser.add_argument("--num_shards", type=int, default=0,
+                        help="shards per split; 0 picks ceil(images / --records_per_shard)")
+    parser.add_argument("--records_per_shard", type=int, default=1024,
+                        help="target images per shard when --num_shards is 0")
+    parser.add_argument("--by_class", choices=("train", "all", "none"), default="train",
+                        help="which splits also get the per-class layout (by_class/) the "
+                             "streaming class-balanced samplers read: splits named 'train', "
+                             "every split, or none")
+    parser.add_argument("--class_chunk_size", type=int, default=32,
+                        help="most images per by_class record; larger classes are split into "
+                             "balanced chunks of at least half this size (keep it >= 2 m)")
+    parser.add_argument("--images_per_batch", type=int, default=0,
+                        help="images handed to a worker as one Beam element (Beam's "
+                             "per-element cost is paid per batch, not per image); 0: "
+                             f"{LOCAL_POOL_BATCH} when the image work runs in local image "
+                             f"processes, {BATCH} elsewhere")
+    parser.add_argument("--image_processes", type=int, default=0,
+                        help="on the local DirectRunner (in-memory mode): processes forked "
+                             "for the image work; 0: one per core; 1: none, the image work "
+                             "runs on --image_threads threads of the Beam process")
+    parser.add_argument("--image_threads", type=int, default=0,
+                        help="threads decoding and encoding images in each Beam worker "
+                             "when no image processes are used (remote runners, Beam's "
+                             "multi_processing mode, --image_processes 1); 0: one per core "
+                             "on the local DirectRunner")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show Apache Beam's own INFO logging")
+    parser.add_argument("--max_failure_fraction", type=float, default=0.01,
+                        help="the job fails (exit 1) when more than this fraction of a split's "
+                             "inputs end up in the dead letters")
+    return parser
+
+
+class JobOptions:
+    """Beam's part of a job's command line: every argument the job's parser left.
+
+    ``runner``, ``direct_running_mode`` (``None`` on other runners) and
+    ``direct_num_workers`` are read here as Beam reads them, with Beam's defaults
+    (DirectRunner, ``in_memory``, 1 worker) and full option names only (``--name value``
+    or ``--name=value``), but without importing Beam; :meth:`pipeline_options` builds
+    Beam's ``PipelineOptions`` from the same arguments. In the default in-memory mode
+    the image work runs in forked processes (:mod:`tfaploss.pipelines.image_workers`), where
+    Beam's multi-process mode would cost a second of start-up per worker and a gRPC copy
+    of every record.
+    """
+
+    def __init__(self, argv: list[str], verbose: bool = False):
+        self.argv = list(argv)
+        self.verbose = verbose
+        known, _ = _BEAM_PEEK.parse_known_args(self.argv)
+        self.runner = known.runner
+        self.direct_running_mode = (known.direct_running_mode
+                                    if "direct" in self.runner.lower() else None)
+        self.direct_num_workers = known.direct_num_workers
+
+    def pipeline_options(self):
+        """Beam's ``PipelineOptions`` for these arguments (imports Beam)."""
+        console.import_beam_quietly()
+        from apache_beam.options.pipeline_options import PipelineOptions
+
+        argv = self.argv
+        if not self.verbose and not any(a.startswith("--default_sdk_harness_log_level")
+                                        for a in argv):
+            argv = [*argv, "--default_sdk_harness_log_level", "ERROR"]
+        return PipelineOptions(argv)
+
+
+# Beam's own parser takes no abbreviations either: `--run X` is not --runner.
+_BEAM_PEEK = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+_BEAM_PEEK.add_argument("--runner", default="DirectRunner")
+_BEAM_PEEK.add_argument("--direct_running_mode", default="in_memory",
+                        choices=("in_memory", "multi_threading", "multi_processing"))
+_BEAM_PEEK.add_argument("--direct_num_workers", type=int, default=1)
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None):
+    """Split ``argv`` into the job's arguments and Beam's (:class:`JobOptions`)."""
+    started = time.time()
+    args, beam_argv = parser.parse_known_args(argv)
+    _validate(args)
+    args._started = started
+    return args, JobOptions(beam_argv, verbose=args.verbose)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def emit_lag(options: JobOptions) -> int:
+    """How many batches :class:`~tfaploss.pipelines.steps.ProcessBatchDoFn` may hold back until
+    ``finish_bundle``: 2, but 0 on Beam's DaskRunner, which collects a bundle's outputs
+    before it calls ``finish_bundle`` and so drops whatever is emitted there (Beam 2.77)."""
+    return 0 if options.runner.rsplit(".", 1)[-1].lower() == "daskrunner" else 2
+
+
+def image_threads(args, options: JobOptions) -> int:
+    """``--image_threads``, or the cores this worker may use when it is 0."""
+    if getattr(args, "image_threads", 0):
+        return args.image_threads
+    mode = options.direct_running_mode
+    if mode is None:
+        return 2  # remote workers already run one process per core
+    cpus = _cores()
+    if mode == "multi_processing":
+        return max(1, cpus // max(1, options.direct_num_workers or cpus))
+    return cpus
+
+
+def image_processes(args, options: JobOptions) -> int:
+    """How many forked processes do the image work: ``--image_processes``, or one per
+    core when it is 0, on the local DirectRunner in its in-memory mode where ``fork``
+    exists; 1 (threads in the Beam worker) everywhere else."""
+    if options.direct_running_mode != "in_memory" or not W.can_fork():
+        return 1
+    return getattr(args, "image_processes", 0) or _cores()
+
+
+def _validate(args) -> None:
+    if not 1 <= args.jpeg_quality <= 100:
+        raise ValueError(f"--jpeg_quality must be in 1..100, got {args.jpeg_quality}")
+    for name in ("max_side", "num_shards"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
+    for name in ("image_threads", "image_processes"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
+    if args.images_per_batch < 0:
+        raise ValueError(f"--images_per_batch must be >= 0, got {args.images_per_batch}")
+    for name in ("records_per_shard", "class_chunk_size", "min_side", "max_pixels"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not 0.0 <= args.max_failure_fraction <= 1.0:
+        raise ValueError(
+            f"--max_failure_fraction must be in [0, 1], got {args.max_failure_fraction}")

@@ -1,0 +1,77 @@
+"""What a job decides in the driver before any image is read: one :class:`SplitPlan` per
+split, and the helpers the jobs build them with.
+
+Each job reads its annotation files in the driver (cheap: ids, paths and labels only),
+remaps labels to ``0..C-1`` (:func:`contiguous_labels`), sends repeated ids and names
+that would leave the input folder to the dead letters (:func:`dedupe_and_index`), and
+hands the plans to :func:`tfaploss.pipelines.runner.run_job`. Record ``i`` of a split's ``n``
+(sorted by id) goes to shard :func:`shard_of`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from tfaploss.pipelines import images as I
+
+dead_letter = I.dead_letter
+
+
+@dataclass
+class SplitPlan:
+    """What the driver decided for one split before any image is read.
+
+    ``records``: work-list dicts with ``id``, ``path`` (full), ``relpath``, ``label``,
+    ``super_label``, ``class_text``, optionally ``bbox`` and ``root`` (the real folder
+    the file must resolve into; default: ``--input_dir``); ``failures``: dead letters
+    found while planning; ``ignored``: ``{"path", "reason"}`` of files deliberately
+    left out; ``label_map`` / ``super_label_map``: label -> dataset name; ``extra``:
+    more manifest entries; ``files``: ``{name: text}`` written into the split folder
+    with the records; ``by_class``: whether to write the per-class layout (``None``:
+    decided by ``--by_class``); ``source``: instead of a work list, a function
+    ``(pipeline, step_prefix) -> PCollection`` of records carrying their image bytes
+    under ``"_bytes"`` (TFDS), with ``num_records_hint`` records expected.
+    """
+
+    name: str
+    records: list[dict]
+    failures: list[dict] = field(default_factory=list)
+    label_map: dict[int, str] = field(default_factory=dict)
+    super_label_map: dict[int, str] = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+    by_class: bool | None = None
+    source: Callable | None = None
+    num_records_hint: int | None = None
+    ignored: list[dict] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+
+
+def dedupe_and_index(records: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Sort records by id, set ``index``; repeated ids and names that would leave the
+    input folder (``..``, absolute paths) go to the dead letters."""
+    seen: dict[str, dict] = {}
+    failures = []
+    for r in records:
+        why = I.safe_relpath(r.get("relpath", ""))
+        if why is not None:
+            failures.append(dead_letter(r, I.UNSAFE_PATH, f"{r.get('relpath')!r}: {why}"))
+        elif r["id"] in seen:
+            failures.append(dead_letter(
+                r, I.DUPLICATE_ID, f"id already used by {seen[r['id']].get('relpath', '')}"))
+        else:
+            seen[r["id"]] = r
+    kept = sorted(seen.values(), key=lambda r: r["id"])
+    for i, r in enumerate(kept):
+        r.setdefault("index", i)
+    return kept, failures
+
+
+def contiguous_labels(keys: Iterable, *, sort_key=None) -> dict:
+    """Map the distinct ``keys`` (sorted) to ``0..C-1``."""
+    return {k: i for i, k in enumerate(sorted(set(keys), key=sort_key))}
+
+
+def shard_of(i: int, n: int, num_shards: int) -> int:
+    """Shard of the ``i``-th of ``n`` sorted records: contiguous, balanced, fixed."""
+    return i * num_shards // max(n, 1)

@@ -1,0 +1,141 @@
+"""Revisited Oxford5k / Paris6k (Radenović et al., CVPR'18) -> TFRecords + JSON truth.
+
+Reads ``INPUT_DIR/gnd_<dataset>.pkl`` (a dict with ``imlist``, ``qimlist`` and ``gnd``,
+one dict per query with ``bbx``, ``easy``, ``hard``, ``junk``) and the images
+``INPUT_DIR/jpg/<name>.jpg``. Writes two splits:
+
+* ``database``: every ``imlist`` image, ``image/index`` = its position in ``imlist``;
+* ``queries``: every ``qimlist`` image cropped to its ``bbx`` (as the protocol
+  requires), ``image/index`` = its position in ``qimlist``, ``image/bbox`` = the box;
+
+and the ground truth as ``OUTPUT_DIR/gnd_<dataset>.json`` (same structure as the pickle,
+arrays as lists, plus ``source``: the pickle's name and SHA-256), written atomically.
+Labels are -1: retrieval is scored with the ground truth, by index.
+
+This job is the only place a ground-truth pickle is read, once per dataset: the pickle
+is untrusted input, read with :mod:`tfaploss.pipelines.safe_pickle` (a restricted reader with
+bounds on its total work, which refuses anything but plain containers, numbers,
+strings and numeric numpy arrays), and evaluation reads only the JSON. With
+``--ground_truth_only`` the job converts the pickle and stops, reading no image.
+
+    python -m tfaploss.pipelines.revisited --input_dir roxford5k --dataset roxford5k --output_dir out
+    python -m tfaploss.pipelines.revisited --input_dir roxford5k --dataset roxford5k --output_dir out \\
+        --ground_truth_only
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tfaploss.evaluation.revisited import check_revisited_gnd
+from tfaploss.pipelines import images as I
+from tfaploss.pipelines import options as opts
+from tfaploss.pipelines import runner as R
+from tfaploss.pipelines import safe_pickle, storage
+
+DATASETS = ("roxford5k", "rparis6k")
+
+
+def parser():
+    p = opts.build_parser(__doc__.splitlines()[0])
+    p.add_argument("--dataset", choices=DATASETS, required=True)
+    p.add_argument("--images_subdir", default="jpg", help="image folder inside --input_dir")
+    p.add_argument("--ground_truth_only", action="store_true",
+                   help="only convert gnd_<dataset>.pkl to OUTPUT_DIR/gnd_<dataset>.json "
+                        "(what evaluation's --gnd reads); no image is read")
+    p.set_defaults(by_class="none")
+    return p
+
+
+def read_pickled_ground_truth(path: str) -> dict:
+    """Safely load and check a ``gnd_*.pkl``; returns it as plain JSON-able data, with
+    ``source`` (the file's name and SHA-256) added.
+
+    The pickle is untrusted: :mod:`tfaploss.pipelines.safe_pickle` builds nothing but plain
+    data, within bounds on its total work, and :func:`check_revisited_gnd` refuses a
+    wrong structure with a ValueError naming the file and the key.
+    """
+    data, sha256 = safe_pickle.safe_load_path(path, with_sha256=True)
+    gnd = check_revisited_gnd(data, path)
+    gnd["source"] = {"file": str(path).replace("\\", "/").rsplit("/", 1)[-1],
+                     "sha256": sha256}
+    return gnd
+
+
+def load_ground_truth(path: str) -> dict:
+    """:func:`read_pickled_ground_truth`, plus what the job needs: non-empty name lists
+    and every query's box (to crop it)."""
+    gnd = read_pickled_ground_truth(path)
+    missing = [k for k in ("imlist", "qimlist") if not gnd[k]]
+    if missing:
+        raise ValueError(f"{path}: ground truth lacks (or has empty) {missing}")
+    for i, q in enumerate(gnd["gnd"]):
+        if "bbx" not in q:
+            raise ValueError(f"{path}: 'gnd'[{i}] has no 'bbx' (the query's box)")
+    return gnd
+
+
+def plan(args) -> tuple[list[R.SplitPlan], dict]:
+    """The two splits, and the ground truth (written by :func:`run` once they are out).
+
+    Image names come from the pickle, which is untrusted: a name that would leave
+    ``--input_dir/--images_subdir`` (``..``, an absolute path, a URL) is a dead letter
+    with reason ``unsafe_path``, and so is a file that is a symlink to elsewhere
+    (checked when it is read).
+    """
+    gnd_name = f"gnd_{args.dataset}"
+    gnd = load_ground_truth(storage.join(args.input_dir, f"{gnd_name}.pkl"))
+
+    def records(names, boxes=None):
+        out, unsafe = [], []
+        for i, name in enumerate(names):
+            rel = f"{args.images_subdir}/{name}.jpg"
+            r = {"id": str(name), "path": storage.join(args.input_dir, rel), "relpath": rel,
+                 "index": i, "label": -1, "super_label": -1, "class_text": ""}
+            why = I.safe_relpath(name)
+            if why is not None:
+                unsafe.append(R.dead_letter(r, I.UNSAFE_PATH, f"{name!r} in the ground "
+                                                              f"truth: {why}"))
+                continue
+            if boxes is not None:
+                r["bbox"] = [float(v) for v in boxes[i]]
+            out.append(r)
+        kept, dups = R.dedupe_and_index(out)
+        return kept, unsafe + dups
+
+    db, db_dups = records(gnd["imlist"])
+    queries, q_dups = records(gnd["qimlist"], [q["bbx"] for q in gnd["gnd"]])
+    extra = {"ground_truth": f"../{gnd_name}.json", "dataset": args.dataset}
+    return [R.SplitPlan("database", db, db_dups, extra=extra, by_class=False),
+            R.SplitPlan("queries", queries, q_dups, extra=extra, by_class=False)], gnd
+
+
+def run(argv: list[str] | None = None) -> dict[str, dict] | str:
+    """Run the job in-process; returns ``{"database": manifest, "queries": manifest}``,
+    or with ``--ground_truth_only`` the path of the JSON ground truth written."""
+    args, options = opts.parse_args(parser(), argv)
+    truth = storage.join(args.output_dir, f"gnd_{args.dataset}.json")
+    if args.ground_truth_only:
+        gnd = load_ground_truth(storage.join(args.input_dir, f"gnd_{args.dataset}.pkl"))
+        storage.makedirs(args.output_dir)
+        storage.write_json(truth, gnd)
+        return truth
+    plans, gnd = plan(args)
+    try:
+        manifests = R.run_job("revisited", plans, args, options)
+    except R.TooManyFailuresError:
+        storage.write_json(truth, gnd)  # the splits were published
+        raise
+    storage.write_json(truth, gnd)
+    return manifests
+
+
+def describe(result) -> str:
+    """The result line: the splits written, or the ground truth alone."""
+    if isinstance(result, str):
+        return f"ground truth: {result}"
+    return R.describe_manifests(result)
+
+
+if __name__ == "__main__":
+    sys.exit(R.main_wrapper(run, describe=describe))

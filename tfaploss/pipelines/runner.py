@@ -1,0 +1,266 @@
+"""The job runner every preprocessing job shares: plan -> Beam -> publish.
+
+Plan in the driver, process in the workers. Each job reads its annotation files in the
+driver and hands :func:`run_job` one :class:`~tfaploss.pipelines.plan.SplitPlan` per split
+(:mod:`tfaploss.pipelines.plan`). The runner then:
+
+1. lays each split out in shards and writes its work list, JSON lines of batches of one
+   shard, into a staging folder (:mod:`tfaploss.pipelines.layout`);
+2. on the local DirectRunner, forks one image process per core
+   (:mod:`tfaploss.pipelines.image_workers`) and hands it the first batches of the work lists,
+   then imports Beam while those processes work (Beam's import and start-up take a
+   second or more of one core, which would otherwise hold up every image);
+3. assembles and runs one Beam pipeline: the byte range of each shard in the work
+   lists (a ``Create``, which every runner can start from), read and spread over the
+   workers (or the splits' source transforms) ->
+   :class:`~tfaploss.pipelines.steps.ProcessBatchDoFn` (the image work) -> group by output file
+   -> :class:`~tfaploss.pipelines.steps.WriteOutputsDoFn` (the shards) (:mod:`tfaploss.pipelines.steps`);
+4. checks that the workers' reports account for every planned image exactly once (else
+   :class:`IncompleteRunError`, nothing published), writes ``dead_letters.jsonl`` and
+   ``manifest.json`` into each staged split (:mod:`tfaploss.pipelines.manifests`) and only then
+   publishes it over the old one (:func:`tfaploss.pipelines.storage.publish`): a killed or
+   failed run leaves the previous dataset as it was;
+5. logs a summary and keeps the timing figures (:mod:`tfaploss.pipelines.console`).
+
+Anything that fails goes to the dead letters with its id, path and reason; the runner
+raises :class:`TooManyFailuresError` (after publishing) when a split's failure fraction
+exceeds ``--max_failure_fraction``.
+
+One job at a time per output folder: the job holds the lock of ``--output_dir``
+(:mod:`tfaploss.durable.locks`) from before it looks at the folder until it has published, and a
+second job started on the same folder is refused with
+:class:`~tfaploss.durable.locks.LockHeldError`, naming the first one. An image worker process
+that dies (SIGKILL, the OOM killer) stops the job with
+:class:`~tfaploss.pipelines.image_workers.WorkerDiedError`, naming the worker, the split, shard and
+image it was on: nothing is published and the staging folder is removed, so each split
+is the complete previous version, or absent.
+
+The names the jobs, tests and benchmarks use are importable from here:
+``SplitPlan``, ``dedupe_and_index``, ``contiguous_labels``, ``dead_letter``,
+``shard_of`` (planning), ``run_job``, ``STAGING``, ``TooManyFailuresError``,
+``IncompleteRunError``, ``main_wrapper``, ``describe_manifests``, ``LAST_TIMING``,
+``image_threads``, ``image_processes``. Importing it does not import Beam.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from tfaploss.durable import atomic, locks
+from tfaploss.pipelines import console, storage
+from tfaploss.pipelines import image_workers as W
+from tfaploss.pipelines import layout as L
+from tfaploss.pipelines import manifests as M
+from tfaploss.pipelines import options as opts
+from tfaploss.pipelines.console import LAST_TIMING, describe_manifests, main_wrapper
+from tfaploss.pipelines.manifests import SCHEMA_VERSION, IncompleteRunError, TooManyFailuresError
+from tfaploss.pipelines.options import emit_lag, image_processes, image_threads
+from tfaploss.pipelines.plan import (
+    SplitPlan,
+    contiguous_labels,
+    dead_letter,
+    dedupe_and_index,
+    shard_of,
+)
+
+__all__ = [  # what the jobs, tests and benchmarks import from here
+    "LAST_TIMING",
+    "SCHEMA_VERSION",
+    "STAGING",
+    "IncompleteRunError",
+    "SplitPlan",
+    "TooManyFailuresError",
+    "contiguous_labels",
+    "dead_letter",
+    "dedupe_and_index",
+    "describe_manifests",
+    "image_processes",
+    "image_threads",
+    "join",
+    "main_wrapper",
+    "run_job",
+    "shard_of",
+]
+
+STAGING = ".incoming"
+join = storage.join
+# Images each local image process gets before Beam is imported: about 5 s of work, a few
+# times what Beam's import and start-up take, but not the whole work list of a large job.
+AHEAD_IMAGES_PER_PROCESS = 512
+
+
+def _assemble(p, plans: list[SplitPlan], layouts: dict, chunks: list, per_batch: int,
+              process, write) -> None:
+    """The job's Beam graph: work lists (``chunks``: byte ranges of the work-list files,
+    :func:`tfaploss.pipelines.layout.write_work_list`) and source splits -> ``process``
+    (:class:`~tfaploss.pipelines.steps.ProcessBatchDoFn`) -> ``write``
+    (:class:`~tfaploss.pipelines.steps.WriteOutputsDoFn`)."""
+    beam = console.import_beam_quietly()
+    inputs = []
+    if chunks:
+        # The Reshuffle spreads a shard's batches over the workers instead of leaving
+        # them fused to the worker that read the range.
+        inputs.append(p
+                      | "WorkLists" >> beam.Create(chunks)
+                      | "ReadWorkLists" >> beam.FlatMap(L.read_work_chunk)
+                      | "Spread" >> beam.Reshuffle())
+    for plan in plans:
+        if plan.source is not None:
+            inputs.append(L.source_batches(p, plan, layouts[plan.name], per_batch))
+    batches = inputs[0] if len(inputs) == 1 else tuple(inputs) | "Inputs" >> beam.Flatten()
+    _ = (batches
+         | "Process" >> beam.ParDo(process)
+         | "GroupByFile" >> beam.GroupByKey()
+         | "WriteFiles" >> beam.ParDo(write))
+
+
+def run_job(job: str, plans: list[SplitPlan], args, options) -> dict[str, dict]:
+    """Run the Beam pipeline for all ``plans``, then publish every split.
+
+    Returns ``{split: manifest}``. Raises :class:`TooManyFailuresError` (after
+    publishing) when a split's failure fraction exceeds ``args.max_failure_fraction``,
+    :class:`~tfaploss.durable.locks.LockHeldError` when another job writes the same output
+    folder, :class:`~tfaploss.pipelines.image_workers.WorkerDiedError` (nothing published) when
+    an image worker process died, :class:`IncompleteRunError` (nothing published) when
+    the runner's results do not account for every planned image of a split,
+    :class:`~tfaploss.durable.atomic.DiskFullError` (nothing published, the staging
+    folder removed) when a write found the disk full, wherever in the job.
+    """
+    started = getattr(args, "_started", None) or time.time()
+    storage.makedirs(args.output_dir)
+    with locks.exclusive(args.output_dir, "output folder",
+                         log=lambda line: console.LOG.warning("%s", line)):
+        try:
+            return _run_job(job, plans, args, options, started)
+        except Exception as err:
+            stage = join(args.output_dir, STAGING)
+            full = atomic.disk_full_in(err, stage)
+            if full is None:
+                raise
+            # Nothing was published; the parts and shards written would keep the disk
+            # full. The error comes out whole, not inside Beam's RuntimeError.
+            storage.remove_tree(stage)
+            raise full from None
+
+
+def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):
+    out = args.output_dir
+    for plan in plans:
+        storage.recover(join(out, plan.name))
+        storage.check_owned(join(out, plan.name))
+    stage = join(out, STAGING)
+    storage.remove_tree(stage)  # what a killed run left; never the live dataset
+    work = join(stage, "_work")
+    storage.makedirs(work)
+    root = None
+    if getattr(args, "input_dir", None) and not storage.is_url(args.input_dir):
+        root = os.path.realpath(args.input_dir)
+    threads = image_threads(args, options)
+    processes = image_processes(args, options)
+    per_batch = args.images_per_batch or (opts.LOCAL_POOL_BATCH if processes > 1
+                                          else opts.BATCH)
+    layouts = {plan.name: L.layout(args, plan) for plan in plans}
+    chunks = []
+    for plan in plans:
+        storage.makedirs(join(stage, plan.name))
+        if plan.source is None:
+            chunks += L.write_work_list(join(work, f"{plan.name}-batches.jsonl"), plan,
+                                        layouts[plan.name], per_batch, root)
+        console.log_plan(job, plan.name, plan.num_records_hint or len(plan.records),
+                         len(plan.failures), len(plan.ignored))
+    settings = {k: getattr(args, k) for k in ("max_side", "jpeg_quality", "min_side",
+                                               "max_pixels")}
+    report_path = join(work, "report.jsonl")
+    parts_dir = join(work, "parts")
+    storage.makedirs(parts_dir)
+    pool_token = W.start_local_pool(processes) if processes > 1 else None
+    beam_started = time.time()
+    p = None
+    try:
+        if pool_token is not None:
+            # Read back from the work lists (lazily, up to the limit): the tasks then hold
+            # the records exactly as Beam hands them to ProcessBatchDoFn.
+            W.submit_ahead(pool_token, (b for c in chunks for b in L.read_work_chunk(c)),
+                           settings, root, parts_dir, AHEAD_IMAGES_PER_PROCESS * processes)
+        beam = console.import_beam_quietly()
+        from tfaploss.pipelines.steps import ProcessBatchDoFn, WriteOutputsDoFn
+
+        with console.beam_quiet_on(atomic.DiskFullError), \
+                beam.Pipeline(options=options.pipeline_options()) as p:
+            _assemble(p, plans, layouts, chunks, per_batch,
+                      ProcessBatchDoFn(settings, threads, root, parts_dir, pool_token,
+                                       emit_lag=emit_lag(options)),
+                      WriteOutputsDoFn(stage, report_path, args.class_chunk_size, threads,
+                                       pool_token))
+    except Exception as err:
+        W.stop_local_pool(pool_token, forget=False)  # every worker reaped: exit codes
+        deaths = W.worker_deaths(pool_token)
+        if not deaths and not W.is_pool_broken(err):
+            raise
+        storage.remove_tree(stage)  # the parts and shards of the unfinished run
+        raise W.WorkerDiedError(_death_message(job, plans, out, deaths)) from None
+    finally:
+        _close_client(p)
+        W.stop_local_pool(pool_token)
+
+    report = [json.loads(line) for line in storage.read_text(report_path).splitlines()
+              if line.strip()]
+    lost = _unaccounted(plans, report)
+    if lost:
+        storage.remove_tree(stage)
+        raise IncompleteRunError(
+            f"{job}: the Beam runner returned results for {lost}: images were lost or "
+            "counted twice between the steps, so nothing was published. The runner "
+            "does not run the job's steps as Beam specifies (a DoFn's finish_bundle "
+            "output dropped?); run it on another runner.")
+    timing = console.batch_timing(report, started, beam_started)
+    manifests = {}
+    for plan in plans:
+        rows = [r for r in report if r["split"] == plan.name]
+        manifests[plan.name] = M.finish_split(job, plan, args, rows, join(stage, plan.name))
+    for plan in plans:  # only now is every split complete
+        storage.publish(join(stage, plan.name), join(out, plan.name))
+    storage.remove_tree(stage)
+    console.finish_timing(timing, started, threads, processes)
+    console.log_summary(job, manifests, LAST_TIMING)
+    M.raise_if_too_many(manifests, args.max_failure_fraction)
+    return manifests
+
+
+def _unaccounted(plans: list[SplitPlan], report: list[dict]) -> str:
+    """Which work-list splits' reports do not cover each planned record exactly once
+    (``""``: none); splits read from a source transform have no count to check."""
+    done: dict[str, int] = {}
+    for row in report:
+        done[row["split"]] = done.get(row["split"], 0) + row["n"]
+    return "; ".join(f"{done.get(plan.name, 0)} of the {len(plan.records)} images of "
+                     f"split {plan.name!r}" for plan in plans
+                     if plan.source is None and done.get(plan.name, 0) != len(plan.records))
+
+
+def _close_client(pipeline) -> None:
+    """Close the cluster connection a runner opened for this run, if any: Beam's
+    DaskRunner leaves its ``dask.distributed`` Client open, which then keeps trying to
+    reach a cluster that may be gone."""
+    client = getattr(getattr(pipeline, "result", None), "client", None)
+    if client is not None and hasattr(client, "close"):
+        client.close()
+
+
+def _death_message(job: str, plans: list[SplitPlan], out: str, deaths: list[dict]) -> str:
+    """What a job says when an image worker died: who, how, on what; what is on disk;
+    what to do."""
+    who = (W.describe_deaths(deaths) if deaths
+           else "an image worker process died (its pool broke)")
+    state = ", ".join(
+        join(out, plan.name) + (" kept its previous version"
+                                if storage.exists(join(out, plan.name)) else " was not created")
+        for plan in plans)
+    return (f"{job}: {who}. The job stopped and published nothing: "
+            f"{state}. Rerun the same command to redo the whole job (every split: a job "
+            "publishes its splits only once all are complete). If it dies on the same image "
+            "again, that image needs more memory than a worker has: see `dmesg` for the "
+            "kernel's OOM killer, lower --image_processes or --max_pixels, or remove the "
+            "image.")

@@ -1,0 +1,85 @@
+"""Stanford Online Products (Song et al., CVPR'16) -> TFRecords.
+
+Reads ``INPUT_DIR/Ebay_train.txt`` and ``INPUT_DIR/Ebay_test.txt`` (space-separated,
+header ``image_id class_id super_class_id path``, class ids 1-based with test classes
+following train classes, paths like ``bicycle_final/111085122871_0.JPG``). Labels are
+remapped to contiguous ``0..C-1`` per split (sorted class id); super-classes to
+``0..11`` (sorted super-class id, named by their folder), for the hierarchical sampler.
+Expected: train 59,551 images / 11,318 classes, test 60,502 / 11,316.
+
+    python -m tfaploss.pipelines.sop --input_dir Stanford_Online_Products --output_dir out/sop
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tfaploss.pipelines import images as I
+from tfaploss.pipelines import options as opts
+from tfaploss.pipelines import runner as R
+from tfaploss.pipelines import storage
+
+SPLIT_FILES = {"train": "Ebay_train.txt", "test": "Ebay_test.txt"}
+
+
+def parser():
+    p = opts.build_parser(__doc__.splitlines()[0])
+    p.add_argument("--splits", default="train,test", help="splits to write: train, test")
+    return p
+
+
+def read_annotations(path: str) -> tuple[list[dict], list[dict]]:
+    """Rows of an Ebay_*.txt file as dicts, and dead letters for malformed rows."""
+    if not storage.exists(path):
+        raise FileNotFoundError(f"SOP annotation file not found: {path}")
+    rows, bad = [], []
+    lines = storage.read_text(path).splitlines()
+    header = lines[0].split() if lines else []
+    if header != ["image_id", "class_id", "super_class_id", "path"]:
+        raise ValueError(f"{path}: expected header 'image_id class_id super_class_id path', "
+                         f"got {' '.join(header)!r}")
+    for lineno, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue
+        parts = line.split()
+        try:
+            if len(parts) != 4:
+                raise ValueError(f"{len(parts)} fields instead of 4")
+            image_id, class_id, super_id = parts[0], int(parts[1]), int(parts[2])
+        except ValueError as e:
+            bad.append({"id": f"line {lineno}", "path": line.strip()[:200],
+                        "reason": I.BAD_ANNOTATION, "detail": f"{path}:{lineno}: {e}"})
+            continue
+        rows.append({"id": image_id, "class_id": class_id, "super_id": super_id,
+                     "relpath": parts[3], "super_name": parts[3].split("/")[0]})
+    return rows, bad
+
+
+def plan(args) -> list[R.SplitPlan]:
+    plans = []
+    for split in [s.strip() for s in args.splits.split(",") if s.strip()]:
+        if split not in SPLIT_FILES:
+            raise ValueError(f"--splits: unknown split {split!r}; SOP has {list(SPLIT_FILES)}")
+        rows, bad = read_annotations(storage.join(args.input_dir, SPLIT_FILES[split]))
+        labels = R.contiguous_labels(r["class_id"] for r in rows)
+        supers = R.contiguous_labels(r["super_id"] for r in rows)
+        super_names = {supers[r["super_id"]]: r["super_name"] for r in rows}
+        records = [{"id": r["id"], "path": storage.join(args.input_dir, r["relpath"]),
+                    "relpath": r["relpath"], "label": labels[r["class_id"]],
+                    "super_label": supers[r["super_id"]], "class_text": str(r["class_id"])}
+                   for r in rows]
+        records, dups = R.dedupe_and_index(records)
+        plans.append(R.SplitPlan(split, records, bad + dups,
+                                 label_map={v: str(k) for k, v in labels.items()},
+                                 super_label_map=super_names))
+    return plans
+
+
+def run(argv: list[str] | None = None) -> dict[str, dict]:
+    """Run the job in-process; returns ``{split: manifest}``."""
+    args, options = opts.parse_args(parser(), argv)
+    return R.run_job("sop", plan(args), args, options)
+
+
+if __name__ == "__main__":
+    sys.exit(R.main_wrapper(run))

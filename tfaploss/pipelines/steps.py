@@ -1,0 +1,188 @@
+"""The two Beam steps of a preprocessing job.
+
+:class:`ProcessBatchDoFn` hands each batch of the work list to the image workers
+(:mod:`tfaploss.pipelines.image_workers`: forked processes on the local DirectRunner, threads of
+the Beam worker elsewhere), which decode, resize and re-encode the images and write
+their framed records to part files in the staging folder; only where each record lies
+travels through Beam, keyed by the output file it belongs to. :class:`WriteOutputsDoFn`
+gets those locations grouped by file and has the per-image shards (records in index
+order) and the by-class shards (label, chunk order) assembled from the parts
+(:mod:`tfaploss.pipelines.shard_writers`), side by side on the same workers, under temporary names
+renamed into place.
+
+Fault point (:mod:`tfaploss.durable.faults`): ``images:N``, after N images processed.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from tfaploss.durable import faults
+from tfaploss.pipelines import console, storage
+from tfaploss.pipelines import image_workers as W
+from tfaploss.pipelines import shard_writers as S
+from tfaploss.pipelines.plan import shard_of
+
+beam = console.import_beam_quietly()
+
+IMAGES, CLASSES, REPORT = "images", "classes", "report"
+
+
+class _PooledDoFn(beam.DoFn):
+    """A DoFn whose work runs on the image workers' pool: the local processes that
+    ``pool_token`` names in this process, else ``threads`` threads of its own (none for
+    one thread: the work then runs inline)."""
+
+    def __init__(self, threads: int, pool_token: str | None):
+        self.threads = max(1, threads)
+        self.pool_token = pool_token
+
+    def setup(self):
+        self.processes = W.local_pool(self.pool_token)
+        self.own_pool = None if self.processes else W.thread_pool(self.threads)
+        self.pool = self.processes or self.own_pool
+
+    def teardown(self):
+        if getattr(self, "own_pool", None) is not None:
+            self.own_pool.shutdown(wait=False)
+
+
+class ProcessBatchDoFn(_PooledDoFn):
+    """A batch of work-list records -> descriptions of the output files' contents.
+
+    The image work runs in :mod:`tfaploss.pipelines.image_workers` (a pool of local processes
+    when ``pool_token`` names one in this process, else ``threads`` threads), which
+    writes the framed records into part files under ``parts_dir``. Every output is keyed
+    by the file it belongs to:
+
+    * ``(IMAGES, split, shard, num_shards)``: ``[(index, id, part, offset, length)]``;
+    * ``(CLASSES, split, class_shard, num_class_shards)``: ``[(label, id, super, part,
+      jpeg_offset, jpeg_length)]``, for splits with a by-class layout;
+    * ``(REPORT,)``: one dict per batch with the counts per (label, super_label), the
+      dead letters and the batch's wall-clock span.
+
+    Up to ``emit_lag`` batches are held back and emitted later, the last ones from
+    ``finish_bundle`` (:func:`emit_lag`).
+    """
+
+    def __init__(self, settings: dict, threads: int, root: str | None, parts_dir: str,
+                 pool_token: str | None = None, emit_lag: int = 2):
+        super().__init__(threads, pool_token)
+        self.settings = settings
+        self.root = root
+        self.parts_dir = parts_dir
+        self.emit_lag = emit_lag
+
+    def setup(self):
+        super().setup()
+        self.workers = W.local_pool_size(self.pool_token) if self.processes else self.threads
+        self.task_images = W.PROCESS_TASK_IMAGES if self.processes else 1
+        self.fault_after = faults.threshold("images")  # crash tests only; 0: never
+        self.progress = console.Progress("images processed")
+
+    def start_bundle(self):
+        self.pending = collections.deque()
+
+    def process(self, batch: dict):
+        # Tasks are submitted as batches come and emitted emit_lag (2) batches behind, so
+        # the workers never wait for the slowest image of a batch before starting the next.
+        tasks = W.cut_tasks(batch["records"], self.workers, self.task_images)
+        paths = [W.part_path(self.parts_dir, batch["split"], t) for t in tasks]
+        where = {k: batch[k] for k in ("split", "shard", "num_shards")}
+        futures, t0 = None, time.time()
+        if self.pool is not None:
+            # A task the job submitted before Beam started (W.submit_ahead) is taken over.
+            ahead = [W.claim_ahead(self.pool_token, path) for path in paths]
+            futures = [a[0] if a else self.pool.submit(W.process_task, t, self.settings,
+                                                       self.root, path, where)
+                       for a, t, path in zip(ahead, tasks, paths)]
+            t0 = min([a[1] for a in ahead if a] + [t0])
+        self.pending.append((batch, tasks, paths, futures, t0))
+        while len(self.pending) > self.emit_lag:
+            yield from self._emit(*self.pending.popleft())
+
+    def finish_bundle(self):
+        while self.pending:
+            for out in self._emit(*self.pending.popleft()):
+                yield _windowed(out)
+
+    def _emit(self, batch: dict, tasks: list, paths: list, futures, t0: float):
+        split = batch["split"]
+        by_class = batch.get("num_class_shards")
+        examples, dead, counts, classes = [], [], collections.Counter(), {}
+        for i, (task, path) in enumerate(zip(tasks, paths)):
+            results = (futures[i].result() if futures is not None
+                       else W.process_task(task, self.settings, self.root, path))
+            for r, res in zip(task, results):
+                if isinstance(res, dict):
+                    dead.append(res)
+                    continue
+                offset, length, jpeg_offset, jpeg_length = res
+                label, sup = int(r.get("label", -1)), int(r.get("super_label", -1))
+                examples.append((int(r["index"]), r["id"], path, offset, length))
+                counts[(label, sup)] += 1
+                if by_class and label >= 0:
+                    cs = shard_of(label, batch["num_labels"], batch["num_class_shards"])
+                    classes.setdefault(cs, []).append(
+                        (label, r["id"], sup, path, jpeg_offset, jpeg_length))
+        if examples:
+            yield (IMAGES, split, batch["shard"], batch["num_shards"]), examples
+        for cs, items in sorted(classes.items()):
+            yield (CLASSES, split, cs, batch["num_class_shards"]), items
+        n = len(batch["records"])
+        yield (REPORT,), {
+            "split": split, "counts": sorted([k[0], k[1], c] for k, c in counts.items()),
+            "dead": dead, "n": n, "t0": t0, "t1": time.time()}
+        self.progress.add(n)
+        if self.fault_after:
+            faults.count_reached("images", self.fault_after, self.progress.done)
+
+
+def _windowed(value):
+    from apache_beam.transforms.window import GlobalWindows
+
+    return GlobalWindows.windowed_value(value)
+
+
+class WriteOutputsDoFn(_PooledDoFn):
+    """``(key, [values])`` from :class:`ProcessBatchDoFn`, grouped -> the split's files.
+
+    The TFRecord files are assembled by :mod:`tfaploss.pipelines.shard_writers` on the same pool
+    as the image work, so they are written side by side; the report (one JSON line per
+    batch) goes to ``report_path``. Yields ``(kind, split, file name, records)``.
+    """
+
+    def __init__(self, stage: str, report_path: str, chunk_size: int, threads: int,
+                 pool_token: str | None = None):
+        super().__init__(threads, pool_token)
+        self.stage = stage
+        self.report_path = report_path
+        self.chunk_size = chunk_size
+
+    def start_bundle(self):
+        self.pending = []
+
+    def process(self, keyed):
+        key, groups = keyed
+        if key[0] == REPORT:
+            storage.write_atomic(self.report_path, storage.json_lines(groups), fault="report")
+            return
+        kind, split, shard, num_shards = key
+        items = [t for group in groups for t in group]
+        if kind == IMAGES:
+            name = f"images-{shard:05d}-of-{num_shards:05d}.tfrecord"
+            call = (S.write_image_shard, storage.join(self.stage, split, name), items)
+        else:
+            name = f"classes-{shard:05d}-of-{num_shards:05d}.tfrecord"
+            call = (S.write_class_shard, storage.join(self.stage, split, "by_class", name),
+                    items, self.chunk_size)
+        if self.pool is None:
+            yield kind, split, name, call[0](*call[1:])
+        else:
+            where = {"split": split, "shard": shard, "num_shards": num_shards, "file": name}
+            self.pending.append(((kind, split, name), self.pool.submit(W.noted, where, *call)))
+
+    def finish_bundle(self):
+        for out, future in self.pending:
+            yield _windowed((*out, future.result()))
