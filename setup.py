@@ -5,9 +5,17 @@ export and the CLI, with ``tfaploss.models`` (backbones, pooling, heads, whiteni
 and ``tfaploss.pipelines`` (the Apache Beam preprocessing jobs) inside it, so that a
 user's own ``models.py`` or ``pipelines/`` never shadows ours. A Beam job ships it to
 its workers with ``--setup_file ./setup.py``.
+
+The recipes live in ``configs/`` (the repository's layout); the build copies them into
+the wheel as ``tfaploss/recipes/*.yaml`` (:class:`BuildPyWithRecipes`), and MANIFEST.in
+puts ``configs/`` in the sdist, so a wheel built from either has them and
+``--config recipe:NAME`` works without a clone (tfaploss/config/recipes.py finds them).
 """
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 # google-crc32c: the record CRCs at ~10 GB/s instead of crcmod's ~0.5 GB/s.
 # fonttools: pipelines.glyphs reads the fonts' cmaps and outlines with it.
@@ -34,6 +42,27 @@ COMPARE = ["optuna>=3.6"]
 # benchmarks/: faiss beside ScaNN (search.py), the PyTorch peers of the losses (losses.py).
 BENCH = FAISS + ["torch", "pytorch-metric-learning>=2.9"]
 
+
+
+class BuildPyWithRecipes(build_py):
+    """``build_py``, then ``configs/*.yaml`` copied into the build as
+    ``tfaploss/recipes/*.yaml``. An editable install skips the copy: it runs from the
+    clone, whose ``configs/`` the recipe lookup reads directly."""
+
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        recipes = sorted(Path("configs").glob("*.yaml"))
+        if not recipes:  # a build from a tree that lost them must not ship a bare wheel
+            raise SystemExit("setup.py: no configs/*.yaml to ship as tfaploss/recipes/ "
+                             "(an sdist built without MANIFEST.in?)")
+        target = Path(self.build_lib) / "tfaploss" / "recipes"
+        self.mkpath(str(target))
+        for recipe in recipes:
+            self.copy_file(str(recipe), str(target / recipe.name))
+
+
 setup(
     name="tfaploss",
     version="0.1.0",
@@ -42,12 +71,15 @@ setup(
         "Average Precision: the AP losses of the literature and their peers, large "
         "batches, Beam pipelines, search and serving."
     ),
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=Path("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["tfaploss", "tfaploss.*"]),
     include_package_data=True,
+    # make data-glyphs runs it from a clone; an installed tfaploss carries it too.
+    package_data={"tfaploss.pipelines": ["fetch_fonts.sh"]},
+    cmdclass={"build_py": BuildPyWithRecipes},
     install_requires=[
         # The TensorFlow minors the suite runs on: 2.20 (with ScaNN) and 2.21 (without).
         "tensorflow>=2.20,<2.22",

@@ -1,14 +1,16 @@
 """The ``tfaploss`` command: train, evaluate, export, demo.
 
     tfaploss demo                                     # the end-to-end tour (about 2 minutes)
-    tfaploss train --config configs/roadmap_sop_resnet50.yaml --set data.train=sop/train
+    tfaploss recipes                                  # the shipped recipes; `show NAME` prints one
+    tfaploss train --config recipe:roadmap_sop_resnet50 --set data.train=sop/train
     tfaploss evaluate --model runs/x/model.keras --data sop/test --protocol sop
-    tfaploss evaluate --config configs/demo_digits.yaml   # the untrained baseline
+    tfaploss evaluate --config recipe:demo_digits     # the untrained baseline
     tfaploss export --model runs/x/model.keras --out serving/sop
-    tfaploss config --config configs/pnp_sop_resnet50_dq.yaml   # print it, validated
+    tfaploss config --config my_run.yaml              # print it, validated
     tfaploss compare --config base.yaml --val data/x/val --features   # which loss, which batch
 
-The Beam preprocessing jobs are separate: ``python -m pipelines.<name> --help``.
+Every ``--config`` takes a YAML file or ``recipe:NAME`` (resolved by the config loader).
+The Beam preprocessing jobs are separate: ``python -m tfaploss.pipelines.<name> --help``.
 Heavy imports (TensorFlow, Keras) happen inside the commands so ``--help`` is instant.
 
 What the commands report goes through the ``tfaploss`` loggers (:mod:`tfaploss.log`);
@@ -30,6 +32,8 @@ import textwrap
 from tfaploss.cli.evaluate import cmd_evaluate, load_any_model, show_config_warnings
 from tfaploss.log import is_terminal
 
+_CONFIG_HELP = ("run config: a YAML file, or recipe:NAME for a shipped recipe "
+                "(`tfaploss recipes` lists them)")
 _SET_HELP = (
     "override one config key, YAML-typed; repeatable. Examples: --set training.epochs=3 "
     "--set optimizer.lr=2e-5 --set evaluation.ks=[1,10] --set model.weights=null "
@@ -61,7 +65,8 @@ def _add_train(sub):
         "train", formatter_class=_Formatter,
         help="train an embedding model from a YAML recipe",
         description=textwrap.dedent("""\
-            Train an embedding model from a run config (a recipe of configs/).
+            Train an embedding model from a run config: your YAML file, or a shipped
+            recipe as --config recipe:NAME (`tfaploss recipes` lists them).
 
             The config names the TFRecords (data.train, data.test; write them with a
             pipelines job), the model, the loss, the optimizer and how long to train.
@@ -96,12 +101,13 @@ def _add_train(sub):
             progress is one line per epoch."""),
         epilog=textwrap.dedent("""\
             examples:
-              tfaploss train --config configs/demo_digits.yaml   (after `tfaploss demo`)
-              tfaploss train --config configs/smoothap_sop_resnet50.yaml \\
+              tfaploss train --config recipe:demo_digits --run-dir demo_output/run2
+                  (after `tfaploss demo`, which wrote demo_output/)
+              tfaploss train --config recipe:smoothap_sop_resnet50 \\
                   --set data.train=data/sop/train --set data.test=data/sop/test \\
                   --set model.weights=path/to/resnet50_notop.h5
               tensorboard --logdir runs/"""))
-    p.add_argument("--config", required=True, metavar="YAML", help="run config file")
+    p.add_argument("--config", required=True, metavar="YAML", help=_CONFIG_HELP)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=_SET_HELP)
     p.add_argument("--run-dir", default=None, metavar="DIR",
                    help="where checkpoints, logs and the model go (default: the config's "
@@ -150,7 +156,7 @@ def _add_evaluate(sub):
         epilog=textwrap.dedent("""\
             examples:
               tfaploss evaluate --model runs/sop/model.keras --data data/sop/test --protocol sop
-              tfaploss evaluate --config configs/demo_digits.yaml   (untrained baseline)
+              tfaploss evaluate --config recipe:demo_digits   (untrained baseline)
               tfaploss evaluate --model serving/roxf/1 --data data/roxford5k/database \\
                   --query data/roxford5k/queries --gnd data/roxford5k/gnd_roxford5k.json \\
                   --protocol revisited --image-size original"""))
@@ -158,7 +164,7 @@ def _add_evaluate(sub):
     source.add_argument("--model", help=".keras file or exported SavedModel")
     source.add_argument("--config", metavar="YAML",
                         help="evaluate the untrained model `tfaploss train --config YAML` "
-                             "starts from (a baseline)")
+                             "starts from (a baseline); YAML: a file or recipe:NAME")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="with --config: " + _SET_HELP)
     p.add_argument("--data", default=None, metavar="SPLIT_DIR",
@@ -250,10 +256,35 @@ def _add_config(sub):
         description="Load a run config, apply --set overrides, validate it, and print "
                     "the result as YAML. Exits 2 with the offending key named when the "
                     "config is invalid.")
-    p.add_argument("--config", required=True, metavar="YAML")
+    p.add_argument("--config", required=True, metavar="YAML", help=_CONFIG_HELP)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=_SET_HELP)
     _add_output_flags(p)
     p.set_defaults(func=cmd_config)
+
+
+def _add_recipes(sub):
+    p = sub.add_parser(
+        "recipes", formatter_class=_Formatter,
+        help="list the recipes shipped with tfaploss; `recipes show NAME` prints one",
+        description=textwrap.dedent("""\
+            The run configs shipped with tfaploss: the papers' recipes (their and the
+            authors' values) and the demo's. Listed with their descriptions; `show NAME`
+            prints one as shipped, comments included, to start your own config from.
+            Any --config takes recipe:NAME to run one as it is (with --set overrides)."""),
+        epilog=textwrap.dedent("""\
+            examples:
+              tfaploss recipes
+              tfaploss recipes show smoothap_sop_resnet50 > my_run.yaml
+              tfaploss train --config recipe:smoothap_sop_resnet50 \\
+                  --set data.train=data/sop/train --set data.test=data/sop/test"""))
+    actions = p.add_subparsers(dest="recipes_action", metavar="ACTION")
+    show = actions.add_parser("show", formatter_class=_Formatter,
+                              help="print one recipe's YAML as shipped",
+                              description="Print recipe NAME's YAML as shipped.")
+    show.add_argument("name", metavar="NAME", help="a recipe's name (see `tfaploss recipes`)")
+    _add_output_flags(show)
+    _add_output_flags(p)
+    p.set_defaults(func=cmd_recipes)
 
 
 def _add_compare(sub):
@@ -297,9 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
             tfaploss: train image-retrieval embeddings by directly optimising Average
             Precision (histogram AP, FastAP, Smooth-AP, ROADMAP, PNP) in Keras 3.
 
-            New here? Run `tfaploss demo`, then read README.md. Data preparation is
-            done by the Beam jobs: python -m pipelines.<sop|inaturalist|gldv2|
-            revisited|folder|tfds_source|glyphs> --help"""))
+            New here? Run `tfaploss demo`, then read README.md; `tfaploss recipes`
+            lists the papers' recipes. Data preparation is done by the Beam jobs:
+            python -m tfaploss.pipelines.<sop|inaturalist|gldv2|revisited|folder|
+            tfds_source|glyphs> --help"""))
     from tfaploss import __version__
 
     parser.add_argument("--version", action="version", version=f"tfaploss {__version__}")
@@ -310,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_evaluate(sub)
     _add_export(sub)
     _add_config(sub)
+    _add_recipes(sub)
     _add_compare(sub)
     _add_verify(sub)
     return parser
@@ -352,6 +385,23 @@ def cmd_config(args) -> int:
     show_config_warnings()
     cfg = load_config(args.config, args.set)
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    return 0
+
+
+def cmd_recipes(args) -> int:
+    from tfaploss.config.recipes import list_recipes, recipe_text, recipes_dir
+
+    if args.recipes_action == "show":
+        sys.stdout.write(recipe_text(args.name))  # verbatim: `> my.yaml` starts a config
+        return 0
+    recipes = list_recipes()
+    width = max((len(r.name) for r in recipes), default=0)
+    for recipe in recipes:
+        print(f"{recipe.name:<{width}}  {recipe.description}")
+    if is_terminal():  # the hint for a person; a pipe gets the table alone
+        print(f"\n{len(recipes)} recipes in {recipes_dir()}. Start a config from one: "
+              "tfaploss recipes show NAME > my.yaml; run one as it is: tfaploss train "
+              "--config recipe:NAME")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Run configurations: the YAML recipes of ``configs/``, loaded safely and validated.
+"""Run configurations: YAML files and the shipped recipes (``recipe:NAME``, found by
+:mod:`tfaploss.config.recipes`), loaded safely and validated.
 
 See :mod:`tfaploss.config.schema` for the keys. This package only describes a run and
 imports neither Keras nor TensorFlow; :mod:`tfaploss.run` carries it out

@@ -1,9 +1,13 @@
 """Loading a run configuration: the YAML file read safely, ``--set`` overrides
 applied, the result converted and checked into a :class:`~tfaploss.config.schema.Config`::
 
-    cfg = load_config("configs/smoothap_sop_resnet50.yaml",
+    cfg = load_config("recipe:smoothap_sop_resnet50",   # or a path: "my_run.yaml"
                       overrides=["optimizer.lr=2e-5", "training.epochs=3"])
     cfg.optimizer.lr        # 2e-05
+
+``recipe:NAME`` names a recipe shipped with tfaploss (:mod:`tfaploss.config.recipes`;
+``tfaploss recipes`` lists them); :func:`read_config_file` resolves it, so every
+command's ``--config`` takes it.
 
 The file is read with ``yaml.safe_load`` semantics only (no tags), bounded against alias
 bombs, with duplicate keys refused (:mod:`tfaploss.config.yaml_loader`). Overrides are
@@ -24,6 +28,7 @@ from tfaploss.config.consistency import ConfigWarning, check_consistency
 from tfaploss.config.convert import build_dataclass, type_name
 from tfaploss.config.fields import ConfigError
 from tfaploss.config.loss_section import LossConfig
+from tfaploss.config.recipes import resolve_config_path
 from tfaploss.config.schema import Config
 
 __all__ = [
@@ -110,16 +115,19 @@ def config_from_dict(raw: dict | None, overrides=None, *, warn: bool = True) -> 
 def read_config_file(path: str | Path):
     """The raw YAML of a config file, read with :mod:`tfaploss.config.yaml_loader`
     (safe_load semantics, bounded alias expansion, duplicate keys refused); every
-    failure is a :class:`ConfigError` naming the file."""
+    failure is a :class:`ConfigError` naming the file. ``recipe:NAME`` reads the
+    shipped recipe NAME (:func:`tfaploss.config.recipes.resolve_config_path`)."""
     from tfaploss.config.yaml_loader import MAX_CONFIG_BYTES, YAMLLimitError, load_yaml_text
 
-    path = Path(path)
+    path = resolve_config_path(path)
     if path.is_dir():
-        raise ConfigError(f"config file {str(path)!r} is a directory; pass a YAML file "
-                          "(e.g. one of configs/*.yaml).")
+        raise ConfigError(f"config file {str(path)!r} is a directory; pass a YAML file, "
+                          "or recipe:NAME for a shipped recipe (`tfaploss recipes` lists "
+                          "them).")
     if not path.exists():
-        raise ConfigError(f"config file {str(path)!r} does not exist (see configs/ for "
-                          "the recipes).")
+        raise ConfigError(f"config file {str(path)!r} does not exist. For a shipped "
+                          "recipe pass --config recipe:NAME (`tfaploss recipes` lists "
+                          "them).")
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_CONFIG_BYTES + 1)
