@@ -1,10 +1,14 @@
 # Quick start: `make demo` and `make test`. Both create .venv when it is missing
-# and install the project into it (editable) before running.
+# and install the project into it (editable) before running: `make demo` only what the
+# demo needs (.[demo]), `make test` everything the tests use (.[dev], then PyTorch).
 
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# One stamp per install, so neither redoes or undoes the other: .[dev] holds everything
+# .[demo] does, and pip keeps what is installed when it still satisfies a requirement.
 STAMP := $(VENV)/.installed-dev
+DEMO_STAMP := $(VENV)/.installed-demo
 PYTEST_ARGS ?=
 
 export TF_CPP_MIN_LOG_LEVEL ?= 2
@@ -14,7 +18,8 @@ export PYTHONUNBUFFERED = 1
 	clean help
 
 help:
-	@echo "make demo   - set up .venv and run the end-to-end demo on bundled data"
+	@echo "make demo   - set up .venv with the demo's extras only and run the end-to-end"
+	@echo "              demo on bundled data"
 	@echo "make test   - set up .venv and run the test suite (TensorFlow, then the loss,"
 	@echo "              model and multi-stage tests again on JAX and on PyTorch)"
 	@echo "make test-fast - every test not marked slow, on TensorFlow (under 5 minutes)"
@@ -34,6 +39,10 @@ $(BIN)/python:
 $(STAMP): setup.py | $(BIN)/python
 	$(BIN)/python -m pip install -e ".[dev]"
 	@touch $(STAMP)
+
+$(DEMO_STAMP): setup.py | $(BIN)/python
+	$(BIN)/python -m pip install -e ".[demo]"
+	@touch $(DEMO_STAMP)
 
 install: $(STAMP)
 
@@ -62,7 +71,7 @@ $(TORCH_STAMP): $(STAMP)
 
 install-torch: $(TORCH_STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/tfaploss demo
 
 # The tests mirror the package (tests/losses/, tests/pipelines/, ...). Keras fixes its
