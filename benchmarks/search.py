@@ -16,7 +16,11 @@ Every figure is printed beside the floor it cannot beat, measured in the same ru
    float32 alone (``prefilter="none"``: any CPU), the bfloat16 prefilter with each
    product that can run here (PyTorch, TensorFlow; CPUs with AMX or AVX512-BF16), and
    the default, which picks one; beside them the bare bfloat16 products, the
-   prefilter's own floor.
+   prefilter's own floor. Each searcher's first call is timed too, in a fresh process
+   (the real one-off costs: the product's import, the bfloat16 copy of the
+   database), beside float32 alone's first call (``--first_call_tf``: also in a
+   process that has imported TensorFlow, as a training run has); each warm figure
+   also carries its multiple of float32 alone's (``vs_float32_alone``).
 2. **Approximate search** at k = ``--ann_k`` (10), every searcher tuned to each target
    recall@10 of ``--target_recall`` (0.9, 0.95, 0.99) on 1,000 *tuning* queries and
    then measured on the 1,000 *test* queries, which no tuner saw (both drawn from the
@@ -58,6 +62,7 @@ process may use; on a shared machine compare the ratios, not the absolute figure
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -169,7 +174,8 @@ class Table:
                        ratio=round(value / floor, 3))
             self.figures.append(harness.figure(
                 "search", f"{data}: {what}", value, unit, floor=floor, floor_name=floor_what,
-                peer=section == "ann", higher_is_better=unit in ("q/s", "q/CPU-s")))
+                peer=section == "ann",
+                higher_is_better=unit in ("q/s", "q/CPU-s", "first-call q/s")))
         self.rows.append(row)
         tail = (f"   floor {floor:10.1f} ({floor_what})  ratio {value / floor:6.2f}"
                 if floor is not None else "")
@@ -194,18 +200,65 @@ def bfloat16_product(queries, db, product):
                      for block in prepared.blocks]]
 
 
-def exact_contenders(db, queries, k):
+def exact_contenders(db):
     """(name, searcher) of exact search: float32 alone and, where the CPU can, each
-    bfloat16 prefilter; the default's name says what it resolved to."""
-    out = [("exact float32 alone", ExactSearcher(db, prefilter="none"))]
+    bfloat16 prefilter; the default last (its name is completed once it has run)."""
+    out = [(FLOAT32_ALONE, ExactSearcher(db, prefilter="none"))]
     for product in ("torch", "tensorflow"):
         if bfloat16_prefilter.choose_product(product)[0] is not None:
             out.append((f"exact, bfloat16 prefilter ({product})",
                         ExactSearcher(db, prefilter=f"bfloat16-{product}")))
-    default = ExactSearcher(db)
-    resolved = default.resolved_prefilter(len(queries))
-    out.append((f"exact default ({'bfloat16 ' + resolved if resolved else 'float32'})",
-                default))
+    out.append(("exact default", ExactSearcher(db)))
+    return out
+
+
+FLOAT32_ALONE = "exact float32 alone"
+
+# The first call of a user's script: a fresh interpreter that has imported tfaploss
+# (and, with --first_call_tf, TensorFlow, as a training run has) times one search.
+_FIRST_CALL = """
+import json, sys, time
+import numpy as np
+if sys.argv[5] == "tensorflow":
+    import tensorflow
+from tfaploss.evaluation.searchers import ExactSearcher
+db, queries = np.load(sys.argv[1]), np.load(sys.argv[2])
+searcher = ExactSearcher(db, prefilter=sys.argv[3])
+t0 = time.perf_counter()
+resolved = searcher.resolved_prefilter(len(queries))  # what the search will take
+searcher.search(queries, int(sys.argv[4]))
+print(json.dumps({"seconds": time.perf_counter() - t0, "resolved": resolved}))
+"""
+
+
+def first_calls(db, queries, settings, k, imported=("",), repeats=1):
+    """{(prefilter setting, pre-imported module): (seconds, resolved product)} of the
+    first search in a fresh process: the real one-off costs (the product's import, the
+    bfloat16 copy of the database, thread pools). The best of ``repeats`` processes
+    each, run in turn (setting after setting, then again)."""
+    import subprocess
+    import tempfile
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [os.path.join(tmp, f"{name}.npy") for name in ("db", "queries")]
+        for path, array in zip(paths, (db, queries)):
+            np.save(path, array)
+        for _, module, setting in itertools.product(range(max(repeats, 1)), imported,
+                                                    settings):
+            done = subprocess.run(
+                [sys.executable, "-c", _FIRST_CALL, *paths, setting, str(k), module],
+                cwd=repo, env=env, capture_output=True, text=True, check=False)
+            if done.returncode:
+                raise SystemExit(f"the first-call process ({setting}) failed:\n"
+                                 f"{done.stderr[-3000:]}")
+            got = json.loads(done.stdout.strip().splitlines()[-1])
+            best = out.get((setting, module), (np.inf, None))
+            if got["seconds"] < best[0]:
+                out[setting, module] = got["seconds"], got["resolved"]
     return out
 
 
@@ -214,14 +267,28 @@ def bench_exact(table, label, db, queries, args):
     each searcher, product variants, ...; the best of ``--repeats`` each), in wall time
     and in CPU seconds of this process: on a busy machine the CPU seconds measure the
     work without the time lost waiting for a core. Each searcher runs once before the
-    timing (thread pools; the prefilter's bfloat16 copy of the database, timed apart)."""
-    contenders = exact_contenders(db, queries, args.k)
+    timing (thread pools; the prefilter's bfloat16 copy of the database, timed apart).
+
+    Beside each searcher's warm figure, its first call in a fresh process
+    (:func:`first_calls`) against float32 alone's first call, and the warm figure
+    against float32 alone's warm one."""
+    contenders = exact_contenders(db)
+    settings = [searcher.prefilter for _, searcher in contenders]
+    first = first_calls(db, queries, settings, args.k,
+                        ("", "tensorflow") if args.first_call_tf else ("",), args.repeats)
+    named = []
     for name, searcher in contenders:
         t0 = time.perf_counter()
         searcher.search(queries, args.k)
-        if searcher.resolved_prefilter(len(queries)) is not None:
-            table.add("exact", label, f"{name}: its first search (bfloat16 copy made)",
-                      time.perf_counter() - t0, "s")
+        seconds = time.perf_counter() - t0
+        resolved = searcher.resolved_prefilter(len(queries))
+        if searcher.prefilter == "auto":  # what its warm searches take, in this process
+            name = f"{name} ({'bfloat16 ' + resolved if resolved else 'float32'})"
+        if resolved is not None:
+            table.add("exact", label, f"{name}: its first search here (bfloat16 copy made)",
+                      seconds, "s")
+        named.append((name, searcher))
+    contenders = named
     variants = product_variants(queries, db)
     wall = {"floor": np.inf, **{name: np.inf for name, _ in contenders}}
     cpu = dict(wall)
@@ -239,13 +306,24 @@ def bench_exact(table, label, db, queries, args):
             wall[name] = min(wall[name], time.perf_counter() - t0)
             cpu[name] = min(cpu[name], time.process_time() - c0)
     floor_qps = len(queries) / wall["floor"]
-    searchers = {name for name, _ in contenders}
+    searchers = dict(contenders)
     for name, seconds in wall.items():
         if name == "floor":
             continue
         what = f"{name}, k={args.k}" if name in searchers else name
+        if name in searchers:
+            for module in ("", "tensorflow") if args.first_call_tf else ("",):
+                t_first, resolved = first[searchers[name].prefilter, module]
+                where = " (tensorflow imported)" if module else ""
+                table.add("exact", label, f"{what}: first call in a fresh process{where}",
+                          len(queries) / t_first, "first-call q/s",
+                          len(queries) / first["none", module][0],
+                          f"float32 alone, first call{where}",
+                          took=resolved or "float32", seconds=round(t_first, 3))
+        extra = ({"vs_float32_alone": round(wall[FLOAT32_ALONE] / seconds, 3)}
+                 if name in searchers else {})
         table.add("exact", label, what, len(queries) / seconds, "q/s",
-                  floor_qps, "bare float32 product q @ db.T")
+                  floor_qps, "bare float32 product q @ db.T", **extra)
         if name in searchers:
             table.add("exact", label, f"{what}, per CPU second", len(queries) / cpu[name],
                       "q/CPU-s", len(queries) / cpu["floor"], "bare product per CPU second")
@@ -544,6 +622,9 @@ def main(argv=None):
                         "('' : ScaNN defaults only; tuning time counts as ScaNN's build)")
     p.add_argument("--tune_seconds", type=float, default=300.0,
                    help="the ScaNN tuner's time bound (max_seconds; its default is 120 s)")
+    p.add_argument("--first_call_tf", action="store_true",
+                   help="also time each exact searcher's first call in a fresh process "
+                        "that has imported TensorFlow (as a training run has)")
     p.add_argument("--with_tf", action="store_true",
                    help="also time the TensorFlow engine (the former CPU default)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs; the best is kept")

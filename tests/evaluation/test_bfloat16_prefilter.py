@@ -299,3 +299,128 @@ def test_scores_near_float32_range_are_searched_in_float32(monkeypatch, big, pro
     with np.errstate(over="ignore"):
         idx, _ = searcher.search(q, 3)
     assert idx[0, 0] == 5 and not prefiltered
+
+
+# -- prefilter="auto": the cost of the first call -------------------------------------
+
+@pytest.fixture
+def round_costs(monkeypatch):
+    """Cost constants with round numbers, so that each decision below is derived by
+    hand: float32 1e10 multiply-adds/s; the prefilter 2x that with PyTorch, 1.5x with
+    TensorFlow; imports 2 s / 7 s; the copy 1e8 database elements/s."""
+    monkeypatch.setattr(bp, "FLOAT32_RATE", 1e10)
+    monkeypatch.setattr(bp, "PREFILTER_SPEEDUP", {"torch": 2.0, "tensorflow": 1.5})
+    monkeypatch.setattr(bp, "IMPORT_SECONDS", {"torch": 2.0, "tensorflow": 7.0})
+    monkeypatch.setattr(bp, "COPY_RATE", 1e8)
+
+
+BOTH = ("torch", "tensorflow")
+
+
+def test_search_seconds_add_the_one_off_costs_that_are_due(round_costs):
+    # 300k x 128 (a copy of 3.84e7 elements: 0.384 s), 500 queries: 1.92e10 multiply-adds.
+    args = (500, 300_000, 128)
+    assert bp.search_seconds(*args) == pytest.approx(1.92)
+    assert bp.search_seconds(*args, "torch") == pytest.approx(0.96)
+    assert bp.search_seconds(*args, "torch", copied=False) == pytest.approx(1.344)
+    assert bp.search_seconds(*args, "torch", imported=False, copied=False) == \
+        pytest.approx(3.344)
+    assert bp.search_seconds(*args, "tensorflow", copied=False) == pytest.approx(1.664)
+
+
+def test_a_cold_product_is_taken_only_by_a_search_that_repays_its_import(round_costs):
+    """PyTorch not imported, no copy: 2 + 0.384 + W / 2e10 < W / 1e10 exactly when
+    W > 4.768e10 multiply-adds, i.e. more than 1,241.67 queries of 300k x 128."""
+    n, d = 300_000, 128
+    assert bp.cheapest(1241, n, d, ["torch"]) is None
+    assert bp.cheapest(1242, n, d, ["torch"]) == "torch"
+    assert bp.cheapest(500, n, d, BOTH) is None  # 3.344 s (torch) against 1.92 s
+    assert bp.cheapest(20_000, n, d, BOTH) == "torch"  # 40.8 s against 76.8 s
+    # Imported but without its copy: 1.344 s against 1.92 s.
+    assert bp.cheapest(500, n, d, BOTH, imported={"torch"}) == "torch"
+
+
+def test_an_imported_product_wins_a_search_too_small_for_another_import(round_costs):
+    n, d = 300_000, 128
+    # 500 queries, TensorFlow imported: 0.384 + 1.28 = 1.664 s against float32's 1.92 s
+    # and a cold PyTorch's 3.344 s.
+    assert bp.cheapest(500, n, d, BOTH, imported={"tensorflow"}) == "tensorflow"
+    # 20,000 queries repay PyTorch's import: 40.8 s against TensorFlow's 51.6 s.
+    assert bp.cheapest(20_000, n, d, BOTH, imported={"tensorflow"}) == "torch"
+    # 150 queries (5.76e9 multiply-adds, above 2^32): 0.384 + 0.384 s for TensorFlow
+    # against 0.576 s in float32.
+    assert bp.cheapest(150, n, d, BOTH, imported={"tensorflow"}) is None
+
+
+def test_a_searcher_holding_its_copy_pays_no_one_off_cost(round_costs):
+    n, d = 300_000, 128
+    # 150 queries: 0.288 s with the copy held against 0.576 s in float32, though
+    # neither a cold PyTorch (2.672 s) nor a new copy (0.672 s) would pay.
+    assert bp.cheapest(150, n, d, BOTH, held="torch") == "torch"
+    assert bp.cheapest(150, n, d, BOTH, imported={"torch"}) is None
+    # A TensorFlow copy held: 0.384 s; PyTorch imported but without a copy: 0.672 s.
+    assert bp.cheapest(150, n, d, BOTH, imported={"torch"}, held="tensorflow") == \
+        "tensorflow"
+    # Too small (< 2^32 multiply-adds: 100 queries) or too narrow (D < 32), whatever
+    # the costs.
+    assert bp.cheapest(100, n, d, BOTH, held="torch") is None
+    assert bp.cheapest(150, n, 31, BOTH, held="torch") is None
+
+
+def _torch_product():
+    why = bp._product_support("torch")
+    return pytest.mark.skipif(why is not None, reason=str(why))
+
+
+@_torch_product()
+def test_the_searcher_takes_the_path_resolved_prefilter_reports(monkeypatch):
+    """The product's state is the decision's input (`_imported`), not unloaded torch.
+    Costs: float32 1e7 multiply-adds/s, PyTorch 2x, its import 2 s, the copy of
+    4,096 x 64 at 1e6 elements/s 0.262 s. 64 queries (1.68e7 multiply-adds): float32
+    1.68 s, PyTorch 0.84 s + the copy + the import if cold; 16 queries: 0.42 s, 0.21 s."""
+    monkeypatch.setattr(bp, "_cpu_has_bfloat16_units", lambda: True)
+    monkeypatch.setattr(bp, "MIN_WORK", 0)
+    monkeypatch.setattr(bp, "FLOAT32_RATE", 1e7)
+    monkeypatch.setattr(bp, "PREFILTER_SPEEDUP", {"torch": 2.0, "tensorflow": 1.0})
+    monkeypatch.setattr(bp, "IMPORT_SECONDS", {"torch": 2.0, "tensorflow": 7.0})
+    monkeypatch.setattr(bp, "COPY_RATE", 1e6)
+    imported = set()
+    monkeypatch.setattr(bp, "_imported", lambda name: name in imported)
+    taken = []
+    real = bp.exact_topk
+    monkeypatch.setattr(bp, "exact_topk",
+                        lambda q, prepared, *a, **kw: taken.append(prepared.product.name)
+                        or real(q, prepared, *a, **kw))
+    rng = np.random.default_rng(13)
+    db, q = _clustered(rng, 4096, 64, 64)
+    want = fp32_topk(q, db, 10)
+
+    def search(searcher, queries):
+        resolved = searcher.resolved_prefilter(len(queries))
+        taken.clear()
+        idx, scores = searcher.search(queries, 10)
+        assert taken == ([] if resolved is None else [resolved] * len(taken)), resolved
+        assert bool(taken) == (resolved is not None)
+        _assert_same_topk((scores, idx), tuple(w[:len(queries)] for w in want))
+        return resolved
+
+    searcher = ExactSearcher(db)
+    assert search(searcher, q) is None  # cold: 3.1 s against 1.68 s
+    assert searcher._prepared is None
+    imported.add("torch")
+    assert search(searcher, q[:16]) is None  # no copy: 0.47 s against 0.42 s
+    assert search(searcher, q) == "torch"  # 1.1 s against 1.68 s: the copy is made
+    imported.clear()  # a searcher holding its copy has its product imported
+    assert search(searcher, q[:16]) == "torch"  # 0.21 s against 0.42 s
+
+
+@_torch_product()
+def test_the_copy_is_the_same_made_in_one_thread_or_two():
+    rng = np.random.default_rng(17)
+    db, _ = _strained_data(rng, 5000, 40, 8)
+    one = bp.PreparedDatabase(db, "torch", database_block=512, threads=1)
+    two = bp.PreparedDatabase(db, "torch", database_block=512, threads=2)
+    assert (one.max_dx, one.max_x, one.max_xr) == (two.max_dx, two.max_x, two.max_xr)
+    assert one.max_x == pytest.approx(np.linalg.norm(db.astype(np.float64), axis=1).max())
+    bits = np.concatenate([b.view(one.product.torch.int16).numpy() for b in two.blocks])
+    np.testing.assert_array_equal(bits, bp.round_to_bfloat16(db))

@@ -55,6 +55,7 @@ import functools
 import importlib.util
 import logging
 import math
+import sys
 
 import numpy as np
 
@@ -69,10 +70,25 @@ MAX_CANDIDATES = 16384  # per row; above this a query block falls back to float3
 _U_OUT = 2.0 ** -8 / (1 - 2.0 ** -8)  # bfloat16 round-to-nearest, relative to the result
 _U32 = 2.0 ** -24
 _SMALLEST_NORMAL = 2.0 ** -126
-# Searches below this many multiply-adds (~30 ms of float32 product on 2 cores) stay in
-# float32: too short to pay for the prefilter's one-off costs, importing its framework
-# (seconds, once a process) and the bfloat16 copy of the database (~0.6 s at 300k x 128).
+# Searches below this many multiply-adds (~0.15 s of float32 search here) stay in
+# float32 whatever the cost model below says: it was measured on searches 10-100x
+# larger, and there is little to gain.
 MIN_WORK = 1 << 32
+# The cost model of prefilter="auto" (search_seconds, cheapest): the prefilter runs
+# only when its one-off costs and its own time come in under float32 alone, per call.
+# Measured with benchmarks/search.py and a cold `python -c "import ..."` on the 2-core
+# AMD EPYC (AVX2, no bfloat16 units) the tests run on, at load average below 2:
+# float32 search of clustered 300k x 128, 2,000 queries, k = 100: 2.6-2.8 s
+# (2.7-3.0e10 multiply-adds/s); import torch 2.0-2.5 s, import tensorflow 6.3-7.2 s.
+FLOAT32_RATE = 2.9e10  # multiply-adds/s of the float32 search (ExactSearcher, numpy)
+IMPORT_SECONDS = {"torch": 2.5, "tensorflow": 7.0}  # the slow end: never-slower first
+# PreparedDatabase, 2 threads, 300k x 128: 0.15-0.2 s (rounding, float64 norms, copies).
+COPY_RATE = 1.5e8  # database elements/s
+# The warm prefilter's speed over float32 alone's, per product: the lowest of the runs
+# in docs/search.md (a CPU with AMX; D = 64 to 512): PyTorch 1.67-2.4, TensorFlow
+# 1.22-1.83. Low, so that a search predicted to gain does; on this machine the
+# prefilter never runs (no bfloat16 units), so these are the one figure not from it.
+PREFILTER_SPEEDUP = {"torch": 1.7, "tensorflow": 1.2}
 _CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
@@ -177,7 +193,7 @@ def _check_product(product) -> str | None:
 
 @functools.cache
 def _product_support(name: str) -> str | None:
-    if importlib.util.find_spec(name) is None:
+    if not _installed(name):
         return f"{name} is not installed"
     return _check_product(_PRODUCTS[name]())
 
@@ -197,16 +213,95 @@ def choose_product(only: str | None = None) -> tuple[str | None, str | None]:
 
 
 def worthwhile(num_queries: int, size: int, dim: int) -> bool:
-    """Whether ``"auto"`` uses the prefilter for this search (see :data:`MIN_WORK`)."""
+    """Whether a search is large enough for ``"auto"`` to weigh the prefilter at all
+    (see :data:`MIN_WORK`); :func:`cheapest` decides."""
     return dim >= 32 and num_queries * size * dim >= MIN_WORK
+
+
+def search_seconds(num_queries: int, size: int, dim: int, product: str | None = None, *,
+                   imported: bool = True, copied: bool = True) -> float:
+    """Estimated seconds of one exact search of ``num_queries`` x ``size`` x ``dim``
+    multiply-adds: float32 alone (``product`` None), or the prefilter with ``product``
+    plus its one-off costs: the import of its framework unless ``imported``, the
+    bfloat16 copy of the database unless ``copied`` (the constants above)."""
+    work = float(num_queries) * size * dim
+    if product is None:
+        return work / FLOAT32_RATE
+    seconds = work / (FLOAT32_RATE * PREFILTER_SPEEDUP[product])
+    if not imported:
+        seconds += IMPORT_SECONDS[product]
+    if not copied:
+        seconds += float(size) * dim / COPY_RATE
+    return seconds
+
+
+def cheapest(num_queries: int, size: int, dim: int, products, *, imported=(),
+             held: str | None = None) -> str | None:
+    """The decision of ``prefilter="auto"``: of ``products`` (those that can run here),
+    the one whose search, one-off costs included (:func:`search_seconds`), is the
+    shortest, if it is shorter than float32 alone; else None (float32).
+
+    Args:
+      products: the candidate products, e.g. ``("torch", "tensorflow")``; the first
+        wins a tie.
+      imported: the products whose framework is imported already.
+      held: the product the searcher's bfloat16 copy of the database was made for
+        (it is imported, and needs no copy).
+    """
+    if not worthwhile(num_queries, size, dim):
+        return None
+    best, best_seconds = None, search_seconds(num_queries, size, dim)
+    for name in products:
+        seconds = search_seconds(num_queries, size, dim, name,
+                                 imported=name in imported or name == held,
+                                 copied=name == held)
+        if seconds < best_seconds:
+            best, best_seconds = name, seconds
+    return best
+
+
+@functools.cache
+def _installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def _imported(name: str) -> bool:
+    return name in sys.modules
+
+
+def choose_for_search(num_queries: int, size: int, dim: int,
+                      held: str | None = None) -> str | None:
+    """The product ``prefilter="auto"`` runs a search with, or None for float32 alone:
+    :func:`cheapest` over the products installed here, given which are imported (read
+    from ``sys.modules``) and ``held`` (the product of the searcher's bfloat16 copy).
+
+    A product is imported and checked (:func:`choose_product`'s check) only once it is
+    chosen; one that fails is dropped and the choice made again among the rest. Cost:
+    microseconds, unless it chooses a product not imported yet (its import, once).
+    """
+    if not worthwhile(num_queries, size, dim) or not _cpu_has_bfloat16_units():
+        return None
+    products = [name for name in _PRODUCTS if _installed(name)]
+    while True:
+        name = cheapest(num_queries, size, dim, products, held=held,
+                        imported={p for p in products if _imported(p)})
+        if name is None or _product_support(name) is None:
+            return name
+        products.remove(name)
 
 
 def round_to_bfloat16(x: np.ndarray) -> np.ndarray:
     """The bits (int16) of float32 ``x`` rounded to the nearest bfloat16, ties to
     even (finite values beyond bfloat16's range become infinite)."""
     bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
-    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))))
-    return (rounded >> np.uint32(16)).astype(np.uint16).view(np.int16)
+    # In place on one temporary: a third less time than a fresh array a step (it is
+    # most of the database's copy).
+    rounded = bits >> np.uint32(16)
+    rounded &= np.uint32(1)
+    rounded += np.uint32(0x7FFF)
+    rounded += bits
+    rounded >>= np.uint32(16)
+    return rounded.astype(np.uint16).view(np.int16)
 
 
 def bfloat16_values(bits: np.ndarray) -> np.ndarray:
@@ -237,14 +332,18 @@ def _key_at_most(t: np.ndarray) -> np.ndarray:
 class PreparedDatabase:
     """A database in bfloat16 blocks, with the norms its error bound needs.
 
+    Cost: a few passes over the database, in ``threads`` threads (0.15-0.2 s at
+    300k x 128 on 2 cores); memory: half the database's float32 size.
+
     Args:
       database: (N, D) float32.
       product: ``"torch"`` or ``"tensorflow"``; None: :func:`choose_product`.
       database_block: rows per block.
+      threads: threads that make the blocks (0: every core this process may use).
     """
 
     def __init__(self, database: np.ndarray, product: str | None = None,
-                 database_block: int = DATABASE_BLOCK):
+                 database_block: int = DATABASE_BLOCK, threads: int = 0):
         if product is None:
             product, why = choose_product()
             if product is None:
@@ -252,20 +351,26 @@ class PreparedDatabase:
         self.product = _PRODUCTS[product]()
         self.database = database
         self.block = int(database_block)
-        self.blocks = []
-        max_dx = max_x = max_xr = 0.0
-        for d0 in range(0, len(database), self.block):
+
+        def prepare(d0):
             part = database[d0:d0 + self.block]
             bits = round_to_bfloat16(part)
             back = bfloat16_values(bits)
             if not np.all(np.isfinite(back)):
                 raise OverflowError("the database overflows bfloat16")
             # float64 norms: the bound must not inherit float32 rounding of its own.
-            max_dx = max(max_dx, _max_norm(part - back))  # x - x^ is exact in float32
-            max_x = max(max_x, _max_norm(part))
-            max_xr = max(max_xr, _max_norm(back))
-            self.blocks.append(self.product.from_bits(bits))
-        self.max_dx, self.max_x, self.max_xr = max_dx, max_x, max_xr
+            # x - x^ is exact in float32.
+            return (self.product.from_bits(bits), _max_norm(part - back), _max_norm(part),
+                    _max_norm(back))
+
+        # Each block goes to the product as it is made, so at most a block a thread of
+        # bits is held besides the copy.
+        parts = fp32._run(list(range(0, len(database), self.block)), prepare,
+                          threads or fp32.available_threads())
+        self.blocks = [p[0] for p in parts]
+        self.max_dx = max((p[1] for p in parts), default=0.0)
+        self.max_x = max((p[2] for p in parts), default=0.0)
+        self.max_xr = max((p[3] for p in parts), default=0.0)
         d = database.shape[1]
         self.gamma = d * _U32 / (1 - d * _U32)
         self.dim = d

@@ -305,14 +305,24 @@ class ExactSearcher(Searcher):
 
     def resolved_prefilter(self, num_queries: int) -> str | None:
         """The bfloat16 product a search of ``num_queries`` queries prefilters with
-        (``"torch"`` or ``"tensorflow"``), or None when it runs in float32 alone."""
-        if self.prefilter == "none" or self.resolved_engine != "numpy":
+        (``"torch"`` or ``"tensorflow"``), or None when it runs in float32 alone; the
+        one place the searcher decides (its searches ask it). Queries whose scores
+        could come near float32's range still run in float32 alone.
+
+        With ``prefilter="auto"`` the answer depends on the state of the process and
+        of this searcher (which frameworks are imported, whether it holds its bfloat16
+        copy: :func:`tfaploss.evaluation.bfloat16_prefilter.choose_for_search`). Cost:
+        microseconds, unless it chooses a product whose framework is not imported yet:
+        then it imports it (a second or two, once a process), as the search would.
+        """
+        if self.prefilter == "none" or self.resolved_engine != "numpy" or self._prepared_failed:
             return None
         from tfaploss.evaluation import bfloat16_prefilter
 
-        if self.prefilter == "auto" and not bfloat16_prefilter.worthwhile(
-                num_queries, self.size, self.dim):
-            return None
+        if self.prefilter == "auto":
+            held = None if self._prepared is None else self._prepared.product.name
+            return bfloat16_prefilter.choose_for_search(num_queries, self.size, self.dim,
+                                                        held)
         return bfloat16_prefilter.choose_product(_prefilter_product(self.prefilter))[0]
 
     def _save(self, directory):
@@ -348,15 +358,17 @@ class ExactSearcher(Searcher):
 
     def _prepared_database(self, num_queries: int):
         product = self.resolved_prefilter(num_queries)
-        if product is None or self._prepared_failed:
+        if product is None:
             return None
         if self._prepared is None or self._prepared.product.name != product:
             from tfaploss.evaluation import bfloat16_prefilter
 
             try:
+                self._prepared = None  # a copy for another product: freed first
                 self._prepared = bfloat16_prefilter.PreparedDatabase(
                     self.database, product,
-                    self.database_chunk or bfloat16_prefilter.DATABASE_BLOCK)
+                    self.database_chunk or bfloat16_prefilter.DATABASE_BLOCK,
+                    self.num_threads)
             except OverflowError:  # rows beyond bfloat16's range: float32 alone
                 self._prepared_failed = True
                 return None
