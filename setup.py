@@ -109,6 +109,8 @@ setup(
         "bench": BENCH,
         "demo": DEMO + BEAM + VIZ,
         "all": BEAM + SCANN + FAISS + HUB + TFDS + VIZ + DEMO + COMPARE + ["jax[cpu]"],
+        # The test tools alone: `make test-tf221` adds them to .[beam,faiss,demo].
+        "test": TEST,
         "dev": (BEAM + DASK + SCANN + FAISS + HUB + TFDS + VIZ + DEMO + COMPARE + TEST
                 + ["ruff", "jax[cpu]"]),
     },
