@@ -19,18 +19,41 @@ from tfaploss.export.image_ops import (
     check_max_request_pixels,
     decode_images,
 )
+from tfaploss.export.retrieval_index import (
+    FINGERPRINT_KEY,
+    DamagedIndexError,
+    IndexMismatchError,
+    build_index,
+    model_fingerprint,
+)
+from tfaploss.export.retrieval_search import (
+    DEFAULT_CHUNK_ROWS,
+    DEFAULT_K,
+    INDEX_COLLECTION,
+    K_INPUT,
+    KEYS_OUTPUT,
+    LABELS_OUTPUT,
+    RETRIEVE_PIXELS_SIGNATURE,
+    RETRIEVE_SIGNATURE,
+    SCORES_OUTPUT,
+    check_backend,
+    check_k,
+    load_op_libraries,
+    make_search,
+    variables_digest,
+)
+from tfaploss.export.versions import (
+    METADATA_FILE,
+    find_saved_model,
+    next_version,
+    read_export_metadata,
+)
 
 BYTES_SIGNATURE = "serving_default"
 PIXELS_SIGNATURE = "embed_pixels"
 OUTPUT_KEY = "embedding"
-METADATA_FILE = os.path.join("assets.extra", "tfaploss_export.json")
 
 logger = logging.getLogger(__name__)
-
-
-def _versions(path) -> list[int]:
-    """The integer-named sub-directories of ``path`` (TF Serving's version folders)."""
-    return [int(d) for d in os.listdir(path) if d.isdigit()] if os.path.isdir(path) else []
 
 
 def recover_export_folder(path) -> list[str]:
@@ -54,11 +77,6 @@ def recover_export_folder(path) -> list[str]:
     return removed
 
 
-def next_version(path) -> int:
-    """1 + the largest integer-named sub-directory of ``path`` (1 when none)."""
-    return max(_versions(path), default=0) + 1
-
-
 def export_size(model) -> int:
     """About the bytes a SavedModel of ``model`` takes: its variables as stored, plus
     1 MB for the graph and assets (a ResNet-50's graph is ~0.6 MB)."""
@@ -66,23 +84,6 @@ def export_size(model) -> int:
 
     return sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize
                for w in model.weights) + (1 << 20)
-
-
-def find_saved_model(path) -> str:
-    """The SavedModel folder ``path`` names: ``path`` itself when it holds
-    ``saved_model.pb``, else its newest version folder (as TF Serving serves it).
-
-    Raises:
-      FileNotFoundError: ``path`` holds neither ``saved_model.pb`` nor a version folder.
-    """
-    path = os.fspath(path)
-    if os.path.exists(os.path.join(path, "saved_model.pb")):
-        return path
-    versions = _versions(path)
-    if not versions:
-        raise FileNotFoundError(f"{path!r} is not a SavedModel folder (no saved_model.pb, "
-                                "no version folders)")
-    return os.path.join(path, str(max(versions)))
 
 
 def load_pixels_embedder(path):
@@ -143,8 +144,13 @@ def export_saved_model(
     max_request_pixels=None,
     overwrite=False,
     verbose=False,
+    index=None,
+    k=DEFAULT_K,
+    index_backend="brute_force",
+    index_chunk_rows=DEFAULT_CHUNK_ROWS,
 ):
-    """Write ``model`` as a TF Serving SavedModel in ``path/<version>/``.
+    """Write ``model`` as a TF Serving SavedModel in ``path/<version>/``, with a
+    retrieval index when ``index`` is given.
 
     Signatures (``saved_model_cli show --dir path/<version> --all`` lists them):
 
@@ -160,6 +166,12 @@ def export_saved_model(
       ``max_request_pixels`` in all (both checked before decoding).
     - ``embed_pixels``: ``images`` float32 ``[None, h, w, 3]``, RGB pixels in
       [0, 255] already at ``image_size`` -> ``{"embedding": ...}`` (no resizing).
+    - With ``index``: ``retrieve`` takes ``image_bytes`` as ``serving_default`` does
+      and an optional int32 scalar ``k`` (default: the exported ``k``; 1 to ``k``) and
+      returns ``{"keys": string [None, k], "scores": float32 [None, k],
+      "labels": int64 [None, k]}``: the catalogue items with the highest inner product,
+      best first, equal scores in catalogue order (``ExactSearcher``'s order).
+      ``retrieve_pixels`` does the same from ``images`` as ``embed_pixels`` takes them.
 
     The model itself normalises the pixels (``build_embedding_model`` puts the
     ImageNet normalisation inside it). The SavedModel needs only TensorFlow:
@@ -184,6 +196,23 @@ def export_saved_model(
             least ``max_pixels``.
         overwrite: replace an existing ``path/<version>``; otherwise it is an error.
         verbose: print Keras's summary of the exported endpoints.
+        index: ``None`` (embeddings only), or the catalogue ``retrieve`` searches: a
+            split folder (embedded here with ``model``, as served images are
+            preprocessed), an embeddings folder of ``python -m tfaploss.pipelines.embed``,
+            or a :class:`~tfaploss.export.retrieval_index.RetrievalIndex`. Its model
+            fingerprint (:func:`~tfaploss.export.retrieval_index.model_fingerprint`)
+            must be the exported model's. The index goes into the version folder with
+            the model: a new index is a new version.
+        k: the most results a ``retrieve`` request gets (at most the index's size).
+        index_backend: ``"brute_force"`` (exact, stock TF ops) or ``"scann"``
+            (approximate; needs ScaNN's ops here and in the server), see
+            :mod:`tfaploss.export.retrieval_search`.
+        index_chunk_rows: index rows scored at once by brute force.
+
+    Raises:
+        IndexMismatchError: ``index`` was embedded by another model.
+        DamagedIndexError: ``index`` is not whole (see
+            :mod:`tfaploss.export.retrieval_index`).
 
     Returns:
         The version directory (``str``) holding ``saved_model.pb`` and ``variables/``.
@@ -192,16 +221,26 @@ def export_saved_model(
     server polling ``path`` never loads a half-written version. One export at a time
     holds ``path``'s lock (a second gets :class:`~tfaploss.durable.locks.LockHeldError`),
     and each first cleans up what a killed export left (:func:`recover_export_folder`).
-    Cost: one trace of the model per signature.
+    Cost: one trace of the model per signature; with ``index``, embedding a split
+    (one forward pass per image), a copy of the index and one pass over it for its
+    digest (about 1 s per GB).
     """
     image_size = tuple(int(s) for s in image_size)
     max_pixels = check_max_pixels(max_pixels)
     max_request_pixels = check_max_request_pixels(max_request_pixels, max_pixels)
+    if index is not None:
+        k = check_k(k)
+        index_backend = check_backend(index_backend)
     if whitening is not None:
         from tfaploss.models.whitening import with_whitening
 
         model = with_whitening(model, whitening)
     _check_model(model, image_size)
+    fingerprint = model_fingerprint(model)
+    search = None
+    if index is not None:  # before the folder's lock: embedding a split takes a while
+        index = build_index(index, model, image_size, crop_fraction)
+        search = make_search(index, k, index_backend, index_chunk_rows)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     # One export at a time per folder, so that what a killed export left behind is known
@@ -218,7 +257,7 @@ def export_saved_model(
                 "version=None for the next one, or overwrite=True"
             )
 
-        needed = export_size(model)
+        needed = export_size(model) + (0 if index is None else _index_size(index))
         atomic.check_space(target, needed)  # before tracing, before TensorFlow writes a byte
 
         height, width = image_size
@@ -244,6 +283,10 @@ def export_saved_model(
             PIXELS_SIGNATURE, serve_pixels,
             input_signature=[tf.TensorSpec([None, height, width, 3], tf.float32, name="images")],
         )
+        retrieval = None
+        if search is not None:
+            retrieval = _add_retrieval(archive, search, index, embed, serve_bytes, height,
+                                       width)
 
         tmp = tempfile.mkdtemp(prefix=f".tmp-{version}-", dir=path)
         try:
@@ -265,6 +308,16 @@ def export_saved_model(
                         "embedding_dim": int(model.output_shape[-1]),
                         "whitening": whitening is not None,
                         "model_name": model.name,
+                        FINGERPRINT_KEY: fingerprint,
+                        **({} if retrieval is None else {
+                            "retrieval": retrieval,
+                            "retrieve_signatures": {
+                                name: {"input": first, "optional_input": K_INPUT,
+                                       "outputs": [KEYS_OUTPUT, SCORES_OUTPUT,
+                                                   LABELS_OUTPUT]}
+                                for name, first in ((RETRIEVE_SIGNATURE, "image_bytes"),
+                                                    (RETRIEVE_PIXELS_SIGNATURE, "images"))},
+                        }),
                     },
                     f,
                     indent=2,
@@ -277,3 +330,93 @@ def export_saved_model(
                 raise atomic.DiskFullError(target, needed, atomic.free_bytes(path)) from None
             raise
         return target
+
+
+def _index_size(index) -> int:
+    """About the bytes an index adds to a version: rows, keys and labels."""
+    return index.embeddings.nbytes + sum(len(key) for key in index.keys) + 16 * index.size
+
+
+def _add_retrieval(archive, search, index, embed, serve_bytes, height, width) -> dict:
+    """Add ``retrieve`` and ``retrieve_pixels`` to ``archive``; returns what the
+    metadata records of the index."""
+    default_k = tf.constant(search.k, tf.int32)  # a SignatureDef default: k is optional
+
+    def retrieve(image_bytes, k=default_k):
+        return search.search(serve_bytes(image_bytes)[OUTPUT_KEY], k)
+
+    def retrieve_pixels(images, k=default_k):
+        return search.search(embed(images)[OUTPUT_KEY], k)
+
+    k_spec = tf.TensorSpec([], tf.int32, name=K_INPUT)
+    archive.add_endpoint(RETRIEVE_SIGNATURE, retrieve, input_signature=[
+        tf.TensorSpec([None], tf.string, name="image_bytes"), k_spec])
+    archive.add_endpoint(RETRIEVE_PIXELS_SIGNATURE, retrieve_pixels, input_signature=[
+        tf.TensorSpec([None, height, width, 3], tf.float32, name="images"), k_spec])
+    archive.add_variable_collection(INDEX_COLLECTION, search.variables)
+    return {"backend": search.backend, "k": search.k, "size": index.size,
+            "dim": index.dim, "dtype": "float32", "source": index.source,
+            "chunk_rows": getattr(search, "chunk_rows", None),
+            FINGERPRINT_KEY: index.model_fingerprint,
+            "index_sha256": variables_digest(search.variables)}
+
+
+def load_retriever(path):
+    """The ``retrieve`` signature of an export, after checking that its index is the
+    one exported with its model.
+
+    Args:
+      path: a version folder or the model base folder (its newest version). Load only
+        models you trust: a SavedModel can run arbitrary graph code.
+
+    Returns:
+      ``retrieve(image_bytes, k=None)`` -> ``{"keys", "scores", "labels"}`` as numpy
+      arrays (``keys`` decoded to str); ``retrieve.pixels(images, k=None)`` the same from
+      pixels; ``retrieve.metadata`` the export's metadata.
+
+    Raises:
+      IndexMismatchError: the metadata says the index was embedded by another model.
+      DamagedIndexError: the stored index is not what was exported (its variables'
+        digest differs, or TensorFlow finds a checksum mismatch in them).
+      ValueError: the export has no ``retrieve`` signature.
+
+    Cost: loading the SavedModel and one pass over the index (its digest).
+    """
+    folder = find_saved_model(path)
+    meta = read_export_metadata(folder)
+    retrieval = meta.get("retrieval")
+    if retrieval is None:
+        raise ValueError(f"{folder!r} has no retrieve signature; export it with an index "
+                         "(tfaploss export --index ...)")
+    if retrieval.get(FINGERPRINT_KEY) != meta.get(FINGERPRINT_KEY):
+        raise IndexMismatchError(
+            f"the index in {folder!r} was embedded by the model with fingerprint "
+            f"{str(retrieval.get(FINGERPRINT_KEY))[:16]}..., not by the model it is "
+            f"served with ({str(meta.get(FINGERPRINT_KEY))[:16]}...); export them together "
+            "again")
+    load_op_libraries(retrieval["backend"])
+    try:
+        loaded = tf.saved_model.load(folder)
+    except tf.errors.DataLossError as err:
+        raise DamagedIndexError(f"the SavedModel in {folder!r} is damaged: "
+                                f"{err.message}") from None
+    if variables_digest(getattr(loaded, INDEX_COLLECTION)) != retrieval["index_sha256"]:
+        raise DamagedIndexError(
+            f"the index stored in {folder!r} is not the one exported with its model (its "
+            "digest differs from the metadata's index_sha256); export it again")
+
+    def run(signature, inputs, k):
+        fn = loaded.signatures[signature]
+        out = fn(**inputs, k=tf.constant(retrieval["k"] if k is None else k, tf.int32))
+        result = {name: value.numpy() for name, value in out.items()}
+        result[KEYS_OUTPUT] = result[KEYS_OUTPUT].astype(str)
+        return result
+
+    def retrieve(image_bytes, k=None):
+        return run(RETRIEVE_SIGNATURE, {"image_bytes": tf.constant(image_bytes)}, k)
+
+    retrieve.pixels = lambda images, k=None: run(
+        RETRIEVE_PIXELS_SIGNATURE, {"images": tf.cast(images, tf.float32)}, k)
+    retrieve.metadata = meta
+    retrieve.loaded = loaded  # keep the SavedModel alive
+    return retrieve
