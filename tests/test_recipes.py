@@ -5,7 +5,10 @@ The wheel's copy of them is checked in tests/test_packaging.py."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -162,3 +165,17 @@ def test_the_recipes_own_commands_use_recipe_names():
         assert "--config configs/" not in text, path.name
         if "tfaploss train --config" in text:
             assert f"tfaploss train --config recipe:{path.stem}" in text, path.name
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    # `tfaploss recipes | head -1`: the pipe's reader is gone before the table is written.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([sys.executable, "-m", "tfaploss.cli", "recipes"],
+                                stdout=write_end, stderr=subprocess.PIPE, text=True,
+                                cwd=REPO, timeout=120, check=False)
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
+    assert result.returncode == 0

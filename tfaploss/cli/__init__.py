@@ -124,6 +124,19 @@ def _add_train(sub):
                    help="leave out damaged shards of the training split and go on (found "
                         "by a full check at start-up; counted in summary.json) instead of "
                         "stopping")
+    ranks = p.add_argument_group(
+        "several processes", "PyTorch: launch with torchrun (torchrun --nproc_per_node N "
+        "--no-python tfaploss train ...), which these flags are not for. JAX: one "
+        "tfaploss train per process, all with the same --coordinator; rank 0 writes the "
+        "run directory (docs/scale_out.md)")
+    ranks.add_argument("--coordinator", metavar="HOST:PORT",
+                       help="JAX: address of process 0's coordinator, or 'auto' to take "
+                            "the processes from the launcher's environment (SLURM, Open "
+                            "MPI, Kubernetes); default $JAX_COORDINATOR_ADDRESS")
+    ranks.add_argument("--num-processes", type=int, metavar="N",
+                       help="JAX: processes in the run (default $JAX_NUM_PROCESSES)")
+    ranks.add_argument("--process-id", type=int, metavar="I",
+                       help="JAX: this process's rank, 0..N-1 (default $JAX_PROCESS_ID)")
     _add_output_flags(p)
     p.set_defaults(func=cmd_train)
 
@@ -415,17 +428,24 @@ def cmd_config(args) -> int:
 def cmd_recipes(args) -> int:
     from tfaploss.config.recipes import list_recipes, recipe_text, recipes_dir
 
-    if args.recipes_action == "show":
-        sys.stdout.write(recipe_text(args.name))  # verbatim: `> my.yaml` starts a config
-        return 0
-    recipes = list_recipes()
-    width = max((len(r.name) for r in recipes), default=0)
-    for recipe in recipes:
-        print(f"{recipe.name:<{width}}  {recipe.description}")
-    if is_terminal():  # the hint for a person; a pipe gets the table alone
-        print(f"\n{len(recipes)} recipes in {recipes_dir()}. Start a config from one: "
-              "tfaploss recipes show NAME > my.yaml; run one as it is: tfaploss train "
-              "--config recipe:NAME")
+    try:
+        if args.recipes_action == "show":
+            sys.stdout.write(recipe_text(args.name))  # verbatim: `> my.yaml` starts a config
+            sys.stdout.flush()
+            return 0
+        recipes = list_recipes()
+        width = max((len(r.name) for r in recipes), default=0)
+        for recipe in recipes:
+            print(f"{recipe.name:<{width}}  {recipe.description}")
+        if is_terminal():  # the hint for a person; a pipe gets the table alone
+            print(f"\n{len(recipes)} recipes in {recipes_dir()}. Start a config from one: "
+                  "tfaploss recipes show NAME > my.yaml; run one as it is: tfaploss train "
+                  "--config recipe:NAME")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # `tfaploss recipes | head`: the reader stopped early; what is left unwritten goes
+        # to /dev/null, so that the interpreter's last flush raises no second error.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
@@ -438,7 +458,10 @@ def cmd_train(args) -> int:
     from tfaploss.run.trainer import train
 
     check_config_extras(cfg)  # train() checks too; here before its run directory
+    from tfaploss.run import processes
 
+    processes.start(cfg.training.distribute, coordinator=args.coordinator,
+                    num_processes=args.num_processes, process_id=args.process_id)
     train(cfg, run_dir=args.run_dir, verbose=2 if args.quiet or not is_terminal() else 1,
           restart=args.restart, verify_data=args.verify_data,
           skip_damaged=args.skip_damaged_shards)
@@ -545,6 +568,10 @@ def main(argv: list[str] | None = None) -> int:
         if guards is not None and isinstance(err, guards.NonFiniteTrainingError):
             print(f"error: {err}", file=sys.stderr)
             return 3
+        processes = sys.modules.get("tfaploss.run.processes")  # rank 0 stopped
+        if processes is not None and isinstance(err, processes.RankStoppedError):
+            print(f"error: {err}", file=sys.stderr)
+            return 1
         # A damaged run directory, or one another run holds: like a config error.
         checkpoints = sys.modules.get("tfaploss.durable.checkpoints")
         locks = sys.modules.get("tfaploss.durable.locks")
