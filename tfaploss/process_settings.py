@@ -1,7 +1,7 @@
 """Process-wide settings held for the length of a block, by holders that overlap.
 
 Some settings belong to the whole process: PyTorch's thread count, CPython's cycle
-collector. Code that needs one changed while it runs cannot save it on entry and restore
+collector (the tests' speed probe holds it off). Code that needs one changed while it runs cannot save it on entry and restore
 it on exit: when two threads overlap, the first to leave would undo the setting under
 the second, and the second would "restore" the value the first had set.
 :class:`HeldSetting` counts its holders instead: the first to enter saves the value it
@@ -11,7 +11,6 @@ finds and sets its own, the last to leave restores the saved one.
 from __future__ import annotations
 
 import contextlib
-import gc
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -45,16 +44,3 @@ class HeldSetting:
                 self._holders -= 1
                 if self._holders == 0:
                     self._write(self._found)
-
-
-def _set_collector(on: bool) -> None:
-    if on:
-        gc.enable()
-    else:
-        gc.disable()
-
-
-#: CPython's cycle collector, off while held: for code that builds many objects that
-#: cannot form cycles, where a collection would find nothing to free but still pass over
-#: every object of the process (the pickle reader; the tests' speed probe).
-COLLECTOR_OFF = HeldSetting(gc.isenabled, _set_collector, False)

@@ -134,17 +134,17 @@ def _pickle_scores(truth, seed=0):
 
 
 def test_json_ground_truth_gives_the_same_metrics_as_the_pickle(tmp_path):
-    """Converted once (restricted reader -> JSON), the ground truth scores exactly as
+    """Converted once (sandboxed reader -> JSON), the ground truth scores exactly as
     the pickle's own content (read here by pickle itself, trusted) did before."""
     from tests.reliability.hostile_pickles import realistic_gnd
     from tfaploss.evaluation.revisited import check_revisited_gnd
-    from tfaploss.pipelines.safe_pickle import safe_load_path
+    from tfaploss.pipelines.pickle_sandbox import loads_plain
 
     truth = realistic_gnd(num_db=400, num_queries=9, index_dtype=np.int32)
     pkl = tmp_path / "gnd_roxford5k.pkl"
     pkl.write_bytes(pickle.dumps(truth, protocol=4))
     converted = tmp_path / "gnd_roxford5k.json"
-    converted.write_text(json.dumps(check_revisited_gnd(safe_load_path(str(pkl)))))
+    converted.write_text(json.dumps(check_revisited_gnd(loads_plain(pkl.read_bytes()))))
     from_json = load_revisited_gnd(str(converted))["gnd"]
     from_pickle = pickle.loads(pkl.read_bytes())["gnd"]  # numpy arrays, as before
     scores = _pickle_scores(truth)

@@ -10,7 +10,7 @@ import pytest
 
 from tests.support import miniature as mini
 from tfaploss.evaluation.revisited import check_revisited_gnd, load_revisited_gnd
-from tfaploss.pipelines import gldv2, inaturalist, revisited, safe_pickle, sop
+from tfaploss.pipelines import gldv2, inaturalist, pickle_sandbox, revisited, sop
 
 IN_MEMORY = ["--direct_running_mode", "in_memory", "--max_failure_fraction", "0.5"]
 
@@ -100,11 +100,17 @@ def test_gldv2_retrieval_sets_and_ground_truth(tmp_path):
     assert all(set(t["relevant"]) <= set(index_ids) and len(t["relevant"]) == 3 for t in truth)
 
 
+def _sha256_of(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def test_revisited_database_queries_crops_and_json_truth(tmp_path):
     m, truth = mini.make_revisited(str(tmp_path / "roxf"))
     out = str(tmp_path / "out")
+    pinned = _sha256_of(os.path.join(m.root, "gnd_roxford5k.pkl"))
     manifests = revisited.run(["--input_dir", m.root, "--output_dir", out, "--dataset",
-                               "roxford5k", *IN_MEMORY])
+                               "roxford5k", "--expected_sha256", pinned.upper(), *IN_MEMORY])
     db = check_split(out, "database", m.ok["database"], m.failed["database"],
                      manifests["database"])
     assert {r["image/id"][0].decode(): r["image/index"][0] for r in db} == {
@@ -134,11 +140,14 @@ def test_revisited_database_queries_crops_and_json_truth(tmp_path):
 
 def test_revisited_ground_truth_only_converts_the_pickle_once(tmp_path):
     """--ground_truth_only: the JSON evaluation reads, written atomically, no image read
-    and no split written; a second run replaces it whole."""
+    and no split written; a second run replaces it whole. The file is one the user named
+    (--ground_truth), elsewhere than INPUT_DIR, so no SHA-256 is needed."""
     m, truth = mini.make_revisited(str(tmp_path / "roxf"))
+    named = tmp_path / "mine.pkl"
+    os.replace(os.path.join(m.root, "gnd_roxford5k.pkl"), named)
     out = tmp_path / "out"
     argv = ["--input_dir", m.root, "--output_dir", str(out), "--dataset", "roxford5k",
-            "--ground_truth_only", *IN_MEMORY]
+            "--ground_truth_only", "--ground_truth", str(named), *IN_MEMORY]
     path = revisited.run(argv)
     assert path == os.path.join(str(out), "gnd_roxford5k.json")
     assert sorted(os.listdir(out)) == ["gnd_roxford5k.json"]
@@ -147,8 +156,31 @@ def test_revisited_ground_truth_only_converts_the_pickle_once(tmp_path):
     for g, e in zip(got["gnd"], truth["gnd"], strict=True):
         assert g == {k: [float(v) for v in e[k]] if k == "bbx" else [int(v) for v in e[k]]
                      for k in ("bbx", "easy", "hard", "junk")}
+    with open(path) as f:
+        assert json.load(f)["source"]["file"] == "mine.pkl"
     assert revisited.run(argv) == path and sorted(os.listdir(out)) == ["gnd_roxford5k.json"]
     assert revisited.describe(path) == f"ground truth: {path}"
+
+
+def test_revisited_reads_the_default_pickle_only_with_its_sha256(tmp_path, monkeypatch):
+    """INPUT_DIR/gnd_<dataset>.pkl is read only when its SHA-256 is the one expected
+    (given, or pinned in PUBLISHED_SHA256); otherwise one line says which hash it has and
+    how to go on, and nothing is written."""
+    m, _ = mini.make_revisited(str(tmp_path / "roxf"))
+    out = tmp_path / "out"
+    sha256 = _sha256_of(os.path.join(m.root, "gnd_roxford5k.pkl"))
+    argv = ["--input_dir", m.root, "--output_dir", str(out), "--dataset", "roxford5k",
+            "--ground_truth_only", *IN_MEMORY]
+    with pytest.raises(ValueError, match=f"SHA-256 {sha256}.*--expected_sha256 {sha256}.*"
+                                         "--ground_truth"):
+        revisited.run(argv)
+    with pytest.raises(ValueError, match=f"SHA-256 {sha256}, not the expected 0{{64}}"):
+        revisited.run([*argv, "--expected_sha256", "0" * 64])
+    with pytest.raises(SystemExit):  # not a SHA-256: refused by the parser
+        revisited.run([*argv, "--expected_sha256", "abc"])
+    assert not out.exists()
+    monkeypatch.setitem(revisited.PUBLISHED_SHA256, "roxford5k", sha256)
+    assert load_revisited_gnd(revisited.run(argv))["imlist"][0] == "oxford_000000"
 
 
 class _Exploit:
@@ -161,9 +193,10 @@ def test_revisited_refuses_a_pickle_carrying_a_callable(tmp_path):
     root.mkdir()
     payload = {"imlist": ["a"], "qimlist": [], "gnd": [], "x": _Exploit()}
     (root / "gnd_roxford5k.pkl").write_bytes(pickle.dumps(payload, protocol=2))
-    with pytest.raises(safe_pickle.UnsafePickleError, match="system"):
+    with pytest.raises(pickle_sandbox.UnsafePickleError, match="posix.system"):
         revisited.run(["--input_dir", str(root), "--output_dir", str(tmp_path / "out"),
-                       "--dataset", "roxford5k", *IN_MEMORY])
+                       "--dataset", "roxford5k", "--ground_truth",
+                       str(root / "gnd_roxford5k.pkl"), *IN_MEMORY])
     assert not (tmp_path / "out" / "gnd_roxford5k.json").exists()
 
 
@@ -180,5 +213,6 @@ def test_revisited_job_names_file_and_key_for_a_wrong_structure(tmp_path, gnd, k
     (root / "gnd_roxford5k.pkl").write_bytes(pickle.dumps(payload, protocol=2))
     with pytest.raises(ValueError, match=key) as err:
         revisited.run(["--input_dir", str(root), "--output_dir", str(tmp_path / "out"),
-                       "--dataset", "roxford5k", *IN_MEMORY])
+                       "--dataset", "roxford5k", "--expected_sha256",
+                       _sha256_of(root / "gnd_roxford5k.pkl"), *IN_MEMORY])
     assert "gnd_roxford5k.pkl" in str(err.value)

@@ -1,11 +1,12 @@
-"""Hostile pickles crafted by class, for the restricted ground-truth reader.
+"""Hostile pickles crafted by class, for the ground-truth reader.
 
-:func:`one_megabyte_cases` gives about 1 MiB of each attack on the reader's total work
+:func:`one_megabyte_cases` gives about 1 MiB of each attack on a reader's total work
 (opcode floods, memo abuse, deep nesting), each with the phrase its refusal must hold
-(the bound it hits); :func:`shape_cases` and :func:`dtype_cases` give small arrays
-whose shape or element type must be refused before numpy sees them. The tests in
-``tests/pipelines/test_safe_pickle.py`` refuse each, and ``tests/reliability/stress_pickles.py``
-measures the worst time and peak memory over the 1 MiB set.
+(what refused it: the sandbox's bounds, the unpickler, or the ground truth's structure
+check); :func:`shape_cases` and :func:`dtype_cases` give small arrays whose shape or
+element type must be refused before numpy sees them. The tests in
+``tests/pipelines/test_pickle_sandbox.py`` refuse each, and
+``tests/reliability/stress_pickles.py`` measures the worst time and memory over them.
 """
 
 from __future__ import annotations
@@ -19,16 +20,15 @@ SIZE = 1 << 20
 P2 = b"\x80\x02"
 P4 = b"\x80\x04"
 
-# The reader's refusal phrases, one per bound.
-STACK = "objects on the pickle stack"
-OPCODES = "opcodes"
-MEMO = "memo entries"
+# The refusal phrases: the sandbox's bounds, the unpickler's own errors, and the
+# structure check (the C unpickler returns the top of a flooded stack, which is no
+# ground truth).
 DEPTH = "nested more than 32 deep"
-ALLOC = "bytes of strings and array data"
-ELEMENTS = "container and array elements"
-SHARED = "second reference to a"
-UNSET = "used before it was set"
-LEAVES = "not one object"
+BUDGET = "more than 2000000 items or"
+UNDERFLOW = "stack underflow"
+UNSET = "Memo value not found"
+MARK = "unexpected MARK"
+TRUTH = "a revisited ground truth is a dict"
 
 
 def _fill(unit: bytes, *, head: bytes = P2, tail: bytes = b".", size: int = SIZE) -> bytes:
@@ -45,24 +45,24 @@ def _u(text: str) -> bytes:  # BINUNICODE
 def floods() -> dict[str, tuple[bytes, str]]:
     """A megabyte of one (or two) short opcodes, container opcodes first."""
     return {
-        "flood EMPTY_LIST": (_fill(b"]"), STACK),
-        "flood EMPTY_DICT": (_fill(b"}"), STACK),
-        "flood EMPTY_TUPLE": (_fill(b")"), STACK),
-        "flood MARK": (_fill(b"("), DEPTH),
-        "flood MARK+LIST": (_fill(b"(l"), STACK),
-        "flood MARK+TUPLE": (_fill(b"(t"), STACK),
-        "flood MARK+DICT": (_fill(b"(d"), STACK),
-        "flood MARK+POP_MARK": (_fill(b"(1"), OPCODES),
+        "flood EMPTY_LIST": (_fill(b"]"), TRUTH),
+        "flood EMPTY_DICT": (_fill(b"}"), TRUTH),
+        "flood EMPTY_TUPLE": (_fill(b")"), TRUTH),
+        "flood MARK": (_fill(b"("), MARK),
+        "flood MARK+LIST": (_fill(b"(l"), TRUTH),
+        "flood MARK+TUPLE": (_fill(b"(t"), TRUTH),
+        "flood MARK+DICT": (_fill(b"(d"), TRUTH),
+        "flood MARK+POP_MARK": (_fill(b"(1"), UNDERFLOW),
         "flood TUPLE1": (_fill(b"\x85", head=P2 + b"N"), DEPTH),
-        "flood APPEND": (_fill(b"Na", head=P2 + b"]"), OPCODES),
-        "flood APPENDS": (_fill(b"N", head=P2 + b"](", tail=b"e."), STACK),
-        "flood SETITEM": (_fill(b"K\x01Ns", head=P2 + b"}"), OPCODES),
-        "flood SETITEMS": (_fill(b"K\x01N", head=P2 + b"}(", tail=b"u."), STACK),
-        "flood NONE": (_fill(b"N"), STACK),
-        "flood NONE+POP": (_fill(b"N0"), OPCODES),
-        "flood empty strings": (_fill(b"\x8c\x00"), STACK),
-        "flood PROTO": (_fill(b"\x80\x02"), OPCODES),
-        "flood FRAME": (_fill(b"\x95" + bytes(8), head=P4), LEAVES),
+        "flood APPEND": (_fill(b"Na", head=P2 + b"]"), TRUTH),
+        "flood APPENDS": (_fill(b"N", head=P2 + b"](", tail=b"e."), TRUTH),
+        "flood SETITEM": (_fill(b"K\x01Ns", head=P2 + b"}"), TRUTH),
+        "flood SETITEMS": (_fill(b"K\x01N", head=P2 + b"}(", tail=b"u."), TRUTH),
+        "flood NONE": (_fill(b"N"), TRUTH),
+        "flood NONE+POP": (_fill(b"N0"), UNDERFLOW),
+        "flood empty strings": (_fill(b"\x8c\x00"), TRUTH),
+        "flood PROTO": (_fill(b"\x80\x02"), UNDERFLOW),
+        "flood FRAME": (_fill(b"\x95" + bytes(8), head=P4), UNDERFLOW),
     }
 
 
@@ -78,21 +78,21 @@ def memo_abuse() -> dict[str, tuple[bytes, str]]:
     list_laughs = P2 + b"]q\x00" + b"".join(
         b"](h" + bytes([i]) + b"h" + bytes([i]) + b"eq" + bytes([i + 1]) for i in range(60))
     return {
-        "memo MEMOIZE flood": (_fill(b"\x94", head=P4 + b"N"), MEMO),
+        "memo MEMOIZE flood": (_fill(b"\x94", head=P4 + b"N"), TRUTH),
         "memo LONG_BINPUT distinct": (P2 + b"N" + b"".join(
-            b"r" + struct.pack("<I", i) for i in range((SIZE - 4) // 5)) + b".", MEMO),
-        "memo BINPUT same index": (_fill(b"q\x00", head=P2 + b"N"), OPCODES),
-        "memo BINGET flood": (_fill(b"h\x00", head=P2 + b"Nq\x000"), STACK),
+            b"r" + struct.pack("<I", i) for i in range((SIZE - 4) // 5)) + b".", TRUTH),
+        "memo BINPUT same index": (_fill(b"q\x00", head=P2 + b"N"), TRUTH),
+        "memo BINGET flood": (_fill(b"h\x00", head=P2 + b"Nq\x000"), TRUTH),
         "memo BINGET unset index": (_fill(b"h\x07", head=P2 + b"Nq\x000"), UNSET),
         "memo LONG_BINGET 2**32-1": (_fill(b"j\xff\xff\xff\xff", head=P2 + b"Nq\x000"),
                                      UNSET),
-        "memo list appends itself": (_fill(b"h\x00a", head=P2 + b"]q\x00"), SHARED),
-        "memo dict holds itself": (_fill(b"K\x01h\x00s", head=P2 + b"}q\x00"), SHARED),
-        "memo tuple laughs (2**60)": (tuple_laughs + b".", SHARED),
-        "memo list laughs (2**60)": (list_laughs + b".", SHARED),
-        "memo 64 KiB string x 160000": (repeat_text + b".", ALLOC),
-        "memo 900 kB array x 4": (pickle.dumps([array] * 4, protocol=2), ELEMENTS),
-        "memo 900 kB array x 4, p5": (pickle.dumps([array] * 4, protocol=5), ELEMENTS),
+        "memo list appends itself": (_fill(b"h\x00a", head=P2 + b"]q\x00"), DEPTH),
+        "memo dict holds itself": (_fill(b"K\x01h\x00s", head=P2 + b"}q\x00"), DEPTH),
+        "memo tuple laughs (2**60)": (tuple_laughs + b".", DEPTH),
+        "memo list laughs (2**60)": (list_laughs + b".", DEPTH),
+        "memo 64 KiB string x 160000": (repeat_text + b".", BUDGET),
+        "memo 900 kB array x 4": (pickle.dumps([array] * 4, protocol=2), BUDGET),
+        "memo 900 kB array x 4, p5": (pickle.dumps([array] * 4, protocol=5), BUDGET),
     }
 
 
@@ -101,12 +101,12 @@ def deep_nesting() -> dict[str, tuple[bytes, str]]:
     n = 100_000
     return {
         "deep 100k MARK then LIST": (P2 + b"(" * n + b"l" * n + b".", DEPTH),
-        "deep 100k EMPTY_LIST+APPEND": (P2 + b"]" * n + b"a" * (n - 1) + b".", STACK),
+        "deep 100k EMPTY_LIST+APPEND": (P2 + b"]" * n + b"a" * (n - 1) + b".", DEPTH),
         "deep 40k EMPTY_LIST+APPEND": (P2 + b"]" * 40_000 + b"a" * 39_999 + b".", DEPTH),
         "deep 20k dicts by SETITEM": (P2 + b"}K\x00" * 20_000 + b"}" + b"s" * 20_000 + b".",
                                       DEPTH),
         "deep TUPLE1 around a list": (_fill(b"\x85", head=P2 + b"]"), DEPTH),
-        "deep MARK+LIST in each": (_fill(b"((l"), DEPTH),
+        "deep MARK+LIST in each": (_fill(b"((l"), TRUTH),
     }
 
 

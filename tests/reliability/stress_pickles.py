@@ -1,29 +1,26 @@
-"""Stress: the restricted ground-truth reader against crafted 1 MiB hostile pickles.
+"""Stress: the sandboxed ground-truth reader against crafted 1 MiB hostile pickles.
 
-For each input of :func:`tests.reliability.hostile_pickles.one_megabyte_cases` (opcode floods of
-each container opcode, memo floods and memo-reference blow-ups, deep nesting), plus the
-array shape and dtype attacks, runs :func:`tfaploss.pipelines.safe_pickle.safe_loads` and
-prints one row: the input's size, the bound that refused it, the worst wall time over
-``--repeats`` runs, and the peak memory that Python and numpy allocated (tracemalloc,
-measured in a separate run, since tracing slows the reader). A full-size realistic
-``gnd_rparis6k.pkl`` (protocols 2 and 5) is loaded too, for contrast. The last lines
-give the worst time and the worst peak memory over the hostile inputs.
+For each input of :func:`tests.reliability.hostile_pickles.one_megabyte_cases` (opcode
+floods of each container opcode, memo floods and memo-reference blow-ups, deep nesting),
+plus the array shape and dtype attacks, reads it the way the revisited job reads a file
+the user named (:func:`tfaploss.pipelines.revisited.read_pickled_ground_truth`: the
+allow-list unpickler in a child process, then the structure check) and prints one row:
+the input's size, the CPU seconds of the child and of this process, the wall time, and
+what refused it. A full-size realistic ``gnd_rparis6k.pkl`` (protocols 2 and 5) is read
+too, for contrast (its row is the floor: a child's start). The last lines give the worst
+time, and the largest resident set of any child beside the limit it runs under.
 
-    python tests/reliability/stress_pickles.py [--repeats 3]
-
-also writes ``benchmarks/results/hostile_pickles.json``.
+    python tests/reliability/stress_pickles.py
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import pickle
 import platform
+import resource
 import sys
+import tempfile
 import time
-import tracemalloc
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,74 +28,48 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from tests.reliability import hostile_pickles as H
-from tfaploss.pipelines.safe_pickle import UnsafePickleError, safe_loads
+from tfaploss.pipelines import pickle_sandbox
+from tfaploss.pipelines.revisited import read_pickled_ground_truth
 
 
-def _run(data: bytes) -> str:
-    try:
-        safe_loads(data)
-    except UnsafePickleError as err:
-        # the bound that refused it: the message's clause after "at byte N: "
-        text = str(err)
-        return "refused: " + text.split(": ", 2)[-1].split(". Ground-truth")[0][:60]
-    except Exception as err:  # noqa: BLE001 -- a crash is a bug: show it, do not hide it
-        return f"CRASH {type(err).__name__}: {err}"[:70]
-    return "loaded"
+def _cpu() -> float:
+    own, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF,
+                                                          resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def _measure(data: bytes, repeats: int) -> tuple[str, float, int]:
-    worst = 0.0
-    for _ in range(repeats):
-        started = time.perf_counter()
-        outcome = _run(data)
-        worst = max(worst, time.perf_counter() - started)
-    tracemalloc.start()
-    try:
-        _run(data)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    return outcome, worst, peak
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per input")
-    parser.add_argument("--json", default=str(REPO / "benchmarks" / "results" /
-                                              "hostile_pickles.json"),
-                        help="also write the rows here ('' for none)")
-    args = parser.parse_args(argv)
-
+def main() -> int:
     hostile = {name: data for name, (data, _) in H.one_megabyte_cases().items()}
     hostile.update({f"shape {k}": v for k, v in H.shape_cases().items()})
     hostile.update({f"dtype {k}": v for k, v in H.dtype_cases().items()})
     genuine = {f"realistic rparis6k p{p}": pickle.dumps(H.realistic_gnd(), protocol=p)
                for p in (2, 5)}
-
-    rows = []
-    print(f"{'input':40s} {'bytes':>9s} {'worst s':>8s} {'peak MB':>8s}  outcome")
+    rows, path = [], Path(tempfile.mkdtemp()) / "gnd_input.pkl"
+    print(f"{'input':40s} {'bytes':>9s} {'CPU s':>6s} {'wall s':>6s}  outcome")
     for kind, cases in (("hostile", hostile), ("genuine", genuine)):
         for name, data in cases.items():
-            outcome, worst, peak = _measure(data, args.repeats)
-            rows.append({"input": name, "kind": kind, "bytes": len(data), "worst_s": worst,
-                         "peak_bytes": peak, "outcome": outcome})
-            print(f"{name[:40]:40s} {len(data):9d} {worst:8.3f} {peak / 1e6:8.1f}  {outcome}")
-
-    bad = [r for r in rows if r["kind"] == "hostile" and not r["outcome"].startswith("refused")]
-    hostile_rows = [r for r in rows if r["kind"] == "hostile"]
-    slowest = max(hostile_rows, key=lambda r: r["worst_s"])
-    hungriest = max(hostile_rows, key=lambda r: r["peak_bytes"])
-    print(f"\n{len(hostile_rows)} hostile inputs ({sum(r['bytes'] >= 350_000 for r in hostile_rows)}"
-          f" of 0.35-1 MiB), refused: {len(hostile_rows) - len(bad)}, crashes or loads: "
+            path.write_bytes(data)
+            cpu, wall = _cpu(), time.perf_counter()
+            try:
+                read_pickled_ground_truth(str(path), None, named=True)
+                outcome = "loaded"
+            except ValueError as err:
+                outcome = "refused: " + str(err).split(": ", 1)[1].replace(
+                    "refusing this pickle: ", "")[:60]
+            cpu, wall = _cpu() - cpu, time.perf_counter() - wall
+            rows.append((kind, name, cpu, outcome))
+            print(f"{name[:40]:40s} {len(data):9d} {cpu:6.2f} {wall:6.2f}  {outcome}")
+    bad = [r for r in rows if r[0] == "hostile" and not r[3].startswith("refused")]
+    slowest = max((r for r in rows if r[0] == "hostile"), key=lambda r: r[2])
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    print(f"\n{len(hostile)} hostile inputs, refused: {len(hostile) - len(bad)}, loaded: "
           f"{len(bad)}")
-    print(f"worst time: {slowest['worst_s']:.3f} s ({slowest['input']})")
-    print(f"worst peak memory: {hungriest['peak_bytes'] / 1e6:.1f} MB ({hungriest['input']})")
+    print(f"worst CPU time: {slowest[2]:.2f} s ({slowest[1]}); a genuine file: "
+          f"{min(r[2] for r in rows if r[0] == 'genuine'):.2f} s")
+    print(f"largest child: {peak / 2**20:.0f} MiB resident, under a limit of "
+          f"{pickle_sandbox.MEMORY_BYTES >> 20} MiB of address space")
     print(f"machine: {platform.processor() or platform.machine()}, Python "
           f"{platform.python_version()}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"rows": rows, "python": platform.python_version(),
-             "machine": platform.machine(), "cpus": os.cpu_count()}, indent=1) + "\n")
     return 1 if bad else 0
 
 

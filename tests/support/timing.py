@@ -7,16 +7,21 @@ host.
 
 Nor is it immune to the process: CPython's cycle collector makes whichever allocation
 crosses its threshold pay a pass over every object of the process. CI twice charged
-2.63 CPU s to a pickle refusal that costs 0.01 s, in a test worker holding millions of
-objects; code under a time bound must not start collections (the pickle reader, like
-the probe below, holds ``tfaploss.process_settings.COLLECTOR_OFF``).
+2.63 CPU s to a 0.01 s piece of work in a test worker holding millions of objects; the
+probe below, which allocates much, holds the collector off (:data:`COLLECTOR_OFF`).
 """
 
 from __future__ import annotations
 
+import gc
 import time
 
-from tfaploss.process_settings import COLLECTOR_OFF
+from tfaploss.process_settings import HeldSetting
+
+#: CPython's cycle collector, off while held (counted, so overlapping holders restore it
+#: once, as found).
+COLLECTOR_OFF = HeldSetting(gc.isenabled, lambda on: gc.enable() if on else gc.disable(),
+                            False)
 
 _IDLE_SECONDS = 0.033  # the loop below on an idle core of the CI machine: 0.027-0.03 s
 

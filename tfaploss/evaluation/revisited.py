@@ -169,9 +169,10 @@ def load_revisited_gnd(path: str) -> dict:
     (``gnd_roxford5k.json`` / ``gnd_rparis6k.json``).
 
     Evaluation never unpickles: the published ``gnd_*.pkl`` is untrusted, and it is
-    converted once, when the data is prepared, by the revisited job (its restricted
-    reader, :mod:`tfaploss.pipelines.safe_pickle`, is the only code that reads such a pickle). A
-    pickle given here raises a ``ValueError`` naming the conversion command. The content
+    converted once, when the data is prepared, by the revisited job (which checks its
+    SHA-256 and reads it in :mod:`tfaploss.pipelines.pickle_sandbox`, the only code that
+    reads such a pickle). A pickle given here raises a ``ValueError`` naming the
+    conversion command. The content
     is checked by :func:`check_revisited_gnd`. Anything unusable raises ``ValueError``
     naming the file (and the key, for a wrong structure).
 
@@ -190,8 +191,9 @@ def _pickle_refusal(path: str) -> ValueError:
         f"{path}: a pickle; evaluation reads the ground truth as JSON only (a downloaded "
         "pickle can run code). Convert it once with `python -m tfaploss.pipelines.revisited "
         f"--input_dir <folder of {name}> --dataset {dataset} --output_dir <out> "
-        f"--ground_truth_only` and pass <out>/gnd_{dataset}.json (the full revisited job "
-        "writes that file next to its records too).")
+        "--ground_truth_only --expected_sha256 <the published file's SHA-256>` and pass "
+        f"<out>/gnd_{dataset}.json (the full revisited job writes that file next to its "
+        "records too).")
 
 
 def _load_json(path: str):
