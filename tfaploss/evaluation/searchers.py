@@ -221,6 +221,17 @@ class ExactSearcher(Searcher):
     exact top-k all the same (the bound also covers float32's own rounding); on 300k x
     128, k = 100 it ran at 1.2-1.8x the speed of the bare float32 product with PyTorch,
     0.9-1.15x with TensorFlow, against 0.66-0.74x without it (four runs; docs/search.md).
+    Its first search in a process also pays one-off costs: the import of the product's
+    framework (PyTorch cold: 2.0-2.5 s on 2 cores) unless imported already, and the
+    bfloat16 copy of the database (about 0.3 s at 300k x 128, then held by the
+    searcher). So ``prefilter="auto"`` takes it only when, for this call, those one-off
+    costs plus its estimated time come in under float32 alone's estimate, both from
+    the call's ``Q * N * D`` multiply-adds
+    (:func:`tfaploss.evaluation.bfloat16_prefilter.cheapest`): the first call is never
+    slower than ``"none"`` by the estimate, and a 2,000-query search of 300k x 128 in a
+    fresh process stays in float32 (PyTorch's import pays from about 5,000 queries;
+    with TensorFlow imported, its prefilter from about 1,200). :meth:`resolved_prefilter`
+    says which path a search of ``Q`` queries takes.
 
     Cost: ``O(Q * N * D)`` multiply-adds; memory ``O(query_chunk * database_chunk)``
     per thread for the score tile plus ``O(Q * k)`` for the results, so a 1M x 512
@@ -234,8 +245,9 @@ class ExactSearcher(Searcher):
       engine: ``"auto"``, ``"numpy"`` or ``"tensorflow"``.
       num_threads: threads of the numpy engine (0: every core this process may use).
       prefilter: ``"auto"`` (default: the bfloat16 prefilter when the CPU has
-        bfloat16 units, the product is checked to accumulate in float32, and a search
-        has at least 2^32 multiply-adds), ``"bfloat16"`` (always; a ValueError where it
+        bfloat16 units, the product is checked to accumulate in float32, a search has
+        at least 2^32 multiply-adds and D >= 32, and it wins this call with its
+        one-off costs counted, above), ``"bfloat16"`` (always; a ValueError where it
         cannot run), ``"bfloat16-torch"`` / ``"bfloat16-tensorflow"`` (always, with that
         product) or ``"none"``. The numpy engine only.
     """
