@@ -48,7 +48,8 @@ def test_revisited_refuses_names_that_leave_the_input_folder(tmp_path):
         pickle.dump(truth, f, protocol=2)
     out = str(tmp_path / "out")
     manifests = revisited.run(["--input_dir", m.root, "--output_dir", out, "--dataset",
-                               "roxford5k", "--max_failure_fraction", "0.9", *IN_MEMORY])
+                               "roxford5k", "--max_failure_fraction", "0.9", "--ground_truth",
+                               str(tmp_path / "roxf" / "gnd_roxford5k.pkl"), *IN_MEMORY])
     dead = {d["id"]: d for d in mini.read_dead_letters(os.path.join(out, "database"))}
     assert {name: dead[name]["reason"] for name in evil} == dict.fromkeys(evil, "unsafe_path")
     ids = {r["image/id"][0].decode() for r in mini.read_examples(os.path.join(out, "database"))}
