@@ -90,16 +90,11 @@ class Listing:
         self.ignored.setdefault(cls, []).append({"path": rel, "reason": reason})
 
 
-def _hidden_reason(name: str) -> str:
-    return ("name starts with '.' (hidden)" if name.startswith(".")
-            else "name starts with '_' (reserved, e.g. __MACOSX, _work)")
-
-
 def _list_class(listing: Listing, policy: LK.LinkPolicy, cls: str, path: str,
                 rel_cls: str) -> None:
     files = listing.classes.setdefault(cls, [])
 
-    def add_file(rel: str, real: str) -> None:
+    def add_file(rel: str, _path: str, real: str) -> None:
         if not rel.lower().endswith(I.IMAGE_EXTENSIONS):
             listing.add_ignored(cls, rel, "not an image file extension")
             return
@@ -109,70 +104,9 @@ def _list_class(listing: Listing, policy: LK.LinkPolicy, cls: str, path: str,
         else:
             files.append((rel, policy.bound(real)))
 
-    def follow(link_path: str, rel: str, real_dir: str) -> None:
-        real = os.path.realpath(link_path)
-        if os.path.isdir(link_path):
-            why = policy.dir_link_reason(link_path, real_dir)
-            if why:
-                listing.add_ignored(cls, rel, why)
-            else:
-                policy.claim_dir(real, rel)
-                visit(link_path, rel, real)
-        elif policy.leaves(real):
-            listing.add_ignored(cls, rel, LK.LEAVES_ROOT)
-        elif os.path.isfile(link_path):
-            add_file(rel, real)
-        else:
-            listing.add_ignored(cls, rel, "not a regular file (device, pipe)")
-
-    def visit(dirpath: str, rel_dir: str, real_dir: str) -> None:
-        try:
-            entries = sorted(os.scandir(dirpath), key=lambda e: e.name)
-        except OSError as e:
-            listing.add_dead(cls, rel_dir + "/", I.UNREADABLE_FOLDER,
-                             f"cannot list folder {rel_dir}/: {e.strerror or e}")
-            return
-        for e in entries:
-            shown = storage.printable_name(e.name)
-            rel = f"{rel_dir}/{shown or e.name}"
-            link = e.is_symlink()
-            if shown is not None:
-                if e.is_dir() and not link:
-                    storage.walk_all_files(e.path, rel, lambda r: listing.add_dead(
-                        cls, r, I.BAD_FILE_NAME, f"a folder name in {r!r} is not UTF-8"))
-                else:
-                    listing.add_dead(cls, rel, I.BAD_FILE_NAME,
-                                     f"file name {rel!r} is not valid UTF-8")
-                continue
-            if e.name.startswith((".", "_")):
-                if e.is_dir() and not link:
-                    reason = f"inside {rel}/: " + _hidden_reason(e.name)
-                    storage.walk_all_files(e.path, rel, lambda r, why=reason: listing.add_ignored(
-                        cls, r, why))
-                else:
-                    listing.add_ignored(cls, rel, _hidden_reason(e.name))
-                continue
-            if link and not os.path.exists(e.path):
-                listing.add_dead(cls, rel, I.MISSING_FILE,
-                                 f"broken symlink to {os.readlink(e.path)}")
-            elif link:
-                policy.defer(lambda p=e.path, r=rel, d=real_dir: follow(p, r, d))
-            elif e.is_dir():
-                real = os.path.realpath(e.path)
-                owner = policy.listed_as(real)
-                if owner is not None:  # a bind mount, or a followed folder holding it
-                    listing.add_ignored(cls, rel, f"folder already listed as {owner}/")
-                else:
-                    policy.claim_dir(real, rel)
-                    visit(e.path, rel, real)
-            elif e.is_file():
-                add_file(rel, os.path.realpath(e.path))
-            else:
-                listing.add_ignored(cls, rel, "not a regular file (device, pipe)")
-
-    real_top = os.path.realpath(path)
-    policy.claim_dir(real_top, rel_cls)
-    visit(path, rel_cls, real_top)
+    LK.walk(path, rel_cls, policy, add_file,
+            lambda rel, why: listing.add_ignored(cls, rel, why),
+            lambda rel, code, detail: listing.add_dead(cls, rel, code, detail))
 
 
 def _list_url(listing: Listing, root: str, prefix: str) -> None:
@@ -184,7 +118,7 @@ def _list_url(listing: Listing, root: str, prefix: str) -> None:
         if len(parts) == 1:
             listing.add_ignored(None, rel, "not inside a class folder")
         elif any(p.startswith((".", "_")) for p in parts):
-            listing.add_ignored(cls, rel, _hidden_reason(next(
+            listing.add_ignored(cls, rel, LK.hidden_reason(next(
                 p for p in parts if p.startswith((".", "_")))))
         elif not rel.lower().endswith(I.IMAGE_EXTENSIONS):
             listing.add_ignored(cls, rel, "not an image file extension")
@@ -206,22 +140,13 @@ def list_tree(input_dir: str, prefix: str = "", follow_external_links: bool = Fa
         return listing
     policy = LK.LinkPolicy(root, follow_external_links)
     real_top = os.path.realpath(top)
-    for e in sorted(os.scandir(top), key=lambda e: e.name):
-        shown = storage.printable_name(e.name)
-        rel = f"{prefix}/{shown or e.name}" if prefix else (shown or e.name)
-        if shown is not None:
-            if e.is_dir():
-                storage.walk_all_files(e.path, rel, lambda r: listing.add_dead(
-                    None, r, I.BAD_FILE_NAME, f"class folder name in {r!r} is not UTF-8"))
-            else:
-                listing.add_dead(None, rel, I.BAD_FILE_NAME, f"{rel!r} is not valid UTF-8")
-        elif e.name.startswith((".", "_")) or e.name == R.STAGING:
-            if e.is_dir() and not e.is_symlink():
-                reason = f"inside {rel}/: " + _hidden_reason(e.name)
-                storage.walk_all_files(e.path, rel, lambda r, why=reason: listing.add_ignored(None, r, why))
-            else:
-                listing.add_ignored(None, rel, _hidden_reason(e.name))
-        elif e.is_symlink() and e.is_dir():
+    for e in sorted(os.scandir(top), key=lambda e: e.name):  # the class folders
+        shown = storage.printable_name(e.name) or e.name
+        rel = f"{prefix}/{shown}" if prefix else shown
+        if LK.screen(e, rel, lambda r, why: listing.add_ignored(None, r, why),
+                     lambda r, code, detail: listing.add_dead(None, r, code, detail)):
+            continue  # not UTF-8, or hidden (R.STAGING among them)
+        if e.is_symlink() and e.is_dir():
             policy.defer(lambda e=e, rel=rel: _class_link(listing, policy, e, rel, real_top))
         elif e.is_dir():
             _list_class(listing, policy, e.name, e.path, rel)

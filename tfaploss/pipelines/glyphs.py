@@ -253,74 +253,7 @@ def list_fonts(input_dir: str, follow_external_links: bool = False) -> Listing:
         else:
             listing.fonts.append((rel, path))
 
-    def follow(path: str, rel: str, real_dir: str) -> None:
-        real = os.path.realpath(path)
-        if os.path.isdir(path):
-            why = policy.dir_link_reason(path, real_dir)
-            if why:
-                listing.add_ignored(rel, why)
-            else:
-                policy.claim_dir(real, rel)
-                visit(path, rel, real)
-        elif not rel.lower().endswith(F.FONT_EXTENSIONS):
-            listing.add_ignored(rel, "not a font file (.ttf, .otf, .ttc, .otc)")
-        elif policy.leaves(real):
-            listing.add_ignored(rel, LK.LEAVES_ROOT)
-        elif os.path.isfile(path):
-            add_font(rel, path, real)
-        else:
-            listing.add_ignored(rel, "not a regular file (device, pipe)")
-
-    def visit(path: str, rel_dir: str, real_dir: str) -> None:
-        try:
-            entries = sorted(os.scandir(path), key=lambda e: e.name)
-        except OSError as e:
-            listing.add_dead(rel_dir + "/", I.UNREADABLE_FOLDER,
-                             f"cannot list folder {rel_dir or '.'}/: {e.strerror or e}")
-            return
-        for e in entries:
-            shown = storage.printable_name(e.name)
-            rel = f"{rel_dir}/{shown or e.name}" if rel_dir else (shown or e.name)
-            link = e.is_symlink()
-            if shown is not None:
-                if e.is_dir() and not link:
-                    storage.walk_all_files(e.path, rel, lambda r: listing.add_dead(
-                        r, I.BAD_FILE_NAME, f"a folder name in {r!r} is not valid UTF-8"))
-                else:
-                    listing.add_dead(rel, I.BAD_FILE_NAME, f"name {rel!r} is not valid UTF-8")
-                continue
-            if e.name.startswith((".", "_")):
-                why = ("name starts with '.' (hidden)" if e.name.startswith(".")
-                       else "name starts with '_' (reserved, e.g. __MACOSX, _work)")
-                if e.is_dir() and not link:
-                    storage.walk_all_files(e.path, rel, lambda r, why=f"inside {rel}/: {why}":
-                                     listing.add_ignored(r, why))
-                else:
-                    listing.add_ignored(rel, why)
-                continue
-            if link and not os.path.exists(e.path):
-                if rel.lower().endswith(F.FONT_EXTENSIONS):
-                    listing.add_dead(rel, I.MISSING_FILE,
-                                     f"broken symlink to {os.readlink(e.path)}")
-                else:
-                    listing.add_ignored(rel, "not a font file (.ttf, .otf, .ttc, .otc)")
-            elif link:
-                policy.defer(lambda p=e.path, r=rel, d=real_dir: follow(p, r, d))
-            elif e.is_dir():
-                real = os.path.realpath(e.path)
-                owner = policy.listed_as(real)
-                if owner is not None:  # a bind mount, or a followed folder holding it
-                    listing.add_ignored(rel, f"folder already listed as {owner}/")
-                else:
-                    policy.claim_dir(real, rel)
-                    visit(e.path, rel, real)
-            elif not e.is_file():
-                listing.add_ignored(rel, "not a regular file (device, pipe)")
-            else:
-                add_font(rel, e.path, os.path.realpath(e.path))
-
-    policy.claim_dir(policy.root, "")
-    visit(input_dir, "", policy.root)
+    LK.walk(input_dir, "", policy, add_font, listing.add_ignored, listing.add_dead)
     policy.drain()
     listing.fonts.sort()
     return listing

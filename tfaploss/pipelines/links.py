@@ -1,6 +1,10 @@
-"""One symlink policy for the jobs that walk an input folder (folder, glyphs).
+"""One walker and one symlink policy for the jobs that list an input folder (folder,
+glyphs): :func:`walk` lists a folder, :class:`LinkPolicy` decides its links.
 
-Files and folders alike:
+Every file below the folder is handed to the job, ignored with its reason (names
+starting with ``.`` or ``_`` and everything below such a folder, devices and pipes,
+links the policy refuses) or a dead letter (names that are not UTF-8, folders that
+cannot be listed, dangling links). Links, files and folders alike:
 
 - a link whose target (the end of its chain, links to links followed) lies inside the
   real ``--input_dir`` is followed;
@@ -24,6 +28,9 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Callable
+
+from tfaploss.pipelines import images as I
+from tfaploss.pipelines import storage
 
 LEAVES_ROOT = "symlink leaving --input_dir (not followed; --follow_external_links follows it)"
 
@@ -113,3 +120,90 @@ class LinkPolicy:
         """Follow the deferred links, and the links found behind them, in order."""
         while self._pending:
             self._pending.popleft()()
+
+
+def hidden_reason(name: str) -> str:
+    """Why a name starting with ``.`` or ``_`` is ignored."""
+    return ("name starts with '.' (hidden)" if name.startswith(".")
+            else "name starts with '_' (reserved, e.g. __MACOSX, _work)")
+
+
+def screen(entry: os.DirEntry, rel: str, ignore, dead) -> bool:
+    """Handle ``entry`` (shown as ``rel``) if its name is not UTF-8 (a dead letter for it,
+    or for every file below it) or starts with ``.`` or ``_`` (ignored, with every file
+    below it); ``False``: the name is fine."""
+    if storage.printable_name(entry.name) is not None:
+        if entry.is_dir(follow_symlinks=False):
+            storage.walk_all_files(entry.path, rel, lambda r: dead(
+                r, I.BAD_FILE_NAME, f"a folder name in {r!r} is not valid UTF-8"))
+        else:
+            dead(rel, I.BAD_FILE_NAME, f"file name {rel!r} is not valid UTF-8")
+    elif entry.name.startswith((".", "_")):
+        why = hidden_reason(entry.name)
+        if entry.is_dir(follow_symlinks=False):
+            storage.walk_all_files(entry.path, rel, lambda r: ignore(r, f"inside {rel}/: {why}"))
+        else:
+            ignore(rel, why)
+    else:
+        return False
+    return True
+
+
+def walk(path: str, rel_dir: str, policy: LinkPolicy, on_file, ignore, dead) -> None:
+    """List folder ``path`` (shown as ``rel_dir``, ``""`` for the input root) and below.
+
+    Each regular file, and each file a followed link reaches, goes to
+    ``on_file(rel, path, real)``; the rest to ``ignore(rel, reason)`` or
+    ``dead(rel, code, detail)``. Links wait in ``policy`` until the caller drains it.
+    Costs one ``scandir`` per folder and one ``realpath`` per folder and file.
+    """
+    def join(rel_dir: str, name: str) -> str:
+        return f"{rel_dir}/{name}" if rel_dir else name
+
+    def follow(link: str, rel: str, real_dir: str) -> None:
+        real = os.path.realpath(link)
+        if os.path.isdir(link):
+            why = policy.dir_link_reason(link, real_dir)
+            if why:
+                ignore(rel, why)
+            else:
+                policy.claim_dir(real, rel)
+                visit(link, rel, real)
+        elif policy.leaves(real):
+            ignore(rel, LEAVES_ROOT)
+        elif os.path.isfile(link):
+            on_file(rel, link, real)
+        else:
+            ignore(rel, "not a regular file (device, pipe)")
+
+    def visit(dirpath: str, rel_dir: str, real_dir: str) -> None:
+        try:
+            entries = sorted(os.scandir(dirpath), key=lambda e: e.name)
+        except OSError as e:
+            dead(rel_dir + "/", I.UNREADABLE_FOLDER,
+                 f"cannot list folder {rel_dir or '.'}/: {e.strerror or e}")
+            return
+        for e in entries:
+            rel = join(rel_dir, storage.printable_name(e.name) or e.name)
+            if screen(e, rel, ignore, dead):
+                continue
+            if e.is_symlink() and not os.path.exists(e.path):
+                dead(rel, I.MISSING_FILE, f"broken symlink to {os.readlink(e.path)}")
+            elif e.is_symlink():
+                policy.defer(lambda p=e.path, r=rel, d=real_dir: follow(p, r, d))
+            elif e.is_dir():
+                real = os.path.realpath(e.path)
+                owner = policy.listed_as(real)
+                if owner is not None:  # a bind mount, or a followed folder holding it
+                    ignore(rel, f"folder already listed as {owner}/")
+                else:
+                    policy.claim_dir(real, rel)
+                    visit(e.path, rel, real)
+            elif e.is_file():
+                on_file(rel, e.path, os.path.realpath(e.path))
+            else:
+                ignore(rel, "not a regular file (device, pipe)")
+
+    real_top = os.path.realpath(path)
+    policy.claim_dir(real_top, rel_dir)
+    visit(path, rel_dir, real_top)
