@@ -190,9 +190,9 @@ class Data:
     def batches(self, batch, m, seed, steps):
         """``steps`` class-balanced index batches: B/m classes, m images of each (the
         sampler of the cached-feature tier, so both draw the same batches)."""
-        from tfaploss.compare.features import m_per_class_batches
+        from tfaploss.data.samplers import m_per_class_rows
 
-        for idx in m_per_class_batches(self.y_train, batch, m, steps, seed):
+        for idx in m_per_class_rows(self.y_train, batch, m, seed).take(steps).as_numpy_iterator():
             yield idx.astype("int32")
 
 

@@ -63,6 +63,28 @@ def test_deterministic_with_a_seed(split):
     assert [x[0] for x in a] != [x[0] for x in c]
 
 
+def test_m_per_class_rows_over_labels_in_memory():
+    """The same sampler over rows in memory (the compare command's features): P distinct
+    classes of m distinct rows, classes with fewer than m rows never drawn, every
+    eligible class drawn equally often (one chunk each, reshuffled), seeded."""
+    from tfaploss.data.samplers import m_per_class_rows
+
+    rng = np.random.default_rng(0)
+    labels = rng.permutation(np.concatenate([np.repeat(np.arange(8), 6), [8, 8, 8]]))
+    got = list(m_per_class_rows(labels, 8, 4, seed=1).take(60).as_numpy_iterator())
+    for rows in got:
+        assert rows.shape == (8,) and len(set(rows.tolist())) == 8
+        classes = labels[rows].reshape(2, 4)
+        assert (classes == classes[:, :1]).all() and classes[0, 0] != classes[1, 0]
+    drawn = np.bincount(labels[np.concatenate(got)], minlength=9)
+    assert drawn[8] == 0 and drawn[:8].min() >= 40 and drawn.sum() == 480
+    again = list(m_per_class_rows(labels, 8, 4, seed=1).take(60).as_numpy_iterator())
+    other = list(m_per_class_rows(labels, 8, 4, seed=2).take(60).as_numpy_iterator())
+    assert np.array_equal(got, again) and not np.array_equal(got, other)
+    with pytest.raises(ValueError, match="needs 3 classes of >= 4 images; the labels have 2"):
+        m_per_class_rows(labels[labels < 2], 12, 4)
+
+
 def test_hierarchical_two_super_classes_half_each(tmp_path):
     sizes = {k: 5 for k in range(12)}
     supers = {k: k % 3 for k in range(12)}

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from tfaploss.compare.protocol import SEARCH_SPACES, RunSpec
+from tfaploss.data.samplers import m_per_class_rows
 from tfaploss.durable import atomic
 
 LOG = logging.getLogger(__name__)
@@ -103,21 +104,6 @@ def class_subset(features, labels, classes: int | None, seed: int = 0):
     keep = np.random.default_rng(seed).choice(unique, classes, replace=False)
     rows = np.isin(labels, keep)
     return features[rows], labels[rows]
-
-
-def m_per_class_batches(labels, batch: int, m: int, steps: int, seed: int):
-    """``steps`` batches of row indices: ``batch / m`` classes of ``m`` rows each, classes
-    and rows drawn at random (without replacement within a batch)."""
-    rng = np.random.default_rng(seed)
-    by_class = {c: np.flatnonzero(labels == c) for c in np.unique(labels)}
-    eligible = np.array([c for c, rows in by_class.items() if len(rows) >= m])
-    per_batch = batch // m
-    if per_batch > len(eligible):
-        raise ValueError(f"batch {batch} needs {per_batch} classes of >= {m} images; the "
-                         f"training features have {len(eligible)}.")
-    for _ in range(steps):
-        classes = rng.choice(eligible, per_batch, replace=False)
-        yield np.concatenate([rng.choice(by_class[c], m, replace=False) for c in classes])
 
 
 def _map_at_r(model, features, labels):
@@ -214,8 +200,8 @@ class FeatureRunner:
                         for k in range(1, self.curve_points + 1)})
         row = {"status": "ok", "curve": []}
         last = float("nan")
-        for step, rows in enumerate(m_per_class_batches(y, spec.batch, self.m, spec.updates,
-                                                        spec.seed), start=1):
+        batches = m_per_class_rows(y, spec.batch, self.m, spec.seed).take(spec.updates)
+        for step, rows in enumerate(batches.as_numpy_iterator(), start=1):
             last = float(model.train_on_batch(x[rows], y[rows]))
             if not math.isfinite(last):
                 row.update(status="non-finite", detail=f"loss {last} at update {step}")

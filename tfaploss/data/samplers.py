@@ -26,6 +26,7 @@ use stateless random ops keyed by the record's position in the stream.
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 from tfaploss.data.records import parse_class_example
@@ -106,6 +107,26 @@ def m_per_class(chunks: tf.data.Dataset, batch_size: int, m: int, seed: int = 0)
     p = _check(batch_size, m)
     groups = distinct_runs(draw_groups(chunks, m, seed), p, lambda g: g["label"])
     return groups.batch(p, drop_remainder=True).map(_flatten)
+
+
+def m_per_class_rows(labels, batch_size: int, m: int, seed: int = 0) -> tf.data.Dataset:
+    """:func:`m_per_class` over rows held in memory: endless batches of row indices into
+    ``labels``, each class one chunk of its rows, streamed in a reshuffled order. Costs
+    one sort of ``labels``; a ValueError names the classes short when fewer than
+    ``batch_size / m`` have ``m`` rows (the stream would never fill a batch)."""
+    p = _check(batch_size, m)
+    labels = np.asarray(labels).reshape(-1)
+    order = np.argsort(labels, kind="stable")
+    classes, starts, counts = np.unique(labels[order], return_index=True, return_counts=True)
+    if np.sum(counts >= m) < p:
+        raise ValueError(f"batch {batch_size} needs {p} classes of >= {m} images; the "
+                         f"labels have {int(np.sum(counts >= m))}.")
+    rows = tf.RaggedTensor.from_row_starts(order.astype(np.int64), starts)
+    chunks = tf.data.Dataset.from_tensor_slices(
+        {"encoded": rows, "id": rows, "label": classes.astype(np.int32),
+         "super_label": np.full(len(classes), -1, np.int32)})
+    chunks = chunks.shuffle(len(classes), seed=seed, reshuffle_each_iteration=True).repeat()
+    return m_per_class(chunks, batch_size, m, seed).map(lambda rows, _ids, _labels: rows)
 
 
 def hierarchical(chunks: tf.data.Dataset, batch_size: int, m: int, seed: int = 0):
