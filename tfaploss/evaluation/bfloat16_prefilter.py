@@ -41,7 +41,10 @@ memory stays bounded and the result is the same.
 The prefilter is used only where it is sound and fast: :func:`choose_product` checks the CPU
 flags and, once, that the product accumulates in float32 and rounds to nearest (a
 product of 512 ones is 512 and ``1 + 1.25 * 2^-8`` rounds up), which rules out a
-bfloat16 build that accumulates in bfloat16.
+bfloat16 build that accumulates in bfloat16. ``prefilter="auto"`` takes it only for a
+search where it wins with its one-off costs counted (:func:`cheapest`): the import of
+the product's framework unless imported already, and the bfloat16 copy of the database
+unless the searcher holds it.
 
 Cost: the bfloat16 product (``Q N D``), one int16 compare per score, and ``~1.1 Q k D``
 float32 multiply-adds of re-scoring. Memory: the database once more in bfloat16 (half
@@ -82,8 +85,9 @@ MIN_WORK = 1 << 32
 # (2.7-3.0e10 multiply-adds/s); import torch 2.0-2.5 s, import tensorflow 6.3-7.2 s.
 FLOAT32_RATE = 2.9e10  # multiply-adds/s of the float32 search (ExactSearcher, numpy)
 IMPORT_SECONDS = {"torch": 2.5, "tensorflow": 7.0}  # the slow end: never-slower first
-# PreparedDatabase, 2 threads, 300k x 128: 0.15-0.2 s (rounding, float64 norms, copies).
-COPY_RATE = 1.5e8  # database elements/s
+# PreparedDatabase of 300k x 128 (rounding, float64 norms, the product's copies): 0.30 s
+# in one thread at load 1.8; 2 threads took 0.42x the time of one at load 7.5-12.
+COPY_RATE = 1.5e8  # database elements/s: 0.26 s at 300k x 128
 # The warm prefilter's speed over float32 alone's, per product: the lowest of the runs
 # in docs/search.md (a CPU with AMX; D = 64 to 512): PyTorch 1.67-2.4, TensorFlow
 # 1.22-1.83. Low, so that a search predicted to gain does; on this machine the
@@ -332,8 +336,9 @@ def _key_at_most(t: np.ndarray) -> np.ndarray:
 class PreparedDatabase:
     """A database in bfloat16 blocks, with the norms its error bound needs.
 
-    Cost: a few passes over the database, in ``threads`` threads (0.15-0.2 s at
-    300k x 128 on 2 cores); memory: half the database's float32 size.
+    Cost: a few passes over the database, in ``threads`` threads (300k x 128: 0.30 s
+    in one thread on the 2-core test machine, 2 threads 0.42x of that under load);
+    memory: half the database's float32 size.
 
     Args:
       database: (N, D) float32.
