@@ -245,12 +245,20 @@ class DistributeConfig:
     ``"auto"`` (default) is ``data_parallel`` where there are 2 GPUs or more, else
     ``none``. ``data.batch_size`` is the global batch and must split evenly over the
     devices; ``training.chunk_size`` counts images per device. BatchNorm statistics
-    are per device (not synchronised). Several machines: not through this key (see
-    the README's scale-out section).
+    are per device (not synchronised). Several processes or machines: launch with
+    ``torchrun`` or ``tfaploss train --coordinator`` (docs/scale_out.md).
+
+    ``timeout_s``: under several processes (``torchrun``, JAX's ``--coordinator``:
+    :mod:`tfaploss.run.processes`), how long a rank waits in a collective (a step's
+    gather, a barrier) for the others before it fails: longer than the longest thing
+    one rank does while the others wait (rank 0 writing a checkpoint, the slowest
+    rank's first step), far shorter than the 30 minutes a hung rank otherwise holds
+    the group. Not part of what a run trains: a resumed run may change it.
     """
 
     strategy: Strategy = "auto"
     devices: int | None = ranged(None, low=1, high=4096)
+    timeout_s: int = ranged(600, low=10, high=7 * 24 * 3600)
 
 
 @dataclass

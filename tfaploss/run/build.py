@@ -393,11 +393,13 @@ def check_classes_left(cfg: Config, kept: dict[int, int], skipped: dict) -> None
         "(or lower data.batch_size)", path=split, problem="too few classes left")
 
 
-def build_train_dataset(cfg: Config, seed_offset: int = 0):
+def build_train_dataset(cfg: Config, seed_offset: int = 0, num_shards: int = 1,
+                        shard_index: int = 0):
     """Endless ``(images, labels)`` batches of ``cfg.data`` (``tfaploss.data``).
 
     ``seed_offset`` shifts ``data.seed``; a resumed run passes the epoch it resumes at
-    so that it does not replay the batches of the first epochs.
+    so that it does not replay the batches of the first epochs. ``num_shards``,
+    ``shard_index``: a rank's share of every global batch (``make_train_dataset``).
     """
     from tfaploss.data import make_train_dataset
 
@@ -406,7 +408,8 @@ def build_train_dataset(cfg: Config, seed_offset: int = 0):
     kwargs = dict(sampler=d.sampler, batch_size=d.batch_size, m=d.m,
                   image_size=d.image_size, augment=aug.crop == "random_resized_crop",
                   seed=d.seed + 1009 * seed_offset, flip=aug.flip,
-                  label_levels=d.label_levels)
+                  label_levels=d.label_levels, num_shards=num_shards,
+                  shard_index=shard_index)
     if aug.scale is not None:
         kwargs["crop_scale"] = tuple(aug.scale)
     return make_train_dataset(d.train, **kwargs)

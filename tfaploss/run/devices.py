@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import keras
 
 from tfaploss.config.schema import Config
+from tfaploss.run import processes
 
 LOG = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class DevicePlan:
     devices: list[str] = field(default_factory=list)
     global_batch: int = 0
     backend: str = "tensorflow"
+    processes: int = 1                     # JAX processes whose devices these are
 
     @property
     def per_device_batch(self) -> int:
@@ -39,13 +41,14 @@ class DevicePlan:
         if self.strategy == "none":
             return f"one device ({names}), batch {self.global_batch}"
         how = "MirroredStrategy" if self.backend == "tensorflow" else "DataParallel"
-        return (f"data_parallel ({how}) on {len(self.devices)} devices ({names}): global "
+        of = f" of {self.processes} processes" if self.processes > 1 else ""
+        return (f"data_parallel ({how}) on {len(self.devices)} devices{of} ({names}): global "
                 f"batch {self.global_batch}, {self.per_device_batch} per device")
 
     def to_dict(self) -> dict:
         return {"strategy": self.strategy, "devices": len(self.devices),
                 "device_names": list(self.devices), "global_batch": self.global_batch,
-                "per_device_batch": self.per_device_batch}
+                "per_device_batch": self.per_device_batch, "processes": self.processes}
 
     @contextlib.contextmanager
     def scope(self):
@@ -60,8 +63,12 @@ class DevicePlan:
         import jax
 
         by_name = {str(d): d for d in jax.devices()}
-        keras.distribution.set_distribution(keras.distribution.DataParallel(
-            devices=[by_name[n] for n in self.devices]))
+        distribution = keras.distribution.DataParallel(
+            devices=[by_name[n] for n in self.devices])
+        if self.processes > 1:
+            # Each process already reads its own rows (make_train_dataset's shards).
+            distribution.auto_shard_dataset = False
+        keras.distribution.set_distribution(distribution)
         try:
             yield
         finally:
@@ -103,11 +110,28 @@ def plan_devices(cfg: Config) -> DevicePlan:
     """The :class:`DevicePlan` for ``cfg.training.distribute`` on this machine.
 
     Raises ``ValueError`` naming the config key when more devices are asked for than
-    there are, or when the batch does not split evenly over them.
+    there are, or when the batch does not split evenly over them. Under several JAX
+    processes (:mod:`tfaploss.run.processes`) the run is data parallel over every
+    process's devices.
     """
     dist = cfg.training.distribute
     backend = keras.backend.backend()
     batch = cfg.data.batch_size
+    group = processes.current()
+    if backend == "jax" and group.distributed:
+        if dist.strategy == "none":
+            raise ValueError(
+                f"config key 'training.distribute.strategy': none, but {group.world_size} "
+                "processes were launched; use auto or data_parallel (every process's "
+                "devices), or launch one process.")
+        devices = _available(backend, None)[0]
+        if dist.devices not in (None, len(devices)):
+            raise ValueError(
+                f"config key 'training.distribute.devices': {dist.devices} devices asked "
+                f"for; {group.world_size} processes hold {len(devices)} devices, and a run "
+                "across processes uses them all (null).")
+        _check_split(batch, devices, dist)
+        return DevicePlan("data_parallel", devices, batch, backend, group.world_size)
     if backend not in ("tensorflow", "jax") and dist.strategy == "data_parallel":
         raise ValueError(
             f"config key 'training.distribute.strategy': data_parallel runs on the "
@@ -126,12 +150,16 @@ def plan_devices(cfg: Config) -> DevicePlan:
             f"config key 'training.distribute.devices': {wanted} devices asked for, this "
             f"machine has {len(devices)} {kind} device(s) ({', '.join(devices)}).")
     chosen = devices[:wanted]
-    if batch % len(chosen):
-        raise ValueError(
-            f"config key 'data.batch_size': the global batch of {batch} does not split "
-            f"evenly over {len(chosen)} devices; use a multiple of {len(chosen)} (received "
-            f"training.distribute.devices={dist.devices}).")
+    _check_split(batch, chosen, dist)
     if len(chosen) == 1:
         return DevicePlan("none", chosen, batch, backend)
     return DevicePlan("data_parallel", chosen, batch, backend)
+
+
+def _check_split(batch: int, devices: list[str], dist) -> None:
+    if batch % len(devices):
+        raise ValueError(
+            f"config key 'data.batch_size': the global batch of {batch} does not split "
+            f"evenly over {len(devices)} devices; use a multiple of {len(devices)} (received "
+            f"training.distribute.devices={dist.devices}).")
 

@@ -14,6 +14,7 @@ import logging
 from tfaploss.config.schema import Config
 from tfaploss.durable.preemption import Preempted, SignalFlag
 from tfaploss.run import build as B
+from tfaploss.run import processes
 
 __all__ = ["epoch_batches", "fit"]
 
@@ -26,13 +27,16 @@ def epoch_batches(cfg: Config, steps: int, first: int, last: int, skip: int = 0)
 
     Epoch e reads the stream of :func:`tfaploss.run.build.build_train_dataset` with
     ``seed_offset=e`` (what a run resumed at epoch e has always read). The epochs are
-    concatenated, so each one's pipeline starts only when the previous one ends.
+    concatenated, so each one's pipeline starts only when the previous one ends. Under
+    several processes each rank reads its own share of every batch
+    (:meth:`tfaploss.run.processes.ProcessGroup.shard`).
     """
     import tensorflow as tf
 
     ds = None
+    shard = processes.current().shard()
     for epoch in range(first, last):
-        part = B.build_train_dataset(cfg, seed_offset=epoch)
+        part = B.build_train_dataset(cfg, seed_offset=epoch, **shard)
         part = part.skip(skip).take(steps - skip) if epoch == first else part.take(steps)
         ds = part if ds is None else ds.concatenate(part)
     return ds.prefetch(tf.data.AUTOTUNE) if ds is not None else None
@@ -48,13 +52,18 @@ def fit(model, cfg: Config, *, steps: int, start_epoch: int, start_step: int, ba
     ``callbacks``) and :class:`~tfaploss.durable.preemption.Preempted` raised. The rest
     of a partly trained epoch is one ``fit`` of ``steps - start_step`` batches (Keras
     has no partial first epoch), the following epochs a second.
+
+    Under several processes a signal to any rank stops every rank after the same
+    batch (:class:`tfaploss.run.processes.StopAgreement`), and ``backup`` (a
+    :class:`~tfaploss.run.processes.GroupBackup`) has rank 0 write the checkpoint.
     """
     from tfaploss.training.preemption import PreemptionCheckpoint
 
     epochs = cfg.training.epochs
-    with SignalFlag() as flag:
+    with SignalFlag() as local:
+        flag, agreement = processes.agreed_stop(local)
         guard = PreemptionCheckpoint(flag, backup, steps, step_offset=start_step)
-        callbacks = [*callbacks, guard]
+        callbacks = [*callbacks, *agreement, guard]
         if start_step:
             LOG.info("resuming epoch %d at step %d of %d (the batches before it are "
                      "skipped)", start_epoch + 1, start_step + 1, steps)

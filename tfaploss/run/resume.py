@@ -51,9 +51,17 @@ def normalised(raw):
 
 def _comparable(raw):
     """A config as compared with a run's: its ``run_dir`` left out (a run directory
-    moved elsewhere still resumes)."""
+    moved elsewhere still resumes), and ``training.distribute.timeout_s`` (how long
+    ranks wait for each other, not what they train)."""
     raw = normalised(raw)
-    return {k: v for k, v in raw.items() if k != "run_dir"} if isinstance(raw, dict) else raw
+    if not isinstance(raw, dict):
+        return raw
+    out = {k: v for k, v in raw.items() if k != "run_dir"}
+    distribute = (out.get("training") or {}).get("distribute")
+    if isinstance(distribute, dict) and "timeout_s" in distribute:
+        out["training"] = {**out["training"], "distribute": {
+            k: v for k, v in distribute.items() if k != "timeout_s"}}
+    return out
 
 
 def diff_keys(a, b, prefix=""):

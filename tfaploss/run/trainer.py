@@ -21,6 +21,11 @@ Run directory layout (``run_dir``)::
                     ``stopped_early`` (null, or why and when the batch-health check
                     stopped the run) and ``health_events``
 
+Under several processes (``torchrun``, JAX's ``--coordinator``:
+:mod:`tfaploss.run.processes`) rank 0 alone writes the run directory, and holds its
+lock; the other ranks wait for it, then read (the config check, the checkpoint they
+restore), and return without writing.
+
 A run directory is checked before it is used (:mod:`tfaploss.run.resume`): what a
 kill leaves is recovered from, damage (what no kill leaves) stops the run with
 :class:`~tfaploss.durable.checkpoints.DamagedRunError`, naming the file; the run never
@@ -61,7 +66,7 @@ from tfaploss.durable.checkpoints import DamagedRunError, RunBackup
 from tfaploss.extras import MissingExtraError
 from tfaploss.log import reporting
 from tfaploss.run import build as B
-from tfaploss.run import preemption
+from tfaploss.run import preemption, processes
 from tfaploss.run import resume as R
 from tfaploss.run.devices import DevicePlan, plan_devices
 from tfaploss.run.needs import check_config_extras
@@ -220,22 +225,33 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto",
     :class:`~tfaploss.data.integrity.DamagedDataError`, naming the file and record and
     the command that rebuilds it. ``skip_damaged=True`` reads the training split once
     at start-up and leaves its damaged files out instead (``summary["skipped_data"]``).
+
+    Launched as several processes (:func:`tfaploss.run.processes.start`: torchrun's
+    environment, or JAX's coordinator), every rank calls ``train``: each trains on its
+    share of every global batch, rank 0 writes the run directory, and the others
+    return ``{"run_dir", "rank", "updates", "processes"}`` (rank 0 writes the summary).
+    A resumed run must have the world size and global batch of its checkpoint.
     """
     with reporting():
         check_config_extras(cfg)
+        group = processes.start(cfg.training.distribute)
         run_dir = Path(run_dir or cfg.run_dir)
         if run_dir != Path(cfg.run_dir):
             cfg = config_from_dict(cfg.to_dict(), [f"run_dir={run_dir}"], warn=False)
         if run_dir.exists() and not run_dir.is_dir():
             raise ConfigError(f"run_dir {str(run_dir)!r} is a file, not a folder: remove it "
                               "or use another run_dir (--set run_dir=...).")
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise ConfigError(f"run_dir {str(run_dir)!r} cannot be created "
-                              f"({type(err).__name__}: {err}).") from None
-        with locks.exclusive(run_dir, "run directory",
-                             log=lambda line: LOG.warning("%s", line)):
+        with contextlib.ExitStack() as held:
+            def claim():  # rank 0's: the others never write the run directory
+                try:
+                    run_dir.mkdir(parents=True, exist_ok=True)
+                except OSError as err:
+                    raise ConfigError(f"run_dir {str(run_dir)!r} cannot be created "
+                                      f"({type(err).__name__}: {err}).") from None
+                held.enter_context(locks.exclusive(
+                    run_dir, "run directory", log=lambda line: LOG.warning("%s", line)))
+
+            group.main_first(claim, f"creating and locking {run_dir}")
             from tfaploss.data import integrity
 
             data = integrity.reading(cfg.data.train, cfg.data.test, what="training")
@@ -275,15 +291,25 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data=None) -> 
     )
     from tfaploss.training.guards import StopOnNonFinite, check_finite_weights
 
-    if restart:
-        _start_over(run_dir, cfg)
+    group = processes.current()
+    if not restart:  # every rank, before rank 0 changes anything: read only
+        processes.check_resume(RunBackup(run_dir / "backup"), group, cfg.data.batch_size)
     # before anything initialises TensorFlow's devices (several CPU devices need that)
     plan = plan_devices(cfg)
-    RunBackup.remove_trash(run_dir)
-    removed = atomic.remove_temp_files(run_dir)
-    if removed:
-        LOG.info("note: removed unfinished file(s) a killed run left: %s", ", ".join(removed))
-    state = R.inspect(run_dir, cfg)  # damage, another config: raises, changes nothing
+
+    def prepare():  # rank 0's: what a killed run left is cleaned up here
+        if restart:
+            _start_over(run_dir, cfg)
+        RunBackup.remove_trash(run_dir)
+        removed = atomic.remove_temp_files(run_dir)
+        if removed:
+            LOG.info("note: removed unfinished file(s) a killed run left: %s",
+                     ", ".join(removed))
+        return R.inspect(run_dir, cfg)  # damage, another config: raises, changes nothing
+
+    state = group.main_first(prepare, f"checking the run directory {run_dir}")
+    if state is None:  # another rank: reads what rank 0 left
+        state = R.inspect(run_dir, cfg)
     done = state.finished
     if done is not None:
         how = (f"stopped by the batch-health check after {done['updates']} updates: "
@@ -294,15 +320,21 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data=None) -> 
                  run_dir, how, run_dir / "model.keras")
         return done
     B.check_data(cfg)
+    processes.check_shards(cfg, group)
     skipped, skipping = _check_records(cfg, *(data or (None, "sizes", False)))
     resuming = state.resuming
-    atomic.atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(),
-                                                                 sort_keys=False),
-                             fault="config")
-    steps = B.steps_per_epoch(cfg)
     epochs_log = run_dir / "epochs.jsonl"
-    _repair_epoch_log(epochs_log)
-    backup = RunBackup(run_dir / "backup")  # its notes: the checkpoints module's logger
+
+    def write_config():
+        atomic.atomic_write_text(run_dir / "config.yaml",
+                                 yaml.safe_dump(cfg.to_dict(), sort_keys=False),
+                                 fault="config")
+        _repair_epoch_log(epochs_log)
+
+    group.main_first(write_config, "writing config.yaml")
+    steps = B.steps_per_epoch(cfg)
+    # its notes: the checkpoints module's logger; rank 0 writes, every rank reads
+    backup = processes.GroupBackup(run_dir / "backup", group, cfg.data.batch_size)
     policy = keras.config.dtype_policy()
     started = time.time()
     devices_scope = contextlib.ExitStack()
@@ -339,32 +371,40 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data=None) -> 
             # sync-on-read variable as an array fails).
             devices_scope.close()
 
-        LOG.info("%s", _describe_run(cfg, steps, chunk, embedding_model, resuming,
-                                     start_epoch, plan))
+        if group.is_main:
+            LOG.info("%s", _describe_run(cfg, steps, chunk, embedding_model, resuming,
+                                         start_epoch, plan, group))
         callbacks = [StopOnNonFinite(steps, hint=f"optimizer.lr={cfg.optimizer.lr:g}")]
         if faults.active():  # crash tests only
             callbacks.append(FaultPoints())
         if cfg.data.test and cfg.evaluation.every_n_epochs:
             callbacks.append(RetrievalEvaluation(
                 embedding_model=embedding_model,
-                evaluate_fn=lambda m: evaluate_split(m, cfg, cfg.data.test,
+                # every rank evaluates, so that callbacks reading it agree
+                evaluate_fn=lambda m: evaluate_split(group.local_model(m), cfg,
+                                                     cfg.data.test,
                                                      cfg.evaluation.max_images),
                 every_n_epochs=cfg.evaluation.every_n_epochs))
         monitor = _health_monitor(cfg)  # collapsed embeddings, flat loss: warn, stop
         if monitor is not None:
             callbacks.append(monitor)
+        if lone:  # most queries without a positive in their batch: warn once per fit
+            callbacks.append(LoneQueryMonitor())
         # The user's, after the evaluation whose logs they may monitor (EarlyStopping).
         callbacks += [build_callback(spec, f"training.callbacks[{i}]")
                       for i, spec in enumerate(cfg.training.callbacks)]
-        callbacks += [
-            EpochLogger(epochs_log, monitor),
-            keras.callbacks.TensorBoard(log_dir=str(run_dir / "logs"), write_graph=False),
-            EpochCheckpoint(backup),  # last: it saves what every other callback has seen
-        ]
+        if group.is_main:  # the writers: rank 0's
+            callbacks += [
+                EpochLogger(epochs_log, monitor),
+                keras.callbacks.TensorBoard(log_dir=str(run_dir / "logs"),
+                                            write_graph=False),
+            ]
+        # last: it saves what every other callback has seen (rank 0 writes)
+        callbacks.append(EpochCheckpoint(backup))
         if start_epoch < cfg.training.epochs:  # SIGTERM, SIGINT: a step checkpoint, stop
             preemption.fit(model, cfg, steps=steps, start_epoch=start_epoch,
                            start_step=start_step, backup=backup, callbacks=callbacks,
-                           verbose=verbose)
+                           verbose=verbose if group.is_main else 0)
         train_seconds = time.time() - started
         stopped = monitor.stopped if monitor is not None else None
         if stopped is not None:
@@ -376,6 +416,10 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data=None) -> 
             LOG.info("BatchNorm statistics re-estimated on %d training images "
                      "(model.precise_bn_images)", cfg.model.precise_bn_images)
         check_finite_weights(embedding_model, str(model_path))
+        if not group.is_main:  # rank 0 saves, evaluates and summarises
+            return {"run_dir": str(run_dir), "rank": group.rank,
+                    "updates": int(keras.ops.convert_to_numpy(model.optimizer.iterations)),
+                    "processes": group.to_dict()}
         atomic.atomic_write(model_path, embedding_model.save, fault="model",
                             needed=backup.expected_bytes())  # weights + optimizer: above
         final, final_search = None, None
@@ -383,8 +427,8 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data=None) -> 
             LOG.info("Evaluating on %s ...", cfg.data.test)
             final_search = {}
             try:
-                final = evaluate_split(embedding_model, cfg, cfg.data.test,
-                                       search=final_search)
+                final = evaluate_split(group.local_model(embedding_model), cfg,
+                                       cfg.data.test, search=final_search)
             except MissingExtraError as err:
                 # the model is saved: the summary is still written, without metrics
                 LOG.warning("warning: final evaluation skipped: %s", err)
@@ -414,6 +458,7 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data=None) -> 
         "chunk_size": chunk,
         "batch_size": cfg.data.batch_size,
         "distribute": plan.to_dict(),
+        "processes": group.to_dict(),
         # epochs.jsonl keeps the per-step values; the summary stays one row per epoch.
         "history": [{k: v for k, v in row.items() if k != "health_steps"}
                     for row in epochs],
@@ -453,7 +498,8 @@ def _check_records(cfg: Config, reading, level: str, skip: bool):
 
 
 def _describe_run(cfg: Config, steps: int, chunk, model, resuming: bool,
-                  start_epoch: int = 0, plan: DevicePlan | None = None) -> str:
+                  start_epoch: int = 0, plan: DevicePlan | None = None,
+                  group: processes.ProcessGroup | None = None) -> str:
     params = sum(math.prod(v.shape) for v in model.trainable_weights)
     stage = (f"multi-stage, chunks of {chunk}" if chunk else "single pass")
     kwargs = ", ".join(f"{k}={v!r}" for k, v in cfg.loss.kwargs.items())
@@ -465,6 +511,8 @@ def _describe_run(cfg: Config, steps: int, chunk, model, resuming: bool,
          f"{cfg.model.embedding_dim}-d, {params:,} trainable parameters"),
         f"  loss     {cfg.loss.name}({kwargs})",
         *([f"  devices  {plan.describe()}"] if plan is not None else []),
+        *([f"  ranks    {group.describe()}, {cfg.data.batch_size // group.world_size} "
+           "images of every global batch each"] if group and group.distributed else []),
         (f"  train    {cfg.training.epochs} epochs x {steps} steps, {stage}, "
          f"{cfg.optimizer.name} lr {cfg.optimizer.lr:g} ({cfg.optimizer.schedule.name})"),
         f"  run_dir  {cfg.run_dir}" + (

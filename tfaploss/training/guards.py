@@ -19,6 +19,19 @@ class NonFiniteTrainingError(RuntimeError):
     """The loss or the weights became NaN/inf; the message says where and why."""
 
 
+def sync_state(model) -> None:
+    """Make ``model``'s variables hold its current state, for a callback that reads them
+    in the middle of an epoch.
+
+    Keras's JAX trainer keeps the state outside the variables during ``fit`` (it
+    empties them to save memory) and puts it back at each epoch's end; a variable read
+    in between fails. Elsewhere a no-op. Cost on JAX: one assignment per variable.
+    """
+    sync = getattr(model, "jax_state_sync", None)
+    if sync is not None:
+        sync()
+
+
 def _variable_name(v) -> str:
     return getattr(v, "path", None) or getattr(v, "name", "?")
 
@@ -96,6 +109,7 @@ class StopOnNonFinite(keras.callbacks.Callback):
         loss = (logs or {}).get("loss")
         loss_value = None if loss is None else float(keras.ops.convert_to_numpy(loss))
         loss_ok = loss_value is None or math.isfinite(loss_value)
+        sync_state(self.model)
         weights_ok = bool(keras.ops.convert_to_numpy(self._check()))
         if loss_ok and weights_ok:
             return

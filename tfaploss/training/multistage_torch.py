@@ -16,7 +16,7 @@ the GLOBAL batch on every rank; stage 3 backpropagates ``W * G[own rows]``; the
 parameter gradients are then averaged over the ranks (one all-reduce per step), which
 gives ``sum_r J_r^T G_r = dL/dtheta``, the one-process gradient of the global batch
 (:mod:`tfaploss.ops.distribute_torch`). Weight regularisers, the same on every rank,
-average to themselves. The first step broadcasts rank 0's weights, as
+average to themselves. The compiled metrics see the global batch too. The first step broadcasts rank 0's weights, as
 DistributedDataParallel does, so every rank starts from them.
 """
 
@@ -104,4 +104,7 @@ class TorchSteps:
             self._update_trackers(total.detach(), memory_loss.detach()
                                   if torch.is_tensor(memory_loss) else memory_loss,
                                   diff, batch)
-        return self.compute_metrics(x, y, embeddings, sample_weight=sample_weight)
+        # The metrics of the global batch, as the loss: every rank reports (and its
+        # callbacks decide on) the values of a one-process step.
+        return self.compute_metrics(x, global_y, global_embeddings,
+                                    sample_weight=global_weight)

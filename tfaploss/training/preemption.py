@@ -68,8 +68,9 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
                     os.kill(os.getpid(), signum)
         if self.flag.signum is None or step >= self.steps_per_epoch:
             return  # the epoch's end handles a signal in its last batch
-        from tfaploss.training.guards import check_finite_weights
+        from tfaploss.training.guards import check_finite_weights, sync_state
 
+        sync_state(self.model)  # mid-epoch on JAX: the variables are empty until synced
         name = signal.Signals(self.flag.signum).name
         LOG.warning("%s received: saving a checkpoint after step %d of epoch %d", name,
                     step, self._epoch + 1)

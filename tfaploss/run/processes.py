@@ -1,0 +1,486 @@
+"""A run across processes: who this process is, and what every rank does together.
+
+``tfaploss train`` runs as one process, or as one rank of W processes (on one machine
+or several) started by the standard launcher of its Keras backend. This module is the
+one place that knows which: every other part of a run asks :func:`current` for the
+rank, the world size, whether it is rank 0, and for the collectives they share.
+
+Launchers (:func:`start`, called by ``tfaploss train`` and by
+:func:`tfaploss.run.trainer.train` itself):
+
+* **PyTorch** (``KERAS_BACKEND=torch``): ``torchrun`` (``python -m
+  torch.distributed.run``) sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+  ``MASTER_ADDR`` and ``MASTER_PORT``; the process group is gloo on CPUs, NCCL with
+  CUDA (one GPU per ``LOCAL_RANK``). The losses then all-gather the ranks' rows and
+  ``MultiStageModel`` averages the gradients (:mod:`tfaploss.ops.distribute_torch`).
+* **JAX**: ``jax.distributed.initialize`` from ``--coordinator HOST:PORT
+  --num-processes N --process-id I`` (or ``JAX_COORDINATOR_ADDRESS``,
+  ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``), or ``--coordinator auto``: JAX finds the
+  cluster in the launcher's environment (SLURM, Open MPI, Kubernetes, Cloud TPU). The
+  run is then ``keras.distribution.DataParallel`` over every process's devices
+  (:func:`tfaploss.run.devices.plan_devices`): the step sees the global batch.
+* **TensorFlow**: refused. ``MultiWorkerMirroredStrategy`` stays a library-level
+  path (a ``strategy.run`` loop of your own), since Keras's ``fit`` does not run under
+  it (docs/scale_out.md).
+
+What the ranks share. Each rank decodes only its share of every global batch
+(:meth:`ProcessGroup.shard`, ``make_train_dataset(num_shards, shard_index)``), and the
+loss ranks the global batch. Rank 0 alone writes the run directory (config,
+epochs.jsonl, TensorBoard, checkpoints, model, summary); the others wait at a barrier,
+then read it (:meth:`ProcessGroup.main_first`). The run directory must therefore be
+one folder every rank sees (a shared file system) for a run to resume. Every
+checkpoint records the world size and the global batch (:class:`GroupBackup`); a run
+resumed with others is refused, naming both (:func:`check_resume`). A SIGTERM to any
+rank, or a callback stopping any rank, stops every rank after the same step
+(:class:`StopAgreement`): rank 0 writes one step checkpoint and every rank exits 143.
+
+Timeouts. ``training.distribute.timeout_s`` (default 600 s) bounds how long a rank
+waits for the others: the process group's collective timeout on PyTorch; on JAX the
+start-up and shut-down waits and, capped at 100 s, the heartbeat that notices a dead
+process. Choose it longer than the longest thing one rank does while the others wait
+(rank 0 writing a checkpoint or its final evaluation, the slowest rank's start-up
+and first step) and far shorter than PyTorch's 30-minute default, which a hung rank
+otherwise holds the whole group for. A rank that dies is noticed sooner: its
+connections close.
+
+Cost of the agreement: one all-reduce of two integers per step (measured on 2 CPU
+processes of one machine: 1.0 ms on gloo, 3.3 ms on JAX; ``benchmarks`` in
+docs/scale_out.md), none with one process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import keras
+
+from tfaploss.config.fields import ConfigError
+from tfaploss.durable.checkpoints import RunBackup
+
+__all__ = ["GroupBackup", "ProcessGroup", "RankStoppedError", "StopAgreement",
+           "agreed_stop", "check_resume", "check_shards", "current", "start"]
+
+LOG = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 600
+# JAX's own default: how long before a process whose heartbeats stopped counts as dead.
+_JAX_HEARTBEAT_S = 100
+
+
+class RankStoppedError(RuntimeError):
+    """Another rank stopped (rank 0 failed while the others waited for it); its own
+    output says why."""
+
+
+@dataclass(frozen=True)
+class ProcessGroup:
+    """This process's place among the ranks of a run (one process: rank 0 of 1).
+
+    ``backend``: ``"torch"``, ``"jax"`` or ``"none"`` (one process); ``launcher``: what
+    started the ranks (``"torchrun"``, ``"coordinator"``, ``"cluster"``, ``"user"``: a
+    process group set up before the run).
+    """
+
+    backend: str = "none"
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    launcher: str = "none"
+    timeout_s: int = DEFAULT_TIMEOUT_S
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that writes the run directory."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def describe(self) -> str:
+        if not self.distributed:
+            return "one process"
+        how = {"torch": "torch.distributed", "jax": "jax.distributed"}[self.backend]
+        return (f"{self.world_size} processes ({how}, launched by {self.launcher}); this "
+                f"is rank {self.rank}; rank 0 writes the run directory")
+
+    def to_dict(self) -> dict:
+        return {"processes": self.world_size, "backend": self.backend,
+                "launcher": self.launcher, "timeout_s": self.timeout_s}
+
+    def shard(self) -> dict:
+        """``make_train_dataset``'s ``num_shards`` and ``shard_index`` for this rank."""
+        return {"num_shards": self.world_size, "shard_index": self.rank}
+
+    # -- collectives -------------------------------------------------------------------
+
+    def any_rank(self, *values: int) -> tuple[int, ...]:
+        """Each value's maximum over the ranks (``values`` itself with one process).
+
+        A collective: every rank must call it, with as many values. Cost: one
+        all-reduce of ``len(values)`` integers (about 1 ms on gloo, 3 ms on JAX, CPU
+        processes of one machine).
+        """
+        values = tuple(int(v) for v in values)
+        if not self.distributed:
+            return values
+        if self.backend == "torch":
+            import torch
+            import torch.distributed as dist
+
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            tensor = torch.tensor(values, dtype=torch.int64, device=device)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+            return tuple(int(v) for v in tensor.tolist())
+        import numpy as np
+        from jax.experimental import multihost_utils
+        import sys, traceback
+        print("DEBUG any_rank", self.rank, values, traceback.extract_stack()[-3].name, traceback.extract_stack()[-4].name, file=sys.stderr, flush=True)
+
+        gathered = multihost_utils.process_allgather(np.asarray(values, np.int32))
+        return tuple(int(v) for v in np.asarray(gathered).reshape(-1, len(values)).max(0))
+
+    def barrier(self) -> None:
+        """Wait until every rank is here (a collective; nothing with one process)."""
+        self.any_rank(0)
+
+    def main_first(self, fn, what: str):
+        """Rank 0 runs ``fn`` while the others wait; returns its result on rank 0,
+        None on the others.
+
+        Every rank first waits for all (so rank 0 never writes while another still
+        reads), then for rank 0 to finish. If ``fn`` raises, rank 0 re-raises it and
+        the others raise :class:`RankStoppedError` naming ``what`` rather than wait for
+        a timeout. With one process: ``fn()``.
+        """
+        if not self.distributed:
+            return fn()
+        self.barrier()
+        result = None
+        if self.is_main:
+            try:
+                result = fn()
+            except Exception:
+                try:
+                    self.any_rank(1)  # tell the others, then stop
+                except Exception:  # noqa: BLE001 - the first error is the one to report
+                    pass
+                raise
+        (failed,) = self.any_rank(0)
+        if failed:
+            raise RankStoppedError(f"rank 0 stopped while {what} (its output says why); "
+                                   f"rank {self.rank} stops too")
+        return result
+
+    def local_model(self, model):
+        """``model``, or under JAX across processes a copy of it on this process's
+        devices, for work one rank does alone (an evaluation): the run's own
+        variables live on every process's devices, so a computation on them alone
+        would wait for the others. Cost: one model build and one copy of the weights.
+        """
+        if not (self.distributed and self.backend == "jax"):
+            return model
+        import numpy as np
+
+        previous = keras.distribution.distribution()
+        keras.distribution.set_distribution(None)
+        try:
+            copy = keras.models.clone_model(model)
+            copy.set_weights([np.asarray(w) for w in model.get_weights()])
+        finally:
+            keras.distribution.set_distribution(previous)
+        return copy
+
+
+_GROUP = ProcessGroup()
+
+
+def current() -> ProcessGroup:
+    """The group :func:`start` set up (one process before, or without, it)."""
+    return _GROUP
+
+
+# -- start ------------------------------------------------------------------------------
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}: must be a whole number, "
+                          f"received {value!r}") from None
+
+
+def start(distribute=None, *, coordinator: str | None = None,
+          num_processes: int | None = None, process_id: int | None = None) -> ProcessGroup:
+    """Join the ranks of this run when a launcher started several; returns the group.
+
+    ``distribute``: the config's ``training.distribute`` (its ``timeout_s``; None:
+    600 s). ``coordinator``, ``num_processes``, ``process_id``: JAX's, from
+    ``tfaploss train --coordinator HOST:PORT|auto --num-processes N --process-id I``
+    (default: ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``).
+    PyTorch reads torchrun's environment. Without a launcher: one process. Called
+    again, it returns the group already started.
+
+    Raises :class:`~tfaploss.config.ConfigError` when the launch does not fit the
+    backend (torchrun without ``KERAS_BACKEND=torch``, a coordinator on PyTorch,
+    several processes on TensorFlow) or a JAX argument is missing. Cost: the
+    process group's rendezvous (every rank must call it, within ``timeout_s``).
+    """
+    global _GROUP
+    if _GROUP.distributed:
+        return _GROUP
+    timeout = int(getattr(distribute, "timeout_s", None) or DEFAULT_TIMEOUT_S)
+    backend = keras.backend.backend()
+    world = _env_int("WORLD_SIZE")
+    torchrun = world is not None and world > 1
+    coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
+    if num_processes is None:
+        num_processes = _env_int("JAX_NUM_PROCESSES")
+    if process_id is None:
+        process_id = _env_int("JAX_PROCESS_ID")
+    if backend == "torch":
+        if coordinator is not None:
+            raise ConfigError(
+                f"--coordinator {coordinator!r} starts JAX processes; under "
+                "KERAS_BACKEND=torch launch the ranks with torchrun (docs/scale_out.md).")
+        _GROUP = _start_torch(timeout, torchrun)
+    elif backend == "jax":
+        if torchrun:
+            raise ConfigError(
+                f"torchrun's environment (WORLD_SIZE={world}) under KERAS_BACKEND=jax: "
+                "torchrun launches need KERAS_BACKEND=torch; start JAX processes with "
+                "tfaploss train --coordinator HOST:PORT --num-processes N --process-id I "
+                "(docs/scale_out.md).")
+        _GROUP = _start_jax(timeout, coordinator, num_processes, process_id)
+    elif torchrun or coordinator is not None:
+        launched = f"WORLD_SIZE={world}" if torchrun else f"--coordinator {coordinator}"
+        raise ConfigError(
+            f"several processes ({launched}) under KERAS_BACKEND={backend}: tfaploss train "
+            "runs across processes on torch (torchrun) and jax (--coordinator). "
+            "TensorFlow's MultiWorkerMirroredStrategy stays library-level, since Keras's "
+            "fit does not run under it (docs/scale_out.md).")
+    else:
+        _GROUP = ProcessGroup(timeout_s=timeout)
+    if _GROUP.distributed:
+        LOG.info("tfaploss train: %s", _GROUP.describe())
+    return _GROUP
+
+
+def _start_torch(timeout: int, torchrun: bool) -> ProcessGroup:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # the caller's own group
+        return ProcessGroup("torch", dist.get_rank(), dist.get_world_size(),
+                            _env_int("LOCAL_RANK") or 0, "user", timeout)
+    if not torchrun:
+        return ProcessGroup(timeout_s=timeout)
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    local = _env_int("LOCAL_RANK") or 0
+    missing = [n for n in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(n)]
+    if missing:
+        raise ConfigError(f"WORLD_SIZE={world} but {', '.join(missing)} not set: launch "
+                          "the ranks with torchrun (python -m torch.distributed.run).")
+    import torch
+
+    backend = "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)  # before Keras puts anything on "cuda"
+        backend = "nccl"
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout))
+    return ProcessGroup("torch", rank, world, local, "torchrun", timeout)
+
+
+def _start_jax(timeout: int, coordinator, num_processes, process_id) -> ProcessGroup:
+    import jax
+
+    if jax.distributed.is_initialized():  # the caller's own
+        return ProcessGroup("jax", jax.process_index(), jax.process_count(),
+                            0, "user", timeout)
+    if coordinator is None:
+        if num_processes is not None or process_id is not None:
+            raise ConfigError("--num-processes and --process-id go with --coordinator "
+                              "HOST:PORT (rank 0's address), or --coordinator auto.")
+        return ProcessGroup(timeout_s=timeout)
+    kwargs = dict(initialization_timeout=timeout, shutdown_timeout_seconds=timeout,
+                  heartbeat_timeout_seconds=min(timeout, _JAX_HEARTBEAT_S))
+    if coordinator == "auto":
+        launcher = "cluster"
+        if num_processes is not None:
+            kwargs["num_processes"] = num_processes
+        if process_id is not None:
+            kwargs["process_id"] = process_id
+    else:
+        launcher = "coordinator"
+        if num_processes is None or process_id is None:
+            raise ConfigError(
+                f"--coordinator {coordinator}: give --num-processes N and --process-id I "
+                f"too (received {num_processes} and {process_id}), or --coordinator auto "
+                "under a cluster launcher JAX knows (SLURM, Open MPI, Kubernetes).")
+        if not 0 <= process_id < num_processes:
+            raise ConfigError(f"--process-id must be in 0..{num_processes - 1} "
+                              f"(--num-processes {num_processes}); received {process_id}")
+        if num_processes == 1:
+            return ProcessGroup(timeout_s=timeout)
+        kwargs.update(coordinator_address=coordinator, num_processes=num_processes,
+                      process_id=process_id)
+    jax.distributed.initialize(**kwargs)
+    return ProcessGroup("jax", jax.process_index(), jax.process_count(),
+                        _env_int("LOCAL_RANK") or 0, launcher, timeout)
+
+
+# -- the run directory --------------------------------------------------------------------
+
+
+class GroupBackup(RunBackup):
+    """The run's :class:`~tfaploss.durable.checkpoints.RunBackup` as every rank holds it:
+    rank 0 writes each checkpoint while the others wait (:meth:`ProcessGroup.main_first`),
+    and every index record holds the world size and the global batch
+    (``processes``, ``global_batch``) that :func:`check_resume` compares. Reading
+    (``find``, ``restore``) is every rank's.
+
+    Cost beyond one process: two barriers per checkpoint.
+    """
+
+    def __init__(self, directory, group: ProcessGroup, global_batch: int, log=None):
+        super().__init__(directory, log)
+        self.group = group
+        self.global_batch = int(global_batch)
+
+    def _extra(self, extra: dict | None) -> dict:
+        return {**(extra or {}), "processes": self.group.world_size,
+                "global_batch": self.global_batch}
+
+    def save(self, model, epoch: int, extra: dict | None = None) -> Path:
+        path = self.group.main_first(
+            lambda: RunBackup.save(self, model, epoch, self._extra(extra)),
+            f"writing the checkpoint of epoch {epoch}")
+        return path or self.checkpoint_path(epoch)
+
+    def save_step(self, model, epoch: int, step: int, extra: dict | None = None) -> Path:
+        path = self.group.main_first(
+            lambda: RunBackup.save_step(self, model, epoch, step, self._extra(extra)),
+            f"writing the step checkpoint of epoch {epoch}, step {step}")
+        return path or self.step_path(epoch, step)
+
+
+def _recorded(index: Path) -> dict | None:
+    """The latest record of a checkpoint index, None when missing or unreadable (the
+    run directory's own checks report a damaged index)."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            latest = json.load(f)["latest"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+    return latest if isinstance(latest, dict) else None
+
+
+def check_resume(backup: RunBackup, group: ProcessGroup, global_batch: int) -> None:
+    """Refuse to resume a checkpoint written by another world size or global batch.
+
+    Reads the indexes of ``backup`` (the epoch checkpoint's and a step checkpoint's);
+    a record from before world sizes were recorded counts as one process. Raises
+    :class:`~tfaploss.config.ConfigError` naming both layouts and the ways out. Read
+    only: every rank calls it before rank 0 changes anything. Cost: two small reads.
+    """
+    for index in (backup.index_path, backup.step_index_path):
+        record = _recorded(index)
+        if record is None:
+            continue
+        processes, batch = record.get("processes", 1), record.get("global_batch")
+        if type(processes) is not int or (batch is not None and type(batch) is not int):
+            continue
+        if processes == group.world_size and batch in (None, global_batch):
+            continue
+        was = f"a global batch of {batch}" if batch is not None else "its global batch"
+        raise ConfigError(
+            f"run_dir {str(backup.directory.parent)!r} holds a checkpoint "
+            f"({index.parent.name}/{index.name}) of a run on {processes} process(es) with "
+            f"{was}; this run has {group.world_size} process(es) with a global batch of "
+            f"{global_batch}. A resumed run keeps both (each rank's share of the batch, "
+            f"its multi-stage chunks and BatchNorm groups follow them): launch "
+            f"{processes} process(es) with data.batch_size={batch or global_batch} again, "
+            "use a new run_dir (--set run_dir=...), or start over here with --restart "
+            "(the previous run's files are moved aside, not deleted).")
+
+
+def check_shards(cfg, group: ProcessGroup) -> None:
+    """Refuse, before anything is written, a global batch the ranks cannot share:
+    ``make_train_dataset``'s rule (whole classes per rank), raised as a
+    :class:`~tfaploss.config.ConfigError` naming the keys. Cost: one dataset built
+    (lazily: the manifest read, no record)."""
+    if not group.distributed:
+        return
+    from tfaploss.run import build as B
+
+    try:
+        B.build_train_dataset(cfg, **group.shard())
+    except ValueError as err:
+        if not str(err).startswith("num_shards="):
+            raise
+        raise ConfigError(
+            f"config keys 'data.batch_size' ({cfg.data.batch_size}) and 'data.m' "
+            f"({cfg.data.m}) over {group.world_size} processes: {err}.") from None
+
+
+# -- stopping together --------------------------------------------------------------------
+
+
+class StopAgreement(keras.callbacks.Callback):
+    """Make every rank stop after the same step: the flag that
+    :class:`~tfaploss.training.preemption.PreemptionCheckpoint` reads under several
+    processes.
+
+    At the end of every batch and epoch the ranks agree (one all-reduce of two
+    integers): if any rank received SIGTERM or SIGINT (``local``, a
+    :class:`~tfaploss.durable.preemption.SignalFlag`), :attr:`signum` becomes that
+    signal on every rank; if any rank's callbacks set ``model.stop_training`` (the
+    batch-health check, EarlyStopping), every rank's model stops. Put it after every
+    callback that may stop training and before the ``PreemptionCheckpoint`` that
+    reads it.
+    """
+
+    def __init__(self, local, group: ProcessGroup):
+        super().__init__()
+        self.local = local
+        self.group = group
+        self.signum: int | None = None
+
+    def seconds_since(self) -> float:
+        return self.local.seconds_since()
+
+    def _agree(self) -> None:
+        signum, stop = self.group.any_rank(self.local.signum or 0,
+                                           bool(getattr(self.model, "stop_training", False)))
+        if signum and self.signum is None:
+            self.signum = signum
+            if self.local.signum is None:
+                LOG.warning("rank %d: another rank received signal %d: stopping with it",
+                            self.group.rank, signum)
+        if stop:
+            self.model.stop_training = True
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._agree()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._agree()
+
+
+def agreed_stop(local) -> tuple[object, list]:
+    """``(flag, callbacks)`` for a fit: ``local`` and no callback with one process;
+    under several, a :class:`StopAgreement` that is both."""
+    group = current()
+    if not group.distributed:
+        return local, []
+    agreement = StopAgreement(local, group)
+    return agreement, [agreement]
