@@ -106,7 +106,7 @@ def build_run(args, split: str):
     keras.utils.set_random_seed(cfg.training.seed)
     dataset = B.build_train_dataset(cfg)
     model = MultiStageModel(B.build_model(cfg),
-                            chunk_size=cfg.training.chunk_size if cfg.uses_multistage else None,
+                            chunk_size=cfg.multistage_chunk,
                             xbm_size=cfg.training.xbm.size, xbm_weight=cfg.training.xbm.weight)
     model.compile(optimizer=B.build_optimizer(cfg, 1000), loss=B.build_loss(cfg),
                   jit_compile=cfg.training.jit_compile)

@@ -198,10 +198,35 @@ def test_chunk_size_not_below_batch_size_warns_that_multistage_is_off():
     with pytest.warns(ConfigWarning, match="multi-stage backpropagation is off"):
         cfg = config_from_dict({**MINIMAL, "data": {"batch_size": 64},
                                 "training": {"chunk_size": 64}})
-    assert not cfg.uses_multistage
+    assert not cfg.uses_multistage and cfg.multistage_chunk is None
     cfg = config_from_dict({**MINIMAL, "data": {"batch_size": 64},
                             "training": {"chunk_size": 16}})
-    assert cfg.uses_multistage
+    assert cfg.uses_multistage and cfg.multistage_chunk == 16
+    assert config_from_dict({**MINIMAL, "data": {"batch_size": 64}}).multistage_chunk is None
+
+
+def test_a_build_reads_the_training_manifest_once(tmp_path, monkeypatch):
+    """check_data reads the manifest afresh; steps per epoch and the proxies' classes of
+    the same build reuse it; a config naming another split reads that one."""
+    import json
+
+    import tfaploss.data
+
+    for name, classes in (("a", 7), ("b", 9)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps(
+            {"num_images": 640, "num_classes": classes, "class_counts": {}}))
+    reads = []
+    real = tfaploss.data.read_manifest
+    monkeypatch.setattr(tfaploss.data, "read_manifest", lambda p: reads.append(p) or real(p))
+    cfg = config_from_dict({**MINIMAL, "data": {"train": str(tmp_path / "a"), "batch_size": 64},
+                            "loss": {"name": "ProxyAnchorLoss"}})
+    B.check_data(cfg)
+    assert B.steps_per_epoch(cfg) == 10 and B.build_loss(cfg).num_classes == 7
+    assert len(reads) == 1
+    B.check_data(cfg)  # a new build: read again (the file may have changed)
+    cfg.data.train = str(tmp_path / "b")
+    assert B.build_loss(cfg).num_classes == 9 and len(reads) == 3
 
 
 def test_batch_not_multiple_of_m_and_unused_xbm_weight_are_errors():

@@ -123,12 +123,11 @@ def check_consistency(cfg: Config) -> list[str]:
             f"config key 'optimizer.warmup_epochs': {opt.warmup_epochs} must be >= 0 "
             f"and shorter than training.epochs={train.epochs}.")
 
-    if train.chunk_size is not None:
-        if train.chunk_size >= data.batch_size:
-            notes.append(
-                f"training.chunk_size={train.chunk_size} >= data.batch_size="
-                f"{data.batch_size}: multi-stage backpropagation is off, each batch is "
-                "one ordinary forward/backward pass.")
+    if train.chunk_size is not None and not cfg.uses_multistage:
+        notes.append(
+            f"training.chunk_size={train.chunk_size} >= data.batch_size={data.batch_size}: "
+            "multi-stage backpropagation is off, each batch is one ordinary "
+            "forward/backward pass.")
     xbm = train.xbm
     if xbm.size == 0 and xbm.weight != 1.0:
         raise ConfigError(

@@ -335,10 +335,17 @@ class Config:
         return _to_plain(self)
 
     @property
+    def multistage_chunk(self) -> int | None:
+        """The images of one forward/backward chunk (``MultiStageModel``'s ``chunk_size``),
+        or ``None`` when batches are not split: ``training.chunk_size`` unset, or not below
+        ``data.batch_size``."""
+        chunk = self.training.chunk_size
+        return chunk if chunk is not None and self.data.batch_size > chunk else None
+
+    @property
     def uses_multistage(self) -> bool:
         """True when batches are split into chunks (``MultiStageModel``)."""
-        chunk = self.training.chunk_size
-        return chunk is not None and self.data.batch_size > chunk
+        return self.multistage_chunk is not None
 
     @property
     def image_shape(self) -> tuple[int, int]:

@@ -133,8 +133,8 @@ def precise_batch_norm(model, cfg: Config) -> int:
     count = cfg.model.precise_bn_images
     if not count or cfg.model.frozen_bn:
         return 0
-    group = cfg.training.chunk_size if cfg.uses_multistage else cfg.data.batch_size
-    split_size = (_manifest(cfg.data.train) or {}).get("num_images")
+    group = cfg.multistage_chunk or cfg.data.batch_size
+    split_size = (_manifest(cfg) or {}).get("num_images")
     if isinstance(split_size, int) and split_size > 0:
         count = min(count, -(-split_size // group) * group)
     batches = build_train_dataset(cfg, seed_offset=_PRECISE_BN_SEED_OFFSET)
@@ -205,8 +205,7 @@ def _uses_proxies(cls, kwargs) -> bool:
 
 def _proxy_classes(cfg: Config, configured) -> int:
     """The number of training classes (one proxy each), from the training manifest."""
-    manifest = _manifest(cfg.data.train) if cfg.data.train else None
-    found = (manifest or {}).get("num_classes")
+    found = (_manifest(cfg) or {}).get("num_classes")
     if found is None:
         if configured is None:
             raise ConfigError(
@@ -281,17 +280,25 @@ def build_optimizer(cfg: Config, steps_per_epoch: int):
     return optimizer
 
 
-def _manifest(path: str) -> dict | None:
-    from tfaploss.data import read_manifest
+def _manifest(cfg: Config, fresh: bool = False) -> dict | None:
+    """The training split's manifest.json, read once per build: :func:`check_data`, which
+    a run calls first, reads it afresh; the rest of the build (steps per epoch, proxies,
+    BatchNorm, classes left) reuses it, kept on ``cfg`` (not a field, so ``to_dict`` and
+    ``==`` ignore it). A large split's manifest is megabytes of JSON."""
+    path = cfg.data.train
+    held = cfg.__dict__.get("_train_manifest")
+    if fresh or held is None or held[0] != path:
+        from tfaploss.data import read_manifest
 
-    return read_manifest(path)
+        held = cfg.__dict__["_train_manifest"] = (path, read_manifest(path) if path else None)
+    return held[1]
 
 
 def steps_per_epoch(cfg: Config) -> int:
     """``training.steps_per_epoch``, or the training split's images / batch size."""
     if cfg.training.steps_per_epoch is not None:
         return cfg.training.steps_per_epoch
-    manifest = _manifest(cfg.data.train)
+    manifest = _manifest(cfg)
     if not manifest or "num_images" not in manifest:
         raise ConfigError(
             "config key 'training.steps_per_epoch' is null, which means one pass over "
@@ -310,9 +317,9 @@ def check_data(cfg: Config) -> None:
     if "://" not in cfg.data.train and not Path(cfg.data.train).exists():
         raise ConfigError(f"config key 'data.train': {cfg.data.train!r} does not exist. "
                           "Write it with a pipelines job first (see README: Preparing data).")
-    _check_class_chunks(cfg)
+    manifest = _manifest(cfg, fresh=True) or {}
+    _check_class_chunks(cfg, manifest)
     if cfg.data.sampler == "all_classes":
-        manifest = _manifest(cfg.data.train) or {}
         counts = manifest.get("class_counts", {})
         eligible = sum(1 for k, v in counts.items() if int(k) >= 0 and v >= cfg.data.m)
         if eligible and eligible * cfg.data.m != cfg.data.batch_size:
@@ -329,7 +336,7 @@ def _largest_chunk(n: int, chunk_size: int) -> int:
     return -(-n // max(1, -(-n // chunk_size)))
 
 
-def _check_class_chunks(cfg: Config) -> None:
+def _check_class_chunks(cfg: Config, manifest: dict) -> None:
     """Refuse a sampler that could never fill a batch from the split's by-class records.
 
     A sampler draws the m images of a class from ONE record of ``by_class/``, which
@@ -337,7 +344,6 @@ def _check_class_chunks(cfg: Config) -> None:
     too few classes have a record of m images, the input pipeline waits forever before
     the first batch, so this is checked from the manifest up front.
     """
-    manifest = _manifest(cfg.data.train) or {}
     chunk = (manifest.get("by_class") or {}).get("chunk_size")
     counts = manifest.get("class_counts") or {}
     if not chunk:
@@ -383,7 +389,7 @@ def check_classes_left(cfg: Config, kept: dict[int, int], skipped: dict) -> None
                         usable)
         return
     split = integrity.split_dir_of(cfg.data.train)
-    manifest = _manifest(cfg.data.train)
+    manifest = _manifest(cfg)
     raise integrity.DamagedDataError(
         f"after skipping {len(skipped['shards'])} damaged file(s) of {split} "
         f"({', '.join(s['file'] for s in skipped['shards'])}), {usable} classes have a "

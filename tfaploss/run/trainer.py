@@ -346,7 +346,7 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data=None) -> 
             keras.config.set_dtype_policy("mixed_float16")
         loss = B.build_loss(cfg)
         embedding_model = B.attach_proxies(loss, initial_model(cfg))
-        chunk = cfg.training.chunk_size if cfg.uses_multistage else None
+        chunk = cfg.multistage_chunk
         model = MultiStageModel(embedding_model, chunk_size=chunk,
                                 xbm_size=cfg.training.xbm.size,
                                 xbm_weight=cfg.training.xbm.weight)
