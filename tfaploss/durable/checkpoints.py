@@ -112,12 +112,18 @@ def _h5_readable(path: Path) -> str | None:
 
 
 def weights_bytes(model, factor: float = 1.0) -> int:
-    """``model``'s variables' bytes x ``factor`` + 4 KB per variable and 64 KB: what an
-    HDF5 file adds around them (Keras 3's ``.weights.h5``: 1.5 KB per variable for a
-    ResNet-50, 2.2 KB for the small CNN, 11.8 KB in all for a two-variable model)."""
+    """``model``'s variables' bytes, its optimizer's included (``save_weights`` writes
+    both: Adam's two moments make a checkpoint 3x the weights), x ``factor`` + 4 KB per
+    variable and 64 KB: what an HDF5 file adds around them (Keras 3's ``.weights.h5``:
+    1.5 KB per variable for a ResNet-50, 2.2 KB for the small CNN, 11.8 KB in all for a
+    two-variable model)."""
     import numpy as np
 
-    weights = getattr(model, "weights", [])
+    weights = list(getattr(model, "weights", []))
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and getattr(optimizer, "built", False):
+        seen = {id(w) for w in weights}
+        weights += [v for v in optimizer.variables if id(v) not in seen]
     raw = sum(int(np.prod(w.shape)) * np.dtype(getattr(w.dtype, "name", w.dtype)).itemsize
               for w in weights)
     return int(raw * factor) + 4096 * len(weights) + 65536
