@@ -40,6 +40,7 @@ Who decides what is shown:
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import sys
 
@@ -53,19 +54,31 @@ class PlainHandler(logging.Handler):
     """Writes each record as one plain line: below WARNING to stdout, WARNING and above
     to stderr. The streams are looked up when a record is written (so redirections,
     ``contextlib.redirect_stdout`` and pytest's capture see the lines), and flushed at
-    once (the lines keep their order with the rest of a log file)."""
+    once (the lines keep their order with the rest of a log file).
+
+    A stream on a full disk (``> log.txt`` there) takes no more lines: the first error
+    is kept in ``full`` (``(stream, OSError)``) for the command to report once, instead
+    of logging's traceback for every line after it."""
 
     def __init__(self, level=logging.NOTSET, fmt: str = PLAIN_FORMAT):
         super().__init__(level)
         self.setFormatter(logging.Formatter(fmt))
+        self.full = None
 
     def emit(self, record: logging.LogRecord) -> None:
+        stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
+        if self.full is not None and self.full[0] is stream:
+            return
         try:
-            stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
             stream.write(self.format(record) + "\n")
             stream.flush()
         except RecursionError:
             raise
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                self.handleError(record)
+            elif self.full is None:
+                self.full = (stream, err)
         except Exception:  # noqa: BLE001 - logging must not raise
             self.handleError(record)
 

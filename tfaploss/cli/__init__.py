@@ -540,12 +540,15 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from tfaploss.cli.output import finish, guarded_stdout
     from tfaploss.config import ConfigError
     from tfaploss.extras import MissingExtraError
 
     try:
-        with command_output(args.quiet, args.verbose):
-            return int(args.func(args) or 0)
+        with command_output(args.quiet, args.verbose) as shown, guarded_stdout():
+            status = int(args.func(args) or 0)
+            finish(shown)  # output on a full disk: an error while it can still be told
+            return status
     except (ConfigError, MissingExtraError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -576,7 +579,9 @@ def main(argv: list[str] | None = None) -> int:
         checkpoints = sys.modules.get("tfaploss.durable.checkpoints")
         locks = sys.modules.get("tfaploss.durable.locks")
         integrity = sys.modules.get("tfaploss.data.integrity")  # a damaged record file
-        if integrity is not None and isinstance(err, integrity.DamagedDataError):
+        ledger = sys.modules.get("tfaploss.compare.protocol")  # a damaged compare ledger
+        if ((integrity is not None and isinstance(err, integrity.DamagedDataError))
+                or (ledger is not None and isinstance(err, ledger.DamagedLedgerError))):
             print(f"error: {err}", file=sys.stderr)
             return 2
         if ((checkpoints is not None and isinstance(err, checkpoints.DamagedRunError))

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from tfaploss import extras
-from tfaploss.durable import atomic
+from tfaploss.durable import atomic, locks
 
 LOG = logging.getLogger("tfaploss.compare")
 
@@ -137,10 +137,6 @@ def _runner(args, cfg, out: Path, m: int):
 
 def cmd_compare(args) -> str:
     """Run the comparison ``args`` describes; returns the report's markdown."""
-    import keras
-
-    from tfaploss.compare import report
-    from tfaploss.compare.protocol import Ledger, run
     from tfaploss.config import load_config
 
     cfg = load_config(args.config, args.set)
@@ -165,6 +161,19 @@ def cmd_compare(args) -> str:
         raise SystemExit(f"tfaploss compare: batch sizes {bad} are not multiples of m={m}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # One comparison per folder: a second would append to the same ledger and write the
+    # same feature caches and report. Refused (LockHeldError) naming the holder.
+    with locks.exclusive(out, "compare output folder"):
+        return _compare(args, cfg, protocol, m, out)
+
+
+def _compare(args, cfg, protocol, m: int, out: Path) -> str:
+    """:func:`cmd_compare` once the output folder is locked."""
+    import keras
+
+    from tfaploss.compare import report
+    from tfaploss.compare.protocol import Ledger, run
+
     tier, runner = _runner(args, cfg, out, m)
     if hasattr(runner, "check"):
         try:

@@ -133,20 +133,74 @@ def interval(values) -> tuple[float, float]:
     return mean, t95(n) * sd / math.sqrt(n)
 
 
+class DamagedLedgerError(RuntimeError):
+    """A line of a comparison's ledger, not its last, is not a row: no kill leaves that
+    (a kill cuts short only the line being appended, the last). ``path``, ``line``
+    (1-based) and ``problem`` name it."""
+
+    def __init__(self, path: str | os.PathLike, line: int, problem: str):
+        self.path, self.line, self.problem = Path(path), line, problem
+        super().__init__(
+            f"damaged ledger: {self.path}: line {line} {problem}. No kill leaves this "
+            "(a kill cuts short only the last line), so the comparison does not go on "
+            "by itself: remove or repair that line (its run is then done again) and run "
+            "the same command again, or use another --out.")
+
+
+def _ledger_row(line: bytes) -> tuple[dict | None, str | None]:
+    """``(row, None)`` for a ledger line, else ``(None, what is wrong with it)``."""
+    if not line.strip():
+        return None, "is empty"
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
+        return None, f"is not JSON ({type(err).__name__}: {str(err)[:120]})"
+    if not isinstance(row, dict) or not isinstance(row.get("key"), str):
+        return None, "is not a run's row (a JSON object with a 'key')"
+    return row, None
+
+
 class Ledger:
-    """The runs of a comparison, one JSON row per line, keyed by :meth:`RunSpec.key`."""
+    """The runs of a comparison, one JSON row per line, keyed by :meth:`RunSpec.key`.
+
+    Reading it: a last line that a kill cut short (no newline, or not a row) is cut off
+    the file, with a note (logger ``tfaploss.compare.protocol``, INFO), and its run is
+    done again; any other line that is not a row raises :class:`DamagedLedgerError`
+    naming the file and the line. Only one process may write a ledger: ``tfaploss
+    compare`` holds its output folder's lock (:mod:`tfaploss.durable.locks`) while it
+    runs. Cost: one read of the file.
+    """
 
     def __init__(self, path: str | os.PathLike, tier: str):
         self.path, self.tier = Path(path), tier
         self.rows: dict[str, dict] = {}
-        if self.path.is_file():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line a kill cut short: that run is redone
-                if isinstance(row, dict) and "key" in row:
-                    self.rows[row["key"]] = row
+        if not self.path.is_file():
+            return
+        data = self.path.read_bytes()
+        end = data.rfind(b"\n") + 1  # where the last complete line ends
+        lines = data[:end].split(b"\n")[:-1]
+        torn = None  # (offset, line number, problem) of a last line a kill cut short
+        if data[end:]:  # appended without its newline: the next append would join it
+            torn = (end, len(lines) + 1, "has no newline")
+        for number, line in enumerate(lines, 1):
+            row, problem = _ledger_row(line)
+            if problem is not None:
+                if number < len(lines) or torn is not None:
+                    raise DamagedLedgerError(self.path, number, problem)
+                torn = (end - len(line) - 1, number, problem)
+                break
+            self.rows[row["key"]] = row
+        if torn is not None:
+            self._cut(*torn)
+
+    def _cut(self, offset: int, number: int, problem: str) -> None:
+        """Cut the torn last line (``number``, from byte ``offset``) off the file."""
+        with open(self.path, "r+b") as f:
+            f.truncate(offset)
+            os.fsync(f.fileno())
+        LOG.info("note: dropped the last line of %s (line %d %s), which a kill cut "
+                 "short as it was appended; that run is done again", self.path, number,
+                 problem)
 
     def get(self, spec: RunSpec) -> dict | None:
         return self.rows.get(spec.key(self.tier))

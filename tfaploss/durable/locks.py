@@ -25,6 +25,9 @@ The lock is released (its file deleted) when the ``with`` block ends, also on an
 exception. Object-store URLs (``gs://``, ``s3://``) have no exclusive create: they are
 not locked (``exclusive`` is then a no-op).
 
+A lock that does not fit on a full disk is a
+:class:`~tfaploss.durable.atomic.DiskFullError` naming the lock file, nothing left behind.
+
 Cost: a create, a link and an unlink (well under a millisecond on a local disk);
 detecting a held or stale lock adds a read of the file and of ``/proc/PID/stat``.
 """
@@ -32,6 +35,7 @@ detecting a held or stale lock adds a read of the file and of ``/proc/PID/stat``
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -41,6 +45,8 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from tfaploss.durable import atomic
 
 LOG = logging.getLogger(__name__)
 
@@ -183,13 +189,18 @@ class Lock:
 
 
 def _write_exclusive(path: Path, data: bytes) -> None:
-    """Create ``path`` (FileExistsError if it exists) holding ``data``, on disk."""
+    """Create ``path`` (FileExistsError if it exists) holding ``data``, on disk; a write
+    that fails (a full disk) removes it."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        os.write(fd, data)
+        if os.write(fd, data) != len(data):  # a short write to a file: the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         os.fsync(fd)
-    finally:
+    except BaseException:
         os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
 
 
 def _create(path: Path, data: bytes) -> tuple[int, int]:
@@ -278,6 +289,9 @@ def acquire(folder: str | os.PathLike, what: str = "folder", *, name: str = LOCK
         except FileExistsError:
             pass
         except OSError as err:
+            if atomic.is_disk_full(err):
+                raise atomic.DiskFullError(path, len(data),
+                                           atomic.free_bytes(path.parent)) from None
             raise LockError(f"cannot take the lock of {what} {shown!r}: "
                             f"creating {path} failed ({type(err).__name__}: {err}); is "
                             "it a writable folder?") from None
