@@ -50,6 +50,7 @@ docs/scale_out.md), none with one process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -139,8 +140,6 @@ class ProcessGroup:
             return tuple(int(v) for v in tensor.tolist())
         import numpy as np
         from jax.experimental import multihost_utils
-        import sys, traceback
-        print("DEBUG any_rank", self.rank, values, traceback.extract_stack()[-3].name, traceback.extract_stack()[-4].name, file=sys.stderr, flush=True)
 
         gathered = multihost_utils.process_allgather(np.asarray(values, np.int32))
         return tuple(int(v) for v in np.asarray(gathered).reshape(-1, len(values)).max(0))
@@ -164,7 +163,8 @@ class ProcessGroup:
         result = None
         if self.is_main:
             try:
-                result = fn()
+                with self.alone():
+                    result = fn()
             except Exception:
                 try:
                     self.any_rank(1)  # tell the others, then stop
@@ -177,6 +177,24 @@ class ProcessGroup:
                                    f"rank {self.rank} stops too")
         return result
 
+    @contextlib.contextmanager
+    def alone(self):
+        """A block that this rank runs while the others do not (rank 0 writing a
+        checkpoint or the model). Under JAX across processes, no Keras distribution
+        for its duration: a variable created meanwhile (Keras's saving makes a
+        throwaway optimizer) would otherwise be placed on every process's devices,
+        which asks every process to take part. Elsewhere nothing.
+        """
+        if not (self.distributed and self.backend == "jax"):
+            yield
+            return
+        previous = keras.distribution.distribution()
+        keras.distribution.set_distribution(None)
+        try:
+            yield
+        finally:
+            keras.distribution.set_distribution(previous)
+
     def local_model(self, model):
         """``model``, or under JAX across processes a copy of it on this process's
         devices, for work one rank does alone (an evaluation): the run's own
@@ -187,13 +205,9 @@ class ProcessGroup:
             return model
         import numpy as np
 
-        previous = keras.distribution.distribution()
-        keras.distribution.set_distribution(None)
-        try:
+        with self.alone():
             copy = keras.models.clone_model(model)
             copy.set_weights([np.asarray(w) for w in model.get_weights()])
-        finally:
-            keras.distribution.set_distribution(previous)
         return copy
 
 

@@ -420,8 +420,9 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data=None) -> 
             return {"run_dir": str(run_dir), "rank": group.rank,
                     "updates": int(keras.ops.convert_to_numpy(model.optimizer.iterations)),
                     "processes": group.to_dict()}
-        atomic.atomic_write(model_path, embedding_model.save, fault="model",
-                            needed=backup.expected_bytes())  # weights + optimizer: above
+        with group.alone():
+            atomic.atomic_write(model_path, embedding_model.save, fault="model",
+                                needed=backup.expected_bytes())  # weights + optimizer
         final, final_search = None, None
         if cfg.data.test and cfg.evaluation.at_end:
             LOG.info("Evaluating on %s ...", cfg.data.test)
