@@ -26,6 +26,14 @@ def test_quick_demo_improves_recall_on_unseen_digits(tmp_path, capsys):
     assert report["updates"] == QUICK_STEPS
     assert report["batch_size"] > report["chunk_size"]  # the multi-stage path ran
     assert report["served_cosine_vs_keras"] > 0.999
+    # The export's retrieve signature searched the test split: the query digit's nearest
+    # neighbour is its own record (its key as the Beam job recorded it), best first.
+    retrieved = report["retrieved"]
+    assert len(retrieved) == 5 and retrieved[0]["key"] == report["retrieve_query"]
+    assert retrieved[0]["digit"] == "6" and retrieved[0]["label"] == 0
+    scores = [hit["score"] for hit in retrieved]
+    assert scores == sorted(scores, reverse=True)
+    assert "saved_model_cli run --dir" in printed and (out / "query.npy").is_file()
 
     # Every promised output is in the one folder.
     assert (out / "tfrecords" / "train" / "manifest.json").is_file()

@@ -11,8 +11,9 @@ the demo needs no download. It walks the production path:
 4. train it with ``APLoss`` through ``tfaploss train``'s code path, batches larger than the
    chunk size so multi-stage backpropagation runs, with checkpoints and TensorBoard logs;
 5. measure again, write the metrics JSON and a retrieval-examples figure;
-6. export a TF Serving SavedModel, reload it with plain TensorFlow and embed one PNG
-   through ``serving_default``;
+6. export a TF Serving SavedModel with a ``retrieve`` signature over the test split,
+   reload it with plain TensorFlow, embed one PNG through ``serving_default`` and
+   retrieve its nearest digits through ``retrieve``;
 7. print a summary table and where everything is.
 """
 
@@ -62,6 +63,7 @@ DEMO_CONFIG = {
                    "backend": "auto"},
 }
 QUICK_STEPS = 20
+RETRIEVE_K = 5  # the nearest digits the exported retrieve signature returns
 
 
 def _say(step: int, total: int, text: str) -> None:
@@ -240,18 +242,23 @@ def _step_evaluate_trained(cfg, summary: dict, out: Path, label_names,
     return model, after
 
 
-def _step_export(model, cfg, out: Path, png_root: Path, timings: dict) -> tuple[str, float]:
-    """Export a SavedModel, reload it with plain TensorFlow and embed one test PNG;
-    returns the export folder and the served embedding's cosine with the Keras model's."""
+def _step_export(model, cfg, out: Path, png_root: Path, label_names: dict,
+                 timings: dict) -> dict:
+    """Export a SavedModel whose ``retrieve`` signature searches the test split, reload
+    it with plain TensorFlow, embed one test PNG and retrieve its nearest digits;
+    returns the export folder, the served embedding's cosine with the Keras model's and
+    what ``retrieve`` found."""
     import numpy as np
     import tensorflow as tf
 
     from tfaploss.data import center_crop
     from tfaploss.export import export_saved_model
 
-    _say(6, TOTAL_STEPS, "Export for TF Serving, reload with plain TensorFlow, embed one PNG")
+    _say(6, TOTAL_STEPS, "Export for TF Serving with a retrieve signature over the test "
+                         "split; reload with plain TensorFlow, query one PNG")
     with _timed(timings, "export"):
-        export_dir = export_saved_model(model, out / "saved_model", image_size=cfg.image_shape)
+        export_dir = export_saved_model(model, out / "saved_model", image_size=cfg.image_shape,
+                                        index=cfg.data.test, k=RETRIEVE_K)
         served = tf.saved_model.load(export_dir)
         png = min((png_root / str(TEST_DIGITS[0])).glob("*.png"))
         png_bytes = png.read_bytes()
@@ -261,14 +268,31 @@ def _step_export(model, cfg, out: Path, png_root: Path, timings: dict) -> tuple[
         pixels = center_crop(tf.constant(png_bytes), cfg.data.image_size)[None]
         keras_embedding = np.asarray(model(pixels, training=False))[0]
         agreement = float(np.dot(embedding, keras_embedding))
+        found = served.signatures["retrieve"](image_bytes=tf.constant([png_bytes]),
+                                              k=tf.constant(RETRIEVE_K))
+        retrieved = [{"key": key.decode(), "score": float(score), "label": int(label),
+                      "digit": label_names.get(str(int(label)), "?")}
+                     for key, score, label in zip(found["keys"].numpy()[0],
+                                                  found["scores"].numpy()[0],
+                                                  found["labels"].numpy()[0])]
+        query = out / "query.npy"  # the PNG as saved_model_cli --inputs reads it
+        np.save(query, np.array([png_bytes], dtype=object))
     print(f"  SavedModel: {export_dir}")
     print(f"  serving_default({png.relative_to(out)}) -> {embedding.shape[0]}-d embedding, "
           f"norm {np.linalg.norm(embedding):.4f}, cosine with the Keras model "
           f"{agreement:.6f}")
+    print(f"  retrieve({png.relative_to(out)}) -> its {RETRIEVE_K} nearest test digits "
+          "(key, digit, score):")
+    for hit in retrieved:
+        print(f"    {hit['key']:<12} {hit['digit']}  {hit['score']:.4f}")
+    print(f"  the same from TensorFlow's own tool:\n    saved_model_cli run --dir "
+          f"{export_dir} --tag_set serve --signature_def retrieve --inputs "
+          f"image_bytes={query}")
     if agreement < 0.999:
         raise RuntimeError(f"the served embedding disagrees with the Keras model "
                            f"(cosine {agreement:.6f})")
-    return export_dir, agreement
+    return {"export_dir": export_dir, "agreement": agreement, "retrieved": retrieved,
+            "query": str(png.relative_to(png_root))}
 
 
 def _print_summary(out: Path, before: dict, after: dict, elapsed: float) -> None:
@@ -282,7 +306,8 @@ def _print_summary(out: Path, before: dict, after: dict, elapsed: float) -> None
         ("tfrecords/", "TFRecords + manifest.json per split"),
         ("run/", "model.keras, summary.json, epochs.jsonl, TensorBoard logs/"),
         ("evaluation/", "metrics.json and the retrieval-examples figure"),
-        ("saved_model/", "the TF Serving SavedModel"),
+        ("saved_model/", "the TF Serving SavedModel, retrieve over the test digits"),
+        ("query.npy", "one test digit, for saved_model_cli run --inputs"),
         ("demo_summary.json", "the numbers above"),
     ]:
         print(f"  {name:<18} {what}")
@@ -310,7 +335,8 @@ def run_demo(out: str = "demo_output", quick: bool = False, steps: int | None = 
     summary = _step_train(cfg, timings)
     model, after = _step_evaluate_trained(cfg, summary, out,
                                           manifests["test"]["label_map"], timings)
-    export_dir, agreement = _step_export(model, cfg, out, png_root, timings)
+    served = _step_export(model, cfg, out, png_root, manifests["test"]["label_map"],
+                          timings)
 
     elapsed = time.time() - started
     history = summary["history"]
@@ -319,7 +345,8 @@ def run_demo(out: str = "demo_output", quick: bool = False, steps: int | None = 
         "loss_last_epoch": history[-1]["loss"], "updates": summary["updates"],
         "batch_size": cfg.data.batch_size, "chunk_size": cfg.training.chunk_size,
         "train_classes": list(TRAIN_DIGITS), "test_classes": list(TEST_DIGITS),
-        "saved_model": export_dir, "served_cosine_vs_keras": agreement,
+        "saved_model": served["export_dir"], "served_cosine_vs_keras": served["agreement"],
+        "retrieve_query": served["query"], "retrieved": served["retrieved"],
         "timings_seconds": {k: round(v, 2) for k, v in timings.items()},
         "total_seconds": round(elapsed, 1),
     }
@@ -338,7 +365,9 @@ DEMO_DESCRIPTION = textwrap.dedent("""\
       3. evaluate a random small CNN on the unseen digits 6-9 (exact search)
       4. train it with APLoss and multi-stage backpropagation on digits 0-5
       5. evaluate again: Recall@1, MAP@R, mAP; figures and JSON
-      6. export a SavedModel, reload it with plain TensorFlow and embed a PNG
+      6. export a SavedModel with a retrieve signature over the test
+         digits; reload it with plain TensorFlow, embed a PNG and
+         retrieve its nearest digits
       7. print a summary table
 
     Everything lands in one folder (--out, default ./demo_output).""")

@@ -172,6 +172,25 @@ def test_k_outside_the_exported_range_is_invalid_argument(exported):
     assert retrieve.metadata["retrieval"]["k"] == K
 
 
+def test_the_export_uses_stock_tensorflow_ops_only(exported):
+    """What TF Serving must know to run the export: every op of the graph and its
+    functions is one of stock TensorFlow's (no ScaNN or other custom op)."""
+    from tensorflow.core.protobuf import saved_model_pb2
+    from tensorflow.python.framework import op_def_registry
+
+    _, _, version, _ = exported
+    saved = saved_model_pb2.SavedModel()
+    saved.ParseFromString((Path(version) / "saved_model.pb").read_bytes())
+    graph = saved.meta_graphs[0].graph_def
+    functions = {f.signature.name for f in graph.library.function}
+    ops = {n.op for n in graph.node} | {n.op for f in graph.library.function
+                                         for n in f.node_def}
+    ops -= functions
+    assert {"MatMul", "TopKV2", "ResourceGather"} <= ops
+    assert [op for op in ops if op_def_registry.get(op) is None] == []
+    assert not [op for op in ops if "scann" in op.lower()]
+
+
 def test_retrieve_runs_without_keras_and_saved_model_cli_returns_keys(exported):
     model, _, _, (child, work) = exported
     child.wait(timeout=300)
@@ -248,6 +267,10 @@ def test_an_index_from_the_embed_job_is_a_new_version_and_checked(exported, tmp_
         RetrievalIndex(bad, KEYS, LABELS, model_fingerprint(model))
     with pytest.raises(DamagedIndexError, match="name more than one row"):
         RetrievalIndex(embeddings, np.array(["same"] * N), LABELS, model_fingerprint(model))
+    # Keys read from records as bytes are decoded, not written as "b'...'".
+    raw = RetrievalIndex(embeddings[:2], np.array([b"x/1.jpg", "y"], dtype=object), [0, 1],
+                         model_fingerprint(model))
+    assert raw.keys.tolist() == ["x/1.jpg", "y"]
 
 
 def test_a_damaged_or_swapped_stored_index_is_refused(exported, tmp_path):

@@ -101,7 +101,11 @@ class RetrievalIndex:
         if bad.size:
             raise DamagedIndexError(f"{where}: {bad.size} row(s) hold NaN or infinite "
                                     f"values (the first at row {int(bad[0])})")
-        keys = np.asarray(self.keys).astype(str)
+        keys = np.asarray(self.keys)
+        if keys.dtype.kind in "SO":  # bytes read from records: UTF-8, not repr()
+            keys = np.array([k.decode("utf-8") if isinstance(k, bytes) else str(k)
+                             for k in keys.reshape(-1)]).reshape(keys.shape)
+        keys = keys.astype(str)
         labels = np.asarray(self.labels)
         if keys.shape != (len(emb),) or labels.shape != (len(emb),):
             raise DamagedIndexError(f"{where}: {len(emb)} rows, but keys of shape "
@@ -165,7 +169,7 @@ def _is_embeddings(path: str) -> bool:
 
 
 def build_index(source, model, image_size=(224, 224), crop_fraction=None,
-                batch_size: int = 64) -> RetrievalIndex:
+                batch_size: int = 64, fingerprint: str | None = None) -> RetrievalIndex:
     """The :class:`RetrievalIndex` ``source`` names, checked against ``model``.
 
     Args:
@@ -176,6 +180,7 @@ def build_index(source, model, image_size=(224, 224), crop_fraction=None,
       image_size, crop_fraction: the served preprocessing, which a split is embedded
         with (``crop_fraction`` None: the evaluation default).
       batch_size: images embedded at once from a split.
+      fingerprint: ``model_fingerprint(model)`` when the caller has it already.
 
     Raises:
       IndexMismatchError: the index was embedded by another model.
@@ -183,7 +188,7 @@ def build_index(source, model, image_size=(224, 224), crop_fraction=None,
       ValueError: ``source`` is neither a split nor an embeddings folder, or its rows
         do not have the model's dimension.
     """
-    fingerprint = model_fingerprint(model)
+    fingerprint = fingerprint or model_fingerprint(model)
     if isinstance(source, RetrievalIndex):
         index = source
     else:

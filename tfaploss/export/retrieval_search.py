@@ -44,10 +44,10 @@ DEFAULT_CHUNK_ROWS = 65536
 _SCANN_OPS = "scann.scann_ops.py.scann_ops"
 
 
-def check_k(k) -> int:
-    """``k`` as a positive int, or a ValueError naming it."""
+def check_k(k, name: str = "k") -> int:
+    """``k`` (or the argument ``name``) as a positive int, or a ValueError naming it."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-        raise ValueError(f"`k` must be a positive integer; received {k!r}")
+        raise ValueError(f"`{name}` must be a positive integer; received {k!r}")
     return int(k)
 
 
@@ -96,7 +96,7 @@ class BruteForceSearch:
         import tensorflow as tf
 
         self.k = min(check_k(k), index.size)
-        self.chunk_rows = check_k(chunk_rows)
+        self.chunk_rows = check_k(chunk_rows, "index_chunk_rows")
         self.size, self.dim = index.size, index.dim
         self.embeddings = tf.Variable(index.embeddings, trainable=False,
                                       name="retrieval_embeddings")
@@ -221,8 +221,7 @@ def make_search(index, k: int, backend: str = "brute_force",
     if k > index.size:
         logger.warning("retrieve: k=%d is more than the index's %d rows; k=%d is exported",
                        k, index.size, index.size)
-    search = (ScannSearch if backend == "scann" else BruteForceSearch)(index, k, chunk_rows)
-    return search
+    return (ScannSearch if backend == "scann" else BruteForceSearch)(index, k, chunk_rows)
 
 
 def variables_digest(variables) -> str:

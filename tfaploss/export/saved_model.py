@@ -239,7 +239,7 @@ def export_saved_model(
     fingerprint = model_fingerprint(model)
     search = None
     if index is not None:  # before the folder's lock: embedding a split takes a while
-        index = build_index(index, model, image_size, crop_fraction)
+        index = build_index(index, model, image_size, crop_fraction, fingerprint=fingerprint)
         search = make_search(index, k, index_backend, index_chunk_rows)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
