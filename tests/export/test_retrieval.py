@@ -366,3 +366,31 @@ def test_scann_index_where_its_ops_load(exported, tmp_path):
     served = retrieve.pixels(_queries())
     np.testing.assert_array_equal(served["scores"], scores)
     np.testing.assert_array_equal(served["keys"], keys)
+
+
+@pytest.mark.slow
+def test_cli_export_with_a_split_as_the_index(tmp_path, capsys):
+    """`tfaploss export --index SPLIT`: the split embedded with the model; every image of
+    a class is the same flat JPEG, so a class's rows tie exactly and come in id order."""
+    from tests.support import miniature as mini
+    from tfaploss.cli import main
+    from tfaploss.data import load_split
+
+    split = tmp_path / "split"
+    mini.write_split_records(str(split), {0: 3, 1: 2, 2: 3}, size=(8, 8))
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.GlobalAveragePooling2D(),
+                              keras.layers.Dense(4), keras.layers.UnitNormalization()])
+    path, out = tmp_path / "m.keras", tmp_path / "served"
+    model.save(path)
+    with pytest.raises(SystemExit, match="--k and --index-backend go with --index"):
+        main(["export", "--model", str(path), "--out", str(out), "--k", "3"])
+    assert main(["export", "--model", str(path), "--out", str(out), "--index", str(split),
+                 "--k", "4"]) == 0
+    assert '"signature_name": "retrieve"' in capsys.readouterr().out
+    first = next(iter(load_split(str(split), decode=False)))  # class 0's JPEG, as stored
+    found = load_retriever(out)([first["encoded"].numpy()], k=3)
+    assert found["keys"].tolist() == [["0/0", "0/1", "0/2"]]
+    assert found["labels"].tolist() == [[0, 0, 0]] and len(set(found["scores"][0])) == 1
+    meta = load_retriever(out).metadata
+    assert meta["retrieval"]["source"] == str(split) and meta["retrieval"]["size"] == 8
