@@ -26,6 +26,7 @@ help:
 	@echo "make test-jax / make test-torch - only those tests, on JAX / PyTorch"
 	@echo "make test-tf221 - the tests not marked slow on TensorFlow 2.21, in a venv of"
 	@echo "              their own without ScaNN (which needs 2.20): .cache/venv-tf221"
+	@echo "              (about 37 minutes with installing, on 2 busy cores)"
 	@echo "              (test-torch installs a CPU build of PyTorch into .venv first)"
 	@echo "make bench  - the performance suite, one summary table (long);"
 	@echo "              make bench-quick: the same in a few minutes;"
@@ -126,14 +127,14 @@ test-torch: $(TORCH_STAMP)
 # TensorFlow 2.21: setup.py allows it, but .[dev] holds ScaNN 1.4.2, which needs 2.20, so
 # the main suite never sees 2.21. This runs the tests not marked slow on 2.21, in a venv
 # of its own with the extras that do not cap TensorFlow; the tests of ScaNN, keras-hub,
-# TFDS, JAX and PyTorch skip themselves there (tfaploss.extras). Figures:
-# docs/contributing.md.
+# JAX and PyTorch skip themselves there. Figures: docs/contributing.md.
 TF221_VENV := .cache/venv-tf221
 TF221_STAMP := $(TF221_VENV)/.installed
 $(TF221_STAMP): setup.py
 	$(PYTHON) -m venv $(TF221_VENV)
 	$(TF221_VENV)/bin/python -m pip install --upgrade pip
-	$(TF221_VENV)/bin/python -m pip install -e ".[beam,faiss,demo,test]" "tensorflow==2.21.*"
+	$(TF221_VENV)/bin/python -m pip install -e ".[beam,faiss,demo,compare,tfds,test]" \
+		"tensorflow==2.21.*"
 	@touch $(TF221_STAMP)
 
 test-tf221: $(TF221_STAMP)
