@@ -40,8 +40,8 @@ import harness
 
 
 def build_model(seed):
-    """The GPU batch sweep's wider small_cnn (``experiments/batch_sweep/batch_sweep_jax.py``):
-    widths 64, 128, 256, 32² images, GeM, 128-d."""
+    """The GPU batch sweep's wider small_cnn (``experiments/batch_sweep/batch_sweep.py
+    --backend jax``): widths 64, 128, 256, 32² images, GeM, 128-d."""
     import keras
 
     from tfaploss.models.embedding import build_embedding_model
