@@ -526,10 +526,10 @@ def test_a_beam_job_without_beam_says_how_to_install_it(tmp_path):
                                 check=False, capture_output=True, text=True, cwd=REPO,
                                 timeout=60, env=env)
         assert result.returncode == 2, result.stderr
-        assert result.stderr == (f"error: python -m pipelines.{job} needs Apache Beam, "
+        assert result.stderr == (f"error: python -m tfaploss.pipelines.{job} needs Apache Beam, "
                                  'which is not installed: pip install "tfaploss[beam]"\n')
     # The package itself stays importable without Beam.
-    subprocess.run([sys.executable, "-c", "import pipelines"], check=True, cwd=REPO,
+    subprocess.run([sys.executable, "-c", "import tfaploss.pipelines"], check=True, cwd=REPO,
                    timeout=60, env=env)
 
 

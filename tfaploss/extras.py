@@ -10,7 +10,7 @@ extra       imports               what needs it
 ``scann``   ``scann``             ``evaluation.backend: scann`` / ``scann_ah``, the
                                   ScaNN tuner (``target_recall``); Linux only
 ``faiss``   ``faiss``             ``evaluation.backend: faiss``
-``beam``    ``apache_beam``,      the ``python -m pipelines.<job>`` jobs (fontTools:
+``beam``    ``apache_beam``,      the ``python -m tfaploss.pipelines.<job>`` jobs (fontTools:
             ``fontTools``         the ``glyphs`` job)
 ``dask``    ``dask``              the Beam jobs on a Dask cluster (``DaskRunner``)
 ``viz``     ``matplotlib``        the figures of ``tfaploss evaluate`` and ``compare``

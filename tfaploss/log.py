@@ -30,7 +30,7 @@ Who decides what is shown:
   logger), they are shown on stdout (warnings on stderr) for the duration of the call,
   as the ``print`` calls they replace were, and only there. An application that
   configures logging for them gets them its way.
-* The Beam jobs (``python -m pipelines.<job>``) are configured by
+* The Beam jobs (``python -m tfaploss.pipelines.<job>``) are configured by
   :func:`tfaploss.pipelines.console.configure`: their lines on stderr, the one-line-per-split
   result on stdout (logger ``tfaploss.pipelines.result``), Beam's own loggers at WARNING unless
   ``--verbose``.

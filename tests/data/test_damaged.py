@@ -169,7 +169,7 @@ def _damaged(pristine, tmp_path, variant: str, name: str = IMAGES):
 def _assert_one_message(err: I.DamagedDataError, path, *, located=True):
     text = str(err)
     assert str(path) in text, text
-    assert "written by pipelines.folder (split train)" in text, text
+    assert "written by tfaploss.pipelines.folder (split train)" in text, text
     assert "rebuild it: python -m tfaploss.pipelines.folder" in text and "--input_dir photos" in text
     assert "\n" not in text and "Traceback" not in text and "function_node" not in text
     if located:

@@ -33,7 +33,7 @@ shard with no record is not written. A rerun writes into ``OUT/.incoming/`` and 
 each split in only when it is complete (:mod:`tfaploss.pipelines.storage`).
 
 The jobs need the ``beam`` extra (``pip install "tfaploss[beam]"``; ``tfds_source`` also
-``tfds``, the Dask runner ``dask``): ``python -m pipelines.<job>`` without it stops with
+``tfds``, the Dask runner ``dask``): ``python -m tfaploss.pipelines.<job>`` without it stops with
 one line saying so. ``import pipelines`` itself needs nothing beyond the core install.
 
 Per-image ``tf.train.Example`` schema (:data:`tfaploss.pipelines.tf_example.IMAGE_FEATURES`):
@@ -72,7 +72,6 @@ layout :mod:`tfaploss.data` samples P classes x m images from while streaming:
 ============================ ========= ==================================================
 """
 
-import logging
 import sys
 
 JOBS = ("sop", "inaturalist", "gldv2", "revisited", "folder", "tfds_source", "glyphs")
@@ -83,7 +82,7 @@ _JOB_NEEDS = {"glyphs": (("beam", ("apache_beam", "fontTools")),),
 
 
 def _check_job_extras(argv: list[str]) -> None:
-    """``python -m pipelines.<job>`` without what the job imports: one line naming the
+    """``python -m tfaploss.pipelines.<job>`` without what the job imports: one line naming the
     job and the install command, exit status 2, instead of the traceback of the job's
     first ``import apache_beam``.
 
@@ -113,9 +112,12 @@ def _check_job_extras(argv: list[str]) -> None:
         for extra, modules in needs:
             extras.require(extra, f"python -m tfaploss.pipelines.{job}", modules)
     except extras.MissingExtraError as err:
-        # Nothing configured logging yet: Python's last-resort handler writes the bare
-        # line on stderr, as the jobs' own errors read.
-        logging.getLogger("tfaploss.pipelines").error("error: %s", err)
+        # The job's __main__ never runs, so set up its console here: the ``tfaploss``
+        # logger's NullHandler would keep Python's last-resort handler from writing it.
+        from tfaploss.pipelines import console
+
+        console.configure()
+        console.PACKAGE.error("error: %s", err)
         sys.exit(2)
 
 
