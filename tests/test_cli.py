@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import yaml
 
+from tests.support.miniature import write_square_classes
+
 REPO = Path(__file__).resolve().parents[1]
 EPOCHS, STEPS = 4, 2
 ESCAPES = ("\x1b", "\r", "\x08")  # what a progress bar writes into a log
@@ -55,26 +57,12 @@ def tfaploss_killed_at(line_start: str, *args, timeout=240):
     return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(lines), "")
 
 
-def _write_tree(root: Path, classes: int, per_class: int, seed: int) -> None:
-    """Class k: a bright square at a class-specific place, plus noise (16x16 PNGs)."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    for k in range(classes):
-        (root / f"c{k}").mkdir(parents=True)
-        y, x = divmod(k, 3)
-        for i in range(per_class):
-            img = rng.integers(0, 60, (16, 16, 3), dtype=np.uint8)
-            img[4 * y + 1:4 * y + 8, 4 * x + 1:4 * x + 8] = 230
-            Image.fromarray(img).save(root / f"c{k}" / f"{i}.png")
-
-
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     from tfaploss.pipelines import folder
 
     root = tmp_path_factory.mktemp("cli")
-    _write_tree(root / "pngs", classes=7, per_class=8, seed=0)
+    write_square_classes(root / "pngs", classes=7, per_class=8, seed=0)
     folder.run(["--input_dir", str(root / "pngs"), "--output_dir", str(root / "records"),
                 "--test_classes", "c4,c5,c6", "--direct_running_mode", "in_memory",
                 "--direct_num_workers", "1"])

@@ -17,9 +17,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
+
+from tests.support.miniature import write_square_classes
 
 pytestmark = pytest.mark.slow
 
@@ -88,20 +89,6 @@ def _user_project(root: Path) -> None:
     (root / "check.py").write_text(CHECK_SCRIPT)
 
 
-def _write_pngs(root: Path, classes: int, per_class: int) -> None:
-    """Class k: a bright square at a class-specific place, plus noise (16x16 PNGs)."""
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    for k in range(classes):
-        (root / f"c{k}").mkdir(parents=True)
-        y, x = divmod(k, 3)
-        for i in range(per_class):
-            img = rng.integers(0, 60, (16, 16, 3), dtype=np.uint8)
-            img[4 * y + 1:4 * y + 8, 4 * x + 1:4 * x + 8] = 230
-            Image.fromarray(img).save(root / f"c{k}" / f"{i}.png")
-
-
 def _public_modules() -> set[str]:
     """Every module of the tfaploss source tree whose dotted name has no private part."""
     import tfaploss
@@ -128,7 +115,7 @@ def test_a_project_with_its_own_models_and_pipelines_trains_with_tfaploss(tmp_pa
     project = tmp_path / "my_project"
     project.mkdir()
     _user_project(project)
-    _write_pngs(tmp_path / "pngs", classes=6, per_class=6)
+    write_square_classes(tmp_path / "pngs", classes=6, per_class=6)
     records = tmp_path / "records"
 
     job = subprocess.run(
