@@ -98,6 +98,34 @@ def _rewritten(change):
     return damage
 
 
+def _length_past_the_end(data: bytes) -> bytes:
+    """Record 1's length set past 2**63 with its CRC made to match: TensorFlow's reader
+    then fails with "Can't read a negative number of bytes"."""
+    b = bytearray(data)
+    offset = _frames(data)[1][0]
+    struct.pack_into("<Q", b, offset, 2 ** 63 + 5)
+    b[offset + 8:offset + 12] = struct.pack("<I", I._masked(I._crc_value(bytes(b[offset:offset + 8]))))
+    return bytes(b)
+
+
+def _example_cut_short(data: bytes) -> bytes:
+    """Record 2's Example cut inside its image, framing valid: TensorFlow's parse error
+    quotes the record, which is not UTF-8, and so is raised as a UnicodeDecodeError."""
+    start, length = _frames(data)[2]
+    payload = data[start + 12:start + 12 + length]
+    return _replace_record(data, 2, payload[:payload.find(b"\xff\xd8\xff") + 40])
+
+
+def _huffman_table_broken(data: bytes, index: int = 2) -> bytes:
+    """Record ``index``'s JPEG with its Huffman table overwritten, framing and features
+    valid: only decoding the image finds it."""
+    start, length = _frames(data)[index]
+    payload = bytearray(data[start + 12:start + 12 + length])
+    table = bytes(payload).find(b"\xff\xc4")
+    payload[table + 4:table + 20] = b"\xff" * 16
+    return _replace_record(data, index, bytes(payload))
+
+
 def _text(_):
     return b"just some notes, saved under the wrong name\n" * 40
 
@@ -121,6 +149,8 @@ FRAMING = {
     "a text file renamed": _text,
     "gzip-compressed": gzip.compress,
     "not an Example": lambda d: _replace_record(d, 2, b"\x00\xff" * 30),
+    "an Example cut short, not UTF-8": _example_cut_short,
+    "length past 2**63, its CRC matching": _length_past_the_end,
 }
 FEATURES = {
     "image/encoded missing": _rewritten(lambda f: f.pop("image/encoded")),
@@ -230,6 +260,7 @@ def test_the_samplers_reader_ends_in_one_message(pristine, tmp_path, variant):
     (lambda f: f.update({"class/label": ("int", [9])}), "not among the manifest's 4"),
     (lambda f: f.update({"class/num_images": ("int", [1])}), "class/num_images is 1"),
     (lambda f: f.update({"image/encoded": ("bytes", [b"", b""])}), "image/encoded is empty"),
+    (lambda f: f.update({"image/id": ("bytes", [b"0/0"])}), "image/id holds 1 ids for 3"),
 ])
 def test_by_class_records_with_bad_features(pristine, tmp_path, change, problem):
     from tfaploss.data import make_train_dataset
@@ -253,6 +284,33 @@ def test_by_class_records_with_bad_features(pristine, tmp_path, change, problem)
         for _ in make_train_dataset(str(split), batch_size=4, m=2, image_size=16).take(40):
             pass
     _assert_one_message(err.value, path)
+
+
+@pytest.mark.parametrize("name", [IMAGES, CLASSES])
+def test_an_image_that_does_not_decode_is_named_by_the_reader(pristine, tmp_path, name):
+    """Framing and features sound, the image not: ``verify --records`` does not decode
+    images, so only the reader meets it, and names the file and record after a scan
+    that decodes them (check level "decode")."""
+    from tfaploss.data import make_eval_dataset, make_train_dataset
+
+    split = tmp_path / "train"
+    shutil.copytree(pristine, split)
+    path = split / name
+    path.write_bytes(_huffman_table_broken(path.read_bytes(), 2 if name == IMAGES else 0))
+    assert I.check_split(str(split), "records").ok
+    damaged = I.check_split(str(split), "decode").damaged
+    assert [d.path for d in damaged] == [str(path)]
+    assert "does not decode: Invalid JPEG data" in damaged[0].problem, damaged[0].problem
+    assert "[Op:" not in damaged[0].problem
+    with pytest.raises(I.DamagedDataError) as err, I.reading(str(split), what="reading"):
+        if name == IMAGES:
+            for _ in make_eval_dataset(str(split), image_size=16, batch_size=4):
+                pass
+        else:
+            for _ in make_train_dataset(str(split), batch_size=4, m=2, image_size=16).take(40):
+                pass
+    _assert_one_message(err.value, path)
+    assert "does not decode" in str(err.value)
 
 
 def test_an_older_manifest_without_checksums_still_loads_and_verifies(pristine, tmp_path):

@@ -253,8 +253,8 @@ def _foreign(head: bytes) -> str | None:
 
 
 def scan_shard(path: str, *, layout: str | None = None, classes: set[int] | None = None,
-               expect: dict | None = None,
-               tally: dict[int, int] | None = None) -> tuple[int, Damage | None]:
+               expect: dict | None = None, tally: dict[int, int] | None = None,
+               decode: bool = False) -> tuple[int, Damage | None]:
     """One pass over a TFRecord file: ``(records read, first Damage or None)``.
 
     Checks each record's length and data CRC-32C (what TensorFlow's reader checks) and
@@ -262,7 +262,7 @@ def scan_shard(path: str, *, layout: str | None = None, classes: set[int] | None
     With ``layout`` ("images" or "by_class") every record is also parsed and its
     features checked (:func:`check_example`). ``expect``: the manifest's entry of this
     file (``bytes``, ``records``), compared too. ``tally`` (by-class records): filled
-    as in :func:`check_example`.
+    as in :func:`check_example`. ``decode``: also decode every image (with ``layout``).
     """
     size = os.path.getsize(path)
     if expect and "bytes" in expect and size != expect["bytes"]:
@@ -294,7 +294,7 @@ def scan_shard(path: str, *, layout: str | None = None, classes: set[int] | None
                 return n, Damage(path, "corrupted record (its data fail their CRC)",
                                  offset, n)
             if layout is not None:
-                problem = check_example(data, layout, classes, tally)
+                problem = check_example(data, layout, classes, tally, decode=decode)
                 if problem:
                     return n, Damage(path, f"invalid record: {problem}", offset, n)
             offset, n = end, n + 1
@@ -317,12 +317,15 @@ _IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG", b"GIF8", b"BM", b"RIFF")
 
 
 def check_example(data: bytes, layout: str, classes: set[int] | None = None,
-                  tally: dict[int, int] | None = None) -> str | None:
+                  tally: dict[int, int] | None = None, decode: bool = False) -> str | None:
     """What is wrong with one serialized Example of ``layout`` ("images" or
     "by_class"), in words, or None: unparsable, a feature missing or of another type,
     a label negative (below -1 for images) or outside ``classes``, an empty or
-    non-image ``image/encoded``. ``tally``: for a sound by-class record,
-    ``tally[label]`` becomes the most images one record of that class holds."""
+    non-image ``image/encoded``, a by-class record whose ``image/id`` does not hold one
+    id per image. ``tally``: for a sound by-class record, ``tally[label]`` becomes the
+    most images one record of that class holds. ``decode``: also decode each image with
+    the decoder the readers use (costs a decode per image; what :func:`reading` runs
+    to find an image the reader could not decode)."""
     from tensorflow.core.example import example_pb2
 
     try:
@@ -364,9 +367,35 @@ def check_example(data: bytes, layout: str, classes: set[int] | None = None,
             return "image/encoded is empty"
         if not jpeg.startswith(_IMAGE_MAGIC):
             return "image/encoded is not a JPEG, PNG, GIF, BMP or WebP image"
+    if layout == "by_class":
+        # The samplers draw an image and its id with one index.
+        ids = len(features["image/id"].bytes_list.value) if "image/id" in features else 0
+        if ids != len(encoded):
+            return f"image/id holds {ids} ids for {len(encoded)} images"
+    if decode:
+        for k, image in enumerate(encoded):
+            problem = _undecodable(image)
+            if problem:
+                which = f" (image {k + 1} of {len(encoded)})" if len(encoded) > 1 else ""
+                return f"image/encoded{which} does not decode: {problem}"
     if tally is not None and layout == "by_class":
         label = features["class/label"].int64_list.value[0]
         tally[label] = max(tally.get(label, 0), len(encoded))
+    return None
+
+
+def _undecodable(image: bytes) -> str | None:
+    """Why TensorFlow's decoder (the readers': ``decode_image``, and libjpeg's own header
+    read that the training crops start with) refuses ``image``, or None."""
+    import tensorflow as tf
+
+    try:
+        data = tf.constant(image)
+        if tf.io.is_jpeg(data):
+            tf.io.extract_jpeg_shape(data)
+        tf.io.decode_image(data, channels=3, expand_animations=False)
+    except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as err:
+        return _first_line(err)
     return None
 
 
@@ -398,8 +427,9 @@ def check_split(split_dir: str, level: str = "sizes", *, layouts=("images", "by_
         split_dir: a split folder written by a pipelines job.
         level: ``"sizes"`` (each file's size and the list of files, no read),
             ``"full"`` (also each file's CRC-32C; a manifest without checksums: each
-            record's own CRCs) or ``"records"`` (also parse every record and check
-            its features).
+            record's own CRCs), ``"records"`` (also parse every record and check
+            its features) or ``"decode"`` (also decode every image: a decode per
+            image, what :func:`reading` runs when the reader could not decode one).
         layouts: which files: ``"images"`` (``images-*``), ``"by_class"``.
         progress: called with ``(file, bytes)`` after each file, for a progress bar.
         skip_missing_layouts: unused layouts (no such files, none in the manifest) are
@@ -413,8 +443,9 @@ def check_split(split_dir: str, level: str = "sizes", *, layouts=("images", "by_
     >>> report = check_split("out/train", "full")  # doctest: +SKIP
     >>> [d.line() for d in report.damaged]  # doctest: +SKIP
     """
-    if level not in ("sizes", "full", "records"):
-        raise ValueError(f"level must be 'sizes', 'full' or 'records', got {level!r}")
+    if level not in ("sizes", "full", "records", "decode"):
+        raise ValueError(f"level must be 'sizes', 'full', 'records' or 'decode', got "
+                         f"{level!r}")
     manifest = _read_manifest(split_dir)
     report = SplitReport(split_dir, manifest)
     recorded = ((manifest or {}).get("checksums") or {}).get("files")
@@ -440,7 +471,7 @@ def check_split(split_dir: str, level: str = "sizes", *, layouts=("images", "by_
                 continue
             path = os.path.join(split_dir, name)
             expect = (recorded or {}).get(name)
-            tally = {} if level == "records" and layout == "by_class" else None
+            tally = {} if level in ("records", "decode") and layout == "by_class" else None
             damage = _check_file(path, level, expect, layout, classes, tally)
             if tally is not None:
                 report.class_records[path] = tally
@@ -473,8 +504,9 @@ def _check_file(path, level, expect, layout, classes, tally=None) -> Damage | No
                                 f"{expect[ALGORITHM]} (a changed or swapped file)")
     # The record that fails says most; then the size, then the number of records.
     records = (expect or {}).get("records")
-    n, damage = scan_shard(path, layout=layout if level == "records" else None,
-                           classes=classes, tally=tally)
+    parse = level in ("records", "decode")
+    n, damage = scan_shard(path, layout=layout if parse else None, classes=classes,
+                           tally=tally, decode=level == "decode")
     if damage is not None or wrong_size is not None:
         return damage or wrong_size
     if records is not None and n != records:
@@ -517,11 +549,27 @@ def check_or_raise(path: str, level: str = "sizes", *, layouts=("images", "by_cl
 # ------------------------------------------------------------------------ reading
 
 
+# What TensorFlow says when a record's bytes are at fault: the reader's framing errors,
+# the Example parser's and the image decoders' (by message, or by the op's node name in
+# a tf.data function).
+_DECODE_MESSAGES = ("Unknown image file format", "Invalid JPEG data", "jpeg::",
+                    "Invalid PNG data", "Input is empty", "DecodeImage", "DecodeJpeg",
+                    "DecodeAndCropJpeg", "ExtractJpegShape", "DecodePng", "DecodeGif",
+                    "DecodeBmp", "DecodeWebP")
 _DATA_MESSAGES = ("damaged record", "corrupted record", "truncated record",
-                  "Could not parse example", "Data types don't match",
-                  "is required but could not be found", "Unknown image file format",
-                  "Invalid JPEG data", "jpeg::", "Invalid PNG data", "Input is empty",
-                  "Feature: image/", "Key: image/", "Key: class/")
+                  "Can't read a negative number of bytes", "Could not parse example",
+                  "ParseExample", "Data types don't match",
+                  "is required but could not be found", "Feature: image/", "Key: image/",
+                  "Key: class/", *_DECODE_MESSAGES)
+
+
+def _error_text(err: BaseException) -> str:
+    """The text of ``err``. TensorFlow quotes the record in some of its errors ("Could
+    not parse example input, value: '...'"), and a record that is not UTF-8 then makes
+    its error a ``UnicodeDecodeError`` over that message, which it carries as bytes."""
+    if isinstance(err, UnicodeDecodeError) and isinstance(err.object, (bytes, bytearray)):
+        return bytes(err.object).decode("utf-8", "replace")
+    return getattr(err, "message", None) or str(err)
 
 
 def _is_data_error(err: BaseException) -> bool:
@@ -529,22 +577,27 @@ def _is_data_error(err: BaseException) -> bool:
 
     if isinstance(err, tf.errors.DataLossError):
         return True
-    if isinstance(err, tf.errors.InvalidArgumentError):
-        return any(m in str(err) for m in _DATA_MESSAGES)
+    if isinstance(err, (tf.errors.InvalidArgumentError, UnicodeDecodeError)):
+        return any(m in _error_text(err) for m in _DATA_MESSAGES)
     return False
 
 
+def _is_decode_error(err: BaseException) -> bool:
+    return any(m in _error_text(err) for m in _DECODE_MESSAGES)
+
+
 def _first_line(err: BaseException) -> str:
-    text = getattr(err, "message", None) or str(err)
+    text = _error_text(err)
     text = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", text)
+    text = re.sub(r"\s*\[Op:[^\]]*\].*", "", text)  # the eager op's name, not the cause
     return text.strip().splitlines()[0][:300] if text.strip() else type(err).__name__
 
 
 def locate(paths, err: BaseException | None = None, what: str = "",
            ignore=frozenset(), level: str = "records") -> DamagedDataError | None:
     """Scan the splits ``paths`` (record by record, parsing each; ``level="full"``:
-    the framing only) for the damage behind ``err``; the :class:`DamagedDataError` of
-    the first damaged file, else None."""
+    the framing only; ``"decode"``: also decoding each image) for the damage behind
+    ``err``; the :class:`DamagedDataError` of the first damaged file, else None."""
     for path in paths:
         if not path:
             continue
@@ -566,8 +619,10 @@ class reading:
     ``paths``: the splits the block reads (folders or globs). A ``DataLossError`` (a
     corrupted or truncated record) or an ``InvalidArgumentError`` a record caused
     (unparsable, a feature missing or of another type, an out-of-range label, an empty
-    or undecodable image) is followed by a scan of these splits, which finds the file
-    and record; the error raised then names them. Errors of another cause, and ones
+    or undecodable image; or the ``UnicodeDecodeError`` TensorFlow raises in its place
+    when the message quotes a record that is not UTF-8) is followed by a scan of these
+    splits, which finds the file and record (decoding every image when an image did not
+    decode); the error raised then names them. Errors of another cause, and ones
     whose file no scan finds, pass through unchanged (a corrupt record always fails its
     CRC, so the scan finds every damaged file TensorFlow's reader would). ``ignore``:
     files already known damaged and left out (not blamed again).
@@ -590,7 +645,9 @@ class reading:
             return False
         LOG.info("a record could not be read (%s); looking for the damaged file ...",
                  _first_line(err))
-        found = locate(self.paths, err, self.what, ignore=self.ignore)
+        # An image that does not decode passes the record checks: decode them all.
+        level = "decode" if _is_decode_error(err) else "records"
+        found = locate(self.paths, err, self.what, ignore=self.ignore, level=level)
         if found is None:
             return False
         raise found from None

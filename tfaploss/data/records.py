@@ -117,8 +117,9 @@ def parse_class_example(serialized: tf.Tensor, labels: list[bool] | None = None)
     """Parse one by-class record: ``encoded``/``id`` are vectors of the chunk's images.
 
     Checked as :func:`parse_image_example` does, with labels >= 0 and
-    at least one image, and no more than ``class/num_images`` (the class's, of which a
-    record holds a chunk).
+    at least one image, no more than ``class/num_images`` (the class's, of which a
+    record holds a chunk) and one ``image/id`` per image (the samplers draw both with
+    one index).
     """
     f = tf.io.parse_single_example(serialized, CLASS_SPEC)
     out = {
@@ -132,9 +133,10 @@ def parse_class_example(serialized: tf.Tensor, labels: list[bool] | None = None)
         tf.reduce_all(tf.strings.length(out["encoded"]) > 0),
         tf.size(out["encoded"]) > 0,
         tf.size(out["encoded"], out_type=tf.int64) <= out["num_images"],
+        tf.equal(tf.size(out["id"]), tf.size(out["encoded"])),
         _label_ok(f["class/label"], labels, 0)],
-        "empty image/encoded, more images than class/num_images, or class/label "
-        "negative or not among the manifest's classes")
+        "empty image/encoded, more images than class/num_images, image/id not one id "
+        "per image, or class/label negative or not among the manifest's classes")
 
 
 def decode_rgb(encoded: tf.Tensor) -> tf.Tensor:
