@@ -6,6 +6,9 @@
   embeddings, any split, any searcher.
 * :class:`TrainingHealthMonitor`: warns (or stops) when the embeddings collapse or
   the loss stops moving (:mod:`tfaploss.training.health`).
+* :class:`LoneQueryMonitor`: warns when most queries have no positive in their batch;
+  it reads the ``tfaploss.training.LoneQueryShare`` metric, compiled with the model
+  (:mod:`tfaploss.training.lone_queries`).
 * :class:`EmbeddingProjector` and :func:`export_projector`: a split's embeddings for
   TensorBoard's projector; :func:`umap_figure`: a UMAP plot (``viz`` extra).
 
@@ -28,6 +31,8 @@ model.fit(train_ds, epochs=20, callbacks=[
 from tfaploss.evaluation.projector import export_projector, umap_figure
 from tfaploss.training.callbacks import EmbeddingProjector, RetrievalEvaluation
 from tfaploss.training.health import TrainingHealthMonitor, TrainingHealthWarning
+from tfaploss.training.lone_queries import LoneQueryMonitor
 
-__all__ = ["EmbeddingProjector", "RetrievalEvaluation", "TrainingHealthMonitor",
-           "TrainingHealthWarning", "export_projector", "umap_figure"]
+__all__ = ["EmbeddingProjector", "LoneQueryMonitor", "RetrievalEvaluation",
+           "TrainingHealthMonitor", "TrainingHealthWarning", "export_projector",
+           "umap_figure"]

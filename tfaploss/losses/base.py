@@ -74,27 +74,6 @@ def _warn_once_without_positives(has_positive_pair):
     return tensorflow_kernels.print_unless(has_positive_pair, "WARNING: " + message)
 
 
-def _count_lone_queries(tracker, informative):
-    """Hand ``tracker`` this step's counts: lone queries (not ``informative``), all
-    queries. A compiled step calls back into Python (``tfaploss.losses.lone_queries``);
-    TensorFlow under XLA cannot, and counts nothing."""
-    if in_symbolic_scope():
-        return  # Keras inferring shapes: no step was taken
-    counts = ops.stack([ops.sum(ops.cast(ops.logical_not(informative), "int32")),
-                        ops.sum(ops.ones_like(informative, dtype="int32"))])
-    known = _concrete(counts)
-    if known is not None:
-        tracker.update(*known)
-    elif keras.backend.backend() == "jax":
-        import jax
-
-        jax.debug.callback(lambda c: tracker.update(*c), counts)
-    elif on_tensorflow() and not _in_xla_context():
-        from tfaploss.ops import tensorflow_kernels
-
-        tensorflow_kernels.call_on_host(lambda c: tracker.update(*c), counts)
-
-
 def _dtype_name(values):
     dtype = getattr(values, "dtype", None)
     if dtype is None:
@@ -230,6 +209,13 @@ class RetrievalLoss(keras.losses.Loss):
     (:mod:`tfaploss.ops.distribute`). ``docs/losses.md`` has every reduction, the
     built-in query weights and the multi-device contract.
 
+    Lone queries (no other item of their class in the batch) are not counted here, so
+    the loss adds no host call to the step: compile with
+    ``metrics=[tfaploss.training.LoneQueryShare()]`` and fit with
+    ``callbacks=[tfaploss.training.LoneQueryMonitor()]`` to log their share and be
+    warned, once per run, when most queries are lone (``tfaploss train`` adds both;
+    :mod:`tfaploss.losses.lone_queries`).
+
     Subclasses override :meth:`per_query` (and :meth:`pairwise` for distances) and
     extend :meth:`get_config`; a loss whose terms are not per query overrides
     :meth:`_weighted_terms`.
@@ -283,7 +269,10 @@ class RetrievalLoss(keras.losses.Loss):
         self.include_self = bool(include_self)
         self.drop_lone_queries = bool(drop_lone_queries)
         #: The share of lone queries of the recent steps, and the warning when most
-        #: are (``tfaploss.losses.lone_queries``); off with ``drop_lone_queries``.
+        #: are (``tfaploss.losses.lone_queries``); off with ``drop_lone_queries``. The
+        #: loss does not count them itself (no host call in the step): the
+        #: ``LoneQueryShare`` metric and ``LoneQueryMonitor`` of ``tfaploss.training``
+        #: do, and hand the counts to this tracker.
         self.lone_queries = LoneQueryTracker(warn=not self.drop_lone_queries)
 
     # -- Keras entry points -------------------------------------------------------
@@ -349,8 +338,7 @@ class RetrievalLoss(keras.losses.Loss):
         scores = self.pairwise(y_pred, y_pred)
         positives, candidates = label_masks(labels, labels, exclude_self=not self.include_self)
         self_pairs = self_pair_mask(ops.shape(labels)[0]) if self.include_self else None
-        return self._query_terms(finite, scores, positives, candidates, self_pairs,
-                                 count_lone=True)
+        return self._query_terms(finite, scores, positives, candidates, self_pairs)
 
     def _check_embeddings(self, embeddings, name):
         if len(embeddings.shape) != 2:
@@ -434,22 +422,18 @@ class RetrievalLoss(keras.losses.Loss):
         return self._reduce(terms, self._check_sample_weight(sample_weight, terms),
                             per_replica=True)
 
-    def _query_terms(self, finite, scores, positives, candidates, self_pairs=None,
-                     count_lone=False):
+    def _query_terms(self, finite, scores, positives, candidates, self_pairs=None):
         """Masked per-query terms (Q,) from a (Q, N) score matrix and its boolean masks.
 
         ``self_pairs``: the (Q, N) mask of queries paired with themselves, when they
         are ranked (batch against itself, ``include_self=True``); else None. All NaN
-        unless ``finite`` (the embeddings were all finite). ``count_lone``: the batch
-        is ranked against itself, so its lone queries go to ``self.lone_queries``.
+        unless ``finite`` (the embeddings were all finite).
         """
         values, weights = self.per_query(scores, positives, candidates, self_pairs)
         weights = ops.cast(weights, values.dtype)
         # A query with a positive other than itself makes the batch informative; a
         # batch with none (every class alone) gives 0 whatever `drop_lone_queries`.
         informative = self.other_positive_counts(positives, self_pairs) > 0
-        if count_lone:
-            _count_lone_queries(self.lone_queries, informative)
         if self.drop_lone_queries:
             weights = ops.where(informative, weights, ops.zeros_like(weights))
         weights = ops.where(ops.any(informative), weights, ops.zeros_like(weights))

@@ -192,8 +192,7 @@ class HAPLoss(ProxiesOwner, RetrievalLoss):
         positives = ops.logical_and(level > 0, candidates)
         self._levels = (level, int(labels.shape[-1]), labels[:, 0], y_pred)
         try:
-            return self._query_terms(finite, scores, positives, candidates, self_pairs,
-                                     count_lone=True)
+            return self._query_terms(finite, scores, positives, candidates, self_pairs)
         finally:
             self._levels = None
 

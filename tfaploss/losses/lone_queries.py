@@ -3,17 +3,23 @@
 A ranking loss learns only from queries with a positive. With plain shuffling
 (``model.fit(x, y, batch_size=8, shuffle=True)`` over many classes) most items are
 alone with their class in the batch: they are left out of the mean, so the loss looks
-small and healthy while it learns from a handful of queries. Every
-:class:`~tfaploss.losses.RetrievalLoss` counts them as it ranks a batch against itself
-(the counts it already needs for its mask) and hands them to its
-:class:`LoneQueryTracker` (``loss.lone_queries``), which warns once per run when most
-queries of its recent steps were lone.
+small and healthy while it learns from a handful of queries.
 
-The counts reach Python from a compiled step by each backend's host callback:
-``jax.debug.callback`` under ``jax.jit``, ``tf.py_function`` in a ``tf.function``;
-eager TensorFlow and PyTorch hand over the values directly. TensorFlow under XLA
-(``jit_compile=True``; Keras's ``"auto"`` picks it on a GPU) cannot call the host, so
-there the check stays silent.
+Whether a query is lone depends on the batch's labels only, so the count is a Keras
+metric, not part of the loss: the loss puts no host call into the training step.
+Count and warn with the metric and its callback, both in :mod:`tfaploss.training`
+(``tfaploss train`` adds them itself)::
+
+    model.compile(optimizer="adam", loss=tfaploss.losses.SmoothAPLoss(),
+                  metrics=[tfaploss.training.LoneQueryShare()])
+    model.fit(x, y, batch_size=8, callbacks=[tfaploss.training.LoneQueryMonitor()])
+
+The metric counts inside the compiled step, as Keras keeps every metric, on every
+backend and under XLA; the callback reads its counts every :data:`WINDOW_STEPS` steps
+and at the end of each epoch and hands them to the loss's :class:`LoneQueryTracker`
+(``loss.lone_queries``), which keeps the share of the recent steps and warns once per
+run when most of their queries were lone. ``drop_lone_queries=True`` turns the warning
+off (the counts are kept).
 """
 
 from __future__ import annotations
@@ -54,13 +60,16 @@ def _message(share: float, steps: int) -> str:
 class LoneQueryTracker:
     """The share of lone queries (no positive other than themselves) over recent steps.
 
-    The loss calls :meth:`update` once per batch ranked against itself, with the counts
-    of lone and of all queries. When the share over the last :data:`WINDOW_STEPS`
-    steps (at least :data:`MIN_STEPS`) exceeds :data:`LONE_SHARE_LIMIT`, a
-    :class:`LoneQueriesWarning` is raised, once per run. A run starts with the loss
-    (a new loss, a new run) and again at every :meth:`start_run`, which the callbacks
-    of ``tfaploss train`` call at the start of each ``fit``. The warning is shown at
-    each run whatever Python's "once per location" filter has seen before.
+    :meth:`update` takes the counts of lone and of all queries of one or more steps
+    (:class:`tfaploss.training.LoneQueryMonitor` hands over what the
+    :class:`~tfaploss.training.LoneQueryShare` metric counted since its last read).
+    The recent steps are the latest updates covering at most :data:`WINDOW_STEPS`
+    steps, extended to at least :data:`MIN_STEPS` when the latest update is shorter.
+    When their share exceeds :data:`LONE_SHARE_LIMIT` (judged once they cover
+    :data:`MIN_STEPS` steps), a :class:`LoneQueriesWarning` is raised, once per run. A
+    run starts with the tracker and again at every :meth:`start_run`, which the
+    monitor calls at the start of each ``fit``. The warning is shown at each run
+    whatever Python's "once per location" filter has seen before.
 
     Args:
         warn: raise the warning (False for a loss that leaves lone queries out on
@@ -70,8 +79,10 @@ class LoneQueryTracker:
 
     ```python
     loss = tfaploss.losses.SmoothAPLoss()
-    model.compile(optimizer="adam", loss=loss)
-    model.fit(x, y, batch_size=8)      # warns when most queries are lone
+    model.compile(optimizer="adam", loss=loss,
+                  metrics=[tfaploss.training.LoneQueryShare()])
+    model.fit(x, y, batch_size=8,      # warns when most queries are lone
+              callbacks=[tfaploss.training.LoneQueryMonitor()])
     loss.lone_queries.share            # their share over the last steps
     ```
     """
@@ -82,40 +93,50 @@ class LoneQueryTracker:
 
     def start_run(self) -> None:
         """Forget the counts and warn again (a new ``fit``)."""
-        self._window = collections.deque(maxlen=WINDOW_STEPS)
+        self._window = collections.deque(maxlen=WINDOW_STEPS)  # (lone, queries, steps)
         self._epoch = [0, 0]
         self.warned = False
 
+    def _recent(self) -> tuple[int, int, int]:
+        """(lone, queries, steps) of the recent steps (see the class docstring)."""
+        lone = queries = steps = 0
+        for chunk_lone, chunk_queries, chunk_steps in reversed(self._window):
+            if steps >= MIN_STEPS and steps + chunk_steps > WINDOW_STEPS:
+                break
+            lone, queries, steps = lone + chunk_lone, queries + chunk_queries, steps + chunk_steps
+        return lone, queries, steps
+
     @property
     def share(self) -> float | None:
-        """The share of lone queries over the last :data:`WINDOW_STEPS` steps (None
-        before the first step)."""
-        total = sum(q for _, q in self._window)
-        return sum(lone for lone, _ in self._window) / total if total else None
+        """The share of lone queries over the recent steps (None before the first
+        count)."""
+        lone, queries, _ = self._recent()
+        return lone / queries if queries else None
 
     def take_epoch(self) -> float | None:
-        """The share of lone queries since the last call (None: no step was counted,
-        e.g. TensorFlow under XLA), then start counting again."""
+        """The share of lone queries since the last call (None: nothing was counted),
+        then start counting again."""
         lone, total = self._epoch
         self._epoch = [0, 0]
         return lone / total if total else None
 
-    def update(self, lone, queries) -> None:
-        """Count one step's ``lone`` of ``queries`` queries; warn if most were lone."""
-        lone, queries = int(lone), int(queries)
-        if queries <= 0:
+    def update(self, lone, queries, steps: int = 1) -> None:
+        """Count ``lone`` of ``queries`` queries over ``steps`` steps; warn if most of
+        the recent steps' queries were lone."""
+        lone, queries, steps = int(lone), int(queries), int(steps)
+        if queries <= 0 or steps <= 0:
             return
-        self._window.append((lone, queries))
+        self._window.append((lone, queries, steps))
         self._epoch[0] += lone
         self._epoch[1] += queries
-        if self.warned or not self.warn or len(self._window) < MIN_STEPS:
+        if self.warned or not self.warn:
             return
-        share = self.share
-        if share > LONE_SHARE_LIMIT:
+        lone, queries, steps = self._recent()
+        if steps >= MIN_STEPS and lone / queries > LONE_SHARE_LIMIT:
             self.warned = True
             # A fresh registry: Python's "default" filter would show an identical
             # message only once per process, and this warning is once per run.
-            warnings.warn_explicit(_message(share, len(self._window)), LoneQueriesWarning,
+            warnings.warn_explicit(_message(lone / queries, steps), LoneQueriesWarning,
                                    __file__, inspect.currentframe().f_lineno,
                                    module=__name__, registry={})
 

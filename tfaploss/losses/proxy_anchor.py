@@ -91,6 +91,9 @@ class ProxyAnchorLoss(ProxiesOwner, RetrievalLoss):
         self.margin = float(margin)
         self.alpha = _positive_number(owner, "alpha", alpha)
         self._init_proxies(num_classes, proxies_key)
+        # Every item has its class's proxy as a positive: no query is lone, nothing to
+        # track or warn about (tfaploss.losses.lone_queries).
+        self.lone_queries = None
 
     # -- Keras entry points -----------------------------------------------------------
 

@@ -87,19 +87,6 @@ def warn_unless(condition, message: str, category: type[Warning] = RuntimeWarnin
 print_unless = warn_unless  # the name tfaploss.losses.base calls
 
 
-def call_on_host(fn, values):
-    """Call the Python ``fn(numpy values)`` from a ``tf.function`` step (not XLA).
-
-    A ``tf.py_function``: stateful, so the step runs it without anything reading its
-    output. Cost: one call into Python per step.
-    """
-    def host(tensor):
-        fn(tensor.numpy())
-        return True
-
-    return tf.py_function(host, [values], Tout=tf.bool)
-
-
 def assert_same_rows(labels, embeddings, message):
     """``labels`` after a run-time check that both inputs have as many rows."""
     sizes = tf.stack([tf.shape(labels)[0], tf.shape(embeddings)[0]])

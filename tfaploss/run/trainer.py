@@ -351,9 +351,14 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data=None) -> 
                                 xbm_size=cfg.training.xbm.size,
                                 xbm_weight=cfg.training.xbm.weight)
         from tfaploss.training.health import health_metrics
+        from tfaploss.training.lone_queries import LoneQueryMonitor, LoneQueryShare
 
+        # Lone queries: counted by a metric in the step, read by LoneQueryMonitor (a loss
+        # with no tracker, e.g. ProxyAnchorLoss, has no lone query).
+        lone = getattr(loss, "lone_queries", None) is not None
         model.compile(optimizer=B.build_optimizer(cfg, steps), loss=loss,
-                      metrics=health_metrics(), jit_compile=cfg.training.jit_compile)
+                      metrics=health_metrics() + ([LoneQueryShare()] if lone else []),
+                      jit_compile=cfg.training.jit_compile)
         if not model.built:
             model.build((None, *cfg.image_shape, 3))
         start_epoch = backup.restore(model, state.checkpoint) if resuming else 0

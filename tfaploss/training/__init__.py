@@ -1,6 +1,7 @@
 """Training: multi-staged backpropagation for very large batches, cross-batch memory,
-the BatchNorm freezing that makes both exact, and batch-health metrics with a callback
-that warns when a run has collapsed or stalled."""
+the BatchNorm freezing that makes both exact, batch-health metrics with a callback
+that warns when a run has collapsed or stalled, and the lone-query metric with its
+callback (:mod:`tfaploss.training.lone_queries`)."""
 
 # Re-exported from their homes (models.batch_norm, tfaploss.losses.xbm): the names
 # users train with, importable from the package that trains.
@@ -22,12 +23,15 @@ from tfaploss.training.health import (
     batch_health,
     health_metrics,
 )
+from tfaploss.training.lone_queries import LoneQueryMonitor, LoneQueryShare
 from tfaploss.training.multistage import MultiStageModel
 
 __all__ = [
     "BatchHealthMetric",
     "CrossBatchMemory",
     "FrozenBatchNormalization",
+    "LoneQueryMonitor",
+    "LoneQueryShare",
     "MultiStageModel",
     "NondeterministicModelWarning",
     "TrainingHealthMonitor",

@@ -11,8 +11,9 @@
   (:mod:`tfaploss.durable.faults`).
 
 ``tfaploss train`` (:mod:`tfaploss.run.trainer`) puts them in this order:
-non-finite guard, faults, evaluation, health check, epoch log, TensorBoard, checkpoint
-(last: it saves what every other callback has seen).
+non-finite guard, faults, evaluation, health check, lone-query check
+(:class:`~tfaploss.training.LoneQueryMonitor`), the user's, epoch log, TensorBoard,
+checkpoint (last: it saves what every other callback has seen).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import keras
 from tfaploss.durable import faults
 from tfaploss.durable.atomic import DiskFullError, free_bytes, is_disk_full
 from tfaploss.training.health import trace_columns
+from tfaploss.training.lone_queries import SHARE_KEY
 
 __all__ = ["EmbeddingProjector", "EpochCheckpoint", "EpochLogger", "FaultPoints",
            "RetrievalEvaluation", "finite", "stop_summary"]
@@ -239,10 +241,11 @@ class EmbeddingProjector(keras.callbacks.Callback):
 class EpochLogger(keras.callbacks.Callback):
     """Append each finished epoch's logs and learning rate to a JSON-lines file.
 
-    A row is ``{"epoch": E, "learning_rate": ..., <every numeric log>}``, the share of
-    the epoch's queries that had no positive in their batch (``lone_query_share``, from
-    the loss's :class:`~tfaploss.losses.lone_queries.LoneQueryTracker`; null where it
-    counts nothing) and, with a
+    A row is ``{"epoch": E, "learning_rate": ..., <every numeric log>}``, with the share
+    of the epoch's queries that had no positive in their batch (``lone_query_share``,
+    with ``lone_query_count`` and ``query_count``: the logs of the
+    :class:`~tfaploss.training.LoneQueryShare` metric; null where nothing was counted
+    or the model was compiled without it) and, with a
     ``health_monitor``, what it reported during the epoch (``health``,
     ``stopped_early`` on the row of the epoch it stopped) and, per step, what it saw
     (``health_steps``: :func:`tfaploss.training.health.trace_columns`, what a replay of
@@ -263,14 +266,6 @@ class EpochLogger(keras.callbacks.Callback):
         self._reported = 0
         self._traced = 0
 
-    def _lone_queries(self):
-        return getattr(getattr(self.model, "loss", None), "lone_queries", None)
-
-    def on_train_begin(self, logs=None):
-        tracker = self._lone_queries()
-        if tracker is not None:
-            tracker.start_run()  # its warning: once per fit
-
     def on_epoch_end(self, epoch, logs=None):
         row = {"epoch": epoch + 1}
         opt = self.model.optimizer
@@ -280,9 +275,8 @@ class EpochLogger(keras.callbacks.Callback):
             pass  # a wrapped optimizer without a scalar learning rate
         row.update({k: float(v) for k, v in (logs or {}).items()
                     if isinstance(v, (int, float)) or hasattr(v, "__float__")})
-        tracker = self._lone_queries()
-        if tracker is not None:
-            row["lone_query_share"] = tracker.take_epoch()
+        # NaN (no query counted) becomes null below; absent: no LoneQueryShare compiled.
+        row.setdefault(SHARE_KEY, None)
         row = finite(row)
         monitor = self.health_monitor
         if monitor is not None:

@@ -1,0 +1,293 @@
+"""Lone queries counted by a Keras metric, and the callback that warns when most are.
+
+A query is lone when no other item of the batch shares its label: a ranking loss
+gets no signal from it (:mod:`tfaploss.losses.lone_queries` says why that matters).
+That depends on the labels only, so it is counted by a metric from ``y_true`` rather
+than by the loss: Keras keeps a metric's state statelessly inside the compiled step on
+every backend (XLA included), and nothing calls the host. A plain Keras user adds both
+pieces; ``tfaploss train`` adds them itself:
+
+```python
+model.compile(optimizer="adam", loss=tfaploss.losses.SmoothAPLoss(),
+              metrics=[tfaploss.training.LoneQueryShare()])
+model.fit(x, y, batch_size=8, callbacks=[tfaploss.training.LoneQueryMonitor()])
+```
+
+* :class:`LoneQueryShare`: counts per step, logged per epoch as
+  ``lone_query_share``, ``lone_query_count`` and ``query_count``.
+* :class:`LoneQueryMonitor`: reads the counts every ``every`` steps and at the end of
+  each epoch and hands them to the loss's
+  :class:`~tfaploss.losses.lone_queries.LoneQueryTracker`, which warns once per run
+  (:class:`~tfaploss.losses.lone_queries.LoneQueriesWarning`) when most queries of the
+  recent steps were lone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import keras
+from keras import ops
+
+from tfaploss._keras_compat import in_symbolic_scope
+from tfaploss.losses.lone_queries import WINDOW_STEPS, LoneQueryTracker
+from tfaploss.ops import distribute
+
+__all__ = ["LONE_KEY", "QUERY_KEY", "SHARE_KEY", "LoneQueryMonitor", "LoneQueryShare",
+           "lone_query_counts"]
+
+LOG = logging.getLogger(__name__)
+
+#: The log entries of :class:`LoneQueryShare` (its result).
+SHARE_KEY, LONE_KEY, QUERY_KEY = "lone_query_share", "lone_query_count", "query_count"
+
+
+def _alone_sorted(column):
+    """``(order, alone)``: the permutation that sorts ``column`` (B,) and, in that
+    order, whether the item is the only one of its label.
+
+    Sorted, equal labels are neighbours: an item is alone iff both its sorted
+    neighbours differ from it. Cost: one sort of B values, O(B log B) time, O(B) memory.
+    """
+    order = ops.argsort(column)
+    ranked = ops.take(column, order)
+    new = ops.not_equal(ranked[1:], ranked[:-1])  # item k+1 starts a new label
+    edge = ops.ones_like(ranked[:1], dtype="bool")  # empty for an empty batch
+    alone = ops.logical_and(ops.concatenate([edge, new], axis=0),
+                            ops.concatenate([new, edge], axis=0))
+    return order, alone
+
+
+def lone_query_counts(labels, sample_weight=None, rows=None):
+    """``(lone, queries)``: int32 scalars counting the lone queries and all queries.
+
+    A query is an item with a weight above 0 (every item without ``sample_weight``);
+    it is lone when no other item of the batch, whatever its weight, shares its label:
+    the queries a :class:`~tfaploss.losses.RetrievalLoss` finds no positive for, with
+    ``include_self`` or not (its ``informative`` mask), since the loss ranks every item
+    and ``sample_weight`` only scales the queries' terms. Labels of shape (B, L)
+    (:class:`~tfaploss.losses.HAPLoss`'s levels): lone when no other item shares any
+    level, as ``level > 0`` there.
+
+    Args:
+        labels: (B,), (B, 1) or (B, L) labels.
+        sample_weight: None, a scalar, or one weight per item, (B,) or (B, 1).
+        rows: ``(start, stop)``: count only the queries of these rows (this replica's
+            rows of a gathered global batch); None: every row.
+
+    Cost: one sort of the B labels (one more per further level, and with ``rows``),
+    O(L·B log B) time and O(B) memory; a few dozen small ops.
+    """
+    labels = ops.convert_to_tensor(labels)
+    if len(labels.shape) == 1:
+        labels = ops.expand_dims(labels, 1)
+    if len(labels.shape) != 2 or labels.shape[-1] is None:
+        raise ValueError("lone_query_counts: labels must have shape (batch,) or (batch, "
+                         f"levels); received shape {tuple(labels.shape)}.")
+    levels = int(labels.shape[-1])
+    if levels == 1 and rows is None:
+        # Counted in sorted order: the weights follow the labels' permutation.
+        order, lone = _alone_sorted(labels[:, 0])
+    else:
+        order, lone = None, None
+        for level in range(levels):  # L: a static handful
+            level_order, alone = _alone_sorted(labels[:, level])
+            alone = ops.take(alone, ops.argsort(level_order))  # back to the batch's order
+            lone = alone if lone is None else ops.logical_and(lone, alone)
+    if sample_weight is None:
+        query = None
+        queries = ops.shape(lone)[0]
+    else:
+        weight = ops.reshape(ops.convert_to_tensor(sample_weight), (-1,))
+        query = ops.broadcast_to(weight > 0, ops.shape(lone))
+        if order is not None:
+            query = ops.take(query, order)
+    if rows is not None:
+        lone = lone[rows[0]:rows[1]]
+        query = None if query is None else query[rows[0]:rows[1]]
+        queries = ops.shape(lone)[0]
+    if query is not None:
+        lone = ops.logical_and(lone, query)
+        queries = ops.sum(ops.cast(query, "int32"))
+    return ops.sum(ops.cast(lone, "int32")), ops.cast(queries, "int32")
+
+
+@keras.saving.register_keras_serializable(package="tfaploss")
+class LoneQueryShare(keras.metrics.Metric):
+    """The share of the epoch's queries that had no other item of their label in
+    their batch (:func:`lone_query_counts`), with its two counts.
+
+    ``y_true`` = the labels the ranking loss takes; ``y_pred`` is not read. Its
+    :meth:`result` is a dict, so the logs (progress bar, History, ``epochs.jsonl``)
+    hold three entries: ``lone_query_share`` (NaN when nothing was counted),
+    ``lone_query_count`` and ``query_count`` (since the start of the epoch, as every
+    Keras metric). :class:`LoneQueryMonitor` reads them. In ``compile(metrics=...)``
+    every item is a query; in ``compile(weighted_metrics=...)`` an item of
+    ``sample_weight`` 0 is none (use one of the two lists).
+
+    Under ``tf.distribute`` and ``torch.distributed`` it gathers the replicas' labels
+    (and weights), as the loss does, so a query whose positive sits on another replica
+    is not lone; each replica counts its own rows and Keras sums the replicas' counts.
+
+    Cost per step: :func:`lone_query_counts`, O(B log B) (several replicas: plus an
+    all-gather of the B labels), inside the compiled step; no host call.
+
+    Args:
+        name, dtype: as for ``keras.metrics.Metric``.
+    """
+
+    def __init__(self, name=SHARE_KEY, dtype=None):
+        super().__init__(name=name, dtype=dtype)
+        self.lone = self.add_variable((), initializer="zeros", dtype="int32", name="lone")
+        self.queries = self.add_variable((), initializer="zeros", dtype="int32",
+                                         name="queries")
+
+    def update_state(self, y_true, y_pred=None, sample_weight=None):
+        rows = None
+        replicas = distribute.replicas_to_gather(type(self).__name__,
+                                                 shapes_only=in_symbolic_scope())
+        if replicas > 1:
+            # The labels stand in for the embeddings: only the rows' count is read.
+            y_true, _, sample_weight, rows = distribute.gather_replicas(
+                y_true, y_true, sample_weight)
+        lone, queries = lone_query_counts(y_true, sample_weight, rows)
+        self.lone.assign_add(lone)
+        self.queries.assign_add(queries)
+
+    def result(self):
+        # 0 / 0: NaN, nothing counted
+        share = ops.cast(self.lone, "float32") / ops.cast(self.queries, "float32")
+        return {SHARE_KEY: share, LONE_KEY: ops.convert_to_tensor(self.lone),
+                QUERY_KEY: ops.convert_to_tensor(self.queries)}
+
+    def reset_state(self):
+        for variable in (self.lone, self.queries):
+            variable.assign(ops.zeros((), variable.dtype))
+
+
+def _find_metric(model):
+    """The compiled :class:`LoneQueryShare` of ``model`` (searched recursively), or None."""
+    stack, seen = list(getattr(model, "metrics", [])), set()
+    while stack:
+        metric = stack.pop()
+        if id(metric) in seen:
+            continue
+        seen.add(id(metric))
+        if isinstance(metric, LoneQueryShare):
+            return metric
+        stack.extend(getattr(metric, "metrics", []) or [])
+    return None
+
+
+class LoneQueryMonitor(keras.callbacks.Callback):
+    """Hands the :class:`LoneQueryShare` metric's counts to the loss's
+    :class:`~tfaploss.losses.lone_queries.LoneQueryTracker`, which warns once per run
+    (each ``fit``) when most queries of the recent steps were lone.
+
+    The counts are read every ``every`` steps and at the end of each epoch (from its
+    logs: free, Keras has them ready). Keras's epoch counts are cumulative, so the
+    counts of each read are the difference from the previous one. A read within an
+    epoch waits for the step to finish (a host sync): on TensorFlow and PyTorch the
+    callback reads the metric's variables before the next step (under
+    ``tf.distribute`` they sum the replicas' counts, where a step's logs average
+    them); on JAX, where the variables are only written back at the epoch's end, it
+    reads the step's logs, which Keras hands the callbacks in a thread of its own
+    while the next step runs (the callback is ``async_safe``). With the default
+    ``every`` = :data:`~tfaploss.losses.lone_queries.WINDOW_STEPS` (20) that is one
+    read per 20 steps; metric and monitor together cost about 1 % of a B=256
+    ``SmoothAPLoss`` step on a CPU, within the noise of a shared machine
+    (``benchmarks/lone_queries.py``).
+
+    The tracker is ``model.loss.lone_queries`` (its ``warn`` is off for a loss with
+    ``drop_lone_queries=True``); a loss without one (e.g. ``XBMLoss``) gets a tracker
+    of the monitor's own, which warns. Either is :attr:`tracker`. A model compiled
+    without :class:`LoneQueryShare` counts nothing: the monitor logs that once and
+    stays silent.
+
+    Args:
+        every: read the counts every this many steps (besides each epoch's end).
+    """
+
+    async_safe = True  # JAX: on_train_batch_end runs in Keras's callback thread
+
+    def __init__(self, every: int = WINDOW_STEPS):
+        super().__init__()
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"LoneQueryMonitor: every must be an int >= 1; received "
+                             f"every={every!r}.")
+        self.every = every
+        self.tracker = None
+        self._lock = threading.Lock()  # JAX: batch ends may run in several threads
+        # JAX keeps the metric's variables in the step's state until the epoch ends:
+        # there the reads are of the logs, elsewhere of the variables.
+        self._from_step_logs = keras.backend.backend() == "jax"
+
+    # -- the run ------------------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        tracker = getattr(getattr(self.model, "loss", None), "lone_queries", None)
+        self.tracker = tracker if isinstance(tracker, LoneQueryTracker) else LoneQueryTracker()
+        self.tracker.start_run()
+        self._metric = None  # Keras builds the compiled metrics at the first step
+        self._said_missing = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._read = (0, 0, 0)  # (steps, lone, queries) of this epoch handed over
+        self._begun = 0  # steps of this epoch started
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._begun = batch + 1
+        if self._from_step_logs or batch - self._read[0] < self.every:
+            return
+        # TensorFlow, PyTorch: the metric's variables hold the `batch` steps done.
+        self._metric = self._metric or _find_metric(self.model)
+        if self._metric is None:
+            self._missing()
+            return
+        counts = self._metric.result()
+        self._observe(batch, counts[LONE_KEY], counts[QUERY_KEY])
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._from_step_logs and batch + 1 - self._read[0] >= self.every:
+            self._from_logs(batch + 1, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        # The epoch's steps: the last execution started, of steps_per_execution steps.
+        done = self._begun + max(int(getattr(self.model, "steps_per_execution", 1) or 1), 1) - 1
+        steps = (self.params or {}).get("steps")
+        self._from_logs(done if not steps else min(done, steps), logs)
+
+    # -- reading ------------------------------------------------------------------
+
+    def _from_logs(self, steps, logs):
+        logs = logs or {}
+        if LONE_KEY not in logs or QUERY_KEY not in logs:
+            self._missing()
+            return
+        self._observe(steps, logs[LONE_KEY], logs[QUERY_KEY])
+
+    def _observe(self, steps, lone, queries):
+        """Hand over the counts since the previous read (``lone``, ``queries``: the
+        epoch's counts after its first ``steps`` steps)."""
+        lone, queries = int(_number(lone)), int(_number(queries))
+        with self._lock:
+            done, read_lone, read_queries = self._read
+            if steps <= done or queries < read_queries:
+                return  # a late read (JAX's callback threads) or nothing new
+            self._read = (steps, lone, queries)
+            self.tracker.update(lone - read_lone, queries - read_queries, steps - done)
+
+    def _missing(self):
+        if not self._said_missing:
+            self._said_missing = True
+            LOG.warning("LoneQueryMonitor: the model was compiled without "
+                        "tfaploss.training.LoneQueryShare (metrics=[LoneQueryShare()]), so "
+                        "no lone query is counted and nothing is checked.")
+
+
+def _number(value) -> float:
+    """A scalar from the logs (a float) or from the metric (a tensor of any backend)."""
+    if isinstance(value, (int, float)):
+        return value
+    return float(ops.convert_to_numpy(value))
