@@ -47,6 +47,7 @@ REPO_ROOT = HERE.parent
 SUITE = {
     "losses": (["--compare"], ["--quick", "--compare"], ["--tiny", "--compare"], False),
     "multistage": ([], ["--quick"], ["--tiny"], False),
+    "lone_queries": ([], ["--quick"], ["--tiny"], False),
     "search": ([], ["--quick", "--datasets", "clustered", "--target_recall", "0.9",
                     "--tune_seconds", "30"], ["--tiny"], False),
     "embed": ([], ["--quick"], ["--tiny"], False),

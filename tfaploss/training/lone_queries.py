@@ -195,9 +195,10 @@ class LoneQueryMonitor(keras.callbacks.Callback):
     reads the step's logs, which Keras hands the callbacks in a thread of its own
     while the next step runs (the callback is ``async_safe``). With the default
     ``every`` = :data:`~tfaploss.losses.lone_queries.WINDOW_STEPS` (20) that is one
-    read per 20 steps; metric and monitor together cost about 1 % of a B=256
-    ``SmoothAPLoss`` step on a CPU, within the noise of a shared machine
-    (``benchmarks/lone_queries.py``).
+    read per 20 steps. Metric and monitor together: within 2 % of a B=256
+    ``SmoothAPLoss`` ``fit`` step on a CPU under JAX, a TensorFlow graph and XLA (wall
+    time, median of paired epochs, two runs on a shared 2-core machine, whose noise
+    is larger; ``benchmarks/lone_queries.py``).
 
     The tracker is ``model.loss.lone_queries`` (its ``warn`` is off for a loss with
     ``drop_lone_queries=True``); a loss without one (e.g. ``XBMLoss``) gets a tracker
