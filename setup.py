@@ -36,7 +36,7 @@ TFDS = ["tensorflow-datasets>=4.9", "importlib_resources"]
 VIZ = ["matplotlib>=3.7", "umap-learn>=0.5"]
 DEMO = ["scikit-learn>=1.3"]
 # import-linter: the layer and cycle contracts in pyproject.toml (tests/test_architecture.py).
-TEST = ["pytest>=8", "pytest-xdist>=3", "import-linter>=2.1"]
+TEST = ["pytest>=8", "pytest-xdist>=3", "import-linter>=2.1", "hypothesis>=6.100"]
 # tfaploss compare: Optuna's TPE sampler tunes every loss alike.
 COMPARE = ["optuna>=3.6"]
 # benchmarks/: faiss beside ScaNN (search.py), the PyTorch peers of the losses (losses.py).
