@@ -42,6 +42,21 @@ def epoch_batches(cfg: Config, steps: int, first: int, last: int, skip: int = 0)
     return ds.prefetch(tf.data.AUTOTUNE) if ds is not None else None
 
 
+def _stream(ds):
+    """What ``model.fit`` reads: ``ds`` on TensorFlow; on JAX and PyTorch one iterator
+    over it. Their ``fit`` first takes a batch from an iterator of its own (to build the
+    compiled metrics), then starts another, and every new iterator of a training
+    stream reshuffles: the run trained on the second draw of its first epoch, a run
+    resumed there on the second draw of the epoch it resumed at, which an
+    uninterrupted run read in its first draw (PyTorch: epoch 2 of 2 trained on other
+    batches, weights 0.06 apart). A generator hands ``fit`` its first batch back."""
+    import keras
+
+    if keras.backend.backend() == "tensorflow":
+        return ds
+    return (batch for batch in ds.as_numpy_iterator())
+
+
 def fit(model, cfg: Config, *, steps: int, start_epoch: int, start_step: int, backup,
         callbacks: list, verbose) -> None:
     """``model.fit`` from epoch ``start_epoch`` (0-based), ``start_step`` batches of it
@@ -67,14 +82,15 @@ def fit(model, cfg: Config, *, steps: int, start_epoch: int, start_step: int, ba
         if start_step:
             LOG.info("resuming epoch %d at step %d of %d (the batches before it are "
                      "skipped)", start_epoch + 1, start_step + 1, steps)
-            model.fit(epoch_batches(cfg, steps, start_epoch, start_epoch + 1, start_step),
+            model.fit(_stream(epoch_batches(cfg, steps, start_epoch, start_epoch + 1,
+                                            start_step)),
                       epochs=start_epoch + 1, initial_epoch=start_epoch,
                       steps_per_epoch=steps - start_step, callbacks=callbacks,
                       verbose=verbose, shuffle=False)
             start_epoch += 1
             guard.step_offset = 0
         if start_epoch < epochs and not model.stop_training:
-            model.fit(epoch_batches(cfg, steps, start_epoch, epochs), epochs=epochs,
+            model.fit(_stream(epoch_batches(cfg, steps, start_epoch, epochs)), epochs=epochs,
                       initial_epoch=start_epoch, steps_per_epoch=steps,
                       callbacks=callbacks, verbose=verbose, shuffle=False)
     if flag.signum is not None:  # between the last batch end and the end of fit
