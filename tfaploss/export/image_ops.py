@@ -22,6 +22,16 @@ DEFAULT_MAX_PIXELS = 40_000_000
 # photos of 12 MP) is ~2 s of one core's decoding and, decoded in parallel, ~2.4 GB of
 # uint8 + float32 copies at once: a batch of many allowed images costs no more than that.
 REQUEST_PIXELS_PER_MAX_PIXELS = 4
+# Memory a request holds while it is decoded, per pixel of its images: the uint8 RGB
+# image (3 bytes), the float32 copy that is resized (12) and the decoder's and resize's
+# working buffers. Measured 12-17 bytes (JPEG and PNG of 1-4 MP, one to four images per
+# request, benchmarks/serving_load.py). Beside it, each thread that calls the signature
+# keeps a few MB of its own (TensorFlow's per-thread state, an allocator arena): 1.5-3
+# MB measured, whatever the images. So a server holds at most DECODE_BYTES_PER_PIXEL x
+# max_request_pixels + REQUEST_OVERHEAD_BYTES per request in flight, beside the model
+# and its forward pass (docs/serving.md, "Concurrent requests").
+DECODE_BYTES_PER_PIXEL = 20
+REQUEST_OVERHEAD_BYTES = 8 << 20
 # What the serving signature decodes (tf.io.decode_image), as the docs and --help list it.
 IMAGE_FORMATS = ("JPEG", "PNG", "GIF", "BMP", "WebP")
 
