@@ -168,8 +168,8 @@ class ProcessGroup:
             except Exception:
                 try:
                     self.any_rank(1)  # tell the others, then stop
-                except Exception:  # noqa: BLE001 - the first error is the one to report
-                    pass
+                except Exception as err:  # noqa: BLE001 - the first error is the one raised
+                    LOG.debug("rank 0 could not tell the others it stopped: %s", err)
                 raise
         (failed,) = self.any_rank(0)
         if failed:
@@ -309,9 +309,27 @@ def _start_torch(timeout: int, torchrun: bool) -> ProcessGroup:
     if torch.cuda.is_available():
         torch.cuda.set_device(local)  # before Keras puts anything on "cuda"
         backend = "nccl"
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout))
+    dist.init_process_group(backend, store=_torchrun_store(rank, world, timeout),
+                            rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
     return ProcessGroup("torch", rank, world, local, "torchrun", timeout)
+
+
+def _torchrun_store(rank: int, world: int, timeout: int):
+    """torchrun's key-value store (``MASTER_ADDR:MASTER_PORT``), its keys under a prefix
+    of the restart count (``TORCHELASTIC_RESTART_COUNT``). With ``init_method="env://"``
+    a group that ``--max-restarts`` started again read the addresses its killed
+    predecessor had left in the agent's store, and its ranks waited to connect to dead
+    ones (measured: torch 2.13, gloo, both ranks of the restarted group stuck for
+    minutes). As ``env://`` does: the agent hosts the store when it says so
+    (``TORCHELASTIC_USE_AGENT_STORE``), else rank 0."""
+    import torch.distributed as dist
+
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent and rank == 0, multi_tenant=True,
+                          timeout=timedelta(seconds=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"tfaploss/attempt-{attempt}", store)
 
 
 def _start_jax(timeout: int, coordinator, num_processes, process_id) -> ProcessGroup:
@@ -325,8 +343,8 @@ def _start_jax(timeout: int, coordinator, num_processes, process_id) -> ProcessG
             raise ConfigError("--num-processes and --process-id go with --coordinator "
                               "HOST:PORT (rank 0's address), or --coordinator auto.")
         return ProcessGroup(timeout_s=timeout)
-    kwargs = dict(initialization_timeout=timeout, shutdown_timeout_seconds=timeout,
-                  heartbeat_timeout_seconds=min(timeout, _JAX_HEARTBEAT_S))
+    kwargs = {"initialization_timeout": timeout, "shutdown_timeout_seconds": timeout,
+              "heartbeat_timeout_seconds": min(timeout, _JAX_HEARTBEAT_S)}
     if coordinator == "auto":
         launcher = "cluster"
         if num_processes is not None:
