@@ -116,13 +116,17 @@ test-jax: $(STAMP)
 		$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS) $(BACKEND_TESTS)
 	KERAS_BACKEND=jax $(JAX_TEST_ENV) \
 		XLA_FLAGS="$(JAX_TEST_XLA) --xla_force_host_platform_device_count=4" \
-		$(BIN)/python -m pytest $(PYTEST_ARGS) tests/distribute/test_jax.py
+		$(BIN)/python -m pytest $(PYTEST_ARGS) tests/distribute/test_jax.py \
+		tests/distribute/test_train_jax.py
 
 # torch.distributed (4 local gloo ranks forked from the test process): a process of its
-# own, so that the ranks fork from a fresh one.
+# own, so that the ranks fork from a fresh one. test_train_torch.py / test_train_jax.py:
+# `tfaploss train` under torchrun and JAX's coordinator (ranks in processes of their
+# own); the torch one trains in its test process too, so not in the one that forks.
 test-torch: $(TORCH_STAMP)
 	KERAS_BACKEND=torch $(BIN)/python -m pytest $(PYTEST_ARGS) $(BACKEND_TESTS)
 	KERAS_BACKEND=torch $(BIN)/python -m pytest $(PYTEST_ARGS) tests/distribute/test_torch.py
+	KERAS_BACKEND=torch $(BIN)/python -m pytest $(PYTEST_ARGS) tests/distribute/test_train_torch.py
 
 # TensorFlow 2.21: setup.py allows it, but .[dev] holds ScaNN 1.4.2, which needs 2.20, so
 # the main suite never sees 2.21. This runs the tests not marked slow on 2.21, in a venv
