@@ -288,15 +288,19 @@ def test_by_class_records_with_bad_features(pristine, tmp_path, change, problem)
 
 @pytest.mark.parametrize("name", [IMAGES, CLASSES])
 def test_an_image_that_does_not_decode_is_named_by_the_reader(pristine, tmp_path, name):
-    """Framing and features sound, the image not: ``verify --records`` does not decode
-    images, so only the reader meets it, and names the file and record after a scan
-    that decodes them (check level "decode")."""
+    """Framing and features sound, the image not, and the manifest's checksum written
+    over it (a faulty writer): ``verify --records`` does not decode images, so only the
+    reader meets it, and names the file and record after a scan that decodes them
+    (check level "decode")."""
     from tfaploss.data import make_eval_dataset, make_train_dataset
 
     split = tmp_path / "train"
     shutil.copytree(pristine, split)
     path = split / name
     path.write_bytes(_huffman_table_broken(path.read_bytes(), 2 if name == IMAGES else 0))
+    manifest = json.loads((split / "manifest.json").read_text())
+    manifest["checksums"] = I.manifest_checksums(str(split), [IMAGES, CLASSES])
+    (split / "manifest.json").write_text(json.dumps(manifest))
     assert I.check_split(str(split), "records").ok
     damaged = I.check_split(str(split), "decode").damaged
     assert [d.path for d in damaged] == [str(path)]
@@ -353,6 +357,9 @@ def test_a_swapped_file_of_the_same_size_is_caught_by_its_checksum(pristine, tmp
     (split / IMAGES).write_bytes(second + first + data[32 + a[1] + b[1]:])
     assert I.check_split(str(split), "sizes").ok
     damaged = I.check_split(str(split), "full").damaged
+    assert len(damaged) == 1 and "CRC-32C" in damaged[0].problem
+    # --records checks all that the default does (each record parses here).
+    damaged = I.check_split(str(split), "records").damaged
     assert len(damaged) == 1 and "CRC-32C" in damaged[0].problem
 
 

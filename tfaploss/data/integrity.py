@@ -500,8 +500,7 @@ def _check_file(path, level, expect, layout, classes, tally=None) -> Damage | No
             return None
         # Locate the damage for the message; the checksum alone says only "somewhere".
         _, damage = scan_shard(path)
-        return damage or Damage(path, f"CRC-32C {found}, the manifest says "
-                                f"{expect[ALGORITHM]} (a changed or swapped file)")
+        return damage or _changed(path, found, expect)
     # The record that fails says most; then the size, then the number of records.
     records = (expect or {}).get("records")
     parse = level in ("records", "decode")
@@ -511,7 +510,18 @@ def _check_file(path, level, expect, layout, classes, tally=None) -> Damage | No
         return damage or wrong_size
     if records is not None and n != records:
         return Damage(path, f"{n} records, the manifest says {records} (truncated copy?)")
+    if parse and expect is not None and ALGORITHM in expect:
+        # Every record sound, the file not the one written: "records" checks all that
+        # "full" does (records reordered or rewritten with valid framing).
+        found = file_checksum(path)[ALGORITHM]
+        if found != expect[ALGORITHM]:
+            return _changed(path, found, expect)
     return None
+
+
+def _changed(path, found: str, expect: dict) -> Damage:
+    return Damage(path, f"CRC-32C {found}, the manifest says {expect[ALGORITHM]} (a "
+                  "changed or swapped file)")
 
 
 def damaged_error(split_dir: str, damage: Damage, manifest: dict | None = None,
