@@ -36,6 +36,8 @@ from tests.distribute.train_common import (
 
 pytestmark = pytest.mark.slow
 LAUNCH_TIMEOUT_S = 900
+# Under several JAX processes the step must be compiled (tfaploss.run.devices).
+JIT = ["training.jit_compile=true"]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,8 @@ def workspace(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(workspace):
     root, configs = workspace
-    return {name: reference(path, root / f"ref-{name}") for name, path in configs.items()}
+    return {name: reference(path, root / f"ref-{name}", JIT)
+            for name, path in configs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +59,8 @@ def two_processes(workspace, references):
 
     def train(config, run_dir, faults=None):
         return {"args": ["--quiet", "train", "--config", str(configs[config]),
-                         "--run-dir", str(root / run_dir)], "faults": faults or {}}
+                         "--run-dir", str(root / run_dir), "--set", JIT[0]],
+                "faults": faults or {}}
 
     out = root / "launch2"
     plan = write_plan(out, [

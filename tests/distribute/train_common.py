@@ -74,12 +74,13 @@ def write_workspace(root: Path) -> dict[str, Path]:
     return paths
 
 
-def reference(config: Path, run_dir: Path) -> Path:
-    """The one-process run of ``config`` into ``run_dir``, in this process."""
+def reference(config: Path, run_dir: Path, overrides=()) -> Path:
+    """The one-process run of ``config`` (with ``--set`` ``overrides``) into
+    ``run_dir``, in this process."""
     from tfaploss.config import load_config
     from tfaploss.run.trainer import train
 
-    train(load_config(str(config)), run_dir=str(run_dir), verbose=0)
+    train(load_config(str(config), list(overrides)), run_dir=str(run_dir), verbose=0)
     return run_dir
 
 

@@ -124,6 +124,13 @@ def plan_devices(cfg: Config) -> DevicePlan:
                 f"config key 'training.distribute.strategy': none, but {group.world_size} "
                 "processes were launched; use auto or data_parallel (every process's "
                 "devices), or launch one process.")
+        if not cfg.training.jit_compile:
+            raise ValueError(
+                f"config key 'training.jit_compile': false, and {group.world_size} JAX "
+                "processes were launched: an uncompiled step runs each of its operations "
+                "as a program of every process, and a loss that reads values on the host "
+                "(SmoothAPLoss's blocks of pairs) fails there; set it to true "
+                "(--set training.jit_compile=true).")
         devices = _available(backend, None)[0]
         if dist.devices not in (None, len(devices)):
             raise ValueError(
