@@ -14,8 +14,8 @@ PYTEST_ARGS ?=
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export PYTHONUNBUFFERED = 1
 
-.PHONY: demo test test-fast test-jax test-torch test-tf221 install install-torch bench \
-	bench-quick data-glyphs clean help
+.PHONY: demo test test-fast test-jax test-torch test-tf221 fuzz install install-torch \
+	bench bench-quick data-glyphs clean help
 
 help:
 	@echo "make demo   - set up .venv with the demo's extras only and run the end-to-end"
@@ -28,6 +28,9 @@ help:
 	@echo "              their own without ScaNN (which needs 2.20): .cache/venv-tf221"
 	@echo "              (about 37 minutes with installing, on 2 busy cores)"
 	@echo "              (test-torch installs a CPU build of PyTorch into .venv first)"
+	@echo "make fuzz   - property-based fuzzing (tests/fuzz): the losses (also on PyTorch),"
+	@echo "              the config loader, damaged records, the serving signature;"
+	@echo "              thousands of cases in minutes, FUZZ_SEED=n, failures kept"
 	@echo "make bench  - the performance suite, one summary table (long);"
 	@echo "              make bench-quick: the same in a few minutes;"
 	@echo "              make bench TINY=1: toy sizes, a check that it runs"
@@ -143,6 +146,26 @@ $(TF221_STAMP): setup.py
 
 test-tf221: $(TF221_STAMP)
 	$(TF221_VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
+
+# Property-based fuzzing (tests/fuzz, hypothesis): every loss, the config loader, damaged
+# records through `tfaploss verify` and the readers, the serving signature on mutated
+# images; thousands of cases with the "fuzz" profile (`make test` runs its "ci" slice).
+# FUZZ_SEED fixes the draws; failures are kept in .cache/hypothesis and replayed first
+# the next time. The losses run again on PyTorch (cheap); not on JAX, where every new
+# batch shape compiles (KERAS_BACKEND=jax pytest tests/fuzz/test_losses.py: 3 shapes,
+# 3 minutes for the short slice). Ends with the table of docs/reliability.md, "Fuzzing".
+FUZZ_SEED ?= 48
+FUZZ_REPORT := $(CURDIR)/.cache/fuzz-report
+FUZZ_PYTEST := $(BIN)/python -m pytest -p no:cacheprovider --hypothesis-profile=fuzz \
+	--hypothesis-seed=$(FUZZ_SEED) $(PYTEST_ARGS)
+fuzz: $(TORCH_STAMP)
+	rm -rf $(FUZZ_REPORT)
+	status=0; \
+	TFAPLOSS_FUZZ_REPORT=$(FUZZ_REPORT) $(FUZZ_PYTEST) -n $(PYTEST_WORKERS) tests/fuzz \
+		|| status=1; \
+	KERAS_BACKEND=torch TFAPLOSS_FUZZ_REPORT=$(FUZZ_REPORT) $(FUZZ_PYTEST) \
+		tests/fuzz/test_losses.py || status=1; \
+	$(BIN)/python tests/fuzz/report.py $(FUZZ_REPORT); exit $$status
 
 # The performance suite (benchmarks/suite.py): every benchmark, one summary table.
 # QUICK=1 (or bench-quick): a few minutes on 2 cores; TINY=1: toy sizes, the check the
