@@ -106,8 +106,14 @@ def _assert_one_device_steps(losses, weights, expected, initial):
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
     assert max(np.abs(e - i).max() for e, i in zip(expected_weights, initial)) > 1e-3
     assert len(weights) == len(expected_weights)
+    # The workers' weights move as one device's do, up to float32's summation order: a
+    # gathered batch sums its rows in another order, and APLoss's histogram moves a
+    # similarity that rounds across a bin edge into the next bin (on one CPU 2 of 96
+    # weights of the multi-stage model differed by 1.9e-6 after 3 steps). Ranking each
+    # worker's shard alone moves them by a sizeable part of the update instead.
+    update = max(np.abs(e - i).max() for e, i in zip(expected_weights, initial))
     for w, e in zip(weights, expected_weights):
-        np.testing.assert_allclose(w, e, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(w, e, rtol=1e-5, atol=max(1e-6, 1e-3 * update))
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the shards' "no positive pair"
