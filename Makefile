@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 export PYTHONUNBUFFERED = 1
 
-.PHONY: demo test test-fast test-jax test-torch test-tf221 fuzz install install-torch \
+.PHONY: demo test test-fast test-jax test-torch test-long test-tf221 fuzz install install-torch \
 	bench bench-quick data-glyphs clean help
 
 help:
@@ -24,10 +24,12 @@ help:
 	@echo "              model and multi-stage tests again on JAX and on PyTorch)"
 	@echo "make test-fast - every test not marked slow, on TensorFlow (under 5 minutes)"
 	@echo "make test-jax / make test-torch - only those tests, on JAX / PyTorch"
+	@echo "              (test-torch installs a CPU build of PyTorch into .venv first)"
 	@echo "make test-tf221 - the tests not marked slow on TensorFlow 2.21, in a venv of"
 	@echo "              their own without ScaNN (which needs 2.20): .cache/venv-tf221"
 	@echo "              (about 37 minutes with installing, on 2 busy cores)"
-	@echo "              (test-torch installs a CPU build of PyTorch into .venv first)"
+	@echo "make test-long - the tests marked long: tfaploss train across processes,"
+	@echo "              real small-tmpfs training runs, serving under load (not in make test)"
 	@echo "make fuzz   - property-based fuzzing (tests/fuzz): the losses (also on PyTorch),"
 	@echo "              the config loader, damaged records, the serving signature;"
 	@echo "              thousands of cases in minutes, FUZZ_SEED=n, failures kept"
@@ -91,9 +93,21 @@ BACKEND_TESTS := tests/losses tests/ops tests/models tests/training
 PYTEST_WORKERS ?= 2
 
 test: $(STAMP) $(TORCH_STAMP)
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m "not long" $(PYTEST_ARGS)
 	$(MAKE) test-jax
 	$(MAKE) test-torch
+
+# The tests marked `long` (minutes each on 2 cores): `tfaploss train` across processes
+# under torchrun and JAX's coordinator (2 processes = 1, SIGTERM and SIGKILL + restart),
+# real small tmpfs runs of tfaploss train, serving under concurrent load. Kept out of
+# `make test` so that it stays within its 15 minutes; run them before changing the run
+# folder, the process group or the export.
+test-long: $(STAMP) $(TORCH_STAMP)
+	$(BIN)/python -m pytest -m long $(PYTEST_ARGS)
+	KERAS_BACKEND=jax $(JAX_TEST_ENV) \
+		XLA_FLAGS="$(JAX_TEST_XLA) --xla_force_host_platform_device_count=4" \
+		$(BIN)/python -m pytest $(PYTEST_ARGS) tests/distribute/test_train_jax.py
+	KERAS_BACKEND=torch $(BIN)/python -m pytest $(PYTEST_ARGS) tests/distribute/test_train_torch.py
 
 # Every test not marked `slow` (end-to-end runs, killed and multi-process jobs), once,
 # on TensorFlow: the loop while editing, under 5 minutes on 2 cores. The same tests on
@@ -119,17 +133,15 @@ test-jax: $(STAMP)
 		$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS) $(BACKEND_TESTS)
 	KERAS_BACKEND=jax $(JAX_TEST_ENV) \
 		XLA_FLAGS="$(JAX_TEST_XLA) --xla_force_host_platform_device_count=4" \
-		$(BIN)/python -m pytest $(PYTEST_ARGS) tests/distribute/test_jax.py \
-		tests/distribute/test_train_jax.py
+		$(BIN)/python -m pytest $(PYTEST_ARGS) tests/distribute/test_jax.py
 
 # torch.distributed (4 local gloo ranks forked from the test process): a process of its
-# own, so that the ranks fork from a fresh one. test_train_torch.py / test_train_jax.py:
-# `tfaploss train` under torchrun and JAX's coordinator (ranks in processes of their
-# own); the torch one trains in its test process too, so not in the one that forks.
+# own, so that the ranks fork from a fresh one. `tfaploss train` under torchrun and JAX's
+# coordinator (test_train_torch.py, test_train_jax.py) runs in `make test-long`, each in a
+# pytest process of its own: the torch one trains in its test process too.
 test-torch: $(TORCH_STAMP)
 	KERAS_BACKEND=torch $(BIN)/python -m pytest $(PYTEST_ARGS) $(BACKEND_TESTS)
 	KERAS_BACKEND=torch $(BIN)/python -m pytest $(PYTEST_ARGS) tests/distribute/test_torch.py
-	KERAS_BACKEND=torch $(BIN)/python -m pytest $(PYTEST_ARGS) tests/distribute/test_train_torch.py
 
 # TensorFlow 2.21: setup.py allows it, but .[dev] holds ScaNN 1.4.2, which needs 2.20, so
 # the main suite never sees 2.21. This runs the tests not marked slow on 2.21, in a venv

@@ -34,7 +34,7 @@ from tests.distribute.train_common import (
     write_workspace,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 LAUNCH_TIMEOUT_S = 900
 # Under several JAX processes the step must be compiled (tfaploss.run.devices).
 JIT = ["training.jit_compile=true"]

@@ -43,7 +43,7 @@ from tests.distribute.train_common import (
     write_workspace,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 LAUNCH_TIMEOUT_S = 600
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.tensorflow]
+pytestmark = [pytest.mark.slow, pytest.mark.tensorflow, pytest.mark.long]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serving_load.py"
 

@@ -26,6 +26,8 @@ from tests.support import small_fs
 from tfaploss.durable.atomic import is_temp_name
 from tfaploss.durable.faults import ENV
 
+pytestmark = pytest.mark.long  # make test-long: real tmpfs runs of tfaploss train
+
 REPO = Path(__file__).resolve().parents[2]
 # The sizes below: the small CNN's checkpoint (with Adam's two moments) takes 3.4 MiB,
 # its model.keras 1.2 MiB, the run's other files a few KB.
