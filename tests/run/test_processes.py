@@ -113,11 +113,12 @@ def test_every_checkpoint_records_the_world_size_and_global_batch(tmp_path):
 
 
 class _Ranks(ProcessGroup):
-    """Two ranks whose other rank reports ``other`` (signal, stop) at every agreement."""
+    """Two ranks whose other rank reports ``other`` (signal, stop, step_us, cost_us) at
+    every agreement."""
 
     def __init__(self, other):
         super().__init__("torch", 0, 2)
-        object.__setattr__(self, "other", other)
+        object.__setattr__(self, "other", tuple(other) + (0,) * (4 - len(other)))
         object.__setattr__(self, "calls", [])
 
     def any_rank(self, *values):
@@ -132,6 +133,7 @@ def _agreement(other, stop_training=False, signum=None):
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.stop_training = stop_training
     agreement.set_model(model)
+    agreement.on_train_begin()
     return agreement, model
 
 
@@ -147,12 +149,36 @@ def test_a_signal_or_a_stop_on_another_rank_stops_this_one():
 
     agreement, model = _agreement((0, 0), stop_training=True, signum=2)
     agreement.on_train_batch_end(0)
-    assert agreement.group.calls == [(2, 1)]  # what this rank tells the others
+    assert agreement.group.calls[0][:2] == (2, 1)  # what this rank tells the others
     assert agreement.signum == 2 and model.stop_training
 
     agreement, model = _agreement((0, 0))
     agreement.on_train_batch_end(0)
     assert agreement.signum is None and not model.stop_training
+
+
+def test_agreements_thin_out_when_they_cost_more_than_a_hundredth_of_the_steps():
+    # the other rank: 50 ms steps, 4 ms agreements -> every 8th batch (4 / 0.5)
+    agreement, model = _agreement((0, 0, 50_000, 4_000))
+    agreement.on_train_batch_end(0)
+    assert agreement.every == 8 and len(agreement.group.calls) == 1
+    model.stop_training = True  # a callback of this rank stops it between agreements
+    for batch in range(1, 8):
+        agreement.on_train_batch_end(batch)
+        # held back: this rank must not leave fit while the others step on
+        assert not model.stop_training and len(agreement.group.calls) == 1
+    agreement.on_train_batch_end(8)
+    assert len(agreement.group.calls) == 2 and agreement.group.calls[1][1] == 1
+    assert model.stop_training  # agreed: every rank stops after this batch
+    # no more than LATENCY_S between agreements: 1 s steps, 300 ms agreements -> 2
+    agreement, _ = _agreement((0, 0, 1_000_000, 300_000))
+    agreement.on_train_batch_end(0)
+    assert agreement.every == 2
+    # cheap beside the steps (0.3 ms, 300 ms): every batch; an epoch's end always
+    agreement, _ = _agreement((0, 0, 300_000, 300))
+    agreement.on_train_batch_end(0)
+    agreement.on_epoch_end(0)
+    assert agreement.every == 1 and len(agreement.group.calls) == 2
 
 
 def test_the_timeout_is_not_part_of_what_a_resumed_run_matches():
