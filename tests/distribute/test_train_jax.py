@@ -10,7 +10,7 @@ each process's 4 rows), and for a run that a SIGTERM to process 1 stopped on bot
 PyTorch test only (test_train_torch.py), 4 JAX processes' compilations on the 2 cores
 of CI being several minutes.
 
-JAX backend only (``make test-jax``).
+JAX backend only; marked ``long``: ``make test-long`` runs it, ``make test`` does not.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ writes (tests/distribute/train_common.py):
 * a run directory holding a 2-rank checkpoint is refused to 1 process, and to another
   global batch, naming both.
 
-PyTorch backend only (``make test-torch``).
+PyTorch backend only; marked ``long``: ``make test-long`` runs it, ``make test`` does not.
 """
 
 from __future__ import annotations

@@ -517,8 +517,8 @@ def _describe_run(cfg: Config, steps: int, chunk, model, resuming: bool,
          f"{cfg.model.embedding_dim}-d, {params:,} trainable parameters"),
         f"  loss     {cfg.loss.name}({kwargs})",
         *([f"  devices  {plan.describe()}"] if plan is not None else []),
-        *([f"  ranks    {group.describe()}, {cfg.data.batch_size // group.world_size} "
-           "images of every global batch each"] if group and group.distributed else []),
+        *([(f"  ranks    {group.describe()}, {cfg.data.batch_size // group.world_size} "
+            "images of every global batch each")] if group and group.distributed else []),
         (f"  train    {cfg.training.epochs} epochs x {steps} steps, {stage}, "
          f"{cfg.optimizer.name} lr {cfg.optimizer.lr:g} ({cfg.optimizer.schedule.name})"),
         f"  run_dir  {cfg.run_dir}" + (
