@@ -33,6 +33,7 @@ from keras import ops
 from tfaploss._keras_compat import in_symbolic_scope
 from tfaploss.losses.lone_queries import WINDOW_STEPS, LoneQueryTracker
 from tfaploss.ops import distribute
+from tfaploss.training.compiled_metrics import compiled_metrics
 
 __all__ = ["LONE_KEY", "QUERY_KEY", "SHARE_KEY", "LoneQueryMonitor", "LoneQueryShare",
            "lone_query_counts"]
@@ -168,16 +169,7 @@ class LoneQueryShare(keras.metrics.Metric):
 
 def _find_metric(model):
     """The compiled :class:`LoneQueryShare` of ``model`` (searched recursively), or None."""
-    stack, seen = list(getattr(model, "metrics", [])), set()
-    while stack:
-        metric = stack.pop()
-        if id(metric) in seen:
-            continue
-        seen.add(id(metric))
-        if isinstance(metric, LoneQueryShare):
-            return metric
-        stack.extend(getattr(metric, "metrics", []) or [])
-    return None
+    return next((m for m in compiled_metrics(model) if isinstance(m, LoneQueryShare)), None)
 
 
 class LoneQueryMonitor(keras.callbacks.Callback):

@@ -24,6 +24,7 @@ from collections import deque
 import keras
 
 from tfaploss.config.health import HealthThresholds
+from tfaploss.training.compiled_metrics import compiled_metrics
 from tfaploss.training.health.metrics import BatchHealthMetric, batch_health
 from tfaploss.training.health.rules import RULES, Step
 
@@ -419,15 +420,10 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
 
 def _find_metrics(model) -> dict:
     """The compiled health metrics of ``model`` by statistic (searched recursively)."""
-    found, stack, seen = {}, list(getattr(model, "metrics", [])), set()
-    while stack:
-        m = stack.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
+    found = {}
+    for m in compiled_metrics(model):
         if isinstance(m, BatchHealthMetric):
             found.setdefault(m.statistic, m)
-        stack.extend(getattr(m, "metrics", []) or [])
     return found
 
 
