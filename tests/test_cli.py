@@ -8,6 +8,8 @@ export, because every subprocess pays TensorFlow's import.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -160,7 +162,24 @@ def trained_run(workspace):
     return run_dir, runs
 
 
-@pytest.mark.slow
+@pytest.fixture(scope="module")
+def finished_run(workspace):
+    """The workspace's config trained once, uninterrupted, in this process: the finished
+    run that evaluate, export and the output options are tried on (the killed-and-resumed
+    run of ``trained_run`` takes five processes, so it runs in `make test-long`)."""
+    from tfaploss.cli import main
+
+    root, good = workspace
+    raw = yaml.safe_load(good.read_text())
+    raw["run_dir"] = str(root / "finished")
+    config = root / "finished.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["train", "--config", str(config)]) == 0
+    return root / "finished", config
+
+
+@pytest.mark.long
 def test_train_killed_anywhere_resumes_and_loses_at_most_one_epoch(trained_run):
     run_dir, runs = trained_run
     outputs = [r.stdout + r.stderr for r in runs]
@@ -210,7 +229,7 @@ def test_train_killed_anywhere_resumes_and_loses_at_most_one_epoch(trained_run):
     assert _epochs_begun(outputs[-1]) == []
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_train_log_holds_no_terminal_escape_codes(trained_run):
     """stdout is a pipe here, as when redirected to a log: one line per epoch."""
     _, runs = trained_run
@@ -225,7 +244,7 @@ def test_train_log_holds_no_terminal_escape_codes(trained_run):
 
 
 @pytest.mark.slow
-def test_quiet_and_verbose_set_what_a_command_shows(trained_run, workspace, capsys):
+def test_quiet_and_verbose_set_what_a_command_shows(finished_run, capsys):
     """On the finished run (`train` only says there is nothing to do): the line is
     there by default, gone with --quiet (before or after the command name), and
     carries its time, logger and level with --verbose."""
@@ -233,12 +252,12 @@ def test_quiet_and_verbose_set_what_a_command_shows(trained_run, workspace, caps
 
     from tfaploss.cli import main
 
-    _, config = workspace
+    run_dir, config = finished_run
     said = "already holds this finished run"
     assert main(["train", "--config", str(config)]) == 0
     default = capsys.readouterr()
     assert said in default.out and said not in default.err
-    assert default.out.startswith(str(trained_run[0])), default.out  # the plain message
+    assert default.out.startswith(str(run_dir)), default.out  # the plain message
     for argv in (["--quiet", "train", "--config", str(config)],
                  ["train", "--config", str(config), "-q"]):
         assert main(argv) == 0
@@ -260,11 +279,11 @@ def test_quiet_and_verbose_set_what_a_command_shows(trained_run, workspace, caps
 
 
 @pytest.mark.slow
-def test_evaluate_prints_the_table_and_writes_json(trained_run, workspace, tmp_path, capsys):
+def test_evaluate_prints_the_table_and_writes_json(finished_run, workspace, tmp_path, capsys):
     from tfaploss.cli import main
 
     root, _ = workspace
-    run_dir, _ = trained_run
+    run_dir, _ = finished_run
     out = tmp_path / "eval"
     assert main(["evaluate", "--model", str(run_dir / "model.keras"),
                  "--data", str(root / "records" / "test"), "--ks", "1,2",
@@ -283,7 +302,7 @@ def test_evaluate_prints_the_table_and_writes_json(trained_run, workspace, tmp_p
 
 
 @pytest.mark.slow
-def test_export_writes_a_servable_savedmodel(trained_run, workspace, tmp_path):
+def test_export_writes_a_servable_savedmodel(finished_run, workspace, tmp_path):
     import keras
     import tensorflow as tf
 
@@ -291,7 +310,7 @@ def test_export_writes_a_servable_savedmodel(trained_run, workspace, tmp_path):
     from tfaploss.data import center_crop
 
     root, _ = workspace
-    run_dir, _ = trained_run
+    run_dir, _ = finished_run
     out = tmp_path / "serving"
     assert main(["export", "--model", str(run_dir / "model.keras"), "--out", str(out)]) == 0
     assert (out / "1" / "saved_model.pb").is_file()
@@ -326,12 +345,12 @@ def test_readme_keras_example_runs_as_written():
 
 
 def test_evaluate_progress_bar_knows_its_total_and_quiet_silences_it(
-        trained_run, workspace, tmp_path, capsys, monkeypatch):
+        finished_run, workspace, tmp_path, capsys, monkeypatch):
     from tfaploss import cli
     from tfaploss.cli import evaluate as evaluate_command
 
     root, _ = workspace
-    run_dir, _ = trained_run
+    run_dir, _ = finished_run
     args = ["evaluate", "--model", str(run_dir / "model.keras"), "--data",
             str(root / "records" / "test"), "--ks", "1", "--batch-size", "5"]
     monkeypatch.setattr(evaluate_command, "is_terminal", lambda: True)  # as on a terminal

@@ -172,7 +172,7 @@ def test_skip_damaged_shards_trains_on_the_rest_and_says_so(workspace, tmp_path,
     assert summary["updates"] == 3
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_evaluate_and_train_in_a_subprocess_exit_2_without_traceback(workspace, tmp_path):
     _, config = workspace
     split, shards = _copy(workspace, tmp_path)

@@ -131,7 +131,7 @@ def test_sigterm_mid_epoch_saves_a_step_and_the_rerun_ends_equal(workspace):
     assert [p.name for p in (root / "sigterm").iterdir() if p.name.startswith(".")] == []
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_ctrl_c_at_any_moment_of_an_epoch_stops_within_the_grace_and_resumes_equal(
         workspace):
     root, reference = workspace
