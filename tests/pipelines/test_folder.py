@@ -159,7 +159,7 @@ def test_importing_the_job_loads_neither_tensorflow_nor_beam():
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = ("import sys, tfaploss.pipelines.folder, tfaploss.pipelines.runner, tfaploss.data.integrity; "
+    code = ("import sys, tfaploss.pipelines.folder, tfaploss.pipelines.runner, tfaploss.data.integrity, tfaploss.data.framing; "
             "print(sorted(m for m in ('tensorflow', 'keras', 'apache_beam') "
             "if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True,

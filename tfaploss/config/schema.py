@@ -28,23 +28,6 @@ from tfaploss.config.fields import MAX_BATCH, MAX_EPOCHS, MAX_SEED, ranged
 from tfaploss.config.health import HealthConfig
 from tfaploss.config.loss_section import LossConfig, loss_defaults
 
-__all__ = [
-    "AugmentationConfig",
-    "Config",
-    "DataConfig",
-    "DistributeConfig",
-    "EvaluationConfig",
-    "HealthConfig",
-    "LossConfig",
-    "ModelConfig",
-    "OptimizerConfig",
-    "ScheduleConfig",
-    "TrainingConfig",
-    "XBMConfig",
-    "loss_defaults",
-]
-
-
 Backbone = Literal["resnet50", "resnet101", "small_cnn"]
 # A keras-hub preset is any "keras_hub:<preset>" string; check_consistency refuses others.
 KERAS_HUB_PREFIX = "keras_hub:"

@@ -10,6 +10,7 @@ from tfaploss.data import augment as A
 from tfaploss.data import integrity as I
 from tfaploss.data import records as R
 from tfaploss.data import samplers as S
+from tfaploss.data.split_manifest import label_table
 
 LOG = logging.getLogger("tfaploss.data")
 
@@ -177,7 +178,7 @@ def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_
     S.check_shard_args(num_shards, shard_index, "shard_index")
     A.normalize(tf.zeros([1, 1, 3]), normalize)  # validates `normalize` up front
     manifest = R.read_manifest(path)
-    labels = I.label_table(manifest)
+    labels = label_table(manifest)
     if sampler is None:
         files = R.split_files(path, "images")
         ds = tf.data.Dataset.from_tensor_slices(files).shuffle(len(files), seed=seed).repeat()

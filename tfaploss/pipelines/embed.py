@@ -422,6 +422,7 @@ def _run_checked(pipeline, kind, inputs):
     the file, the record and the command that rebuilds it (a record that parses but
     holds no image is a dead letter, as before)."""
     from tfaploss.data import integrity
+    from tfaploss.data.record_checks import scan_shard
 
     splits = sorted({integrity.split_dir_of(p) for p in inputs}) if kind == "tfrecord" else []
     # One CRC pass over the inputs before the job: far cheaper than the inference that
@@ -432,7 +433,7 @@ def _run_checked(pipeline, kind, inputs):
     for path in inputs if kind == "tfrecord" else []:
         if "://" not in path and not os.path.isfile(os.path.join(
                 integrity.split_dir_of(path), "manifest.json")):
-            _, damage = integrity.scan_shard(path)
+            _, damage = scan_shard(path)
             if damage is not None:
                 raise integrity.damaged_error(integrity.split_dir_of(path), damage,
                                               what="embedding")

@@ -247,8 +247,7 @@ def _plan_split_folders(args, top: Listing, splits: list[str]) -> list[R.SplitPl
 
 def run(argv: list[str] | None = None) -> dict[str, dict]:
     """Run the job in-process; returns ``{split: manifest}``."""
-    args, options = opts.parse_args(parser(), argv)
-    return R.run_job("folder", plan(args), args, options)
+    return R.run_command("folder", parser(), plan, argv)
 
 
 if __name__ == "__main__":

@@ -474,6 +474,10 @@ def _split_plan(args, split: str, cps: list[int], use, ignored, dead) -> R.Split
 
 def plan(args) -> list[R.SplitPlan]:
     _validate(args)
+    if not getattr(args, "verbose", False):
+        # fontTools warns about harmless oddities of real fonts ("'created' timestamp
+        # seems very low"), once per face.
+        logging.getLogger("fontTools").setLevel(logging.ERROR)
     parts = parse_charset(args.charset)
     part_of = {cp: name for name, cps in parts for cp in cps}
     listing = list_fonts(args.input_dir, getattr(args, "follow_external_links", False))
@@ -517,12 +521,7 @@ def plan(args) -> list[R.SplitPlan]:
 
 def run(argv: list[str] | None = None) -> dict[str, dict]:
     """Run the job in-process; returns ``{split: manifest}``."""
-    args, options = opts.parse_args(parser(), argv)
-    if not args.verbose:
-        # fontTools warns about harmless oddities of real fonts ("'created' timestamp
-        # seems very low"), once per face.
-        logging.getLogger("fontTools").setLevel(logging.ERROR)
-    return R.run_job("glyphs", plan(args), args, options)
+    return R.run_command("glyphs", parser(), plan, argv)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ import uuid
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
+from tfaploss.data.framing import frame_record
 from tfaploss.durable import faults
 from tfaploss.pipelines import images as I
 from tfaploss.pipelines import storage
@@ -94,7 +95,7 @@ def _one(record: dict, s: dict, root: str | None):
         jpeg, h, w = I.process_image_bytes(
             data, max_side=s["max_side"], jpeg_quality=s["jpeg_quality"],
             min_side=s["min_side"], max_pixels=s["max_pixels"], bbox=record.get("bbox"))
-        framed = X.frame_record(X.image_example(record, jpeg, h, w))
+        framed = frame_record(X.image_example(record, jpeg, h, w))
         return framed, _find(framed, jpeg), len(jpeg)
     except I.ImageError as e:
         return I.dead_letter(record, e.code, e.detail)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tfaploss.pipelines import images as I
+from tfaploss.pipelines import storage
 
 dead_letter = I.dead_letter
 
@@ -65,6 +66,34 @@ def dedupe_and_index(records: list[dict]) -> tuple[list[dict], list[dict]]:
     for i, r in enumerate(kept):
         r.setdefault("index", i)
     return kept, failures
+
+
+def listed_splits(names: str, known) -> list[str]:
+    """The comma-separated ``--splits``, each one of ``known``."""
+    splits = [s.strip() for s in names.split(",") if s.strip()]
+    for split in splits:
+        if split not in known:
+            raise ValueError(f"--splits: unknown split {split!r}; expected one or more "
+                             f"of {list(known)}")
+    return splits
+
+
+def class_split_plan(split: str, rows: list[dict], failures: list[dict],
+                     input_dir: str) -> SplitPlan:
+    """The plan of a split listed image by image with a class and a super-class (SOP,
+    iNaturalist). ``rows`` hold ``id``, ``relpath``, ``class_id``, ``super_id`` and
+    ``super_name``; labels are contiguous by sorted class id, super-labels by sorted
+    ``super_id`` and named by ``super_name``."""
+    labels = contiguous_labels(r["class_id"] for r in rows)
+    supers = contiguous_labels(r["super_id"] for r in rows)
+    records = [{"id": r["id"], "path": storage.join(input_dir, r["relpath"]),
+                "relpath": r["relpath"], "label": labels[r["class_id"]],
+                "super_label": supers[r["super_id"]], "class_text": str(r["class_id"])}
+               for r in rows]
+    records, dups = dedupe_and_index(records)
+    return SplitPlan(split, records, failures + dups,
+                     label_map={v: str(k) for k, v in labels.items()},
+                     super_label_map={supers[r["super_id"]]: r["super_name"] for r in rows})
 
 
 def contiguous_labels(keys: Iterable, *, sort_key=None) -> dict:

@@ -59,9 +59,11 @@ from tfaploss.pipelines.manifests import SCHEMA_VERSION, IncompleteRunError, Too
 from tfaploss.pipelines.options import emit_lag, image_processes, image_threads
 from tfaploss.pipelines.plan import (
     SplitPlan,
+    class_split_plan,
     contiguous_labels,
     dead_letter,
     dedupe_and_index,
+    listed_splits,
     shard_of,
 )
 
@@ -72,6 +74,7 @@ __all__ = [  # what the jobs, tests and benchmarks import from here
     "IncompleteRunError",
     "SplitPlan",
     "TooManyFailuresError",
+    "class_split_plan",
     "contiguous_labels",
     "dead_letter",
     "dedupe_and_index",
@@ -79,7 +82,9 @@ __all__ = [  # what the jobs, tests and benchmarks import from here
     "image_processes",
     "image_threads",
     "join",
+    "listed_splits",
     "main_wrapper",
+    "run_command",
     "run_job",
     "shard_of",
 ]
@@ -114,6 +119,12 @@ def _assemble(p, plans: list[SplitPlan], layouts: dict, chunks: list, per_batch:
          | "Process" >> beam.ParDo(process)
          | "GroupByFile" >> beam.GroupByKey()
          | "WriteFiles" >> beam.ParDo(write))
+
+
+def run_command(job: str, parser, plan, argv: list[str] | None) -> dict[str, dict]:
+    """Parse a job's command line and run it: ``plan(args)`` -> :func:`run_job`."""
+    args, options = opts.parse_args(parser, argv)
+    return run_job(job, plan(args), args, options)
 
 
 def run_job(job: str, plans: list[SplitPlan], args, options) -> dict[str, dict]:

@@ -6,7 +6,8 @@ seconds per worker process and nothing here needs it). Encoding is deterministic
 TensorFlow parses them and re-serialises them to the same bytes.
 
 Also: the schema tables of the per-image and per-class records, the balanced split of a
-class into chunks, and :func:`write_tfrecords` (TFRecord framing with CRC-32C).
+class into chunks, and :func:`write_tfrecords` (the framing is
+:mod:`tfaploss.data.framing`'s).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import math
 import struct
 from collections.abc import Iterable
 from typing import Any, BinaryIO
+
+from tfaploss.data.framing import frame_record
 
 IMAGE_FEATURES = {
     "image/encoded": ("bytes", "JPEG, RGB, EXIF orientation applied, resized to --max_side"),
@@ -137,40 +140,6 @@ def class_chunk_examples(label: int, items: Iterable[tuple], chunk_size: int) ->
 
 
 # ---------------------------------------------------------------------------- TFRecord
-
-
-def _crc32c_function():
-    """The fastest CRC-32C at hand: google-crc32c or crc32c when installed, else crcmod
-    (a Beam dependency, with its C extension when it was built)."""
-    try:
-        import google_crc32c
-
-        return lambda data: google_crc32c.value(data)
-    except ImportError:
-        pass
-    try:
-        import crc32c
-
-        return crc32c.crc32c
-    except ImportError:
-        pass
-    import crcmod.predefined
-
-    return crcmod.predefined.mkPredefinedCrcFun("crc-32c")
-
-
-_crc32c = _crc32c_function()
-
-
-def _masked_crc(data: bytes) -> bytes:
-    crc = _crc32c(data)
-    return struct.pack("<I", (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF)
-
-
-def frame_record(data: bytes) -> bytes:
-    """One TFRecord: length, its masked CRC-32C, the bytes, their masked CRC-32C."""
-    length = struct.pack("<Q", len(data))
-    return length + _masked_crc(length) + data + _masked_crc(data)
 
 
 def write_tfrecords(f: BinaryIO, records: Iterable[bytes]) -> int:

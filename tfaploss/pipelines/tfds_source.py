@@ -125,8 +125,7 @@ def plan(args) -> list[R.SplitPlan]:
 
 def run(argv: list[str] | None = None) -> dict[str, dict]:
     """Run the job in-process; returns ``{split: manifest}``."""
-    args, options = opts.parse_args(parser(), argv)
-    return R.run_job("tfds_source", plan(args), args, options)
+    return R.run_command("tfds_source", parser(), plan, argv)
 
 
 if __name__ == "__main__":

@@ -375,6 +375,7 @@ def check_classes_left(cfg: Config, kept: dict[int, int], skipped: dict) -> None
     classes left, ``kept`` (``{label: images of its largest record}``), cannot fill,
     rather than a run that waits forever for its first batch."""
     from tfaploss.data import integrity
+    from tfaploss.data.split_manifest import describe_source
 
     m, batch = cfg.data.m, cfg.data.batch_size
     usable = sum(1 for n in kept.values() if n >= m)
@@ -395,7 +396,7 @@ def check_classes_left(cfg: Config, kept: dict[int, int], skipped: dict) -> None
         f"({', '.join(s['file'] for s in skipped['shards'])}), {usable} classes have a "
         f"by-class record of m={m} images; the {cfg.data.sampler} sampler needs {needed} "
         f"(data.batch_size={batch} / data.m={m}), so training would wait forever for "
-        f"its first batch. They were {integrity.describe_source(manifest, split)} "
+        f"its first batch. They were {describe_source(manifest, split)} "
         "(or lower data.batch_size)", path=split, problem="too few classes left")
 
 
