@@ -24,13 +24,15 @@ IMAGE_FEATURES = {
     "image/format": ("bytes", "b'jpeg'"),
     "image/id": ("bytes", "dataset image id, unique within the split"),
     "image/path": ("bytes", "source path relative to --input_dir"),
-    "image/index": ("int64", "position in the split's sorted listing (imlist index)"),
+    "image/index": ("int64", "position in the split's sorted listing (revisited "
+                    "Oxford/Paris: the imlist / qimlist index the ground truth uses)"),
     "image/height": ("int64", "height of the encoded image"),
     "image/width": ("int64", "width of the encoded image"),
     "image/class/label": ("int64", "class label, contiguous 0..C-1 per split; -1 none"),
     "image/class/super_label": ("int64", "super-class label 0..S-1; -1 none"),
     "image/class/text": ("bytes", "class as the dataset names it"),
-    "image/bbox": ("float[4]", "x0, y0, x1, y1 in source pixels (cropped images only)"),
+    "image/bbox": ("float[4]", "x0, y0, x1, y1 in source pixels (images cropped to a "
+                   "box: revisited queries)"),
 }
 
 CLASS_FEATURES = {
@@ -39,7 +41,7 @@ CLASS_FEATURES = {
     "class/num_images": ("int64", "images in the whole class"),
     "class/chunk": ("int64", "chunk index within the class"),
     "class/num_chunks": ("int64", "chunks of this class"),
-    "image/encoded": ("bytes[N]", "the chunk's JPEGs"),
+    "image/encoded": ("bytes[N]", "the chunk's JPEGs, N <= --class_chunk_size"),
     "image/id": ("bytes[N]", "their ids"),
 }
 

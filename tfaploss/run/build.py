@@ -332,7 +332,7 @@ def check_data(cfg: Config) -> None:
 
 def _largest_chunk(n: int, chunk_size: int) -> int:
     """Images in the largest by-class record of a class of ``n`` images: the pipelines
-    cut it into ceil(n / chunk_size) balanced chunks (tfaploss.pipelines.transforms.class_chunks)."""
+    cut it into ceil(n / chunk_size) balanced chunks (tfaploss.pipelines.tf_example.class_chunks)."""
     return -(-n // max(1, -(-n // chunk_size)))
 
 
