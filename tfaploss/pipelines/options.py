@@ -94,13 +94,9 @@ class JobOptions:
     """Beam's part of a job's command line: every argument the job's parser left.
 
     ``runner``, ``direct_running_mode`` (``None`` on other runners) and
-    ``direct_num_workers`` are read here as Beam reads them, with Beam's defaults
-    (DirectRunner, ``in_memory``, 1 worker) and full option names only (``--name value``
-    or ``--name=value``), but without importing Beam; :meth:`pipeline_options` builds
-    Beam's ``PipelineOptions`` from the same arguments. In the default in-memory mode
-    the image work runs in forked processes (:mod:`tfaploss.pipelines.image_workers`), where
-    Beam's multi-process mode would cost a second of start-up per worker and a gRPC copy
-    of every record.
+    ``direct_num_workers`` are read as Beam reads them (its defaults, full option names
+    only) without importing Beam; :meth:`pipeline_options` builds Beam's
+    ``PipelineOptions`` from the same arguments.
     """
 
     def __init__(self, argv: list[str], verbose: bool = False):
