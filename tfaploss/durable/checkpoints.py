@@ -1,8 +1,6 @@
 """Crash-safe checkpoints for a training run: a kill at any moment loses at most one epoch.
 
-Every file is written through :func:`tfaploss.durable.atomic.atomic_write`, so a
-reader sees either the old complete file or the new complete file, never a torn one.
-
+Every file is written through :func:`tfaploss.durable.atomic.atomic_write`.
 :class:`RunBackup` keeps a training run's state in one folder (``RUN_DIR/backup``)::
 
     epoch-0003.weights.h5   model + optimizer state after epoch 3 (model.save_weights)
@@ -16,23 +14,10 @@ when the index is missing, empty, corrupt or stale, every HDF5 dataset in it rea
 back), and deletes leftover temporary files.
 
 What a kill leaves (temporary files, a stale index, two checkpoints, an empty backup
-folder, and, on file systems without ordered writes, an empty or torn index) is
-recovered from, with a note. What no kill leaves is damage, and is never worked
-around silently: a newest checkpoint that is cut short, empty or altered, an index
-naming a newer checkpoint than any there, a checkpoint name that is a folder, a
-backup that is a file. :meth:`RunBackup.find` then raises :class:`DamagedRunError`,
-naming the file, what is wrong and how to repair it (e.g. remove the damaged
-checkpoint and the index, to resume from the previous checkpoint); the run does not
-fall back to an older checkpoint, nor start over, by itself.
-
-Fault injection (for the crash tests): :class:`RunBackup` passes through the fault
-points ``<file>_write``, ``<file>_rename``, ``prune``, ``after_checkpoint`` and
-``backup_delete`` of :mod:`tfaploss.durable.faults`, which lists every point and how a
-test arms one.
-
-Messages (fallbacks, clean-ups) go to :class:`RunBackup`'s ``log``, by default the
-``tfaploss.durable.checkpoints`` logger (``warning: ...`` lines at WARNING, the others
-at INFO).
+folder, an empty or torn index) is recovered from, with a note. What no kill leaves is
+damage, never worked around silently: :meth:`RunBackup.find` raises
+:class:`DamagedRunError` naming the file, what is wrong and how to repair it; the run
+does not fall back to an older checkpoint, nor start over, by itself.
 """
 
 from __future__ import annotations
