@@ -1,29 +1,14 @@
 """Fault injection for the crash tests: the one mechanism, for training and the Beam jobs.
 
 A *fault point* is a named place in the code where a test may have the process die at
-once (``os._exit``, as ``kill -9`` would: no clean-up, no ``finally``, no flush of
-anything but stdout/stderr), to check that whatever was on disk at that moment is
-recovered (``worker_kill`` instead sends the worker process SIGKILL, as the OOM killer
-would, so that its parent sees a real death). Off in production: nothing is armed
-unless a test arms it, and no fault point reads the environment (the variable is read
-once, when this module is imported).
-
-How a test arms one:
-
-* a crash test that runs a subprocess (the CLI, a Beam job) sets the environment
-  variable :data:`ENV` (``TFAPLOSS_FAULT``) for the child, e.g.
-  ``env={**os.environ, faults.ENV: "checkpoint_write:2"}``; the child reads it when it
-  imports this module;
-* a test in this process uses :func:`armed` (or :func:`arm`)::
-
-      with faults.armed("nan_weights:2:1"):
-          train(cfg)
-
-Several points may be armed at once, comma-separated. An item is ``name``,
-``name:E`` or ``name:E:B``; a missing (or empty) epoch or batch matches any. A killed
-process logs ``TFAPLOSS_FAULT=<item>: simulated kill at <where>`` (WARNING, logger
-``tfaploss.durable.faults``) and exits with :data:`EXIT_CODE` (75, ``EX_TEMPFAIL``: "try
-again", which is what resuming does).
+once (``os._exit``, as ``kill -9`` would: no clean-up, no ``finally``), to check that
+whatever was on disk at that moment is recovered. Off in production: nothing is armed
+unless a test arms it, through the environment variable :data:`ENV`
+(``TFAPLOSS_FAULT=checkpoint_write:2``, read once, at import) for a child process, or
+:func:`armed` in this process. Several points may be armed, comma-separated; an item
+is ``name``, ``name:E`` or ``name:E:B`` (a missing epoch or batch matches any). A
+killed process logs ``TFAPLOSS_FAULT=<item>: simulated kill at <where>`` and exits with
+:data:`EXIT_CODE` (75, ``EX_TEMPFAIL``: "try again", which is what resuming does).
 
 Fault points of a training run (:mod:`tfaploss.run.trainer`,
 :mod:`tfaploss.durable.checkpoints`):
