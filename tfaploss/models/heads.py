@@ -95,30 +95,14 @@ def build_pooling(pooling="gem", gem_p=3.0, gem_trainable_p=True, features_rank=
                   prefix_tokens=None):
     """A global pooling layer ``(B, H, W, C) -> (B, C)`` or ``(B, T, C) -> (B, C)``.
 
-    For a feature map (``features_rank=4``):
-
-    - ``"gem"``: generalised mean (``tfaploss.models.GeM``), ``p`` initialised to ``gem_p`` and
-      learned when ``gem_trainable_p`` (Revaud et al.).
-    - ``"avg"``: global average pooling (Smooth-AP, PNP, ROADMAP on SOP/iNat, FastAP).
-    - ``"max_ln"``: global max pooling then LayerNorm without affine parameters
-      (ROADMAP on CUB).
-
-    For tokens (``features_rank=3``, ViT, DINOv2), with :class:`TokenPooling`:
-
-    - ``"cls"``: the class token; ``"avg"``: the mean of the patch tokens;
-      ``"max_ln"``: their maximum, then LayerNorm without affine parameters.
-    - ``"gem"`` is refused: GeM's power mean needs non-negative activations (ReLU
-      feature maps); tokens leave LayerNorm signed, and clamping them at ``eps`` would
-      drop half of every channel.
-
-    ``prefix_tokens``: leading non-patch tokens (class token, registers); ``None``
-    (unknown, e.g. a model file) counts none for ``avg``/``max_ln`` and takes token 0 as
-    the class token.
-
-    Returns one layer (a ``keras.Sequential`` for ``"max_ln"``).
-
-    Raises:
-        PoolingError: the pooling does not fit the features.
+    Feature maps (``features_rank=4``): ``"gem"`` (:class:`GeM`, ``p`` from ``gem_p``,
+    learned when ``gem_trainable_p``), ``"avg"``, ``"max_ln"`` (global max, then
+    LayerNorm without affine parameters). Tokens (``features_rank=3``, with
+    :class:`TokenPooling`): ``"cls"``, ``"avg"``, ``"max_ln"``; ``"gem"`` is refused,
+    since its power mean needs non-negative activations and tokens leave LayerNorm
+    signed. ``prefix_tokens``: leading non-patch tokens (``None``: unknown, none for
+    ``avg``/``max_ln``, token 0 as the class token). Raises :class:`PoolingError` when
+    the pooling does not fit the features.
     """
     if features_rank == 3:
         return _token_pooling(pooling, prefix_tokens)
