@@ -320,14 +320,10 @@ def run(argv: list[str] | None = None) -> dict:
         try:
             return _embed(args, beam_argv, gfile, kind, inputs, final)
         except Exception as err:
-            stage = storage.join(parent or ".", f".{base}.incoming")
-            full = atomic.disk_full_in(err, stage)
+            full = storage.disk_full_stage(err, storage.join(parent or ".", f".{base}.incoming"))
             if full is None:
                 raise
-            # The previous output is untouched; what the run wrote would keep the disk
-            # full. The error comes out whole, not inside Beam's RuntimeError.
-            storage.remove_tree(stage)
-            raise full from None
+            raise full from None  # whole, not inside Beam's RuntimeError
 
 
 def _embed(args, beam_argv, gfile, kind, inputs, final) -> dict:

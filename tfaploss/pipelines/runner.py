@@ -124,14 +124,10 @@ def run_job(job: str, plans: list[SplitPlan], args, options) -> dict[str, dict]:
         try:
             return _run_job(job, plans, args, options, started)
         except Exception as err:
-            stage = join(args.output_dir, STAGING)
-            full = atomic.disk_full_in(err, stage)
+            full = storage.disk_full_stage(err, join(args.output_dir, STAGING))
             if full is None:
                 raise
-            # Nothing was published; the parts and shards written would keep the disk
-            # full. The error comes out whole, not inside Beam's RuntimeError.
-            storage.remove_tree(stage)
-            raise full from None
+            raise full from None  # whole, not inside Beam's RuntimeError
 
 
 def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):

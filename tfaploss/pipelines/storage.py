@@ -157,6 +157,16 @@ def remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def disk_full_stage(err: BaseException, stage: str):
+    """The :class:`~tfaploss.durable.atomic.DiskFullError` behind ``err`` (however Beam
+    wrapped it), with the staging folder ``stage`` removed: nothing was published, and
+    what the run wrote would keep the disk full. None when ``err`` is no full disk."""
+    full = atomic.disk_full_in(err, stage)
+    if full is not None:
+        remove_tree(stage)
+    return full
+
+
 def check_owned(folder: str, marker_keys=("job", "format")) -> None:
     """Refuse to replace ``folder`` unless it is absent, empty, or was written by one of
     these jobs (its ``manifest.json`` says so): a mistyped output path must not wipe a

@@ -24,15 +24,13 @@ IMAGE_FEATURES = {
     "image/format": ("bytes", "b'jpeg'"),
     "image/id": ("bytes", "dataset image id, unique within the split"),
     "image/path": ("bytes", "source path relative to --input_dir"),
-    "image/index": ("int64", "position in the split's sorted listing (revisited "
-                    "Oxford/Paris: the imlist / qimlist index the ground truth uses)"),
+    "image/index": ("int64", "position in the sorted listing (revisited: imlist index)"),
     "image/height": ("int64", "height of the encoded image"),
     "image/width": ("int64", "width of the encoded image"),
     "image/class/label": ("int64", "class label, contiguous 0..C-1 per split; -1 none"),
     "image/class/super_label": ("int64", "super-class label 0..S-1; -1 none"),
     "image/class/text": ("bytes", "class as the dataset names it"),
-    "image/bbox": ("float[4]", "x0, y0, x1, y1 in source pixels (images cropped to a "
-                   "box: revisited queries)"),
+    "image/bbox": ("float[4]", "x0, y0, x1, y1 in source pixels (cropped queries only)"),
 }
 
 CLASS_FEATURES = {
