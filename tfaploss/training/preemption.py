@@ -6,10 +6,6 @@ optimizer with :meth:`~tfaploss.durable.checkpoints.RunBackup.save_step` and rai
 :class:`~tfaploss.durable.preemption.Preempted`. A signal that arrives during the last
 batch of an epoch, or during the epoch's evaluation, is handled after the epoch
 checkpoint instead (it is the step checkpoint then).
-
-Fault points (crash tests, :mod:`tfaploss.durable.faults`): ``sigterm:E:B`` and
-``sigint:E:B`` make the process send itself the signal after batch B of epoch E, a
-real signal through the real handler, at a step the test chooses.
 """
 
 from __future__ import annotations
