@@ -31,14 +31,8 @@ from tfaploss.config.loss_section import LossConfig
 from tfaploss.config.recipes import resolve_config_path
 from tfaploss.config.schema import Config
 
-__all__ = [
-    "apply_overrides",
-    "config_from_dict",
-    "config_notes",
-    "load_config",
-    "parse_override",
-    "read_config_file",
-]
+__all__ = ["apply_overrides", "config_from_dict", "config_notes", "load_config", "parse_override",
+           "read_config_file"]
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

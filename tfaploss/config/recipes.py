@@ -13,16 +13,8 @@ from pathlib import Path
 
 from tfaploss.config.fields import ConfigError
 
-__all__ = [
-    "RECIPE_PREFIX",
-    "Recipe",
-    "list_recipes",
-    "recipe_names",
-    "recipe_path",
-    "recipe_text",
-    "recipes_dir",
-    "resolve_config_path",
-]
+__all__ = ["RECIPE_PREFIX", "Recipe", "list_recipes", "recipe_names", "recipe_path", "recipe_text",
+           "recipes_dir", "resolve_config_path"]
 
 RECIPE_PREFIX = "recipe:"
 

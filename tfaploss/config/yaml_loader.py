@@ -19,14 +19,8 @@ from __future__ import annotations
 
 import yaml
 
-__all__ = [
-    "MAX_CONFIG_BYTES",
-    "MAX_CONFIG_NODES",
-    "MAX_INT_DIGITS",
-    "BoundedSafeLoader",
-    "YAMLLimitError",
-    "load_yaml_text",
-]
+__all__ = ["MAX_CONFIG_BYTES", "MAX_CONFIG_NODES", "MAX_INT_DIGITS", "BoundedSafeLoader",
+           "YAMLLimitError", "load_yaml_text"]
 
 # A full recipe has a few hundred values; these leave a wide margin.
 MAX_CONFIG_NODES = 100_000

@@ -33,22 +33,7 @@ from tfaploss.training.health.monitor import TrainingHealthMonitor, TrainingHeal
 from tfaploss.training.health.rules import COLLAPSE_CAUSES, FLAT_CAUSES, RULES, STALL_CAUSES
 from tfaploss.training.health.trace import TRACE_COLUMNS, replay, trace_columns
 
-__all__ = [
-    "COLLAPSE_CAUSES",
-    "DEFAULT_MAX_QUERIES",
-    "FLAT_CAUSES",
-    "RULES",
-    "STALL_CAUSES",
-    "TRACE_COLUMNS",
-    "BatchHealthMetric",
-    "HealthThresholds",
-    "TrainingHealthMonitor",
-    "TrainingHealthWarning",
-    "batch_health",
-    "chance_ap_fraction",
-    "cosine_stats",
-    "health_metrics",
-    "random_ranking_ap",
-    "replay",
-    "trace_columns",
-]
+__all__ = ["COLLAPSE_CAUSES", "DEFAULT_MAX_QUERIES", "FLAT_CAUSES", "RULES", "STALL_CAUSES",
+           "TRACE_COLUMNS", "BatchHealthMetric", "HealthThresholds", "TrainingHealthMonitor",
+           "TrainingHealthWarning", "batch_health", "chance_ap_fraction", "cosine_stats",
+           "health_metrics", "random_ranking_ap", "replay", "trace_columns"]
