@@ -8,19 +8,12 @@ into one :class:`DamagedDataError` whose message names the file, the byte offset
 record, the job and split that wrote it (from ``manifest.json``) and the command that
 writes it again:
 
-* :func:`check_split` - a split's files against its manifest: ``"sizes"`` (sizes and
-  file names; no read: what ``tfaploss train`` does at start-up), ``"full"`` (also each
-  file's checksum, or its framing when the manifest records none) or ``"records"``
-  (also parse every record).
-* :func:`reading` - a context around anything that iterates a split's records: a
-  ``DataLossError``, or an ``InvalidArgumentError`` a record's content caused, becomes
-  a :class:`DamagedDataError` after a scan has found the damaged file.
-* :func:`skipping`, :func:`startup_check` - what ``tfaploss train`` checks before its
-  first step, and the damaged shards it was told to leave out.
-
-The checksums are :mod:`tfaploss.data.framing`'s, one file's records are read by
-:mod:`tfaploss.data.record_checks`, and what the manifest says about the job that
-wrote a split is read by :mod:`tfaploss.data.split_manifest`.
+:func:`check_split` checks a split's files against its manifest; :func:`reading` turns
+an error met while iterating records into that message, after a scan has found the
+file; :func:`startup_check` and :func:`skipping` are what ``tfaploss train`` checks
+before its first step and the damaged shards it was told to leave out. The checksums
+are :mod:`tfaploss.data.framing`'s, one file is read by
+:mod:`tfaploss.data.record_checks`, the manifest by :mod:`tfaploss.data.split_manifest`.
 """
 
 from __future__ import annotations
@@ -86,28 +79,15 @@ def layout_files(split_dir: str, layout: str) -> list[str]:
 
 
 def check_split(split_dir: str, level: str = "sizes", *, layouts=("images", "by_class"),
-                progress=None, skip_missing_layouts: bool = True) -> SplitReport:
-    """Check a split folder's record files against its ``manifest.json``.
+                progress=None) -> SplitReport:
+    """Check a split folder's record files against its ``manifest.json``; a
+    :class:`SplitReport` with one :class:`Damage` per damaged file.
 
-    Args:
-        split_dir: a split folder written by a pipelines job.
-        level: ``"sizes"`` (each file's size and the list of files, no read),
-            ``"full"`` (also each file's CRC-32C; a manifest without checksums: each
-            record's own CRCs), ``"records"`` (also parse every record and check
-            its features) or ``"decode"`` (also decode every image: a decode per
-            image, what :func:`reading` runs when the reader could not decode one).
-        layouts: which files: ``"images"`` (``images-*``), ``"by_class"``.
-        progress: called with ``(file, bytes)`` after each file, for a progress bar.
-        skip_missing_layouts: unused layouts (no such files, none in the manifest) are
-            not an error.
-
-    Returns:
-        A :class:`SplitReport`; ``report.damaged`` lists one :class:`Damage` per file.
-
-    Example:
-
-    >>> report = check_split("out/train", "full")  # doctest: +SKIP
-    >>> [d.line() for d in report.damaged]  # doctest: +SKIP
+    ``level``: ``"sizes"`` (sizes and file names, no read: what ``tfaploss train``
+    does at start-up), ``"full"`` (also each file's CRC-32C, or each record's own CRCs
+    when the manifest records none), ``"records"`` (also parse and check every record)
+    or ``"decode"`` (also decode every image). ``layouts``: ``"images"``,
+    ``"by_class"``. ``progress``: called with ``(file, bytes)`` after each file.
     """
     if level not in ("sizes", "full", "records", "decode"):
         raise ValueError(f"level must be 'sizes', 'full', 'records' or 'decode', got "
@@ -271,21 +251,12 @@ def locate(paths, err: BaseException | None = None, what: str = "",
 class reading:
     """Turn a damaged record met inside the block into one :class:`DamagedDataError`.
 
-    ``paths``: the splits the block reads (folders or globs). A ``DataLossError`` (a
-    corrupted or truncated record) or an ``InvalidArgumentError`` a record caused
-    (unparsable, a feature missing or of another type, an out-of-range label, an empty
-    or undecodable image; or the ``UnicodeDecodeError`` TensorFlow raises in its place
-    when the message quotes a record that is not UTF-8) is followed by a scan of these
-    splits, which finds the file and record (decoding every image when an image did not
-    decode); the error raised then names them. Errors of another cause, and ones
-    whose file no scan finds, pass through unchanged (a corrupt record always fails its
-    CRC, so the scan finds every damaged file TensorFlow's reader would). ``ignore``:
-    files already known damaged and left out (not blamed again).
-
-    Example:
-
-    >>> with reading("out/train", what="training"):  # doctest: +SKIP
-    ...     model.fit(dataset)
+    ``paths``: the splits the block reads (folders or globs). An error a record caused
+    (``DataLossError``; an ``InvalidArgumentError`` of a record's content, or the
+    ``UnicodeDecodeError`` TensorFlow raises in its place for a record that is not
+    UTF-8) is followed by a scan of these splits, which finds the file and record; the
+    error raised names them. Errors of another cause, and ones whose file no scan finds,
+    pass through unchanged. ``ignore``: files already known damaged and left out.
     """
 
     def __init__(self, *paths: str | None, what: str = "", ignore=()):
