@@ -1,14 +1,11 @@
 """What a job prints: its plan, progress and summary, its result, and Beam's internals
 only when asked; and the shared ``__main__`` of the jobs.
 
-Beam logs dozens of lines per local run (``apitools not found``, Google Cloud scopes,
-worker start-up, snappy/CRC notices); none of them helps a user. The jobs keep Beam's
-loggers at WARNING (``--verbose``: INFO) and log their own lines on their module
-loggers under ``pipelines`` (the scheme: :mod:`tfaploss.log`): the plan, progress every
-few seconds on long runs, and a summary, on stderr as plain lines (no carriage returns,
-no colour codes: a log file reads the same as the terminal). The result, one line per
-split (what a script reads), goes to the ``tfaploss.pipelines.result`` logger, which
-:func:`configure` sends to stdout.
+Beam logs dozens of lines per local run, none of which helps a user: the jobs keep
+Beam's loggers at WARNING (``--verbose``: INFO) and log their own plan, progress and
+summary on stderr as plain lines (a log file reads as the terminal). The result, one
+line per split (what a script reads), goes to the ``tfaploss.pipelines.result``
+logger, which :func:`configure` sends to stdout.
 """
 
 from __future__ import annotations

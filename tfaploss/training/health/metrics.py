@@ -8,17 +8,10 @@ show a run which has collapsed or stopped learning.
   expected AP of a random ranking of the batch; ties count against the query, so
   identical embeddings give 1, random ones about one half, a trained model near 0.
 
-``compile(metrics=health_metrics())`` logs them to the progress bar and TensorBoard, in
-plain ``model.fit`` and in :class:`~tfaploss.training.MultiStageModel` (whose
-``train_step`` hands the compiled metrics the batch labels and embeddings).
-
-Cost per step: with ``Q = min(B, max_queries)`` query rows, one Q x B x d matrix
-product per metric and, for ``chance_ap``, a Q x B sort (O(Q·B·log B)); O(Q·B) memory.
-No O(B³) tensor.
-
-Example:
-
->>> model.compile(optimizer="adam", loss=SupAPLoss(), metrics=health_metrics())
+``compile(metrics=health_metrics())`` logs them, in plain ``model.fit`` and in
+:class:`~tfaploss.training.MultiStageModel`. Cost per step: with ``Q = min(B,
+max_queries)`` query rows, one Q x B x d product per metric and, for ``chance_ap``, a
+Q x B sort; O(Q·B) memory.
 """
 
 from __future__ import annotations
