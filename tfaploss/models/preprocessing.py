@@ -56,20 +56,10 @@ class ImageNetNormalization(keras.layers.Layer):
 class ImageRescaling(keras.layers.Layer):
     """``x * scale + offset`` on raw RGB pixels in [0, 255], per channel or global.
 
-    The normalisation of a keras-hub preset, taken from its ``ImageConverter`` (whose
-    ``scale`` and ``offset`` mean the same), inside the model so that a served model
-    still takes raw pixels. ``ImageNetNormalization("torch")`` is the case
-    ``scale = 1 / (255 std)``, ``offset = -mean / std``.
-
-    Args:
-        scale: a number, 3 numbers (R, G, B) or ``None`` (1).
-        offset: a number, 3 numbers or ``None`` (0).
-
-    Input and output ``(..., 3)``, channels last. Cost: O(pixels).
-
-    Example:
-
-    >>> layer = ImageRescaling(scale=1 / 127.5, offset=-1.0)  # [0, 255] -> [-1, 1]
+    The normalisation of a keras-hub preset (its ``ImageConverter``'s ``scale`` and
+    ``offset``), inside the model so that a served model still takes raw pixels.
+    ``scale``, ``offset``: a number, 3 numbers (R, G, B) or ``None`` (1, 0). Input and
+    output ``(..., 3)``, channels last. Cost: O(pixels).
     """
 
     def __init__(self, scale=None, offset=None, **kwargs):

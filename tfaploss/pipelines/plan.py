@@ -1,12 +1,6 @@
-"""What a job decides in the driver before any image is read: one :class:`SplitPlan` per
-split, and the helpers the jobs build them with.
-
-Each job reads its annotation files in the driver (cheap: ids, paths and labels only),
-remaps labels to ``0..C-1`` (:func:`contiguous_labels`), sends repeated ids and names
-that would leave the input folder to the dead letters (:func:`dedupe_and_index`), and
-hands the plans to :func:`tfaploss.pipelines.runner.run_job`. Record ``i`` of a split's ``n``
-(sorted by id) goes to shard :func:`shard_of`.
-"""
+"""What a job decides in the driver before any image is read (cheap: ids, paths and
+labels only): one :class:`SplitPlan` per split, and the helpers the jobs build them
+with."""
 
 from __future__ import annotations
 
