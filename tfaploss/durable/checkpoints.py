@@ -161,16 +161,22 @@ class RunBackup:
 
     # -- save ----------------------------------------------------------------------------
 
+    def _write(self, model, path: Path, index: Path, record: dict, fault: str) -> None:
+        """``model``'s weights to ``path``, then its record (size, SHA-256) to ``index``;
+        the fault points ``<fault>checkpoint`` and ``<fault>metadata``."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        epoch = record["epoch"]
+        atomic_write(path, lambda tmp: model.save_weights(tmp), fault=f"{fault}checkpoint",
+                     epoch=epoch, needed=self.expected_bytes(model))
+        record = {**record, "file": path.name, "bytes": path.stat().st_size,
+                  "sha256": sha256_of(path)}
+        atomic_write_json(index, {"format": 1, "latest": record}, fault=f"{fault}metadata",
+                          epoch=epoch)
+
     def save(self, model, epoch: int, extra: dict | None = None) -> Path:
         """Checkpoint ``model`` after ``epoch`` (1-based) and drop the previous one."""
-        self.directory.mkdir(parents=True, exist_ok=True)
         path = self.checkpoint_path(epoch)
-        atomic_write(path, lambda tmp: model.save_weights(tmp), fault="checkpoint",
-                     epoch=epoch, needed=self.expected_bytes(model))
-        record = {"epoch": epoch, "file": path.name, "bytes": path.stat().st_size,
-                  "sha256": sha256_of(path), **(extra or {})}
-        atomic_write_json(self.index_path, {"format": 1, "latest": record},
-                          fault="metadata", epoch=epoch)
+        self._write(model, path, self.index_path, {"epoch": epoch, **(extra or {})}, "")
         faults.point("prune", epoch)
         for older, old_path in self.checkpoints().items():
             if older != epoch:
@@ -220,14 +226,9 @@ class RunBackup:
         """Checkpoint ``model`` after ``step`` batches of epoch ``epoch`` (1-based; the
         epochs before it are complete): what a preempted run resumes from. Replaces
         any older step checkpoint; the epoch checkpoints are left as they are."""
-        self.directory.mkdir(parents=True, exist_ok=True)
         path = self.step_path(epoch, step)
-        atomic_write(path, lambda tmp: model.save_weights(tmp), fault="step_checkpoint",
-                     epoch=epoch, needed=self.expected_bytes(model))
-        record = {"epoch": epoch, "step": step, "file": path.name,
-                  "bytes": path.stat().st_size, "sha256": sha256_of(path), **(extra or {})}
-        atomic_write_json(self.step_index_path, {"format": 1, "latest": record},
-                          fault="step_metadata", epoch=epoch)
+        self._write(model, path, self.step_index_path,
+                    {"epoch": epoch, "step": step, **(extra or {})}, "step_")
         self._remove_steps(keep=path)
         return path
 

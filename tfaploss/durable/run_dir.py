@@ -185,12 +185,6 @@ def read_epoch_log(path: Path, epochs: int) -> list[dict]:
     return rows
 
 
-def latest_rows(rows: list[dict]) -> list[dict]:
-    """One row per epoch, in order: a re-run epoch's row replaces the interrupted one's."""
-    by_epoch = {row["epoch"]: row for row in rows}
-    return [by_epoch[k] for k in sorted(by_epoch)]
-
-
 def _read_summary(path: Path) -> dict | None:
     if not path.exists():
         return None
