@@ -26,8 +26,20 @@ from tfaploss.training.health import (
 from tfaploss.training.lone_queries import LoneQueryMonitor, LoneQueryShare
 from tfaploss.training.multistage import MultiStageModel
 
-__all__ = ["BatchHealthMetric", "CrossBatchMemory", "FrozenBatchNormalization", "LoneQueryMonitor",
-           "LoneQueryShare", "MultiStageModel", "NondeterministicModelWarning",
-           "TrainingHealthMonitor", "TrainingHealthWarning", "batch_health", "check_deterministic",
-           "find_nondeterministic_layers", "freeze_batch_norm", "has_training_batch_norm",
-           "health_metrics"]
+__all__ = [
+    "BatchHealthMetric",
+    "CrossBatchMemory",
+    "FrozenBatchNormalization",
+    "LoneQueryMonitor",
+    "LoneQueryShare",
+    "MultiStageModel",
+    "NondeterministicModelWarning",
+    "TrainingHealthMonitor",
+    "TrainingHealthWarning",
+    "batch_health",
+    "check_deterministic",
+    "find_nondeterministic_layers",
+    "freeze_batch_norm",
+    "has_training_batch_norm",
+    "health_metrics",
+]
