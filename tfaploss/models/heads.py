@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from tfaploss.models.config_layer import ConfigLayer, SameShapeLayer
 from tfaploss.models.gem import GeM
 
 POOLINGS = ("gem", "avg", "max_ln", "cls")
@@ -14,7 +15,7 @@ HEAD_LAYER_NAME = "head"
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
-class L2Normalize(keras.layers.Layer):
+class L2Normalize(SameShapeLayer):
     """``x / max(||x||_2, epsilon)`` along ``axis`` (``torch.nn.functional.normalize``).
 
     Args:
@@ -23,6 +24,8 @@ class L2Normalize(keras.layers.Layer):
 
     Cost: O(size of x).
     """
+
+    CONFIG = ("axis", "epsilon")
 
     def __init__(self, axis=-1, epsilon=1e-12, **kwargs):
         super().__init__(**kwargs)
@@ -34,14 +37,6 @@ class L2Normalize(keras.layers.Layer):
         norm = ops.sqrt(ops.sum(ops.square(x), axis=self.axis, keepdims=True))
         return x / ops.maximum(norm, self.epsilon)
 
-    def compute_output_shape(self, input_shape):
-        return input_shape
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(axis=self.axis, epsilon=self.epsilon)
-        return config
-
 
 class PoolingError(ValueError):
     """A pooling that does not fit the backbone's output (GeM on tokens, a class token
@@ -49,7 +44,7 @@ class PoolingError(ValueError):
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
-class TokenPooling(keras.layers.Layer):
+class TokenPooling(ConfigLayer):
     """Pool a token sequence ``(B, T, C)`` of a ViT-like backbone into ``(B, C)``.
 
     - ``mode="cls"``: the class token, ``x[:, 0]``. ViT is trained to classify from it
@@ -65,6 +60,8 @@ class TokenPooling(keras.layers.Layer):
 
     Cost: O(B T C).
     """
+
+    CONFIG = ("mode", "prefix_tokens")
 
     def __init__(self, mode="cls", prefix_tokens=1, **kwargs):
         super().__init__(**kwargs)
@@ -84,11 +81,6 @@ class TokenPooling(keras.layers.Layer):
 
     def compute_output_shape(self, input_shape):
         return (input_shape[0], input_shape[-1])
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(mode=self.mode, prefix_tokens=self.prefix_tokens)
-        return config
 
 
 def build_pooling(pooling="gem", gem_p=3.0, gem_trainable_p=True, features_rank=4,

@@ -16,14 +16,18 @@ import keras
 import numpy as np
 from keras import ops
 
+from tfaploss.models.config_layer import ConfigLayer
+
 
 @keras.saving.register_keras_serializable(package="tfaploss")
-class PCAWhitening(keras.layers.Layer):
+class PCAWhitening(ConfigLayer):
     """Apply a learned PCA whitening ``y = L2((x - mean) @ projection)``, ``projection``
     = ``U^T / lambda^p`` ``(D, units)`` fitted by ``fit_pca_whitening`` (non-trainable,
     saved with the model). ``power`` is recorded for reference (the weights include
     it); ``epsilon``: floor of the output norm. Cost: O(B·D·units).
     """
+
+    CONFIG = ("units", "power", "l2_normalize", "epsilon")
 
     def __init__(self, units, power=0.25, l2_normalize=True, epsilon=1e-12, **kwargs):
         super().__init__(**kwargs)
@@ -37,10 +41,8 @@ class PCAWhitening(keras.layers.Layer):
     def build(self, input_shape):
         dim = input_shape[-1]
         if dim is None or self.units > dim:
-            raise ValueError(
-                f"PCAWhitening: input dimension must be known and >= units={self.units}; "
-                f"received input_shape={input_shape}"
-            )
+            raise ValueError(f"PCAWhitening: input dimension must be known and >= "
+                             f"units={self.units}; received input_shape={input_shape}")
         self.mean = self.add_weight(name="mean", shape=(dim,), initializer="zeros",
                                     trainable=False)
         self.projection = self.add_weight(name="projection", shape=(dim, self.units),
@@ -57,11 +59,6 @@ class PCAWhitening(keras.layers.Layer):
     def compute_output_shape(self, input_shape):
         return tuple(input_shape[:-1]) + (self.units,)
 
-    def get_config(self):
-        config = super().get_config()
-        config.update(units=self.units, power=self.power, l2_normalize=self.l2_normalize,
-                      epsilon=self.epsilon)
-        return config
 
 
 def pca_whitening_params(descriptors, power=0.25, dim=None, eigenvalue_floor=1e-6):
