@@ -77,14 +77,12 @@ class RetrievalEvaluation(keras.callbacks.Callback):
     guess "min" from the name). With ``log_dir`` also as TensorBoard scalars.
 
     Args:
-        data: the split: a batched ``tf.data.Dataset`` (or any iterable) of
-            ``(images, labels)``, or an array of images with ``labels``.
-        labels: (N,) labels when ``data`` is an array of images; else None.
-        embedding_model: the model whose output are the embeddings; None: the model
-            being trained (when its output are the embeddings).
+        data, labels: the split: batches of ``(images, labels)``, or an array of images
+            with its ``labels``.
+        embedding_model: the model whose output are the embeddings (None: the model
+            being trained).
         every_n_epochs: evaluate after every this many epochs (0: never).
-        ks: the cut-offs of ``recall@K`` (those not below the split's size are left
-            out).
+        ks: the cut-offs of ``recall@K`` (below the split's size).
         searcher: a backend name of :func:`tfaploss.evaluation.build_searcher`, or a
             callable ``database -> Searcher``, built anew at each evaluation.
         prefix: what the log keys start with.
@@ -93,14 +91,6 @@ class RetrievalEvaluation(keras.callbacks.Callback):
         evaluate_fn: instead of ``data``: ``evaluate_fn(embedding_model) ->
             {metric: value}`` (what ``tfaploss train`` passes).
 
-    Example:
-
-    ```python
-    model.fit(train_ds, epochs=20, callbacks=[
-        tfaploss.callbacks.RetrievalEvaluation(test_ds, every_n_epochs=2, ks=(1, 10)),
-        keras.callbacks.EarlyStopping(monitor="val_map@r", mode="max", patience=3),
-    ])
-    ```
     """
 
     def __init__(self, data=None, labels=None, *, embedding_model=None,

@@ -71,15 +71,11 @@ class MultiStageModel(_backend_steps(), keras.Model):
     """Train an embedding model on very large batches with the exact batch gradient.
 
     Wraps ``embedding_model`` (images -> embeddings); ``compile`` it with a batch-level
-    ranking loss (e.g. ``tfaploss.losses.APLoss()``) and ``fit`` on (images, labels)
-    batches as usual. With ``chunk_size`` set, ``train_step`` runs the three stages
-    of multi-staged backpropagation (module docstring); with ``chunk_size=None`` it is
-    an ordinary single-pass step. Either way the update equals that of one plain step
-    on the whole batch, and ``optimizer.iterations`` (hence learning-rate schedules)
-    counts batches, not chunks.
-
-    ``call``, ``predict`` and ``evaluate`` run the embedding model; ``save`` stores it
-    inside this wrapper, and ``embedding_model`` is the model to export.
+    ranking loss and ``fit`` on (images, labels) batches as usual. With ``chunk_size``
+    set, ``train_step`` runs the three stages of the module docstring; either way the
+    update equals that of one plain step on the whole batch, and
+    ``optimizer.iterations`` counts batches, not chunks. ``call``, ``predict`` and
+    ``evaluate`` run the embedding model, which is the model to export.
 
     Under ``tf.distribute`` the loss ranks the GLOBAL batch: every replica gathers the
     embeddings and labels, evaluates the loss on all of them and backpropagates the
@@ -107,34 +103,22 @@ class MultiStageModel(_backend_steps(), keras.Model):
             parallelism it counts images *per device* (under JAX's ``DataParallel``
             a chunk takes ``chunk_size`` rows of every device's shard, and
             batch-statistics BatchNorm normalises those ``chunk_size`` x D together).
-        xbm_size: cross-batch memory slots (0 = no memory).
-        xbm_weight: weight of the query-vs-memory loss.
-        xbm_loss: loss for the memory term (must have ``query_database_loss``);
-            defaults to the compiled loss.
-        on_nondeterministic: what to do when ``embedding_model`` is random in training
-            mode (dropout, batch-statistics BatchNorm, augmentation layers) and
-            ``chunk_size`` is set: ``"warn"`` (default), ``"raise"`` or ``"ignore"``.
+        xbm_size, xbm_weight: cross-batch memory slots (0 = no memory), and the weight
+            of the query-vs-memory loss.
+        xbm_loss: loss for the memory term (default: the compiled loss).
+        on_nondeterministic: ``"warn"``, ``"raise"`` or ``"ignore"`` when
+            ``embedding_model`` is random in training mode and ``chunk_size`` is set.
         check_stages: debug check; stage 3 also measures the largest absolute
             difference between its embeddings and stage 1's, asserts it is <=
             ``stage_atol`` (JAX and XLA only report it: a compiled step cannot
             raise) and reports it as the metric ``stage_max_abs_diff``.
         stage_atol: tolerance of ``check_stages``.
 
-    Example::
-
-        model = freeze_batch_norm(models.build_embedding_model("resnet101", "gem"))
-        trainer = MultiStageModel(model, chunk_size=32)
-        trainer.compile(optimizer=keras.optimizers.Adam(1e-4), loss=APLoss())
-        trainer.fit(dataset_of_4096_image_batches, epochs=...)
-        model.save("embedder.keras")  # the plain embedding model, for export
-
-    Only weight regularisers (``kernel_regularizer``...) are added to the loss; losses
-    that layers create in ``call`` (activity regularisers, ``add_loss``) are not
-    supported, since no single call sees the whole batch.
-
-    Cost per step with chunk size c: 2 forward passes + 1 backward pass of the
-    embedding model, one loss evaluation with its gradient; activation memory of one
-    chunk of c images plus O(B·d) for the embeddings and ``G``.
+    Only weight regularisers are added to the loss; losses that layers create in
+    ``call`` (activity regularisers, ``add_loss``) are not supported, since no single
+    call sees the whole batch. Cost per step with chunk size c: 2 forward passes + 1
+    backward pass, one loss evaluation with its gradient; activation memory of one chunk
+    of c images plus O(B·d) for the embeddings and ``G``.
     """
 
     def __init__(
