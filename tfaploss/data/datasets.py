@@ -227,13 +227,10 @@ def make_eval_dataset(path: str, *, image_size: int | None = 224, resize_size: i
                       batch_size: int = 64, normalize: str | None = None) -> tf.data.Dataset:
     """Every image of a split once, in file order: ``(images, labels int32, ids string)``.
 
-    Args:
-        path: split folder or glob of per-image TFRecords.
-        image_size: centre-crop side S after resizing the shorter side to ``resize_size``
-            (default S / 0.875, e.g. 256 for 224); ``None`` keeps each image's own size
-            (landmarks), which needs ``batch_size=1``.
-        batch_size: images per batch; the last batch may be smaller.
-        normalize: ``None`` (default, raw [0, 255] float32 pixels) or ``"imagenet"``.
+    ``image_size``: centre-crop side S after resizing the shorter side to
+    ``resize_size`` (default S / 0.875); ``None`` keeps each image's own size
+    (landmarks; ``batch_size=1``). ``normalize``: ``None`` (raw [0, 255] pixels) or
+    ``"imagenet"``.
     """
     if image_size is None and batch_size != 1:
         raise ValueError(f"image_size=None keeps every image's size, so batch_size must be 1, "

@@ -115,15 +115,10 @@ def weights_bytes(model, factor: float = 1.0) -> int:
 
 
 class RunBackup:
-    """Per-epoch checkpoints of a model (weights and optimizer state) in one folder.
-
-    Args:
-        directory: the backup folder (created on the first save).
-        log: called with one line for each thing worth telling (fallbacks, clean-ups);
-            default :func:`log_line` (the module's logger).
-
-    Cost of a save: one ``model.save_weights`` (model + optimizer variables) plus one
-    read of the file for its SHA-256; the disk holds two checkpoints for a moment.
+    """Per-epoch checkpoints of a model (weights and optimizer state) in ``directory``;
+    ``log`` gets one line for each fallback or clean-up (default: the module's logger).
+    Cost of a save: one ``model.save_weights`` plus one read of the file for its
+    SHA-256; the disk holds two checkpoints for a moment.
     """
 
     def __init__(self, directory: str | os.PathLike,

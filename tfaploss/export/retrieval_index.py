@@ -60,8 +60,7 @@ class RetrievalIndex:
 
     Attributes:
       embeddings: ``(N, D)`` float32, one row per catalogue item.
-      keys: ``(N,)`` str, what a search returns for each row (file names or ids, as the
-        split's records or the embed job recorded them); unique.
+      keys: ``(N,)`` str, unique: what a search returns for each row.
       labels: ``(N,)`` int64 class labels (-1 when unknown).
       model_fingerprint: :func:`model_fingerprint` of the model that embedded the rows.
       source: where the rows came from (a path, or a word), for messages and metadata.

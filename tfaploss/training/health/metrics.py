@@ -114,17 +114,11 @@ STATISTICS = {
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class BatchHealthMetric(keras.metrics.Metric):
-    """One batch-health statistic (see the module docstring), averaged over the epoch;
-    ``last`` holds the latest batch's value and ``images`` its size (what
-    :class:`~tfaploss.training.TrainingHealthMonitor` counts patience in). Neither is saved with a model.
-
-    ``y_true`` = integer labels, ``y_pred`` = embeddings, as the tfaploss losses take.
-
-    Args:
-        statistic: ``"emb_cos"`` (mean off-diagonal cosine), ``"emb_cos_std"`` (their
-            spread) or ``"chance_ap"`` (fraction of queries at chance AP).
-        max_queries: rows of the batch used as queries (cost O(max_queries·B·d)).
-        name: metric name (default: ``statistic``).
+    """One batch-health ``statistic`` (``"emb_cos"``, ``"emb_cos_std"`` or
+    ``"chance_ap"``, see the module docstring) averaged over the epoch; ``last`` holds
+    the latest batch's value and ``images`` its size (what the monitor counts patience
+    in), neither saved with a model. ``y_true``: integer labels, ``y_pred``:
+    embeddings. ``max_queries``: rows used as queries (cost O(max_queries·B·d)).
     """
 
     def __init__(self, statistic="emb_cos", max_queries=DEFAULT_MAX_QUERIES, name=None,
