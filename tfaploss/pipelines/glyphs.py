@@ -256,9 +256,7 @@ class _FaceInfo:
 
 
 def _processes(args) -> int:
-    if not W.can_fork():
-        return 1
-    return args.image_processes or len(os.sched_getaffinity(0)) or 1
+    return (args.image_processes or opts.cores()) if W.can_fork() else 1
 
 
 def _map_files(fn, jobs: list[tuple], processes: int, what: str) -> list:

@@ -137,7 +137,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None):
     return args, JobOptions(beam_argv, verbose=args.verbose)
 
 
-def _cores() -> int:
+def cores() -> int:
+    """The cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0)) or 1
     except AttributeError:  # not on Linux
@@ -158,7 +159,7 @@ def image_threads(args, options: JobOptions) -> int:
     mode = options.direct_running_mode
     if mode is None:
         return 2  # remote workers already run one process per core
-    cpus = _cores()
+    cpus = cores()
     if mode == "multi_processing":
         return max(1, cpus // max(1, options.direct_num_workers or cpus))
     return cpus
@@ -170,7 +171,7 @@ def image_processes(args, options: JobOptions) -> int:
     exists; 1 (threads in the Beam worker) everywhere else."""
     if options.direct_running_mode != "in_memory" or not W.can_fork():
         return 1
-    return getattr(args, "image_processes", 0) or _cores()
+    return getattr(args, "image_processes", 0) or cores()
 
 
 def _validate(args) -> None:
