@@ -2,26 +2,14 @@
 
 Why a by-class layout: drawing P classes x m images from per-image records needs
 either the whole index in memory or one reader per class (81k for GLDv2-clean). In
-``by_class/`` one record holds up to ``class_chunk_size`` images of ONE class (large
-classes are cut into balanced chunks of at least half that size). A sampler then
-streams records (files shuffled and interleaved, records shuffled in a bounded
-buffer), draws m distinct images from each record, and assembles batches, so memory is
-``shuffle_buffer x chunk bytes`` whatever the dataset size, and only the m chosen
-images of a chunk are ever decoded.
-
-Samplers work on a stream of *groups*: ``{"encoded": [m] bytes, "id": [m], "label",
-"super_label"}`` (m images of one class) and emit ``(encoded [B], ids [B], labels [B])``
-in class-major order (image ``i`` belongs to group ``i // m``):
-
-* :func:`m_per_class` - P = B / m distinct classes per batch (Smooth-AP, ROADMAP, PNP);
-  classes with fewer than m images are never drawn, as in the originals.
-* :func:`hierarchical` - two distinct super-classes per batch, B / 2 images from each,
-  (B / 2) / m distinct classes x m images within each half (ROADMAP/FastAP on SOP).
-* :func:`all_classes` - every eligible class in every batch, m images each, in label
-  order (Revaud et al.'s AP loss setting); B = C x m.
-
-Everything is deterministic given ``seed``: shuffles are seeded and per-record draws
-use stateless random ops keyed by the record's position in the stream.
+``by_class/`` one record holds up to ``class_chunk_size`` images of ONE class; a
+sampler streams records through a bounded shuffle buffer and draws m distinct images
+from each, so memory is ``shuffle_buffer x chunk bytes`` whatever the dataset size,
+and only the m chosen images are decoded. Batches are class-major (image ``i``
+belongs to group ``i // m``): :func:`m_per_class` (B / m classes: Smooth-AP, ROADMAP,
+PNP), :func:`hierarchical` (two super-classes, B / 2 images each: ROADMAP/FastAP on
+SOP), :func:`all_classes` (every eligible class, m each: Revaud et al.). Everything is
+deterministic given ``seed``.
 """
 
 from __future__ import annotations
