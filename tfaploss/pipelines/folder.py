@@ -86,18 +86,15 @@ def _list_class(listing: Listing, policy: LK.LinkPolicy, cls: str, path: str,
                 rel_cls: str) -> None:
     files = listing.classes.setdefault(cls, [])
 
+    def ignore(rel: str, why: str) -> None:
+        listing.add_ignored(cls, rel, why)
+
     def add_file(rel: str, _path: str, real: str) -> None:
-        if not rel.lower().endswith(I.IMAGE_EXTENSIONS):
-            listing.add_ignored(cls, rel, "not an image file extension")
-            return
-        same = policy.claim_file(real, rel)
-        if same:
-            listing.add_ignored(cls, rel, same)
-        else:
+        if policy.admit(rel, real, I.IMAGE_EXTENSIONS, "not an image file extension",
+                        ignore):
             files.append((rel, policy.bound(real)))
 
-    LK.walk(path, rel_cls, policy, add_file,
-            lambda rel, why: listing.add_ignored(cls, rel, why),
+    LK.walk(path, rel_cls, policy, add_file, ignore,
             lambda rel, code, detail: listing.add_dead(cls, rel, code, detail))
 
 

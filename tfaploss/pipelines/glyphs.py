@@ -224,13 +224,8 @@ def list_fonts(input_dir: str, follow_external_links: bool = False) -> Listing:
     policy = LK.LinkPolicy(input_dir, follow_external_links)
 
     def add_font(rel: str, path: str, real: str) -> None:
-        if not rel.lower().endswith(F.FONT_EXTENSIONS):
-            listing.add_ignored(rel, "not a font file (.ttf, .otf, .ttc, .otc)")
-            return
-        same = policy.claim_file(real, rel)
-        if same:
-            listing.add_ignored(rel, same)
-        else:
+        if policy.admit(rel, real, F.FONT_EXTENSIONS,
+                        "not a font file (.ttf, .otf, .ttc, .otc)", listing.add_ignored):
             listing.fonts.append((rel, path))
 
     LK.walk(input_dir, "", policy, add_font, listing.add_ignored, listing.add_dead)

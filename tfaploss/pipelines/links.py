@@ -67,6 +67,17 @@ class LinkPolicy:
         self._files[real] = rel
         return None
 
+    def admit(self, rel: str, real: str, extensions: tuple[str, ...], other: str,
+              ignore) -> bool:
+        """Whether the walked file ``rel`` (at ``real``) goes to the job: one of
+        ``extensions``, not a second name of a listed file; else ``ignore(rel, reason)``
+        (``other``: the reason for another extension)."""
+        reason = (other if not rel.lower().endswith(extensions)
+                  else self.claim_file(real, rel))
+        if reason:
+            ignore(rel, reason)
+        return not reason
+
     def leaves(self, real: str) -> bool:
         """Whether a link to ``real`` is refused for leaving the input root."""
         return not self.follow_external and not inside(real, self.root)
