@@ -108,14 +108,19 @@ def threshold(name: str) -> int:
     return 0
 
 
-def kill(item: str, where: str) -> None:
-    """Log the simulated kill, flush stdout/stderr and exit at once (``os._exit``)."""
-    LOG.warning("%s=%s: simulated kill at %s", ENV, item, where)
+def _flush() -> None:
+    """stdout and stderr out before a simulated death, which flushes nothing."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (AttributeError, OSError, ValueError):
             pass
+
+
+def kill(item: str, where: str) -> None:
+    """Log the simulated kill, flush stdout/stderr and exit at once (``os._exit``)."""
+    LOG.warning("%s=%s: simulated kill at %s", ENV, item, where)
+    _flush()
     os._exit(EXIT_CODE)
 
 
@@ -160,11 +165,7 @@ def sigkill_self(item: str, where: str) -> None:
     """Log the simulated kill, flush, and send this process SIGKILL (what the OOM killer
     does: unlike :func:`kill`, the exit status is the signal's, -9)."""
     LOG.warning("%s=%s: simulated SIGKILL at %s (process %d)", ENV, item, where, os.getpid())
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (AttributeError, OSError, ValueError):
-            pass
+    _flush()
     os.kill(os.getpid(), signal.SIGKILL)
 
 

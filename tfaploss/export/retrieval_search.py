@@ -94,9 +94,7 @@ class BruteForceSearch:
         self.size, self.dim = index.size, index.dim
         self.embeddings = tf.Variable(index.embeddings, trainable=False,
                                       name="retrieval_embeddings")
-        self.keys = _keys_variable(index.keys)
-        self.labels = tf.Variable(index.labels, trainable=False, dtype=tf.int64,
-                                  name="retrieval_labels")
+        self.keys, self.labels = _keys_and_labels(index)
 
     @property
     def variables(self) -> list:
@@ -134,8 +132,6 @@ class ScannSearch:
     backend = "scann"
 
     def __init__(self, index, k: int, chunk_rows: int = DEFAULT_CHUNK_ROWS):
-        import tensorflow as tf
-
         from tfaploss.evaluation.searchers import scann_ah_params
 
         ops = _scann_ops()
@@ -155,9 +151,7 @@ class ScannSearch:
         builder = builder.reorder(max(params["reorder_num_neighbors"], self.k))
         self._ops = ops
         self.state = builder.build().serialize_to_module()
-        self.keys = _keys_variable(index.keys)
-        self.labels = tf.Variable(index.labels, trainable=False, dtype=tf.int64,
-                                  name="retrieval_labels")
+        self.keys, self.labels = _keys_and_labels(index)
 
     @property
     def variables(self) -> list:
@@ -181,11 +175,14 @@ class ScannSearch:
         return _answer(self, queries, k)
 
 
-def _keys_variable(keys):
+def _keys_and_labels(index):
+    """The index's keys and labels as the variables every search holds."""
     import tensorflow as tf
 
-    raw = np.array([str(key).encode("utf-8") for key in keys], dtype=object)
-    return tf.Variable(raw, trainable=False, dtype=tf.string, name="retrieval_keys")
+    raw = np.array([str(key).encode("utf-8") for key in index.keys], dtype=object)
+    return (tf.Variable(raw, trainable=False, dtype=tf.string, name="retrieval_keys"),
+            tf.Variable(index.labels, trainable=False, dtype=tf.int64,
+                        name="retrieval_labels"))
 
 
 def _answer(searcher, queries, k):

@@ -43,15 +43,9 @@ _CFF_DRAWING = frozenset({
 _CFF_SHORT = 16
 
 
-class FontError(Exception):
-    """A font file fontTools cannot read, or one without outlines or a Unicode cmap;
-    ``code`` is a failure code of :mod:`tfaploss.pipelines.images` (``truncated``,
-    ``undecodable``, ``empty_file``)."""
-
-    def __init__(self, code: str, detail: str):
-        super().__init__(f"{code}: {detail}")
-        self.code = code
-        self.detail = detail
+class FontError(I.ImageError):
+    """A font file fontTools cannot read, or one without outlines or a Unicode cmap
+    (``code``: ``truncated``, ``undecodable``, ``empty_file``)."""
 
 
 @dataclass(frozen=True)
