@@ -109,24 +109,12 @@ def _check_model(model, image_size):
                              f"match the model's input size {shape[1:3]}")
 
 
-def export_saved_model(
-    model,
-    path,
-    image_size=(224, 224),
-    version=None,
-    whitening=None,
-    crop_fraction=DEFAULT_CROP_FRACTION,
-    resize_method="bilinear",
-    antialias=True,
-    max_pixels=DEFAULT_MAX_PIXELS,
-    max_request_pixels=None,
-    overwrite=False,
-    verbose=False,
-    index=None,
-    k=DEFAULT_K,
-    index_backend="brute_force",
-    index_chunk_rows=DEFAULT_CHUNK_ROWS,
-):
+def export_saved_model(model, path, image_size=(224, 224), version=None, whitening=None,
+                       crop_fraction=DEFAULT_CROP_FRACTION, resize_method="bilinear",
+                       antialias=True, max_pixels=DEFAULT_MAX_PIXELS,
+                       max_request_pixels=None, overwrite=False, verbose=False, index=None,
+                       k=DEFAULT_K, index_backend="brute_force",
+                       index_chunk_rows=DEFAULT_CHUNK_ROWS):
     """Write ``model`` as a TF Serving SavedModel in ``path/<version>/``, with a
     retrieval index when ``index`` is given.
 

@@ -41,21 +41,10 @@ PAPER_ARCHITECTURES = {
 DEFAULT_PREPROCESSING = {"resnet50": "caffe", "resnet101": "caffe", "small_cnn": "torch"}
 
 
-def build_embedding_model(
-    backbone="resnet50",
-    pooling="gem",
-    embedding_dim=512,
-    weights=None,
-    input_shape=(224, 224, 3),
-    head="linear",
-    head_bias=True,
-    gem_p=3.0,
-    gem_trainable_p=True,
-    freeze_bn=False,
-    preprocessing="auto",
-    backbone_kwargs=None,
-    name=None,
-):
+def build_embedding_model(backbone="resnet50", pooling="gem", embedding_dim=512,
+                          weights=None, input_shape=(224, 224, 3), head="linear",
+                          head_bias=True, gem_p=3.0, gem_trainable_p=True, freeze_bn=False,
+                          preprocessing="auto", backbone_kwargs=None, name=None):
     """Build an image-retrieval embedding model.
 
     The model is ``images -> [normalisation] -> backbone -> pooling -> [head] -> L2``.

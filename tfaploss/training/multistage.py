@@ -121,18 +121,9 @@ class MultiStageModel(_backend_steps(), keras.Model):
     of c images plus O(B·d) for the embeddings and ``G``.
     """
 
-    def __init__(
-        self,
-        embedding_model,
-        chunk_size=None,
-        xbm_size=0,
-        xbm_weight=1.0,
-        xbm_loss=None,
-        on_nondeterministic="warn",
-        check_stages=False,
-        stage_atol=1e-5,
-        **kwargs,
-    ):
+    def __init__(self, embedding_model, chunk_size=None, xbm_size=0, xbm_weight=1.0,
+                 xbm_loss=None, on_nondeterministic="warn", check_stages=False,
+                 stage_atol=1e-5, **kwargs):
         super().__init__(**kwargs)
         if not isinstance(embedding_model, keras.layers.Layer):
             raise TypeError("MultiStageModel: `embedding_model` must be a Keras model or "
