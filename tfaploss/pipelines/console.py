@@ -15,6 +15,8 @@ import logging
 import sys
 import time
 
+from tfaploss.log import PlainHandler
+
 PACKAGE = logging.getLogger("tfaploss.pipelines")  # every module logger of the jobs is below it
 LOG = logging.getLogger(__name__)
 RESULT = logging.getLogger("tfaploss.pipelines.result")
@@ -91,16 +93,6 @@ def beam_quiet_on(*types: type):
             logger.removeFilter(drop)
 
 
-class _StdoutHandler(logging.Handler):
-    """The result lines, on the ``sys.stdout`` of the moment, flushed at once."""
-
-    def emit(self, record):
-        try:
-            sys.stdout.write(self.format(record) + "\n")
-            sys.stdout.flush()
-        except Exception:  # noqa: BLE001 - logging must not raise
-            self.handleError(record)
-
 
 def configure(verbose: bool = False) -> None:
     """For a job's ``__main__`` only: its lines on stderr as ``message`` (``verbose``:
@@ -113,7 +105,7 @@ def configure(verbose: bool = False) -> None:
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO if verbose else logging.WARNING)
     PACKAGE.setLevel(logging.INFO)
-    RESULT.handlers[:] = [_StdoutHandler()]
+    RESULT.handlers[:] = [PlainHandler()]  # an INFO line: stdout, flushed at once
     RESULT.propagate = False
     for name in _NOISY:
         logging.getLogger(name).setLevel(logging.INFO if verbose else logging.ERROR
