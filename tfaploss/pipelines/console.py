@@ -93,7 +93,6 @@ def beam_quiet_on(*types: type):
             logger.removeFilter(drop)
 
 
-
 def configure(verbose: bool = False) -> None:
     """For a job's ``__main__`` only: its lines on stderr as ``message`` (``verbose``:
     with time, logger and level), the result on stdout, Beam at WARNING unless
