@@ -15,7 +15,7 @@ import logging
 import sys
 import time
 
-from tfaploss.log import PlainHandler
+from tfaploss.log import DETAILED_FORMAT, PLAIN_FORMAT, PlainHandler
 
 PACKAGE = logging.getLogger("tfaploss.pipelines")  # every module logger of the jobs is below it
 LOG = logging.getLogger(__name__)
@@ -99,8 +99,7 @@ def configure(verbose: bool = False) -> None:
     ``verbose``."""
     root = logging.getLogger()
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(
-        "%(asctime)s %(name)s %(levelname)s: %(message)s" if verbose else "%(message)s"))
+    handler.setFormatter(logging.Formatter(DETAILED_FORMAT if verbose else PLAIN_FORMAT))
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO if verbose else logging.WARNING)
     PACKAGE.setLevel(logging.INFO)
