@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 
 
+@keras.saving.register_keras_serializable(package="tfaploss")
 class ConfigLayer(keras.layers.Layer):
     """A layer whose ``get_config`` adds the attributes named in ``CONFIG``: its
     constructor arguments, kept under their own names."""
@@ -15,6 +16,7 @@ class ConfigLayer(keras.layers.Layer):
         return {**super().get_config(), **{name: getattr(self, name) for name in self.CONFIG}}
 
 
+@keras.saving.register_keras_serializable(package="tfaploss")
 class SameShapeLayer(ConfigLayer):
     """A :class:`ConfigLayer` whose output has its input's shape."""
 
