@@ -14,8 +14,7 @@ group's reduction of small_cnn's gradient (288,489 float32; on PyTorch
 ``MultiStageModel``'s all-reduce, on JAX an all-gather of as many values through the
 same primitive as the agreement). The slower rank's median is kept.
 
-Writes ``benchmarks/results/stop_agreement.json``. Not in ``benchmarks/suite.py``'s
-list (yet): run it alone.
+Writes ``benchmarks/results/stop_agreement.json``.
 """
 
 from __future__ import annotations

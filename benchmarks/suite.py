@@ -61,6 +61,9 @@ SUITE = {
                        "cpu": ["--device", "cpu", "--tiny"]}, False),
     "gpu_losses": (["--device", "gpu"], ["--device", "gpu", "--quick"],
                    ["--device", "gpu", "--tiny"], True),
+    "serving": ([], ["--quick"], ["--tiny"], False),
+    "serving_load": ([], ["--quick"], ["--tiny"], False),
+    "stop_agreement": ([], ["--quick"], ["--tiny"], False),
 }
 MODES = ("full", "quick", "tiny")
 

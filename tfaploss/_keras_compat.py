@@ -11,14 +11,10 @@ are all named here, so that a Keras upgrade has one place to check:
   reads or overrides (it cannot import those; the list says where they are used).
 
 ``tests/test_keras_compat.py`` checks both lists against the installed Keras and says
-which name moved. Tested with Keras 3.14.1 and 3.15.1 (TensorFlow 2.20, JAX 0.10,
-PyTorch 2.13); setup.py admits ``keras>=3.14,<3.16`` accordingly. The names below exist
-in 3.12 and 3.13 too, but those lack a public API the losses use
-(``keras.ops.scatter_update(..., reduction=...)``, new in 3.14). Before widening the
-pin, run ``tests/test_keras_compat.py`` and ``make test`` on the new Keras.
-
-Used from the public API instead of keras.src (where it was imported from before):
-``keras.StatelessScope`` (tfaploss/training/multistage_jax.py).
+which name moved. Tested with Keras 3.14.1 and 3.15.1; setup.py admits
+``keras>=3.14,<3.16`` (3.12 and 3.13 lack ``keras.ops.scatter_update(...,
+reduction=...)``, which the losses use). Before widening the pin, run that test and
+``make test`` on the new Keras.
 """
 
 from __future__ import annotations

@@ -16,24 +16,12 @@ meta-path hook registers as soon as ``keras`` and the tfaploss module being impo
 have finished loading, whichever comes last, then removes itself.
 
 Why a hook rather than the plain convention of Keras libraries (keras-hub, keras-rs:
-the package's ``__init__`` imports the modules, which registers the classes), measured
-on a small shared CPU machine with the plain variant built by calling
-:func:`register_keras_objects` at the end of ``tfaploss/__init__.py``:
-
-- The ``tfaploss`` command is ``tfaploss.cli:main``, so Python runs
-  ``tfaploss/__init__.py`` before any line of the CLI. Plain imports would load Keras and
-  TensorFlow before ``main`` can set ``TF_CPP_MIN_LOG_LEVEL`` and ``KERAS_BACKEND``: four
-  lines of TensorFlow start-up log on every command (none with the hook), the backend
-  chosen by ``~/.keras/keras.json`` rather than the CLI's TensorFlow default, and
-  ``tfaploss --help`` taking 8-11 s instead of 0.1-0.3 s.
-- The Beam jobs of ``pipelines`` import light helpers (``tfaploss.durable.faults``,
-  ``tfaploss.evaluation.revisited``); with plain imports every job and every Beam
-  worker would load TensorFlow first (``python -m tfaploss.pipelines.revisited --help``: 6-13 s
-  instead of 1-2 s).
-- Loading works either way: ``import tfaploss`` then
-  ``keras.saving.load_model`` in a fresh process restores a saved model and trainer
-  in both designs (``tests/test_registration.py``); ``import tfaploss`` alone takes 0.1-0.2 s
-  with the hook, 10-17 s (TensorFlow's import) with plain imports.
+the package's ``__init__`` imports the modules): ``tfaploss/__init__.py`` runs before
+any line of the CLI, so plain imports would load Keras and TensorFlow before ``main``
+can set ``TF_CPP_MIN_LOG_LEVEL`` and ``KERAS_BACKEND`` (``tfaploss --help``: 8-11 s
+instead of 0.1-0.3 s), and every Beam job and worker would load TensorFlow first (6-13 s
+instead of 1-2 s per start). Loading a saved model works either way
+(``tests/test_registration.py``).
 """
 
 from __future__ import annotations

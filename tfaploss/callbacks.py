@@ -1,19 +1,13 @@
 """Keras callbacks for training retrieval models, to add to any ``model.fit``.
 
 * :class:`RetrievalEvaluation`: Recall@K and MAP@R of a held-out split every few
-  epochs, as ``val_*`` logs (``EarlyStopping``, ``ModelCheckpoint`` and the progress
-  bar read them) and TensorBoard scalars; any ``keras.Model`` whose output are
-  embeddings, any split, any searcher.
+  epochs, as ``val_*`` logs and TensorBoard scalars.
 * :class:`TrainingHealthMonitor`: warns (or stops) when the embeddings collapse or
-  the loss stops moving (:mod:`tfaploss.training.health`).
-* :class:`LoneQueryMonitor`: warns when most queries have no positive in their batch;
-  it reads the ``tfaploss.training.LoneQueryShare`` metric, compiled with the model
-  (:mod:`tfaploss.training.lone_queries`).
-* :class:`EmbeddingProjector` and :func:`export_projector`: a split's embeddings for
-  TensorBoard's projector; :func:`umap_figure`: a UMAP plot (``viz`` extra).
-
-``tfaploss train`` uses the same classes, and adds the user's own callbacks named in
-``training.callbacks`` (:mod:`tfaploss.config.callbacks`).
+  the loss stops moving.
+* :class:`LoneQueryMonitor`: warns when most queries have no positive in their batch
+  (it reads the ``LoneQueryShare`` metric compiled with the model).
+* :class:`EmbeddingProjector`, :func:`export_projector`, :func:`umap_figure`: a split's
+  embeddings for TensorBoard's projector, or a UMAP plot (``viz`` extra).
 
 Example:
 

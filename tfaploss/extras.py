@@ -20,19 +20,10 @@ extra       imports               what needs it
 ``demo``    ``sklearn``           ``tfaploss demo`` (scikit-learn's digits)
 =========== ===================== ======================================================
 
-A feature that needs an extra calls :func:`require` (is it installed? cheap: nothing
-is imported) or :func:`import_extra` (import it) with the name of what needs it; when
-it is missing they raise :class:`MissingExtraError`, whose message is one line naming
-what needs the extra and the command that installs it::
-
-    from tfaploss import extras
-
-    scann = extras.import_extra("scann", "evaluation.backend: scann")
-    # tfaploss.extras.MissingExtraError: evaluation.backend: scann needs ScaNN, which is
-    # not installed: pip install "tfaploss[scann]" (Linux only)
-
-This module imports nothing beyond the standard library, so every layer (the Beam
-jobs' ``pipelines`` package included) can use it without loading TensorFlow.
+A feature that needs an extra calls :func:`require` (cheap: nothing is imported) or
+:func:`import_extra` with the name of what needs it; a missing extra raises
+:class:`MissingExtraError`, one line naming what needs it and the install command.
+Standard library only, so the Beam jobs use it without loading TensorFlow.
 """
 
 from __future__ import annotations

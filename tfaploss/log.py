@@ -1,40 +1,20 @@
-"""Where the messages of tfaploss, models and pipelines go: the logging scheme.
+"""Where the messages of tfaploss go: the logging scheme.
 
-Library code never calls ``print``. Every module logs on its own module logger,
-``logging.getLogger(__name__)``, so the three packages of this repository are three
-logger hierarchies named after them: ``tfaploss.*`` (``tfaploss.run.trainer``,
-``tfaploss.durable.checkpoints``, ``tfaploss.durable.faults``, ...), ``pipelines.*`` and
-``models.*``. Levels: INFO for what a user of the command line reads (what a run is
-about to do, notes on what a resumed run found, where the results went), WARNING for
-what needs their attention, DEBUG for details. A problem the caller should fix in their
-own code (e.g. a batch without a positive pair) is a Python warning
-(``warnings.warn``), the same channel Keras and TensorFlow use for such things.
+Library code never calls ``print``: every module logs on ``logging.getLogger(__name__)``
+(INFO for what a user of the command line reads, WARNING for what needs their
+attention, DEBUG for details); a problem the caller should fix in their own code is a
+Python warning, as in Keras and TensorFlow. Who decides what is shown:
 
-Who decides what is shown:
-
-* Importing the library configures nothing: no handler, no level, and never the root
-  logger. The ``tfaploss`` logger gets a ``NullHandler`` (in ``tfaploss/__init__.py``,
-  so on any import of the library), so an application that configures no logging
-  does not get our warnings through Python's last-resort handler in a format it did
-  not choose.
-* The ``tfaploss`` command (:mod:`tfaploss.cli`) calls :func:`configure`: a
-  :class:`PlainHandler` on the ``tfaploss`` logger (INFO and DEBUG lines to stdout,
-  WARNING and above to stderr, as plain text without escape codes so a log file stays
-  readable), at INFO, WARNING with ``--quiet``, DEBUG with ``--verbose`` (which also
-  adds the time, level and logger name to each line and shows the ``pipelines`` and
-  ``models`` loggers at DEBUG; by default those two show WARNING and above).
-* The entry points that report to a person, :func:`tfaploss.run.trainer.train` and
-  :func:`tfaploss.evaluation.evaluate` with ``verbose``, run inside :func:`reporting`:
-  when the application has not said where the ``tfaploss`` INFO lines go (no handler
-  of its own on ``tfaploss``, no level set on it, INFO not enabled through the root
-  logger), they are shown on stdout (warnings on stderr) for the duration of the call,
-  as the ``print`` calls they replace were, and only there. An application that
-  configures logging for them gets them its way.
-* The Beam jobs (``python -m tfaploss.pipelines.<job>``) are configured by
-  :func:`tfaploss.pipelines.console.configure`: their lines on stderr, the one-line-per-split
-  result on stdout (logger ``tfaploss.pipelines.result``), Beam's own loggers at WARNING unless
-  ``--verbose``.
-* ``absl`` is used only where Beam or TensorFlow already log through it.
+* Importing the library configures nothing, never the root logger: the ``tfaploss``
+  logger gets a ``NullHandler``, so an application that configures no logging does not
+  get our warnings through Python's last-resort handler.
+* The ``tfaploss`` command calls :func:`configure`: a :class:`PlainHandler` (INFO to
+  stdout, WARNING to stderr, plain text), at INFO, WARNING with ``--quiet``, DEBUG with
+  ``--verbose`` (which also adds time, level and logger to each line).
+* :func:`tfaploss.run.trainer.train` and :func:`tfaploss.evaluation.evaluate` with
+  ``verbose`` run inside :func:`reporting`: when the application has not said where
+  the ``tfaploss`` INFO lines go, they are shown on stdout for the call, and only there.
+* The Beam jobs are configured by :func:`tfaploss.pipelines.console.configure`.
 """
 
 from __future__ import annotations

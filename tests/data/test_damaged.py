@@ -25,6 +25,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from tests.support.miniature import write_split_records
+from tfaploss.data import framing
 from tfaploss.data import integrity as I
 
 SIZES = {0: 6, 1: 6, 2: 6, 3: 6}
@@ -47,10 +48,8 @@ def _frames(data: bytes) -> list[tuple[int, int]]:
 
 def _frame(payload: bytes) -> bytes:
     length = struct.pack("<Q", len(payload))
-    crc = I._crc_value
-
     def masked(b):
-        return struct.pack("<I", I._masked(crc(b)))
+        return struct.pack("<I", framing.masked_crc(b))
 
     return length + masked(length) + payload + masked(payload)
 
@@ -104,7 +103,7 @@ def _length_past_the_end(data: bytes) -> bytes:
     b = bytearray(data)
     offset = _frames(data)[1][0]
     struct.pack_into("<Q", b, offset, 2 ** 63 + 5)
-    b[offset + 8:offset + 12] = struct.pack("<I", I._masked(I._crc_value(bytes(b[offset:offset + 8]))))
+    b[offset + 8:offset + 12] = struct.pack("<I", framing.masked_crc(bytes(b[offset:offset + 8])))
     return bytes(b)
 
 
@@ -182,7 +181,7 @@ def pristine(tmp_path_factory):
     split = tmp_path_factory.mktemp("pristine") / "train"
     manifest = write_split_records(str(split), SIZES, chunk_size=4, size=(16, 16))
     # class 4 is left out of the class list; the images' labels stay 0..3
-    manifest.update(JOB, checksums=I.manifest_checksums(str(split), [IMAGES, CLASSES]),
+    manifest.update(JOB, checksums=framing.manifest_checksums(str(split), [IMAGES, CLASSES]),
                     label_map={str(k): f"c{k}" for k in SIZES})
     (split / "manifest.json").write_text(json.dumps(manifest))
     return split
@@ -211,7 +210,7 @@ def test_pristine_split_passes_every_level(pristine):
         report = I.check_split(str(pristine), level)
         assert report.ok, [d.line() for d in report.damaged]
         assert len(report.checked) == 2 and not report.notes
-    assert I.file_checksum(str(pristine / IMAGES))["records"] == sum(SIZES.values())
+    assert framing.file_checksum(str(pristine / IMAGES))["records"] == sum(SIZES.values())
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -299,7 +298,7 @@ def test_an_image_that_does_not_decode_is_named_by_the_reader(pristine, tmp_path
     path = split / name
     path.write_bytes(_huffman_table_broken(path.read_bytes(), 2 if name == IMAGES else 0))
     manifest = json.loads((split / "manifest.json").read_text())
-    manifest["checksums"] = I.manifest_checksums(str(split), [IMAGES, CLASSES])
+    manifest["checksums"] = framing.manifest_checksums(str(split), [IMAGES, CLASSES])
     (split / "manifest.json").write_text(json.dumps(manifest))
     assert I.check_split(str(split), "records").ok
     damaged = I.check_split(str(split), "decode").damaged
@@ -376,11 +375,11 @@ def test_the_checksum_is_crc32c_of_the_whole_file(pristine):
     import zlib  # noqa: F401  (CRC-32, not C: a different polynomial)
 
     data = (pristine / IMAGES).read_bytes()
-    entry = I.file_checksum(str(pristine / IMAGES))
+    entry = framing.file_checksum(str(pristine / IMAGES))
     assert entry["bytes"] == len(data)
-    assert entry["crc32c"] == f"{I._crc_value(data):08x}"
+    assert entry["crc32c"] == f"{framing.crc32c(data):08x}"
     # CRC-32C's check value
-    assert I._crc_value(b"123456789") == 0xE3069283
+    assert framing.crc32c(b"123456789") == 0xE3069283
 
 
 def test_skipping_a_by_class_file_shrinks_the_samplers_classes(pristine, tmp_path):
@@ -402,7 +401,7 @@ def test_skipping_a_by_class_file_shrinks_the_samplers_classes(pristine, tmp_pat
     (split / "by_class" / halves[0]).write_bytes(data[:cut])  # classes 0, 1
     (split / "by_class" / halves[1]).write_bytes(_flip(data[cut:], 40))  # 2, 3: damaged
     manifest = json.loads((split / "manifest.json").read_text())
-    manifest["checksums"] = I.manifest_checksums(
+    manifest["checksums"] = framing.manifest_checksums(
         str(split), [IMAGES, *(os.path.join("by_class", h) for h in halves)])
     (split / "manifest.json").write_text(json.dumps(manifest))
 

@@ -50,6 +50,7 @@ from tests.support.timing import speed_factor
 tf = pytest.importorskip("tensorflow")
 
 from tests.support.miniature import write_split_records
+from tfaploss.data import framing
 from tfaploss.data import integrity as I
 
 pytestmark = pytest.mark.tensorflow
@@ -76,7 +77,7 @@ def pristine(tmp_path_factory):
     manifest = write_split_records(str(split), SIZES, chunk_size=4, size=(16, 16))
     manifest.update(job="tfaploss.pipelines.folder", split="train",
                     options={"input_dir": "photos", "output_dir": "records"},
-                    checksums=I.manifest_checksums(str(split), list(FILES.values())),
+                    checksums=framing.manifest_checksums(str(split), list(FILES.values())),
                     label_map={str(k): f"c{k}" for k in SIZES})
     (split / "manifest.json").write_text(json.dumps(manifest))
     return split
@@ -92,7 +93,7 @@ def _frames(data: bytes) -> list[tuple[int, int]]:
 
 
 def _masked_crc(data: bytes) -> bytes:
-    return struct.pack("<I", I._masked(I._crc_value(data)))
+    return struct.pack("<I", framing.masked_crc(data))
 
 
 def _framed(payloads) -> bytes:
@@ -161,7 +162,7 @@ def _rewrite_checksums(split: str) -> None:
     manifest_path = os.path.join(split, "manifest.json")
     with open(manifest_path, encoding="utf-8") as f:
         manifest = json.load(f)
-    manifest["checksums"] = I.manifest_checksums(split, list(FILES.values()))
+    manifest["checksums"] = framing.manifest_checksums(split, list(FILES.values()))
     with open(manifest_path, "w", encoding="utf-8") as f:
         json.dump(manifest, f)
 

@@ -160,12 +160,12 @@ def test_embed_on_a_damaged_shard_names_it_and_exits_2(tmp_path, exported, damag
     """A corrupt, truncated or foreign record file: one message naming the file and the
     command that rebuilds it (from the split's manifest), exit 2."""
     from tests.support.miniature import write_split_records
-    from tfaploss.data import integrity
+    from tfaploss.data import framing
 
     split = tmp_path / "train"
     manifest = write_split_records(str(split), {0: 3, 1: 3}, size=(20, 24))
     manifest.update(job="tfaploss.pipelines.folder", split="train", options={"input_dir": "photos"},
-                    checksums=integrity.manifest_checksums(
+                    checksums=framing.manifest_checksums(
                         str(split), ["images-00000-of-00001.tfrecord"]))
     (split / "manifest.json").write_text(json.dumps(manifest))
     shard = split / "images-00000-of-00001.tfrecord"

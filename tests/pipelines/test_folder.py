@@ -8,7 +8,7 @@ import pytest
 
 from tests.support import miniature as mini
 from tfaploss.pipelines import folder
-from tfaploss.pipelines import transforms as T
+from tfaploss.pipelines import runner as R
 
 IN_MEMORY = ["--direct_running_mode", "in_memory"]
 
@@ -23,7 +23,7 @@ def tree(tmp_path_factory):
 def split_run(tree, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("folder_out"))
     # 2 of 20 train inputs fail: more than 1 %, so the job raises after writing everything.
-    with pytest.raises(T.TooManyFailuresError) as info:
+    with pytest.raises(R.TooManyFailuresError) as info:
         folder.run(["--input_dir", tree.root, "--output_dir", out, "--test_classes", "4,5",
                     "--max_failure_fraction", "0.01", "--class_chunk_size", "4", *IN_MEMORY])
     assert str(info.value).startswith("more failures than --max_failure_fraction=0.01: "
@@ -133,13 +133,13 @@ def test_multi_processing_rerun_gives_same_records(tree, split_run, tmp_path):
 
 def test_main_exit_codes():
     def too_many(argv):
-        raise T.TooManyFailuresError("too many", {})
+        raise R.TooManyFailuresError("too many", {})
 
     def bad_argument(argv):
         raise ValueError("--max_side must be >= 0, got -1")
 
-    assert T.main_wrapper(too_many, []) == 1
-    assert T.main_wrapper(bad_argument, []) == 2
+    assert R.main_wrapper(too_many, []) == 1
+    assert R.main_wrapper(bad_argument, []) == 2
 
 
 def test_argument_errors_name_the_argument(tree, tmp_path):
@@ -159,7 +159,7 @@ def test_importing_the_job_loads_neither_tensorflow_nor_beam():
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = ("import sys, tfaploss.pipelines.folder, tfaploss.pipelines.runner, tfaploss.data.integrity; "
+    code = ("import sys, tfaploss.pipelines.folder, tfaploss.pipelines.runner, tfaploss.data.integrity, tfaploss.data.framing; "
             "print(sorted(m for m in ('tensorflow', 'keras', 'apache_beam') "
             "if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True,

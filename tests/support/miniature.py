@@ -300,7 +300,7 @@ def write_split_records(split_dir: str, class_sizes: dict[int, int],
 
     import tensorflow as tf
 
-    from tfaploss.pipelines import transforms as T
+    from tfaploss.pipelines import tf_example as X
 
     super_labels = super_labels or {}
     os.makedirs(os.path.join(split_dir, "by_class"), exist_ok=True)
@@ -319,10 +319,10 @@ def write_split_records(split_dir: str, class_sizes: dict[int, int],
                 image_id = f"{label}/{i}"
                 record = {"id": image_id, "path": image_id, "index": index, "label": label,
                           "super_label": super_labels.get(label, -1), "class_text": str(label)}
-                w1.write(T.image_example(record, jpeg, size[1], size[0]))
+                w1.write(X.image_example(record, jpeg, size[1], size[0]))
                 items.append((image_id, super_labels.get(label, -1), jpeg))
                 index += 1
-            for chunk in T.class_chunk_examples(label, items, chunk_size):
+            for chunk in X.class_chunk_examples(label, items, chunk_size):
                 w2.write(chunk)
     manifest = {
         "class_counts": {str(k): v for k, v in sorted(class_sizes.items())},

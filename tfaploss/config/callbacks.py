@@ -10,10 +10,9 @@ kwargs: {...}}``::
         - my_project.callbacks.SlackNotifier
 
 The path is imported and its arguments bound to its signature when the config is
-loaded, so a typo fails before any training, with the key and value. Importing the
-module is the only way to know the path is good; this package itself imports no
-Keras (a user's module usually does). ``tfaploss train`` builds each callback and adds
-it after the retrieval evaluation, so it sees the ``val_*`` logs.
+loaded, so a typo fails before any training, with the key and value. ``tfaploss
+train`` adds each callback after the retrieval evaluation, so it sees the ``val_*``
+logs.
 """
 
 from __future__ import annotations

@@ -3,11 +3,9 @@ annotation and returned in canonical form, or refused with a :class:`ConfigError
 names the dotted key, what is allowed there and what was received
 ("config key 'optimizer.lr': expected a number, received a string 'fast'.").
 
-The converter is total over the annotations the schema uses: any other annotation is a
-``TypeError`` on the first config checked, never a silent pass. A section whose keys
-cannot be known from annotations (the ``loss`` section, checked against the signature of
-the class it names) supplies a ``from_raw(raw, path)`` classmethod, which is called
-instead of the field-by-field build.
+Any annotation the converter does not know is a ``TypeError`` on the first config
+checked, never a silent pass. A section whose keys cannot be known from annotations
+(``loss``) supplies a ``from_raw(raw, path)`` classmethod instead.
 """
 
 from __future__ import annotations

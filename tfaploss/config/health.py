@@ -38,18 +38,8 @@ def _threshold(default, *, low=None, high=None, low_open=False, config=True,
 
 @dataclass(frozen=True)
 class HealthThresholds:
-    """When a run counts as collapsed, stalled or flat, and when that stops it.
-
-    A step's images count as collapsed when its batch's mean cosine between different
-    images (``emb_cos``) is >= ``collapse_cosine``. A rule is reported when, over the
-    latest ``max(min_window_images, window_share · N)`` images (``N``: the run's
-    images), at least ``collapse_fraction`` of them counted; a collapse that, with
-    at least ``stop_chance_ap`` of the queries at chance, holds over ``stop_share`` of
-    the run stops it. After the run's first ``stop_share``, steps with ``emb_cos >=
-    cone_cosine`` and ``chance_ap >= cone_chance_ap`` count towards that stop too.
-    After its first ``stall_after``, steps with ``chance_ap >= stall_chance_ap`` count
-    as stalled at chance (warned, never stopped). A loss whose range over the window
-    is under ``flat_rtol`` of its level is flat. ``None`` turns an optional rule off.
+    """When a run counts as collapsed, stalled or flat, and when that stops it (the
+    rules: docs/health.md). ``None`` turns an optional rule off.
 
     Args:
         collapse_cosine: mean cosine at or above which a batch counts as collapsed.

@@ -5,14 +5,8 @@ applied, the result converted and checked into a :class:`~tfaploss.config.schema
                       overrides=["optimizer.lr=2e-5", "training.epochs=3"])
     cfg.optimizer.lr        # 2e-05
 
-``recipe:NAME`` names a recipe shipped with tfaploss (:mod:`tfaploss.config.recipes`;
-``tfaploss recipes`` lists them); :func:`read_config_file` resolves it, so every
-command's ``--config`` takes it.
-
-The file is read with ``yaml.safe_load`` semantics only (no tags), bounded against alias
-bombs, with duplicate keys refused (:mod:`tfaploss.config.yaml_loader`). Overrides are
-``dotted.key=value`` strings whose value is parsed as YAML (``training.epochs=3`` gives
-an int, ``evaluation.ks=[1,10]`` a list, ``model.weights=null`` None).
+Overrides are ``dotted.key=value`` strings whose value is parsed as YAML
+(``evaluation.ks=[1,10]`` a list, ``model.weights=null`` None).
 """
 
 from __future__ import annotations
@@ -31,14 +25,8 @@ from tfaploss.config.loss_section import LossConfig
 from tfaploss.config.recipes import resolve_config_path
 from tfaploss.config.schema import Config
 
-__all__ = [
-    "apply_overrides",
-    "config_from_dict",
-    "config_notes",
-    "load_config",
-    "parse_override",
-    "read_config_file",
-]
+__all__ = ["apply_overrides", "config_from_dict", "config_notes", "load_config", "parse_override",
+           "read_config_file"]
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

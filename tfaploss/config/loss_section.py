@@ -14,15 +14,8 @@ from dataclasses import dataclass, field
 from tfaploss.config.convert import close_match, convert, fail
 from tfaploss.config.fields import MAX_BATCH, ConfigError, Range
 
-__all__ = [
-    "MULTI_LEVEL_LOSSES",
-    "NONE_DEFAULT_LOSS_ARGS",
-    "LossConfig",
-    "loss_class",
-    "loss_classes",
-    "loss_defaults",
-    "loss_parameters",
-]
+__all__ = ["MULTI_LEVEL_LOSSES", "NONE_DEFAULT_LOSS_ARGS", "LossConfig", "loss_class",
+           "loss_classes", "loss_defaults", "loss_parameters"]
 
 
 @dataclass

@@ -1,21 +1,9 @@
 """The recipes tfaploss ships: run configurations found by name, wherever it is installed.
 
-A recipe is a YAML run configuration with a ``description:`` key. The repository keeps
-them in ``configs/``; a built wheel carries the same files as ``tfaploss/recipes/*.yaml``
-(setup.py's ``build_py`` step copies them, MANIFEST.in puts ``configs/`` in the sdist),
-so an installed tfaploss has them without a clone. In a clone or an editable install,
-where no ``tfaploss/recipes/`` was built, the clone's ``configs/`` is read instead::
-
-    list_recipes()                       # [Recipe(name='demo_digits', description=...), ...]
-    recipe_text("smoothap_sop_resnet50")  # the file's text, verbatim
-    resolve_config_path("recipe:demo_digits")   # the file, for any --config
-
-``--config recipe:NAME`` works wherever a config is read because
-:func:`tfaploss.config.load.read_config_file` resolves it through
-:func:`resolve_config_path`, the one place the prefix is understood.
-
-Cost: a directory listing per call; :func:`list_recipes` also parses each recipe (a
-few kB of YAML each, milliseconds in all).
+A recipe is a YAML run configuration with a ``description:`` key, kept in ``configs/``;
+a built wheel carries the same files as ``tfaploss/recipes/*.yaml`` (setup.py's
+``build_py`` copies them), and a clone or editable install reads ``configs/`` itself.
+:func:`resolve_config_path` is the one place the ``recipe:`` prefix is understood.
 """
 
 from __future__ import annotations
@@ -25,16 +13,8 @@ from pathlib import Path
 
 from tfaploss.config.fields import ConfigError
 
-__all__ = [
-    "RECIPE_PREFIX",
-    "Recipe",
-    "list_recipes",
-    "recipe_names",
-    "recipe_path",
-    "recipe_text",
-    "recipes_dir",
-    "resolve_config_path",
-]
+__all__ = ["RECIPE_PREFIX", "Recipe", "list_recipes", "recipe_names", "recipe_path", "recipe_text",
+           "recipes_dir", "resolve_config_path"]
 
 RECIPE_PREFIX = "recipe:"
 

@@ -11,10 +11,8 @@ and ranges), :mod:`tfaploss.config.loss_section` (the loss arguments),
 ignored), :mod:`tfaploss.config.load` (files and ``--set`` overrides).
 
 Why dataclasses and not pydantic: pydantic would replace only the generic converter;
-the cross-field checks, the ``loss`` section (checked against whichever class it names)
-and the error messages, which tests check word for word, would stay, plus a translation
-of pydantic's errors into them, at the cost of a compiled runtime dependency for every
-user, including those who only read a config.
+the cross-field checks, the ``loss`` section and the error messages would stay, at the
+cost of a compiled runtime dependency for every user.
 """
 
 from __future__ import annotations
@@ -27,23 +25,6 @@ from tfaploss.config.callbacks import check_callbacks
 from tfaploss.config.fields import MAX_BATCH, MAX_EPOCHS, MAX_SEED, ranged
 from tfaploss.config.health import HealthConfig
 from tfaploss.config.loss_section import LossConfig, loss_defaults
-
-__all__ = [
-    "AugmentationConfig",
-    "Config",
-    "DataConfig",
-    "DistributeConfig",
-    "EvaluationConfig",
-    "HealthConfig",
-    "LossConfig",
-    "ModelConfig",
-    "OptimizerConfig",
-    "ScheduleConfig",
-    "TrainingConfig",
-    "XBMConfig",
-    "loss_defaults",
-]
-
 
 Backbone = Literal["resnet50", "resnet101", "small_cnn"]
 # A keras-hub preset is any "keras_hub:<preset>" string; check_consistency refuses others.
@@ -79,15 +60,11 @@ class AugmentationConfig:
     so multi-stage backpropagation sees the same pixels twice).
 
     ``crop``: ``random_resized_crop`` (a window covering ``scale`` of the area, aspect
-    3/4..4/3, resized to ``image_size``, then a random horizontal flip: the papers'
-    recipes) or ``center_crop`` (no randomness: shorter side to ``image_size / 0.875``,
-    centre crop). ``scale`` is refused with ``center_crop``.
-
-    ``flip``: random horizontal flip after the crop. ``null`` (default) follows the
-    crop: flip after ``random_resized_crop`` (the papers), none after ``center_crop``.
-    ``false`` never flips: set it when classes are mirror images of each other
-    (left/right arrows, rtl/ltr icons, text glyphs), which a flip would mislabel.
-    ``true`` flips after either crop.
+    3/4..4/3, resized to ``image_size``: the papers' recipes) or ``center_crop`` (shorter
+    side to ``image_size / 0.875``, centre crop; ``scale`` is refused with it).
+    ``flip``: random horizontal flip after the crop; ``null`` follows the crop (after
+    ``random_resized_crop`` only); ``false`` for classes that are mirror images of each
+    other (arrows, glyphs), which a flip would mislabel.
     """
 
     crop: Crop = "random_resized_crop"
@@ -126,46 +103,35 @@ class DataConfig:
 class ModelConfig:
     """The embedding network: backbone → pooling → Dense head → L2 normalisation.
 
-    ``backbone``: ``resnet50``, ``resnet101``, ``small_cnn``, or ``keras_hub:<preset>``:
-    a keras-hub preset name (``keras_hub:resnet_50_imagenet``, ``keras_hub:dinov2_small``,
-    ``keras_hub:vit_base_patch16_224_imagenet``), a Kaggle/Hugging Face handle or a local
-    preset folder (``pip install "tfaploss[hub]"``). ``backbone_file``: a Keras model file
-    of your own (``.keras``) that maps images to a feature map, tokens or pooled
-    features; when set it replaces ``backbone`` and brings its own weights.
-    ``pooling``: ``gem``, ``avg``, ``max_ln`` for feature maps; for the tokens of a
-    ViT-like backbone ``cls`` (the class token) or ``avg`` (the mean of the patch
-    tokens), see :func:`tfaploss.models.build_pooling`.
+    ``backbone``: ``resnet50``, ``resnet101``, ``small_cnn``, or ``keras_hub:<preset>``
+    (a keras-hub preset name, a Kaggle/Hugging Face handle or a local preset folder;
+    ``pip install "tfaploss[hub]"``). ``backbone_file``: a ``.keras`` model of your own
+    mapping images to a feature map, tokens or pooled features; it replaces
+    ``backbone`` and brings its own weights. ``pooling``: ``gem``, ``avg``, ``max_ln``
+    for feature maps, ``cls`` or ``avg`` for a ViT's tokens
+    (:func:`tfaploss.models.build_pooling`).
 
-    ``weights``: ``null`` (random init), ``imagenet`` (the built-in ResNets, from Keras's
-    cache), ``preset`` (a keras-hub preset's own weights, downloaded by keras-hub on
-    first use) or the path of a weights file. ``preprocessing``: how raw pixels are
-    normalised inside the model: ``auto`` (the ResNets' caffe mode, a preset's own
-    image converter, ImageNet mean/std for ``small_cnn`` and for a ``backbone_file``),
-    ``torch``, ``caffe`` or ``none`` (the backbone normalises its input itself).
+    ``weights``: ``null`` (random init), ``imagenet`` (the built-in ResNets),
+    ``preset`` (a keras-hub preset's own) or a weights file. ``preprocessing``: how raw
+    pixels are normalised inside the model: ``auto`` (the ResNets' caffe mode, a
+    preset's own converter, ImageNet mean/std otherwise), ``torch``, ``caffe`` or
+    ``none``.
 
-    ``freeze_bn: true`` keeps BatchNorm statistics fixed (gamma/beta
-    still train), as the papers do when they fine-tune pretrained networks;
-    ``false`` normalises with batch statistics (under multi-stage backpropagation,
-    each chunk with its own: ghost batch norm, still exact, see
-    :mod:`tfaploss.training.multistage`). ``null`` (default) picks: frozen when
-    ``weights`` are loaded, a ``backbone_file`` is used (it holds trained weights) or
-    ``bn_calibration_images`` is set, batch statistics for a network trained from
-    scratch. Why: frozen statistics of a random initialisation
-    stop normalising as soon as the weights move; on the glyph set that cost 8 points
-    of MAP@R and made higher learning rates collapse (``docs/batch_sweep/first_sweep.md``).
-    ``head_lr_multiplier``: the head learns this many times faster than the backbone.
-    ``proxy_lr_multiplier``: a proxy loss's class proxies (``ProxyAnchorLoss``,
-    ``HAPLoss``'s clustering term) learn this many times faster than the backbone
-    (Proxy-Anchor's paper: 100).
-    ``bn_calibration_images``: with frozen BatchNorm and no pretrained statistics
-    (random init), first estimate the frozen statistics from this many training
-    images (one forward pass in training mode); 0 keeps the weights' statistics.
-    ``precise_bn_images``: after training, BatchNorm layers that use batch statistics
-    get their moving statistics re-estimated on this many training images ("precise
-    BN", Wu & Johnson 2021), so that the saved model normalises as it trained; the
-    running averages lag far behind a network trained for a few hundred steps (on the
-    glyph set, MAP@R 49 with them, 72 after re-estimation). At most one pass over the
-    training split (its manifest's ``num_images``). 0 keeps them.
+    ``freeze_bn``: ``true`` keeps BatchNorm statistics fixed (the papers' fine-tuning
+    setting), ``false`` normalises with batch statistics (each chunk with its own under
+    multi-stage backpropagation: ghost batch norm, still exact); ``null`` freezes them
+    when weights are loaded (``weights``, ``backbone_file``) or calibrated
+    (``bn_calibration_images``), because frozen statistics of a random initialisation
+    stop normalising as soon as the weights move (8 points of MAP@R on the glyph set,
+    ``docs/batch_sweep/first_sweep.md``). ``head_lr_multiplier`` /
+    ``proxy_lr_multiplier``: the head / a proxy loss's class proxies learn this many
+    times faster than the backbone (Proxy-Anchor's paper: 100).
+    ``bn_calibration_images``: with frozen BatchNorm and a random init, first estimate
+    the statistics from this many training images (0: keep them).
+    ``precise_bn_images``: after training, re-estimate the moving statistics of the
+    BatchNorm layers that use batch statistics on this many training images ("precise
+    BN", Wu & Johnson 2021; the running averages lag far behind a short run: MAP@R 49
+    with them, 72 after, on the glyph set); at most one pass over the split, 0: keep.
     """
 
     backbone: Backbone | str = "resnet50"
@@ -189,16 +155,12 @@ class ModelConfig:
                 or self.bn_calibration_images > 0)
 
 
-
 @dataclass
 class ScheduleConfig:
-    """Learning-rate schedule over the run's updates (batches, not chunks).
-
-    ``constant``; ``linear`` from ``optimizer.lr`` to ``end_lr``; ``cosine`` from
-    ``optimizer.lr`` to ``end_lr``; ``step``: multiply by ``gamma`` at each epoch listed
-    in ``step_epochs``. An optional linear warm-up (``optimizer.warmup_epochs``) comes
-    first.
-    """
+    """Learning-rate schedule over the run's updates (batches, not chunks):
+    ``constant``; ``linear`` or ``cosine`` from ``optimizer.lr`` to ``end_lr``; ``step``
+    multiplies by ``gamma`` at each of ``step_epochs``. After ``optimizer.warmup_epochs``
+    of linear warm-up, if any."""
 
     name: ScheduleName = "constant"
     end_lr: float | None = ranged(None, low=0, high=100)
@@ -238,22 +200,18 @@ class DistributeConfig:
     """Data-parallel training on the devices of this machine
     (:func:`tfaploss.run.devices.plan_devices`).
 
-    ``strategy``: ``"none"`` trains on one device; ``"data_parallel"`` splits every
-    batch over ``devices`` devices (``null``: all GPUs, or all CPU devices where there
-    is no GPU) with ``tf.distribute.MirroredStrategy`` (TensorFlow) or
-    ``keras.distribution.DataParallel`` (JAX), and the losses rank the global batch;
-    ``"auto"`` (default) is ``data_parallel`` where there are 2 GPUs or more, else
-    ``none``. ``data.batch_size`` is the global batch and must split evenly over the
-    devices; ``training.chunk_size`` counts images per device. BatchNorm statistics
-    are per device (not synchronised). Several processes or machines: launch with
+    ``strategy``: ``"none"``: one device; ``"data_parallel"``: every batch split over
+    ``devices`` devices (``null``: all GPUs, else all CPU devices) with
+    ``MirroredStrategy`` (TensorFlow) or ``keras.distribution.DataParallel`` (JAX), the
+    losses ranking the global batch; ``"auto"``: ``data_parallel`` with 2 GPUs or more.
+    ``data.batch_size`` is the global batch; ``training.chunk_size`` counts images per
+    device; BatchNorm statistics are per device. Several processes or machines:
     ``torchrun`` or ``tfaploss train --coordinator`` (docs/scale_out.md).
 
-    ``timeout_s``: under several processes (``torchrun``, JAX's ``--coordinator``:
-    :mod:`tfaploss.run.processes`), how long a rank waits in a collective (a step's
-    gather, a barrier) for the others before it fails: longer than the longest thing
-    one rank does while the others wait (rank 0 writing a checkpoint, the slowest
-    rank's first step), far shorter than the 30 minutes a hung rank otherwise holds
-    the group. Not part of what a run trains: a resumed run may change it.
+    ``timeout_s``: under several processes, how long a rank waits in a collective for
+    the others before it fails: longer than the longest thing one rank does while the
+    others wait (rank 0 writing a checkpoint), far shorter than the 30 minutes a hung
+    rank otherwise holds the group. A resumed run may change it.
     """
 
     strategy: Strategy = "auto"
@@ -266,14 +224,11 @@ class TrainingConfig:
     """How long and how to train.
 
     ``steps_per_epoch``: updates per epoch (``null``: the training split's image count
-    divided by the batch size). ``chunk_size``: images embedded at once by multi-stage
-    backpropagation; a batch larger than it is trained with
-    :class:`tfaploss.training.MultiStageModel`, giving the same gradient as one pass.
-    ``health``: when to warn about, and stop, a run that has collapsed or stalled
-    (:class:`HealthConfig`). ``distribute``: one device or several
-    (:class:`DistributeConfig`). ``callbacks``: the user's Keras callbacks, each an
-    import path ``module.Class`` or ``{class: module.Class, kwargs: {...}}``, checked
-    when the config is loaded (:mod:`tfaploss.config.callbacks`).
+    divided by the batch size). ``chunk_size``: images embedded at once; a larger batch
+    is trained with :class:`tfaploss.training.MultiStageModel` (same gradient).
+    ``health``: when to warn about, and stop, a collapsed or stalled run.
+    ``callbacks``: the user's Keras callbacks, each ``module.Class`` or ``{class:
+    module.Class, kwargs: {...}}``, checked when the config is loaded.
     """
 
     epochs: int = ranged(1, low=1, high=MAX_EPOCHS)

@@ -3,35 +3,24 @@
 Plain ``yaml.safe_load`` builds no objects beyond lists, dicts and scalars, but it still
 accepts three things a run configuration should not have:
 
-* **alias bombs** ("billion laughs"): nested anchors such as ``b: [*a, *a, ...]`` expand
-  to 10^9 values from a 600-byte file. PyYAML shares the nodes, so loading is fast, but
-  every later walk over the config (validation, ``--set``, printing) expands them and
-  runs for minutes at gigabytes. :class:`BoundedSafeLoader` counts the values the
-  document expands to (each alias counted in full, computed once per node) and refuses
-  past ``max_nodes``; a recursive alias (``&a [*a]``) is refused as well;
-* **duplicate keys**: PyYAML keeps the last value silently. Here it is an error naming
-  the key and both lines (merge keys ``<<:`` still override as YAML intends);
-* huge or deeply nested files: the text is capped at ``MAX_CONFIG_BYTES`` and nesting
-  deeper than Python's recursion limit is reported, not a ``RecursionError``;
-* integers of thousands of digits: Python refuses to convert more than 4300 digits
-  with a bare ``ValueError``, and anything past ``MAX_INT_DIGITS`` is no setting a run
-  can use, so such a scalar is refused with its line.
+* **alias bombs**: nested anchors expand to 10^9 values from a 600-byte file, and every
+  later walk over the config expands them (minutes, gigabytes).
+  :class:`BoundedSafeLoader` counts the values the document expands to and refuses
+  past ``max_nodes``, and a recursive alias;
+* **duplicate keys**, which PyYAML keeps the last of silently: an error naming the key
+  and both lines (merge keys ``<<:`` still override);
+* huge or deeply nested files (``MAX_CONFIG_BYTES``, the recursion limit) and integers
+  past ``MAX_INT_DIGITS``, refused with their line.
 
-Cost: linear in the size of the file (the expansion count is memoised per node).
+Cost: linear in the size of the file.
 """
 
 from __future__ import annotations
 
 import yaml
 
-__all__ = [
-    "MAX_CONFIG_BYTES",
-    "MAX_CONFIG_NODES",
-    "MAX_INT_DIGITS",
-    "BoundedSafeLoader",
-    "YAMLLimitError",
-    "load_yaml_text",
-]
+__all__ = ["MAX_CONFIG_BYTES", "MAX_CONFIG_NODES", "MAX_INT_DIGITS", "BoundedSafeLoader",
+           "YAMLLimitError", "load_yaml_text"]
 
 # A full recipe has a few hundred values; these leave a wide margin.
 MAX_CONFIG_NODES = 100_000

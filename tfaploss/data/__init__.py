@@ -36,8 +36,6 @@ def __dir__():
     return sorted({*globals(), *_HOME})
 
 
-__all__ = [
-    "DEFAULT_CROP_FRACTION", "IMAGENET_MEAN", "IMAGENET_STD", "SAMPLERS", "center_crop",
-    "decode_rgb", "load_split", "make_eval_dataset", "make_train_dataset", "normalize",
-    "random_resized_crop", "read_manifest", "split_files",
-]
+__all__ = ["DEFAULT_CROP_FRACTION", "IMAGENET_MEAN", "IMAGENET_STD", "SAMPLERS", "center_crop",
+           "decode_rgb", "load_split", "make_eval_dataset", "make_train_dataset", "normalize",
+           "random_resized_crop", "read_manifest", "split_files"]

@@ -1,15 +1,9 @@
 """Image transforms of the papers' recipes, written for ``tf.data``.
 
-Train: RandomResizedCrop (scale (0.16, 1) as in ROADMAP/Smooth-AP, or (0.08, 1) as
-torchvision's default; aspect ratio (3/4, 4/3)) decoded straight from the JPEG crop
-window (``decode_and_crop_jpeg``: only the crop is decoded), then (optionally, see
-:func:`random_flip`) a horizontal flip.
-Test: resize the shorter side to ``resize_size`` and take the centre ``image_size``
-crop, or keep the original size (landmarks).
-
-Every function returns float32 pixels in [0, 255]; :func:`normalize` applies ImageNet
-mean/std when asked. Randomness is stateless (``seed`` is a shape-[2] int tensor), so
-a dataset is reproducible from its seed.
+Train: RandomResizedCrop decoded straight from the JPEG crop window, then optionally a
+horizontal flip. Test: the shorter side resized to ``resize_size``, the centre
+``image_size`` crop (or the original size). Float32 pixels in [0, 255]; randomness is
+stateless (``seed`` a shape-[2] int tensor), so a dataset is reproducible from its seed.
 """
 
 from __future__ import annotations
@@ -82,12 +76,8 @@ def _resize(image: tf.Tensor, image_size: int, shrinks: tf.Tensor) -> tf.Tensor:
 
 
 def random_flip(image: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
-    """Mirror left-right with probability 1/2 (stateless: the same seed, the same choice).
-
-    Separate from the crops so that it can be turned off (``flip=False`` of
-    ``make_train_dataset``, config key ``data.augmentation.flip``): flipping mislabels
-    classes that are mirror images of each other (left/right arrows, text glyphs).
-    """
+    """Mirror left-right with probability 1/2 (stateless). Separate from the crops so
+    that it can be turned off: flipping mislabels classes that are mirror images."""
     return tf.image.stateless_random_flip_left_right(image, seed)
 
 

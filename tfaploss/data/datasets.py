@@ -10,6 +10,7 @@ from tfaploss.data import augment as A
 from tfaploss.data import integrity as I
 from tfaploss.data import records as R
 from tfaploss.data import samplers as S
+from tfaploss.data.split_manifest import label_table
 
 LOG = logging.getLogger("tfaploss.data")
 
@@ -116,12 +117,10 @@ def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_
     Args:
         path: a split folder written by a ``pipelines`` job (``OUT/train``) or a glob of
             TFRecords (by-class files for a sampler, per-image files for ``sampler=None``).
-        sampler: ``"m_per_class"`` (P = B / m distinct classes x m images),
-            ``"hierarchical"`` (two super-classes, half the batch each),
-            ``"all_classes"`` (every class with >= m images, m each; B = C x m, so
-            ``batch_size`` is ignored) - all read the by-class layout, see
-            :mod:`tfaploss.data.samplers`; or ``None``: shuffled per-image records.
-            Sampled batches are class-major: image i belongs to the (i // m)-th class.
+        sampler: ``"m_per_class"``, ``"hierarchical"`` or ``"all_classes"`` (B = C x m,
+            ``batch_size`` ignored), reading the by-class layout
+            (:mod:`tfaploss.data.samplers`; batches class-major), or ``None``: shuffled
+            per-image records.
         batch_size: images per batch B (a multiple of m for the samplers).
         m: images per class in a batch.
         image_size: side S of the square output images.
@@ -130,42 +129,23 @@ def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_
         crop_scale: area range of the crop, (0.16, 1) (ROADMAP) or (0.08, 1) (torchvision).
         normalize: ``None`` (default): raw float32 pixels in [0, 255], for models that
             carry their own preprocessing; ``"imagenet"``: (x / 255 - mean) / std.
-        seed: makes the stream (class draws, image draws, crops, flips) reproducible: two
-            datasets built with the same seed give the same batches. Each new iterator
-            over one dataset reshuffles (like a new epoch), reproducibly too.
-        shuffle_buffer: records (class chunks or images) in the shuffle buffer; memory is
-            about this times the record size.
+        seed: makes the stream reproducible (each new iterator reshuffles, like a new
+            epoch, reproducibly too).
+        shuffle_buffer: records in the shuffle buffer (memory: this times a record).
         num_classes: for ``all_classes`` without a manifest.
         with_ids: also return the image ids: ``(images, labels, ids)``.
-        flip: random horizontal flip (probability 1/2) after the crop. ``None``
-            (default) flips exactly when ``augment`` (the papers' recipes); ``False``
-            never flips, for classes that are mirror images of each other (left/right
-            arrows, text glyphs); ``True`` flips after either crop.
-        label_levels: 1: labels [B] (the class); 2: labels [B, 2] = (class,
-            super-class), finest level first, for hierarchical losses
-            (:class:`~tfaploss.losses.HAPLoss`). The samplers read each class's
-            super-class from ``manifest.json``; a class without one gets a super-class
-            of its own, which no other class has.
-        num_shards: ranks (processes) sharing each global batch of ``batch_size``
-            images under data parallelism (``torch.distributed``, one process per
-            worker). Every rank draws the same global batches (same ``seed``) and
-            decodes and augments only its own rows, ``shard_index * B / num_shards``
-            up to the next shard's start: whole classes, m images each, so
-            ``B / num_shards`` must be a multiple of m. The shards in rank order are
-            the ``num_shards=1`` batch, pixels, crops and flips included.
-        shard_index: this rank's shard, 0 <= shard_index < num_shards.
+        flip: random horizontal flip after the crop; ``None`` flips when ``augment``;
+            ``False`` for classes that are mirror images of each other.
+        label_levels: 1: labels [B]; 2: labels [B, 2] = (class, super-class) for
+            hierarchical losses (a class without a super-class in the manifest gets
+            one of its own).
+        num_shards, shard_index: this rank's share of each global batch under data
+            parallelism: every rank draws the same global batches and decodes only
+            its own rows, whole classes (``B / num_shards`` a multiple of m); the
+            shards in rank order are the ``num_shards=1`` batch, pixels included.
 
     Returns:
-        An infinite ``tf.data.Dataset`` of ``B / num_shards`` rows per batch; use
-        ``steps_per_epoch`` when fitting.
-
-    Example:
-
-    ```python
-    # rank r of W ranks, each a process of its own
-    ds = make_train_dataset("out/train", batch_size=256, m=4, seed=0,
-                            num_shards=W, shard_index=r)   # 256 / W images per batch
-    ```
+        An infinite ``tf.data.Dataset`` of ``B / num_shards`` rows per batch.
     """
     if sampler not in (None, *S.SAMPLERS):
         raise ValueError(f"sampler must be one of {S.SAMPLERS} or None, got {sampler!r}")
@@ -177,7 +157,7 @@ def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_
     S.check_shard_args(num_shards, shard_index, "shard_index")
     A.normalize(tf.zeros([1, 1, 3]), normalize)  # validates `normalize` up front
     manifest = R.read_manifest(path)
-    labels = I.label_table(manifest)
+    labels = label_table(manifest)
     if sampler is None:
         files = R.split_files(path, "images")
         ds = tf.data.Dataset.from_tensor_slices(files).shuffle(len(files), seed=seed).repeat()
@@ -247,13 +227,10 @@ def make_eval_dataset(path: str, *, image_size: int | None = 224, resize_size: i
                       batch_size: int = 64, normalize: str | None = None) -> tf.data.Dataset:
     """Every image of a split once, in file order: ``(images, labels int32, ids string)``.
 
-    Args:
-        path: split folder or glob of per-image TFRecords.
-        image_size: centre-crop side S after resizing the shorter side to ``resize_size``
-            (default S / 0.875, e.g. 256 for 224); ``None`` keeps each image's own size
-            (landmarks), which needs ``batch_size=1``.
-        batch_size: images per batch; the last batch may be smaller.
-        normalize: ``None`` (default, raw [0, 255] float32 pixels) or ``"imagenet"``.
+    ``image_size``: centre-crop side S after resizing the shorter side to
+    ``resize_size`` (default S / 0.875); ``None`` keeps each image's own size
+    (landmarks; ``batch_size=1``). ``normalize``: ``None`` (raw [0, 255] pixels) or
+    ``"imagenet"``.
     """
     if image_size is None and batch_size != 1:
         raise ValueError(f"image_size=None keeps every image's size, so batch_size must be 1, "

@@ -13,7 +13,8 @@ import os
 
 import tensorflow as tf
 
-from tfaploss.data.integrity import label_table, skipped_files
+from tfaploss.data.integrity import skipped_files
+from tfaploss.data.split_manifest import label_table
 
 IMAGE_SPEC = {
     "image/encoded": tf.io.FixedLenFeature([], tf.string),
@@ -92,7 +93,7 @@ def parse_image_example(serialized: tf.Tensor, labels: list[bool] | None = None)
 
     A record whose ``image/encoded`` is empty, or whose label is below -1 (no class) or
     outside ``labels`` (``labels[c]`` True for the manifest's classes,
-    :func:`~tfaploss.data.integrity.label_table`), fails with an
+    :func:`~tfaploss.data.split_manifest.label_table`), fails with an
     ``InvalidArgumentError`` starting "damaged record", as do a missing feature and one
     of another type (``tf.io.parse_single_example``'s own).
     """

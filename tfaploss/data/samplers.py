@@ -2,26 +2,14 @@
 
 Why a by-class layout: drawing P classes x m images from per-image records needs
 either the whole index in memory or one reader per class (81k for GLDv2-clean). In
-``by_class/`` one record holds up to ``class_chunk_size`` images of ONE class (large
-classes are cut into balanced chunks of at least half that size). A sampler then
-streams records (files shuffled and interleaved, records shuffled in a bounded
-buffer), draws m distinct images from each record, and assembles batches, so memory is
-``shuffle_buffer x chunk bytes`` whatever the dataset size, and only the m chosen
-images of a chunk are ever decoded.
-
-Samplers work on a stream of *groups*: ``{"encoded": [m] bytes, "id": [m], "label",
-"super_label"}`` (m images of one class) and emit ``(encoded [B], ids [B], labels [B])``
-in class-major order (image ``i`` belongs to group ``i // m``):
-
-* :func:`m_per_class` - P = B / m distinct classes per batch (Smooth-AP, ROADMAP, PNP);
-  classes with fewer than m images are never drawn, as in the originals.
-* :func:`hierarchical` - two distinct super-classes per batch, B / 2 images from each,
-  (B / 2) / m distinct classes x m images within each half (ROADMAP/FastAP on SOP).
-* :func:`all_classes` - every eligible class in every batch, m images each, in label
-  order (Revaud et al.'s AP loss setting); B = C x m.
-
-Everything is deterministic given ``seed``: shuffles are seeded and per-record draws
-use stateless random ops keyed by the record's position in the stream.
+``by_class/`` one record holds up to ``class_chunk_size`` images of ONE class; a
+sampler streams records through a bounded shuffle buffer and draws m distinct images
+from each, so memory is ``shuffle_buffer x chunk bytes`` whatever the dataset size,
+and only the m chosen images are decoded. Batches are class-major (image ``i``
+belongs to group ``i // m``): :func:`m_per_class` (B / m classes: Smooth-AP, ROADMAP,
+PNP), :func:`hierarchical` (two super-classes, B / 2 images each: ROADMAP/FastAP on
+SOP), :func:`all_classes` (every eligible class, m each: Revaud et al.). Everything is
+deterministic given ``seed``.
 """
 
 from __future__ import annotations
@@ -210,32 +198,13 @@ def shard_rows(batch: tuple, labels: tf.Tensor | None, num_shards: int, index: i
 
 def shard_batches(dataset: tf.data.Dataset, num_shards: int, index: int,
                   label_index: int = 1) -> tf.data.Dataset:
-    """Shard ``index`` of every class-major batch of ``dataset``, for data parallelism.
-
-    Every rank (replica) builds the same global batches (same sampler, same ``seed``)
-    and keeps rows ``index * B / num_shards`` up to the next shard's start of each one:
-    whole classes, m images each, and the shards concatenated in index order are the
-    one-device batch. A ranking loss that gathers the ranks' rows
-    (:class:`tfaploss.losses.RetrievalLoss` under ``tf.distribute`` or
-    ``torch.distributed``, or :class:`tfaploss.training.MultiStageModel`) then ranks
-    exactly the one-device batch.
-
-    Args:
-        dataset: batches from :func:`m_per_class`, :func:`hierarchical`,
-            :func:`all_classes` or ``make_train_dataset`` (a tuple of tensors, rows
-            first, class-major).
-        num_shards: ranks sharing each batch; B must be a multiple of it and no class
-            may straddle two shards (B / num_shards a multiple of m), else iterating
-            raises ``InvalidArgumentError``.
-        index: this rank's shard, 0 <= index < num_shards.
-        label_index: position of the labels ((B,) or (B, levels)) in each element:
-            1 for ``make_train_dataset``'s ``(images, labels[, ids])``, 2 for the
-            samplers' ``(encoded, ids, labels)``.
-
-    Cost: each rank gets whole batches and drops the other shards, so after
-    ``make_train_dataset`` every rank decodes and augments the whole global batch.
-    ``make_train_dataset(..., num_shards=W, shard_index=rank)`` gives the same shards
-    and decodes only the rank's own rows.
+    """Shard ``index`` of every class-major batch of ``dataset`` (a tuple of tensors,
+    rows first), for data parallelism: every rank builds the same global batches and
+    keeps its rows (:func:`shard_rows`), so a loss that gathers the ranks' rows ranks
+    exactly the one-device batch. ``label_index``: where the labels are in each element
+    (1 for ``make_train_dataset``'s, 2 for the samplers'). Cost: every rank decodes the
+    whole global batch; ``make_train_dataset(..., num_shards=W, shard_index=rank)``
+    gives the same shards and decodes only the rank's rows.
     """
     check_shard_args(num_shards, index)
     return dataset.map(lambda *batch: shard_rows(batch, batch[label_index], num_shards, index))

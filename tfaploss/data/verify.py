@@ -16,7 +16,8 @@ import logging
 import os
 import sys
 
-from tfaploss.data import integrity as I
+from tfaploss.data.integrity import check_split, layout_files
+from tfaploss.data.split_manifest import describe_source
 
 LOG = logging.getLogger("tfaploss.data.verify")
 
@@ -37,7 +38,7 @@ def split_dirs(path: str) -> list[str]:
 
 def _total_bytes(split: str) -> int:
     return sum(os.path.getsize(os.path.join(split, f)) for layout in ("images", "by_class")
-               for f in I.layout_files(split, layout))
+               for f in layout_files(split, layout))
 
 
 def command(args) -> int:
@@ -59,7 +60,7 @@ def command(args) -> int:
         if bar is not None:
             bar.update(seen[0] // (1 << 20))
 
-    reports = [I.check_split(s, level, progress=progress) for s in splits]
+    reports = [check_split(s, level, progress=progress) for s in splits]
     if bar is not None:
         bar.update(max(1, total // (1 << 20)), finalize=True)
     bad = 0
@@ -71,7 +72,7 @@ def command(args) -> int:
         if report.damaged:
             bad += len(report.damaged)
             LOG.error("  %s: %s", report.split_dir,
-                      I.describe_source(report.manifest, report.split_dir))
+                      describe_source(report.manifest, report.split_dir))
     files = sum(len(r.checked) for r in reports)
     what = {"sizes": "sizes", "full": "sizes and checksums",
             "records": "sizes, checksums and every record"}[level]

@@ -10,24 +10,15 @@ the new complete file, never a torn one. A kill leaves at most a temporary file
 
 A full disk is one error, :class:`DiskFullError` (an ``OSError`` with ``errno.ENOSPC``)
 naming the file and, where known, the space needed: the temporary file is removed, the
-previous file stays. Given ``needed``, the free space is checked before writing. A write
-the disk still cuts short (another process took the space, the estimate was low) leaves
-no file open: a file the write left open (Keras does not close its HDF5 file when a
-write fails) is closed before the error leaves :func:`atomic_write`. Left open, HDF5
-flushes it again when Python frees it, and on a full disk that raises in h5py's
-deallocator and kills the process by SIGSEGV at exit (:func:`_let_go_of_files_left_open`).
+previous file stays, and no file the write opened is left open
+(:func:`_let_go_of_files_left_open`). Given ``needed``, the free space is checked
+before writing.
 
 A folder is replaced whole the same way (:func:`replace_folder`): written complete
 beside its final name, then swapped in by one ``renameat2(RENAME_EXCHANGE)`` call
 (Linux), or elsewhere renamed in after the old one was renamed aside;
 :func:`recover_folder` puts the old one back if a kill fell between those two renames.
-
-Fault points ``<fault>_write`` and ``<fault>_rename`` (:mod:`tfaploss.durable.faults`)
-let the crash tests kill a write at either step, and ``publish`` a folder's replacement
-between its two renames; ``<fault>_enospc`` makes the write
-fail as a full disk does, its temporary file half-written; ``no_space_check`` skips the
-free-space check, so that a test on a real small file system runs out of space in the
-middle of the write.
+The crash tests' fault points are :mod:`tfaploss.durable.faults`'s.
 """
 
 from __future__ import annotations
@@ -168,18 +159,12 @@ def check_space(path: str | os.PathLike, needed: int | None) -> None:
 def atomic_write(path: str | os.PathLike, write: Callable[[str], object], *,
                  fault: str | None = None, epoch: int | None = None,
                  needed: int | None = None) -> Path:
-    """Create ``path`` through ``write(temp_path)``, all or nothing.
-
-    ``write`` receives a temporary path in the same folder; the file is fsynced and
-    renamed over ``path``. If ``write`` raises, the temporary file is removed and the
-    previous ``path`` (if any) is untouched. ``fault`` names the fault points
-    ``<fault>_write``, ``<fault>_rename`` and ``<fault>_enospc``
-    (:mod:`tfaploss.durable.faults`). ``needed``: the bytes the file is expected to
-    take (e.g. the previous checkpoint's size x 1.2), checked free before writing.
-    Raises :class:`DiskFullError` when the disk is full. Whatever ``write`` raises, a
-    file it opened in ``path``'s folder and left open (Keras's HDF5 files) is closed
-    first (:func:`_let_go_of_files_left_open`; Linux). Cost beyond the write: listing
-    the process's open descriptors, twice on a failure.
+    """Create ``path`` through ``write(temp_path)``, all or nothing: the temporary file
+    in the same folder is fsynced and renamed over ``path``; if ``write`` raises, it is
+    removed (and a file ``write`` left open in the folder closed first) and ``path`` is
+    untouched. ``fault`` names the fault points ``<fault>_write``, ``<fault>_rename``
+    and ``<fault>_enospc``. ``needed``: the bytes expected, checked free before
+    writing. Raises :class:`DiskFullError` when the disk is full.
     """
     path = Path(path)
     tmp = temp_name(path)

@@ -1,8 +1,6 @@
 """Crash-safe checkpoints for a training run: a kill at any moment loses at most one epoch.
 
-Every file is written through :func:`tfaploss.durable.atomic.atomic_write`, so a
-reader sees either the old complete file or the new complete file, never a torn one.
-
+Every file is written through :func:`tfaploss.durable.atomic.atomic_write`.
 :class:`RunBackup` keeps a training run's state in one folder (``RUN_DIR/backup``)::
 
     epoch-0003.weights.h5   model + optimizer state after epoch 3 (model.save_weights)
@@ -16,23 +14,10 @@ when the index is missing, empty, corrupt or stale, every HDF5 dataset in it rea
 back), and deletes leftover temporary files.
 
 What a kill leaves (temporary files, a stale index, two checkpoints, an empty backup
-folder, and, on file systems without ordered writes, an empty or torn index) is
-recovered from, with a note. What no kill leaves is damage, and is never worked
-around silently: a newest checkpoint that is cut short, empty or altered, an index
-naming a newer checkpoint than any there, a checkpoint name that is a folder, a
-backup that is a file. :meth:`RunBackup.find` then raises :class:`DamagedRunError`,
-naming the file, what is wrong and how to repair it (e.g. remove the damaged
-checkpoint and the index, to resume from the previous checkpoint); the run does not
-fall back to an older checkpoint, nor start over, by itself.
-
-Fault injection (for the crash tests): :class:`RunBackup` passes through the fault
-points ``<file>_write``, ``<file>_rename``, ``prune``, ``after_checkpoint`` and
-``backup_delete`` of :mod:`tfaploss.durable.faults`, which lists every point and how a
-test arms one.
-
-Messages (fallbacks, clean-ups) go to :class:`RunBackup`'s ``log``, by default the
-``tfaploss.durable.checkpoints`` logger (``warning: ...`` lines at WARNING, the others
-at INFO).
+folder, an empty or torn index) is recovered from, with a note. What no kill leaves is
+damage, never worked around silently: :meth:`RunBackup.find` raises
+:class:`DamagedRunError` naming the file, what is wrong and how to repair it; the run
+does not fall back to an older checkpoint, nor start over, by itself.
 """
 
 from __future__ import annotations
@@ -130,15 +115,10 @@ def weights_bytes(model, factor: float = 1.0) -> int:
 
 
 class RunBackup:
-    """Per-epoch checkpoints of a model (weights and optimizer state) in one folder.
-
-    Args:
-        directory: the backup folder (created on the first save).
-        log: called with one line for each thing worth telling (fallbacks, clean-ups);
-            default :func:`log_line` (the module's logger).
-
-    Cost of a save: one ``model.save_weights`` (model + optimizer variables) plus one
-    read of the file for its SHA-256; the disk holds two checkpoints for a moment.
+    """Per-epoch checkpoints of a model (weights and optimizer state) in ``directory``;
+    ``log`` gets one line for each fallback or clean-up (default: the module's logger).
+    Cost of a save: one ``model.save_weights`` plus one read of the file for its
+    SHA-256; the disk holds two checkpoints for a moment.
     """
 
     def __init__(self, directory: str | os.PathLike,
@@ -176,16 +156,22 @@ class RunBackup:
 
     # -- save ----------------------------------------------------------------------------
 
+    def _write(self, model, path: Path, index: Path, record: dict, fault: str) -> None:
+        """``model``'s weights to ``path``, then its record (size, SHA-256) to ``index``;
+        the fault points ``<fault>checkpoint`` and ``<fault>metadata``."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        epoch = record["epoch"]
+        atomic_write(path, lambda tmp: model.save_weights(tmp), fault=f"{fault}checkpoint",
+                     epoch=epoch, needed=self.expected_bytes(model))
+        record = {**record, "file": path.name, "bytes": path.stat().st_size,
+                  "sha256": sha256_of(path)}
+        atomic_write_json(index, {"format": 1, "latest": record}, fault=f"{fault}metadata",
+                          epoch=epoch)
+
     def save(self, model, epoch: int, extra: dict | None = None) -> Path:
         """Checkpoint ``model`` after ``epoch`` (1-based) and drop the previous one."""
-        self.directory.mkdir(parents=True, exist_ok=True)
         path = self.checkpoint_path(epoch)
-        atomic_write(path, lambda tmp: model.save_weights(tmp), fault="checkpoint",
-                     epoch=epoch, needed=self.expected_bytes(model))
-        record = {"epoch": epoch, "file": path.name, "bytes": path.stat().st_size,
-                  "sha256": sha256_of(path), **(extra or {})}
-        atomic_write_json(self.index_path, {"format": 1, "latest": record},
-                          fault="metadata", epoch=epoch)
+        self._write(model, path, self.index_path, {"epoch": epoch, **(extra or {})}, "")
         faults.point("prune", epoch)
         for older, old_path in self.checkpoints().items():
             if older != epoch:
@@ -235,14 +221,9 @@ class RunBackup:
         """Checkpoint ``model`` after ``step`` batches of epoch ``epoch`` (1-based; the
         epochs before it are complete): what a preempted run resumes from. Replaces
         any older step checkpoint; the epoch checkpoints are left as they are."""
-        self.directory.mkdir(parents=True, exist_ok=True)
         path = self.step_path(epoch, step)
-        atomic_write(path, lambda tmp: model.save_weights(tmp), fault="step_checkpoint",
-                     epoch=epoch, needed=self.expected_bytes(model))
-        record = {"epoch": epoch, "step": step, "file": path.name,
-                  "bytes": path.stat().st_size, "sha256": sha256_of(path), **(extra or {})}
-        atomic_write_json(self.step_index_path, {"format": 1, "latest": record},
-                          fault="step_metadata", epoch=epoch)
+        self._write(model, path, self.step_index_path,
+                    {"epoch": epoch, "step": step, **(extra or {})}, "step_")
         self._remove_steps(keep=path)
         return path
 

@@ -1,79 +1,38 @@
 """Fault injection for the crash tests: the one mechanism, for training and the Beam jobs.
 
 A *fault point* is a named place in the code where a test may have the process die at
-once (``os._exit``, as ``kill -9`` would: no clean-up, no ``finally``, no flush of
-anything but stdout/stderr), to check that whatever was on disk at that moment is
-recovered (``worker_kill`` instead sends the worker process SIGKILL, as the OOM killer
-would, so that its parent sees a real death). Off in production: nothing is armed
-unless a test arms it, and no fault point reads the environment (the variable is read
-once, when this module is imported).
+once (``os._exit``, as ``kill -9`` would: no clean-up, no ``finally``), to check that
+whatever was on disk at that moment is recovered. Off in production: nothing is armed
+unless a test arms it, through the environment variable :data:`ENV`
+(``TFAPLOSS_FAULT=checkpoint_write:2``, read once, at import) for a child process, or
+:func:`armed` in this process. Several points may be armed, comma-separated; an item
+is ``name``, ``name:E`` or ``name:E:B`` (a missing epoch or batch matches any). A
+killed process logs ``TFAPLOSS_FAULT=<item>: simulated kill at <where>`` and exits with
+:data:`EXIT_CODE` (75, ``EX_TEMPFAIL``: "try again", which is what resuming does).
 
-How a test arms one:
+Fault points of a training run (:mod:`tfaploss.run.trainer`, :mod:`tfaploss.durable.checkpoints`;
+E: epoch, B: batch, 1-based):
 
-* a crash test that runs a subprocess (the CLI, a Beam job) sets the environment
-  variable :data:`ENV` (``TFAPLOSS_FAULT``) for the child, e.g.
-  ``env={**os.environ, faults.ENV: "checkpoint_write:2"}``; the child reads it when it
-  imports this module;
-* a test in this process uses :func:`armed` (or :func:`arm`)::
+* ``batch:E:B`` after batch B; ``epoch_end:E`` epoch E logged, its checkpoint not written;
+* ``checkpoint_write:E``, ``metadata_write:E`` (the index), ``model_write``,
+  ``summary_write``: the file's temporary copy cut to half its bytes, then exit;
+  ``..._rename``: the temporary file complete, not yet renamed into place;
+* ``prune:E`` checkpoint E recorded, the previous one not yet deleted;
+  ``after_checkpoint:E`` and the previous one deleted; ``backup_delete`` the finished
+  run's backup renamed aside, not yet deleted;
+* ``<file>_enospc:E`` (no kill): that file's write fails with ENOSPC as on a full disk
+  (``checkpoint``, ``metadata``, ``step_checkpoint``, ``model``, ``summary``, ``config``,
+  ``epochs``; evaluation's ``metrics``, ``figure``, ``searcher``, ``projector``;
+  compare's ``report``, ``ledger``; ``export``; the Beam jobs' ``storage`` (every write),
+  ``work_list``, ``part``, ``shard``, ``report``, ``manifest``);
+* ``sigterm:E:B``, ``sigint:E:B`` (no kill): the process sends itself the signal;
+  ``nan_weights:E:B`` (no kill): the first trainable weight set to NaN.
 
-      with faults.armed("nan_weights:2:1"):
-          train(cfg)
-
-Several points may be armed at once, comma-separated. An item is ``name``,
-``name:E`` or ``name:E:B``; a missing (or empty) epoch or batch matches any. A killed
-process logs ``TFAPLOSS_FAULT=<item>: simulated kill at <where>`` (WARNING, logger
-``tfaploss.durable.faults``) and exits with :data:`EXIT_CODE` (75, ``EX_TEMPFAIL``: "try
-again", which is what resuming does).
-
-Fault points of a training run (:mod:`tfaploss.run.trainer`,
-:mod:`tfaploss.durable.checkpoints`):
-
-======================== ================================================================
-``batch:E:B``            after batch B of epoch E (1-based)
-``epoch_end:E``          epoch E trained and logged, its checkpoint not yet written
-``checkpoint_write:E``   the checkpoint of epoch E half-written (its temporary file is cut
-                         to half its bytes, then exit: a kill in the middle of the write)
-``metadata_write:E``     the same for the checkpoint index (``checkpoint.json``)
-``model_write``          the same for ``model.keras``
-``summary_write``        the same for ``summary.json``
-``checkpoint_rename:E``  the complete temporary file written, not yet renamed into place;
-``metadata_rename:E``,   likewise for the index, ``model.keras`` and ``summary.json``
-``model_rename``,
-``summary_rename``
-``prune:E``              checkpoint E recorded, the previous one not yet deleted
-``after_checkpoint:E``   checkpoint E saved and the previous one deleted
-``backup_delete``        the finished run's backup renamed aside, not yet deleted
-``<file>_enospc:E``      does not kill: the write of that file (``checkpoint``,
-                         ``metadata``, ``step_checkpoint``, ``model``, ``summary``,
-                         ``config``, ``epochs``; evaluation: ``metrics``, ``figure``,
-                         ``searcher``, ``projector``; ``tfaploss compare``: ``report``,
-                         ``ledger``; ``tfaploss export``: ``export``; Beam:
-                         ``storage`` (every write), ``work_list``, ``part``, ``shard``,
-                         ``report``, ``manifest``) fails with ENOSPC as on a full disk,
-                         its temporary file half-written
-``sigterm:E:B``,         does not kill: the process sends itself the signal after batch
-``sigint:E:B``           B of epoch E (:mod:`tfaploss.training.preemption`)
-``nan_weights:E:B``      does not kill: sets the first trainable weight to NaN after
-                         batch B of epoch E (tests the non-finite guard)
-======================== ================================================================
-
-Fault points of the Beam jobs (:mod:`tfaploss.pipelines.runner`, :mod:`tfaploss.pipelines.embed`,
-:mod:`tfaploss.pipelines.storage`):
-
-======================== ================================================================
-``images:N``             after N images were processed (preprocessing jobs) or embedded
-                         (``tfaploss.pipelines.embed``), counted by each worker's step; the
-                         threshold is read when the step is set up, so the per-image cost
-                         is one integer comparison
-``publish``              between the two renames of a publish (the old split renamed
-                         aside, the new one not yet in); armed, it also turns off the
-                         one-call ``renameat2`` exchange so that this path runs
-``worker_kill:N``        an image worker process (:mod:`tfaploss.pipelines.image_workers`, the
-                         forked pool of the local DirectRunner) kills itself with
-                         SIGKILL as it starts its N-th image (counted per worker), as
-                         the OOM killer would: the job itself is not killed, it must
-                         notice and end cleanly
-======================== ================================================================
+Fault points of the Beam jobs: ``images:N`` after N images processed (counted per
+worker; one integer comparison per image); ``publish`` between the two renames of a
+publish (arming it also turns off the one-call ``renameat2`` exchange);
+``worker_kill:N`` an image worker SIGKILLs itself as it starts its N-th image, as the
+OOM killer would: the job must notice and end cleanly.
 """
 
 from __future__ import annotations
@@ -149,14 +108,19 @@ def threshold(name: str) -> int:
     return 0
 
 
-def kill(item: str, where: str) -> None:
-    """Log the simulated kill, flush stdout/stderr and exit at once (``os._exit``)."""
-    LOG.warning("%s=%s: simulated kill at %s", ENV, item, where)
+def _flush() -> None:
+    """stdout and stderr out before a simulated death, which flushes nothing."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (AttributeError, OSError, ValueError):
             pass
+
+
+def kill(item: str, where: str) -> None:
+    """Log the simulated kill, flush stdout/stderr and exit at once (``os._exit``)."""
+    LOG.warning("%s=%s: simulated kill at %s", ENV, item, where)
+    _flush()
     os._exit(EXIT_CODE)
 
 
@@ -201,11 +165,7 @@ def sigkill_self(item: str, where: str) -> None:
     """Log the simulated kill, flush, and send this process SIGKILL (what the OOM killer
     does: unlike :func:`kill`, the exit status is the signal's, -9)."""
     LOG.warning("%s=%s: simulated SIGKILL at %s (process %d)", ENV, item, where, os.getpid())
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (AttributeError, OSError, ValueError):
-            pass
+    _flush()
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -3,13 +3,10 @@ folder it writes (``tfaploss train`` on its run directory, a pipelines job on it
 output folder), so that two of them started on the same folder never interleave files.
 
 The lock is a file, ``FOLDER/.tfaploss.lock``, created atomically: its content (JSON:
-``pid``, ``host``, ``started``, ``command``, and to recognise the process later
-``boot_id`` and ``process_start``) is written to a temporary file that is then
-hard-linked to the lock's name, which fails if the name exists (the exclusive create of
-``O_CREAT | O_EXCL``, with the content already complete; ``O_CREAT | O_EXCL`` itself
-where a file system has no hard links). A second writer is refused with
-:class:`LockHeldError`, whose message names the holder: its PID, host, since when and
-its command.
+``pid``, ``host``, ``started``, ``command``, ``boot_id``, ``process_start``) is written
+to a temporary file that is then hard-linked to the lock's name, which fails if the
+name exists (an exclusive create with the content already complete). A second writer is
+refused with :class:`LockHeldError`, whose message names the holder.
 
 Stale locks. A holder killed with SIGKILL (or a machine that restarted) leaves its lock
 behind. When the lock names a process of this host that no longer runs (no such PID, a
@@ -21,15 +18,9 @@ remove it under an ``flock`` of the stale file and after checking that the name 
 points at that file, so only the stale lock is ever removed, and one of them wins the
 create that follows.
 
-The lock is released (its file deleted) when the ``with`` block ends, also on an
-exception. Object-store URLs (``gs://``, ``s3://``) have no exclusive create: they are
-not locked (``exclusive`` is then a no-op).
-
-A lock that does not fit on a full disk is a
-:class:`~tfaploss.durable.atomic.DiskFullError` naming the lock file, nothing left behind.
-
-Cost: a create, a link and an unlink (well under a millisecond on a local disk);
-detecting a held or stale lock adds a read of the file and of ``/proc/PID/stat``.
+The lock is released when the ``with`` block ends, also on an exception. Object-store
+URLs have no exclusive create: they are not locked. Cost: a create, a link and an
+unlink (well under a millisecond on a local disk).
 """
 
 from __future__ import annotations
@@ -269,13 +260,11 @@ def acquire(folder: str | os.PathLike, what: str = "folder", *, name: str = LOCK
             log: Callable[[str], None] | None = None) -> Lock:
     """Take the lock of ``folder`` (which must exist), taking over a stale one.
 
-    ``what`` names the folder in messages (e.g. ``"run directory"``). Raises
-    :class:`LockHeldError` when another live process holds it, :class:`LockError` when
-    the lock file cannot be created. ``name``: the lock file's name in ``folder`` (a
-    job whose output replaces a whole folder locks it from beside it, in its parent,
-    and names that output as ``target`` in messages; default: ``folder``).
-    ``log`` gets the note
-    on a stale lock taken over (default: this module's logger, at WARNING).
+    ``what`` names the folder in messages. Raises :class:`LockHeldError` when another
+    live process holds it, :class:`LockError` when the lock file cannot be created.
+    ``name``: the lock file's name (a job whose output replaces a whole folder locks it
+    from its parent, naming that output as ``target``). ``log`` gets the note on a
+    stale lock taken over.
     """
     path = lock_path(folder, name)
     shown = str(Path(target if target is not None else folder))

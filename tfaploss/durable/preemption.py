@@ -5,17 +5,8 @@ The signal handler only records the signal (:class:`SignalFlag`): saving a check
 from inside a handler would run HDF5 and the backend in the middle of whatever the
 interrupted thread was doing. A callback reads the flag at the end of each batch
 (:class:`tfaploss.training.preemption.PreemptionCheckpoint`), saves a step checkpoint
-(:meth:`tfaploss.durable.checkpoints.RunBackup.save_step`) and raises
-:class:`Preempted`, which ``tfaploss`` turns into the conventional exit status
-(:func:`exit_status`: 143 for SIGTERM, 130 for SIGINT). A second signal while the
-first is being handled is not delayed: the previous handler takes it (Python's
-default, for Ctrl-C, raises ``KeyboardInterrupt``; SIGTERM's kills the process, which
-the per-epoch backup survives like any kill).
-
-Example::
-
-    with SignalFlag() as flag:
-        model.fit(..., callbacks=[PreemptionCheckpoint(flag, backup, steps)])
+and raises :class:`Preempted` (exit 143 for SIGTERM, 130 for SIGINT: :func:`exit_status`).
+A second signal while the first is being handled goes to the previous handler.
 """
 
 from __future__ import annotations

@@ -6,19 +6,14 @@
 * what a kill leaves is normal and recovered from, with a note: temporary files of
   interrupted writes, a half-deleted backup, an epoch log whose last line a kill cut
   short (dropped: that epoch is trained again), a stale or torn checkpoint index;
-* what no kill leaves is damage: a ``config.yaml`` that is not UTF-8, not YAML, not a
-  mapping, or a folder; an ``epochs.jsonl`` with a line that is not UTF-8, not JSON, not
-  an object, holds a non-finite number (``NaN``, ``Infinity``, ``1e400``) or one beyond
-  float32 (``1e308``: no run logs that), an epoch that is not a whole number, outside
-  1..``training.epochs``, out of order or skipping epochs, or epochs the checkpoint does
-  not account for; a checkpoint cut short, empty, altered, or a folder
-  (:meth:`~tfaploss.durable.checkpoints.RunBackup.find`); a finished run's
-  ``summary.json`` or ``model.keras`` missing or unreadable. Damage raises
-  :class:`~tfaploss.durable.checkpoints.DamagedRunError`, which names the file, what is
-  wrong and how to repair it. The run then neither resumes nor starts over by itself;
-* a run directory holding a run of another config is refused by the caller's
-  ``check_config`` (:mod:`tfaploss.run.resume` compares configs, which needs the
-  config schema; this module reads files only).
+* what no kill leaves is damage (a file that is not what the run wrote: not UTF-8,
+  JSON or YAML of the expected shape, a non-finite number or one beyond float32 in the
+  epoch log, epochs out of order or unaccounted for by the checkpoint, a checkpoint cut
+  short or altered, a finished run's summary or model missing): it raises
+  :class:`~tfaploss.durable.checkpoints.DamagedRunError`, naming the file, what is
+  wrong and how to repair it, and the run neither resumes nor starts over by itself;
+* a run of another config is refused by the caller's ``check_config``
+  (:mod:`tfaploss.run.resume`: this module reads files only).
 
 Starting over is asked for: ``--restart`` (``train(..., restart=True)``) moves the
 previous run's files (:data:`RUN_ENTRIES`) aside into ``RUN_DIR/damaged-<time>/`` (or
@@ -190,12 +185,6 @@ def read_epoch_log(path: Path, epochs: int) -> list[dict]:
     return rows
 
 
-def latest_rows(rows: list[dict]) -> list[dict]:
-    """One row per epoch, in order: a re-run epoch's row replaces the interrupted one's."""
-    by_epoch = {row["epoch"]: row for row in rows}
-    return [by_epoch[k] for k in sorted(by_epoch)]
-
-
 def _read_summary(path: Path) -> dict | None:
     if not path.exists():
         return None
@@ -221,17 +210,12 @@ def _read_summary(path: Path) -> dict | None:
 
 def inspect(run_dir: Path, epochs: int,
             check_config: Callable[[object, str], None]) -> RunState:
-    """Check every file of ``run_dir`` against what a run, killed or not, leaves there.
+    """Check every file of ``run_dir`` against what a run, killed or not, leaves there;
+    returns what the run resumes from, or raises :class:`DamagedRunError`.
 
-    Args:
-      run_dir: the run directory.
-      epochs: the epochs the run trains (``training.epochs``): the epoch log's bound.
-      check_config: called with the config a previous run recorded (its
-        ``config.yaml``, or a finished run's ``summary["config"]``, as read) and what
-        that run is (``"an unfinished run"``, ``"a finished run"``); raises when it is
-        not this run's config (:func:`tfaploss.run.resume.inspect` raises ConfigError).
-
-    Returns what the run resumes from. Raises :class:`DamagedRunError` on damage.
+    ``epochs``: the run's ``training.epochs`` (the epoch log's bound).
+    ``check_config(config, what)``: called with the config a previous run recorded and
+    ``"an unfinished run"`` or ``"a finished run"``; raises when it is not this run's.
     """
     for name in FILES:
         if (run_dir / name).is_dir():

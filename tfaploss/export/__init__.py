@@ -26,25 +26,9 @@ from tfaploss.export.saved_model import (
     read_export_metadata,
 )
 
-__all__ = [
-    "BYTES_SIGNATURE",
-    "DEFAULT_MAX_PIXELS",
-    "OUTPUT_KEY",
-    "PIXELS_SIGNATURE",
-    "RETRIEVE_PIXELS_SIGNATURE",
-    "RETRIEVE_SIGNATURE",
-    "DamagedIndexError",
-    "IndexMismatchError",
-    "RetrievalIndex",
-    "build_index",
-    "declared_pixels",
-    "decode_images",
-    "export_saved_model",
-    "find_saved_model",
-    "load_pixels_embedder",
-    "load_retriever",
-    "model_fingerprint",
-    "next_version",
-    "read_export_metadata",
-    "resize_and_center_crop",
-]
+__all__ = ["BYTES_SIGNATURE", "DEFAULT_MAX_PIXELS", "OUTPUT_KEY", "PIXELS_SIGNATURE",
+           "RETRIEVE_PIXELS_SIGNATURE", "RETRIEVE_SIGNATURE", "DamagedIndexError",
+           "IndexMismatchError", "RetrievalIndex", "build_index", "declared_pixels",
+           "decode_images", "export_saved_model", "find_saved_model", "load_pixels_embedder",
+           "load_retriever", "model_fingerprint", "next_version", "read_export_metadata",
+           "resize_and_center_crop"]

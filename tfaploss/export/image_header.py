@@ -6,45 +6,28 @@ therefore reads the declared size *before* decoding (:func:`declared_pixels`) an
 refuses images above a ``max_pixels`` budget. This is the fast path; the decode-time
 checks of :func:`tfaploss.export.image_ops.decode_images` back it up.
 
-Formats are recognised by the same magic bytes TensorFlow's ``DecodeImage`` uses, and
-each header is read the way the decoder TensorFlow runs reads it, so that a header
-cannot show this walk one size and the decoder another:
+Formats are recognised by the magic bytes TensorFlow's ``DecodeImage`` uses, and each
+header is read the way the decoder TensorFlow runs reads it, so that a header cannot
+show this walk one size and the decoder another (the walks, format by format, are
+those of :mod:`tfaploss.pipelines.image_headers`, with TensorFlow's decoders):
 
-* JPEG: the first start-of-frame marker, found by walking the marker segments the way
-  libjpeg's ``next_marker`` does: bytes other than ``FF`` and ``FF`` fill bytes are
-  skipped, an ``FF 00`` stuffing pair is skipped, ``RSTn``/``TEM`` have no length, and
-  every other segment is skipped by its length (``APPn`` and ``COM`` included, so a
-  frame header inside an EXIF thumbnail or a comment does not count). A ``SOS``,
-  ``EOI``, second ``SOI`` or unknown marker before any frame: unreadable, as libjpeg
-  refuses it. A JPEG with more than :data:`MAX_JPEG_SCANS` scans, or whose scans x
-  pixels pass :data:`MAX_JPEG_SCAN_PIXELS`, is refused as unreadable too: libjpeg
-  passes over the whole image once per scan, so a 40 KB file of 1000 repeated scans
-  costs ~10 s of CPU.
-* PNG: the ``IHDR`` chunk, which libpng requires first (length 13). The ``IDAT`` bytes
-  are summed over the chunk chain: compressed data larger than the raw image it must
-  inflate to (:func:`_png`) is refused, since libpng inflates a stream to its end: a
-  1 MB ``IDAT`` behind a 1 x 1 ``IHDR`` cost ~6 s.
-* GIF: the logical screen plus every frame's image descriptor, walking the blocks and
-  their sub-blocks as giflib's ``DGifSlurp`` does (it allocates every frame's raster,
-  so a bomb can hide in later frames, and TensorFlow sizes its output by the largest
-  frame, not the screen).
-* BMP: TensorFlow's BMP decoder reads width and height as signed 32-bit integers at
-  bytes 18 and 22 whatever the DIB header is, so only the header sizes that put them
-  there are read (40, 52, 56, 64, 108 and 124 bytes); the 12-byte ``BITMAPCOREHEADER``
-  (16-bit sizes at 18 and 20, which TensorFlow would misread) and any other size are
-  unreadable, as are a width <= 0 and a height of 0 (negative heights are top-down).
-* WebP: the ``VP8 `` (start code checked), ``VP8L`` (signature checked) or ``VP8X``
-  canvas. libwebp refuses a still image whose bitstream differs from its canvas and an
-  animation frame outside it, and TensorFlow decodes the first frame of an animation
-  only, so the canvas bounds what is decoded.
+* JPEG: the first start-of-frame, walking the segments as libjpeg's ``next_marker``
+  does (a frame header inside an EXIF thumbnail or a comment does not count); more
+  than :data:`MAX_JPEG_SCANS` scans, or scans x pixels past
+  :data:`MAX_JPEG_SCAN_PIXELS`, is refused (libjpeg passes over the image once per
+  scan: 1000 repeated scans in 40 KB cost ~10 s);
+* PNG: the ``IHDR``, and ``IDAT`` data no larger than the raw image it must inflate to
+  (a 1 MB ``IDAT`` behind a 1 x 1 ``IHDR`` cost ~6 s);
+* GIF: the screen plus every frame's descriptor (giflib allocates every frame, and
+  TensorFlow sizes its output by the largest);
+* BMP: only the header sizes that put a signed 32-bit width and height at bytes 18 and
+  22, where TensorFlow reads them whatever the header;
+* WebP: the ``VP8 ``, ``VP8L`` or ``VP8X`` canvas.
 
-Cost: linear in the file's size, with no loop step per segment. JPEG and PNG select the
-positions where a marker or chunk can start with vector ops, GIF takes every position,
-and each then follows its chain by pointer doubling (``ceil(log2(chain))`` vector
-gathers over those positions), so a file of 250 000 tiny segments costs what its size
-costs. Measured on the shared 2-core machine at load ~9: ~2 ms for a 427x640 JPEG, at
-most 0.2 s for the worst 1 MB input of ``tests/reliability/stress_images.py`` (85 ms for
-250 000 JPEG segments, 0.14 s for 500 000 GIF sub-blocks).
+Cost: linear in the file's size with no loop step per segment: candidate positions are
+selected with vector ops and each chain is followed by pointer doubling
+(``ceil(log2(chain))`` gathers), so 250 000 tiny segments cost what their bytes cost
+(at most 0.2 s for the worst 1 MB input of ``tests/reliability/stress_images.py``).
 """
 
 from __future__ import annotations

@@ -138,35 +138,20 @@ def decode_images(image_bytes, image_size=(224, 224), crop_fraction=DEFAULT_CROP
     frame of a GIF kept) and passed through ``resize_and_center_crop``. Decoding runs
     in parallel in a ``tf.data`` pipeline, in order.
 
-    No image is decoded past ``max_pixels`` (default :data:`DEFAULT_MAX_PIXELS`, 40
-    megapixels), whatever its header says:
-
-    1. Fast path, before anything is decoded: the size each header declares
-       (:func:`tfaploss.export.image_header.declared_pixels`, which walks each header
-       as its decoder does; for a GIF every frame counts) is compared with
-       ``max_pixels``, so a small file declaring a huge image costs nothing. A header
-       that cannot be read or whose structure is refused (see that module) is not
-       decoded.
-    2. At decode time: a JPEG's size is read again by libjpeg
-       (``tf.image.extract_jpeg_shape``) before it is decoded, and every decoded image's
-       shape is checked before it is resized.
-
-    The whole request is held to ``max_request_pixels`` the same way: the declared
-    sizes' total is checked before anything is decoded, the decoded sizes' total
-    after. Its default, ``None``, is :data:`REQUEST_PIXELS_PER_MAX_PIXELS` (4) x
-    ``max_pixels`` (160 megapixels with the default ``max_pixels``), so that a batch of
-    many images, each under the limit, cannot tie up a server's memory and cores.
+    No image is decoded past ``max_pixels`` (default :data:`DEFAULT_MAX_PIXELS`),
+    whatever its header says: the size each header declares
+    (:func:`tfaploss.export.image_header.declared_pixels`) is checked before anything
+    is decoded, so a small file declaring a huge image costs nothing; then a JPEG's
+    size is read again by libjpeg, and every decoded shape is checked before the
+    resize. The whole request is held to ``max_request_pixels`` the same way (default
+    :data:`REQUEST_PIXELS_PER_MAX_PIXELS` x ``max_pixels``), so that many images, each
+    under the limit, cannot tie up a server's memory and cores.
 
     Raises:
-        tf.errors.InvalidArgumentError: some inputs declare more than ``max_pixels``
-            pixels (``the image(s) at index(es) [2] declare [100000000] pixels, more
-            than max_pixels=...``; the request is refused before any decoding), declare
-            more than ``max_request_pixels`` in all (``the request's images declare
-            200000000 pixels in all, more than max_request_pixels=...``; also before
-            decoding), decode
-            to more than that (``... decode to ...``), or cannot be decoded or are
-            refused (``could not decode the image(s) at index(es) [1 3]``). The whole
-            request fails (nothing is silently dropped) and a server keeps running.
+        tf.errors.InvalidArgumentError: inputs that declare or decode to more than
+            ``max_pixels`` (naming their indexes), a request over
+            ``max_request_pixels``, or images that cannot be decoded. The whole request
+            fails (nothing is silently dropped) and a server keeps running.
     """
     from tfaploss.export.image_header import declared_pixels
 

@@ -1,22 +1,12 @@
 """What a ``retrieve`` signature searches: the catalogue's embeddings, keys and labels,
 and the fingerprint of the model that embedded them.
 
-An index comes from one of three places (:func:`build_index`):
-
-* a TFRecord split written by a pipelines job (a folder holding ``manifest.json`` and
-  ``images-*.tfrecord``): embedded here with the model being exported, preprocessed as
-  the served images are (:func:`index_from_split`); keys are the records' ``image/id``;
-* an embeddings folder written by ``python -m tfaploss.pipelines.embed`` (the format of
-  :mod:`tfaploss.evaluation.embedding_files`): read back as it is
-  (:func:`index_from_embeddings`); the job's ``manifest.json`` names the SavedModel
-  that embedded it, whose export metadata holds that model's fingerprint;
-* a :class:`RetrievalIndex` built by the caller.
-
-The model fingerprint (:func:`model_fingerprint`) is the one rule that says whether two
-models embed alike: an export refuses an index whose fingerprint is not the exported
-model's (:class:`IndexMismatchError`), and an index that is not whole (rows missing
-against its manifest, non-finite values, duplicate keys) is refused as damaged
-(:class:`DamagedIndexError`).
+An index (:func:`build_index`) is a split embedded here with the model being exported
+(:func:`index_from_split`), an embed job's output (:func:`index_from_embeddings`), or
+a :class:`RetrievalIndex` built by the caller. The model fingerprint
+(:func:`model_fingerprint`) is the one rule that says whether two models embed alike:
+an export refuses an index of another model (:class:`IndexMismatchError`), and one
+that is not whole (:class:`DamagedIndexError`).
 """
 
 from __future__ import annotations
@@ -70,8 +60,7 @@ class RetrievalIndex:
 
     Attributes:
       embeddings: ``(N, D)`` float32, one row per catalogue item.
-      keys: ``(N,)`` str, what a search returns for each row (file names or ids, as the
-        split's records or the embed job recorded them); unique.
+      keys: ``(N,)`` str, unique: what a search returns for each row.
       labels: ``(N,)`` int64 class labels (-1 when unknown).
       model_fingerprint: :func:`model_fingerprint` of the model that embedded the rows.
       source: where the rows came from (a path, or a word), for messages and metadata.
@@ -170,23 +159,13 @@ def _is_embeddings(path: str) -> bool:
 
 def build_index(source, model, image_size=(224, 224), crop_fraction=None,
                 batch_size: int = 64, fingerprint: str | None = None) -> RetrievalIndex:
-    """The :class:`RetrievalIndex` ``source`` names, checked against ``model``.
+    """The :class:`RetrievalIndex` ``source`` names (an index, a split folder or an
+    embeddings folder), checked against ``model`` (the exported one, after any
+    whitening). ``image_size``, ``crop_fraction``: the served preprocessing a split is
+    embedded with. ``fingerprint``: ``model_fingerprint(model)``, when known.
 
-    Args:
-      source: a :class:`RetrievalIndex`, a split folder (embedded with ``model``, see
-        :func:`index_from_split`) or an embeddings folder (see
-        :func:`index_from_embeddings`).
-      model: the Keras model being exported (after any whitening).
-      image_size, crop_fraction: the served preprocessing, which a split is embedded
-        with (``crop_fraction`` None: the evaluation default).
-      batch_size: images embedded at once from a split.
-      fingerprint: ``model_fingerprint(model)`` when the caller has it already.
-
-    Raises:
-      IndexMismatchError: the index was embedded by another model.
-      DamagedIndexError: the index is not whole.
-      ValueError: ``source`` is neither a split nor an embeddings folder, or its rows
-        do not have the model's dimension.
+    Raises :class:`IndexMismatchError`, :class:`DamagedIndexError`, or ``ValueError``
+    for a source that is neither, or rows of another dimension than the model's.
     """
     fingerprint = fingerprint or model_fingerprint(model)
     if isinstance(source, RetrievalIndex):
@@ -241,17 +220,11 @@ def index_from_split(model, split: str, image_size=(224, 224), crop_fraction=Non
 
 
 def index_from_embeddings(path: str) -> RetrievalIndex:
-    """Read an embed job's output as an index; keys are its ``image/id`` values.
-
-    The job's ``manifest.json`` must be there: it says how many rows were written and
-    which SavedModel embedded them (``model``), whose export metadata holds that model's
-    fingerprint.
-
-    Raises:
-      DamagedIndexError: no manifest, a shard it lists is missing, or fewer or more rows
-        than it counts.
-      IndexMismatchError: the model that embedded the rows cannot be established (the
-        SavedModel is gone or records no fingerprint).
+    """Read an embed job's output as an index; keys are its ``image/id`` values. Its
+    ``manifest.json`` says how many rows were written and which SavedModel embedded
+    them, whose export metadata holds the fingerprint. Raises
+    :class:`DamagedIndexError` (no manifest, a shard missing, rows miscounted) or
+    :class:`IndexMismatchError` (the embedding model cannot be established).
     """
     import tensorflow as tf
 

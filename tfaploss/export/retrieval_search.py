@@ -4,19 +4,13 @@ and searched inside the serving graph.
 Backends (``index_backend``):
 
 * ``"brute_force"`` (default): exact inner-product search with stock TensorFlow ops
-  only (``MatMul``, ``TopKV2``, ``ConcatV2``, ``GatherV2``), so the SavedModel runs on a
-  stock TF Serving build. The index is a float32 variable read in chunks of
-  ``chunk_rows`` rows; each chunk's product goes through ``tf.math.top_k`` and the
-  chunks' candidates through one more. ``top_k`` is stable (equal scores: the lower
-  position first) and the candidates are laid out in chunk order, so results come
-  sorted by score, ties by the lower catalogue row: ``ExactSearcher``'s order.
-  bfloat16 storage with float32 re-scoring was measured and does not pay on CPUs
-  (docs/serving.md), so the index stays float32.
-* ``"scann"``: ScaNN's TensorFlow ops (partitioning tree above 100k rows, anisotropic
-  hashing, exact re-ordering; the parameters of
-  :func:`tfaploss.evaluation.scann_ah_params`). Approximate, and it needs ScaNN's ops
-  wherever the model is loaded: TF Serving must be a build that links them, and a
-  Python process must import ``scann`` first (:func:`load_op_libraries`).
+  only, so the SavedModel runs on a stock TF Serving build: a float32 index read in
+  chunks of ``chunk_rows`` rows, a stable ``top_k`` per chunk and one over the chunks'
+  candidates, so ties come in catalogue order (``ExactSearcher``'s). bfloat16 storage
+  does not pay on CPUs (docs/serving.md).
+* ``"scann"``: ScaNN's TensorFlow ops (approximate, the parameters of
+  :func:`tfaploss.evaluation.scann_ah_params`); TF Serving must be a build that links
+  them, and a Python process must import ``scann`` first (:func:`load_op_libraries`).
 
 Memory while serving: the index (N x D x 4 bytes for brute force), the keys and labels,
 and per request ``batch x chunk_rows x 4`` bytes of scores for each chunk in flight.
@@ -100,9 +94,7 @@ class BruteForceSearch:
         self.size, self.dim = index.size, index.dim
         self.embeddings = tf.Variable(index.embeddings, trainable=False,
                                       name="retrieval_embeddings")
-        self.keys = _keys_variable(index.keys)
-        self.labels = tf.Variable(index.labels, trainable=False, dtype=tf.int64,
-                                  name="retrieval_labels")
+        self.keys, self.labels = _keys_and_labels(index)
 
     @property
     def variables(self) -> list:
@@ -140,8 +132,6 @@ class ScannSearch:
     backend = "scann"
 
     def __init__(self, index, k: int, chunk_rows: int = DEFAULT_CHUNK_ROWS):
-        import tensorflow as tf
-
         from tfaploss.evaluation.searchers import scann_ah_params
 
         ops = _scann_ops()
@@ -161,9 +151,7 @@ class ScannSearch:
         builder = builder.reorder(max(params["reorder_num_neighbors"], self.k))
         self._ops = ops
         self.state = builder.build().serialize_to_module()
-        self.keys = _keys_variable(index.keys)
-        self.labels = tf.Variable(index.labels, trainable=False, dtype=tf.int64,
-                                  name="retrieval_labels")
+        self.keys, self.labels = _keys_and_labels(index)
 
     @property
     def variables(self) -> list:
@@ -187,11 +175,14 @@ class ScannSearch:
         return _answer(self, queries, k)
 
 
-def _keys_variable(keys):
+def _keys_and_labels(index):
+    """The index's keys and labels as the variables every search holds."""
     import tensorflow as tf
 
-    raw = np.array([str(key).encode("utf-8") for key in keys], dtype=object)
-    return tf.Variable(raw, trainable=False, dtype=tf.string, name="retrieval_keys")
+    raw = np.array([str(key).encode("utf-8") for key in index.keys], dtype=object)
+    return (tf.Variable(raw, trainable=False, dtype=tf.string, name="retrieval_keys"),
+            tf.Variable(index.labels, trainable=False, dtype=tf.int64,
+                        name="retrieval_labels"))
 
 
 def _answer(searcher, queries, k):

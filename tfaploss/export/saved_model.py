@@ -57,13 +57,9 @@ logger = logging.getLogger(__name__)
 
 
 def recover_export_folder(path) -> list[str]:
-    """Undo what exports killed outright left in ``path``; returns what it removed.
-
-    A version whose replacement was killed between its two renames (where the atomic
-    exchange is unavailable) is put back or its old copy dropped
-    (:func:`tfaploss.durable.atomic.recover_folder`), and ``.tmp-*`` staging folders
-    are deleted: the caller holds the folder's lock, so no export is writing them.
-    """
+    """Undo what exports killed outright left in ``path`` (a version replaced halfway,
+    ``.tmp-*`` staging folders: the caller holds the folder's lock, so no export is
+    writing them); returns the staging folders removed."""
     for final in atomic.interrupted_replacements(path):
         if os.path.basename(final).isdigit():
             atomic.recover_folder(final)
@@ -87,24 +83,10 @@ def export_size(model) -> int:
 
 
 def load_pixels_embedder(path):
-    """A callable images -> embeddings over the ``embed_pixels`` signature of a
-    SavedModel written by :func:`export_saved_model`.
-
-    Args:
-      path: a version folder or the model base folder (its newest version is loaded,
-        see :func:`find_saved_model`). Load only models you trust: a SavedModel can run
-        arbitrary graph code.
-
-    Returns:
-      ``(embed, image_size)``: ``embed(images)`` takes float RGB pixels ``[N, h, w, 3]``
-      in [0, 255] and returns float32 ``[N, D]``; ``image_size`` is the signature's
-      image height.
-
-    Example::
-
-        embed, size = load_pixels_embedder("serving/sop")
-        embeddings = embed(images)
-    """
+    """``(embed, image_size)`` over the ``embed_pixels`` signature of an export (a
+    version folder, or the base folder: its newest version; load only models you
+    trust): ``embed(images)`` takes RGB pixels ``[N, h, w, 3]`` in [0, 255] and returns
+    float32 ``[N, D]``; ``image_size`` is the signature's image height."""
     loaded = tf.saved_model.load(find_saved_model(path))
     signature = loaded.signatures[PIXELS_SIGNATURE]
     size = signature.structured_input_signature[1]["images"].shape[1]
@@ -119,36 +101,20 @@ def load_pixels_embedder(path):
 def _check_model(model, image_size):
     shape = tuple(model.input_shape)
     if len(shape) != 4 or shape[-1] != 3:
-        raise ValueError(
-            "export_saved_model: the model must take (B, H, W, 3) images; its input_shape "
-            f"is {shape}"
-        )
+        raise ValueError("export_saved_model: the model must take (B, H, W, 3) images; its "
+                         f"input_shape is {shape}")
     for got, want in zip(shape[1:3], image_size):
         if got is not None and got != want:
-            raise ValueError(
-                f"export_saved_model: image_size={tuple(image_size)} does not match the "
-                f"model's input size {shape[1:3]}"
-            )
+            raise ValueError(f"export_saved_model: image_size={tuple(image_size)} does not "
+                             f"match the model's input size {shape[1:3]}")
 
 
-def export_saved_model(
-    model,
-    path,
-    image_size=(224, 224),
-    version=None,
-    whitening=None,
-    crop_fraction=DEFAULT_CROP_FRACTION,
-    resize_method="bilinear",
-    antialias=True,
-    max_pixels=DEFAULT_MAX_PIXELS,
-    max_request_pixels=None,
-    overwrite=False,
-    verbose=False,
-    index=None,
-    k=DEFAULT_K,
-    index_backend="brute_force",
-    index_chunk_rows=DEFAULT_CHUNK_ROWS,
-):
+def export_saved_model(model, path, image_size=(224, 224), version=None, whitening=None,
+                       crop_fraction=DEFAULT_CROP_FRACTION, resize_method="bilinear",
+                       antialias=True, max_pixels=DEFAULT_MAX_PIXELS,
+                       max_request_pixels=None, overwrite=False, verbose=False, index=None,
+                       k=DEFAULT_K, index_backend="brute_force",
+                       index_chunk_rows=DEFAULT_CHUNK_ROWS):
     """Write ``model`` as a TF Serving SavedModel in ``path/<version>/``, with a
     retrieval index when ``index`` is given.
 
@@ -156,26 +122,20 @@ def export_saved_model(
 
     - ``serving_default``: ``image_bytes`` string ``[None]`` (encoded JPEG, PNG, GIF, BMP or
       WebP files; the ``_bytes`` suffix lets TF Serving's REST API take
-      ``{"b64": ...}``) -> ``{"embedding": float32 [None, D]}``. Each image is decoded
-      to RGB and preprocessed like evaluation: resized keeping its aspect so that
-      ``image_size`` covers ``crop_fraction`` of the short side (224 / 0.875 = 256),
-      then centre-cropped to ``image_size``
-      (``tfaploss.export.resize_and_center_crop``). A batch holding an undecodable
-      input fails with ``INVALID_ARGUMENT`` naming its index(es), and so does one whose
-      header declares more than ``max_pixels`` pixels, or whose images declare more than
-      ``max_request_pixels`` in all (both checked before decoding).
+      ``{"b64": ...}``) -> ``{"embedding": float32 [None, D]}``. Each image is
+      preprocessed like evaluation: resized keeping its aspect so that ``image_size``
+      covers ``crop_fraction`` of the short side, then centre-cropped. A batch holding
+      an undecodable input fails with ``INVALID_ARGUMENT`` naming its index(es), as
+      does one whose headers declare more than ``max_pixels`` for an image or
+      ``max_request_pixels`` in all (checked before decoding).
     - ``embed_pixels``: ``images`` float32 ``[None, h, w, 3]``, RGB pixels in
-      [0, 255] already at ``image_size`` -> ``{"embedding": ...}`` (no resizing).
-    - With ``index``: ``retrieve`` takes ``image_bytes`` as ``serving_default`` does
-      and an optional int32 scalar ``k`` (default: the exported ``k``; 1 to ``k``) and
-      returns ``{"keys": string [None, k], "scores": float32 [None, k],
-      "labels": int64 [None, k]}``: the catalogue items with the highest inner product,
-      best first, equal scores in catalogue order (``ExactSearcher``'s order).
-      ``retrieve_pixels`` does the same from ``images`` as ``embed_pixels`` takes them.
+      [0, 255] already at ``image_size`` -> ``{"embedding": ...}``.
+    - With ``index``: ``retrieve`` takes ``image_bytes`` and an optional int32 ``k``
+      (1 to the exported ``k``) and returns ``{"keys": string [None, k], "scores":
+      float32 [None, k], "labels": int64 [None, k]}``, best first, equal scores in
+      catalogue order; ``retrieve_pixels`` the same from ``images``.
 
-    The model itself normalises the pixels (``build_embedding_model`` puts the
-    ImageNet normalisation inside it). The SavedModel needs only TensorFlow:
-    ``tf.saved_model.load(dir).signatures["serving_default"](image_bytes=...)``.
+    The model normalises the pixels itself; the SavedModel needs only TensorFlow.
 
     Args:
         model: a Keras model from raw ``(B, H, W, 3)`` images in [0, 255] to
@@ -183,46 +143,37 @@ def export_saved_model(
         path: the model's base directory (TF Serving's ``--model_base_path``).
         image_size: ``(height, width)`` the served images are cropped to.
         version: integer version directory; ``None`` takes 1 + the largest existing.
-        whitening: optional ``tfaploss.models.PCAWhitening`` (from ``tfaploss.models.fit_pca_whitening``)
-            appended to the model before export.
+        whitening: optional ``tfaploss.models.PCAWhitening`` appended to the model.
         crop_fraction: see above; 1.0 keeps the whole short side.
         resize_method, antialias: passed to ``tf.image.resize``.
-        max_pixels: largest width x height (as the image header declares it; all frames
-            of a GIF together) that ``serving_default`` decodes; default 40 megapixels
-            (see ``tfaploss.export.image_ops.DEFAULT_MAX_PIXELS`` for why).
-        max_request_pixels: largest total of those sizes over one request's images;
-            default ``None``: 4 x ``max_pixels`` (160 megapixels by default; see
-            ``tfaploss.export.image_ops.REQUEST_PIXELS_PER_MAX_PIXELS`` for why). At
-            least ``max_pixels``.
+        max_pixels: largest width x height an image header may declare (all frames of
+            a GIF together); default 40 megapixels (``image_ops.DEFAULT_MAX_PIXELS``).
+        max_request_pixels: largest total over one request's images, at least
+            ``max_pixels``; default ``None``: 4 x ``max_pixels``
+            (``image_ops.REQUEST_PIXELS_PER_MAX_PIXELS``).
         overwrite: replace an existing ``path/<version>``; otherwise it is an error.
         verbose: print Keras's summary of the exported endpoints.
-        index: ``None`` (embeddings only), or the catalogue ``retrieve`` searches: a
-            split folder (embedded here with ``model``, as served images are
-            preprocessed), an embeddings folder of ``python -m tfaploss.pipelines.embed``,
-            or a :class:`~tfaploss.export.retrieval_index.RetrievalIndex`. Its model
-            fingerprint (:func:`~tfaploss.export.retrieval_index.model_fingerprint`)
-            must be the exported model's. The index goes into the version folder with
-            the model: a new index is a new version.
+        index: ``None``, or the catalogue ``retrieve`` searches: a split folder
+            (embedded here with ``model``), an embeddings folder of
+            ``python -m tfaploss.pipelines.embed``, or a
+            :class:`~tfaploss.export.retrieval_index.RetrievalIndex`, embedded by this
+            model (its fingerprint). A new index is a new version.
         k: the most results a ``retrieve`` request gets (at most the index's size).
         index_backend: ``"brute_force"`` (exact, stock TF ops) or ``"scann"``
-            (approximate; needs ScaNN's ops here and in the server), see
-            :mod:`tfaploss.export.retrieval_search`.
+            (approximate; needs ScaNN's ops here and in the server).
         index_chunk_rows: index rows scored at once by brute force.
 
     Raises:
         IndexMismatchError: ``index`` was embedded by another model.
-        DamagedIndexError: ``index`` is not whole (see
-            :mod:`tfaploss.export.retrieval_index`).
+        DamagedIndexError: ``index`` is not whole.
 
     Returns:
-        The version directory (``str``) holding ``saved_model.pb`` and ``variables/``.
+        The version directory (``str``).
 
     The version is written to a temporary directory and renamed into place, so a
-    server polling ``path`` never loads a half-written version. One export at a time
-    holds ``path``'s lock (a second gets :class:`~tfaploss.durable.locks.LockHeldError`),
-    and each first cleans up what a killed export left (:func:`recover_export_folder`).
-    Cost: one trace of the model per signature; with ``index``, embedding a split
-    (one forward pass per image), a copy of the index and one pass over it for its
+    server polling ``path`` never loads a half-written one; one export at a time holds
+    ``path``'s lock and first cleans up what a killed export left. Cost: one trace per
+    signature; with ``index``, embedding a split and one pass over the index for its
     digest (about 1 s per GB).
     """
     image_size = tuple(int(s) for s in image_size)
@@ -252,10 +203,8 @@ def export_saved_model(
             raise ValueError(f"export_saved_model: `version` must be >= 0; received {version!r}")
         target = os.path.join(path, str(version))
         if os.path.exists(target) and not overwrite:
-            raise FileExistsError(
-                f"export_saved_model: {target} already exists; pass another `version`, "
-                "version=None for the next one, or overwrite=True"
-            )
+            raise FileExistsError(f"export_saved_model: {target} already exists; pass another "
+                                  "`version`, version=None for the next one, or overwrite=True")
 
         needed = export_size(model) + (0 if index is None else _index_size(index))
         atomic.check_space(target, needed)  # before tracing, before TensorFlow writes a byte
@@ -270,58 +219,39 @@ def export_saved_model(
                                    antialias, max_pixels, max_request_pixels)
             return embed(images)
 
-        def serve_pixels(images):
-            return embed(images)
-
         archive = keras.export.ExportArchive()
         archive.track(model)
-        archive.add_endpoint(
-            BYTES_SIGNATURE, serve_bytes,
-            input_signature=[tf.TensorSpec([None], tf.string, name="image_bytes")],
-        )
-        archive.add_endpoint(
-            PIXELS_SIGNATURE, serve_pixels,
-            input_signature=[tf.TensorSpec([None, height, width, 3], tf.float32, name="images")],
-        )
+        archive.add_endpoint(BYTES_SIGNATURE, serve_bytes, input_signature=[
+            tf.TensorSpec([None], tf.string, name="image_bytes")])
+        archive.add_endpoint(PIXELS_SIGNATURE, embed, input_signature=[
+            tf.TensorSpec([None, height, width, 3], tf.float32, name="images")])
         retrieval = None
         if search is not None:
             retrieval = _add_retrieval(archive, search, index, embed, serve_bytes, height,
                                        width)
+        metadata = {
+            "signatures": {BYTES_SIGNATURE: {"input": "image_bytes", "output": OUTPUT_KEY},
+                           PIXELS_SIGNATURE: {"input": "images", "output": OUTPUT_KEY}},
+            "image_size": list(image_size), "crop_fraction": crop_fraction,
+            "resize_method": resize_method, "antialias": antialias,
+            "max_pixels": max_pixels, "max_request_pixels": max_request_pixels,
+            "embedding_dim": int(model.output_shape[-1]),
+            "whitening": whitening is not None, "model_name": model.name,
+            FINGERPRINT_KEY: fingerprint}
+        if retrieval is not None:
+            metadata["retrieval"] = retrieval
+            metadata["retrieve_signatures"] = {
+                name: {"input": first, "optional_input": K_INPUT,
+                       "outputs": [KEYS_OUTPUT, SCORES_OUTPUT, LABELS_OUTPUT]}
+                for name, first in ((RETRIEVE_SIGNATURE, "image_bytes"),
+                                    (RETRIEVE_PIXELS_SIGNATURE, "images"))}
 
         tmp = tempfile.mkdtemp(prefix=f".tmp-{version}-", dir=path)
         try:
             archive.write_out(tmp, verbose=verbose)
             os.makedirs(os.path.join(tmp, "assets.extra"), exist_ok=True)
             with open(os.path.join(tmp, METADATA_FILE), "w", encoding="utf-8") as f:
-                json.dump(
-                    {
-                        "signatures": {
-                            BYTES_SIGNATURE: {"input": "image_bytes", "output": OUTPUT_KEY},
-                            PIXELS_SIGNATURE: {"input": "images", "output": OUTPUT_KEY},
-                        },
-                        "image_size": list(image_size),
-                        "crop_fraction": crop_fraction,
-                        "resize_method": resize_method,
-                        "antialias": antialias,
-                        "max_pixels": max_pixels,
-                        "max_request_pixels": max_request_pixels,
-                        "embedding_dim": int(model.output_shape[-1]),
-                        "whitening": whitening is not None,
-                        "model_name": model.name,
-                        FINGERPRINT_KEY: fingerprint,
-                        **({} if retrieval is None else {
-                            "retrieval": retrieval,
-                            "retrieve_signatures": {
-                                name: {"input": first, "optional_input": K_INPUT,
-                                       "outputs": [KEYS_OUTPUT, SCORES_OUTPUT,
-                                                   LABELS_OUTPUT]}
-                                for name, first in ((RETRIEVE_SIGNATURE, "image_bytes"),
-                                                    (RETRIEVE_PIXELS_SIGNATURE, "images"))},
-                        }),
-                    },
-                    f,
-                    indent=2,
-                )
+                json.dump(metadata, f, indent=2)
             faults.no_space("export_enospc", path=os.path.join(tmp, "saved_model.pb"))
             atomic.replace_folder(tmp, target)
         except BaseException as err:
@@ -362,25 +292,16 @@ def _add_retrieval(archive, search, index, embed, serve_bytes, height, width) ->
 
 
 def load_retriever(path):
-    """The ``retrieve`` signature of an export, after checking that its index is the
-    one exported with its model.
+    """The ``retrieve`` signature of an export (a version folder, or the base folder:
+    its newest version; load only models you trust), after checking that its index is
+    the one exported with its model.
 
-    Args:
-      path: a version folder or the model base folder (its newest version). Load only
-        models you trust: a SavedModel can run arbitrary graph code.
-
-    Returns:
-      ``retrieve(image_bytes, k=None)`` -> ``{"keys", "scores", "labels"}`` as numpy
-      arrays (``keys`` decoded to str); ``retrieve.pixels(images, k=None)`` the same from
-      pixels; ``retrieve.metadata`` the export's metadata.
-
-    Raises:
-      IndexMismatchError: the metadata says the index was embedded by another model.
-      DamagedIndexError: the stored index is not what was exported (its variables'
-        digest differs, or TensorFlow finds a checksum mismatch in them).
-      ValueError: the export has no ``retrieve`` signature.
-
-    Cost: loading the SavedModel and one pass over the index (its digest).
+    Returns ``retrieve(image_bytes, k=None)`` -> ``{"keys", "scores", "labels"}`` as
+    numpy arrays (``keys`` as str), ``retrieve.pixels(images, k=None)`` the same from
+    pixels, ``retrieve.metadata``. Raises :class:`IndexMismatchError` (an index of
+    another model), :class:`DamagedIndexError` (the stored index is not what was
+    exported), ``ValueError`` (no ``retrieve`` signature). Cost: loading the
+    SavedModel and one pass over the index (its digest).
     """
     folder = find_saved_model(path)
     meta = read_export_metadata(folder)

@@ -23,30 +23,9 @@ from tfaploss.models.lr_multipliers import LRMultiplierOptimizer, head_multiplie
 from tfaploss.models.preprocessing import ImageNetNormalization, ImageRescaling
 from tfaploss.models.whitening import PCAWhitening, fit_pca_whitening, with_whitening
 
-__all__ = [
-    "PAPER_ARCHITECTURES",
-    "FrozenBatchNormalization",
-    "GeM",
-    "ImageNetNormalization",
-    "ImageRescaling",
-    "L2Normalize",
-    "LRMultiplierOptimizer",
-    "PCAWhitening",
-    "PoolingError",
-    "TokenPooling",
-    "build_backbone",
-    "build_embedding_model",
-    "build_head",
-    "build_paper_model",
-    "build_pooling",
-    "fit_pca_whitening",
-    "freeze_batch_norm",
-    "has_training_batch_norm",
-    "head_multipliers",
-    "is_hub_backbone",
-    "load_backbone_file",
-    "require_keras_hub",
-    "resolve_imagenet_weights",
-    "small_cnn",
-    "with_whitening",
-]
+__all__ = ["PAPER_ARCHITECTURES", "FrozenBatchNormalization", "GeM", "ImageNetNormalization",
+           "ImageRescaling", "L2Normalize", "LRMultiplierOptimizer", "PCAWhitening", "PoolingError",
+           "TokenPooling", "build_backbone", "build_embedding_model", "build_head",
+           "build_paper_model", "build_pooling", "fit_pca_whitening", "freeze_batch_norm",
+           "has_training_batch_norm", "head_multipliers", "is_hub_backbone", "load_backbone_file",
+           "require_keras_hub", "resolve_imagenet_weights", "small_cnn", "with_whitening"]

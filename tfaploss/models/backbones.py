@@ -35,12 +35,8 @@ def keras_cache_dir() -> str:
 
 
 def resolve_imagenet_weights(backbone: str) -> str:
-    """Path of the cached ImageNet weights of ``backbone``, or a clear error.
-
-    Raises:
-        FileNotFoundError: the file is not in Keras's cache; the message gives the file
-            name, its URL and the ``weights=path`` alternative.
-    """
+    """Path of the cached ImageNet weights of ``backbone``; else a FileNotFoundError
+    giving the file name, its URL and the ``weights=path`` alternative."""
     file_name = IMAGENET_NOTOP_FILES[backbone]
     path = os.path.join(keras_cache_dir(), file_name)
     if os.path.isfile(path):
@@ -105,20 +101,10 @@ def small_cnn(input_shape=(32, 32, 3), widths=(32, 64, 128), name="small_cnn"):
 
 
 def build_backbone(name="resnet50", input_shape=(224, 224, 3), weights=None, **kwargs):
-    """Build a backbone feature extractor (no pooling, no top).
-
-    Args:
-        name: ``"resnet50"``, ``"resnet101"`` (``keras.applications``, caffe-style
-            ImageNet weights) or ``"small_cnn"``.
-        input_shape: ``(H, W, 3)``; ``None`` for H and W accepts any size.
-        weights: ``None`` (random), ``"imagenet"`` (only from Keras's cache, see
-            ``resolve_imagenet_weights``) or the path of a weights file for this
-            backbone (for ResNets the ``*_notop.h5`` file Keras uses).
-        **kwargs: for ``small_cnn`` only: ``widths``.
-
-    Returns:
-        A ``keras.Model`` mapping normalised images to a ``(B, H', W', C)`` feature map.
-    """
+    """A ``keras.Model`` mapping normalised images to a ``(B, H', W', C)`` feature map:
+    ``"resnet50"``, ``"resnet101"`` or ``"small_cnn"`` (``**kwargs``: ``widths``).
+    ``weights``: ``None`` (random), ``"imagenet"`` (only from Keras's cache) or a
+    weights file (for ResNets the ``*_notop.h5`` file Keras uses)."""
     if name not in BACKBONES:
         raise ValueError(f"`backbone` must be one of {BACKBONES}; received backbone={name!r}")
     weights_path = _resolve_weights(name, weights)

@@ -37,14 +37,9 @@ class FrozenBatchNormalization(keras.layers.BatchNormalization):
 
 
 def freeze_batch_norm(model: keras.layers.Layer) -> keras.layers.Layer:
-    """Make every BatchNormalization in ``model`` use its moving statistics, in place.
-
-    Gamma and beta stay trainable. Works on functional, sequential and subclassed
-    models and on nested models (e.g. a ``keras.applications`` backbone inside an
-    embedding model). The change survives ``.keras`` saving and loading.
-
-    Returns the same model, for chaining.
-    """
+    """Make every BatchNormalization in ``model`` (nested models included) use its
+    moving statistics, in place; gamma and beta stay trainable, and the change survives
+    ``.keras`` saving. Returns the same model, for chaining."""
     count = 0
     for layer in model._flatten_layers(include_self=True, recursive=True):
         if type(layer) is keras.layers.BatchNormalization:

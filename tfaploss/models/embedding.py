@@ -41,21 +41,10 @@ PAPER_ARCHITECTURES = {
 DEFAULT_PREPROCESSING = {"resnet50": "caffe", "resnet101": "caffe", "small_cnn": "torch"}
 
 
-def build_embedding_model(
-    backbone="resnet50",
-    pooling="gem",
-    embedding_dim=512,
-    weights=None,
-    input_shape=(224, 224, 3),
-    head="linear",
-    head_bias=True,
-    gem_p=3.0,
-    gem_trainable_p=True,
-    freeze_bn=False,
-    preprocessing="auto",
-    backbone_kwargs=None,
-    name=None,
-):
+def build_embedding_model(backbone="resnet50", pooling="gem", embedding_dim=512,
+                          weights=None, input_shape=(224, 224, 3), head="linear",
+                          head_bias=True, gem_p=3.0, gem_trainable_p=True, freeze_bn=False,
+                          preprocessing="auto", backbone_kwargs=None, name=None):
     """Build an image-retrieval embedding model.
 
     The model is ``images -> [normalisation] -> backbone -> pooling -> [head] -> L2``.
@@ -65,53 +54,36 @@ def build_embedding_model(
 
     Args:
         backbone: ``"resnet50"``, ``"resnet101"`` (``keras.applications``),
-            ``"small_cnn"`` (a small CNN with BatchNorm and no dropout for tests and
-            demos; works on inputs as small as 8x8, e.g. 32x32 digits),
-            ``"keras_hub:<preset>"`` (a keras-hub preset name, handle or local preset
-            folder, see ``tfaploss.models.hub``; needs ``pip install "tfaploss[hub]"``) or a
-            ``keras.Model`` of one image tensor (e.g. ``tfaploss.models.load_backbone_file``).
-            Its output is a feature map ``(B, H', W', C)``, tokens ``(B, T, C)`` (ViT,
-            DINOv2: pooled by ``tfaploss.models.TokenPooling``) or pooled ``(B, C)`` (no pooling).
-        pooling: ``"gem"`` (generalised mean, Revaud et al.), ``"avg"`` (global
-            average, Smooth-AP / PNP / ROADMAP-SOP / FastAP; for tokens the mean of the
-            patch tokens), ``"max_ln"`` (global max + LayerNorm without affine,
-            ROADMAP-CUB) or ``"cls"`` (tokens only: the class token).
-        embedding_dim: size of the embedding (output units of the linear head).
-        weights: backbone weights: ``None`` (random), ``"imagenet"`` (only from
-            Keras's local cache; otherwise a ``FileNotFoundError`` says which file to
-            get and from where) or a path to a backbone weights file (for ResNets the
-            ``*_weights_tf_dim_ordering_tf_kernels_notop.h5`` Keras uses). For a
-            keras-hub backbone: ``None`` (the preset's architecture, random),
-            ``"preset"`` (its weights, which keras-hub downloads on first use) or a
-            ``.weights.h5`` path. For a ``keras.Model`` backbone: ``None`` (its own).
-            Nothing else is ever downloaded.
-        input_shape: ``(H, W, 3)`` of the input images; ``(None, None, 3)`` accepts any
-            size (the layers are all convolutional or global).
-        head: ``"linear"`` (a ``Dense`` layer named ``"head"``) or ``"identity"`` (no
-            projection: the pooled features are the embedding; ``embedding_dim`` must
-            be ``None`` or the backbone's channel count).
+            ``"small_cnn"`` (tests and demos; inputs down to 8x8),
+            ``"keras_hub:<preset>"`` (``tfaploss.models.hub``; the ``hub`` extra) or a
+            ``keras.Model`` of one image tensor (``load_backbone_file``), whose output
+            is a feature map, tokens (pooled by ``TokenPooling``) or pooled features.
+        pooling: ``"gem"`` (Revaud et al.), ``"avg"`` (Smooth-AP / PNP / ROADMAP-SOP /
+            FastAP; for tokens the patch tokens' mean), ``"max_ln"`` (global max +
+            LayerNorm without affine, ROADMAP-CUB) or ``"cls"`` (tokens only).
+        embedding_dim: output units of the linear head.
+        weights: ``None`` (random), ``"imagenet"`` (only from Keras's local cache; else
+            the error says which file to get) or a weights file; for a keras-hub
+            backbone ``"preset"`` (keras-hub downloads it on first use). Nothing else
+            is ever downloaded.
+        input_shape: ``(H, W, 3)``; ``(None, None, 3)`` accepts any size.
+        head: ``"linear"`` (a ``Dense`` named ``"head"``) or ``"identity"`` (the pooled
+            features are the embedding; ``embedding_dim`` None or their width).
         head_bias: whether the linear head has a bias (the papers' heads do).
-        gem_p: initial GeM exponent (``pooling="gem"`` only; the papers use 3).
-        gem_trainable_p: learn the GeM exponent with the network.
-        freeze_bn: make every BatchNorm use its moving statistics while gamma/beta stay
-            trainable (``tfaploss.models.freeze_batch_norm``), the papers' setting and
-            what multi-staged backpropagation needs for exact gradients.
-        preprocessing: the input normalisation layer: ``"auto"`` (what the backbone's
-            weights expect: ``"caffe"`` for the Keras ResNets, ``"torch"`` for
-            ``small_cnn``, a keras-hub preset's own ``ImageConverter`` scale and offset
-            (``tfaploss.models.ImageRescaling``; ``"torch"`` when the preset has none), and
-            ``"torch"`` for a ``keras.Model``, the ImageNet convention most checkpoints
-            use: pass ``None`` if yours normalises its input itself), ``"torch"`` (ImageNet mean/std on [0, 1] pixels),
-            ``"caffe"`` (BGR, mean subtracted) or ``None``/``False`` (the model takes
-            already-normalised inputs).
+        gem_p, gem_trainable_p: GeM's initial exponent (the papers: 3), and whether it
+            is learned.
+        freeze_bn: BatchNorm on its moving statistics, gamma/beta trainable
+            (``freeze_batch_norm``): the papers' setting.
+        preprocessing: the input normalisation: ``"auto"`` (``"caffe"`` for the Keras
+            ResNets, a keras-hub preset's own converter scale and offset, else
+            ``"torch"``), ``"torch"`` (ImageNet mean/std on [0, 1] pixels), ``"caffe"``
+            (BGR, mean subtracted) or ``None`` (inputs already normalised).
         backbone_kwargs: extra arguments of the backbone (``small_cnn``: ``widths``).
         name: model name (default ``"<backbone>_<pooling>_<embedding_dim>"``).
 
     Returns:
-        A functional ``keras.Model``. Its layers are named ``"normalization"``,
-        ``<backbone>`` (a keras-hub preset: the preset's last path part), the pooling
-        (``"gem"``, ``"avg_pool"``, ``"max_ln"`` or ``"cls_token"``), ``"head"`` and
-        ``"l2_normalize"``.
+        A functional ``keras.Model`` whose layers are named ``"normalization"``, the
+        backbone's, the pooling's, ``"head"`` and ``"l2_normalize"``.
 
     Example:
 

@@ -14,14 +14,10 @@ class GeM(keras.layers.Layer):
     pooling and ``p -> inf`` tends to max pooling. Revaud et al. learn ``p``
     (initialised to 3) with the rest of the network.
 
-    Args:
-        p: initial exponent, > 0.
-        eps: floor applied before the power so that gradients stay finite.
-        trainable_p: learn ``p`` (the papers' setting) or keep it fixed.
-        data_format: ``"channels_last"`` (default) or ``"channels_first"``.
-
-    Input ``(B, H, W, C)`` (channels last); output ``(B, C)``. Cost: O(B·H·W·C).
-    Under mixed precision the power and the mean are computed in float32.
+    ``p``: initial exponent, > 0; ``eps``: floor before the power, so that gradients
+    stay finite; ``trainable_p``: learn ``p`` (the papers' setting). Input ``(B, H, W,
+    C)``, output ``(B, C)``; cost O(B·H·W·C); under mixed precision the power and the
+    mean are computed in float32.
     """
 
     def __init__(self, p=3.0, eps=1e-6, trainable_p=True, data_format=None, **kwargs):

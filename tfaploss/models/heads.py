@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from tfaploss.models.config_layer import ConfigLayer, SameShapeLayer
 from tfaploss.models.gem import GeM
 
 POOLINGS = ("gem", "avg", "max_ln", "cls")
@@ -14,7 +15,7 @@ HEAD_LAYER_NAME = "head"
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
-class L2Normalize(keras.layers.Layer):
+class L2Normalize(SameShapeLayer):
     """``x / max(||x||_2, epsilon)`` along ``axis`` (``torch.nn.functional.normalize``).
 
     Args:
@@ -23,6 +24,8 @@ class L2Normalize(keras.layers.Layer):
 
     Cost: O(size of x).
     """
+
+    CONFIG = ("axis", "epsilon")
 
     def __init__(self, axis=-1, epsilon=1e-12, **kwargs):
         super().__init__(**kwargs)
@@ -34,14 +37,6 @@ class L2Normalize(keras.layers.Layer):
         norm = ops.sqrt(ops.sum(ops.square(x), axis=self.axis, keepdims=True))
         return x / ops.maximum(norm, self.epsilon)
 
-    def compute_output_shape(self, input_shape):
-        return input_shape
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(axis=self.axis, epsilon=self.epsilon)
-        return config
-
 
 class PoolingError(ValueError):
     """A pooling that does not fit the backbone's output (GeM on tokens, a class token
@@ -49,7 +44,7 @@ class PoolingError(ValueError):
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
-class TokenPooling(keras.layers.Layer):
+class TokenPooling(ConfigLayer):
     """Pool a token sequence ``(B, T, C)`` of a ViT-like backbone into ``(B, C)``.
 
     - ``mode="cls"``: the class token, ``x[:, 0]``. ViT is trained to classify from it
@@ -65,6 +60,8 @@ class TokenPooling(keras.layers.Layer):
 
     Cost: O(B T C).
     """
+
+    CONFIG = ("mode", "prefix_tokens")
 
     def __init__(self, mode="cls", prefix_tokens=1, **kwargs):
         super().__init__(**kwargs)
@@ -85,40 +82,19 @@ class TokenPooling(keras.layers.Layer):
     def compute_output_shape(self, input_shape):
         return (input_shape[0], input_shape[-1])
 
-    def get_config(self):
-        config = super().get_config()
-        config.update(mode=self.mode, prefix_tokens=self.prefix_tokens)
-        return config
-
 
 def build_pooling(pooling="gem", gem_p=3.0, gem_trainable_p=True, features_rank=4,
                   prefix_tokens=None):
     """A global pooling layer ``(B, H, W, C) -> (B, C)`` or ``(B, T, C) -> (B, C)``.
 
-    For a feature map (``features_rank=4``):
-
-    - ``"gem"``: generalised mean (``tfaploss.models.GeM``), ``p`` initialised to ``gem_p`` and
-      learned when ``gem_trainable_p`` (Revaud et al.).
-    - ``"avg"``: global average pooling (Smooth-AP, PNP, ROADMAP on SOP/iNat, FastAP).
-    - ``"max_ln"``: global max pooling then LayerNorm without affine parameters
-      (ROADMAP on CUB).
-
-    For tokens (``features_rank=3``, ViT, DINOv2), with :class:`TokenPooling`:
-
-    - ``"cls"``: the class token; ``"avg"``: the mean of the patch tokens;
-      ``"max_ln"``: their maximum, then LayerNorm without affine parameters.
-    - ``"gem"`` is refused: GeM's power mean needs non-negative activations (ReLU
-      feature maps); tokens leave LayerNorm signed, and clamping them at ``eps`` would
-      drop half of every channel.
-
-    ``prefix_tokens``: leading non-patch tokens (class token, registers); ``None``
-    (unknown, e.g. a model file) counts none for ``avg``/``max_ln`` and takes token 0 as
-    the class token.
-
-    Returns one layer (a ``keras.Sequential`` for ``"max_ln"``).
-
-    Raises:
-        PoolingError: the pooling does not fit the features.
+    Feature maps (``features_rank=4``): ``"gem"`` (:class:`GeM`, ``p`` from ``gem_p``,
+    learned when ``gem_trainable_p``), ``"avg"``, ``"max_ln"`` (global max, then
+    LayerNorm without affine parameters). Tokens (``features_rank=3``, with
+    :class:`TokenPooling`): ``"cls"``, ``"avg"``, ``"max_ln"``; ``"gem"`` is refused,
+    since its power mean needs non-negative activations and tokens leave LayerNorm
+    signed. ``prefix_tokens``: leading non-patch tokens (``None``: unknown, none for
+    ``avg``/``max_ln``, token 0 as the class token). Raises :class:`PoolingError` when
+    the pooling does not fit the features.
     """
     if features_rank == 3:
         return _token_pooling(pooling, prefix_tokens)

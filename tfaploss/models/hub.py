@@ -1,26 +1,16 @@
 """Backbones from keras-hub presets and from a user's own Keras model file.
 
 ``"keras_hub:<preset>"`` names a keras-hub preset: a built-in name
-(``keras_hub:resnet_50_imagenet``, ``keras_hub:dinov2_small``,
-``keras_hub:vit_base_patch16_224_imagenet``, ``keras_hub:efficientnet_b0_ra_imagenet``),
-a Kaggle or Hugging Face handle (``keras_hub:hf://...``) or a local preset folder
-(``keras_hub:path/to/preset``, written by ``backbone.save_to_preset(path)``). keras-hub
-downloads a built-in preset on first use and caches it (``$KAGGLEHUB_CACHE``); a local
-folder needs no network. keras-hub is an optional part: ``pip install "tfaploss[hub]"``.
+(``keras_hub:dinov2_small``), a Kaggle or Hugging Face handle (``keras_hub:hf://...``)
+or a local preset folder (``backbone.save_to_preset(path)``). keras-hub downloads a
+built-in preset on first use and caches it; it is the optional ``hub`` extra.
 
-A backbone's output is one of:
-
-- a feature map ``(B, H', W', C)`` (ResNet, EfficientNet, a CNN file): pooled by the
-  config's pooling (GeM, average, max + LayerNorm), as for the built-in ResNets;
-- a token sequence ``(B, T, C)`` (ViT, DINOv2, a transformer file): pooled by
-  :class:`tfaploss.models.heads.TokenPooling`, the class token (``pooling: cls``) or the mean of
-  the patch tokens (``avg``);
-- already pooled ``(B, C)``: used as it is.
-
-A preset's own input scaling (its ``ImageConverter``'s per-channel ``scale`` and
-``offset``) becomes the model's :class:`tfaploss.models.preprocessing.ImageRescaling` layer, so the
-model still takes raw pixels in [0, 255]; the converter's resizing is not used (the input
-pipeline crops to ``data.image_size``).
+A backbone's output is a feature map ``(B, H', W', C)`` (pooled as the built-in
+ResNets'), a token sequence ``(B, T, C)`` (ViT, DINOv2: pooled by
+:class:`tfaploss.models.heads.TokenPooling`) or already pooled ``(B, C)``. A preset's
+own input scaling (its ``ImageConverter``'s ``scale`` and ``offset``) becomes the
+model's :class:`tfaploss.models.preprocessing.ImageRescaling` layer, so the model still
+takes raw pixels in [0, 255]; the converter's resizing is not used.
 """
 
 from __future__ import annotations
@@ -88,20 +78,11 @@ def preset_layer_name(preset: str) -> str:
 
 
 def hub_backbone(backbone: str, input_shape, weights=None):
-    """A keras-hub preset's backbone, and what the model needs around it.
-
-    Args:
-        backbone: ``"keras_hub:<preset>"``.
-        input_shape: ``(H, W, 3)``, passed to the preset as ``image_shape`` (ViT and
-            DINOv2 need H and W; DINOv2 interpolates its position embeddings to them).
-        weights: ``None`` (the preset's architecture, random weights), ``"preset"`` (the
-            preset's weights, downloaded by keras-hub on first use) or the path of a
-            ``.weights.h5`` file of this backbone.
-
-    Returns:
-        ``(model, prefix_tokens)``: the backbone as a plain functional model (see
-        :func:`plain_functional`) and, for a token-sequence output, the number of
-        leading non-patch tokens (:func:`prefix_tokens`).
+    """``(model, prefix_tokens)`` of a keras-hub preset (``"keras_hub:<preset>"``): the
+    backbone as a plain functional model and, for a token-sequence output, the number
+    of leading non-patch tokens. ``input_shape`` goes to the preset as ``image_shape``
+    (ViT and DINOv2 need H and W); ``weights``: ``None`` (random), ``"preset"`` or a
+    ``.weights.h5`` file.
     """
     hub = require_keras_hub()
     preset = hub_preset(backbone)

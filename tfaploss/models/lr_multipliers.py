@@ -32,29 +32,15 @@ class LRMultiplierOptimizer(keras.optimizers.Optimizer):
     """Wrap an optimizer so that chosen variables learn ``k`` times faster.
 
     Each variable whose ``variable.path`` matches a pattern of ``multipliers``
-    (``re.search``, first match in insertion order wins) is updated by the inner
-    optimizer's own rule with ``learning_rate * k``; the others with
-    ``learning_rate``. Everything else (iterations, schedules, momentum/Adam state,
-    clipping, EMA, loss scaling) is the inner optimizer's. Decoupled weight decay keeps
-    the base learning rate (Keras applies it outside the update step).
+    (``{regex: factor}``, ``re.search``, first match wins) is updated by the inner
+    optimizer's own rule with ``learning_rate * factor``; everything else (schedules,
+    optimizer state, clipping, loss scaling) is the inner optimizer's, which the wrapper
+    owns from then on. Decoupled weight decay keeps the base learning rate (Keras applies
+    it outside the update step). Works in ``compile``, with ``optimizer.apply`` in a
+    custom step, under ``tf.distribute`` and inside ``LossScaleOptimizer``. Cost: a
+    multiplication per variable per step.
 
-    Works with ``model.compile(optimizer=LRMultiplierOptimizer(...))``, with a custom
-    ``train_step`` calling ``optimizer.apply(grads, variables)``, under
-    ``tf.distribute`` and inside ``keras.optimizers.LossScaleOptimizer``.
-
-    Example::
-
-        opt = LRMultiplierOptimizer(keras.optimizers.Adam(1e-4), head_multipliers(10.0))
-        model.compile(optimizer=opt, loss=...)
-
-    Args:
-        inner_optimizer: the ``keras.optimizers.Optimizer`` that does the updates. The
-            wrapper owns it: don't use it on its own afterwards.
-        multipliers: ``{regex: factor}`` matched against variable paths such as
-            ``"head/kernel"`` (``"(^|/)head/"`` is what ``head_multipliers`` gives).
-        name: optimizer name.
-
-    Cost: a multiplication per variable per step.
+    Example: ``LRMultiplierOptimizer(keras.optimizers.Adam(1e-4), head_multipliers(10.0))``.
     """
 
     def __init__(self, inner_optimizer, multipliers=None, name=None, **kwargs):

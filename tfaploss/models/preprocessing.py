@@ -5,6 +5,8 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from tfaploss.models.config_layer import SameShapeLayer
+
 IMAGENET_MEAN_RGB = (0.485, 0.456, 0.406)
 IMAGENET_STD_RGB = (0.229, 0.224, 0.225)
 # ``keras.applications.resnet.preprocess_input`` ("caffe"): BGR order, mean removed.
@@ -13,7 +15,7 @@ MODES = ("torch", "caffe")
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
-class ImageNetNormalization(keras.layers.Layer):
+class ImageNetNormalization(SameShapeLayer):
     """Normalise raw RGB pixels in [0, 255] as an ImageNet-trained backbone expects.
 
     - ``mode="torch"``: ``(x / 255 - mean) / std`` per channel, with the ImageNet
@@ -25,6 +27,8 @@ class ImageNetNormalization(keras.layers.Layer):
 
     Input and output ``(..., 3)``, channels last. Cost: O(pixels).
     """
+
+    CONFIG = ("mode",)
 
     def __init__(self, mode="torch", **kwargs):
         super().__init__(**kwargs)
@@ -43,34 +47,18 @@ class ImageNetNormalization(keras.layers.Layer):
                                       dtype=x.dtype)
         return (x - mean) * scale
 
-    def compute_output_shape(self, input_shape):
-        return input_shape
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(mode=self.mode)
-        return config
-
 
 @keras.saving.register_keras_serializable(package="tfaploss")
-class ImageRescaling(keras.layers.Layer):
+class ImageRescaling(SameShapeLayer):
     """``x * scale + offset`` on raw RGB pixels in [0, 255], per channel or global.
 
-    The normalisation of a keras-hub preset, taken from its ``ImageConverter`` (whose
-    ``scale`` and ``offset`` mean the same), inside the model so that a served model
-    still takes raw pixels. ``ImageNetNormalization("torch")`` is the case
-    ``scale = 1 / (255 std)``, ``offset = -mean / std``.
-
-    Args:
-        scale: a number, 3 numbers (R, G, B) or ``None`` (1).
-        offset: a number, 3 numbers or ``None`` (0).
-
-    Input and output ``(..., 3)``, channels last. Cost: O(pixels).
-
-    Example:
-
-    >>> layer = ImageRescaling(scale=1 / 127.5, offset=-1.0)  # [0, 255] -> [-1, 1]
+    The normalisation of a keras-hub preset (its ``ImageConverter``'s ``scale`` and
+    ``offset``), inside the model so that a served model still takes raw pixels.
+    ``scale``, ``offset``: a number, 3 numbers (R, G, B) or ``None`` (1, 0). Input and
+    output ``(..., 3)``, channels last. Cost: O(pixels).
     """
+
+    CONFIG = ("scale", "offset")
 
     def __init__(self, scale=None, offset=None, **kwargs):
         super().__init__(**kwargs)
@@ -84,14 +72,6 @@ class ImageRescaling(keras.layers.Layer):
         if self.offset is not None:
             x = x + ops.convert_to_tensor(self.offset, dtype=x.dtype)
         return x
-
-    def compute_output_shape(self, input_shape):
-        return input_shape
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(scale=self.scale, offset=self.offset)
-        return config
 
 
 def _numbers(value, name):

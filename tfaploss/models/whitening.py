@@ -16,23 +16,18 @@ import keras
 import numpy as np
 from keras import ops
 
+from tfaploss.models.config_layer import ConfigLayer
+
 
 @keras.saving.register_keras_serializable(package="tfaploss")
-class PCAWhitening(keras.layers.Layer):
-    """Apply a learned PCA whitening ``y = L2((x - mean) @ projection)``.
-
-    ``projection`` is ``U^T / lambda^p`` (shape ``(D, units)``), fitted by
-    ``fit_pca_whitening``; both weights are non-trainable and saved with the model.
-
-    Args:
-        units: output dimension (number of principal components kept).
-        power: the exponent ``p`` the projection was fitted with (recorded for
-            reference; the weights already include it).
-        l2_normalize: L2-normalise the output (the papers do).
-        epsilon: floor of the output norm.
-
-    Input ``(B, D)``, output ``(B, units)``. Cost: O(B·D·units).
+class PCAWhitening(ConfigLayer):
+    """Apply a learned PCA whitening ``y = L2((x - mean) @ projection)``, ``projection``
+    = ``U^T / lambda^p`` ``(D, units)`` fitted by ``fit_pca_whitening`` (non-trainable,
+    saved with the model). ``power`` is recorded for reference (the weights include
+    it); ``epsilon``: floor of the output norm. Cost: O(B·D·units).
     """
+
+    CONFIG = ("units", "power", "l2_normalize", "epsilon")
 
     def __init__(self, units, power=0.25, l2_normalize=True, epsilon=1e-12, **kwargs):
         super().__init__(**kwargs)
@@ -46,10 +41,8 @@ class PCAWhitening(keras.layers.Layer):
     def build(self, input_shape):
         dim = input_shape[-1]
         if dim is None or self.units > dim:
-            raise ValueError(
-                f"PCAWhitening: input dimension must be known and >= units={self.units}; "
-                f"received input_shape={input_shape}"
-            )
+            raise ValueError(f"PCAWhitening: input dimension must be known and >= "
+                             f"units={self.units}; received input_shape={input_shape}")
         self.mean = self.add_weight(name="mean", shape=(dim,), initializer="zeros",
                                     trainable=False)
         self.projection = self.add_weight(name="projection", shape=(dim, self.units),
@@ -66,11 +59,6 @@ class PCAWhitening(keras.layers.Layer):
     def compute_output_shape(self, input_shape):
         return tuple(input_shape[:-1]) + (self.units,)
 
-    def get_config(self):
-        config = super().get_config()
-        config.update(units=self.units, power=self.power, l2_normalize=self.l2_normalize,
-                      epsilon=self.epsilon)
-        return config
 
 
 def pca_whitening_params(descriptors, power=0.25, dim=None, eigenvalue_floor=1e-6):
@@ -108,20 +96,11 @@ def pca_whitening_params(descriptors, power=0.25, dim=None, eigenvalue_floor=1e-
 
 def fit_pca_whitening(descriptors, power=0.25, dim=None, eigenvalue_floor=1e-6,
                       l2_normalize=True, name="whitening"):
-    """Learn a ``PCAWhitening`` layer from training descriptors ``(N, D)``.
-
-    Args:
-        descriptors: numpy array or tensor ``(N, D)``, typically the L2-normalised
-            embeddings of the training images.
-        power: ``p`` in ``lambda^p``; 0.25 is Revaud et al.'s square-rooted PCA,
-            0.5 full whitening, 0 plain PCA rotation.
-        dim: components kept (default all ``D``); ``dim < D`` also reduces the size.
-        eigenvalue_floor: relative floor of the eigenvalues (see
-            ``pca_whitening_params``).
-        l2_normalize: L2-normalise the whitened output.
-
-    Returns:
-        A built ``PCAWhitening`` layer holding the fitted weights.
+    """A built ``PCAWhitening`` layer fitted on training descriptors ``(N, D)`` (typically
+    the L2-normalised training embeddings). ``power``: ``p`` in ``lambda^p`` (0.25:
+    Revaud et al.'s square-rooted PCA, 0.5 full whitening, 0 a plain rotation);
+    ``dim``: components kept (default all); ``eigenvalue_floor``: see
+    :func:`pca_whitening_params`.
     """
     mean, projection, _ = pca_whitening_params(descriptors, power, dim, eigenvalue_floor)
     # float32 (float64 under a float64 policy) even under mixed precision: small

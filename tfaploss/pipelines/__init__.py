@@ -36,40 +36,9 @@ The jobs need the ``beam`` extra (``pip install "tfaploss[beam]"``; ``tfds_sourc
 ``tfds``, the Dask runner ``dask``): ``python -m tfaploss.pipelines.<job>`` without it stops with
 one line saying so. ``import pipelines`` itself needs nothing beyond the core install.
 
-Per-image ``tf.train.Example`` schema (:data:`tfaploss.pipelines.tf_example.IMAGE_FEATURES`):
-
-=========================== ========= ===================================================
-key                         type      meaning
-=========================== ========= ===================================================
-``image/encoded``           bytes     JPEG, RGB, EXIF orientation applied, resized so the
-                                      longer side is at most ``--max_side`` (if given)
-``image/format``            bytes     ``b"jpeg"``
-``image/id``                bytes     the dataset's image id (unique within a split)
-``image/path``              bytes     path of the source file relative to ``--input_dir``
-``image/index``             int64     position of the image in the split's sorted listing
-                                      (for revisited Oxford/Paris: the index into
-                                      ``imlist`` / ``qimlist`` the ground truth uses)
-``image/height``            int64     height of the encoded image
-``image/width``             int64     width of the encoded image
-``image/class/label``       int64     class, contiguous ``0..C-1`` per split (-1: none)
-``image/class/super_label`` int64     super-class, contiguous ``0..S-1`` (-1: none)
-``image/class/text``        bytes     the class as the dataset names it (folder, id)
-``image/bbox``              float x4  ``[x0, y0, x1, y1]`` in source pixels; only for
-                                      images cropped to a box (revisited queries)
-=========================== ========= ===================================================
-
-Per-class ("by_class") record schema (:data:`tfaploss.pipelines.tf_example.CLASS_FEATURES`), the
-layout :mod:`tfaploss.data` samples P classes x m images from while streaming:
-
-============================ ========= ==================================================
-``class/label``              int64     class label (as in the per-image records)
-``class/super_label``        int64     super-class label (-1: none)
-``class/num_images``         int64     images of the whole class
-``class/chunk``              int64     chunk index within the class
-``class/num_chunks``         int64     chunks the class was split into
-``image/encoded``            bytes xN  the chunk's JPEGs (N <= ``--class_chunk_size``)
-``image/id``                 bytes xN  their ids
-============================ ========= ==================================================
+The record schemas, key by key, are :data:`tfaploss.pipelines.tf_example.IMAGE_FEATURES`
+(one ``tf.train.Example`` per image) and ``CLASS_FEATURES`` (one record per chunk of a
+class, the layout :mod:`tfaploss.data` samples P classes x m images from).
 """
 
 import sys

@@ -1,14 +1,11 @@
 """What a job prints: its plan, progress and summary, its result, and Beam's internals
 only when asked; and the shared ``__main__`` of the jobs.
 
-Beam logs dozens of lines per local run (``apitools not found``, Google Cloud scopes,
-worker start-up, snappy/CRC notices); none of them helps a user. The jobs keep Beam's
-loggers at WARNING (``--verbose``: INFO) and log their own lines on their module
-loggers under ``pipelines`` (the scheme: :mod:`tfaploss.log`): the plan, progress every
-few seconds on long runs, and a summary, on stderr as plain lines (no carriage returns,
-no colour codes: a log file reads the same as the terminal). The result, one line per
-split (what a script reads), goes to the ``tfaploss.pipelines.result`` logger, which
-:func:`configure` sends to stdout.
+Beam logs dozens of lines per local run, none of which helps a user: the jobs keep
+Beam's loggers at WARNING (``--verbose``: INFO) and log their own plan, progress and
+summary on stderr as plain lines (a log file reads as the terminal). The result, one
+line per split (what a script reads), goes to the ``tfaploss.pipelines.result``
+logger, which :func:`configure` sends to stdout.
 """
 
 from __future__ import annotations
@@ -17,6 +14,8 @@ import contextlib
 import logging
 import sys
 import time
+
+from tfaploss.log import DETAILED_FORMAT, PLAIN_FORMAT, PlainHandler
 
 PACKAGE = logging.getLogger("tfaploss.pipelines")  # every module logger of the jobs is below it
 LOG = logging.getLogger(__name__)
@@ -94,29 +93,17 @@ def beam_quiet_on(*types: type):
             logger.removeFilter(drop)
 
 
-class _StdoutHandler(logging.Handler):
-    """The result lines, on the ``sys.stdout`` of the moment, flushed at once."""
-
-    def emit(self, record):
-        try:
-            sys.stdout.write(self.format(record) + "\n")
-            sys.stdout.flush()
-        except Exception:  # noqa: BLE001 - logging must not raise
-            self.handleError(record)
-
-
 def configure(verbose: bool = False) -> None:
     """For a job's ``__main__`` only: its lines on stderr as ``message`` (``verbose``:
     with time, logger and level), the result on stdout, Beam at WARNING unless
     ``verbose``."""
     root = logging.getLogger()
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(
-        "%(asctime)s %(name)s %(levelname)s: %(message)s" if verbose else "%(message)s"))
+    handler.setFormatter(logging.Formatter(DETAILED_FORMAT if verbose else PLAIN_FORMAT))
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO if verbose else logging.WARNING)
     PACKAGE.setLevel(logging.INFO)
-    RESULT.handlers[:] = [_StdoutHandler()]
+    RESULT.handlers[:] = [PlainHandler()]  # an INFO line: stdout, flushed at once
     RESULT.propagate = False
     for name in _NOISY:
         logging.getLogger(name).setLevel(logging.INFO if verbose else logging.ERROR

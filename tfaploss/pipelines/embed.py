@@ -4,37 +4,24 @@ For sets too large for one process (the 1M revisited distractors, the GLDv2 inde
 
     python -m tfaploss.pipelines.embed --input OUT/test --model EXPORT/1 --output EMB [Beam options]
 
-``--input`` is either TFRecords written by the other jobs (a directory holding
-``*.tfrecord*`` files, or a glob; schema ``image/encoded``, ``image/id``,
-``image/class/label``) or image files (a directory searched recursively, or a glob;
-the id is the path relative to the directory, the label the index of the top-level
-folder in sorted order with ``--labels_from_folders``, else -1).
+``--input``: TFRecords written by the other jobs (a directory or a glob) or image files
+(a directory searched recursively, or a glob; the id is the relative path, the label
+the index of the top-level folder with ``--labels_from_folders``, else -1).
+``--model``: a SavedModel written by ``tfaploss.export.export_saved_model``, loaded
+once per worker with ``tf.saved_model.load`` (no Keras needed); RunInference batches
+the images.
 
-``--model`` is a SavedModel directory as written by
-``tfaploss.export.export_saved_model`` (a ``serving_default`` signature taking a
-string tensor ``image_bytes`` and returning ``embedding``). It is loaded once per
-worker with ``tf.saved_model.load`` (no Keras needed) by :class:`SavedModelBytesHandler`,
-a Beam ``ModelHandler``; RunInference batches the images.
-
-Output (read back with ``tfaploss.evaluation.load_embeddings(EMB)`` or passed as a
-path to ``tfaploss.evaluation.evaluate``)::
+Output (``tfaploss.evaluation.load_embeddings(EMB)`` reads it)::
 
     EMB/embeddings-00000-of-0000N.tfrecord   embedding, image/id, image/class/label
-    EMB/dead_letters.jsonl                   {"id", "path", "reason"} per image that
-                                             could not be read or decoded
+    EMB/dead_letters.jsonl                   {"id", "path", "reason"} per failed image
     EMB/manifest.json                        counts, model, options
 
-A re-run writes the new version into ``.EMB.incoming`` beside ``EMB`` and swaps it in
-only when the embeddings, dead letters and manifest are all written
-(:func:`tfaploss.pipelines.storage.publish`): killed midway, the previous output stays intact.
-``EMB`` must be new, empty, or an earlier output of this job. One job at a time per
-``EMB``: the job holds the lock ``.EMB.tfaploss.lock`` beside it
-(:mod:`tfaploss.durable.locks`), and a second one is refused (exit 2), naming the first.
-
-An undecodable image does not stop the job or the batch: the batch is retried image
-by image and the bad one goes to the dead letters. The job exits 1 when more than
-``--max_failure_fraction`` of the inputs fail. Without ``--runner`` the local
-DirectRunner runs in one process (TensorFlow already uses every core inside it).
+A re-run writes into ``.EMB.incoming`` and swaps it in only when everything is written:
+killed midway, the previous output stays intact. One job at a time per ``EMB`` (its
+lock). An undecodable image does not stop the batch: it is retried image by image
+and the bad one goes to the dead letters. Without ``--runner`` the local DirectRunner
+runs in one process (TensorFlow already uses every core inside it).
 """
 
 from __future__ import annotations
@@ -82,13 +69,9 @@ class _LoadedModel:
 
 
 class SavedModelBytesHandler(ModelHandler):
-    """A Beam ``ModelHandler``: encoded image bytes -> embedding, with a SavedModel.
-
-    ``load_model`` runs ``tf.saved_model.load(model_path)``; ``run_inference`` calls
-    the ``signature`` with a batch of byte strings. When the batch is refused (an
-    undecodable image raises ``InvalidArgumentError``) each image is run alone and the
-    bad ones come back with ``inference={"error": message}``.
-    """
+    """A Beam ``ModelHandler``: encoded image bytes -> embedding, with a SavedModel. A
+    batch refused for an undecodable image is run image by image, the bad ones coming
+    back with ``inference={"error": message}``."""
 
     def __init__(self, model_path: str, signature: str = "serving_default",
                  input_key: str | None = None, output_key: str | None = None,
@@ -337,14 +320,10 @@ def run(argv: list[str] | None = None) -> dict:
         try:
             return _embed(args, beam_argv, gfile, kind, inputs, final)
         except Exception as err:
-            stage = storage.join(parent or ".", f".{base}.incoming")
-            full = atomic.disk_full_in(err, stage)
+            full = storage.disk_full_stage(err, storage.join(parent or ".", f".{base}.incoming"))
             if full is None:
                 raise
-            # The previous output is untouched; what the run wrote would keep the disk
-            # full. The error comes out whole, not inside Beam's RuntimeError.
-            storage.remove_tree(stage)
-            raise full from None
+            raise full from None  # whole, not inside Beam's RuntimeError
 
 
 def _embed(args, beam_argv, gfile, kind, inputs, final) -> dict:
@@ -422,6 +401,7 @@ def _run_checked(pipeline, kind, inputs):
     the file, the record and the command that rebuilds it (a record that parses but
     holds no image is a dead letter, as before)."""
     from tfaploss.data import integrity
+    from tfaploss.data.record_checks import scan_shard
 
     splits = sorted({integrity.split_dir_of(p) for p in inputs}) if kind == "tfrecord" else []
     # One CRC pass over the inputs before the job: far cheaper than the inference that
@@ -432,7 +412,7 @@ def _run_checked(pipeline, kind, inputs):
     for path in inputs if kind == "tfrecord" else []:
         if "://" not in path and not os.path.isfile(os.path.join(
                 integrity.split_dir_of(path), "manifest.json")):
-            _, damage = integrity.scan_shard(path)
+            _, damage = scan_shard(path)
             if damage is not None:
                 raise integrity.damaged_error(integrity.split_dir_of(path), damage,
                                               what="embedding")

@@ -6,17 +6,9 @@ e.g. 8x8 PNGs). Class names are sorted in natural order ("2" before "10"); image
 are the paths relative to ``INPUT_DIR``.
 
 Every file under ``INPUT_DIR`` ends up in exactly one of: the records, the dead letters
-(unreadable or undecodable images, file names that are not UTF-8, folders that cannot
-be listed), or ``ignored_files.jsonl`` with its reason (files that are not images,
-files outside a class folder, names starting with ``.`` or ``_`` at any depth and
-everything below such a folder, links refused by the link policy).
-
-Links, files and folders alike, class folders included (:mod:`tfaploss.pipelines.links`): a link
-inside ``INPUT_DIR`` is followed, one that leaves it is ignored unless
-``--follow_external_links`` is given, a loop or a second name for a file or folder already
-listed (e.g. a link into another class folder) is ignored with its reason, and a
-dangling link is a dead letter. Real paths are listed before any link, so a link never
-moves a file out of the class folder it sits in.
+(unreadable or undecodable images, names that are not UTF-8, folders that cannot be
+listed), or ``ignored_files.jsonl`` with its reason (not an image, outside a class
+folder, hidden names, links refused by :mod:`tfaploss.pipelines.links`).
 
 Splits: without a split option everything goes to one split (``--split_name``,
 default ``train``). ``--test_classes 6,7,8,9`` puts those classes in ``test`` and the
@@ -94,18 +86,15 @@ def _list_class(listing: Listing, policy: LK.LinkPolicy, cls: str, path: str,
                 rel_cls: str) -> None:
     files = listing.classes.setdefault(cls, [])
 
+    def ignore(rel: str, why: str) -> None:
+        listing.add_ignored(cls, rel, why)
+
     def add_file(rel: str, _path: str, real: str) -> None:
-        if not rel.lower().endswith(I.IMAGE_EXTENSIONS):
-            listing.add_ignored(cls, rel, "not an image file extension")
-            return
-        same = policy.claim_file(real, rel)
-        if same:
-            listing.add_ignored(cls, rel, same)
-        else:
+        if policy.admit(rel, real, I.IMAGE_EXTENSIONS, "not an image file extension",
+                        ignore):
             files.append((rel, policy.bound(real)))
 
-    LK.walk(path, rel_cls, policy, add_file,
-            lambda rel, why: listing.add_ignored(cls, rel, why),
+    LK.walk(path, rel_cls, policy, add_file, ignore,
             lambda rel, code, detail: listing.add_dead(cls, rel, code, detail))
 
 
@@ -247,8 +236,7 @@ def _plan_split_folders(args, top: Listing, splits: list[str]) -> list[R.SplitPl
 
 def run(argv: list[str] | None = None) -> dict[str, dict]:
     """Run the job in-process; returns ``{split: manifest}``."""
-    args, options = opts.parse_args(parser(), argv)
-    return R.run_job("folder", plan(args), args, options)
+    return R.run_command("folder", parser(), plan, argv)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,15 @@
 """Font files read with fontTools: their faces, what each face maps a character to, and
 whether that glyph has an outline worth rendering.
 
-Used by the driver of :mod:`tfaploss.pipelines.glyphs` while planning (the workers render with
-FreeType through Pillow, :mod:`tfaploss.pipelines.glyph_render`). A ``.ttf`` / ``.otf`` file holds
-one face; a ``.ttc`` / ``.otc`` collection holds several, each a face of its own. Only
-the tables needed are read, and glyphs one by one: a CJK font has tens of thousands of
-glyphs and a job looks at a few thousand. Faces of a collection that share their
-outline table (the Noto CJK collections: one CFF table for ten faces) read it once.
+Used by the driver of :mod:`tfaploss.pipelines.glyphs` while planning (the workers render
+with :mod:`tfaploss.pipelines.glyph_render`). Only the tables needed are read, and glyphs
+one by one: a CJK font has tens of thousands of glyphs and a job looks at a few
+thousand; faces of a collection that share their outline table read it once.
 
-:meth:`Face.glyph` sorts one character of a face into: not in the cmap; mapped to the
-``.notdef`` glyph (glyph 0) or to a copy of its outline (a "missing glyph" box drawn
-as a glyph of its own); an empty outline (a TrueType glyph without contours or with a
-bounding box of zero area, a CFF charstring without a line, a curve or a subroutine
-call); or a usable glyph, with a fingerprint of its outline. Two faces whose glyphs
-share a fingerprint draw the same outline: the same charstring of the same CFF table
-(by content) or TrueType glyphs with the same points, whatever their hinting.
+:meth:`Face.glyph` sorts one character of a face into: not in the cmap; mapped to
+``.notdef`` or to a copy of its outline (a "missing glyph" box drawn as a glyph of its
+own); an empty outline; or a usable glyph, with a fingerprint of its outline (two faces
+whose glyphs share it draw the same outline, whatever their hinting).
 """
 
 from __future__ import annotations
@@ -48,15 +43,9 @@ _CFF_DRAWING = frozenset({
 _CFF_SHORT = 16
 
 
-class FontError(Exception):
-    """A font file fontTools cannot read, or one without outlines or a Unicode cmap;
-    ``code`` is a failure code of :mod:`tfaploss.pipelines.images` (``truncated``,
-    ``undecodable``, ``empty_file``)."""
-
-    def __init__(self, code: str, detail: str):
-        super().__init__(f"{code}: {detail}")
-        self.code = code
-        self.detail = detail
+class FontError(I.ImageError):
+    """A font file fontTools cannot read, or one without outlines or a Unicode cmap
+    (``code``: ``truncated``, ``undecodable``, ``empty_file``)."""
 
 
 @dataclass(frozen=True)

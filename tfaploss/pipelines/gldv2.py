@@ -163,13 +163,15 @@ def plan_retrieval(args) -> list[R.SplitPlan]:
                         files={"ground_truth.json": truth_json})]
 
 
-def run(argv: list[str] | None = None) -> dict[str, dict]:
-    """Run the job in-process; returns ``{split: manifest}``."""
-    args, options = opts.parse_args(parser(), argv)
+def plan(args) -> list[R.SplitPlan]:
     if args.min_images_per_class < 1:
         raise ValueError(f"--min_images_per_class must be >= 1, got {args.min_images_per_class}")
-    plans = plan_train(args) if args.subset == "train" else plan_retrieval(args)
-    return R.run_job("gldv2", plans, args, options)
+    return plan_train(args) if args.subset == "train" else plan_retrieval(args)
+
+
+def run(argv: list[str] | None = None) -> dict[str, dict]:
+    """Run the job in-process; returns ``{split: manifest}``."""
+    return R.run_command("gldv2", parser(), plan, argv)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,12 @@
 """One character of one font face -> a small image: the worker side of :mod:`tfaploss.pipelines.glyphs`.
 
-Pillow's FreeType renders the glyph at a fixed size, ``2 * canvas`` pixels per em
-(anti-aliased, then scaled down: smooth edges at any canvas size); its ink is cropped,
-scaled so that the em square fills ``scale`` of the canvas inside the margin (glyphs
-keep their sizes relative to each other: a small character stays small), scaled down
-further if its ink would leave that box, and pasted black on a white square canvas,
-centred on its ink and shifted by ``(shift_x, shift_y)`` canvas widths, never past the
-canvas edge, so no glyph is cropped. ``stroke`` (canvas pixels) thickens the strokes
-with Pillow's ``stroke_width``.
-
-The jitter of each image (scale, shift, stroke) comes from :func:`jitter`, a function
-of ``(seed, face id, code point)`` through SHA-256, so a rerun draws the same images
-whatever the order or the process the work runs in. Pure Pillow, no Beam, no fontTools.
+Pillow's FreeType renders the glyph at ``2 * canvas`` pixels per em (then scaled down:
+smooth edges at any canvas size); its ink is cropped, scaled so that the em square
+fills ``scale`` of the canvas inside the margin (a small character stays small), and
+further if its ink would leave that box, and pasted black on white, centred on its ink
+and shifted by ``(shift_x, shift_y)`` canvas widths, never past the edge. The jitter
+comes from :func:`jitter`, SHA-256 of ``(seed, face id, code point)``: a rerun draws the
+same images whatever the order or process. Pure Pillow, no Beam, no fontTools.
 """
 
 from __future__ import annotations

@@ -1,52 +1,32 @@
 """A folder of fonts -> a retrieval dataset: one class per character, one image per face.
 
-Reads every ``.ttf``, ``.otf``, ``.ttc`` and ``.otc`` file under ``INPUT_DIR`` (searched
-recursively; each face of a collection is a face of its own) with fontTools, picks the
-characters of ``--charset`` that most faces have, and has the image workers render
-each with every face that has it (:mod:`tfaploss.pipelines.glyph_render`, FreeType through
-Pillow): black on a white ``--canvas_size`` square, the em filling the canvas inside
-``--margin`` (so a small character stays small), centred on its ink and shrunk if its
-ink would not fit (never cropped), with a seeded jitter of scale, shift and stroke
-width. Like SOP's products the classes are many and small, and test classes are never
-seen in training.
+Reads every ``.ttf``, ``.otf``, ``.ttc`` and ``.otc`` file under ``INPUT_DIR`` (each face
+of a collection a face of its own) with fontTools, picks the characters of
+``--charset`` that most faces have, and has the image workers render each with every
+face that has it (:mod:`tfaploss.pipelines.glyph_render`): black on white, the em
+filling the canvas inside ``--margin`` (a small character stays small), centred on
+its ink and never cropped, with a seeded jitter of scale, shift and stroke width
+(SHA-256 of seed, face and code point: a rerun writes the same bytes). docs/data.md
+has the figures.
 
-Characters (``--charset``, default ``cjk``): ``cjk`` (CJK unified ideographs
-U+4E00-U+9FFF), ``hangul`` (Hangul syllables U+AC00-U+D7A3), ``latin`` (U+0021-U+007E,
-U+00A1-U+017F), several joined by ``+`` (``cjk+hangul``), or ranges such as
-``U+4E00-U+4FFF,U+AC00-U+ACFF``; control, format, space, combining and unassigned code
-points are left out. A face *takes part* in a named set or range when its cmap has at
-least one of its characters; a character is *covered* when at least
-``--min_coverage`` (0.9) of the faces taking part in its set have it in their cmap.
-At most ``--max_classes`` (3000; 0: all) covered characters are kept, a seeded sample
-when there are more; characters left with fewer than ``--min_images`` (2) images after
-the checks below are dropped.
+A face *takes part* in a named set or range when its cmap has one of its characters;
+a character is *covered* when ``--min_coverage`` of the faces taking part in its set
+have it; at most ``--max_classes`` covered characters are kept (a seeded sample), and
+those left with fewer than ``--min_images`` images are dropped. Splits are by class
+(zero-shot): a seeded shuffle puts ``--test_fraction`` in ``test``,
+``--val_fraction`` in ``val`` and the rest in ``train``; labels are contiguous per
+split in code-point order, ``label_map`` gives ``"U+4E00 一"``, the manifest's
+``glyphs`` entry the faces and their image counts.
 
-Splits, by class (zero-shot): a seeded shuffle of the kept characters puts
-``--test_fraction`` (0.5) of them in ``test``, ``--val_fraction`` (0.1; 0: no val
-split) in ``val``, held out of the training side to tune e.g. learning rates without
-touching test, and the rest in ``train``. Labels are contiguous ``0..C-1`` within each
-split in code-point order; the manifest's ``label_map`` gives ``"U+4E00 一"`` for each
-label, its ``glyphs`` entry the faces and their image counts. ``train`` and ``val`` get
-the by-class layout the samplers read (unless ``--by_class none``).
-
-Every file under ``INPUT_DIR`` ends up in exactly one place: a font file that fontTools
-or FreeType cannot read is a dead letter (a glyph they fail on: that pair); other files, names starting with ``.`` or
-``_`` (at any depth), and symlinks refused by the one link policy of
-:mod:`tfaploss.pipelines.links` (leaving ``INPUT_DIR`` without ``--follow_external_links``, loops,
-second names of a listed file or folder) are in ``ignored_files.jsonl`` with their reason. Each (kept character, face taking part in
-its set) pair gives an image or an entry ``{"path", "face", "char": "U+XXXX",
-"reason"}`` in the character's split's ``ignored_files.jsonl``: ``not in cmap``,
-``mapped to .notdef``, ``same outline as .notdef`` (a box drawn as a glyph), ``empty
-outline``, ``no ink when rendered`` (FreeType, while planning), ``same outline as
-another face`` (``same_as`` names it: the faces of a collection share most glyphs,
-IPAPGothic and TakaoGothic draw IPAGothic's; ``--keep_duplicate_outlines`` renders
-them all) or ``character with fewer than --min_images images``. No tofu box is
-rendered. A face taking part in no set is listed once; dead letters and file-level
-entries go with the first split (``train``).
-
-Each image's jitter comes from SHA-256 of (``--seed``, face, code point): a rerun with
-the same fonts and options writes the same bytes. Fonts are read from a local folder
-(FreeType opens the files); the planning runs on one forked process per core.
+Every file under ``INPUT_DIR`` ends up in exactly one place: an unreadable font is a
+dead letter (a glyph FreeType fails on: that pair); other files, hidden names and the
+links :mod:`tfaploss.pipelines.links` refuses are in ``ignored_files.jsonl`` with
+their reason. Each (kept character, face taking part) pair gives an image or an
+ignored entry ``{"path", "face", "char", "reason"}``: ``not in cmap``, ``mapped to
+.notdef``, ``same outline as .notdef`` (a box drawn as a glyph), ``empty outline``,
+``no ink when rendered``, ``same outline as another face`` (``same_as`` names it;
+``--keep_duplicate_outlines`` renders them all) or ``character with fewer than
+--min_images images``: no tofu box is rendered. Fonts are read from a local folder.
 
     python -m tfaploss.pipelines.glyphs --input_dir data/fonts/extracted --output_dir data/glyphs
     python -m tfaploss.pipelines.glyphs --input_dir my_fonts/ --output_dir out/ --charset latin
@@ -244,13 +224,8 @@ def list_fonts(input_dir: str, follow_external_links: bool = False) -> Listing:
     policy = LK.LinkPolicy(input_dir, follow_external_links)
 
     def add_font(rel: str, path: str, real: str) -> None:
-        if not rel.lower().endswith(F.FONT_EXTENSIONS):
-            listing.add_ignored(rel, "not a font file (.ttf, .otf, .ttc, .otc)")
-            return
-        same = policy.claim_file(real, rel)
-        if same:
-            listing.add_ignored(rel, same)
-        else:
+        if policy.admit(rel, real, F.FONT_EXTENSIONS,
+                        "not a font file (.ttf, .otf, .ttc, .otc)", listing.add_ignored):
             listing.fonts.append((rel, path))
 
     LK.walk(input_dir, "", policy, add_font, listing.add_ignored, listing.add_dead)
@@ -276,9 +251,7 @@ class _FaceInfo:
 
 
 def _processes(args) -> int:
-    if not W.can_fork():
-        return 1
-    return args.image_processes or len(os.sched_getaffinity(0)) or 1
+    return (args.image_processes or opts.cores()) if W.can_fork() else 1
 
 
 def _map_files(fn, jobs: list[tuple], processes: int, what: str) -> list:
@@ -311,7 +284,7 @@ def _scan_file(rel: str, path: str, charset: frozenset[int]):
         for index, _, _ in faces:
             G.open_face(path, index)
         return faces
-    except (F.FontError, I.ImageError) as e:
+    except I.ImageError as e:  # FontError included
         return {"id": rel, "path": rel, "reason": e.code, "detail": e.detail}
     finally:
         G.close_fonts()
@@ -474,6 +447,10 @@ def _split_plan(args, split: str, cps: list[int], use, ignored, dead) -> R.Split
 
 def plan(args) -> list[R.SplitPlan]:
     _validate(args)
+    if not getattr(args, "verbose", False):
+        # fontTools warns about harmless oddities of real fonts ("'created' timestamp
+        # seems very low"), once per face.
+        logging.getLogger("fontTools").setLevel(logging.ERROR)
     parts = parse_charset(args.charset)
     part_of = {cp: name for name, cps in parts for cp in cps}
     listing = list_fonts(args.input_dir, getattr(args, "follow_external_links", False))
@@ -517,12 +494,7 @@ def plan(args) -> list[R.SplitPlan]:
 
 def run(argv: list[str] | None = None) -> dict[str, dict]:
     """Run the job in-process; returns ``{split: manifest}``."""
-    args, options = opts.parse_args(parser(), argv)
-    if not args.verbose:
-        # fontTools warns about harmless oddities of real fonts ("'created' timestamp
-        # seems very low"), once per face.
-        logging.getLogger("fontTools").setLevel(logging.ERROR)
-    return R.run_job("glyphs", plan(args), args, options)
+    return R.run_command("glyphs", parser(), plan, argv)
 
 
 if __name__ == "__main__":

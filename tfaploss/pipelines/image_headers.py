@@ -9,32 +9,24 @@ does, and returns the size the decoder will allocate for the first frame (the on
 the jobs decode), or refuses the file with :class:`HeaderError`:
 
 * JPEG: libjpeg's walk (``next_marker``): bytes other than ``FF``, fill bytes and
-  ``FF 00`` stuffing pairs are skipped, ``RSTn``/``TEM`` have no length, every other
-  segment is skipped by its length. The first start-of-frame gives the size; a second
-  one, a scan before any, an ``EOI`` or a second ``SOI`` before the first scan, or an
-  unknown marker are refused (libjpeg refuses them too). Also refused: more than
-  :data:`MAX_SEGMENTS` segments or :data:`MAX_EXTRANEOUS` stray bytes before the first
-  scan (PIL walks them one Python step at a time), more than :data:`MAX_JPEG_SCANS`
-  scans, or scans x pixels above :data:`MAX_JPEG_SCAN_PIXELS` (libjpeg passes over the
-  whole image once per scan: 1000 repeated scans in 40 KB cost ~10 s).
-* PNG: the ``IHDR`` first (length 13, sane depth and colour type), only one of it, at
-  most :data:`MAX_SEGMENTS` chunks before the image data, and ``IDAT`` data no larger
-  than the raw image it inflates to (plus deflate's overhead): more is padding that a
-  decoder may inflate to its end.
-* GIF: the logical screen, grown to the first frame's extent (as PIL does), walking the
-  extension blocks before it; an unknown block type is refused, as giflib refuses it, and
-  so are more than :data:`MAX_GIF_EXTENSIONS` bytes of extensions before it.
-* BMP: the header sizes PIL reads (12-byte ``BITMAPCOREHEADER`` with 16-bit sizes;
-  40, 52, 56, 64, 108, 124 with 32-bit ones, a negative height meaning top-down);
-  any other size, a width <= 0 or a height of 0 are refused.
-* WebP: the ``VP8 ``, ``VP8L`` or ``VP8X`` (canvas) size; libwebp refuses a still
-  image whose bitstream differs from its canvas, and animation frames outside it.
+  ``FF 00`` pairs skipped, ``RSTn``/``TEM`` without a length, every other segment
+  skipped by its length; the first start-of-frame gives the size. Refused as libjpeg
+  refuses them: a second frame, a scan before any, ``EOI`` or a second ``SOI`` before
+  the first scan, an unknown marker. Also refused: more than :data:`MAX_SEGMENTS`
+  segments or :data:`MAX_EXTRANEOUS` stray bytes (PIL walks them in Python), more than
+  :data:`MAX_JPEG_SCANS` scans or scans x pixels past :data:`MAX_JPEG_SCAN_PIXELS`.
+* PNG: ``IHDR`` first (length 13, sane depth and colour type), once; at most
+  :data:`MAX_SEGMENTS` chunks before the image data, whose size is bounded by the raw
+  image it inflates to.
+* GIF: the logical screen grown to the first frame (as PIL does); an unknown block or
+  more than :data:`MAX_GIF_EXTENSIONS` bytes of extensions before it are refused.
+* BMP: the header sizes PIL reads (12 bytes with 16-bit sizes; 40-124 with 32-bit
+  ones, negative height top-down); any other, a width <= 0 or a height of 0 refused.
+* WebP: the ``VP8 ``, ``VP8L`` or ``VP8X`` canvas size.
 
-Other formats (TIFF) return None: their size is the one PIL reads. Cost: linear in the
-file's size; the Python loops are bounded by the caps above, everything else is
-``bytes.find``/``re`` in C (~10 ms for the worst 1 MB input).
-
-Pure Python, no PIL: the caller compares the size with PIL's own before decoding.
+Other formats (TIFF) return None: their size is PIL's. Cost: linear in the file (the
+Python loops bounded by the caps above; ~10 ms for the worst 1 MB input). Pure Python,
+no PIL: the caller compares the size with PIL's own before decoding.
 """
 
 from __future__ import annotations

@@ -1,36 +1,22 @@
 """Where the image work runs, and how its results reach the shard writers.
 
-A *task* is a few work-list records of one shard. A worker reads (or, for a record
-carrying a ``render`` recipe such as the glyphs job's, draws), decodes, resizes and
-re-encodes each image (:mod:`tfaploss.pipelines.images`), wraps it in its Example and TFRecord
-framing (:mod:`tfaploss.pipelines.tf_example`), and writes the framed records of the whole task
-to one *part file* in the run's staging folder. What goes back to Beam is four numbers
-per image (where its record and its JPEG lie in the part file), never the image: neither
-Beam's data plane nor a pool's pipes carry pixels, and the shard writers assemble their
-files from the parts, a copy from the page cache.
+A *task* is a few work-list records of one shard. A worker reads (or draws, for a
+record carrying a ``render`` recipe), decodes, resizes and re-encodes each image, frames
+its record and writes the task's records to one *part file* in the staging folder.
+What goes back to Beam is four numbers per image (where its record and its JPEG lie),
+never the pixels; the shard writers assemble their files from the parts. A run needs
+free space for about twice its output.
 
-Tasks run
+On the local DirectRunner's in-memory mode (the default) tasks run in a pool of forked
+processes, one per core, forked before Beam starts its threads: PIL holds the GIL for
+part of every image, so two threads reach about 1.75x one core where two processes
+reach 1.86x (``benchmarks/pipeline.py``). Elsewhere they run on ``--image_threads``
+threads of the Beam worker. Workers import neither Beam nor TensorFlow.
 
-* on the local DirectRunner in its in-memory mode (the jobs' default), in a pool of
-  forked worker processes, one per core, forked before Beam starts its own threads.
-  PIL holds the GIL for part of every image (header parsing, mode conversion, the
-  Python around the codecs), so two threads of one process reach about 1.75x one core
-  on 2 cores where two processes reach 1.86x (``benchmarks/pipeline.py``);
-* everywhere else (remote runners already run a worker process per core; Beam's
-  multi-process mode; platforms without ``fork``; ``--image_processes 1``), on
-  ``--image_threads`` threads of the Beam worker.
-
-Workers import neither Beam nor TensorFlow. The part files stay in the staging folder
-until the run is published, so a run needs free space for about twice its output.
-
-A worker process that dies (SIGKILL, the kernel's OOM killer) breaks its pool. Each
-worker notes what it is doing (split, shard, image) in a small shared-memory board
-before each image and each shard it writes, so :func:`worker_deaths` can tell the job
-which worker died, how, and on what; the job then stops with
-:class:`WorkerDiedError` and publishes nothing (:func:`tfaploss.pipelines.runner.run_job`).
-
-Fault point (:mod:`tfaploss.durable.faults`): ``worker_kill:N``, a worker SIGKILLs itself as
-it starts its N-th image.
+A worker that dies (SIGKILL, the OOM killer) breaks its pool. Each worker notes what it
+is doing in a small shared-memory board, so :func:`worker_deaths` can tell the job
+which worker died, how, and on what; the job then stops with :class:`WorkerDiedError`
+and publishes nothing.
 """
 
 from __future__ import annotations
@@ -49,6 +35,7 @@ import uuid
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
+from tfaploss.data.framing import frame_record
 from tfaploss.durable import faults
 from tfaploss.pipelines import images as I
 from tfaploss.pipelines import storage
@@ -94,7 +81,7 @@ def _one(record: dict, s: dict, root: str | None):
         jpeg, h, w = I.process_image_bytes(
             data, max_side=s["max_side"], jpeg_quality=s["jpeg_quality"],
             min_side=s["min_side"], max_pixels=s["max_pixels"], bbox=record.get("bbox"))
-        framed = X.frame_record(X.image_example(record, jpeg, h, w))
+        framed = frame_record(X.image_example(record, jpeg, h, w))
         return framed, _find(framed, jpeg), len(jpeg)
     except I.ImageError as e:
         return I.dead_letter(record, e.code, e.detail)

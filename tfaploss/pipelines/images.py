@@ -102,21 +102,15 @@ def _apply_orientation(img: Image.Image) -> Image.Image:
 
 def decode_image(data: bytes, *, min_side: int = 1, max_pixels: int = 100_000_000,
                  draft_side: int = 0) -> Image.Image:
-    """Decode ``data`` into an RGB PIL image with its EXIF orientation applied.
-
-    Grayscale, CMYK, palette, 16-bit and alpha images are converted to RGB (alpha is
-    composited on white, as a viewer shows it). ``draft_side`` > 0 lets the JPEG decoder
-    scale down by a power of two while staying at least that large (much faster when the
-    image is resized afterwards anyway). Raises :class:`ImageError`.
+    """Decode ``data`` into an RGB PIL image with its EXIF orientation applied (alpha
+    composited on white). ``draft_side`` > 0 lets the JPEG decoder scale down by a power
+    of two while staying at least that large. Raises :class:`ImageError`.
 
     No more than ``max_pixels`` pixels are ever decoded, whatever the header says: the
-    size is read twice before decoding, by :func:`tfaploss.pipelines.image_headers.read_size`
-    (the walk the codec does: a frame header hidden in a JPEG's APP segment, a BMP
-    header size PIL would misread or a GIF frame larger than its screen cannot show a
-    smaller size) and by PIL, whose size is what ``load()`` allocates. Both must pass
-    the limit, and agree for JPEG, PNG, GIF, BMP and WebP: libjpeg, not PIL's header
-    reader, decides how large a JPEG's rows are, while PIL sizes its buffers by its own
-    reading. Only the first frame of an animation is decoded.
+    size is read by :func:`tfaploss.pipelines.image_headers.read_size` (the walk the codec
+    does) and by PIL (what ``load()`` allocates); both must pass the limit and agree,
+    since libjpeg decides how large a JPEG's rows are while PIL sizes its buffers by its
+    own reading. Only the first frame of an animation is decoded.
     """
     if not data:
         raise ImageError(EMPTY_FILE, "file is empty (0 bytes)")

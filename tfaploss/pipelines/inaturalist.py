@@ -46,34 +46,21 @@ def read_list(path: str) -> tuple[list[dict], list[dict]]:
                         "detail": f"{path}:{lineno}: expected <supercategory>/<category id>/"
                                   "<file>.jpg at the end of the path"})
             continue
-        rows.append({"relpath": rel, "class_id": int(parts[-2]), "super_name": parts[-3]})
+        rows.append({"id": rel, "relpath": rel, "class_id": int(parts[-2]),
+                     "super_id": parts[-3], "super_name": parts[-3]})
     return rows, bad
 
 
 def plan(args) -> list[R.SplitPlan]:
     lists = {"train": args.train_list, "test": args.test_list}
-    plans = []
-    for split in [s.strip() for s in args.splits.split(",") if s.strip()]:
-        if split not in lists:
-            raise ValueError(f"--splits: unknown split {split!r}; expected train and/or test")
-        rows, bad = read_list(storage.join(args.input_dir, lists[split]))
-        labels = R.contiguous_labels(r["class_id"] for r in rows)
-        supers = R.contiguous_labels(r["super_name"] for r in rows)
-        records = [{"id": r["relpath"], "path": storage.join(args.input_dir, r["relpath"]),
-                    "relpath": r["relpath"], "label": labels[r["class_id"]],
-                    "super_label": supers[r["super_name"]], "class_text": str(r["class_id"])}
-                   for r in rows]
-        records, dups = R.dedupe_and_index(records)
-        plans.append(R.SplitPlan(split, records, bad + dups,
-                                 label_map={v: str(k) for k, v in labels.items()},
-                                 super_label_map={v: k for k, v in supers.items()}))
-    return plans
+    return [R.class_split_plan(split, *read_list(storage.join(args.input_dir, lists[split])),
+                               args.input_dir)
+            for split in R.listed_splits(args.splits, lists)]
 
 
 def run(argv: list[str] | None = None) -> dict[str, dict]:
     """Run the job in-process; returns ``{split: manifest}``."""
-    args, options = opts.parse_args(parser(), argv)
-    return R.run_job("inaturalist", plan(args), args, options)
+    return R.run_command("inaturalist", parser(), plan, argv)
 
 
 if __name__ == "__main__":

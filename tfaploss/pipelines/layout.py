@@ -8,11 +8,9 @@ per-element cost grows with the number of images. Splits that come from a source
 transform instead of a work list (TFDS) are sharded by a hash of the id, since their
 number of records is only known afterwards.
 
-The driver writes each split's work list to one file and hands Beam only the byte
-range of each shard's batches in it (:func:`write_work_list`, read back in the workers by
-:func:`read_work_chunk`): a ``beam.Create`` of ranges runs on every runner, where a file
-source does not (Beam's DaskRunner translates no ``Read``), and the job graph grows with
-the number of shards, not of images.
+The driver hands Beam only the byte range of each shard's batches in the work list
+(:func:`write_work_list`, :func:`read_work_chunk`): a ``beam.Create`` of ranges runs on
+every runner, where a file source does not (Beam's DaskRunner translates no ``Read``).
 """
 
 from __future__ import annotations

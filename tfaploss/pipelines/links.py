@@ -2,25 +2,14 @@
 glyphs): :func:`walk` lists a folder, :class:`LinkPolicy` decides its links.
 
 Every file below the folder is handed to the job, ignored with its reason (names
-starting with ``.`` or ``_`` and everything below such a folder, devices and pipes,
-links the policy refuses) or a dead letter (names that are not UTF-8, folders that
-cannot be listed, dangling links). Links, files and folders alike:
-
-- a link whose target (the end of its chain, links to links followed) lies inside the
-  real ``--input_dir`` is followed;
-- a link that leaves it is not followed and is ignored with the reason
-  :data:`LEAVES_ROOT`, unless ``--follow_external_links`` is given;
-- a folder link to a folder that contains the link, or the input root (a loop), or to a
-  folder already listed (or inside one) is ignored with its reason, flag or not;
-- a file reached a second time (a link to a file already listed) is ignored as
-  ``same file as <first path>``;
-- a dangling link stays a dead letter (``missing_file``), as before this policy.
-
-Each file and folder is listed under its own path first: a walker lists every real
-entry, hands its links to :meth:`LinkPolicy.defer` and follows them only afterwards, so a
-link never takes a file from the class folder it really sits in, whatever the names'
-order. Entries are judged by real path (``os.path.realpath``), which also catches bind
-mounts of the same folder only when their paths agree (hard links are separate files).
+starting with ``.`` or ``_`` and everything below them, devices and pipes, links the
+policy refuses) or a dead letter (names that are not UTF-8, folders that cannot be
+listed, dangling links). A link whose target lies inside the real ``--input_dir`` is
+followed; one that leaves it is ignored (:data:`LEAVES_ROOT`) unless
+``--follow_external_links``; a loop, or a second name for a file or folder already
+listed, is ignored with its reason. Real entries are listed before any link is
+followed (:meth:`LinkPolicy.defer`), so a link never takes a file from the class folder
+it really sits in. Entries are judged by real path (hard links are separate files).
 """
 
 from __future__ import annotations
@@ -42,19 +31,7 @@ def inside(path: str, folder: str) -> bool:
 
 class LinkPolicy:
     """The state one walk of ``input_dir`` shares: what is listed, what waits.
-
-    Args:
-        input_dir: the folder walked; links are judged against its real path.
-        follow_external: follow links that leave it (``--follow_external_links``).
-
-    Example:
-
-    ```python
-    policy = LinkPolicy("photos/")
-    policy.claim_dir(os.path.realpath("photos/cat"), "cat")
-    reason = policy.dir_link_reason("photos/cat/dogs", os.path.realpath("photos/cat"))
-    ```
-    """
+    ``follow_external``: follow links that leave it (``--follow_external_links``)."""
 
     def __init__(self, input_dir: str, follow_external: bool = False):
         self.root = os.path.realpath(input_dir)
@@ -89,6 +66,17 @@ class LinkPolicy:
             return f"same file as {first}"
         self._files[real] = rel
         return None
+
+    def admit(self, rel: str, real: str, extensions: tuple[str, ...], other: str,
+              ignore) -> bool:
+        """Whether the walked file ``rel`` (at ``real``) goes to the job: one of
+        ``extensions``, not a second name of a listed file; else ``ignore(rel, reason)``
+        (``other``: the reason for another extension)."""
+        reason = (other if not rel.lower().endswith(extensions)
+                  else self.claim_file(real, rel))
+        if reason:
+            ignore(rel, reason)
+        return not reason
 
     def leaves(self, real: str) -> bool:
         """Whether a link to ``real`` is refused for leaving the input root."""

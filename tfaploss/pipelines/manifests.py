@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import os
 
-from tfaploss.data.integrity import manifest_checksums
+from tfaploss.data.framing import manifest_checksums
 from tfaploss.pipelines import storage
 from tfaploss.pipelines import tf_example as X
 from tfaploss.pipelines.plan import SplitPlan

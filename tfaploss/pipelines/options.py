@@ -94,13 +94,9 @@ class JobOptions:
     """Beam's part of a job's command line: every argument the job's parser left.
 
     ``runner``, ``direct_running_mode`` (``None`` on other runners) and
-    ``direct_num_workers`` are read here as Beam reads them, with Beam's defaults
-    (DirectRunner, ``in_memory``, 1 worker) and full option names only (``--name value``
-    or ``--name=value``), but without importing Beam; :meth:`pipeline_options` builds
-    Beam's ``PipelineOptions`` from the same arguments. In the default in-memory mode
-    the image work runs in forked processes (:mod:`tfaploss.pipelines.image_workers`), where
-    Beam's multi-process mode would cost a second of start-up per worker and a gRPC copy
-    of every record.
+    ``direct_num_workers`` are read as Beam reads them (its defaults, full option names
+    only) without importing Beam; :meth:`pipeline_options` builds Beam's
+    ``PipelineOptions`` from the same arguments.
     """
 
     def __init__(self, argv: list[str], verbose: bool = False):
@@ -141,7 +137,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None):
     return args, JobOptions(beam_argv, verbose=args.verbose)
 
 
-def _cores() -> int:
+def cores() -> int:
+    """The cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0)) or 1
     except AttributeError:  # not on Linux
@@ -162,7 +159,7 @@ def image_threads(args, options: JobOptions) -> int:
     mode = options.direct_running_mode
     if mode is None:
         return 2  # remote workers already run one process per core
-    cpus = _cores()
+    cpus = cores()
     if mode == "multi_processing":
         return max(1, cpus // max(1, options.direct_num_workers or cpus))
     return cpus
@@ -174,7 +171,7 @@ def image_processes(args, options: JobOptions) -> int:
     exists; 1 (threads in the Beam worker) everywhere else."""
     if options.direct_running_mode != "in_memory" or not W.can_fork():
         return 1
-    return getattr(args, "image_processes", 0) or _cores()
+    return getattr(args, "image_processes", 0) or cores()
 
 
 def _validate(args) -> None:

@@ -1,12 +1,6 @@
-"""What a job decides in the driver before any image is read: one :class:`SplitPlan` per
-split, and the helpers the jobs build them with.
-
-Each job reads its annotation files in the driver (cheap: ids, paths and labels only),
-remaps labels to ``0..C-1`` (:func:`contiguous_labels`), sends repeated ids and names
-that would leave the input folder to the dead letters (:func:`dedupe_and_index`), and
-hands the plans to :func:`tfaploss.pipelines.runner.run_job`. Record ``i`` of a split's ``n``
-(sorted by id) goes to shard :func:`shard_of`.
-"""
+"""What a job decides in the driver before any image is read (cheap: ids, paths and
+labels only): one :class:`SplitPlan` per split, and the helpers the jobs build them
+with."""
 
 from __future__ import annotations
 
@@ -14,6 +8,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tfaploss.pipelines import images as I
+from tfaploss.pipelines import storage
 
 dead_letter = I.dead_letter
 
@@ -65,6 +60,34 @@ def dedupe_and_index(records: list[dict]) -> tuple[list[dict], list[dict]]:
     for i, r in enumerate(kept):
         r.setdefault("index", i)
     return kept, failures
+
+
+def listed_splits(names: str, known) -> list[str]:
+    """The comma-separated ``--splits``, each one of ``known``."""
+    splits = [s.strip() for s in names.split(",") if s.strip()]
+    for split in splits:
+        if split not in known:
+            raise ValueError(f"--splits: unknown split {split!r}; expected one or more "
+                             f"of {list(known)}")
+    return splits
+
+
+def class_split_plan(split: str, rows: list[dict], failures: list[dict],
+                     input_dir: str) -> SplitPlan:
+    """The plan of a split listed image by image with a class and a super-class (SOP,
+    iNaturalist). ``rows`` hold ``id``, ``relpath``, ``class_id``, ``super_id`` and
+    ``super_name``; labels are contiguous by sorted class id, super-labels by sorted
+    ``super_id`` and named by ``super_name``."""
+    labels = contiguous_labels(r["class_id"] for r in rows)
+    supers = contiguous_labels(r["super_id"] for r in rows)
+    records = [{"id": r["id"], "path": storage.join(input_dir, r["relpath"]),
+                "relpath": r["relpath"], "label": labels[r["class_id"]],
+                "super_label": supers[r["super_id"]], "class_text": str(r["class_id"])}
+               for r in rows]
+    records, dups = dedupe_and_index(records)
+    return SplitPlan(split, records, failures + dups,
+                     label_map={v: str(k) for k, v in labels.items()},
+                     super_label_map={supers[r["super_id"]]: r["super_name"] for r in rows})
 
 
 def contiguous_labels(keys: Iterable, *, sort_key=None) -> dict:

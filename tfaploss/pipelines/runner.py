@@ -1,45 +1,25 @@
 """The job runner every preprocessing job shares: plan -> Beam -> publish.
 
-Plan in the driver, process in the workers. Each job reads its annotation files in the
-driver and hands :func:`run_job` one :class:`~tfaploss.pipelines.plan.SplitPlan` per split
-(:mod:`tfaploss.pipelines.plan`). The runner then:
+Each job reads its annotation files in the driver and hands :func:`run_job` one
+:class:`~tfaploss.pipelines.plan.SplitPlan` per split. The runner then
 
-1. lays each split out in shards and writes its work list, JSON lines of batches of one
-   shard, into a staging folder (:mod:`tfaploss.pipelines.layout`);
-2. on the local DirectRunner, forks one image process per core
-   (:mod:`tfaploss.pipelines.image_workers`) and hands it the first batches of the work lists,
-   then imports Beam while those processes work (Beam's import and start-up take a
-   second or more of one core, which would otherwise hold up every image);
-3. assembles and runs one Beam pipeline: the byte range of each shard in the work
-   lists (a ``Create``, which every runner can start from), read and spread over the
-   workers (or the splits' source transforms) ->
-   :class:`~tfaploss.pipelines.steps.ProcessBatchDoFn` (the image work) -> group by output file
-   -> :class:`~tfaploss.pipelines.steps.WriteOutputsDoFn` (the shards) (:mod:`tfaploss.pipelines.steps`);
-4. checks that the workers' reports account for every planned image exactly once (else
-   :class:`IncompleteRunError`, nothing published), writes ``dead_letters.jsonl`` and
-   ``manifest.json`` into each staged split (:mod:`tfaploss.pipelines.manifests`) and only then
-   publishes it over the old one (:func:`tfaploss.pipelines.storage.publish`): a killed or
-   failed run leaves the previous dataset as it was;
-5. logs a summary and keeps the timing figures (:mod:`tfaploss.pipelines.console`).
+1. writes each split's work list, batches of one shard, into a staging folder
+   (:mod:`tfaploss.pipelines.layout`);
+2. on the local DirectRunner, forks the image processes and hands them the first
+   batches, then imports Beam while they work (Beam's start-up takes a second or more
+   of one core, which would otherwise hold up every image);
+3. runs one Beam pipeline: the work lists' byte ranges (a ``Create``, which every
+   runner can start from) -> the image work -> group by output file -> the shards
+   (:mod:`tfaploss.pipelines.steps`);
+4. checks that the reports account for every planned image exactly once (else
+   :class:`IncompleteRunError`), writes the dead letters and the manifest into each
+   staged split and only then publishes it over the old one: a killed or failed run
+   leaves the previous dataset as it was;
+5. logs a summary (:mod:`tfaploss.pipelines.console`).
 
-Anything that fails goes to the dead letters with its id, path and reason; the runner
-raises :class:`TooManyFailuresError` (after publishing) when a split's failure fraction
-exceeds ``--max_failure_fraction``.
-
-One job at a time per output folder: the job holds the lock of ``--output_dir``
-(:mod:`tfaploss.durable.locks`) from before it looks at the folder until it has published, and a
-second job started on the same folder is refused with
-:class:`~tfaploss.durable.locks.LockHeldError`, naming the first one. An image worker process
-that dies (SIGKILL, the OOM killer) stops the job with
-:class:`~tfaploss.pipelines.image_workers.WorkerDiedError`, naming the worker, the split, shard and
-image it was on: nothing is published and the staging folder is removed, so each split
-is the complete previous version, or absent.
-
-The names the jobs, tests and benchmarks use are importable from here:
-``SplitPlan``, ``dedupe_and_index``, ``contiguous_labels``, ``dead_letter``,
-``shard_of`` (planning), ``run_job``, ``STAGING``, ``TooManyFailuresError``,
-``IncompleteRunError``, ``main_wrapper``, ``describe_manifests``, ``LAST_TIMING``,
-``image_threads``, ``image_processes``. Importing it does not import Beam.
+One job at a time per output folder (its lock, :mod:`tfaploss.durable.locks`). Importing
+this module does not import Beam; it is where the jobs, tests and benchmarks import
+the shared names from (``__all__``).
 """
 
 from __future__ import annotations
@@ -59,9 +39,11 @@ from tfaploss.pipelines.manifests import SCHEMA_VERSION, IncompleteRunError, Too
 from tfaploss.pipelines.options import emit_lag, image_processes, image_threads
 from tfaploss.pipelines.plan import (
     SplitPlan,
+    class_split_plan,
     contiguous_labels,
     dead_letter,
     dedupe_and_index,
+    listed_splits,
     shard_of,
 )
 
@@ -72,6 +54,7 @@ __all__ = [  # what the jobs, tests and benchmarks import from here
     "IncompleteRunError",
     "SplitPlan",
     "TooManyFailuresError",
+    "class_split_plan",
     "contiguous_labels",
     "dead_letter",
     "dedupe_and_index",
@@ -79,7 +62,9 @@ __all__ = [  # what the jobs, tests and benchmarks import from here
     "image_processes",
     "image_threads",
     "join",
+    "listed_splits",
     "main_wrapper",
+    "run_command",
     "run_job",
     "shard_of",
 ]
@@ -116,17 +101,21 @@ def _assemble(p, plans: list[SplitPlan], layouts: dict, chunks: list, per_batch:
          | "WriteFiles" >> beam.ParDo(write))
 
 
-def run_job(job: str, plans: list[SplitPlan], args, options) -> dict[str, dict]:
-    """Run the Beam pipeline for all ``plans``, then publish every split.
+def run_command(job: str, parser, plan, argv: list[str] | None) -> dict[str, dict]:
+    """Parse a job's command line and run it: ``plan(args)`` -> :func:`run_job`."""
+    args, options = opts.parse_args(parser, argv)
+    return run_job(job, plan(args), args, options)
 
-    Returns ``{split: manifest}``. Raises :class:`TooManyFailuresError` (after
-    publishing) when a split's failure fraction exceeds ``args.max_failure_fraction``,
-    :class:`~tfaploss.durable.locks.LockHeldError` when another job writes the same output
-    folder, :class:`~tfaploss.pipelines.image_workers.WorkerDiedError` (nothing published) when
-    an image worker process died, :class:`IncompleteRunError` (nothing published) when
-    the runner's results do not account for every planned image of a split,
-    :class:`~tfaploss.durable.atomic.DiskFullError` (nothing published, the staging
-    folder removed) when a write found the disk full, wherever in the job.
+
+def run_job(job: str, plans: list[SplitPlan], args, options) -> dict[str, dict]:
+    """Run the Beam pipeline for all ``plans``, then publish every split; returns
+    ``{split: manifest}``.
+
+    Raises :class:`TooManyFailuresError` (after publishing) when a split's failure
+    fraction exceeds ``--max_failure_fraction``; and, with nothing published,
+    :class:`~tfaploss.durable.locks.LockHeldError` (another job writes the folder),
+    :class:`~tfaploss.pipelines.image_workers.WorkerDiedError`,
+    :class:`IncompleteRunError` or :class:`~tfaploss.durable.atomic.DiskFullError`.
     """
     started = getattr(args, "_started", None) or time.time()
     storage.makedirs(args.output_dir)
@@ -135,14 +124,10 @@ def run_job(job: str, plans: list[SplitPlan], args, options) -> dict[str, dict]:
         try:
             return _run_job(job, plans, args, options, started)
         except Exception as err:
-            stage = join(args.output_dir, STAGING)
-            full = atomic.disk_full_in(err, stage)
+            full = storage.disk_full_stage(err, join(args.output_dir, STAGING))
             if full is None:
                 raise
-            # Nothing was published; the parts and shards written would keep the disk
-            # full. The error comes out whole, not inside Beam's RuntimeError.
-            storage.remove_tree(stage)
-            raise full from None
+            raise full from None  # whole, not inside Beam's RuntimeError
 
 
 def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import os
 
+from tfaploss.data.framing import frame_record
 from tfaploss.pipelines import image_workers as W
 from tfaploss.pipelines import storage
 from tfaploss.pipelines import tf_example as X
@@ -34,7 +35,7 @@ def write_class_shard(path: str, items: list[tuple], chunk_size: int) -> int:
         per_class[label].append((image_id, sup, bytes(jpeg)))
     records = [r for label in sorted(per_class)
                for r in X.class_chunk_examples(label, per_class[label], chunk_size)]
-    _write(path, b"".join(X.frame_record(r) for r in records))
+    _write(path, b"".join(frame_record(r) for r in records))
     return len(records)
 
 

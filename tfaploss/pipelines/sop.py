@@ -56,29 +56,14 @@ def read_annotations(path: str) -> tuple[list[dict], list[dict]]:
 
 
 def plan(args) -> list[R.SplitPlan]:
-    plans = []
-    for split in [s.strip() for s in args.splits.split(",") if s.strip()]:
-        if split not in SPLIT_FILES:
-            raise ValueError(f"--splits: unknown split {split!r}; SOP has {list(SPLIT_FILES)}")
-        rows, bad = read_annotations(storage.join(args.input_dir, SPLIT_FILES[split]))
-        labels = R.contiguous_labels(r["class_id"] for r in rows)
-        supers = R.contiguous_labels(r["super_id"] for r in rows)
-        super_names = {supers[r["super_id"]]: r["super_name"] for r in rows}
-        records = [{"id": r["id"], "path": storage.join(args.input_dir, r["relpath"]),
-                    "relpath": r["relpath"], "label": labels[r["class_id"]],
-                    "super_label": supers[r["super_id"]], "class_text": str(r["class_id"])}
-                   for r in rows]
-        records, dups = R.dedupe_and_index(records)
-        plans.append(R.SplitPlan(split, records, bad + dups,
-                                 label_map={v: str(k) for k, v in labels.items()},
-                                 super_label_map=super_names))
-    return plans
+    return [R.class_split_plan(split, *read_annotations(
+                storage.join(args.input_dir, SPLIT_FILES[split])), args.input_dir)
+            for split in R.listed_splits(args.splits, SPLIT_FILES)]
 
 
 def run(argv: list[str] | None = None) -> dict[str, dict]:
     """Run the job in-process; returns ``{split: manifest}``."""
-    args, options = opts.parse_args(parser(), argv)
-    return R.run_job("sop", plan(args), args, options)
+    return R.run_command("sop", parser(), plan, argv)
 
 
 if __name__ == "__main__":

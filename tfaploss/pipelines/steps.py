@@ -1,16 +1,10 @@
 """The two Beam steps of a preprocessing job.
 
 :class:`ProcessBatchDoFn` hands each batch of the work list to the image workers
-(:mod:`tfaploss.pipelines.image_workers`: forked processes on the local DirectRunner, threads of
-the Beam worker elsewhere), which decode, resize and re-encode the images and write
-their framed records to part files in the staging folder; only where each record lies
-travels through Beam, keyed by the output file it belongs to. :class:`WriteOutputsDoFn`
-gets those locations grouped by file and has the per-image shards (records in index
-order) and the by-class shards (label, chunk order) assembled from the parts
-(:mod:`tfaploss.pipelines.shard_writers`), side by side on the same workers, under temporary names
-renamed into place.
-
-Fault point (:mod:`tfaploss.durable.faults`): ``images:N``, after N images processed.
+(:mod:`tfaploss.pipelines.image_workers`), which write the framed records to part files;
+only where each record lies travels through Beam, keyed by its output file.
+:class:`WriteOutputsDoFn` gets those locations grouped by file and has the shards
+assembled from the parts (:mod:`tfaploss.pipelines.shard_writers`).
 """
 
 from __future__ import annotations
@@ -51,9 +45,8 @@ class _PooledDoFn(beam.DoFn):
 class ProcessBatchDoFn(_PooledDoFn):
     """A batch of work-list records -> descriptions of the output files' contents.
 
-    The image work runs in :mod:`tfaploss.pipelines.image_workers` (a pool of local processes
-    when ``pool_token`` names one in this process, else ``threads`` threads), which
-    writes the framed records into part files under ``parts_dir``. Every output is keyed
+    The image work runs in the pool ``pool_token`` names in this process, else on
+    ``threads`` threads, writing part files under ``parts_dir``. Every output is keyed
     by the file it belongs to:
 
     * ``(IMAGES, split, shard, num_shards)``: ``[(index, id, part, offset, length)]``;

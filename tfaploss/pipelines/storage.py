@@ -6,21 +6,11 @@ No TensorFlow here (its import costs seconds): local paths use ``os``, URLs
 
 A job writes a new version of each output folder into a staging folder beside it and
 calls :func:`publish` only when the records, dead letters and manifest are all there.
-Locally, publish is :func:`tfaploss.durable.atomic.replace_folder`: the two folders are
-exchanged in one ``renameat2(RENAME_EXCHANGE)`` call (Linux), or elsewhere the old one
-is renamed aside, the new one renamed in and the old one deleted, and :func:`recover`
-(run at the start of every job) puts the old one back if a crash fell between the two
-renames. On object stores, where folders
-cannot be renamed, the old manifest is deleted first and the new one written last, so
-a manifest never describes records that are not there.
-
-A full disk raises :class:`tfaploss.durable.atomic.DiskFullError` (the file, the bytes
-it needed); the partial temporary file is removed.
-
-Fault points (:mod:`tfaploss.durable.faults`): ``publish``, between the two renames;
-``storage_enospc``, every :func:`write_atomic` failing as on a full disk, and
-``<site>_enospc`` only the writes of one site (``work_list``, ``part``, ``shard``,
-``report``, ``manifest``: the ``fault`` its caller names).
+Locally, publish is :func:`tfaploss.durable.atomic.replace_folder` (one atomic exchange
+where Linux has it; elsewhere two renames, which :func:`recover` completes after a
+crash). On object stores, where folders cannot be renamed, the old manifest is deleted
+first and the new one written last, so a manifest never describes records that are not
+there. A full disk raises :class:`tfaploss.durable.atomic.DiskFullError`.
 """
 
 from __future__ import annotations
@@ -120,7 +110,7 @@ def write_atomic(path: str, data: bytes | str, *, durable: bool = True,
 
     ``durable=False`` skips the fsync: for intermediate files of a run, which a crash
     discards with the rest of the staging folder anyway. ``fault``: the write site's
-    name, for its fault point ``<fault>_enospc`` (see the module doc).
+    name, for its fault point ``<fault>_enospc`` (:mod:`tfaploss.durable.faults`).
     """
     if isinstance(data, str):
         data = data.encode("utf-8")
@@ -165,6 +155,16 @@ def remove_tree(path: str) -> None:
             _fs().delete(files)
         return
     shutil.rmtree(path, ignore_errors=True)
+
+
+def disk_full_stage(err: BaseException, stage: str):
+    """The :class:`~tfaploss.durable.atomic.DiskFullError` behind ``err`` (however Beam
+    wrapped it), with the staging folder ``stage`` removed: nothing was published, and
+    what the run wrote would keep the disk full. None when ``err`` is no full disk."""
+    full = atomic.disk_full_in(err, stage)
+    if full is not None:
+        remove_tree(stage)
+    return full
 
 
 def check_owned(folder: str, marker_keys=("job", "format")) -> None:

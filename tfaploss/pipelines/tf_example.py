@@ -6,7 +6,8 @@ seconds per worker process and nothing here needs it). Encoding is deterministic
 TensorFlow parses them and re-serialises them to the same bytes.
 
 Also: the schema tables of the per-image and per-class records, the balanced split of a
-class into chunks, and :func:`write_tfrecords` (TFRecord framing with CRC-32C).
+class into chunks, and :func:`write_tfrecords` (the framing is
+:mod:`tfaploss.data.framing`'s).
 """
 
 from __future__ import annotations
@@ -16,18 +17,20 @@ import struct
 from collections.abc import Iterable
 from typing import Any, BinaryIO
 
+from tfaploss.data.framing import frame_record
+
 IMAGE_FEATURES = {
     "image/encoded": ("bytes", "JPEG, RGB, EXIF orientation applied, resized to --max_side"),
     "image/format": ("bytes", "b'jpeg'"),
     "image/id": ("bytes", "dataset image id, unique within the split"),
     "image/path": ("bytes", "source path relative to --input_dir"),
-    "image/index": ("int64", "position in the split's sorted listing (imlist index)"),
+    "image/index": ("int64", "position in the sorted listing (revisited: imlist index)"),
     "image/height": ("int64", "height of the encoded image"),
     "image/width": ("int64", "width of the encoded image"),
     "image/class/label": ("int64", "class label, contiguous 0..C-1 per split; -1 none"),
     "image/class/super_label": ("int64", "super-class label 0..S-1; -1 none"),
     "image/class/text": ("bytes", "class as the dataset names it"),
-    "image/bbox": ("float[4]", "x0, y0, x1, y1 in source pixels (cropped images only)"),
+    "image/bbox": ("float[4]", "x0, y0, x1, y1 in source pixels (cropped queries only)"),
 }
 
 CLASS_FEATURES = {
@@ -36,7 +39,7 @@ CLASS_FEATURES = {
     "class/num_images": ("int64", "images in the whole class"),
     "class/chunk": ("int64", "chunk index within the class"),
     "class/num_chunks": ("int64", "chunks of this class"),
-    "image/encoded": ("bytes[N]", "the chunk's JPEGs"),
+    "image/encoded": ("bytes[N]", "the chunk's JPEGs, N <= --class_chunk_size"),
     "image/id": ("bytes[N]", "their ids"),
 }
 
@@ -137,40 +140,6 @@ def class_chunk_examples(label: int, items: Iterable[tuple], chunk_size: int) ->
 
 
 # ---------------------------------------------------------------------------- TFRecord
-
-
-def _crc32c_function():
-    """The fastest CRC-32C at hand: google-crc32c or crc32c when installed, else crcmod
-    (a Beam dependency, with its C extension when it was built)."""
-    try:
-        import google_crc32c
-
-        return lambda data: google_crc32c.value(data)
-    except ImportError:
-        pass
-    try:
-        import crc32c
-
-        return crc32c.crc32c
-    except ImportError:
-        pass
-    import crcmod.predefined
-
-    return crcmod.predefined.mkPredefinedCrcFun("crc-32c")
-
-
-_crc32c = _crc32c_function()
-
-
-def _masked_crc(data: bytes) -> bytes:
-    crc = _crc32c(data)
-    return struct.pack("<I", (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF)
-
-
-def frame_record(data: bytes) -> bytes:
-    """One TFRecord: length, its masked CRC-32C, the bytes, their masked CRC-32C."""
-    length = struct.pack("<Q", len(data))
-    return length + _masked_crc(length) + data + _masked_crc(data)
 
 
 def write_tfrecords(f: BinaryIO, records: Iterable[bytes]) -> int:

@@ -1,14 +1,9 @@
 """A prepared TensorFlow Datasets image-classification dataset -> TFRecords.
 
-For users who already have e.g. ``caltech_birds2011``, ``cars196`` or
-``stanford_online_products`` prepared in a TFDS ``--data_dir`` (nothing is downloaded:
-the dataset must already be there). Images are read undecoded (``SkipDecoding``) and go
-through the same transforms as every other job. Each TFDS split is read in
-``--read_shards`` ranges in parallel.
-
-Splits: by default each TFDS split in ``--splits`` is written under its own name with
-its TFDS labels. ``--split_classes N`` instead pools the listed TFDS splits and writes
-classes ``0..N-1`` to ``train`` and the rest (relabelled ``0..``) to ``test``, the
+For a dataset already prepared in a TFDS ``--data_dir`` (nothing is downloaded). Images
+are read undecoded and go through the same transforms as every other job. Each TFDS
+split in ``--splits`` is written under its own name, or with ``--split_classes N``
+pooled, classes ``0..N-1`` to ``train`` and the rest (relabelled) to ``test``: the
 zero-shot retrieval protocol (CUB: 100, Cars196: 98).
 
     python -m tfaploss.pipelines.tfds_source --dataset cars196 --data_dir ~/tensorflow_datasets \\
@@ -125,8 +120,7 @@ def plan(args) -> list[R.SplitPlan]:
 
 def run(argv: list[str] | None = None) -> dict[str, dict]:
     """Run the job in-process; returns ``{split: manifest}``."""
-    args, options = opts.parse_args(parser(), argv)
-    return R.run_job("tfds_source", plan(args), args, options)
+    return R.run_command("tfds_source", parser(), plan, argv)
 
 
 if __name__ == "__main__":

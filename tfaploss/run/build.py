@@ -95,15 +95,12 @@ _PRECISE_BN_SEED_OFFSET = 7927
 
 
 def estimate_batch_norm_statistics(model, batches) -> int:
-    """Re-estimate the moving statistics of every BatchNorm that uses batch statistics
-    as the mean over ``batches`` of their batch statistics ("precise BN", Wu & Johnson,
-    "Rethinking 'Batch' in BatchNorm", 2021), in place; returns the number of layers.
-
-    Training leaves exponential running averages (momentum 0.99) that trail the
-    weights by a few hundred steps; a short run from scratch then evaluates with
-    statistics of a network it no longer is. Each batch should hold as many images
-    as training normalised together (the chunk under multi-stage backpropagation).
-    Frozen layers are left alone. Cost: one forward pass per batch.
+    """Re-estimate the moving statistics of every non-frozen BatchNorm as the mean over
+    ``batches`` of their batch statistics ("precise BN", Wu & Johnson 2021), in place;
+    returns the number of layers. Running averages (momentum 0.99) trail the weights by
+    a few hundred steps, so a short run would evaluate with statistics of a network it
+    no longer is. Each batch should hold as many images as training normalised
+    together. Cost: one forward pass per batch.
     """
     from tfaploss.training.checks import batch_statistics_layers
 
@@ -152,13 +149,10 @@ def precise_batch_norm(model, cfg: Config) -> int:
 
 
 def calibrate_batch_norm(model, images) -> int:
-    """Set every BatchNorm's moving statistics to those of ``images``, in place.
-
-    One forward pass in training mode with momentum 0, layer after layer as BatchNorm
-    defines them; frozen layers (``FrozenBatchNormalization``) stay frozen afterwards.
-    This gives a randomly initialised network with frozen BatchNorm (as multi-stage
-    backpropagation needs) the normalisation a pretrained one would bring. Returns the
-    number of layers set. Cost: one forward pass over ``images`` (their activations).
+    """Set every BatchNorm's moving statistics to those of ``images``, in place (one
+    forward pass in training mode with momentum 0; frozen layers stay frozen): a
+    randomly initialised network with frozen BatchNorm gets the normalisation a
+    pretrained one would bring. Returns the number of layers set.
     """
     import keras
 
@@ -332,18 +326,15 @@ def check_data(cfg: Config) -> None:
 
 def _largest_chunk(n: int, chunk_size: int) -> int:
     """Images in the largest by-class record of a class of ``n`` images: the pipelines
-    cut it into ceil(n / chunk_size) balanced chunks (tfaploss.pipelines.transforms.class_chunks)."""
+    cut it into ceil(n / chunk_size) balanced chunks (tfaploss.pipelines.tf_example.class_chunks)."""
     return -(-n // max(1, -(-n // chunk_size)))
 
 
 def _check_class_chunks(cfg: Config, manifest: dict) -> None:
-    """Refuse a sampler that could never fill a batch from the split's by-class records.
-
-    A sampler draws the m images of a class from ONE record of ``by_class/``, which
-    holds at most ``class_chunk_size`` images; records with fewer than m are skipped. If
-    too few classes have a record of m images, the input pipeline waits forever before
-    the first batch, so this is checked from the manifest up front.
-    """
+    """Refuse, from the manifest, a sampler that could never fill a batch: it draws the
+    m images of a class from ONE by-class record (at most ``class_chunk_size`` images),
+    and with too few classes having a record of m the input pipeline would wait
+    forever for its first batch."""
     chunk = (manifest.get("by_class") or {}).get("chunk_size")
     counts = manifest.get("class_counts") or {}
     if not chunk:
@@ -375,6 +366,7 @@ def check_classes_left(cfg: Config, kept: dict[int, int], skipped: dict) -> None
     classes left, ``kept`` (``{label: images of its largest record}``), cannot fill,
     rather than a run that waits forever for its first batch."""
     from tfaploss.data import integrity
+    from tfaploss.data.split_manifest import describe_source
 
     m, batch = cfg.data.m, cfg.data.batch_size
     usable = sum(1 for n in kept.values() if n >= m)
@@ -395,7 +387,7 @@ def check_classes_left(cfg: Config, kept: dict[int, int], skipped: dict) -> None
         f"({', '.join(s['file'] for s in skipped['shards'])}), {usable} classes have a "
         f"by-class record of m={m} images; the {cfg.data.sampler} sampler needs {needed} "
         f"(data.batch_size={batch} / data.m={m}), so training would wait forever for "
-        f"its first batch. They were {integrity.describe_source(manifest, split)} "
+        f"its first batch. They were {describe_source(manifest, split)} "
         "(or lower data.batch_size)", path=split, problem="too few classes left")
 
 

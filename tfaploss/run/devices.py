@@ -1,11 +1,7 @@
-"""Which devices a ``tfaploss train`` run uses (``training.distribute``).
-
-A ranking loss must rank the global batch, so data parallelism here is always the
-kind in which the losses gather every device's rows (``tfaploss.ops.distribute``):
-``tf.distribute.MirroredStrategy`` on TensorFlow, ``keras.distribution.DataParallel``
-on JAX. :func:`plan_devices` decides from the config and the devices present and
-must run before TensorFlow initialises its devices, since several CPU devices (for a
-run without GPUs) can only be configured before that.
+"""Which devices a ``tfaploss train`` run uses (``training.distribute``): data
+parallelism in which the losses gather every device's rows, so that they rank the
+global batch. :func:`plan_devices` must run before TensorFlow initialises its devices:
+several CPU devices can only be configured before that.
 """
 
 from __future__ import annotations
@@ -107,13 +103,9 @@ def _available(backend: str, wanted: int | None) -> tuple[list[str], str]:
 
 
 def plan_devices(cfg: Config) -> DevicePlan:
-    """The :class:`DevicePlan` for ``cfg.training.distribute`` on this machine.
-
-    Raises ``ValueError`` naming the config key when more devices are asked for than
-    there are, or when the batch does not split evenly over them. Under several JAX
-    processes (:mod:`tfaploss.run.processes`) the run is data parallel over every
-    process's devices.
-    """
+    """The :class:`DevicePlan` for ``cfg.training.distribute`` on this machine (under
+    several JAX processes, over every process's devices); a ``ValueError`` naming the
+    key when more devices are asked for than there are, or the batch does not split."""
     dist = cfg.training.distribute
     backend = keras.backend.backend()
     batch = cfg.data.batch_size

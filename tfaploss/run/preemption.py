@@ -63,14 +63,9 @@ def fit(model, cfg: Config, *, steps: int, start_epoch: int, start_step: int, ba
     already done, to ``cfg.training.epochs``, stopping at SIGTERM or SIGINT.
 
     A signal is handled at the end of the batch it arrives in: a step checkpoint is
-    saved (:class:`tfaploss.training.preemption.PreemptionCheckpoint`, added after
-    ``callbacks``) and :class:`~tfaploss.durable.preemption.Preempted` raised. The rest
-    of a partly trained epoch is one ``fit`` of ``steps - start_step`` batches (Keras
-    has no partial first epoch), the following epochs a second.
-
-    Under several processes a signal to any rank stops every rank after the same
-    batch (:class:`tfaploss.run.processes.StopAgreement`), and ``backup`` (a
-    :class:`~tfaploss.run.processes.GroupBackup`) has rank 0 write the checkpoint.
+    saved and :class:`~tfaploss.durable.preemption.Preempted` raised (under several
+    processes, on every rank after the same batch). The rest of a partly trained epoch
+    is one ``fit`` (Keras has no partial first epoch), the following epochs a second.
     """
     from tfaploss.training.preemption import PreemptionCheckpoint
 

@@ -1,52 +1,26 @@
 """A run across processes: who this process is, and what every rank does together.
 
-``tfaploss train`` runs as one process, or as one rank of W processes (on one machine
-or several) started by the standard launcher of its Keras backend. This module is the
-one place that knows which: every other part of a run asks :func:`current` for the
-rank, the world size, whether it is rank 0, and for the collectives they share.
+``tfaploss train`` runs as one process, or as one rank of W processes started by the
+standard launcher of its Keras backend; this module is the one place that knows which
+(:func:`current`), and holds the collectives the ranks share. Launchers
+(:func:`start`; docs/scale_out.md): ``torchrun`` under ``KERAS_BACKEND=torch`` (gloo
+on CPUs, NCCL with CUDA); under JAX ``jax.distributed.initialize`` from
+``--coordinator HOST:PORT --num-processes N --process-id I`` (or the ``JAX_*``
+variables), or ``--coordinator auto`` under a cluster launcher JAX knows. TensorFlow
+is refused: Keras's ``fit`` does not run under ``MultiWorkerMirroredStrategy``.
 
-Launchers (:func:`start`, called by ``tfaploss train`` and by
-:func:`tfaploss.run.trainer.train` itself):
+Each rank decodes only its share of every global batch (:meth:`ProcessGroup.shard`)
+and the loss ranks the global batch. Rank 0 alone writes the run directory, which
+must be one folder every rank sees for a run to resume; the others wait
+(:meth:`ProcessGroup.main_first`). Checkpoints record the world size and the global
+batch (:class:`GroupBackup`, :func:`check_resume`). A SIGTERM to any rank, or a
+callback stopping any rank, stops every rank after the same step
+(:class:`StopAgreement`).
 
-* **PyTorch** (``KERAS_BACKEND=torch``): ``torchrun`` (``python -m
-  torch.distributed.run``) sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-  ``MASTER_ADDR`` and ``MASTER_PORT``; the process group is gloo on CPUs, NCCL with
-  CUDA (one GPU per ``LOCAL_RANK``). The losses then all-gather the ranks' rows and
-  ``MultiStageModel`` averages the gradients (:mod:`tfaploss.ops.distribute_torch`).
-* **JAX**: ``jax.distributed.initialize`` from ``--coordinator HOST:PORT
-  --num-processes N --process-id I`` (or ``JAX_COORDINATOR_ADDRESS``,
-  ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``), or ``--coordinator auto``: JAX finds the
-  cluster in the launcher's environment (SLURM, Open MPI, Kubernetes, Cloud TPU). The
-  run is then ``keras.distribution.DataParallel`` over every process's devices
-  (:func:`tfaploss.run.devices.plan_devices`): the step sees the global batch.
-* **TensorFlow**: refused. ``MultiWorkerMirroredStrategy`` stays a library-level
-  path (a ``strategy.run`` loop of your own), since Keras's ``fit`` does not run under
-  it (docs/scale_out.md).
-
-What the ranks share. Each rank decodes only its share of every global batch
-(:meth:`ProcessGroup.shard`, ``make_train_dataset(num_shards, shard_index)``), and the
-loss ranks the global batch. Rank 0 alone writes the run directory (config,
-epochs.jsonl, TensorBoard, checkpoints, model, summary); the others wait at a barrier,
-then read it (:meth:`ProcessGroup.main_first`). The run directory must therefore be
-one folder every rank sees (a shared file system) for a run to resume. Every
-checkpoint records the world size and the global batch (:class:`GroupBackup`); a run
-resumed with others is refused, naming both (:func:`check_resume`). A SIGTERM to any
-rank, or a callback stopping any rank, stops every rank after the same step
-(:class:`StopAgreement`): rank 0 writes one step checkpoint and every rank exits 143.
-
-Timeouts. ``training.distribute.timeout_s`` (default 600 s) bounds how long a rank
-waits for the others: the process group's collective timeout on PyTorch; on JAX the
-start-up and shut-down waits and, capped at 100 s, the heartbeat that notices a dead
-process. Choose it longer than the longest thing one rank does while the others wait
-(rank 0 writing a checkpoint or its final evaluation, the slowest rank's start-up
-and first step) and far shorter than PyTorch's 30-minute default, which a hung rank
-otherwise holds the whole group for. A rank that dies is noticed sooner: its
-connections close.
-
-Cost of the agreement: one all-reduce of two integers per step (2 CPU processes of one
-machine, ``benchmarks/stop_agreement.py``: 0.3 ms on gloo, a sixth of small_cnn's
-gradient all-reduce; 4 ms on JAX, about an all-gather of that gradient's size), none
-with one process.
+``training.distribute.timeout_s`` bounds how long a rank waits for the others (on JAX
+also the start-up and shut-down, and, capped at 100 s, the heartbeat that notices a
+dead process): far shorter than PyTorch's 30-minute default, which a hung rank would
+otherwise hold the whole group for.
 """
 
 from __future__ import annotations
@@ -123,12 +97,9 @@ class ProcessGroup:
     # -- collectives -------------------------------------------------------------------
 
     def any_rank(self, *values: int) -> tuple[int, ...]:
-        """Each value's maximum over the ranks (``values`` itself with one process).
-
-        A collective: every rank must call it, with as many values. Cost: one
-        all-reduce of ``len(values)`` integers (0.3 ms on gloo, 4 ms on JAX, 2 CPU
-        processes of one machine).
-        """
+        """Each value's maximum over the ranks (a collective: every rank calls it with
+        as many values). Cost: one all-reduce (0.3 ms on gloo, 4 ms on JAX, 2 CPU
+        processes, ``benchmarks/stop_agreement.py``)."""
         values = tuple(int(v) for v in values)
         if not self.distributed:
             return values
@@ -151,14 +122,10 @@ class ProcessGroup:
         self.any_rank(0)
 
     def main_first(self, fn, what: str):
-        """Rank 0 runs ``fn`` while the others wait; returns its result on rank 0,
-        None on the others.
-
-        Every rank first waits for all (so rank 0 never writes while another still
-        reads), then for rank 0 to finish. If ``fn`` raises, rank 0 re-raises it and
-        the others raise :class:`RankStoppedError` naming ``what`` rather than wait for
-        a timeout. With one process: ``fn()``.
-        """
+        """Rank 0 runs ``fn`` while the others wait; its result on rank 0, None on the
+        others. Every rank first waits for all (rank 0 never writes while another still
+        reads). If ``fn`` raises, the others raise :class:`RankStoppedError` naming
+        ``what`` rather than wait for a timeout."""
         if not self.distributed:
             return fn()
         self.barrier()
@@ -181,12 +148,10 @@ class ProcessGroup:
 
     @contextlib.contextmanager
     def alone(self):
-        """A block that this rank runs while the others do not (rank 0 writing a
-        checkpoint or the model). Under JAX across processes, no Keras distribution
-        for its duration: a variable created meanwhile (Keras's saving makes a
-        throwaway optimizer) would otherwise be placed on every process's devices,
-        which asks every process to take part. Elsewhere nothing.
-        """
+        """A block this rank runs alone (rank 0 writing a checkpoint). Under JAX across
+        processes, no Keras distribution meanwhile: a variable created in it (Keras's
+        saving makes a throwaway optimizer) would be placed on every process's devices,
+        which asks every process to take part."""
         if not (self.distributed and self.backend == "jax"):
             yield
             return
@@ -198,11 +163,9 @@ class ProcessGroup:
             keras.distribution.set_distribution(previous)
 
     def local_model(self, model):
-        """``model``, or under JAX across processes a copy of it on this process's
-        devices, for work one rank does alone (an evaluation): the run's own
-        variables live on every process's devices, so a computation on them alone
-        would wait for the others. Cost: one model build and one copy of the weights.
-        """
+        """``model``, or under JAX across processes a copy on this process's devices,
+        for work one rank does alone (an evaluation): the run's variables live on every
+        process's devices, so a computation on them would wait for the others."""
         if not (self.distributed and self.backend == "jax"):
             return model
         import numpy as np
@@ -237,19 +200,14 @@ def _env_int(name: str) -> int | None:
 
 def start(distribute=None, *, coordinator: str | None = None,
           num_processes: int | None = None, process_id: int | None = None) -> ProcessGroup:
-    """Join the ranks of this run when a launcher started several; returns the group.
+    """Join the ranks of this run when a launcher started several; returns the group
+    (the one already started, when called again).
 
-    ``distribute``: the config's ``training.distribute`` (its ``timeout_s``; None:
-    600 s). ``coordinator``, ``num_processes``, ``process_id``: JAX's, from
-    ``tfaploss train --coordinator HOST:PORT|auto --num-processes N --process-id I``
-    (default: ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``).
-    PyTorch reads torchrun's environment. Without a launcher: one process. Called
-    again, it returns the group already started.
-
-    Raises :class:`~tfaploss.config.ConfigError` when the launch does not fit the
-    backend (torchrun without ``KERAS_BACKEND=torch``, a coordinator on PyTorch,
-    several processes on TensorFlow) or a JAX argument is missing. Cost: the
-    process group's rendezvous (every rank must call it, within ``timeout_s``).
+    ``distribute``: the config's ``training.distribute`` (its ``timeout_s``).
+    ``coordinator``, ``num_processes``, ``process_id``: JAX's (default: the ``JAX_*``
+    variables); PyTorch reads torchrun's environment. Raises
+    :class:`~tfaploss.config.ConfigError` when the launch does not fit the backend or
+    a JAX argument is missing.
     """
     global _GROUP
     if _GROUP.distributed:
@@ -317,13 +275,10 @@ def _start_torch(timeout: int, torchrun: bool) -> ProcessGroup:
 
 
 def _torchrun_store(rank: int, world: int, timeout: int):
-    """torchrun's key-value store (``MASTER_ADDR:MASTER_PORT``), its keys under a prefix
-    of the restart count (``TORCHELASTIC_RESTART_COUNT``). With ``init_method="env://"``
-    a group that ``--max-restarts`` started again read the addresses its killed
-    predecessor had left in the agent's store, and its ranks waited to connect to dead
-    ones (measured: torch 2.13, gloo, both ranks of the restarted group stuck for
-    minutes). As ``env://`` does: the agent hosts the store when it says so
-    (``TORCHELASTIC_USE_AGENT_STORE``), else rank 0."""
+    """torchrun's key-value store, its keys under a prefix of the restart count. With
+    ``init_method="env://"`` a group that ``--max-restarts`` started again read the
+    addresses its killed predecessor had left in the store, and its ranks waited for
+    dead ones (torch 2.13, gloo: stuck for minutes)."""
     import torch.distributed as dist
 
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -376,14 +331,9 @@ def _start_jax(timeout: int, coordinator, num_processes, process_id) -> ProcessG
 
 
 class GroupBackup(RunBackup):
-    """The run's :class:`~tfaploss.durable.checkpoints.RunBackup` as every rank holds it:
-    rank 0 writes each checkpoint while the others wait (:meth:`ProcessGroup.main_first`),
-    and every index record holds the world size and the global batch
-    (``processes``, ``global_batch``) that :func:`check_resume` compares. Reading
-    (``find``, ``restore``) is every rank's.
-
-    Cost beyond one process: two barriers per checkpoint.
-    """
+    """The run's :class:`~tfaploss.durable.checkpoints.RunBackup` as every rank holds
+    it: rank 0 writes each checkpoint while the others wait, and every index record
+    holds the world size and the global batch that :func:`check_resume` compares."""
 
     def __init__(self, directory, group: ProcessGroup, global_batch: int, log=None):
         super().__init__(directory, log)
@@ -419,13 +369,10 @@ def _recorded(index: Path) -> dict | None:
 
 
 def check_resume(backup: RunBackup, group: ProcessGroup, global_batch: int) -> None:
-    """Refuse to resume a checkpoint written by another world size or global batch.
-
-    Reads the indexes of ``backup`` (the epoch checkpoint's and a step checkpoint's);
-    a record from before world sizes were recorded counts as one process. Raises
-    :class:`~tfaploss.config.ConfigError` naming both layouts and the ways out. Read
-    only: every rank calls it before rank 0 changes anything. Cost: two small reads.
-    """
+    """Refuse (:class:`~tfaploss.config.ConfigError`, naming both layouts and the ways
+    out) to resume a checkpoint written by another world size or global batch; a
+    record without a world size counts as one process. Read only: every rank calls it
+    before rank 0 changes anything."""
     for index in (backup.index_path, backup.step_index_path):
         record = _recorded(index)
         if record is None:
@@ -448,10 +395,8 @@ def check_resume(backup: RunBackup, group: ProcessGroup, global_batch: int) -> N
 
 
 def check_shards(cfg, group: ProcessGroup) -> None:
-    """Refuse, before anything is written, a global batch the ranks cannot share:
-    ``make_train_dataset``'s rule (whole classes per rank), raised as a
-    :class:`~tfaploss.config.ConfigError` naming the keys. Cost: one dataset built
-    (lazily: the manifest read, no record)."""
+    """Refuse, before anything is written, a global batch the ranks cannot share
+    (``make_train_dataset``'s rule), as a :class:`~tfaploss.config.ConfigError`."""
     if not group.distributed:
         return
     from tfaploss.run import build as B
@@ -472,22 +417,17 @@ def check_shards(cfg, group: ProcessGroup) -> None:
 class StopAgreement(keras.callbacks.Callback):
     """Make every rank stop after the same step: the flag that
     :class:`~tfaploss.training.preemption.PreemptionCheckpoint` reads under several
-    processes.
+    processes (put it after every callback that may stop training, before that one).
 
-    The ranks agree (one all-reduce of four integers) at the end of every epoch and of
-    every :attr:`every`-th batch: if any rank received SIGTERM or SIGINT (``local``, a
-    :class:`~tfaploss.durable.preemption.SignalFlag`), :attr:`signum` becomes that
-    signal on every rank; if any rank's callbacks set ``model.stop_training`` (the
-    batch-health check, EarlyStopping), every rank's model stops. Between agreements a
-    rank's own stop is held back (a rank leaving ``fit`` alone would leave the others
-    waiting in the next step's collective). Put it after every callback that may stop
-    training and before the ``PreemptionCheckpoint`` that reads it.
-
-    :attr:`every` starts at 1 and follows what the ranks measured, the same on all:
-    the fewest batches that keep the agreement under :data:`OVERHEAD` of the time
-    between them, and no more than a signal may wait, :data:`LATENCY_S` (2 CPU
-    processes: 0.3 ms on gloo, 4 ms on JAX, against steps of 0.1-1 s: every batch;
-    a 4 ms agreement beside 50 ms steps: every 8th).
+    The ranks agree (one all-reduce) at the end of every epoch and of every
+    :attr:`every`-th batch: a signal any rank received (``local``, a
+    :class:`~tfaploss.durable.preemption.SignalFlag`) becomes :attr:`signum` on every
+    rank, and a ``stop_training`` any rank's callbacks set stops every rank. Between
+    agreements a rank's own stop is held back: a rank leaving ``fit`` alone would leave
+    the others waiting in the next step's collective. :attr:`every` is the same on all
+    ranks, from their timings: the fewest batches that keep the agreement under
+    :data:`OVERHEAD` of the time between them, with a signal waiting at most
+    :data:`LATENCY_S`.
     """
 
     OVERHEAD = 0.01

@@ -3,45 +3,19 @@
 Run directory layout (``run_dir``)::
 
     config.yaml     the validated config of this run (a resumed run must match it)
-    backup/         checkpoint (model + optimizer) of the last finished epoch, written
-                    atomically every epoch (tfaploss.durable.checkpoints); removed only
-                    once model.keras and summary.json are in place. A killed run started
-                    again with the same command resumes at the first unfinished epoch:
-                    a kill at any moment loses at most the epoch in progress.
-    logs/           TensorBoard scalars (tensorboard --logdir RUN_DIR/logs)
-    epochs.jsonl    one JSON line per finished epoch: loss, learning rate, batch health
-                    (emb_cos, emb_cos_std, chance_ap: tfaploss.training.health), evaluation;
-                    ``health``: what the batch-health check reported in the epoch, and
-                    ``stopped_early`` on the row of the epoch it stopped;
-                    ``health_steps``: per step of the epoch, the images, emb_cos,
-                    chance_ap and loss the check saw (tfaploss.training.health.replay
-                    replays a run from them)
+    backup/         checkpoint of the last finished epoch (tfaploss.durable.checkpoints),
+                    removed once model.keras and summary.json are in place: a killed
+                    run started again resumes at the first unfinished epoch
+    logs/           TensorBoard scalars
+    epochs.jsonl    one JSON line per finished epoch (training.callbacks.EpochLogger)
     model.keras     the trained embedding model (images -> L2-normalised embeddings)
-    summary.json    config, epochs, steps, timings, final retrieval metrics;
-                    ``stopped_early`` (null, or why and when the batch-health check
-                    stopped the run) and ``health_events``
+    summary.json    config, epochs, steps, timings, final retrieval metrics, and
+                    ``stopped_early`` / ``health_events`` of the batch-health check
 
-Under several processes (``torchrun``, JAX's ``--coordinator``:
-:mod:`tfaploss.run.processes`) rank 0 alone writes the run directory, and holds its
-lock; the other ranks wait for it, then read (the config check, the checkpoint they
-restore), and return without writing.
-
-A run directory is checked before it is used (:mod:`tfaploss.run.resume`): what a
-kill leaves is recovered from, damage (what no kill leaves) stops the run with
-:class:`~tfaploss.durable.checkpoints.DamagedRunError`, naming the file; the run never
-starts over by itself. ``restart=True`` (``--restart``) starts over, the previous run's
-files moved aside into ``damaged-<time>/`` or ``previous-<time>/``. A run holds the
-lock of its run directory (:mod:`tfaploss.durable.locks`): a second run started on it
-is refused with :class:`~tfaploss.durable.locks.LockHeldError`, naming the first.
-
-Every file is written to a temporary name and renamed into place. Training stops with
-NonFiniteTrainingError at the first non-finite loss or weight; nothing non-finite is
-ever checkpointed or saved. A run whose embeddings stay collapsed (or whose loss stays
-flat) is warned about after 10 % of it; one whose embeddings stay collapsed with
-retrieval at chance is stopped after 25 % by the batch-health check
-(``training.health``, :class:`~tfaploss.training.TrainingHealthMonitor`): the model
-and summary are still written, and a later call with the same config does not train it
-again.
+Under several processes (:mod:`tfaploss.run.processes`) rank 0 alone writes the run
+directory and holds its lock; the other ranks wait for it, then read. Every file is
+written to a temporary name and renamed into place; what :func:`train` checks, and
+when it stops, is in its docstring.
 """
 
 from __future__ import annotations
@@ -199,38 +173,21 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto",
     (``training.health``) is saved and summarised like a finished one, with
     ``summary["stopped_early"]`` saying why.
 
-    The run directory is checked first (:mod:`tfaploss.run.resume`): damage raises
-    :class:`~tfaploss.durable.checkpoints.DamagedRunError` (naming the file; nothing is
-    changed), a run of another config :class:`~tfaploss.config.ConfigError`, and
-    another process training in it :class:`~tfaploss.durable.locks.LockHeldError`
-    (naming it).
-    ``restart=True`` starts over at epoch 1 whatever the directory holds: the previous
-    run's files are moved aside into ``damaged-<time>/`` (``previous-<time>/`` when
-    they were not damaged) inside it, never deleted.
+    Checked first, before anything is written: the optional parts the config needs
+    (:class:`~tfaploss.extras.MissingExtraError`), the run directory (damage:
+    :class:`~tfaploss.durable.checkpoints.DamagedRunError`; a run of another config:
+    :class:`~tfaploss.config.ConfigError`; another process in it:
+    :class:`~tfaploss.durable.locks.LockHeldError`) and the data against their manifest
+    (``verify_data``: ``"sizes"``, ``"full"`` or ``"off"``; a damaged record met later
+    raises :class:`~tfaploss.data.integrity.DamagedDataError`; ``skip_damaged=True``
+    leaves the damaged files out instead). ``restart=True`` starts over at epoch 1, the
+    previous run's files moved aside, never deleted. An extra that fails only at the
+    final evaluation costs the final metrics, never the model or summary.json.
 
-    What it reports (the run, notes on what a resumed run found, the final metrics)
-    goes to the ``tfaploss.run.trainer`` logger at INFO, shown on stdout unless the
-    application configured logging (:func:`tfaploss.log.reporting`); ``verbose`` is
-    Keras's progress display (``model.fit``).
-
-    The optional parts the config needs (``evaluation.backend: scann`` needs ScaNN) are
-    checked first: a missing one raises :class:`~tfaploss.extras.MissingExtraError`
-    (with its install command) before anything is trained or written. One that fails
-    only at the final evaluation (installed, but broken) costs the final metrics,
-    never the model or summary.json: a warning says why.
-
-    The data are checked against their manifest.json before the first step
-    (``verify_data``: ``"sizes"``, no read; ``"full"``, every file's checksum; ``"off"``),
-    and a damaged record met later stops the run with
-    :class:`~tfaploss.data.integrity.DamagedDataError`, naming the file and record and
-    the command that rebuilds it. ``skip_damaged=True`` reads the training split once
-    at start-up and leaves its damaged files out instead (``summary["skipped_data"]``).
-
-    Launched as several processes (:func:`tfaploss.run.processes.start`: torchrun's
-    environment, or JAX's coordinator), every rank calls ``train``: each trains on its
-    share of every global batch, rank 0 writes the run directory, and the others
-    return ``{"run_dir", "rank", "updates", "processes"}`` (rank 0 writes the summary).
-    A resumed run must have the world size and global batch of its checkpoint.
+    Reports go to the ``tfaploss.run.trainer`` logger at INFO (shown on stdout unless
+    the application configured logging); ``verbose`` is Keras's progress display.
+    Under several processes every rank calls ``train``; the ranks other than 0 return
+    ``{"run_dir", "rank", "updates", "processes"}``.
     """
     with reporting():
         check_config_extras(cfg)

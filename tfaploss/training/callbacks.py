@@ -1,19 +1,8 @@
 """The Keras callbacks of a training run, besides the batch-health check.
 
-- :class:`RetrievalEvaluation`: retrieval metrics on a held-out split every few epochs,
-  as ``val_*`` logs (and TensorBoard scalars).
-- :class:`EmbeddingProjector`: a split's embeddings for TensorBoard's projector.
-- :class:`EpochLogger`: one JSON line per finished epoch (``epochs.jsonl``), with what
-  the batch-health check reported.
-- :class:`EpochCheckpoint`: a crash-safe checkpoint after every epoch whose loss and
-  weights are finite (:class:`~tfaploss.durable.checkpoints.RunBackup`).
-- :class:`FaultPoints`: the per-batch fault points of the crash tests
-  (:mod:`tfaploss.durable.faults`).
-
-``tfaploss train`` (:mod:`tfaploss.run.trainer`) puts them in this order:
-non-finite guard, faults, evaluation, health check, lone-query check
-(:class:`~tfaploss.training.LoneQueryMonitor`), the user's, epoch log, TensorBoard,
-checkpoint (last: it saves what every other callback has seen).
+``tfaploss train`` (:mod:`tfaploss.run.trainer`) puts them in this order: non-finite
+guard, faults, evaluation, health check, lone-query check, the user's, epoch log,
+TensorBoard, checkpoint (last: it saves what every other callback has seen).
 """
 
 from __future__ import annotations
@@ -57,6 +46,12 @@ def stop_summary(record: dict) -> dict:
                                       "share_of_run", "run_images", "message")}}
 
 
+def _embedder(callback):
+    """The model whose output are the embeddings: the callback's own, else the one
+    being trained."""
+    return callback.embedding_model if callback.embedding_model is not None else callback.model
+
+
 def _as_dataset(data, labels, batch_size: int):
     """``data`` as something :func:`~tfaploss.evaluation.embed.embed_dataset` reads:
     a batched dataset kept as is, or arrays of images (and labels) cut into batches."""
@@ -75,44 +70,27 @@ def _as_dataset(data, labels, batch_size: int):
 class RetrievalEvaluation(keras.callbacks.Callback):
     """Retrieval metrics on a held-out split every ``every_n_epochs`` epochs, as logs.
 
-    Each image of the split queries all the others (the split is its own database, the
-    query left out of its ranking), as :func:`tfaploss.evaluation.retrieval_metrics`
-    measures it: ``recall@K`` for each K, ``precision@1``, ``map@r``, ``r_precision``,
-    ``map``. They are added to the epoch's ``logs`` as ``<prefix><metric>``
-    (``val_map@r``, ``val_recall@1``), so the callbacks after this one read them:
-    ``keras.callbacks.EarlyStopping(monitor="val_map@r", mode="max")`` (``mode``:
-    Keras guesses "min" from the name), ``ModelCheckpoint``, ``TensorBoard``, the
-    progress bar. With ``log_dir`` they are also written as TensorBoard scalars
-    (``tf.summary``, TensorFlow installed), one step per epoch.
+    Each image of the split queries all the others, as
+    :func:`tfaploss.evaluation.retrieval_metrics` measures it; the metrics are added to
+    the epoch's ``logs`` as ``<prefix><metric>`` (``val_map@r``), so the callbacks after
+    this one read them (``EarlyStopping(monitor="val_map@r", mode="max")``: Keras would
+    guess "min" from the name). With ``log_dir`` also as TensorBoard scalars.
 
     Args:
-        data: the split: a batched ``tf.data.Dataset`` (or any iterable) of
-            ``(images, labels)``, or an array of images with ``labels``.
-        labels: (N,) labels when ``data`` is an array of images; else None.
-        embedding_model: the model whose output are the embeddings; None: the model
-            being trained (when its output are the embeddings).
+        data, labels: the split: batches of ``(images, labels)``, or an array of images
+            with its ``labels``.
+        embedding_model: the model whose output are the embeddings (None: the model
+            being trained).
         every_n_epochs: evaluate after every this many epochs (0: never).
-        ks: the cut-offs of ``recall@K`` (those not below the split's size are left
-            out).
-        searcher: a backend name of :func:`tfaploss.evaluation.build_searcher`
-            (``"exact"``, ``"scann"``, ...), or a callable ``database -> Searcher``
-            (e.g. a :class:`~tfaploss.evaluation.Searcher` class), built anew at each
-            evaluation over that epoch's embeddings.
+        ks: the cut-offs of ``recall@K`` (below the split's size).
+        searcher: a backend name of :func:`tfaploss.evaluation.build_searcher`, or a
+            callable ``database -> Searcher``, built anew at each evaluation.
         prefix: what the log keys start with.
         log_dir: a folder for TensorBoard scalars, or None.
         batch_size: images per batch when ``data`` is an array.
         evaluate_fn: instead of ``data``: ``evaluate_fn(embedding_model) ->
-            {metric: value}`` (what ``tfaploss train`` passes, its split and search
-            taken from the run's config).
+            {metric: value}`` (what ``tfaploss train`` passes).
 
-    Example:
-
-    ```python
-    model.fit(train_ds, epochs=20, callbacks=[
-        tfaploss.callbacks.RetrievalEvaluation(test_ds, every_n_epochs=2, ks=(1, 10)),
-        keras.callbacks.EarlyStopping(monitor="val_map@r", mode="max", patience=3),
-    ])
-    ```
     """
 
     def __init__(self, data=None, labels=None, *, embedding_model=None,
@@ -138,7 +116,7 @@ class RetrievalEvaluation(keras.callbacks.Callback):
 
     def evaluate(self) -> dict:
         """The metrics of the split now (what an epoch's evaluation adds to its logs)."""
-        model = self.embedding_model if self.embedding_model is not None else self.model
+        model = _embedder(self)
         if self.evaluate_fn is not None:
             return self.evaluate_fn(model)
         from tfaploss.evaluation import retrieval_metrics
@@ -187,25 +165,13 @@ class RetrievalEvaluation(keras.callbacks.Callback):
 
 
 class EmbeddingProjector(keras.callbacks.Callback):
-    """Export a split's embeddings for TensorBoard's projector at the end of training
-    (and every ``every_n_epochs`` epochs when set): :func:`tfaploss.evaluation.
-    projector.export_projector` into ``log_dir``, the latest embeddings replacing the
-    previous ones.
+    """Export a split's embeddings for TensorBoard's projector into ``log_dir`` at the
+    end of training, and every ``every_n_epochs`` epochs when set (the latest replace
+    the previous ones). ``data``, ``labels``, ``batch_size``, ``embedding_model``: as
+    for :class:`RetrievalEvaluation`; ``max_images``: at most this many (the projector
+    handles ~10^5 points).
 
-    Args:
-        log_dir: the folder the projector files go to (e.g. ``<logs>/projector``).
-        data, labels, batch_size: the split, as for :class:`RetrievalEvaluation`.
-        embedding_model: the model whose output are the embeddings; None: the model
-            being trained.
-        every_n_epochs: also export after every this many epochs (0: only at the end).
-        max_images: at most this many images (the projector handles ~10^5 points).
-
-    Example:
-
-    ```python
-    model.fit(train_ds, epochs=5, callbacks=[
-        tfaploss.callbacks.EmbeddingProjector("logs/projector", test_ds)])
-    ```
+    Example: ``callbacks=[EmbeddingProjector("logs/projector", test_ds)]``.
     """
 
     def __init__(self, log_dir, data, labels=None, *, embedding_model=None,
@@ -223,8 +189,7 @@ class EmbeddingProjector(keras.callbacks.Callback):
         from tfaploss.evaluation.embed import embed_dataset
         from tfaploss.evaluation.projector import export_projector
 
-        model = self.embedding_model if self.embedding_model is not None else self.model
-        embeddings, labels, _ = embed_dataset(model, self.data, verbose=0)
+        embeddings, labels, _ = embed_dataset(_embedder(self), self.data, verbose=0)
         if self.max_images:
             embeddings = embeddings[:self.max_images]
             labels = None if labels is None else labels[:self.max_images]
@@ -239,24 +204,17 @@ class EmbeddingProjector(keras.callbacks.Callback):
 
 
 class EpochLogger(keras.callbacks.Callback):
-    """Append each finished epoch's logs and learning rate to a JSON-lines file.
+    """Append each finished epoch's logs and learning rate to a JSON-lines file
+    (``path``).
 
-    A row is ``{"epoch": E, "learning_rate": ..., <every numeric log>}``, with the share
-    of the epoch's queries that had no positive in their batch (``lone_query_share``,
-    with ``lone_query_count`` and ``query_count``: the logs of the
-    :class:`~tfaploss.training.LoneQueryShare` metric; null where nothing was counted
-    or the model was compiled without it) and, with a
-    ``health_monitor``, what it reported during the epoch (``health``,
-    ``stopped_early`` on the row of the epoch it stopped) and, per step, what it saw
-    (``health_steps``: :func:`tfaploss.training.health.trace_columns`, what a replay of
-    the run reads). Non-finite values are written as null: the file is strict JSON, and
-    a NaN in it is damage to :mod:`tfaploss.durable.run_dir`. Each row is flushed and
-    fsynced, so a kill loses at most the row being written.
-
-    Args:
-      path: the JSON-lines file (appended to).
-      health_monitor: the run's :class:`~tfaploss.training.TrainingHealthMonitor`, or
-        None.
+    A row is ``{"epoch": E, "learning_rate": ..., <every numeric log>}``, with
+    ``lone_query_share`` (null where nothing was counted or no
+    :class:`~tfaploss.training.LoneQueryShare` was compiled) and, with a
+    ``health_monitor``, what it reported (``health``, ``stopped_early``) and saw per
+    step (``health_steps``, what a replay reads). Non-finite values are written as
+    null: the file is strict JSON, and a NaN in it is damage to
+    :mod:`tfaploss.durable.run_dir`. Each row is fsynced: a kill loses at most the row
+    being written.
     """
 
     def __init__(self, path: str | os.PathLike, health_monitor=None):
@@ -303,17 +261,10 @@ class EpochLogger(keras.callbacks.Callback):
 
 
 class EpochCheckpoint(keras.callbacks.Callback):
-    """Checkpoint model and optimizer after every epoch, once the epoch's loss and every
-    weight are checked finite (nothing non-finite is ever checkpointed).
-
-    Raises :class:`~tfaploss.training.guards.NonFiniteTrainingError` instead of saving
-    a non-finite state. Each checkpoint records the optimizer's update count
-    (``updates``).
-
-    Args:
-      backup: where the checkpoints go, a
-        :class:`~tfaploss.durable.checkpoints.RunBackup`.
-    """
+    """Checkpoint model and optimizer into ``backup`` (a
+    :class:`~tfaploss.durable.checkpoints.RunBackup`) after every epoch, with the
+    optimizer's update count; a non-finite loss or weight raises
+    :class:`~tfaploss.training.guards.NonFiniteTrainingError` instead."""
 
     def __init__(self, backup):
         super().__init__()

@@ -6,14 +6,10 @@ be deterministic in training mode. Layers that break this: dropout and noise lay
 and random augmentation layers inside the model.
 
 BatchNormalization with batch statistics does not break it: both stages normalise the
-same chunk with that chunk's statistics, so the step is the exact gradient of the
-network whose BatchNorm normalises each chunk of ``chunk_size`` images on its own
-("ghost batch normalisation", Hoffer, Hubara & Soudry, NeurIPS 2017), not of one that
-normalises over the whole batch. :func:`ghost_batch_norm_layers` lists those layers.
-Why allow it: a network trained from scratch with frozen BatchNorm has no working
-normalisation once its weights move (its statistics stay those of the random
-initialisation), and on the glyph set it trained far worse and collapsed at learning
-rates that the same network with batch statistics handles (``docs/batch_sweep/first_sweep.md``).
+same chunk with that chunk's statistics, the exact gradient of a network normalising
+each chunk on its own ("ghost batch normalisation", Hoffer et al., NeurIPS 2017). It is
+allowed because frozen statistics of a random initialisation stop normalising once the
+weights move (``docs/batch_sweep/first_sweep.md``).
 """
 
 from __future__ import annotations
@@ -36,13 +32,9 @@ def _owns_seed_generator(layer) -> bool:
 
 
 def find_nondeterministic_layers(model: keras.layers.Layer) -> list[str]:
-    """Describe each layer of ``model`` whose training-mode output is not reproducible.
-
-    Returns one human-readable line per offending layer (empty when the model is safe
-    for multi-staged backpropagation): layers drawing random numbers in training
-    (dropout, noise, augmentation), unless their rate is 0. BatchNorm with batch
-    statistics is deterministic per chunk (see :func:`ghost_batch_norm_layers`).
-    """
+    """One line per layer of ``model`` drawing random numbers in training (dropout,
+    noise, augmentation, unless their rate is 0); empty when the model is safe for
+    multi-staged backpropagation."""
     problems = []
     for layer in model._flatten_layers(include_self=True, recursive=True):
         if isinstance(layer, keras.layers.BatchNormalization):
@@ -60,13 +52,8 @@ def find_nondeterministic_layers(model: keras.layers.Layer) -> list[str]:
 
 
 def ghost_batch_norm_layers(model: keras.layers.Layer) -> list[str]:
-    """Names of the BatchNorm layers of ``model`` that use batch statistics in training.
-
-    Under multi-staged backpropagation each of them normalises every chunk with the
-    chunk's own statistics (ghost batch normalisation); its moving statistics follow
-    the chunks. Frozen layers (:func:`tfaploss.training.freeze_batch_norm`) are not
-    listed.
-    """
+    """Names of the BatchNorm layers of ``model`` that use batch statistics in training
+    (each normalises every chunk on its own; frozen layers are not listed)."""
     return [layer.name for layer in batch_statistics_layers(model)]
 
 
@@ -78,15 +65,9 @@ def batch_statistics_layers(model: keras.layers.Layer) -> list:
 
 
 def check_deterministic(model: keras.layers.Layer, on_nondeterministic: str = "warn") -> list[str]:
-    """Warn about, raise on, or ignore layers that make stage 1 and stage 3 differ.
-
-    Args:
-        model: the embedding model.
-        on_nondeterministic: ``"warn"`` (a :class:`NondeterministicModelWarning`),
-            ``"raise"`` (a ``ValueError``) or ``"ignore"``.
-
-    Returns the list of problems found (see :func:`find_nondeterministic_layers`).
-    """
+    """Warn about (``"warn"``, a :class:`NondeterministicModelWarning`), raise on
+    (``"raise"``, a ``ValueError``) or ``"ignore"`` layers that make stage 1 and stage 3
+    differ; returns the problems found."""
     if on_nondeterministic not in _NONDETERMINISTIC_CHOICES:
         raise ValueError(
             f"`on_nondeterministic` must be one of {_NONDETERMINISTIC_CHOICES}, "

@@ -82,14 +82,9 @@ def check_finite_weights(model, what: str) -> None:
 
 class StopOnNonFinite(keras.callbacks.Callback):
     """Raise :class:`NonFiniteTrainingError` at the first batch whose loss or resulting
-    weights are not finite.
-
-    Args:
-        steps_per_epoch: batches per epoch (for the message).
-        hint: extra text for the message (e.g. the configured learning rate).
-
-    Cost per batch: one reduction over all model variables and one device-to-host copy
-    of a boolean and the loss.
+    weights are not finite. ``steps_per_epoch`` and ``hint`` (e.g. the configured
+    learning rate) go into the message. Cost per batch: one reduction over all model
+    variables and one device-to-host copy of a boolean and the loss.
     """
 
     def __init__(self, steps_per_epoch: int | None = None, hint: str = ""):

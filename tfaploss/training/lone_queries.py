@@ -1,25 +1,14 @@
 """Lone queries counted by a Keras metric, and the callback that warns when most are.
 
 A query is lone when no other item of the batch shares its label: a ranking loss
-gets no signal from it (:mod:`tfaploss.losses.lone_queries` says why that matters).
-That depends on the labels only, so it is counted by a metric from ``y_true`` rather
-than by the loss: Keras keeps a metric's state statelessly inside the compiled step on
-every backend (XLA included), and nothing calls the host. A plain Keras user adds both
-pieces; ``tfaploss train`` adds them itself:
+gets no signal from it (:mod:`tfaploss.losses.lone_queries`). That depends on the
+labels only, so a metric counts it from ``y_true`` rather than the loss: Keras keeps a
+metric's state inside the compiled step on every backend, and nothing calls the host.
+``tfaploss train`` adds both pieces; a plain Keras user writes::
 
-```python
-model.compile(optimizer="adam", loss=tfaploss.losses.SmoothAPLoss(),
-              metrics=[tfaploss.training.LoneQueryShare()])
-model.fit(x, y, batch_size=8, callbacks=[tfaploss.training.LoneQueryMonitor()])
-```
-
-* :class:`LoneQueryShare`: counts per step, logged per epoch as
-  ``lone_query_share``, ``lone_query_count`` and ``query_count``.
-* :class:`LoneQueryMonitor`: reads the counts every ``every`` steps and at the end of
-  each epoch and hands them to the loss's
-  :class:`~tfaploss.losses.lone_queries.LoneQueryTracker`, which warns once per run
-  (:class:`~tfaploss.losses.lone_queries.LoneQueriesWarning`) when most queries of the
-  recent steps were lone.
+    model.compile(optimizer="adam", loss=tfaploss.losses.SmoothAPLoss(),
+                  metrics=[tfaploss.training.LoneQueryShare()])
+    model.fit(x, y, batch_size=8, callbacks=[tfaploss.training.LoneQueryMonitor()])
 """
 
 from __future__ import annotations
@@ -46,11 +35,8 @@ SHARE_KEY, LONE_KEY, QUERY_KEY = "lone_query_share", "lone_query_count", "query_
 
 def _alone_sorted(column):
     """``(order, alone)``: the permutation that sorts ``column`` (B,) and, in that
-    order, whether the item is the only one of its label.
-
-    Sorted, equal labels are neighbours: an item is alone iff both its sorted
-    neighbours differ from it. Cost: one sort of B values, O(B log B) time, O(B) memory.
-    """
+    order, whether the item is the only one of its label (both sorted neighbours
+    differ). Cost: one sort, O(B log B) time, O(B) memory."""
     order = ops.argsort(column)
     ranked = ops.take(column, order)
     new = ops.not_equal(ranked[1:], ranked[:-1])  # item k+1 starts a new label
@@ -64,21 +50,11 @@ def lone_query_counts(labels, sample_weight=None, rows=None):
     """``(lone, queries)``: int32 scalars counting the lone queries and all queries.
 
     A query is an item with a weight above 0 (every item without ``sample_weight``);
-    it is lone when no other item of the batch, whatever its weight, shares its label:
-    the queries a :class:`~tfaploss.losses.RetrievalLoss` finds no positive for, with
-    ``include_self`` or not (its ``informative`` mask), since the loss ranks every item
-    and ``sample_weight`` only scales the queries' terms. Labels of shape (B, L)
-    (:class:`~tfaploss.losses.HAPLoss`'s levels): lone when no other item shares any
-    level, as ``level > 0`` there.
-
-    Args:
-        labels: (B,), (B, 1) or (B, L) labels.
-        sample_weight: None, a scalar, or one weight per item, (B,) or (B, 1).
-        rows: ``(start, stop)``: count only the queries of these rows (this replica's
-            rows of a gathered global batch); None: every row.
-
-    Cost: one sort of the B labels (one more per further level, and with ``rows``),
-    O(L·B log B) time and O(B) memory; a few dozen small ops.
+    it is lone when no other item of the batch, whatever its weight, shares its label
+    (for (B, L) labels, :class:`~tfaploss.losses.HAPLoss`'s levels: shares no level):
+    the queries a :class:`~tfaploss.losses.RetrievalLoss` finds no positive for.
+    ``rows``: ``(start, stop)``, count only these rows' queries (this replica's rows of
+    a gathered global batch). Cost: one sort per level, O(L·B log B) time, O(B) memory.
     """
     labels = ops.convert_to_tensor(labels)
     if len(labels.shape) == 1:
@@ -119,23 +95,12 @@ class LoneQueryShare(keras.metrics.Metric):
     """The share of the epoch's queries that had no other item of their label in
     their batch (:func:`lone_query_counts`), with its two counts.
 
-    ``y_true`` = the labels the ranking loss takes; ``y_pred`` is not read. Its
-    :meth:`result` is a dict, so the logs (progress bar, History, ``epochs.jsonl``)
-    hold three entries: ``lone_query_share`` (NaN when nothing was counted),
-    ``lone_query_count`` and ``query_count`` (since the start of the epoch, as every
-    Keras metric). :class:`LoneQueryMonitor` reads them. In ``compile(metrics=...)``
-    every item is a query; in ``compile(weighted_metrics=...)`` an item of
-    ``sample_weight`` 0 is none (use one of the two lists).
-
-    Under ``tf.distribute`` and ``torch.distributed`` it gathers the replicas' labels
-    (and weights), as the loss does, so a query whose positive sits on another replica
-    is not lone; each replica counts its own rows and Keras sums the replicas' counts.
-
-    Cost per step: :func:`lone_query_counts`, O(B log B) (several replicas: plus an
-    all-gather of the B labels), inside the compiled step; no host call.
-
-    Args:
-        name, dtype: as for ``keras.metrics.Metric``.
+    ``y_true`` = the labels the ranking loss takes; ``y_pred`` is not read. The logs
+    hold ``lone_query_share`` (NaN when nothing was counted), ``lone_query_count`` and
+    ``query_count``, since the start of the epoch. In ``compile(weighted_metrics=...)``
+    an item of ``sample_weight`` 0 is no query. Across replicas it gathers the labels,
+    as the loss does, so a query whose positive sits on another replica is not lone.
+    Cost per step: :func:`lone_query_counts` inside the compiled step; no host call.
     """
 
     def __init__(self, name=SHARE_KEY, dtype=None):
@@ -178,28 +143,17 @@ class LoneQueryMonitor(keras.callbacks.Callback):
     (each ``fit``) when most queries of the recent steps were lone.
 
     The counts are read every ``every`` steps and at the end of each epoch (from its
-    logs: free, Keras has them ready). Keras's epoch counts are cumulative, so the
-    counts of each read are the difference from the previous one. A read within an
-    epoch waits for the step to finish (a host sync): on TensorFlow and PyTorch the
-    callback reads the metric's variables before the next step (under
-    ``tf.distribute`` they sum the replicas' counts, where a step's logs average
-    them); on JAX, where the variables are only written back at the epoch's end, it
-    reads the step's logs, which Keras hands the callbacks in a thread of its own
-    while the next step runs (the callback is ``async_safe``). With the default
-    ``every`` = :data:`~tfaploss.losses.lone_queries.WINDOW_STEPS` (20) that is one
-    read per 20 steps. Metric and monitor together: within 2 % of a B=256
-    ``SmoothAPLoss`` ``fit`` step on a CPU under JAX, a TensorFlow graph and XLA (wall
-    time, median of paired epochs, two runs on a shared 2-core machine, whose noise
-    is larger; ``benchmarks/lone_queries.py``).
+    logs), each read handing over the difference from the previous one. A read within
+    an epoch waits for the step (a host sync): on TensorFlow and PyTorch of the
+    metric's variables before the next step (under ``tf.distribute`` they sum the
+    replicas' counts, where a step's logs average them); on JAX, whose variables are
+    written back only at the epoch's end, of the step's logs in Keras's callback
+    thread (``async_safe``). Cost with the default ``every`` (20): within 2 % of a
+    B=256 ``SmoothAPLoss`` step on a CPU (``benchmarks/lone_queries.py``).
 
-    The tracker is ``model.loss.lone_queries`` (its ``warn`` is off for a loss with
-    ``drop_lone_queries=True``); a loss without one (e.g. ``XBMLoss``) gets a tracker
-    of the monitor's own, which warns. Either is :attr:`tracker`. A model compiled
-    without :class:`LoneQueryShare` counts nothing: the monitor logs that once and
-    stays silent.
-
-    Args:
-        every: read the counts every this many steps (besides each epoch's end).
+    :attr:`tracker` is ``model.loss.lone_queries``, or for a loss without one (e.g.
+    ``XBMLoss``) the monitor's own. A model compiled without :class:`LoneQueryShare`
+    counts nothing: the monitor logs that once.
     """
 
     async_safe = True  # JAX: on_train_batch_end runs in Keras's callback thread

@@ -20,22 +20,16 @@ the price is a second forward pass (time ~ (2 fwd + 1 bwd) / (1 fwd + 1 bwd) ~ 4
 Keras's ``gradient_accumulation_steps`` is not this: it averages separate per-chunk
 losses, while AP must rank over the whole batch.
 
-Exact only if stage 3 sees what stage 1 saw: augment in the input pipeline (never
-inside the model) and no dropout. BatchNorm may be frozen
-(:func:`tfaploss.training.freeze_batch_norm`, the papers' setting for pretrained
-backbones), in which case the step equals the single-pass step on the whole batch; or
-it may use batch statistics (the setting for a network trained from scratch), in which
-case each chunk is normalised with its own statistics in both stages, and the step is
-the exact gradient of that "ghost batch norm" network (Hoffer et al., NeurIPS 2017):
-the single pass that embeds the batch chunk by chunk under one tape.
+Exact only if stage 3 sees what stage 1 saw: augment in the input pipeline, no
+dropout. Frozen BatchNorm (:func:`tfaploss.training.freeze_batch_norm`, the papers'
+setting for pretrained backbones) gives the single-pass step on the whole batch;
+BatchNorm on batch statistics normalises each chunk on its own in both stages, the
+exact gradient of that "ghost batch norm" network (Hoffer et al., NeurIPS 2017).
 
-Backends. The stages above are backend-neutral (this module: chunking, the loss on the
-embeddings, metrics); only "take G" and "pull G back through one chunk" need the
-backend's autodiff, and each backend has a small module for them:
-``multistage_tf`` (``tf.GradientTape`` with ``output_gradients``, ``tf.distribute``),
-``multistage_jax`` (stateless calls, ``jax.vjp`` per chunk inside ``lax.scan``) and
-``multistage_torch`` (``Tensor.backward(gradient)`` per chunk). ``MultiStageModel``
-takes the one of the backend Keras was imported with.
+Only "take G" and "pull G back through one chunk" need the backend's autodiff, one
+small module each: ``multistage_tf`` (``output_gradients``, ``tf.distribute``),
+``multistage_jax`` (``jax.vjp`` per chunk inside ``lax.scan``), ``multistage_torch``
+(``Tensor.backward(gradient)`` per chunk); the rest is here, in ``keras.ops``.
 """
 
 from __future__ import annotations
@@ -77,129 +71,74 @@ class MultiStageModel(_backend_steps(), keras.Model):
     """Train an embedding model on very large batches with the exact batch gradient.
 
     Wraps ``embedding_model`` (images -> embeddings); ``compile`` it with a batch-level
-    ranking loss (e.g. ``tfaploss.losses.APLoss()``) and ``fit`` on (images, labels)
-    batches as usual. With ``chunk_size`` set, ``train_step`` runs the three stages
-    of multi-staged backpropagation (module docstring); with ``chunk_size=None`` it is
-    an ordinary single-pass step. Either way the update equals that of one plain step
-    on the whole batch, and ``optimizer.iterations`` (hence learning-rate schedules)
-    counts batches, not chunks.
+    ranking loss and ``fit`` on (images, labels) batches as usual. With ``chunk_size``
+    set, ``train_step`` runs the three stages of the module docstring; either way the
+    update equals that of one plain step on the whole batch, and
+    ``optimizer.iterations`` counts batches, not chunks. ``call``, ``predict`` and
+    ``evaluate`` run the embedding model, which is the model to export.
 
-    ``call``, ``predict`` and ``evaluate`` run the embedding model; ``save`` stores it
-    inside this wrapper (``keras.saving.load_model`` gives a ``MultiStageModel`` back),
-    and ``embedding_model`` is the model to export.
+    Under ``tf.distribute`` the loss ranks the GLOBAL batch: every replica gathers the
+    embeddings and labels, evaluates the loss on all of them and backpropagates the
+    rows it owns; the optimizer's all-reduce sums the parts. The compiled losses must
+    be ``RetrievalLoss``es, all reducing by a mean or all by a sum (the step undoes
+    Keras's 1/replicas scaling of a mean). Under ``torch.distributed`` (W > 1 ranks)
+    call ``fit`` on every rank with its own shard of each global batch
+    (``make_train_dataset(..., num_shards=W, shard_index=rank)``) and WITHOUT
+    DistributedDataParallel: the step gathers the ranks' stage-1 embeddings, ranks the
+    global batch on every rank and averages the gradients itself (see
+    ``multistage_torch``). Not across processes on JAX.
 
-    Under ``tf.distribute.MirroredStrategy`` the loss ranks the GLOBAL batch: every
-    replica all-gathers the embeddings and labels, evaluates the loss on all of them,
-    and backpropagates the rows it owns; the optimizer's all-reduce sums the replicas'
-    parts into the global gradient. The compiled losses must then be batch-level
-    ranking losses (``tfaploss.losses.RetrievalLoss``), all reducing by a mean or all
-    by a sum; the step undoes the 1/replicas scaling Keras gives a mean (it assumes
-    per-replica shares of the batch). ``evaluate`` ranks the global batch too (the
-    loss gathers it).
+    Mixed precision: the losses compute in float32, the optimizer scales the loss
+    before ``G`` is taken, unscales the accumulated gradient and skips non-finite steps.
 
-    Under ``torch.distributed`` (PyTorch backend, an initialised default process group
-    of W > 1 ranks) call ``fit`` on every rank with its own shard of each global batch
-    (e.g. ``tfaploss.data.make_train_dataset(..., num_shards=W, shard_index=rank)``,
-    which decodes only the rank's rows), WITHOUT a
-    DistributedDataParallel wrapper: the step all-gathers the ranks' stage-1
-    embeddings, labels and sample weights, ranks the global batch on every rank, and
-    averages the parameter gradients over the ranks itself (one all-reduce per step;
-    the first step broadcasts rank 0's weights), so every rank takes the one-process
-    step on the global batch and reports its loss (see ``multistage_torch``).
-
-    The same exact step runs on the TensorFlow, JAX and PyTorch backends; global-batch
-    ranking across replicas runs under ``tf.distribute`` and ``torch.distributed``
-    (not on JAX).
-
-    Mixed precision (``mixed_float16``): the losses compute in float32, the loss is
-    scaled by the (``LossScaleOptimizer``) optimizer before ``G`` is taken, and the
-    optimizer unscales the accumulated gradient and skips non-finite steps.
-
-    Cross-batch memory: with ``xbm_size > 0`` the last ``xbm_size`` embeddings and
-    labels of previous batches are kept (detached) and the loss gains
-    ``xbm_weight * loss.query_database_loss(batch, memory)`` (reduced as the loss
-    reduces its own terms, with the step's ``sample_weight``); the memory is updated
-    after the step with the batch's stage-1 embeddings. ``xbm_size=0`` is the plain
-    loss.
+    Cross-batch memory (``xbm_size > 0``): the last ``xbm_size`` embeddings and labels
+    are kept (detached) and the loss gains ``xbm_weight *
+    loss.query_database_loss(batch, memory)``; the memory is updated after the step
+    with the batch's stage-1 embeddings.
 
     Args:
         embedding_model: a Keras model mapping inputs to (B, d) embeddings.
         chunk_size: images per forward/backward chunk (int >= 1), or ``None`` for a
             single-pass step. Batches need not be a multiple of it. Under data
-            parallelism it counts images *per device*: a TensorFlow replica or a
-            torch rank chunks its own shard, and under JAX's ``DataParallel`` a
-            chunk takes ``chunk_size`` rows of every device's shard
-            (``multistage_jax``), so each device holds the activations of
-            ``chunk_size`` images at a time. BatchNorm on batch statistics then
-            normalises each chunk's ``chunk_size`` x D images together (one SPMD
-            program), as one device would with chunks of that size; a TensorFlow
-            replica or torch rank normalises its own ``chunk_size`` images.
-        xbm_size: cross-batch memory slots (0 = no memory).
-        xbm_weight: weight of the query-vs-memory loss.
-        xbm_loss: loss for the memory term (must have ``query_database_loss``);
-            defaults to the compiled loss.
-        on_nondeterministic: what to do when ``embedding_model`` is random in training
-            mode (dropout, batch-statistics BatchNorm, augmentation layers) and
-            ``chunk_size`` is set: ``"warn"`` (default), ``"raise"`` or ``"ignore"``.
+            parallelism it counts images *per device* (under JAX's ``DataParallel``
+            a chunk takes ``chunk_size`` rows of every device's shard, and
+            batch-statistics BatchNorm normalises those ``chunk_size`` x D together).
+        xbm_size, xbm_weight: cross-batch memory slots (0 = no memory), and the weight
+            of the query-vs-memory loss.
+        xbm_loss: loss for the memory term (default: the compiled loss).
+        on_nondeterministic: ``"warn"``, ``"raise"`` or ``"ignore"`` when
+            ``embedding_model`` is random in training mode and ``chunk_size`` is set.
         check_stages: debug check; stage 3 also measures the largest absolute
             difference between its embeddings and stage 1's, asserts it is <=
-            ``stage_atol`` (TensorFlow outside XLA and PyTorch; JAX and XLA only
-            report it, since a compiled step cannot raise) and reports it as
-            the metric ``stage_max_abs_diff`` (per-step maximum, averaged over the
-            epoch).
+            ``stage_atol`` (JAX and XLA only report it: a compiled step cannot
+            raise) and reports it as the metric ``stage_max_abs_diff``.
         stage_atol: tolerance of ``check_stages``.
 
-    Example::
-
-        model = freeze_batch_norm(models.build_embedding_model("resnet101", "gem"))
-        trainer = MultiStageModel(model, chunk_size=32)
-        trainer.compile(optimizer=keras.optimizers.Adam(1e-4), loss=APLoss())
-        trainer.fit(dataset_of_4096_image_batches, epochs=...)
-        model.save("embedder.keras")  # the plain embedding model, for export
-
-    Only weight regularisers (``kernel_regularizer``...) are added to the loss; losses
-    that layers create in ``call`` (activity regularisers, ``add_loss``) are not
-    supported, since no single call sees the whole batch.
-
-    Cost per step with chunk size c: 2 forward passes + 1 backward pass of the
-    embedding model, one loss evaluation with its gradient; activation memory of one
-    chunk of c images plus O(B·d) for the embeddings and ``G``.
+    Only weight regularisers are added to the loss; losses that layers create in
+    ``call`` (activity regularisers, ``add_loss``) are not supported, since no single
+    call sees the whole batch. Cost per step with chunk size c: 2 forward passes + 1
+    backward pass, one loss evaluation with its gradient; activation memory of one chunk
+    of c images plus O(B·d) for the embeddings and ``G``.
     """
 
-    def __init__(
-        self,
-        embedding_model,
-        chunk_size=None,
-        xbm_size=0,
-        xbm_weight=1.0,
-        xbm_loss=None,
-        on_nondeterministic="warn",
-        check_stages=False,
-        stage_atol=1e-5,
-        **kwargs,
-    ):
+    def __init__(self, embedding_model, chunk_size=None, xbm_size=0, xbm_weight=1.0,
+                 xbm_loss=None, on_nondeterministic="warn", check_stages=False,
+                 stage_atol=1e-5, **kwargs):
         super().__init__(**kwargs)
         if not isinstance(embedding_model, keras.layers.Layer):
-            raise TypeError(
-                "MultiStageModel: `embedding_model` must be a Keras model or layer, "
-                f"received {type(embedding_model).__name__}"
-            )
-        if chunk_size is not None and (
-            not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
-        ):
-            raise ValueError(
-                "MultiStageModel: `chunk_size` must be an int >= 1 or None, received "
-                f"chunk_size={chunk_size!r}"
-            )
+            raise TypeError("MultiStageModel: `embedding_model` must be a Keras model or "
+                            f"layer, received {type(embedding_model).__name__}")
+        if chunk_size is not None and (not isinstance(chunk_size, int)
+                                       or isinstance(chunk_size, bool) or chunk_size < 1):
+            raise ValueError("MultiStageModel: `chunk_size` must be an int >= 1 or None, "
+                             f"received chunk_size={chunk_size!r}")
         if not isinstance(xbm_size, int) or isinstance(xbm_size, bool) or xbm_size < 0:
-            raise ValueError(
-                f"MultiStageModel: `xbm_size` must be an int >= 0, received xbm_size={xbm_size!r}"
-            )
+            raise ValueError("MultiStageModel: `xbm_size` must be an int >= 0, received "
+                             f"xbm_size={xbm_size!r}")
         if xbm_loss is not None and not hasattr(xbm_loss, "query_database_loss"):
-            raise ValueError(
-                "MultiStageModel: `xbm_loss` must have a `query_database_loss` method "
-                f"(a tfaploss.losses.RetrievalLoss), received {type(xbm_loss).__name__}"
-            )
+            raise ValueError("MultiStageModel: `xbm_loss` must have a `query_database_loss` "
+                             "method (a tfaploss.losses.RetrievalLoss), received "
+                             f"{type(xbm_loss).__name__}")
         if not stage_atol >= 0:
             raise ValueError(f"MultiStageModel: `stage_atol` must be >= 0, received {stage_atol!r}")
         self.embedding_model = embedding_model
@@ -211,10 +150,8 @@ class MultiStageModel(_backend_steps(), keras.Model):
         self.check_stages = bool(check_stages)
         self.stage_atol = float(stage_atol)
         if on_nondeterministic not in ("warn", "raise", "ignore"):
-            raise ValueError(
-                "MultiStageModel: `on_nondeterministic` must be 'warn', 'raise' or "
-                f"'ignore', received on_nondeterministic={on_nondeterministic!r}"
-            )
+            raise ValueError("MultiStageModel: `on_nondeterministic` must be 'warn', 'raise' "
+                             f"or 'ignore', received on_nondeterministic={on_nondeterministic!r}")
         # A single-pass step embeds once, so randomness cannot make it inexact.
         problems = check_deterministic(
             embedding_model, on_nondeterministic if chunk_size is not None else "ignore")
@@ -242,13 +179,11 @@ class MultiStageModel(_backend_steps(), keras.Model):
             dim = self.embedding_model.output_shape[-1]
         except (AttributeError, ValueError, RuntimeError):
             dim = None
-        known = isinstance(dim, int)
-        if not known:
-            raise ValueError(
-                "MultiStageModel: cross-batch memory needs the embedding width; build "
-                f"`embedding_model` ({self.embedding_model.name!r}) first (give it an "
-                "input shape or call it once) so that its output_shape is known"
-            )
+        if not isinstance(dim, int):
+            raise ValueError("MultiStageModel: cross-batch memory needs the embedding width; "
+                             f"build `embedding_model` ({self.embedding_model.name!r}) first "
+                             "(give it an input shape or call it once) so that its "
+                             "output_shape is known")
         return dim
 
     # -- inference delegates to the embedding model -------------------------------
@@ -281,11 +216,10 @@ class MultiStageModel(_backend_steps(), keras.Model):
         losses = [l for l in tree.flatten(self.loss) if l is not None]
         if len(losses) == 1 and hasattr(losses[0], "query_database_loss"):
             return losses[0]
-        raise ValueError(
-            "MultiStageModel: cross-batch memory needs a loss with a query-vs-database "
-            "form; compile with one tfaploss.losses.RetrievalLoss or pass `xbm_loss`. "
-            f"Compiled loss: {self.loss!r}"
-        )
+        raise ValueError("MultiStageModel: cross-batch memory needs a loss with a "
+                         "query-vs-database form; compile with one "
+                         "tfaploss.losses.RetrievalLoss or pass `xbm_loss`. Compiled loss: "
+                         f"{self.loss!r}")
 
     def _loss_variable_ids(self) -> set:
         """``id``s of the trainable variables the compiled loss reads itself: those of
@@ -302,15 +236,10 @@ class MultiStageModel(_backend_steps(), keras.Model):
 
     @staticmethod
     def _divided_per_replica(loss_fn) -> bool:
-        """Whether Keras divides ``loss_fn``'s value by the number of replicas.
-
-        Under ``tf.distribute`` Keras's mean reductions divide a loss by the replica
-        count (each replica's loss covers its own share of the batch, and the
-        replicas' gradients are summed); a ``RetrievalLoss`` reduces its terms that
-        way, in ``__call__`` and in ``query_database_loss``. Here every replica
-        evaluates the loss on the GLOBAL batch and backpropagates only its own rows,
-        so ``_objective`` multiplies that division back (a no-op off tf.distribute).
-        """
+        """Whether Keras divides ``loss_fn``'s value by the number of replicas (its
+        mean reductions do, under ``tf.distribute``). Here every replica evaluates the
+        loss on the GLOBAL batch and backpropagates only its own rows, so
+        ``_objective`` multiplies that division back (a no-op off tf.distribute)."""
         return (isinstance(loss_fn, RetrievalLoss)
                 and loss_fn.reduction in ("sum_over_batch_size", "mean",
                                           "mean_with_sample_weight"))

@@ -1,32 +1,20 @@
 """MultiStageModel's step on the JAX backend: stateless calls and ``jax.vjp`` per chunk.
 
 Keras's JAX trainer hands ``train_step`` the model state as arrays and expects the new
-state back, so every stage is a pure function of ``(trainable, non_trainable)``:
+state back, so every stage is a pure function of ``(trainable, non_trainable)``: a
+loop over the chunks embeds the batch; ``jax.value_and_grad`` of
+``MultiStageModel._objective`` gives ``G``; a second loop re-embeds each chunk under
+``jax.vjp`` and accumulates ``vjp(G[chunk])``. On accelerators the loops are
+``lax.scan`` (the body compiled once); on CPU they are unrolled, because XLA:CPU runs
+convolutions inside a loop body ~25x slower (small CNN, B=64 in chunks of 16: 20 s per
+step with scan, 0.7 s unrolled); ``SCAN_CHUNKS`` overrides the choice.
 
-1. a loop over the full chunks (plus one call for a tail) embeds the batch, keeping
-   no activations. On accelerators the loop is a ``lax.scan`` (its body compiled once,
-   whatever the number of chunks); on CPU it is unrolled, because XLA:CPU runs
-   convolutions inside a loop body ~25x slower than the same convolutions unrolled
-   (measured: small CNN, B=64 in chunks of 16, 20 s per step with scan, 0.7 s
-   unrolled). ``SCAN_CHUNKS`` overrides the choice.
-2. ``jax.value_and_grad`` of ``MultiStageModel._objective`` with respect to the
-   embeddings and the trainable variables (whose direct part is the weight
-   regularisers' gradient) gives ``G``.
-3. A second loop re-embeds each chunk under ``jax.vjp`` and accumulates
-   ``vjp(G[chunk])``; the activations of one chunk live at a time.
-
-With ``chunk_size=None`` stage 1 is one ``jax.vjp`` over the batch and stage 3 applies
-it.
-
-Under a ``keras.distribution`` that shards the batch over D devices (``DataParallel``),
-the step receives the global batch, each device holding B/D contiguous rows. A chunk
-is then ``chunk_size`` rows of *each* device's shard (``chunk_size * D`` rows of the
-global batch), kept sharded over the devices: every device embeds ``chunk_size`` rows
-at a time, as it would alone, and all devices work on every chunk. (Chunks cut from
-the global batch in order would each live on one device, which would then hold the
-activations of a whole chunk while the others waited.) The rows' order does not
-change the gradient, which is the sum over chunks. Non-trainable variables (the cross-batch memory, a non-frozen BatchNorm's moving
-statistics) follow stage 1; a deterministic model does not change them.
+Under a ``keras.distribution`` that shards the batch over D devices, a chunk is
+``chunk_size`` rows of *each* device's shard, kept sharded: every device embeds
+``chunk_size`` rows at a time and all devices work on every chunk (chunks cut from the
+global batch in order would each live on one device while the others waited). The
+rows' order does not change the gradient, a sum over chunks. Non-trainable variables
+follow stage 1; a deterministic model does not change them.
 """
 
 from __future__ import annotations

@@ -9,15 +9,12 @@
 
 With ``chunk_size=None`` stage 1 keeps its graph and stage 3 is one ``backward``.
 
-Under an initialised ``torch.distributed`` process group of W > 1 ranks, each rank fits
-on its own shard of every global batch: stage 2 all-gathers the ranks' stage-1
-embeddings, labels and sample weights (no gradient needed) and evaluates the loss of
-the GLOBAL batch on every rank; stage 3 backpropagates ``W * G[own rows]``; the
-parameter gradients are then averaged over the ranks (one all-reduce per step), which
-gives ``sum_r J_r^T G_r = dL/dtheta``, the one-process gradient of the global batch
-(:mod:`tfaploss.ops.distribute_torch`). Weight regularisers, the same on every rank,
-average to themselves. The compiled metrics see the global batch too. The first step broadcasts rank 0's weights, as
-DistributedDataParallel does, so every rank starts from them.
+Under ``torch.distributed`` (W > 1 ranks, each on its shard of every global batch),
+stage 2 gathers the ranks' stage-1 embeddings, labels and weights and evaluates the
+loss of the GLOBAL batch on every rank; stage 3 backpropagates ``W * G[own rows]`` and
+the gradients are averaged over the ranks (one all-reduce per step): ``sum_r J_r^T G_r
+= dL/dtheta``, the one-process gradient. The first step broadcasts rank 0's weights, as
+DistributedDataParallel does.
 """
 
 from __future__ import annotations

@@ -6,10 +6,6 @@ optimizer with :meth:`~tfaploss.durable.checkpoints.RunBackup.save_step` and rai
 :class:`~tfaploss.durable.preemption.Preempted`. A signal that arrives during the last
 batch of an epoch, or during the epoch's evaluation, is handled after the epoch
 checkpoint instead (it is the step checkpoint then).
-
-Fault points (crash tests, :mod:`tfaploss.durable.faults`): ``sigterm:E:B`` and
-``sigint:E:B`` make the process send itself the signal after batch B of epoch E, a
-real signal through the real handler, at a step the test chooses.
 """
 
 from __future__ import annotations
@@ -32,21 +28,11 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
     """Save a step checkpoint and stop when ``flag`` holds a signal.
 
     Put it after :class:`~tfaploss.training.callbacks.EpochCheckpoint`: at an epoch's
-    end it stops only once that epoch's checkpoint is written.
-
-    Args:
-      flag: a :class:`~tfaploss.durable.preemption.SignalFlag`.
-      backup: the run's :class:`~tfaploss.durable.checkpoints.RunBackup`.
-      steps_per_epoch: batches per epoch.
-      step_offset: batches of the first epoch done before this ``fit`` began (a run
-        resumed from a step checkpoint trains the rest of that epoch in its own
-        ``fit``); the callback's caller sets it back to 0 for the next ``fit``.
-
-    Example::
-
-        with SignalFlag() as flag:
-            model.fit(ds, callbacks=[..., EpochCheckpoint(backup),
-                                     PreemptionCheckpoint(flag, backup, steps)])
+    end it stops only once that epoch's checkpoint is written. ``flag``: a
+    :class:`~tfaploss.durable.preemption.SignalFlag`; ``backup``: the run's
+    :class:`~tfaploss.durable.checkpoints.RunBackup`; ``step_offset``: batches of the
+    first epoch done before this ``fit`` began (a resumed run trains the rest of that
+    epoch in its own ``fit``; the caller sets it back to 0 for the next).
     """
 
     def __init__(self, flag, backup, steps_per_epoch: int, step_offset: int = 0):

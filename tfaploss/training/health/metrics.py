@@ -8,17 +8,10 @@ show a run which has collapsed or stopped learning.
   expected AP of a random ranking of the batch; ties count against the query, so
   identical embeddings give 1, random ones about one half, a trained model near 0.
 
-``compile(metrics=health_metrics())`` logs them to the progress bar and TensorBoard, in
-plain ``model.fit`` and in :class:`~tfaploss.training.MultiStageModel` (whose
-``train_step`` hands the compiled metrics the batch labels and embeddings).
-
-Cost per step: with ``Q = min(B, max_queries)`` query rows, one Q x B x d matrix
-product per metric and, for ``chance_ap``, a Q x B sort (O(Q·B·log B)); O(Q·B) memory.
-No O(B³) tensor.
-
-Example:
-
->>> model.compile(optimizer="adam", loss=SupAPLoss(), metrics=health_metrics())
+``compile(metrics=health_metrics())`` logs them, in plain ``model.fit`` and in
+:class:`~tfaploss.training.MultiStageModel`. Cost per step: with ``Q = min(B,
+max_queries)`` query rows, one Q x B x d product per metric and, for ``chance_ap``, a
+Q x B sort; O(Q·B) memory.
 """
 
 from __future__ import annotations
@@ -121,17 +114,11 @@ STATISTICS = {
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class BatchHealthMetric(keras.metrics.Metric):
-    """One batch-health statistic (see the module docstring), averaged over the epoch;
-    ``last`` holds the latest batch's value and ``images`` its size (what
-    :class:`~tfaploss.training.TrainingHealthMonitor` counts patience in). Neither is saved with a model.
-
-    ``y_true`` = integer labels, ``y_pred`` = embeddings, as the tfaploss losses take.
-
-    Args:
-        statistic: ``"emb_cos"`` (mean off-diagonal cosine), ``"emb_cos_std"`` (their
-            spread) or ``"chance_ap"`` (fraction of queries at chance AP).
-        max_queries: rows of the batch used as queries (cost O(max_queries·B·d)).
-        name: metric name (default: ``statistic``).
+    """One batch-health ``statistic`` (``"emb_cos"``, ``"emb_cos_std"`` or
+    ``"chance_ap"``, see the module docstring) averaged over the epoch; ``last`` holds
+    the latest batch's value and ``images`` its size (what the monitor counts patience
+    in), neither saved with a model. ``y_true``: integer labels, ``y_pred``:
+    embeddings. ``max_queries``: rows used as queries (cost O(max_queries·B·d)).
     """
 
     def __init__(self, statistic="emb_cos", max_queries=DEFAULT_MAX_QUERIES, name=None,

@@ -2,16 +2,13 @@
 what to try, and optionally stop it.
 
 An AP surrogate can sit at chance for a whole budget without an error: every
-embedding driven to one point (a network trained from scratch starts with all
-embeddings in a narrow cone, and ROADMAP's calibration term can hold them there), or a
-loss pinned at a degenerate value (``APLoss`` at ``1 - 1/(B-1)`` after too large a
-learning rate). :class:`TrainingHealthMonitor` reads the batch statistics of
-:mod:`tfaploss.training.health.metrics` and the loss at every step and judges them by
-the rules of :mod:`tfaploss.training.health.rules`, with the thresholds of
-:class:`tfaploss.config.health.HealthThresholds`. Non-finite values are not its
-business: a non-finite loss or weight stops ``tfaploss train`` with its own error
-(:mod:`tfaploss.training.guards`). The measurements behind the defaults:
-``docs/health.md``.
+embedding driven to one point, or a loss pinned at a degenerate value.
+:class:`TrainingHealthMonitor` judges the batch statistics of
+:mod:`tfaploss.training.health.metrics` and the loss at every step by the rules of
+:mod:`tfaploss.training.health.rules`, with the thresholds of
+:class:`tfaploss.config.health.HealthThresholds` (non-finite values are
+:mod:`tfaploss.training.guards`'s). The rules and the measurements behind the
+defaults: ``docs/health.md``.
 """
 
 from __future__ import annotations
@@ -92,51 +89,21 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
     """Warn when training has collapsed or stalled, say what to try, and optionally stop.
 
     Patience is counted in training images, as a share of the run, not in steps: a
-    run of 100 steps of 920 images is judged as early as one of 10,000 steps of 64,
-    and a collapsed run whose cosine dips below the line now and then is still
-    collapsed. Each rule (:data:`~tfaploss.training.health.rules.RULES`) keeps a
-    trailing window of the latest steps holding at least
+    run of 100 steps of 920 images is judged as early as one of 10,000 steps of 64.
+    Each rule (:data:`~tfaploss.training.health.rules.RULES`, docs/health.md) keeps a
+    trailing window of at least ``W = max(min_window_images, share · N)`` images (``N``:
+    the run's, from Keras's ``params`` or ``total_images``) and is reported when at
+    least ``collapse_fraction`` of the window's images count; once, and again only
+    after it cleared. Nothing is stopped at the run's last step (it is reported).
 
-        ``W = max(min_window_images, share · N)``   images   (at most ``N``)
+    The cosine comes from the compiled :func:`~tfaploss.training.health_metrics`; a
+    model compiled without them can pass ``data=(images, labels)``: a held batch
+    embedded every ``every`` steps, standing for the steps since the previous one.
+    Without either, only the loss is checked. The per-step loss is recovered from
+    Keras's running epoch mean (equal batch sizes assumed).
 
-    where ``N`` is the run's total (Keras's ``params``: ``epochs x steps`` x the batch
-    size of the first step; else ``total_images``), and ``share`` is ``window_share``
-    (``stop_share`` for the stop). A rule is reported when
-
-        ``sum_{s in W} b_s [step s counts]  >=  collapse_fraction · sum_{s in W} b_s``
-
-    (``b_s``: the batch size of step ``s``):
-
-    * collapse: a step counts when its ``emb_cos`` is >= ``collapse_cosine``. Dips
-      below it reset nothing.
-    * flat loss: the window's per-step loss varied by less than ``flat_rtol`` of its
-      level (a loss at 0 has converged and is not reported).
-    * stall at chance: after the run's first ``stall_after``, a step counts when at
-      least ``stall_chance_ap`` of its queries rank no better than chance, whatever
-      the cosine. It needs the ``chance_ap`` metric.
-    * stop: with ``action="warn"`` and ``stop_share`` set, a collapse whose steps also
-      have at least ``stop_chance_ap`` of their queries at chance, or (after the run's
-      first ``stop_share``) steps with ``emb_cos >= cone_cosine`` and ``chance_ap >=
-      cone_chance_ap``, over ``stop_share`` of the run. A flat loss or a stall alone
-      never stops, and nothing is stopped at the run's last step (it is reported as a
-      warning).
-
-    Each rule is reported once, again only after it cleared (its share fell below half
-    of ``collapse_fraction``; flat: the range grew). ``action="stop"`` stops training
-    at the first report of any rule.
-
-    The cosine comes from the compiled :func:`~tfaploss.training.health_metrics`
-    (their latest batch, and its size; :class:`~tfaploss.training.MultiStageModel`'s
-    steps are whole batches). A model compiled without them can pass ``data=(images,
-    labels)``: a held batch embedded every ``every`` steps (inference mode), standing
-    for the steps since the previous one. Without either, only the loss is checked.
-    The per-step loss is recovered from Keras's running epoch mean (equal batch sizes
-    assumed); its float32 rounding, about ``k * 6e-8`` of the mean at step ``k`` of an
-    epoch, is added to the tolerance.
-
-    Cost: O(1) amortised per step (a few Python operations and one read of the
-    metrics' ``last`` and ``images`` variables); memory, one pair per step of the
-    longest window, and one small dict per step of the ``trace``.
+    Cost: O(1) amortised per step; memory, one pair per step of the longest window and
+    one small dict per step of the ``trace``.
 
     Args:
         thresholds: a :class:`~tfaploss.config.health.HealthThresholds` (default: its
@@ -153,17 +120,12 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         **overrides: fields of :class:`~tfaploss.config.health.HealthThresholds`
             replacing those of ``thresholds`` (``stop_share=0.25``, ...).
 
-    ``events`` lists what was reported as ``(step, kind, message)``, ``step`` counting
-    the steps of this ``fit``; ``records`` the same as dicts (with ``epoch``,
-    ``epoch_step``, ``images`` and ``steps`` of the window, ``run_images``,
-    ``share_of_run``, ``stop``), and ``stopped`` the record that stopped training, or
-    None. ``trace`` holds what each step of this ``fit`` gave the rules: a dict per
-    step with ``epoch`` (from 1), ``images``, ``emb_cos``, ``chance_ap`` and the
-    recovered ``loss`` (None where the step had none). ``tfaploss train`` logs it per
-    epoch (``health_steps`` in ``epochs.jsonl``,
-    :func:`~tfaploss.training.health.trace_columns`), and
-    :func:`~tfaploss.training.health.replay` runs a monitor with other thresholds over
-    such a log.
+    ``events`` lists what was reported as ``(step, kind, message)``; ``records`` the
+    same as dicts (with the window's ``images`` and ``steps``, ``share_of_run``,
+    ``stop``), and ``stopped`` the record that stopped training, or None. ``trace``
+    holds what each step gave the rules (``epoch``, ``images``, ``emb_cos``,
+    ``chance_ap``, ``loss``): ``tfaploss train`` logs it per epoch, and
+    :func:`~tfaploss.training.health.replay` runs other thresholds over such a log.
 
     Example:
 

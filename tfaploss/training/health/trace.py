@@ -46,15 +46,12 @@ def replay(epochs, *, total_epochs=None, steps_per_epoch=None,
     ``model.fit`` would have called it, and return it (``records``, ``stopped``,
     ``trace``): what a monitor with other arguments would have said about a real run.
 
-    ``epochs``: one item per epoch, either a row of a run's ``epochs.jsonl`` (its
-    ``health_steps``) or those columns themselves: ``emb_cos`` (required; None for a
-    step without a value), and optionally ``images`` (default ``batch_size``, else
-    128), ``chance_ap`` and ``loss`` (per step; an epoch with a missing loss is replayed
-    without one). ``total_epochs`` and ``steps_per_epoch`` are the run's plan (Keras's
-    ``params``; default: the epochs given, and the longest of them: a stopped run's
-    last epoch is short). ``kwargs`` go to :class:`TrainingHealthMonitor` (thresholds,
-    ``batch_size``, ...). Replay stops where the monitor stops training. Warnings are
-    not raised (they are in ``records``). Cost: O(steps) Python work.
+    ``epochs``: one item per epoch, a row of a run's ``epochs.jsonl`` or its
+    ``health_steps`` columns (``emb_cos`` required; ``images``, ``chance_ap``, ``loss``
+    optional). ``total_epochs`` and ``steps_per_epoch``: the run's plan (default: the
+    epochs given, and the longest of them). ``kwargs`` go to
+    :class:`TrainingHealthMonitor`. Replay stops where the monitor stops training;
+    warnings are in ``records``, not raised. Cost: O(steps) Python work.
     """
     columns = []
     for number, row in enumerate(epochs, 1):
