@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def load(path, exclude_root, image_size):
+def load(path, exclude_root, image_size, max_classes=0, seed=0):
     import numpy as np
 
     from tfaploss.data import make_eval_dataset, read_manifest
@@ -42,6 +42,9 @@ def load(path, exclude_root, image_size):
         excluded.update(manifest.get("label_map", {}).values())
     names = read_manifest(path)["label_map"]
     keep = {int(k): v for k, v in names.items() if v not in excluded}
+    if max_classes:  # the weak regime: a seeded draw of the kept characters
+        drawn = np.random.default_rng(seed).permutation(sorted(keep))[:max_classes]
+        keep = {int(k): keep[int(k)] for k in drawn}
     images, labels = [], []
     for x, y, _ in make_eval_dataset(path, image_size=image_size, batch_size=512):
         y = y.numpy()
@@ -64,6 +67,10 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max_classes", type=int, default=0,
+                   help="pretrain on a seeded draw of this many characters (0: all); "
+                        "the study's weak backbone uses few, so that its frozen features "
+                        "leave room for a loss to win")
     args = p.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
@@ -73,7 +80,8 @@ def main(argv=None):
     from tfaploss.models import build_embedding_model
 
     started = time.time()
-    images, labels, names, excluded = load(args.data, args.exclude, args.image_size)
+    images, labels, names, excluded = load(args.data, args.exclude, args.image_size,
+                                             args.max_classes, args.seed)
     rng = np.random.default_rng(args.seed)
     order = rng.permutation(len(labels))
     held = order[: len(order) // 20]
@@ -110,7 +118,7 @@ def main(argv=None):
     tmp = out.with_name(".tmp-" + out.name)
     base.get_layer("small_cnn").save_weights(tmp)
     os.replace(tmp, out)
-    record = {"classes": len(names), "excluded": excluded, "train_images": len(train),
+    record = {"classes": len(names), "max_classes": args.max_classes, "excluded": excluded, "train_images": len(train),
               "held_out_images": len(held), "epochs": args.epochs, "batch": args.batch,
               "lr": args.lr, "image_size": size, "seconds": round(time.time() - started),
               "history": {k: [float(v) for v in vs] for k, vs in history.history.items()}}
