@@ -1,6 +1,7 @@
 """``tfaploss compare``: the tuning protocol (budgets, intervals, TPE replay, the ledger,
 paired differences) with a synthetic runner, and the command end to end (``--quick``,
-cached-feature tier) on a tiny split of the demo's digits, resumed from its ledger."""
+cached-feature tier) on a tiny split of the demo's digits: the frozen and PCA rows,
+resumed from its ledger, and a changed setup that starts new cells."""
 
 import json
 import math
@@ -35,14 +36,27 @@ def test_protocol_refuses_what_it_cannot_run():
         P.Protocol(("Arcface",), (128,))
     with pytest.raises(ValueError, match=r"budgets: \['epochs'\]"):
         P.Protocol(("APLoss",), (128,), budgets=("epochs",))
-    with pytest.raises(ValueError, match="tuning seed 1000 must not be an evaluation seed"):
+    with pytest.raises(ValueError, match=r"tuning seeds \[1000\] must not be evaluation seeds"):
         P.Protocol(("APLoss",), (128,), seeds=(0, 1000))
+    # repeat 1 tunes with seed 1001
+    with pytest.raises(ValueError, match=r"tuning seeds \[1001\] must not be evaluation seeds"):
+        P.Protocol(("APLoss",), (128,), seeds=(0, 1001), tuning_repeats=2)
+    # repeat 1 runs seed 0 as 10000, which is already repeat 0's seed 10000
+    with pytest.raises(ValueError, match="repeat a seed across the 2 tuning repeats"):
+        P.Protocol(("APLoss",), (128,), seeds=(0, 10000), tuning_repeats=2)
+    with pytest.raises(ValueError, match="tuning_repeats must be >= 1"):
+        P.Protocol(("APLoss",), (128,), tuning_repeats=0)
     protocol = P.Protocol(("APLoss", "Triplet"), (128, 512), budgets=("updates", "matched"),
                           updates=8, trials=3, seeds=(0, 1))
     cells = list(protocol.cells())
     # matched at the largest batch is the updates cell itself: run once
     assert cells[-1] == ("matched", 512, 8, True)
     assert protocol.total_runs() == 3 * 2 * (3 + 2)
+    # the budget rule: multi-similarity (lr + 4 knobs) gets 2.5 times the base
+    assert P.Protocol(("MultiSimilarity",), (128,), trials=24).trials_for("MultiSimilarity") == 60
+    repeated = P.Protocol(("APLoss", "MultiSimilarity"), (128,), trials=4, seeds=(0, 1),
+                          tuning_repeats=3)
+    assert repeated.total_runs() == 3 * ((4 + 2) + (10 + 2))
 
 
 def _synthetic(calls):
@@ -76,7 +90,8 @@ def test_protocol_tunes_on_validation_pairs_seeds_and_resumes(tmp_path):
     assert len(calls) == protocol.total_runs() == 2 * 2 * (8 + 3)
     tuning = [c for c in calls if not c.test]
     assert {c.seed for c in tuning} == {1000}  # the tuning seed, never an evaluation seed
-    assert all(1e-4 <= c.settings["lr"] <= 3e-2 for c in tuning)
+    assert P.LR_RANGE == (3e-5, 3e-2)
+    assert all(3e-5 <= c.settings["lr"] <= 3e-2 for c in tuning)
     by = {(r["loss"], r["batch"]): r for r in results}
     ap = by[("APLoss", 32)]
     # TPE found a rate near the peak within 8 trials; the seeds add 0, 1, 2
@@ -165,19 +180,39 @@ def test_compare_quick_runs_resumes_and_writes_its_report(digit_splits, tmp_path
     report = (out / "report.md").read_text()
     assert "| APLoss (AP) |" in report and "| MultiSimilarity (peer) |" in report
     assert "B=16 (32 u, 512 im)" in report and "B=32 (16 u, 512 im)" in report
-    results = json.loads((out / "results.json").read_text())
+    document = json.loads((out / "results.json").read_text())
+    results, baselines = document["results"], document["baselines"]
+    # the baselines, from the same command, on the test classes the runs are scored on
+    frozen, pca = baselines["frozen"], baselines["pca"]
+    assert pca["dim"] == 32 < frozen["dim"]  # demo_digits' embedding_dim; small_cnn's width
+    assert 0.0 < pca["test_map@r"] <= 100.0 and 0.0 < frozen["test_map@r"] <= 100.0
+    assert f"| frozen features (no head) | {frozen['dim']} |" in report
+    assert "| PCA of the training features | 32 |" in report
+    assert "**--quick**" in report and "the intervals not informative" in report
     assert {(r["loss"], r["batch"]) for r in results} == {
         (l, b) for l in ("APLoss", "MultiSimilarity") for b in (16, 32)}
     for r in results:
-        assert r["trials"] == 2 and r["seeds"] == [0, 1]
+        # the budget rule: base 2 for APLoss (lr + bins), 5 for multi-similarity (lr + 4)
+        assert r["trials"] == {"APLoss": 2, "MultiSimilarity": 5}[r["loss"]]
+        assert r["seeds"] == [0, 1] and r["interval"] == "seeds"
         assert all(0.0 <= t <= 100.0 for t in r["per_seed"])
         assert all(len(c) >= 2 for c in r["curves"])  # the validation curve
+        assert r["vs_frozen"][0] == pytest.approx(r["test_map@r"] - frozen["test_map@r"])
     rows = (out / "ledger.jsonl").read_text().splitlines()
-    assert len(rows) == 2 * 2 * (2 + 2)
+    assert len(rows) == 2 * ((2 + 2) + (5 + 2))
     (out / "report.md").unlink()
     assert main(args) == 0  # resumed: every run from the ledger
     assert (out / "ledger.jsonl").read_text().splitlines() == rows
     assert (out / "report.md").read_text() == report
+    # A changed setup (the head) starts new cells: APLoss at B=16 anew, 2 trials + 2 seeds
+    capsys.readouterr()
+    assert main(args[:-1] + ["--head", "linear", "--losses", "APLoss",
+                             "--batch-sizes", "16"]) == 0
+    assert "what changed: head: 'residual' -> 'linear'" in capsys.readouterr().out
+    grown = (out / "ledger.jsonl").read_text().splitlines()
+    assert grown[:len(rows)] == rows and len(grown) == len(rows) + 4
+    relinear = json.loads((out / "results.json").read_text())
+    assert relinear["baselines"] == baselines  # the same features, the same baselines
     capsys.readouterr()
     with pytest.raises(SystemExit, match="not multiples of m=8"):
         main(args + ["--batch-sizes", "20"])

@@ -28,10 +28,13 @@ from tests.compare.test_compare import _synthetic
 from tests.support import small_fs
 from tfaploss.compare import command
 from tfaploss.compare import protocol as P
+from tfaploss.compare.ledger import digest
 from tfaploss.durable.atomic import is_temp_name
 
 REPO = Path(__file__).resolve().parents[2]
-RUNS = 2 * 2 * (2 + 2)  # --quick with two losses: 2 batches x (2 trials + 2 seeds)
+# --quick with two losses: 2 batches x (APLoss's 2 trials + multi-similarity's 5, by the
+# budget rule for its 4 knobs and the learning rate, + 2 seeds each)
+RUNS = 2 * ((2 + 2) + (5 + 2))
 
 
 def _args(out: Path, data: Path) -> list[str]:
@@ -147,7 +150,9 @@ def test_a_damaged_row_before_the_last_stops_naming_the_file_and_line(tmp_path, 
 
 def test_ledger_lines_that_no_kill_leaves_and_the_one_it_does(tmp_path, caplog):
     path = tmp_path / "ledger.jsonl"
-    row = lambda k: json.dumps({"key": k, "loss": "APLoss"}) + "\n"
+    setup = {"tier": "features"}  # the ledger's own setup: rows it reuses, no note
+    row = lambda k: json.dumps({"key": k, "loss": "APLoss", "setup": setup,
+                                "setup_id": digest(setup)}) + "\n"
     path.write_text(row("a") + "\n" + row("b"))
     with pytest.raises(P.DamagedLedgerError, match=r"ledger.jsonl: line 2 is empty"):
         P.Ledger(path, "features")

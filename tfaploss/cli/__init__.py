@@ -325,7 +325,7 @@ def _add_recipes(sub):
 
 
 def _add_compare(sub):
-    from tfaploss.compare.command import DESCRIPTION, add_arguments
+    from tfaploss.cli.compare import DESCRIPTION, add_arguments, cmd_compare
 
     p = sub.add_parser(
         "compare", formatter_class=_Formatter,
@@ -507,13 +507,6 @@ def cmd_export(args) -> int:
     if args.index is not None:
         print('  retrieve: POST ... {"signature_name": "retrieve", "inputs": '
               '{"image_bytes": [{"b64": "<base64 JPEG>"}], "k": ' f'{retrieval["k"]}' '}}')
-    return 0
-
-
-def cmd_compare(args) -> int:
-    from tfaploss.compare.command import cmd_compare as run
-
-    print(run(args))  # the report's tables: the command's result
     return 0
 
 

@@ -7,12 +7,24 @@ batches up to thousands, the full tuning budget, several seeds) fits on a CPU.
 
 :func:`extract_features` embeds the splits with the config's backbone and pooling (its
 ``model.weights``, BatchNorm frozen, no head) and caches them as ``.npz`` files keyed
-by what produced them. :class:`FeatureRunner` trains one run: a 2-layer MLP head
-(``hidden`` ReLU units, then ``dim``) with Adam and a cosine decay to 0, on batches of
-``m`` images of ``B / m`` classes drawn from the features by a seeded sampler; it
-records the validation MAP@R of the run's end (what the tuning compares), and for the
-evaluation seeds the validation MAP@R at a few points of the run (the convergence
-curve) and the test MAP@R.
+by what produced them. :class:`FeatureRunner` trains one run: an embedding head with
+Adam and a cosine decay to 0, on batches of ``m`` images of ``B / m`` classes drawn
+from the features by a seeded sampler; it records the validation MAP@R of the run's
+end (what the tuning compares), and for the evaluation seeds the validation MAP@R at a
+few points of the run (the convergence curve) and the test MAP@R.
+
+The head (``head``) starts where the features are, so that a run measures what its
+loss adds to them, not how fast a random head recovers them:
+
+* ``residual`` (the default): ``x + W2 relu(W1 x + b1) + b2``, full width, with W2 and
+  b2 zero at step 0: the identity;
+* ``linear``: ``W x + b``, full width, W the identity and b zero at step 0;
+* ``mlp``: the earlier default, ``Dense(hidden, relu) -> Dense(dim)`` from a random
+  start (kept to reproduce the first studies).
+
+At step 0 the residual and linear heads score exactly the frozen features; every
+report carries that score, and a PCA of the training features to the embedding size,
+as its baseline rows (:func:`baselines`).
 """
 
 from __future__ import annotations
@@ -106,11 +118,24 @@ def class_subset(features, labels, classes: int | None, seed: int = 0):
     return features[rows], labels[rows]
 
 
-def _map_at_r(model, features, labels):
+def features_digest(data: dict) -> str:
+    """A hash of the cached features and labels of every split (``{split: (x, y)}``):
+    what a comparison's runs were trained and scored on."""
+    h = hashlib.sha256()
+    for split in sorted(data):
+        for array in data[split]:
+            array = np.ascontiguousarray(array)
+            h.update(f"{split}{array.dtype}{array.shape}".encode())
+            h.update(array.tobytes())
+    return h.hexdigest()[:16]
+
+
+def score(embed, features, labels) -> tuple[float, float, float]:
+    """``(MAP@R %, R@1 %, mean pairwise cosine)`` of ``embed(features)`` (a callable on
+    a block of rows), L2-normalised, on ``labels``."""
     from tfaploss.evaluation.metrics import retrieval_metrics
 
-    embeddings = np.concatenate([np.asarray(model(features[i:i + 8192], training=False),
-                                            "float32")
+    embeddings = np.concatenate([np.asarray(embed(features[i:i + 8192]), "float32")
                                  for i in range(0, len(features), 8192)])
     norms = np.linalg.norm(embeddings, axis=1, keepdims=True)
     embeddings = embeddings / np.maximum(norms, 1e-12)
@@ -122,31 +147,79 @@ def _map_at_r(model, features, labels):
     return 100 * metrics["map@r"], 100 * metrics["recall@1"], float(off.mean())
 
 
+def _model_embed(model):
+    return lambda block: model(block, training=False)
+
+
+def baselines(train, val, test, dim: int) -> dict:
+    """The rows every report carries beside the trained heads, on the same validation
+    and test classes: the frozen features themselves, and their PCA (fitted on the
+    training features) to ``dim`` dimensions. ``{"frozen": {...}, "pca": {...}}``, each
+    with ``val_map@r``, ``val_r@1``, ``test_map@r``, ``test_r@1`` (%)."""
+    x = np.asarray(train[0], "float64")
+    mean = x.mean(axis=0)
+    # the principal axes: right singular vectors of the centred training features
+    _, _, axes = np.linalg.svd(x - mean, full_matrices=False)
+    dim = min(int(dim), axes.shape[0])
+    projection = axes[:dim].T.astype("float32")
+    centre = mean.astype("float32")
+    out = {}
+    for name, embed in (("frozen", lambda block: block),
+                        ("pca", lambda block: (block - centre) @ projection)):
+        row = {"dim": int(train[0].shape[1]) if name == "frozen" else dim}
+        for split, (features, labels) in (("val", val), ("test", test)):
+            map_r, r1, _ = score(embed, features, labels)
+            row.update({f"{split}_map@r": map_r, f"{split}_r@1": r1})
+        out[name] = row
+    return out
+
+
+HEADS = ("residual", "linear", "mlp")
+
+
 class FeatureRunner:
     """Trains and scores one :class:`~tfaploss.compare.protocol.RunSpec` on features.
 
     Args:
         data: ``{"train", "val", "test"}: (features, labels)``.
         m: images per class in a batch.
-        hidden, dim: the head's hidden units and embedding size.
+        head: ``residual`` (default), ``linear`` or ``mlp`` (module docstring).
+        hidden: the hidden units of the residual and mlp heads.
+        dim: the mlp head's embedding size (the others keep the features' width).
         curve_points: validation evaluations along the run (the last at its end).
         curve_classes: validation classes the curve is measured on (all: None).
         test_classes: test classes scored (a fixed draw; all: None).
     """
 
-    def __init__(self, data: dict, m: int = 4, hidden: int = 512, dim: int = 128,
-                 curve_points: int = 5, curve_classes: int | None = 100,
+    def __init__(self, data: dict, m: int = 4, head: str = "residual", hidden: int = 512,
+                 dim: int = 128, curve_points: int = 5, curve_classes: int | None = 100,
                  test_classes: int | None = None):
+        if head not in HEADS:
+            raise ValueError(f"head must be one of {HEADS}; received head={head!r}.")
         self.train = data["train"]
         self.val = data["val"]
         self.curve_val = class_subset(*data["val"], curve_classes, seed=1)
         self.test = class_subset(*data["test"], test_classes, seed=2)
         # class ids 0..C-1 for the proxies
         self.classes, self.train_labels = np.unique(self.train[1], return_inverse=True)
-        self.m, self.hidden, self.dim = m, hidden, dim
-        self.curve_points = curve_points
+        self.width = int(self.train[0].shape[1])
+        self.m, self.head_kind, self.hidden = m, head, hidden
+        self.dim = dim if head == "mlp" else self.width
+        self.curve_points, self.curve_classes = curve_points, curve_classes
+        self.test_classes = test_classes
         counts = np.bincount(self.train_labels)
         self.eligible_classes = int(np.sum(counts >= m))
+
+    def setup(self) -> dict:
+        """What defines this runner's runs beside their spec (the ledger keys on it)."""
+        return {"head": self.head_kind, "hidden": None if self.head_kind == "linear"
+                else self.hidden, "dim": self.dim, "m": self.m,
+                "test_classes": self.test_classes, "curve_classes": self.curve_classes,
+                "curve_points": self.curve_points}
+
+    def baselines(self, dim: int) -> dict:
+        """:func:`baselines` on this runner's validation and test classes."""
+        return baselines(self.train, self.val, self.test, dim)
 
     def check(self, batch_sizes):
         """Refuse, before any run, a batch the training features cannot fill."""
@@ -156,6 +229,22 @@ class FeatureRunner:
                 f"batch sizes {bad} need more than the {self.eligible_classes} training "
                 f"classes with >= m={self.m} images ({self.m} images of B/m classes per "
                 "batch); use smaller batches or a smaller --m.")
+
+    def head(self):
+        """A new head (module docstring), before any step."""
+        import keras
+
+        inputs = keras.Input((self.width,))
+        if self.head_kind == "linear":
+            outputs = keras.layers.Dense(self.width, kernel_initializer="identity")(inputs)
+        elif self.head_kind == "residual":
+            hidden = keras.layers.Dense(self.hidden, activation="relu")(inputs)
+            update = keras.layers.Dense(self.width, kernel_initializer="zeros")(hidden)
+            outputs = keras.layers.Add()([inputs, update])
+        else:
+            hidden = keras.layers.Dense(self.hidden, activation="relu")(inputs)
+            outputs = keras.layers.Dense(self.dim)(hidden)
+        return keras.Model(inputs, outputs, name="head")
 
     def _model(self, spec: RunSpec):
         import keras
@@ -171,10 +260,7 @@ class FeatureRunner:
         proxies = _uses_proxies(loss_cls, kwargs)
         loss = (loss_cls(num_classes=len(self.classes), **kwargs) if proxies
                 else loss_cls(**kwargs))
-        width = self.train[0].shape[1]
-        model = keras.Sequential([keras.Input((width,)),
-                                  keras.layers.Dense(self.hidden, activation="relu"),
-                                  keras.layers.Dense(self.dim)], name="head")
+        model = self.head()
         if proxies:
             model = loss.with_proxies(model)
         settings = spec.settings
@@ -195,6 +281,7 @@ class FeatureRunner:
         started = time.time()
         keras.backend.clear_session()
         model = self._model(spec)
+        embed = _model_embed(model)
         x, y = self.train[0], self.train_labels
         marks = sorted({max(1, round(spec.updates * k / self.curve_points))
                         for k in range(1, self.curve_points + 1)})
@@ -208,20 +295,20 @@ class FeatureRunner:
                 break
             # the curve: for the evaluation seeds (the tuning only needs the end)
             if spec.test and step in marks and step != spec.updates:
-                row["curve"].append([step * spec.batch, _map_at_r(model, *self.curve_val)[0]])
+                row["curve"].append([step * spec.batch, score(embed, *self.curve_val)[0]])
         row["final_loss"] = last
         if row["status"] == "ok":
             if spec.test:
                 row["curve"].append([spec.updates * spec.batch,
-                                     _map_at_r(model, *self.curve_val)[0]])
-            val, val_r1, cos = _map_at_r(model, *self.val)
+                                     score(embed, *self.curve_val)[0]])
+            val, val_r1, cos = score(embed, *self.val)
             row.update({"val_map@r": val, "val_r@1": val_r1, "emb_cos": cos})
             # A collapse ranks at chance; a narrow cone alone (mean cosine near 1,
             # seen with proxy and histogram losses) can still rank well.
             if cos > 0.95 and val < 10.0:
                 row["status"] = "collapsed"
             if spec.test:
-                test, test_r1, _ = _map_at_r(model, *self.test)
+                test, test_r1, _ = score(embed, *self.test)
                 row.update({"test_map@r": test, "test_r@1": test_r1})
         row["seconds"] = round(time.time() - started, 2)
         return row

@@ -7,10 +7,14 @@ learning rate (cosine decay to 0), the batch, the number of updates and the seed
 multi-stages batches larger than ``chunk_size``. The validation classes are evaluated
 after every epoch (the convergence curve) on at most ``curve_images`` images, the test
 classes once at the end for the evaluation seeds.
+
+What ``tfaploss train`` reports for a run goes to that run's log (``RUN.train.log`` beside
+its run folder ``RUN``), not to the comparison's console.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -19,6 +23,26 @@ from pathlib import Path
 from tfaploss.compare.protocol import SEARCH_SPACES, RunSpec
 
 LOG = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def run_log(path: Path):
+    """The ``tfaploss`` loggers' lines, INFO and up, also written to ``path`` for the
+    block (the console's handler, the command's, decides what it shows)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("tfaploss")
+    level = root.level
+    root.addHandler(handler)
+    if not root.isEnabledFor(logging.INFO):
+        root.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        handler.close()
 
 
 class ImageRunner:
@@ -35,11 +59,22 @@ class ImageRunner:
             validation and test evaluations (None: all).
     """
 
-    def __init__(self, cfg, val: str, out: str, epochs: int = 4, chunk_size: int = 512,
-                 curve_images: int | None = 4000, eval_images: int | None = None):
+    def __init__(self, cfg, val: str, out: str, m: int | None = None, epochs: int = 4,
+                 chunk_size: int = 512, curve_images: int | None = 4000,
+                 eval_images: int | None = None):
         self.cfg, self.val, self.out = cfg, val, Path(out)
+        self.m = m or cfg.data.m
         self.epochs, self.chunk_size = epochs, chunk_size
         self.curve_images, self.eval_images = curve_images, eval_images
+        # the curve is evaluated with the moving BatchNorm statistics, which trail the
+        # weights: the report labels it stale
+        self.stale_curves = not cfg.model.frozen_bn
+
+    def setup(self) -> dict:
+        """What defines this runner's runs beside their spec (the ledger keys on it)."""
+        return {"m": self.m, "epochs": self.epochs, "chunk_size": self.chunk_size,
+                "curve_images": self.curve_images, "eval_images": self.eval_images,
+                "val": str(self.val)}
 
     def config(self, spec: RunSpec, run_dir: Path):
         from tfaploss.config.load import config_from_dict
@@ -50,7 +85,7 @@ class ImageRunner:
         epochs = min(self.epochs, spec.updates)
         raw["run_dir"] = str(run_dir)
         raw["description"] = f"compare: {spec.loss} B={spec.batch} u={spec.updates} s={spec.seed}"
-        raw["data"].update(batch_size=spec.batch, seed=spec.seed, test=self.val)
+        raw["data"].update(batch_size=spec.batch, m=self.m, seed=spec.seed, test=self.val)
         raw["model"]["proxy_lr_multiplier"] = float(settings.get("proxy_lr_multiplier", 1.0))
         raw["loss"] = {"name": cls, **spec.loss_kwargs()}
         raw["optimizer"].update(lr=float(settings["lr"]), warmup_epochs=0.0,
@@ -74,8 +109,12 @@ class ImageRunner:
         keras.backend.clear_session()
         started = time.time()
         row = {"status": "ok", "curve": []}
+        # a folder a killed run left is started over; a new one needs no --restart
+        restart = run_dir.exists()
         try:
-            summary = train(cfg, verbose=0, restart=True)
+            # beside the run folder, which a restart empties
+            with run_log(run_dir.with_name(run_dir.name + ".train.log")):
+                summary = train(cfg, verbose=0, restart=restart)
         except NonFiniteTrainingError as err:
             row.update(status="non-finite", detail=str(err).splitlines()[0])
             row["seconds"] = round(time.time() - started, 1)

@@ -3,15 +3,32 @@
 After Musgrave, Belongie, Lim, "A Metric Learning Reality Check", ECCV 2020:
 
 1. every loss gets the same backbone, embedding, augmentation and optimizer (the
-   runner's), and the same number of trials per (loss, batch, budget);
-2. the trials are chosen by Optuna's TPE sampler over the learning rate (log-uniform
-   over the same range at every batch size) and the loss's own knobs
-   (:data:`SEARCH_SPACES`), scored on the VALIDATION classes only (MAP@R), each trial
-   with the tuning seed;
-3. the best trial's setting is trained again with the evaluation seeds (never the
-   tuning seed) and scored on the TEST classes: the mean with a 95 % t-interval, and
-   each loss's paired difference against the best peer over the shared seeds (the same
-   seed gives both losses the same initialisation and the same batches).
+   runner's), and a tuning budget by one rule (:func:`trials_for_knobs`: a base number
+   of trials for a loss with one knob of its own beside the learning rate, more in
+   proportion for a loss with more knobs) per (loss, batch, budget);
+2. the trials are chosen by Optuna's TPE sampler, or laid on a grid (``grid``: an
+   N-point log grid of the learning rate times a few points of each knob), over the
+   learning rate (log-uniform over the same range at every batch size) and the loss's
+   own knobs (:data:`SEARCH_SPACES`), scored on the VALIDATION classes only (MAP@R),
+   each trial with the tuning seed;
+3. the best trial's setting is trained again with the evaluation seeds (never a tuning
+   seed) and scored on the TEST classes: the mean with a 95 % interval, and each loss's
+   paired difference against the best peer over the shared seeds (the same seed gives
+   both losses the same initialisation and the same batches). The best peer of a cell
+   is the peer with the best VALIDATION MAP@R of its evaluation runs, never the best
+   test score.
+
+Tuning repeats (``tuning_repeats`` R > 1): the whole tuning is done R times, repeat r
+with the tuning seed ``tuning_seed + r`` (another TPE sampler seed, other trial runs),
+and each repeat's pick is trained with the evaluation seeds, repeat r's seed s run as
+seed ``s + 10000 r`` (so that two repeats that pick the same setting are still two
+draws, not one run counted twice). The units are the (repeat, seed) runs, nested in
+repeats; the interval is the two-level one of a balanced nested design: the
+t-interval over the R repeat means (R - 1 degrees of freedom), whose spread holds both
+the tuning's noise and the seeds' (a repeat mean varies by the tuning noise plus the
+seed noise over S seeds). With R = 1 it is the t-interval over the seeds, which holds
+the seeds' noise only (the report says which). Paired differences pair the units
+(repeat r, seed s) of two losses and take the same interval over the differences.
 
 Budgets, per batch size B and with B_max the largest batch of the comparison:
 
@@ -21,53 +38,66 @@ Budgets, per batch size B and with B_max the largest batch of the comparison:
   B_max sees in ``updates`` updates (``updates · B_max / B`` updates). Beside
   ``updates`` it separates "a larger batch" from "more images".
 
-Every run is a row of a ledger (``ledger.jsonl``, one JSON object per line, appended
-and flushed as each run ends): a comparison cut short resumes where it stopped, and a
-run that failed (non-finite loss, collapse) stays in the tables as what it was. TPE is
-seeded and replays the cached trials in order, so a resumed search asks for the same
-settings.
+Every run is a row of a ledger (:mod:`tfaploss.compare.ledger`): a comparison cut short
+resumes where it stopped, a changed setup starts new cells, and a run that failed
+(non-finite loss, collapse) stays in the tables as what it was. TPE is seeded and
+replays the cached trials in order, so a resumed search asks for the same settings.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hashlib
+import itertools
 import json
 import logging
 import math
-import os
 from collections.abc import Callable
-from pathlib import Path
 
 from tfaploss import extras
-from tfaploss.durable import atomic, faults
+from tfaploss.compare.ledger import DamagedLedgerError, Ledger
+
+__all__ = ["DamagedLedgerError", "Ledger"]  # and the names below
 
 LOG = logging.getLogger(__name__)
 
 # The learning rate's range, the same at every batch size.
-LR_RANGE = (1e-4, 3e-2)
+LR_RANGE = (3e-5, 3e-2)
 
 # name -> (tfaploss.losses class, fixed arguments, searched knobs). A knob is
 # (kind, low, high) with kind "log" (log-uniform), "float" or "int"; knobs that are not
-# constructor arguments of the loss are run settings (``proxy_lr_multiplier``).
+# constructor arguments of the loss are run settings (``proxy_lr_multiplier``). The
+# ranges were widened where the first study's picks sat at an edge (SupCon's
+# temperature at its 0.02 floor, the histogram bins at 40, the triplet margin at 0.99,
+# multi-similarity's base at 0.78 of 0.8, Proxy-Anchor's alpha at 62 of 64).
 SEARCH_SPACES: dict[str, tuple[str, dict, dict]] = {
-    "APLoss": ("APLoss", {}, {"num_bins": ("int", 5, 40)}),
-    "FastAP": ("FastAPLoss", {}, {"num_bins": ("int", 5, 40)}),
-    "SmoothAP": ("SmoothAPLoss", {}, {"temperature": ("log", 1e-3, 1e-1)}),
-    "Triplet": ("TripletLoss", {"mining": "semihard"}, {"margin": ("float", 0.05, 1.0)}),
+    "APLoss": ("APLoss", {}, {"num_bins": ("int", 5, 100)}),
+    "FastAP": ("FastAPLoss", {}, {"num_bins": ("int", 5, 100)}),
+    "SmoothAP": ("SmoothAPLoss", {}, {"temperature": ("log", 1e-4, 1e-1)}),
+    "ROADMAP": ("ROADMAPLoss", {}, {"temperature": ("log", 1e-3, 1e-1),
+                                    "lambda_": ("float", 0.0, 1.0)}),
+    "RSk": ("RecallAtKLoss", {}, {"tau1": ("log", 1e-3, 1e-1)}),
+    "Triplet": ("TripletLoss", {"mining": "semihard"}, {"margin": ("float", 0.01, 1.5)}),
     "MultiSimilarity": ("MultiSimilarityLoss", {},
-                        {"alpha": ("log", 0.5, 10.0), "beta": ("log", 5.0, 80.0),
-                         "base": ("float", 0.2, 0.8), "epsilon": ("float", 0.0, 0.3)}),
-    "SupCon": ("SupConLoss", {}, {"temperature": ("log", 0.02, 0.5)}),
+                        {"alpha": ("log", 0.5, 20.0), "beta": ("log", 5.0, 200.0),
+                         "base": ("float", 0.1, 1.0), "epsilon": ("float", 0.0, 0.3)}),
+    "SupCon": ("SupConLoss", {}, {"temperature": ("log", 0.005, 0.5)}),
     "ProxyAnchor": ("ProxyAnchorLoss", {},
-                    {"margin": ("float", 0.0, 0.3), "alpha": ("log", 4.0, 64.0),
+                    {"margin": ("float", 0.0, 0.5), "alpha": ("log", 4.0, 128.0),
                      "proxy_lr_multiplier": ("log", 1.0, 1000.0)}),
 }
-AP_LOSSES = ("APLoss", "FastAP", "SmoothAP")
+AP_LOSSES = ("APLoss", "FastAP", "SmoothAP", "ROADMAP", "RSk")
 PEERS = ("Triplet", "MultiSimilarity", "SupCon", "ProxyAnchor")
 RUN_KNOBS = ("lr", "proxy_lr_multiplier")
 BUDGETS = ("images", "updates", "matched")
+# Repeat r's evaluation seed s runs as s + REPEAT_SEED_STRIDE * r.
+REPEAT_SEED_STRIDE = 10_000
+# A pick in the outer EDGE of a knob's range (log-scaled for a log range) is flagged.
+EDGE = 0.1
+TRIALS_RULE = ("trials per tuning = ceil(base x max(2, knobs) / 2), the learning rate "
+               "counted as a knob: the base for a loss with one knob of its own, 1.5x for "
+               "two (ROADMAP), 2x for three (Proxy-Anchor), 2.5x for four "
+               "(multi-similarity)")
 
 # Two-sided 95 % Student t quantiles by degrees of freedom (n - 1).
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
@@ -93,8 +123,9 @@ class RunSpec:
         _, fixed, _ = SEARCH_SPACES[self.loss]
         return {**fixed, **{k: v for k, v in self.params if k not in RUN_KNOBS}}
 
-    def key(self, tier: str) -> str:
-        text = json.dumps([tier, self.loss, list(map(list, self.params)), self.batch,
+    def key(self, context: str) -> str:
+        """The run's key within ``context`` (a tier, or a ledger's setup digest)."""
+        text = json.dumps([context, self.loss, list(map(list, self.params)), self.batch,
                            self.updates, self.seed, self.test], sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:20]
 
@@ -133,117 +164,103 @@ def interval(values) -> tuple[float, float]:
     return mean, t95(n) * sd / math.sqrt(n)
 
 
-class DamagedLedgerError(RuntimeError):
-    """A line of a comparison's ledger, not its last, is not a row: no kill leaves that
-    (a kill cuts short only the line being appended, the last). ``path``, ``line``
-    (1-based) and ``problem`` name it."""
-
-    def __init__(self, path: str | os.PathLike, line: int, problem: str):
-        self.path, self.line, self.problem = Path(path), line, problem
-        super().__init__(
-            f"damaged ledger: {self.path}: line {line} {problem}. No kill leaves this "
-            "(a kill cuts short only the last line), so the comparison does not go on "
-            "by itself: remove or repair that line (its run is then done again) and run "
-            "the same command again, or use another --out.")
+def _finite(value) -> bool:
+    return value is not None and math.isfinite(value)
 
 
-def _ledger_row(line: bytes) -> tuple[dict | None, str | None]:
-    """``(row, None)`` for a ledger line, else ``(None, what is wrong with it)``."""
-    if not line.strip():
-        return None, "is empty"
-    try:
-        row = json.loads(line)
-    except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
-        return None, f"is not JSON ({type(err).__name__}: {str(err)[:120]})"
-    if not isinstance(row, dict) or not isinstance(row.get("key"), str):
-        return None, "is not a run's row (a JSON object with a 'key')"
-    return row, None
+def nested_interval(units) -> tuple[float, float, str]:
+    """``(mean, 95 % half-width, kind)`` of ``units``, ``(repeat, value)`` pairs.
 
-
-class Ledger:
-    """The runs of a comparison, one JSON row per line, keyed by :meth:`RunSpec.key`.
-
-    Reading it: a last line that a kill cut short (no newline, or not a row) is cut off
-    the file, with a note (logger ``tfaploss.compare.protocol``, INFO), and its run is
-    done again; any other line that is not a row raises :class:`DamagedLedgerError`
-    naming the file and the line. Only one process may write a ledger: ``tfaploss
-    compare`` holds its output folder's lock (:mod:`tfaploss.durable.locks`) while it
-    runs. Cost: one read of the file.
+    Two or more repeats with a finite value: the t-interval over the repeat means
+    (``kind`` "repeats": tuning and seed noise). One: the t-interval over its values
+    (``kind`` "seeds": seed noise only). Values that are not finite are left out.
     """
+    by: dict[int, list[float]] = {}
+    for repeat, value in units:
+        if _finite(value):
+            by.setdefault(repeat, []).append(float(value))
+    if len(by) >= 2:
+        mean, half = interval([sum(v) / len(v) for v in by.values()])
+        return mean, half, "repeats"
+    mean, half = interval(next(iter(by.values()), []))
+    return mean, half, "seeds"
 
-    def __init__(self, path: str | os.PathLike, tier: str):
-        self.path, self.tier = Path(path), tier
-        self.rows: dict[str, dict] = {}
-        if not self.path.is_file():
-            return
-        data = self.path.read_bytes()
-        end = data.rfind(b"\n") + 1  # where the last complete line ends
-        lines = data[:end].split(b"\n")[:-1]
-        torn = None  # (offset, line number, problem) of a last line a kill cut short
-        if data[end:]:  # appended without its newline: the next append would join it
-            torn = (end, len(lines) + 1, "has no newline")
-        for number, line in enumerate(lines, 1):
-            row, problem = _ledger_row(line)
-            if problem is not None:
-                if number < len(lines) or torn is not None:
-                    raise DamagedLedgerError(self.path, number, problem)
-                torn = (end - len(line) - 1, number, problem)
-                break
-            self.rows[row["key"]] = row
-        if torn is not None:
-            self._cut(*torn)
 
-    def _cut(self, offset: int, number: int, problem: str) -> None:
-        """Cut the torn last line (``number``, from byte ``offset``) off the file."""
-        with open(self.path, "r+b") as f:
-            f.truncate(offset)
-            os.fsync(f.fileno())
-        LOG.info("note: dropped the last line of %s (line %d %s), which a kill cut "
-                 "short as it was appended; that run is done again", self.path, number,
-                 problem)
+def knob_count(loss: str) -> int:
+    """The learning rate and the loss's own knobs."""
+    return 1 + len(SEARCH_SPACES[loss][2])
 
-    def get(self, spec: RunSpec) -> dict | None:
-        return self.rows.get(spec.key(self.tier))
 
-    def add(self, spec: RunSpec, row: dict) -> dict:
-        row = {**row, "key": spec.key(self.tier), "tier": self.tier, "loss": spec.loss,
-               "params": spec.settings, "batch": spec.batch, "updates": spec.updates,
-               "images": spec.updates * spec.batch, "seed": spec.seed, "test": spec.test}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        line = (json.dumps(row, sort_keys=True) + "\n").encode("utf-8")
-        with open(self.path, "ab", buffering=0) as f:  # unbuffered: truncate never flushes
-            start = f.seek(0, os.SEEK_END)
-            try:
-                if f.write(line) != len(line):  # a short write to a file: the disk is full
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
-                faults.no_space("ledger_enospc")
-                os.fsync(f.fileno())
-            except OSError as err:
-                # A half line would swallow the next run's line too: cut it off.
-                f.truncate(start)
-                if atomic.is_disk_full(err):
-                    raise atomic.DiskFullError(self.path, len(line),
-                                               atomic.free_bytes(self.path.parent)) from None
-                raise
-        self.rows[row["key"]] = row
-        return row
+def trials_for_knobs(base: int, knobs: int) -> int:
+    """Trials of one tuning of a loss with ``knobs`` knobs (:data:`TRIALS_RULE`)."""
+    return math.ceil(base * max(2, knobs) / 2)
+
+
+def range_position(spec, value) -> float:
+    """Where ``value`` lies in a knob's range ``(kind, low, high)``: 0 at low, 1 at
+    high, on a log scale for a log range."""
+    kind, low, high = spec
+    if kind == "log":
+        return math.log(value / low) / math.log(high / low)
+    return (value - low) / (high - low)
+
+
+def edge_knobs(loss: str, params: dict, lr_range=LR_RANGE) -> list[str]:
+    """The knobs of ``params`` whose value lies in the outer :data:`EDGE` of its range."""
+    spaces = {"lr": ("log", *lr_range), **SEARCH_SPACES[loss][2]}
+    return [name for name, spec in spaces.items()
+            if name in params and not EDGE <= range_position(spec, params[name]) <= 1 - EDGE]
+
+
+def _points(spec, count: int) -> list:
+    """``count`` points of a knob's range: its middle for one, else evenly spaced from
+    end to end (log-spaced for a log range; integers rounded, each once)."""
+    kind, low, high = spec
+    fractions = [0.5] if count == 1 else [i / (count - 1) for i in range(count)]
+    if kind == "log":
+        values = [low * (high / low) ** f for f in fractions]
+    else:
+        values = [low + (high - low) * f for f in fractions]
+    if kind == "int":
+        return list(dict.fromkeys(round(v) for v in values))
+    return values
+
+
+def grid_settings(loss: str, lr_points: int, knob_points: int,
+                  lr_range=LR_RANGE) -> list[dict]:
+    """The grid of ``loss``: ``lr_points`` learning rates, log-spaced over the whole
+    range, times ``knob_points`` points of each knob (:func:`_points`)."""
+    knobs = SEARCH_SPACES[loss][2]
+    axes = [_points(("log", *lr_range), lr_points)] + [
+        _points(spec, knob_points) for spec in knobs.values()]
+    names = ["lr", *knobs]
+    return [dict(zip(names, values)) for values in itertools.product(*axes)]
 
 
 @dataclasses.dataclass
 class Protocol:
-    """What a comparison runs: losses, batch sizes, budgets, trials and seeds."""
+    """What a comparison runs: losses, batch sizes, budgets, trials, repeats and seeds.
+
+    ``trials`` is the base of :data:`TRIALS_RULE`; ``grid`` (learning-rate points) puts
+    the trials on a grid instead (``grid_knob_points`` per knob); ``carried`` replaces
+    the search by settings carried over from another tier, each at ``lr_factors`` times
+    its learning rate.
+    """
 
     losses: tuple[str, ...]
     batch_sizes: tuple[int, ...]
     budgets: tuple[str, ...] = ("images",)
     images: int = 49152
     updates: int = 64
-    trials: int = 12
+    trials: int = 24
     seeds: tuple[int, ...] = (0, 1, 2)
     tuning_seed: int = 1000
+    tuning_repeats: int = 1
     lr_range: tuple[float, float] = LR_RANGE
-    # Instead of TPE: {(loss, batch): settings} carried over from another tier, each
-    # tried at these multiples of its learning rate (the fine-tuning tier).
+    grid: int | None = None
+    grid_knob_points: int = 3
+    # Instead of the search: {(loss, batch): settings} carried over from another tier,
+    # each tried at these multiples of its learning rate (the fine-tuning tier).
     carried: dict | None = None
     lr_factors: tuple[float, ...] = (0.1, 0.3, 1.0)
 
@@ -259,9 +276,42 @@ class Protocol:
             raise ValueError(f"batch_sizes must be >= 2; received {self.batch_sizes}.")
         if self.trials < 1:
             raise ValueError(f"trials must be >= 1; received trials={self.trials}.")
-        if self.tuning_seed in self.seeds:
-            raise ValueError(f"the tuning seed {self.tuning_seed} must not be an "
-                             "evaluation seed (it would score the pick on its own run).")
+        if self.tuning_repeats < 1:
+            raise ValueError(f"tuning_repeats must be >= 1; received "
+                             f"tuning_repeats={self.tuning_repeats}.")
+        if self.grid is not None and self.grid < 2:
+            raise ValueError(f"grid must be >= 2 learning rates; received grid={self.grid}.")
+        if self.grid_knob_points < 1:
+            raise ValueError(f"grid_knob_points must be >= 1; received "
+                             f"grid_knob_points={self.grid_knob_points}.")
+        seeds = [self.eval_seed(s, r) for r in range(self.tuning_repeats) for s in self.seeds]
+        if len(set(seeds)) != len(seeds):
+            raise ValueError(f"the evaluation seeds {list(self.seeds)} repeat a seed across "
+                             f"the {self.tuning_repeats} tuning repeats (repeat r runs seed "
+                             f"s as s + {REPEAT_SEED_STRIDE} r): use smaller seeds.")
+        tuning = sorted({self.tuning_seed_of(r) for r in range(self.tuning_repeats)}
+                        & set(seeds))
+        if tuning:
+            raise ValueError(f"the tuning seeds {tuning} must not be evaluation seeds (it "
+                             "would score a pick on its own run).")
+
+    def tuning_seed_of(self, repeat: int) -> int:
+        return self.tuning_seed + repeat
+
+    @staticmethod
+    def eval_seed(seed: int, repeat: int) -> int:
+        return seed + REPEAT_SEED_STRIDE * repeat
+
+    def search(self) -> str:
+        return "carried" if self.carried is not None else "grid" if self.grid else "tpe"
+
+    def trials_for(self, loss: str) -> int:
+        """Trials of one tuning of ``loss``."""
+        if self.carried is not None:
+            return len(self.lr_factors)
+        if self.grid:
+            return len(grid_settings(loss, self.grid, self.grid_knob_points, self.lr_range))
+        return trials_for_knobs(self.trials, knob_count(loss))
 
     def cells(self):
         """``(budget, batch, updates)`` of every cell; a budget whose updates equal an
@@ -276,8 +326,8 @@ class Protocol:
 
     def total_runs(self) -> int:
         distinct = sum(1 for *_, repeat in self.cells() if not repeat)
-        trials = len(self.lr_factors) if self.carried is not None else self.trials
-        return distinct * len(self.losses) * (trials + len(self.seeds))
+        per_cell = sum(self.trials_for(loss) + len(self.seeds) for loss in self.losses)
+        return distinct * self.tuning_repeats * per_cell
 
 
 def _suggest(trial, name, spec):
@@ -291,143 +341,184 @@ def _stable_seed(*parts) -> int:
     return int(hashlib.sha256(repr(parts).encode()).hexdigest()[:8], 16)
 
 
-def _cached_run(ledger: Ledger, runner: Runner, spec: RunSpec, progress) -> dict:
-    """The ledger's row of ``spec``, or the run's, trained now and added to it."""
-    row = ledger.get(spec)
-    if row is not None:
-        progress(None)
-        return row
-    what = "tune" if not spec.test else f"seed {spec.seed}"
-    progress(f"{what} {spec.loss} B={spec.batch} u={spec.updates} "
-             + _describe(spec.settings))
-    return ledger.add(spec, runner(spec))
-
-
-def _tuning_value(ledger: Ledger, runner: Runner, spec: RunSpec, progress) -> float:
-    """A tuning run's validation MAP@R; a failed run (no finite value) scores 0."""
-    value = _cached_run(ledger, runner, spec, progress).get("val_map@r")
-    return float(value) if value is not None and math.isfinite(value) else 0.0
-
-
-def tune(protocol: Protocol, ledger: Ledger, runner: Runner, loss: str, batch: int,
-         updates: int, progress: Callable[[str], None] = lambda _: None) -> dict:
-    """``protocol.trials`` TPE trials of ``loss`` at (batch, updates); returns the best
-    trial's settings (the highest validation MAP@R; a failed trial scores 0)."""
-    optuna = extras.import_extra("compare", "the comparison protocol's tuning (Optuna TPE)")
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    _, _, knobs = SEARCH_SPACES[loss]
-    sampler = optuna.samplers.TPESampler(
-        seed=_stable_seed(loss, batch, updates), n_startup_trials=max(2, protocol.trials // 3))
-    study = optuna.create_study(direction="maximize", sampler=sampler)
-    best, best_value = None, -1.0
-    for _ in range(protocol.trials):
-        trial = study.ask()
-        params = {"lr": trial.suggest_float("lr", *protocol.lr_range, log=True)}
-        for name, spec in knobs.items():
-            params[name] = _suggest(trial, name, spec)
-        value = _tuning_value(ledger, runner, RunSpec(
-            loss, tuple(sorted(params.items())), batch, updates, protocol.tuning_seed,
-            False), progress)
-        study.tell(trial, value)
-        if value > best_value:
-            best, best_value = params, value
-    return best
-
-
-def tune_neighbourhood(protocol: Protocol, ledger: Ledger, runner: Runner, loss: str,
-                       batch: int, updates: int, progress=lambda _: None) -> dict:
-    """The settings carried over for (loss, batch), at each of ``protocol.lr_factors``
-    times their learning rate; returns the best on the validation classes."""
-    carried = protocol.carried.get((loss, batch))
-    if carried is None:
-        raise ValueError(f"no carried settings for {loss} at batch {batch}; carried: "
-                         f"{sorted(protocol.carried)}")
-    best, best_value = None, -1.0
-    for factor in protocol.lr_factors:
-        params = {**carried, "lr": float(carried["lr"]) * factor}
-        value = _tuning_value(ledger, runner, RunSpec(
-            loss, tuple(sorted(params.items())), batch, updates, protocol.tuning_seed,
-            False), progress)
-        if value > best_value:
-            best, best_value = params, value
-    return best
-
-
-def carried_settings(results: list[dict], budget: str) -> dict:
-    """``{(loss, batch): params}`` picked by another comparison (its ``results.json``)
-    under ``budget``."""
-    return {(r["loss"], r["batch"]): dict(r["params"]) for r in results
-            if r["budget"] == budget}
-
-
-def evaluate(protocol: Protocol, ledger: Ledger, runner: Runner, loss: str, batch: int,
-             updates: int, params: dict, progress=lambda _: None) -> list[dict]:
-    """The evaluation seeds of ``params``: one row each, test scores included."""
-    rows = []
-    for seed in protocol.seeds:
-        spec = RunSpec(loss, tuple(sorted(params.items())), batch, updates, seed, True)
-        rows.append(_cached_run(ledger, runner, spec, progress))
-    return rows
-
-
-def run(protocol: Protocol, ledger: Ledger, runner: Runner,
-        progress: Callable[[str | None], None] = lambda _: None) -> list[dict]:
-    """The whole comparison: one result per (budget, batch, loss), smallest batch first
-    so that a comparison cut short has every loss at the batches it reached."""
-    results = []
-    picked: dict[tuple, tuple] = {}
-    for budget, batch, updates, repeat in protocol.cells():
-        for loss in protocol.losses:
-            if repeat:
-                params, rows = picked[(loss, batch, updates)]
-            else:
-                search = tune if protocol.carried is None else tune_neighbourhood
-                params = search(protocol, ledger, runner, loss, batch, updates, progress)
-                rows = evaluate(protocol, ledger, runner, loss, batch, updates, params,
-                                progress)
-                picked[(loss, batch, updates)] = (params, rows)
-            results.append(summarise(budget, batch, updates, loss, params, rows, ledger))
-    return with_paired_differences(results)
-
-
 def _describe(params: dict) -> str:
     return " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                     for k, v in params.items())
 
 
-def summarise(budget, batch, updates, loss, params, rows, ledger) -> dict:
-    tests = [r.get("test_map@r") for r in rows]
-    ok = [t for t in tests if t is not None and math.isfinite(t)]
-    mean, half = interval(ok)
-    trials = [r for r in ledger.rows.values()
-              if r["loss"] == loss and r["batch"] == batch and r["updates"] == updates
-              and not r["test"]]
+def _cached_run(ledger: Ledger, runner: Runner, spec: RunSpec, progress,
+                repeat: int) -> dict:
+    """The ledger's row of ``spec``, or the run's, trained now and added to it;
+    ``progress`` hears of it either way."""
+    row = ledger.get(spec)
+    cached = row is not None
+    if not cached:
+        LOG.debug("run: %s %s B=%d u=%d seed %d %s", "test" if spec.test else "tune",
+                  spec.loss, spec.batch, spec.updates, spec.seed, _describe(spec.settings))
+        row = ledger.add(spec, runner(spec))
+    progress({"spec": spec, "row": row, "cached": cached, "repeat": repeat})
+    return row
+
+
+def _value(row: dict) -> float:
+    """A tuning run's validation MAP@R; a failed run (no finite value) scores 0."""
+    value = row.get("val_map@r")
+    return float(value) if _finite(value) else 0.0
+
+
+def _tpe(protocol: Protocol, loss: str, batch: int, updates: int, repeat: int):
+    """TPE's proposals, told each value (a generator: ``send`` the value)."""
+    optuna = extras.import_extra("compare", "the comparison protocol's tuning (Optuna TPE)")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    trials = protocol.trials_for(loss)
+    sampler = optuna.samplers.TPESampler(seed=_stable_seed(loss, batch, updates, repeat),
+                                         n_startup_trials=max(2, trials // 3))
+    study = optuna.create_study(direction="maximize", sampler=sampler)
+    for _ in range(trials):
+        trial = study.ask()
+        params = {"lr": trial.suggest_float("lr", *protocol.lr_range, log=True)}
+        for name, spec in SEARCH_SPACES[loss][2].items():
+            params[name] = _suggest(trial, name, spec)
+        study.tell(trial, (yield params))
+
+
+def _proposals(protocol: Protocol, loss: str, batch: int, updates: int, repeat: int):
+    search = protocol.search()
+    if search == "grid":
+        return iter(grid_settings(loss, protocol.grid, protocol.grid_knob_points,
+                                  protocol.lr_range))
+    if search == "carried":
+        carried = protocol.carried.get((loss, batch))
+        if carried is None:
+            raise ValueError(f"no carried settings for {loss} at batch {batch}; carried: "
+                             f"{sorted(protocol.carried)}")
+        return iter([{**carried, "lr": float(carried["lr"]) * f}
+                     for f in protocol.lr_factors])
+    return _tpe(protocol, loss, batch, updates, repeat)
+
+
+def tune(protocol: Protocol, ledger: Ledger, runner: Runner, loss: str, batch: int,
+         updates: int, repeat: int = 0,
+         progress: Callable[[dict], None] = lambda _: None) -> tuple[dict, list[dict]]:
+    """One tuning of ``loss`` at (batch, updates), tuning repeat ``repeat``: its trials
+    (TPE, a grid or carried settings; :meth:`Protocol.search`) on the validation
+    classes with the repeat's tuning seed. Returns the best trial's settings (the
+    highest validation MAP@R; a failed trial scores 0; the first of a tie) and the
+    trials' rows."""
+    proposals = _proposals(protocol, loss, batch, updates, repeat)
+    seed = protocol.tuning_seed_of(repeat)
+    best, best_value, rows = None, -1.0, []
+    params = next(proposals)
+    while True:
+        spec = RunSpec(loss, tuple(sorted(params.items())), batch, updates, seed, False)
+        row = _cached_run(ledger, runner, spec, progress, repeat)
+        rows.append(row)
+        value = _value(row)
+        if value > best_value:
+            best, best_value = params, value
+        try:
+            params = proposals.send(value) if hasattr(proposals, "send") else next(proposals)
+        except StopIteration:
+            return best, rows
+
+
+def carried_settings(results, budget: str) -> dict:
+    """``{(loss, batch): params}`` picked by another comparison (its ``results.json``:
+    a list of results, or this version's ``{"results": [...], ...}``) under ``budget``."""
+    if isinstance(results, dict):
+        results = results.get("results", [])
+    return {(r["loss"], r["batch"]): dict(r["params"]) for r in results
+            if r["budget"] == budget}
+
+
+def evaluate(protocol: Protocol, ledger: Ledger, runner: Runner, loss: str, batch: int,
+             updates: int, params: dict, repeat: int = 0,
+             progress=lambda _: None) -> list[dict]:
+    """The evaluation seeds of ``params`` for tuning repeat ``repeat``: one row each,
+    test scores included."""
+    return [_cached_run(ledger, runner, RunSpec(
+                loss, tuple(sorted(params.items())), batch, updates,
+                protocol.eval_seed(seed, repeat), True), progress, repeat)
+            for seed in protocol.seeds]
+
+
+def run(protocol: Protocol, ledger: Ledger, runner: Runner,
+        progress: Callable[[dict], None] = lambda _: None) -> list[dict]:
+    """The whole comparison: one result per (budget, batch, loss), smallest batch first
+    so that a comparison cut short has every loss at the batches it reached.
+    ``progress`` hears of every run as it ends (or is found in the ledger): a dict with
+    its ``spec``, ``row``, ``repeat`` and whether it was ``cached``."""
+    results = []
+    tuned: dict[tuple, list[dict]] = {}
+    for budget, batch, updates, same_cell in protocol.cells():
+        for loss in protocol.losses:
+            if not same_cell:
+                tunings = []
+                for repeat in range(protocol.tuning_repeats):
+                    params, trials = tune(protocol, ledger, runner, loss, batch, updates,
+                                          repeat, progress)
+                    rows = evaluate(protocol, ledger, runner, loss, batch, updates, params,
+                                    repeat, progress)
+                    tunings.append({"repeat": repeat, "params": params, "trials": trials,
+                                    "rows": rows})
+                tuned[(loss, batch, updates)] = tunings
+            results.append(summarise(budget, batch, updates, loss,
+                                     tuned[(loss, batch, updates)], protocol))
+    return with_paired_differences(results)
+
+
+def summarise(budget, batch, updates, loss, tunings: list[dict], protocol: Protocol) -> dict:
+    """The result of one cell: its tunings' picks and trials counted per tuning, and
+    the (repeat, seed) units of their evaluation runs with the interval over them."""
+    units = [(t["repeat"], row) for t in tunings for row in t["rows"]]
+    mean, half, kind = nested_interval((r, row.get("test_map@r")) for r, row in units)
+    vals = [row["val_map@r"] for _, row in units if _finite(row.get("val_map@r"))]
+    picks = [{"repeat": t["repeat"], "params": t["params"], "trials": len(t["trials"]),
+              "val_map@r": max((_value(r) for r in t["trials"]), default=None),
+              "edges": edge_knobs(loss, t["params"], protocol.lr_range)} for t in tunings]
+    seconds = sum(r.get("seconds", 0.0) for t in tunings for r in t["trials"] + t["rows"])
     return {"budget": budget, "batch": batch, "updates": updates, "images": batch * updates,
-            "loss": loss, "params": params, "test_map@r": mean, "ci95": half,
-            "seeds": [r["seed"] for r in rows], "per_seed": tests,
-            "statuses": [r.get("status", "ok") for r in rows],
-            "val_map@r": max((r.get("val_map@r") or 0.0) for r in trials) if trials else None,
-            "trials": len(trials), "seconds": sum(r.get("seconds", 0.0) for r in rows)
-            + sum(r.get("seconds", 0.0) for r in trials),
-            "curves": [r.get("curve") for r in rows]}
+            "loss": loss, "params": tunings[0]["params"], "picks": picks,
+            "test_map@r": mean, "ci95": half, "interval": kind,
+            "repeats": [r for r, _ in units], "seeds": [row["seed"] for _, row in units],
+            "per_seed": [row.get("test_map@r") for _, row in units],
+            "val_eval": sum(vals) / len(vals) if vals else float("nan"),
+            "statuses": [row.get("status", "ok") for _, row in units],
+            "val_map@r": picks[0]["val_map@r"], "trials": picks[0]["trials"],
+            "seconds": seconds, "curves": [row.get("curve") for _, row in units]}
+
+
+def _units(result: dict) -> dict:
+    return {(r, s): v for r, s, v in zip(result["repeats"], result["seeds"],
+                                         result["per_seed"])}
 
 
 def with_paired_differences(results: list[dict]) -> list[dict]:
-    """Each result gains ``vs_best_peer``: its paired test difference (mean, 95 %
-    half-width over the shared seeds) against the peer with the best mean in its cell."""
+    """Each result gains ``best_peer`` and ``vs_best_peer``: its paired test difference
+    (mean, 95 % half-width; :func:`nested_interval` over the shared (repeat, seed)
+    units) against the peer of its cell with the best validation MAP@R of its
+    evaluation runs (chosen on validation, never on test)."""
     by_cell: dict[tuple, list[dict]] = {}
     for r in results:
         by_cell.setdefault((r["budget"], r["batch"]), []).append(r)
     for cell in by_cell.values():
-        peers = [r for r in cell if r["loss"] in PEERS and math.isfinite(r["test_map@r"])]
+        peers = [r for r in cell if r["loss"] in PEERS and _finite(r["val_eval"])]
         if not peers:
             continue
-        best = max(peers, key=lambda r: r["test_map@r"])
-        theirs = dict(zip(best["seeds"], best["per_seed"]))
+        best = max(peers, key=lambda r: r["val_eval"])
+        theirs = _units(best)
         for r in cell:
-            pairs = [(v, theirs[s]) for s, v in zip(r["seeds"], r["per_seed"])
-                     if s in theirs and v is not None and theirs[s] is not None]
-            mean, half = interval([a - b for a, b in pairs])
+            pairs = [(unit[0], v - theirs[unit]) for unit, v in _units(r).items()
+                     if unit in theirs and _finite(v) and _finite(theirs[unit])]
+            mean, half, _ = nested_interval(pairs)
             r["best_peer"] = best["loss"]
             r["vs_best_peer"] = (mean, half) if r is not best else None
+    return results
+
+
+def with_baseline_differences(results: list[dict], frozen: float) -> list[dict]:
+    """Each result gains ``vs_frozen``: its test MAP@R minus the frozen features' (a
+    fixed number, so the interval is the result's own)."""
+    for r in results:
+        r["vs_frozen"] = (r["test_map@r"] - frozen, r["ci95"])
     return results
