@@ -221,6 +221,39 @@ def test_compare_quick_runs_resumes_and_writes_its_report(digit_splits, tmp_path
         main(args + ["--batch-sizes", "16,64"])
 
 
+@pytest.mark.slow
+def test_compare_images_shows_one_line_per_run_and_precise_bn_curves(digit_splits, tmp_path,
+                                                                     capsys):
+    """The image tier: each run's `tfaploss train` output in its log, one console line
+    per run, and a curve measured after precise BN (its last point is the model the
+    run ends with, re-estimated on the same images)."""
+    from tfaploss.cli import main
+
+    root = digit_splits
+    out = tmp_path / "images"
+    args = ["compare", "--config", "configs/demo_digits.yaml", "--quick",
+            "--set", f"data.train={root / 'records' / 'train'}",
+            "--set", f"data.test={root / 'records' / 'test'}",
+            "--set", "model.freeze_bn=false", "--set", "model.bn_calibration_images=0",
+            "--val", str(root / "records" / "val"), "--out", str(out), "--losses", "SupCon",
+            "--batch-sizes", "32", "--trials", "1", "--seeds", "0", "--m", "8"]
+    capsys.readouterr()
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    runs = [line for line in printed.splitlines() if line.startswith("[")]
+    assert [line[:5] for line in runs] == ["[1/2]", "[2/2]"], printed
+    assert "--restart" not in printed and "tfaploss train:" not in printed
+    logs = sorted((out / "runs").glob("*.train.log"))
+    assert len(logs) == 2 and all("tfaploss train: compare: SupCon B=32" in log.read_text()
+                                  for log in logs)
+    [result] = json.loads((out / "results.json").read_text())["results"]
+    [curve] = result["curves"]
+    assert len(curve) == 2 and all(0.0 <= point[1] <= 100.0 for point in curve)
+    rows = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
+    [evaluated] = [r for r in rows if r["test"]]
+    assert curve[-1][1] == pytest.approx(evaluated["val_map@r"], abs=1e-3)
+
+
 def test_compare_without_optuna_stops_before_any_run(tmp_path, monkeypatch, capsys):
     import sys
     from pathlib import Path

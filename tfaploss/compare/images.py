@@ -5,8 +5,10 @@ config's ``model.weights``, e.g. a user's ImageNet file, BatchNorm as the config
 with the config's data, model, augmentation and optimizer; the runner sets the loss, the
 learning rate (cosine decay to 0), the batch, the number of updates and the seed, and
 multi-stages batches larger than ``chunk_size``. The validation classes are evaluated
-after every epoch (the convergence curve) on at most ``curve_images`` images, the test
-classes once at the end for the evaluation seeds.
+after every epoch (the convergence curve) on at most ``curve_images`` images, after
+precise BN (:class:`tfaploss.compare.curves.PreciseBNCurve`: with BatchNorm on batch
+statistics, train's own evaluation would score the moving averages, which trail the
+weights), the test classes once at the end for the evaluation seeds.
 
 What ``tfaploss train`` reports for a run goes to that run's log (``RUN.train.log`` beside
 its run folder ``RUN``), not to the comparison's console.
@@ -66,15 +68,13 @@ class ImageRunner:
         self.m = m or cfg.data.m
         self.epochs, self.chunk_size = epochs, chunk_size
         self.curve_images, self.eval_images = curve_images, eval_images
-        # the curve is evaluated with the moving BatchNorm statistics, which trail the
-        # weights: the report labels it stale
-        self.stale_curves = not cfg.model.frozen_bn
+        self.stale_curves = False  # the curve is measured after precise BN
 
     def setup(self) -> dict:
         """What defines this runner's runs beside their spec (the ledger keys on it)."""
         return {"m": self.m, "epochs": self.epochs, "chunk_size": self.chunk_size,
                 "curve_images": self.curve_images, "eval_images": self.eval_images,
-                "val": str(self.val)}
+                "val": str(self.val), "curve": "precise BN"}
 
     def config(self, spec: RunSpec, run_dir: Path):
         from tfaploss.config.load import config_from_dict
@@ -94,8 +94,13 @@ class ImageRunner:
                                seed=spec.seed,
                                chunk_size=self.chunk_size if spec.batch > self.chunk_size
                                else None)
-        raw["evaluation"].update(every_n_epochs=1, at_end=False, ks=[1], backend="exact",
+        # the curve: PreciseBNCurve instead of train's own evaluation (stale BatchNorm)
+        raw["evaluation"].update(every_n_epochs=0, at_end=False, ks=[1], backend="exact",
                                  max_images=self.curve_images)
+        raw["training"]["callbacks"] = [*raw["training"].get("callbacks", []), {
+            "class": "tfaploss.compare.curves.PreciseBNCurve",
+            "kwargs": {"config_file": str(run_dir / "config.yaml"), "split": str(self.val),
+                       "max_images": self.curve_images}}]
         return config_from_dict(raw, warn=False)
 
     def __call__(self, spec: RunSpec) -> dict:
