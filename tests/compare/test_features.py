@@ -81,3 +81,33 @@ def test_the_features_digest_sees_every_split_and_value():
     assert features_digest(data) != features_digest(same)
     with pytest.raises(ValueError, match="head must be one of"):
         FeatureRunner(data, head="wide")
+
+
+@pytest.mark.parametrize("loss, params", [
+    ("APLoss", (("lr", 1e-2), ("num_bins", 20))),
+    ("ProxyAnchor", (("alpha", 32.0), ("lr", 1e-2), ("margin", 0.1),
+                     ("proxy_lr_multiplier", 100.0)))])
+def test_the_runner_step_is_keras_train_on_batch(loss, params):
+    """The runner's own step (no autograph) updates as Keras's train_on_batch does,
+    proxies and their learning-rate multiplier included."""
+    import keras
+
+    from tfaploss.data.samplers import m_per_class_rows
+
+    runner = FeatureRunner(_data(), m=4, hidden=32)
+    spec = P.RunSpec(loss, params, 16, 4, 0, False)
+    x, y = runner.train[0], runner.train_labels
+    batches = list(m_per_class_rows(y, 16, 4, 0).take(4).as_numpy_iterator())
+    weights, losses = [], []
+    for update in (lambda model: model.train_on_batch, runner.step):
+        keras.backend.clear_session()
+        model = runner._model(spec)
+        step = update(model)
+        losses.append([float(step(x[rows], y[rows])) for rows in batches])
+        weights.append([np.asarray(w) for w in model.weights])
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    assert len(weights[0]) == len(weights[1])
+    for ours, keras_ in zip(weights[1], weights[0]):
+        np.testing.assert_allclose(ours, keras_, rtol=1e-4, atol=1e-6)
+    assert not np.allclose(weights[1][-1], keras.ops.convert_to_numpy(
+        runner._model(spec).weights[-1]))  # they did move
