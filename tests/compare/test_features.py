@@ -111,3 +111,31 @@ def test_the_runner_step_is_keras_train_on_batch(loss, params):
         np.testing.assert_allclose(ours, keras_, rtol=1e-4, atol=1e-6)
     assert not np.allclose(weights[1][-1], keras.ops.convert_to_numpy(
         runner._model(spec).weights[-1]))  # they did move
+
+
+@pytest.mark.slow  # a Beam folder job
+def test_a_random_backbone_embeds_every_split_alike(tmp_path):
+    """model.weights: null: the backbone is a seeded draw, so a split embedded later
+    (its cache removed) gets the same features as before."""
+    from PIL import Image
+
+    from tfaploss.compare.features import extract_features
+    from tfaploss.config import load_config
+    from tfaploss.pipelines import folder
+
+    rng = np.random.default_rng(0)
+    for c in range(2):
+        (tmp_path / "pngs" / "train" / str(c)).mkdir(parents=True)
+        for i in range(4):
+            Image.fromarray(rng.integers(0, 255, (8, 8), dtype="uint8"), mode="L").save(
+                tmp_path / "pngs" / "train" / str(c) / f"{i}.png")
+    folder.run(["--input_dir", str(tmp_path / "pngs"), "--output_dir", str(tmp_path / "rec"),
+                "--splits_from_folders", "--direct_running_mode", "in_memory",
+                "--direct_num_workers", "1"])
+    cfg = load_config("configs/demo_digits.yaml", warn=False)
+    paths = {"train": str(tmp_path / "rec" / "train")}
+    first = extract_features(cfg, paths, tmp_path / "out")["train"][0]
+    for cached in (tmp_path / "out").glob("features-*/train.npz"):
+        cached.unlink()
+    again = extract_features(cfg, paths, tmp_path / "out")["train"][0]
+    np.testing.assert_array_equal(first, again)

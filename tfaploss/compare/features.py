@@ -94,6 +94,11 @@ def extract_features(cfg, paths: dict, cache_dir: str | os.PathLike) -> dict:
                 out[split] = (saved["features"], saved["labels"])
             continue
         if model is None:
+            import keras
+
+            # A backbone without weights (model.weights: null) is a random draw: the
+            # training seed's, so that its cached splits are embedded by one network.
+            keras.utils.set_random_seed(cfg.training.seed)
             model = feature_model(cfg)
         started = time.time()
         features, labels = embed_split(model, cfg, path)
