@@ -86,6 +86,7 @@ def test_the_best_peer_is_chosen_on_validation_not_test(tmp_path):
     assert by["SupCon"]["test_map@r"] > by["Triplet"]["test_map@r"]
     assert by["SupCon"]["val_eval"] < by["Triplet"]["val_eval"]
     assert by["APLoss"]["best_peer"] == "Triplet" and by["Triplet"]["vs_best_peer"] is None
+    assert {r["best_ap"] for r in results} == {"APLoss"}
     diff = by["APLoss"]["test_map@r"] - by["Triplet"]["test_map@r"]
     assert by["APLoss"]["vs_best_peer"][0] == pytest.approx(diff)
 

@@ -50,6 +50,10 @@ def test_the_report_has_the_baseline_rows_and_the_differences_from_them(tmp_path
     # the grid's picks: the temperature at its range's middle, the lr inside: no flag
     assert "No pick has a setting in the outer 10% of its range (4 picks)." in text
     assert "vs Triplet" in text
+    # SmoothAP is the only AP loss: chosen, with its paired difference's lower bound
+    diff, half = smooth["vs_best_peer"]
+    assert (f"B=32: SmoothAP vs Triplet {diff:+.1f} ± {half:.1f} (95 % lower bound "
+            f"{diff - half:.1f})") in text
     assert "over the 2 evaluation seeds (one tuning: seed noise only" in text
 
 

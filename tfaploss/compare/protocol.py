@@ -497,7 +497,8 @@ def with_paired_differences(results: list[dict]) -> list[dict]:
     """Each result gains ``best_peer`` and ``vs_best_peer``: its paired test difference
     (mean, 95 % half-width; :func:`nested_interval` over the shared (repeat, seed)
     units) against the peer of its cell with the best validation MAP@R of its
-    evaluation runs (chosen on validation, never on test)."""
+    evaluation runs (chosen on validation, never on test); and ``best_ap``, the AP
+    loss of its cell chosen the same way."""
     by_cell: dict[tuple, list[dict]] = {}
     for r in results:
         by_cell.setdefault((r["budget"], r["batch"]), []).append(r)
@@ -506,12 +507,14 @@ def with_paired_differences(results: list[dict]) -> list[dict]:
         if not peers:
             continue
         best = max(peers, key=lambda r: r["val_eval"])
+        aps = [r for r in cell if r["loss"] in AP_LOSSES and _finite(r["val_eval"])]
+        best_ap = max(aps, key=lambda r: r["val_eval"])["loss"] if aps else None
         theirs = _units(best)
         for r in cell:
             pairs = [(unit[0], v - theirs[unit]) for unit, v in _units(r).items()
                      if unit in theirs and _finite(v) and _finite(theirs[unit])]
             mean, half, _ = nested_interval(pairs)
-            r["best_peer"] = best["loss"]
+            r["best_peer"], r["best_ap"] = best["loss"], best_ap
             r["vs_best_peer"] = (mean, half) if r is not best else None
     return results
 

@@ -180,6 +180,18 @@ def markdown(results: list[dict], header: str = "", baselines: dict | None = Non
             lines.append(f"| {loss} | " + " | ".join(
                 _pair(by[(budget, loss, b)].get("vs_best_peer"), peers[b] == loss)
                 if (budget, loss, b) in by else "–" for b in cols) + " |")
+        chosen = []
+        for b in cols:
+            ap = some[b].get("best_ap")
+            if ap is not None and peers[b] is not None:
+                diff = by[(budget, ap, b)].get("vs_best_peer")
+                if diff is not None and math.isfinite(diff[0]):
+                    low = diff[0] - diff[1] if math.isfinite(diff[1]) else float("nan")
+                    chosen.append(f"B={b}: {ap} vs {peers[b]} {_pair(diff)} (95 % lower "
+                                  f"bound {_num(low)})")
+        if chosen:
+            lines += ["", "The AP loss chosen on validation against the best peer: "
+                      + "; ".join(chosen) + "."]
         lines += ["", ("Settings picked on the validation classes (the best validation "
                        "MAP@R of each tuning's trials; ⚠ marks a setting in the outer "
                        f"{EDGE:.0%} of its range):"), "",
