@@ -107,7 +107,7 @@ def class_subset(features, labels, classes: int | None, seed: int = 0):
 
 
 def _map_at_r(model, features, labels):
-    from tfaploss.evaluation.metrics import retrieval_metrics
+    from tfaploss.evaluation.retrieval import retrieval_metrics
 
     embeddings = np.concatenate([np.asarray(model(features[i:i + 8192], training=False),
                                             "float32")
