@@ -215,16 +215,10 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
       gnd: revisited ground truth (list of dicts or a file path) or, for ``gldv2``,
         per-query lists of relevant database indices.
       ks: cut-offs; default per protocol.
-      backend: a :class:`~tfaploss.evaluation.search_plan.SearchPlan`, or its backend:
-        ``"auto"`` (default: exact search without ``target_recall``, else the best
-        installed searcher tuned to it), ``"exact"``, ``"scann"``, ``"scann_ah"`` or
-        ``"faiss"``.
-      target_recall: the plan's, when ``backend`` names a backend. ``None`` (default):
-        search with ``backend`` as is. A value in (0, 1]: tune the search to reach this
-        recall@k (k: the plan's, else the largest cut-off) against exact search, on a
-        sample of the queries (see :func:`tfaploss.evaluation.search.build_searcher`);
-        exact search when no setting beats it. ``searcher_kwargs`` then go to the tuner
-        (``max_settings``, ``max_seconds``, ...).
+      backend, target_recall: a :class:`~tfaploss.evaluation.search_plan.SearchPlan`,
+        or its backend (default ``"auto"``) and target recall (default ``None``: no
+        tuning); its k defaults to the largest cut-off. With a target,
+        ``searcher_kwargs`` go to the tuner (``max_settings``, ``max_seconds``, ...).
       query_expansion: apply α-QE (``qe_alpha``, ``qe_k``) to the queries.
       whitening: a fitted :class:`~tfaploss.evaluation.PCAWhitening` applied to
         queries and database.
@@ -275,6 +269,8 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
     if protocol not in _GND_HELP and db_labels is None:
         raise ValueError("retrieval protocols need database labels: pass `labels=` or a "
                          "dataset yielding (images, labels).")
+    if protocol not in _GND_HELP and query is not None and q_labels is None:
+        raise ValueError("the query set has no labels: pass `query_labels=`.")
     drawers = []  # the figures, drawn once metrics.json is written
     if output_dir:
         os.makedirs(output_dir, exist_ok=True)
@@ -291,13 +287,14 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
     elif protocol == "gldv2":
         metrics, details = _evaluate_gldv2(q, db, gnd, ks, searcher)
     else:
-        if query is None and not query_expansion:
-            metrics, details = retrieval_metrics(db, db_labels, ks=ks, searcher=searcher,
-                                                 map_depth=depth, return_details=True,
-                                                 progress=bool(verbose))
-        else:
-            metrics, details = _expanded_or_separate(q, q_labels, db, db_labels, query is None,
-                                                     ks, searcher, depth, verbose)
+        # q is None: self-retrieval. Else a query set, or α-expanded database rows, which
+        # differ from their rows: ranked with their own row removed by index.
+        expanded = q is not None and query is None
+        sets = (db, db_labels, None, None) if q is None else (
+            q, db_labels if expanded else q_labels, db, db_labels)
+        metrics, details = retrieval_metrics(
+            *sets, ks=ks, searcher=searcher, map_depth=depth, return_details=True,
+            progress=bool(verbose), exclude=np.arange(len(q)) if expanded else None)
         if model is not None and _is_dataset(dataset):
             drawers.append(("retrieval examples", lambda: _retrieval_figure(
                 searcher, db, db_labels, q, q_labels, dataset, query, output_dir,
@@ -359,20 +356,6 @@ def _build(db, plan, queries, searcher_kwargs, verbose=0):
     # The tuner's progress lines (INFO) are shown as the table is (see reporting()).
     with reporting() if verbose else contextlib.nullcontext():
         return build_searcher(db, plan, queries=queries, **searcher_kwargs)
-
-
-def _expanded_or_separate(q, q_labels, db, db_labels, self_retrieval, ks, searcher, depth,
-                          verbose):
-    if self_retrieval:
-        # α-expanded queries differ from their database rows: rank them against the
-        # database with their own row removed by index, as in self-retrieval.
-        return retrieval_metrics(q, db_labels, db, db_labels, ks=ks, searcher=searcher,
-                                 map_depth=depth, return_details=True,
-                                 progress=bool(verbose), exclude=np.arange(len(q)))
-    if q_labels is None:
-        raise ValueError("the query set has no labels: pass `query_labels=`.")
-    return retrieval_metrics(q, q_labels, db, db_labels, ks=ks, searcher=searcher,
-                             map_depth=depth, return_details=True, progress=bool(verbose))
 
 
 def _evaluate_revisited(q, db, gnd, ks, searcher, depth):

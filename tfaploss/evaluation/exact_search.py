@@ -1,12 +1,7 @@
-"""Exact search, the reference every report and every tuned search is measured against.
-
-:class:`ExactSearcher` answers the :class:`~tfaploss.evaluation.searchers.Searcher`
-interface with blocked inner products and a top-k: the NumPy/BLAS kernel of
-:mod:`tfaploss.evaluation.exact_topk` on CPUs (ahead of it, where the CPU has bfloat16
-units, the prefilter of :mod:`tfaploss.evaluation.bfloat16_prefilter`), TensorFlow on a
-GPU. It has no setting to tune: its recall is 1, and its cost, ``N * D`` multiply-adds
-a query (:func:`tfaploss.evaluation.searchers.exact_cost`), is what the tuner's
-settings must beat.
+"""Exact search (:class:`ExactSearcher`), the reference every report and every tuned
+search is measured against. It has no setting to tune: its recall is 1, and its cost,
+``N * D`` multiply-adds a query (:func:`tfaploss.evaluation.searchers.exact_cost`), is
+what the tuner's settings must beat.
 """
 
 from __future__ import annotations

@@ -5,8 +5,6 @@ Rankings are by inner product, descending, **ties broken by database index** (lo
 index first; see :mod:`tfaploss.evaluation.searchers`). When the query set is the
 database (``db_embeddings=None``), each query's own row is removed *by index*, so an
 exact duplicate of the query elsewhere in the database is still retrieved and counted.
-Exact search ranks every positive among all scores; an approximate backend reads the
-first ``depth`` results, and ``map`` is then a lower bound (the details say so).
 """
 
 from __future__ import annotations

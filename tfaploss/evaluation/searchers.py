@@ -2,18 +2,10 @@
 (and :func:`load_searcher`, which restores a saved one), and :class:`SearchSpace`, what
 a backend the tuner can tune gives it, with the cost model those backends share.
 
-The backends, one module each with its searcher, its tuning space and its costs:
-
-* ``"exact"`` -- :class:`~tfaploss.evaluation.exact_search.ExactSearcher`: blocked
-  inner products and a top-k (NumPy/BLAS on CPUs, TensorFlow on a GPU).
-* ``"scann"`` / ``"scann_ah"`` -- :class:`~tfaploss.evaluation.scann_search.ScannSearcher`:
-  ScaNN's float32 brute force, or its tree + anisotropic hashing + re-ordering.
-* ``"faiss"`` -- :class:`~tfaploss.evaluation.faiss_search.FaissSearcher`: faiss's flat,
-  IVF-Flat, IVF-PQ and HNSW indexes.
-
-:func:`tfaploss.evaluation.search.build_searcher` builds the one a
-:class:`~tfaploss.evaluation.search_plan.SearchPlan` asks for, tuned to its target
-recall when it has one (:mod:`tfaploss.evaluation.tuner`).
+The backends live one module each, with their searcher, tuning space and costs:
+:mod:`~tfaploss.evaluation.exact_search` (``"exact"``),
+:mod:`~tfaploss.evaluation.scann_search` (``"scann"``, ``"scann_ah"``) and
+:mod:`~tfaploss.evaluation.faiss_search` (``"faiss"``).
 
 Scores are inner products (cosine similarity for L2-normalised embeddings), higher is
 better. Every backend returns, per query, the ``k`` best database indices sorted by
