@@ -75,9 +75,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import harness
 
 from tfaploss.evaluation import bfloat16_prefilter
-from tfaploss.evaluation.exact_search import available_threads
+from tfaploss.evaluation.exact_search import ExactSearcher
+from tfaploss.evaluation.exact_topk import available_threads
 from tfaploss.evaluation.faiss_search import FaissSearcher, FaissSetting
-from tfaploss.evaluation.searchers import ExactSearcher, ScannSearcher
+from tfaploss.evaluation.scann_search import ScannSearcher, ScannSetting
 
 CLUSTERS = 2000
 
@@ -221,7 +222,7 @@ import json, sys, time
 import numpy as np
 if sys.argv[5] == "tensorflow":
     import tensorflow
-from tfaploss.evaluation.searchers import ExactSearcher
+from tfaploss.evaluation.exact_search import ExactSearcher
 db, queries = np.load(sys.argv[1]), np.load(sys.argv[2])
 searcher = ExactSearcher(db, prefilter=sys.argv[3])
 t0 = time.perf_counter()
@@ -518,17 +519,18 @@ def bench_tuned(table, label, db, queries, tune_queries, reference, exact_qps, t
     (what ``build_searcher(db, backend, target_recall=max(targets))`` runs), whose
     trials (cheapest first) hold the settings of the lower ones: for each target, the
     fastest setting tried whose recall's lower bound reaches it (the tuner's own rule)."""
-    from tfaploss.evaluation.tuner import Setting, tune_searcher
+    from tfaploss.evaluation.search_plan import SearchPlan
+    from tfaploss.evaluation.tuner import tune_searcher
 
     def rebuild(params):
         if backend == "faiss":
             return FaissSearcher(db, **FaissSetting(**params).searcher_params())
         return ScannSearcher(db, mode="ah", num_neighbors=args.ann_k,
-                             **Setting(**params).searcher_params())
+                             **ScannSetting(**params).searcher_params())
 
     t0 = time.perf_counter()
-    _, info = tune_searcher(db, max(targets), k=args.ann_k, queries=tune_queries,
-                            max_seconds=args.tune_seconds, backend=backend)
+    _, info = tune_searcher(db, SearchPlan(backend, max(targets), k=args.ann_k),
+                            tune_queries, max_seconds=args.tune_seconds)
     tuning = time.perf_counter() - t0
     for target in targets:
         met = [e for e in info["tried"] if e["recall_ci"][0] >= target and e["speedup"] > 1]

@@ -10,7 +10,7 @@ import pytest
 
 import tfaploss.callbacks as C
 from tfaploss.evaluation import retrieval_metrics
-from tfaploss.evaluation.searchers import ExactSearcher
+from tfaploss.evaluation.exact_search import ExactSearcher
 
 # Four unit vectors, two classes. Each query's one positive: p0 and p1 (class 0) each
 # have a class-1 item nearest (p0.p2 = 0.8 > p0.p1 = 0; p1.p3 = 0.8), p2 and p3 are

@@ -163,7 +163,7 @@ def _measure(model, cfg) -> dict:
 
     embeddings, labels = embed_split(model, cfg, cfg.data.test)
     return retrieval_metrics(embeddings, labels, ks=cfg.evaluation.ks,
-                             backend=cfg.evaluation.backend)
+                             backend=cfg.evaluation.search_plan)
 
 
 def _step_write_pngs(out: Path, timings: dict) -> Path:
@@ -233,8 +233,7 @@ def _step_evaluate_trained(cfg, summary: dict, out: Path, label_names,
         print(_metrics_line(after))
         result = evaluate(model, B.build_eval_dataset(cfg, cfg.data.test),
                           protocol="retrieval", ks=cfg.evaluation.ks,
-                          backend=cfg.evaluation.backend,
-                          target_recall=cfg.evaluation.target_recall,
+                          backend=cfg.evaluation.search_plan,
                           output_dir=str(out / "evaluation"),
                           label_names=label_names, verbose=0)
     for path in result.figures:

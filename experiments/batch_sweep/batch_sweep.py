@@ -890,7 +890,7 @@ def retrieval(embeddings, labels):
     cannot be answered and is left out, as the sweep's tables always did."""
     import numpy as np
 
-    from tfaploss.evaluation.metrics import retrieval_metrics
+    from tfaploss.evaluation.retrieval import retrieval_metrics
 
     embeddings = np.asarray(embeddings, dtype="float32")
     labels = np.asarray(labels)

@@ -56,7 +56,7 @@ def pair_stats(embeddings, labels, margin):
     """The figures of the module docstring for one batch of embeddings (NumPy)."""
     import numpy as np
 
-    from tfaploss.evaluation.metrics import retrieval_metrics
+    from tfaploss.evaluation.retrieval import retrieval_metrics
 
     e = embeddings / np.linalg.norm(embeddings, axis=1, keepdims=True)
     d2 = np.maximum(2.0 - 2.0 * e @ e.T, 0.0)

@@ -9,8 +9,8 @@ import pytest
 
 from tfaploss.evaluation import bfloat16_prefilter as bp
 from tfaploss.evaluation import load_searcher
-from tfaploss.evaluation.exact_search import exact_topk as fp32_topk
-from tfaploss.evaluation.searchers import ExactSearcher
+from tfaploss.evaluation.exact_search import ExactSearcher
+from tfaploss.evaluation.exact_topk import exact_topk as fp32_topk
 
 ALL_BITS = np.arange(-(1 << 15), 1 << 15, dtype=np.int32).astype(np.int16)
 FINITE_BITS = ALL_BITS[np.isfinite(bp.bfloat16_values(ALL_BITS))]

@@ -80,7 +80,7 @@ def test_figures_and_a_full_disk_ends_the_evaluation(tmp_path):
 
 @pytest.mark.parametrize("backend", ["exact", "faiss"])
 def test_a_saved_searcher(tmp_path, backend):
-    from tfaploss.evaluation.tuner import build_searcher
+    from tfaploss.evaluation.search import build_searcher
 
     if backend == "faiss":
         pytest.importorskip("faiss")

@@ -20,7 +20,9 @@ from tfaploss.cli import build_parser
 from tfaploss.config import config_from_dict
 from tfaploss.evaluation import ExactSearcher, build_searcher, load_searcher
 from tfaploss.evaluation.faiss_search import FaissSearcher, faiss_candidates, faiss_cost
-from tfaploss.evaluation.tuner import measure_recall, search_report, tune_searcher
+from tfaploss.evaluation.search import search_report
+from tfaploss.evaluation.search_plan import SearchPlan
+from tfaploss.evaluation.tuner import measure_recall, tune_searcher
 
 needs_faiss = pytest.mark.skipif(importlib.util.find_spec("faiss") is None,
                                  reason='faiss is not installed (pip install "tfaploss[faiss]")')
@@ -142,11 +144,11 @@ def test_tuner_space_is_ordered_and_bounded():
     assert not any(s.kind == "ivf_pq" for s in faiss_candidates(n, 33, k))  # odd dim
     # A tiny database: nothing beats exact search, so the tuner falls back.
     small, _ = _clustered(0, 300)
-    searcher, info = tune_searcher(small, 0.9, k=10, speed="model", backend="faiss")
+    searcher, info = tune_searcher(small, SearchPlan("faiss", 0.9, k=10), speed="model")
     assert isinstance(searcher, ExactSearcher) and info["fell_back"]
     assert "no faiss setting" in info["reason"]
     with pytest.raises(ValueError, match="`backend`.*'annoy'"):
-        tune_searcher(small, 0.9, backend="annoy")
+        SearchPlan("annoy", 0.9)
 
 
 @needs_faiss

@@ -143,7 +143,7 @@ def test_search_input_errors():
 ])
 def test_blocked_topk_equals_full_sort_with_ties(n, d, q, k, query_block, database_block,
                                                  threads):
-    from tfaploss.evaluation.exact_search import exact_topk
+    from tfaploss.evaluation.exact_topk import exact_topk
 
     rng = np.random.default_rng(n + k)
     db = rng.integers(-2, 3, (n, d)).astype(np.float32)
@@ -155,7 +155,7 @@ def test_blocked_topk_equals_full_sort_with_ties(n, d, q, k, query_block, databa
 
 
 def test_blocked_topk_adversarial_order_and_constant_scores():
-    from tfaploss.evaluation.exact_search import exact_topk
+    from tfaploss.evaluation.exact_topk import exact_topk
 
     # Scores increase with the index: every block beats the running top-k, so every
     # row is cut by a partition; then all-equal scores: the k lowest indices win.
@@ -169,7 +169,7 @@ def test_blocked_topk_adversarial_order_and_constant_scores():
 
 @pytest.mark.parametrize("case", ["sorted_up", "sorted_down", "ties", "k_is_n", "k_is_1"])
 def test_blocked_topk_adversarial_cases_equal_full_sort(case):
-    from tfaploss.evaluation.exact_search import exact_topk
+    from tfaploss.evaluation.exact_topk import exact_topk
 
     # Deferred merges and the folded first-block bound must not change a result:
     # databases sorted by score (every block beats the last, or none does), heavy ties,
@@ -191,7 +191,7 @@ def test_blocked_topk_adversarial_cases_equal_full_sort(case):
 
 
 def test_sort_keys_order_like_a_stable_sort_by_score_then_index():
-    from tfaploss.evaluation.exact_search import _decode, _sort_keys
+    from tfaploss.evaluation.exact_topk import _decode, _sort_keys
 
     # -0.0 and 0.0 tie (as in a sort), denormals, negatives and infinities keep order.
     scores = np.array([0.0, -0.0, 1e-45, -1e-45, -np.inf, np.inf, -2.5, 2.5, 0.0, -0.0,
@@ -220,7 +220,7 @@ def test_exact_k_larger_than_database_and_exclusion_of_unreturned_index():
 
 
 def test_score_blocks_cover_every_query_in_order_in_a_thread_pool():
-    from tfaploss.evaluation.exact_search import score_blocks
+    from tfaploss.evaluation.exact_topk import score_blocks
 
     rng = np.random.default_rng(8)
     db, q = _unit(rng, 50, 8), _unit(rng, 37, 8)

@@ -17,16 +17,17 @@ from tests.support import needs_scann
 from tfaploss.cli import build_parser
 from tfaploss.config import ConfigError, config_from_dict
 from tfaploss.evaluation import ExactSearcher, ScannSearcher, build_searcher, evaluate
+from tfaploss.evaluation.scann_search import candidate_settings, estimated_cost
+from tfaploss.evaluation.search_plan import SearchPlan
 from tfaploss.evaluation.searchers import Searcher, load_searcher
-from tfaploss.evaluation.tuner import (
-    candidate_settings,
-    estimated_cost,
-    measure_recall,
-    tune_searcher,
-    wilson_interval,
-)
+from tfaploss.evaluation.tuner import measure_recall, tune_searcher, wilson_interval
 
 TUNER_LOG = "tfaploss.evaluation.tuner"
+
+
+def _scann(target, k=10):
+    """The plan of a search of ScaNN's settings tuned to recall@k >= ``target``."""
+    return SearchPlan("scann", target, k)
 
 
 def _clustered(seed, n, d=32, clusters=40, spread=0.5, centres_seed=123):
@@ -62,7 +63,7 @@ def test_tuned_setting_reaches_the_target_on_fresh_queries(caplog):
     db, _ = _clustered(0, 4000)
     target = 0.9
     with caplog.at_level(logging.INFO, logger=TUNER_LOG):
-        searcher, info = tune_searcher(db, target, k=10, speed="model", max_settings=40)
+        searcher, info = tune_searcher(db, _scann(target), speed="model", max_settings=40)
     assert isinstance(searcher, ScannSearcher) and searcher.tuning is info
     assert not info["fell_back"] and info["backend"] == "scann_ah"
     assert info["recall"] >= target and info["speedup"] > 1
@@ -88,7 +89,7 @@ def test_tuned_setting_reaches_the_target_on_fresh_queries(caplog):
 def test_falls_back_to_exact_on_a_tiny_database(caplog):
     db, _ = _clustered(0, 300)
     with caplog.at_level(logging.INFO, logger=TUNER_LOG):
-        searcher, info = tune_searcher(db, 0.9, k=10, speed="model")
+        searcher, info = tune_searcher(db, _scann(0.9), speed="model")
     assert isinstance(searcher, ExactSearcher) and searcher.tuning is info
     assert info["fell_back"] and info["backend"] == "exact" and info["recall"] == 1.0
     assert info["settings_tried"] == 0  # the cost model rules every setting out
@@ -100,7 +101,7 @@ def test_falls_back_to_exact_on_a_tiny_database(caplog):
 @needs_scann
 def test_falls_back_when_the_target_cannot_be_met():
     db = _random(0, 3000, 64)
-    searcher, info = tune_searcher(db, 1.0, k=10, speed="model", max_settings=5)
+    searcher, info = tune_searcher(db, _scann(1.0), speed="model", max_settings=5)
     assert isinstance(searcher, ExactSearcher) and info["fell_back"]
     assert info["settings_tried"] == 5 and info["stopped"].startswith("max_settings")
     assert all(t["recall"] < 1.0 for t in info["tried"])
@@ -111,7 +112,7 @@ def test_falls_back_when_no_setting_is_faster_than_exact():
     # Every search of the sample takes one tick of the fake clock, exact search too:
     # a setting that reaches the target is not faster, so it does not count.
     db, _ = _clustered(0, 3000)
-    searcher, info = tune_searcher(db, 0.5, k=10, speed="measure", timer=_Clock(),
+    searcher, info = tune_searcher(db, _scann(0.5), speed="measure", timer=_Clock(),
                                    max_settings=4, max_seconds=1e9)
     assert isinstance(searcher, ExactSearcher) and info["fell_back"]
     assert info["settings_tried"] == 4
@@ -126,21 +127,21 @@ def test_cost_is_bounded_and_the_search_stops_early():
              if estimated_cost(s, 3000, 32) < estimated_cost(None, 3000, 32)]
     assert len(space) > 20
     # An easy target is met by one of the first settings, then the search stops.
-    _, info = tune_searcher(db, 0.3, k=10, speed="model")
+    _, info = tune_searcher(db, _scann(0.3), speed="model")
     assert info["stopped"] == "target met" and info["settings_tried"] <= 3
     # Measured speed: `patience` more settings after the first success, no more.
-    _, info = tune_searcher(db, 0.3, k=10, timer=_Clock(shrinking=True), patience=2,
+    _, info = tune_searcher(db, _scann(0.3), timer=_Clock(shrinking=True), patience=2,
                             max_seconds=1e9)
     first = next(i for i, t in enumerate(info["tried"]) if t["met"])
     later = [t for t in info["tried"][first + 1:]
              if t["estimated_cost"] >= info["tried"][first]["estimated_cost"]]
     assert info["stopped"] == "target met" and len(later) <= 2
     # The time bound (the fake clock makes every step take 10 s).
-    _, info = tune_searcher(db, 0.999, k=10, speed="model", timer=_Clock(10.0),
+    _, info = tune_searcher(db, _scann(0.999), speed="model", timer=_Clock(10.0),
                             max_seconds=100)
     assert info["stopped"].startswith("max_seconds") and info["settings_tried"] < 10
     # The number-of-settings bound.
-    _, info = tune_searcher(db, 0.999, k=10, speed="model", max_settings=3)
+    _, info = tune_searcher(db, _scann(0.999), speed="model", max_settings=3)
     assert info["settings_tried"] <= 3
 
 
@@ -173,8 +174,8 @@ def test_build_searcher_knob_and_errors(tmp_path):
     if isinstance(s, ScannSearcher):  # a tuned searcher is saved and restored whole
         restored = load_searcher(s.serialize(str(tmp_path / "s")))
         np.testing.assert_array_equal(restored.search(queries, 5)[0], s.search(queries, 5)[0])
-    # build_searcher owns the rule: a target recall tunes ScaNN whatever the backend
-    # names (exact search has recall 1), so "exact" + a target is tuned, not refused.
+    # The plan owns the rule: a target recall tunes ScaNN whatever the backend names
+    # (exact search has recall 1), so "exact" + a target is tuned, not refused.
     tuned = build_searcher(db, "exact", target_recall=0.8, k=5, queries=queries,
                            speed="model")
     assert tuned.tuning["k"] == 5 and tuned.tuning["target_recall"] == 0.8
@@ -184,7 +185,9 @@ def test_build_searcher_knob_and_errors(tmp_path):
         build_searcher(db, "exact", k=5)
     for bad in (0, 1.5, -0.1, True):
         with pytest.raises(ValueError, match=r"\(0, 1\]"):
-            tune_searcher(db, bad)
+            SearchPlan("scann", bad)
+    with pytest.raises(ValueError, match="tunes nothing"):
+        tune_searcher(db, SearchPlan("scann"))
     # Untuned searchers still work as before.
     assert build_searcher(db).backend == "exact"
     assert build_searcher(db, "scann_ah").backend == "scann_ah"
@@ -255,12 +258,11 @@ def test_config_accepts_target_recall(value):
 
 
 def test_config_default_is_exact_search():
-    from tfaploss.evaluation.backend_choice import resolve_backend
-
     cfg = config_from_dict(MINIMAL, [], warn=False)
     # auto, which without a target recall is exact search
     assert cfg.evaluation.target_recall is None and cfg.evaluation.backend == "auto"
-    assert resolve_backend(cfg.evaluation.backend, cfg.evaluation.target_recall) == "exact"
+    assert cfg.evaluation.search_plan == SearchPlan("auto", None)
+    assert cfg.evaluation.search_plan.resolved == "exact"
 
 
 @pytest.mark.parametrize("value", ["0", "1.5", "-0.1", "true", "'high'"])
@@ -291,7 +293,10 @@ def test_training_time_evaluation_honours_target_recall(monkeypatch, target):
         trainer.evaluate_split(None, config_from_dict(
             MINIMAL, ["evaluation.ks=[1,10]", "evaluation.backend=exact"], warn=False),
             "unused", search=named)
-        assert named == {}
+        # a named backend: the report says how it searched, and records no auto choice
+        assert named == {"backend": "exact", "setting": "exact", "k": 10, "recall": 1.0,
+                         "recall_ci": [1.0, 1.0],
+                         "ci_method": "exact search: recall 1 by construction"}
         return
     assert search["backend"] in ("scann_ah", "exact") and search["setting"]
     assert search["recall"] == metrics["search_recall"]
@@ -301,15 +306,21 @@ def test_training_time_evaluation_honours_target_recall(monkeypatch, target):
 
 
 def test_cli_target_recall_flag(capsys):
+    from tfaploss.cli import main
+
     parser = build_parser()
     base = ["evaluate", "--model", "m.keras", "--data", "d"]
     assert parser.parse_args(base).target_recall is None
     assert parser.parse_args([*base, "--target-recall", "0.95"]).target_recall == 0.95
     assert parser.parse_args([*base, "--target-recall", "1"]).target_recall == 1.0
-    for bad in ("0", "1.5", "abc"):
-        with pytest.raises(SystemExit):
-            parser.parse_args([*base, "--target-recall", bad])
-        assert "--target-recall" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--target-recall", "abc"])
+    assert "--target-recall" in capsys.readouterr().err
+    # a number out of range: refused by the search plan, naming the flag, before any
+    # file is read
+    for bad in ("0", "1.5"):
+        with pytest.raises(SystemExit, match=r"^error: --target-recall: .*\(0, 1\]"):
+            main([*base, "--target-recall", bad])
 
 
 @needs_scann
@@ -421,12 +432,12 @@ def _tune_fake(monkeypatch, durations, settings, target=0.8, **kwargs):
             return super()._search(queries, k)
 
     monkeypatch.setattr(tuner, "ExactSearcher", _SlowExact)
-    monkeypatch.setitem(tuner.SPACES, "fake", _FakeSpace(settings, clock, durations, log))
+    # the fake space stands in for ScaNN's, which the plan's tuner names
+    monkeypatch.setitem(tuner.SPACES, "scann", _FakeSpace(settings, clock, durations, log))
     db = _random(0, 400, 8)
     queries = _random(1, 200, 8)
     kwargs.setdefault("max_seconds", 1e6)
-    _, info = tune_searcher(db, target, k=10, queries=queries, backend="fake", timer=clock,
-                            patience=5, **kwargs)
+    _, info = tune_searcher(db, _scann(target), queries, timer=clock, patience=5, **kwargs)
     return info, log
 
 

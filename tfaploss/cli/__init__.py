@@ -203,7 +203,7 @@ def _add_evaluate(sub):
                         "approximate, for large databases; faiss: flat, or tuned with "
                         "--target-recall; scann and scann_ah need pip install "
                         "\"tfaploss[scann]\", faiss pip install \"tfaploss[faiss]\")")
-    p.add_argument("--target-recall", type=_target_recall, default=None, metavar="R",
+    p.add_argument("--target-recall", type=float, default=None, metavar="R",
                    help="tune the search to reach recall@k >= R in (0, 1] against exact "
                         "search (k: the largest cut-off), measured on a sample of the "
                         "queries; exact search when no setting beats it (default: the "
@@ -466,17 +466,6 @@ def cmd_train(args) -> int:
           restart=args.restart, verify_data=args.verify_data,
           skip_damaged=args.skip_damaged_shards)
     return 0
-
-
-def _target_recall(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1]; received {text!r}") \
-            from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1]; received {text!r}")
-    return value
 
 
 def cmd_export(args) -> int:

@@ -103,6 +103,7 @@ def cmd_evaluate(args) -> int:
             args.data = cfg.data.test
     elif args.data is None:
         raise SystemExit("error: --data is required with --model (the split to evaluate)")
+    plan = _search_plan(args, cfg)
 
     for name in ("data", "query"):
         value = getattr(args, name)
@@ -129,12 +130,7 @@ def cmd_evaluate(args) -> int:
         except ValueError:
             raise SystemExit(f"error: --ks must be comma-separated integers, e.g. 1,10,100; "
                              f"received {args.ks!r}") from None
-    backend = args.backend or (cfg.evaluation.backend if cfg is not None else "auto")
-    target_recall = args.target_recall
-    if target_recall is None and cfg is not None:
-        target_recall = cfg.evaluation.target_recall
-    figures = _check_evaluate_extras(backend, target_recall,
-                                     "--backend" if args.backend or cfg is None
+    figures = _check_evaluate_extras(plan, "--backend" if args.backend or cfg is None
                                      else "evaluation.backend")
 
     database, n_db = _eval_dataset(args.data, size, batch)
@@ -145,7 +141,7 @@ def cmd_evaluate(args) -> int:
           + (f", queries {args.query}" + (f" ({n_q} images)" if n_q else "")
              if args.query else ", each image queries all the others"))
     print(f"  protocol       {args.protocol}, "
-          + _describe_search(backend, target_recall)
+          + plan.describe()
           + (f", ks {','.join(map(str, ks))}" if ks else ""))
     print(f"  preprocessing  {describe_preprocessing(size)}", flush=True)
 
@@ -162,8 +158,8 @@ def cmd_evaluate(args) -> int:
     try:
         with reading(args.data, args.query, what="evaluating"):
             result = evaluate(model, database, protocol=args.protocol, query=query,
-                              gnd=args.gnd, ks=ks, backend=backend,
-                              target_recall=target_recall, output_dir=out, figures=figures,
+                              gnd=args.gnd, ks=ks, backend=plan, output_dir=out,
+                              figures=figures,
                               label_names=label_names, verbose=1 if progress else 0)
     except tf.errors.FailedPreconditionError as err:
         raise SystemExit(f"error: a split holds another number of images than its "
@@ -176,14 +172,29 @@ def cmd_evaluate(args) -> int:
     return 0
 
 
-def _check_evaluate_extras(backend: str, target_recall, key: str) -> bool:
+def _search_plan(args, cfg):
+    """The config's search plan (else the default one), with ``--backend`` and
+    ``--target-recall`` over it."""
+    import dataclasses
+
+    from tfaploss.evaluation.search_plan import SearchPlan
+
+    plan = cfg.evaluation.search_plan if cfg is not None else SearchPlan()
+    flags = {k: v for k, v in (("backend", args.backend),
+                               ("target_recall", args.target_recall)) if v is not None}
+    try:
+        return dataclasses.replace(plan, **flags) if flags else plan
+    except ValueError as err:  # --backend's choices are argparse's: the target's range
+        raise SystemExit(f"error: --target-recall: {err}") from None
+
+
+def _check_evaluate_extras(plan, key: str) -> bool:
     """Before any embedding: the search's extra must be installed (else
     MissingExtraError); returns whether figures can be drawn (without matplotlib they
     are skipped, with a warning: metrics.json is written all the same)."""
     from tfaploss import extras
-    from tfaploss.evaluation.backend_choice import required_extra
 
-    need = required_extra(backend, target_recall, key=key)
+    need = plan.required_extra(key)
     if need is not None:
         extras.require(*need)
     if not extras.installed("viz"):
@@ -191,21 +202,6 @@ def _check_evaluate_extras(backend: str, target_recall, key: str) -> bool:
               "skipping them (metrics.json is written as usual)", file=sys.stderr)
         return False
     return True
-
-
-def _describe_search(backend: str, target_recall) -> str:
-    """The search of the header line; for auto, what it chose (logged too)."""
-    from tfaploss.evaluation.backend_choice import resolve_backend
-
-    chosen = resolve_backend(backend, target_recall)
-    if target_recall is None:
-        return f"{chosen} search" + (" (auto)" if backend == "auto" else "")
-    if backend == "auto" and chosen == "exact":
-        return (f"exact search (auto: no tuned searcher installed; exact meets recall >= "
-                f"{target_recall:g})")
-    name = "ScaNN" if chosen in ("exact", "scann", "scann_ah") else chosen
-    return (f"{name} search tuned to recall >= {target_recall:g} (exact when no setting "
-            "beats it)")
 
 
 def show_config_warnings() -> None:

@@ -138,7 +138,7 @@ def features_digest(data: dict) -> str:
 def score(embed, features, labels) -> tuple[float, float, float]:
     """``(MAP@R %, R@1 %, mean pairwise cosine)`` of ``embed(features)`` (a callable on
     a block of rows), L2-normalised, on ``labels``."""
-    from tfaploss.evaluation.metrics import retrieval_metrics
+    from tfaploss.evaluation.retrieval import retrieval_metrics
 
     embeddings = np.concatenate([np.asarray(embed(features[i:i + 8192]), "float32")
                                  for i in range(0, len(features), 8192)])

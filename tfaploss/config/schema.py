@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tfaploss.config.callbacks import check_callbacks
-from tfaploss.config.fields import MAX_BATCH, MAX_EPOCHS, MAX_SEED, ranged
+from tfaploss.config.fields import MAX_BATCH, MAX_EPOCHS, MAX_SEED, ConfigError, ranged
 from tfaploss.config.health import HealthConfig
 from tfaploss.config.loss_section import LossConfig, loss_defaults
+from tfaploss.evaluation.search_plan import CHOICES, SearchPlan
 
 Backbone = Literal["resnet50", "resnet101", "small_cnn"]
 # A keras-hub preset is any "keras_hub:<preset>" string; check_consistency refuses others.
@@ -35,8 +36,8 @@ Sampler = Literal["m_per_class", "hierarchical", "all_classes"]
 Crop = Literal["random_resized_crop", "center_crop"]
 OptimizerName = Literal["adam", "adamw", "sgd"]
 ScheduleName = Literal["constant", "linear", "cosine", "step"]
-# auto: tfaploss.evaluation.backend_choice (exact, or the best installed tuned searcher)
-Backend = Literal["auto", "exact", "scann", "scann_ah", "faiss"]
+# auto: exact, or the best installed tuned searcher (tfaploss.evaluation.search_plan)
+Backend = Literal[CHOICES]
 Strategy = Literal["auto", "none", "data_parallel"]
 
 # Which schedule takes which parameter; any other parameter set on a schedule is an error.
@@ -260,15 +261,29 @@ class EvaluationConfig:
     searches with ``backend`` as is; a value in (0, 1] tunes the search to reach that
     recall@k against exact search on a sample of the queries (faiss when ``backend`` is
     ``faiss``, else ScaNN), or falls back to exact search when no setting beats it (the
-    report says which, with the recall measured).
+    report says which, with the recall measured). The two make :attr:`search_plan`,
+    which checks them once, here, and is what the trainer and ``tfaploss evaluate``
+    search with.
     """
 
     every_n_epochs: int = ranged(0, low=0, high=MAX_EPOCHS)
     at_end: bool = True
     ks: list[int] = ranged(default_factory=lambda: [1, 10, 100], low=1, high=MAX_BATCH)
     backend: Backend = "auto"
-    target_recall: float | None = ranged(None, low=0, low_open=True, high=1)
+    target_recall: float | None = None
     max_images: int | None = ranged(None, low=2, high=2 ** 31 - 1)
+
+    def __post_init__(self):
+        try:
+            self._search_plan = SearchPlan(self.backend, self.target_recall)
+        except ValueError as err:  # the backend's type check came first: the target's range
+            raise ConfigError(f"config key 'evaluation.target_recall': {err}") from None
+
+    @property
+    def search_plan(self) -> SearchPlan:
+        """The evaluation's :class:`~tfaploss.evaluation.search_plan.SearchPlan` (its
+        ``auto`` resolved when first asked)."""
+        return self._search_plan
 
 
 @dataclass

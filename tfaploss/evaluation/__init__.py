@@ -9,20 +9,21 @@ Public API::
     hierarchical_metrics(query_embeddings, query_labels_with_levels)  # H-AP, ASI, NDCG
     evaluate(model_or_embeddings, dataset, protocol=...)
     embed_dataset(model, dataset)   # the one embedding loop (evaluate's and training's)
-    build_searcher(database, backend) / load_searcher(directory)
+    SearchPlan(backend="auto", target_recall=None, k=None)   # how to search, decided once
+    build_searcher(database, plan) / load_searcher(directory)
     build_searcher(database, target_recall=0.95, k=10)   # ScaNN tuned (tuner.py)
     build_searcher(database, "faiss", target_recall=0.95, k=10)   # faiss tuned
-    resolve_backend("auto", target_recall)   # what backend="auto" stands for
 
 ScaNN, faiss, matplotlib and Keras are imported only by the functions that need them.
 """
 
-from tfaploss.evaluation.backend_choice import resolve_backend
 from tfaploss.evaluation.embed import embed_dataset
 from tfaploss.evaluation.evaluator import EvaluationResult, evaluate, load_embeddings
+from tfaploss.evaluation.exact_search import ExactSearcher
 from tfaploss.evaluation.faiss_search import FaissSearcher, faiss_params
-from tfaploss.evaluation.metrics import gldv2_map_at_k, hierarchical_metrics, retrieval_metrics
+from tfaploss.evaluation.metrics import gldv2_map_at_k, hierarchical_metrics
 from tfaploss.evaluation.query_expansion import PCAWhitening, alpha_query_expansion
+from tfaploss.evaluation.retrieval import retrieval_metrics
 from tfaploss.evaluation.revisited import (
     load_revisited_gnd,
     revisited_map,
@@ -30,27 +31,18 @@ from tfaploss.evaluation.revisited import (
     revisited_per_query_ap,
     trapezoid_ap,
 )
-from tfaploss.evaluation.searchers import (
-    BACKENDS,
-    ExactSearcher,
-    ScannSearcher,
-    Searcher,
-    load_searcher,
-    scann_ah_params,
-)
-from tfaploss.evaluation.tuner import (
-    build_searcher,
-    measure_recall,
-    search_report,
-    tune_searcher,
-)
+from tfaploss.evaluation.scann_search import ScannSearcher, scann_ah_params
+from tfaploss.evaluation.search import build_searcher, search_report
+from tfaploss.evaluation.search_plan import BACKENDS, SearchPlan
+from tfaploss.evaluation.searchers import Searcher, load_searcher
+from tfaploss.evaluation.tuner import measure_recall, tune_searcher
 
 __all__ = [
     "BACKENDS", "EvaluationResult", "ExactSearcher", "FaissSearcher", "PCAWhitening",
-    "ScannSearcher", "Searcher", "alpha_query_expansion", "build_searcher", "embed_dataset",
-    "evaluate", "faiss_params", "gldv2_map_at_k", "hierarchical_metrics",
+    "ScannSearcher", "SearchPlan", "Searcher", "alpha_query_expansion", "build_searcher",
+    "embed_dataset", "evaluate", "faiss_params", "gldv2_map_at_k", "hierarchical_metrics",
     "load_embeddings", "load_revisited_gnd", "load_searcher", "measure_recall",
-    "resolve_backend", "retrieval_metrics", "revisited_map", "revisited_map_from_ranks",
+    "retrieval_metrics", "revisited_map", "revisited_map_from_ranks",
     "revisited_per_query_ap", "scann_ah_params", "search_report", "trapezoid_ap",
     "tune_searcher",
 ]

@@ -62,7 +62,7 @@ import sys
 
 import numpy as np
 
-from tfaploss.evaluation import exact_search as fp32
+from tfaploss.evaluation import exact_topk as fp32
 from tfaploss.process_settings import HeldSetting
 
 logger = logging.getLogger(__name__)
@@ -531,7 +531,7 @@ def exact_topk(queries: np.ndarray, prepared: PreparedDatabase, k: int, *,
                query_block: int = QUERY_BLOCK, threads: int = 0):
     """Exact top-k inner products through the prefilter: (scores (Q, k) float32,
     indices (Q, k) int64), best first, ties by index. Same contract as
-    :func:`tfaploss.evaluation.exact_search.exact_topk`."""
+    :func:`tfaploss.evaluation.exact_topk.exact_topk`."""
     database = prepared.database
     fp32.check_database_size(len(database))
     threads = threads or fp32.available_threads()

@@ -19,9 +19,9 @@ Every report states how the neighbours were searched (``details["search"]``, and
 ``search:`` line under the table): the backend, the setting, and the recall@k of the
 search against exact search measured on a sample of up to 1,000 queries, with its 95 %
 Wilson interval (:mod:`tfaploss.evaluation.tuner` explains it); exact search says
-recall 1. ``k`` is the largest cut-off of the protocol. With ``target_recall`` the
-ScaNN settings are tuned to reach that recall, or exact search is used when no setting
-beats it, and the report says which.
+recall 1. ``k`` is the largest cut-off of the protocol. With a target recall the search
+is tuned to reach it, or exact search is used when no setting beats it, and the report
+says which (:class:`~tfaploss.evaluation.search_plan.SearchPlan` decides whose search).
 ``revisited`` and ``gldv2`` need the query set and the ground truth (``gnd``:
 revisited per-query ``easy``/``hard``/``junk`` dicts or a ground-truth file path;
 for ``gldv2`` a per-query list of relevant database indices).
@@ -39,11 +39,12 @@ import numpy as np
 
 from tfaploss import extras
 from tfaploss.durable import atomic
-from tfaploss.evaluation.backend_choice import check_backend, resolve_backend
 from tfaploss.evaluation.embed import embed_dataset, split_element
 from tfaploss.evaluation.embedding_files import load_embeddings
-from tfaploss.evaluation.metrics import retrieval_metrics
-from tfaploss.evaluation.tuner import build_searcher, exact_report, search_report
+from tfaploss.evaluation.metrics import check_ks
+from tfaploss.evaluation.retrieval import retrieval_metrics
+from tfaploss.evaluation.search import build_searcher, search_report
+from tfaploss.evaluation.search_plan import SearchPlan
 from tfaploss.extras import MissingExtraError
 from tfaploss.log import reporting
 
@@ -64,6 +65,10 @@ _PROTOCOL_KS = {
 }
 PROTOCOLS = tuple(_PROTOCOL_KS)
 _REVISITED = ("revisited", "roxford", "rparis")
+# What `gnd` is for the protocols that need it (and a separate query set).
+_GND_HELP = {**dict.fromkeys(_REVISITED, "the ground truth list, or the gnd_*.json path "
+                             "that tfaploss.pipelines.revisited wrote"),
+             "gldv2": "per-query lists of relevant database indices"}
 
 
 class EvaluationResult:
@@ -188,7 +193,7 @@ def _resolve(model_or_embeddings, data, labels, verbose, what: str):
 
 def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
              labels=None, query=None, query_labels=None, gnd=None, ks=None,
-             backend: str = "auto", target_recall: float | None = None,
+             backend: str | SearchPlan = "auto", target_recall: float | None = None,
              query_expansion: bool = False, qe_alpha: float = 2.0,
              qe_k: int = 10, whitening=None, depth: int | None = None,
              output_dir: str | None = None,
@@ -210,17 +215,10 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
       gnd: revisited ground truth (list of dicts or a file path) or, for ``gldv2``,
         per-query lists of relevant database indices.
       ks: cut-offs; default per protocol.
-      backend: ``"auto"`` (default: exact search without ``target_recall``, else the
-        best installed searcher tuned to it; see
-        :func:`~tfaploss.evaluation.backend_choice.resolve_backend`), ``"exact"``,
-        ``"scann"``, ``"scann_ah"`` or ``"faiss"``.
-      target_recall: ``None`` (default): search with ``backend`` as is. A value in
-        (0, 1]: tune the search to reach this recall@k (k: the largest cut-off)
-        against exact search, on a sample of the queries (see
-        :func:`tfaploss.evaluation.tuner.build_searcher`: ScaNN for a named backend,
-        the best installed searcher for ``"auto"``); exact search when no setting
-        beats it. ``searcher_kwargs`` then go to the tuner (``max_settings``,
-        ``max_seconds``, ...).
+      backend, target_recall: a :class:`~tfaploss.evaluation.search_plan.SearchPlan`,
+        or its backend (default ``"auto"``) and target recall (default ``None``: no
+        tuning); its k defaults to the largest cut-off. With a target,
+        ``searcher_kwargs`` go to the tuner (``max_settings``, ``max_seconds``, ...).
       query_expansion: apply α-QE (``qe_alpha``, ``qe_k``) to the queries.
       whitening: a fitted :class:`~tfaploss.evaluation.PCAWhitening` applied to
         queries and database.
@@ -240,16 +238,9 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
     """
     if protocol not in PROTOCOLS:
         raise ValueError(f"`protocol` must be one of {PROTOCOLS}; received {protocol!r}.")
-    ks = tuple(ks) if ks is not None else _PROTOCOL_KS[protocol]
     # Checked before embedding, so a bad value fails at once rather than after the model ran.
-    if target_recall is not None and (
-            isinstance(target_recall, bool) or not isinstance(target_recall, (int, float))
-            or not 0 < target_recall <= 1):
-        raise ValueError(f"`target_recall` must be in (0, 1] or None; received "
-                         f"{target_recall!r}.")
-    check_backend(backend)
-    if target_recall is None:
-        backend = resolve_backend(backend)  # "auto" without a target: exact
+    ks = check_ks(ks) if ks is not None else _PROTOCOL_KS[protocol]
+    plan = SearchPlan.of(backend, target_recall).with_k(max(ks))
     db, db_labels, _ = _resolve(model_or_embeddings, dataset, labels, verbose, "database")
     model = None if isinstance(model_or_embeddings, (np.ndarray, str, os.PathLike)) or \
         hasattr(model_or_embeddings, "numpy") else model_or_embeddings
@@ -272,38 +263,44 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
         else:
             q = alpha_query_expansion(q, db, alpha=qe_alpha, k=qe_k)
 
+    if protocol in _GND_HELP and (q is None or gnd is None):
+        raise ValueError(f"the {protocol} protocol needs `query=` and `gnd=` "
+                         f"({_GND_HELP[protocol]}).")
+    if protocol not in _GND_HELP and db_labels is None:
+        raise ValueError("retrieval protocols need database labels: pass `labels=` or a "
+                         "dataset yielding (images, labels).")
+    if protocol not in _GND_HELP and query is not None and q_labels is None:
+        raise ValueError("the query set has no labels: pass `query_labels=`.")
     drawers = []  # the figures, drawn once metrics.json is written
     if output_dir:
         os.makedirs(output_dir, exist_ok=True)
-
+    # One searcher for every protocol, built (and tuned) once; exact revisited needs
+    # none: it ranks the whole score matrix, so its mAP is exact at any database size.
+    tuning_queries = q if query is not None else None
+    searcher = (None if protocol in _REVISITED and plan.resolved == "exact"
+                and plan.target_recall is None
+                else _build(db, plan, tuning_queries, searcher_kwargs, verbose))
     if protocol in _REVISITED:
-        metrics, details = _evaluate_revisited(q, db, gnd, ks, backend, depth, target_recall,
-                                               **searcher_kwargs)
+        metrics, details = _evaluate_revisited(q, db, gnd, ks, searcher, depth)
         aps = details["per_query_ap_medium"]
         drawers.append(("per-query AP", lambda: _per_query_ap_figure(aps, output_dir)))
     elif protocol == "gldv2":
-        metrics, details = _evaluate_gldv2(q, db, gnd, ks, backend, target_recall,
-                                           **searcher_kwargs)
+        metrics, details = _evaluate_gldv2(q, db, gnd, ks, searcher)
     else:
-        if db_labels is None:
-            raise ValueError("retrieval protocols need database labels: pass `labels=` or a "
-                             "dataset yielding (images, labels).")
-        searcher = _build(db, backend, target_recall, max(ks),
-                          q if query is not None else None, searcher_kwargs, verbose)
-        if query is None and not query_expansion:
-            metrics, details = retrieval_metrics(db, db_labels, ks=ks, searcher=searcher,
-                                                 map_depth=depth, return_details=True,
-                                                 progress=bool(verbose))
-        else:
-            metrics, details = _expanded_or_separate(q, q_labels, db, db_labels, query is None,
-                                                     ks, searcher, depth, verbose)
+        # q is None: self-retrieval. Else a query set, or α-expanded database rows, which
+        # differ from their rows: ranked with their own row removed by index.
+        expanded = q is not None and query is None
+        sets = (db, db_labels, None, None) if q is None else (
+            q, db_labels if expanded else q_labels, db, db_labels)
+        metrics, details = retrieval_metrics(
+            *sets, ks=ks, searcher=searcher, map_depth=depth, return_details=True,
+            progress=bool(verbose), exclude=np.arange(len(q)) if expanded else None)
         if model is not None and _is_dataset(dataset):
             drawers.append(("retrieval examples", lambda: _retrieval_figure(
                 searcher, db, db_labels, q, q_labels, dataset, query, output_dir,
                 num_examples, examples_k, label_names)))
         details.pop("per_query", None)
-        details["search"] = search_report(searcher, db, max(ks),
-                                          q if query is not None else None)
+    details["search"] = search_report(searcher, db, plan.tuned_k, tuning_queries)
     details["query_expansion"] = ({"alpha": qe_alpha, "k": qe_k} if query_expansion else None)
     details["whitening"] = whitening is not None
     result = EvaluationResult(protocol, metrics, details)
@@ -353,31 +350,15 @@ def _figures(what: str):
     return figures
 
 
-def _build(db, backend, target_recall, k, queries, searcher_kwargs, verbose=0):
-    if target_recall is None:
-        return build_searcher(db, backend, **searcher_kwargs)
+def _build(db, plan, queries, searcher_kwargs, verbose=0):
+    if plan.target_recall is None:
+        return build_searcher(db, plan, **searcher_kwargs)
     # The tuner's progress lines (INFO) are shown as the table is (see reporting()).
     with reporting() if verbose else contextlib.nullcontext():
-        return build_searcher(db, backend, target_recall=target_recall, k=k,
-                              queries=queries, **searcher_kwargs)
+        return build_searcher(db, plan, queries=queries, **searcher_kwargs)
 
 
-def _expanded_or_separate(q, q_labels, db, db_labels, self_retrieval, ks, searcher, depth,
-                          verbose):
-    if self_retrieval:
-        # α-expanded queries differ from their database rows: rank them against the
-        # database with their own row removed by index, as in self-retrieval.
-        return retrieval_metrics(q, db_labels, db, db_labels, ks=ks, searcher=searcher,
-                                 map_depth=depth, return_details=True,
-                                 progress=bool(verbose), exclude=np.arange(len(q)))
-    if q_labels is None:
-        raise ValueError("the query set has no labels: pass `query_labels=`.")
-    return retrieval_metrics(q, q_labels, db, db_labels, ks=ks, searcher=searcher,
-                             map_depth=depth, return_details=True, progress=bool(verbose))
-
-
-def _evaluate_revisited(q, db, gnd, ks, backend, depth, target_recall=None,
-                        **searcher_kwargs):
+def _evaluate_revisited(q, db, gnd, ks, searcher, depth):
     from tfaploss.evaluation.revisited import (
         PROTOCOLS as RPROTOCOLS,
     )
@@ -388,24 +369,18 @@ def _evaluate_revisited(q, db, gnd, ks, backend, depth, target_recall=None,
         revisited_per_query_ap,
     )
 
-    if q is None or gnd is None:
-        raise ValueError("the revisited protocol needs `query=` (the cropped queries) and "
-                         "`gnd=` (ground truth list, or the gnd_*.json path that "
-                         "tfaploss.pipelines.revisited wrote).")
     if isinstance(gnd, (str, os.PathLike)):
         gnd = load_revisited_gnd(str(gnd))["gnd"]
     metrics: dict[str, float] = {}
-    details: dict[str, Any] = {"backend": backend, "num_queries": len(q),
+    details: dict[str, Any] = {"backend": "exact", "num_queries": len(q),
                                "num_database": len(db)}
-    if backend == "exact" and target_recall is None:
+    if searcher is None:
         scores = q @ db.T  # revisited sets have ~70 queries: (70 x N) fits at 1M
         for p in RPROTOCOLS:
             r = revisited_map(scores, gnd, protocol=p, ks=ks)
             metrics.update({f"{p}/{k}": v for k, v in r.items()})
         aps = revisited_per_query_ap(scores, gnd, "medium")
-        details["search"] = exact_report(max(ks))
     else:
-        searcher = _build(db, backend, target_recall, max(ks), q, searcher_kwargs)
         depth = min(len(db), depth or 1000)
         ranks, _ = searcher.search(q, depth)
         lower = False
@@ -413,25 +388,19 @@ def _evaluate_revisited(q, db, gnd, ks, backend, depth, target_recall=None,
             r = revisited_map_from_ranks(ranks, gnd, protocol=p, ks=ks, database_size=len(db))
             lower = lower or r.pop("lower_bound") or searcher.approximate
             metrics.update({f"{p}/{k}": v for k, v in r.items()})
-        details.update(depth=depth, lower_bound=lower, backend=searcher.backend,
-                       search=search_report(searcher, db, max(ks), q))
+        details.update(depth=depth, lower_bound=lower, backend=searcher.backend)
         aps = revisited_per_query_ap(None, gnd, "medium", ranks=ranks)
     details["per_query_ap_medium"] = aps
     return metrics, details
 
 
-def _evaluate_gldv2(q, db, gnd, ks, backend, target_recall=None, **searcher_kwargs):
+def _evaluate_gldv2(q, db, gnd, ks, searcher):
     from tfaploss.evaluation.metrics import gldv2_map_at_k
 
-    if q is None or gnd is None:
-        raise ValueError("the gldv2 protocol needs `query=` and `gnd=` (per-query lists of "
-                         "relevant database indices).")
     k = max(ks)
-    searcher = _build(db, backend, target_recall, k, q, searcher_kwargs)
     ranks, _ = searcher.search(q, k)
     return ({f"map@{k}": gldv2_map_at_k(ranks, gnd, k=k)},
-            {"backend": searcher.backend, "num_queries": len(q), "num_database": len(db),
-             "search": search_report(searcher, db, k, q)})
+            {"backend": searcher.backend, "num_queries": len(q), "num_database": len(db)})
 
 
 def _gather_images(dataset, wanted: np.ndarray) -> dict[int, np.ndarray]:

@@ -1,314 +1,243 @@
-"""Exact inner-product top-k on the CPU: blocked BLAS products + a threshold top-k.
-
-The cost of exact search is the product ``queries x database^T`` (``Q N D``
-multiply-adds); everything else must stay small beside it. A full ``argsort`` or
-``argpartition`` of every score costs 2-3 ns per score on one core, as much as the
-product itself at D = 128, so the selection here touches most scores only once, with
-one comparison:
-
-* The database is read in blocks of ``database_block`` rows, in index order. Each
-  query row keeps its running top-k and its k-th best score ``t``. In a new block
-  only the scores ``> t`` can enter (an equal score loses: the kept one has a lower
-  index), and after the first blocks very few do (about ``k * block / seen``), so
-  the work per score is one compare plus a scan of a nearly empty mask (~0.3 ns,
-  against ~2 ns of product per score at D = 128 on one core).
-* The first block of a row (``t = -inf``) and any row that lets through more than
-  ``4 k`` candidates (adversarial orders, e.g. a database sorted by score) first get a
-  bound from the block alone: the k-th largest of the maxima of disjoint groups of
-  the row (folded in halves by ``np.maximum``, one pass), which is at most the row's
-  own k-th largest. So a block never costs much more than one pass.
-* Each kept entry is one uint64 key, the score's bits made to sort as integers
-  (descending) above the index (ascending). Keys are unique, so an unstable
-  ``np.partition`` / ``np.sort`` orders ties by index like a stable sort would.
-  Candidates wait in a pending list and are merged by one partition once a row has
-  ``k`` of them (not after every block): the merges cost a few % of the product.
-
-Measured on 300k x 128, k = 100, one thread (CPU time, so a busy machine counts
-less): the compare and ``flatnonzero`` cost 20-25 % of the product at D = 128; the
-bounds, keys and merges 5-8 %. See docs/search.md.
-
-Query blocks (and, when there are too few of them, database shards) run in a
-thread pool with single-threaded BLAS, so the selection runs in parallel too; the
-products release the GIL. Memory: ``threads x query_block x database_block`` scores.
-
-:func:`score_blocks` exposes the blocked products alone, for callers that need all
-scores of a query block once (e.g. ranking every positive for mAP).
+"""Exact search (:class:`ExactSearcher`), the reference every report and every tuned
+search is measured against. It has no setting to tune: its recall is 1, and its cost,
+``N * D`` multiply-adds a query (:func:`tfaploss.evaluation.searchers.exact_cost`), is
+what the tuner's settings must beat.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+import sys
+from typing import ClassVar
 
 import numpy as np
 
-QUERY_BLOCK = 512
-DATABASE_BLOCK = 8192  # 512 x 8192: ~8 % faster than 256 x 4096 (larger GEMMs)
-_HEAVY_FACTOR = 4  # a row with more than 4 k candidates in a block is bounded first
-_MERGE_AFTER = 1  # merge once a row has k pending candidates (0.5-2 k measured alike)
+from tfaploss.durable import atomic
+from tfaploss.evaluation.arrays import as_matrix, check_int
+from tfaploss.evaluation.exact_topk import exact_topk
+from tfaploss.evaluation.searchers import Searcher
+
+__all__ = ["ExactSearcher"]
 
 
-def available_threads() -> int:
-    """CPU cores this process may use."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+class ExactSearcher(Searcher):
+    """Exact inner-product search: blocked products + top-k.
 
+    Engines:
 
-@contextlib.contextmanager
-def single_threaded_blas(active: bool):
-    """Limit BLAS to one thread while our own thread pool runs (threadpoolctl if
-    installed; without it the pool is not used and BLAS keeps its threads)."""
-    if not active:
-        yield
-        return
-    from threadpoolctl import threadpool_limits
+    * ``"numpy"``: BLAS products over (query block x database block) tiles and a
+      threshold top-k that looks at most scores once (see
+      :mod:`tfaploss.evaluation.exact_topk`), in a thread pool. On a CPU this runs
+      at close to the speed of the bare product ``queries @ database.T``.
+    * ``"tensorflow"``: ``tf.matmul`` + ``tf.math.top_k`` per chunk (use it on a GPU).
+    * ``"auto"`` (default): ``"tensorflow"`` when TensorFlow is already imported and
+      sees a GPU, else ``"numpy"``.
 
-    with threadpool_limits(limits=1, user_api="blas"):
-        yield
+    On CPUs with bfloat16 matrix units (AMX, AVX512-BF16) the numpy engine can run a
+    **bfloat16 prefilter** (:mod:`tfaploss.evaluation.bfloat16_prefilter`): a bfloat16
+    product (PyTorch's where installed, else TensorFlow's) picks every candidate that a
+    rigorous error bound cannot rule out, and float32 re-scores them. The result is the
+    exact top-k all the same (the bound also covers float32's own rounding); on 300k x
+    128, k = 100 it ran at 1.2-1.8x the speed of the bare float32 product with PyTorch,
+    0.9-1.15x with TensorFlow, against 0.66-0.74x without it (four runs; docs/search.md).
+    Its first search in a process also pays one-off costs: the import of the product's
+    framework (PyTorch cold: 2.0-2.5 s on 2 cores) unless imported already, and the
+    bfloat16 copy of the database (about 0.3 s at 300k x 128, then held by the
+    searcher). So ``prefilter="auto"`` takes it only when, for this call, those one-off
+    costs plus its estimated time come in under float32 alone's estimate, both from
+    the call's ``Q * N * D`` multiply-adds
+    (:func:`tfaploss.evaluation.bfloat16_prefilter.cheapest`): the first call is never
+    slower than ``"none"`` by the estimate, and a 2,000-query search of 300k x 128 in a
+    fresh process stays in float32 (PyTorch's import pays from about 5,000 queries;
+    with TensorFlow imported, its prefilter from about 1,200). :meth:`resolved_prefilter`
+    says which path a search of ``Q`` queries takes.
 
+    Cost: ``O(Q * N * D)`` multiply-adds; memory ``O(query_chunk * database_chunk)``
+    per thread for the score tile plus ``O(Q * k)`` for the results, so a 1M x 512
+    database (2 GB of float32) is searched with a few tens of MB on top.
 
-def _threadpoolctl_available() -> bool:
-    try:
-        import threadpoolctl  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def merge_sorted_topk(parts_s, parts_i, k: int):
-    """Top-k of the column-concatenation of ``parts``, each (R, *) sorted by score
-    (descending) with ties by index, and every index of a part below those of the
-    parts after it. Returns (scores, indices), (R, k) with the same order."""
-    s = np.concatenate(parts_s, axis=1)
-    i = np.concatenate(parts_i, axis=1)
-    order = np.argsort(-s, axis=1, kind="stable")[:, :k]
-    return np.take_along_axis(s, order, 1), np.take_along_axis(i, order, 1)
-
-
-_EMPTY = np.uint64(0xFFFF_FFFF_FFFF_FFFF)  # an unfilled slot: sorts after every real key
-_INDEX_MASK = np.uint64(0xFFFF_FFFF)
-MAX_DATABASE = 0xFFFF_FFFF  # indices share a 64-bit key with the score: 32 bits each
-
-
-def _sort_keys(scores: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    """uint64 keys whose ascending order is (score descending, index ascending).
-
-    The high half is the float32 score's bits made to sort as unsigned integers, then
-    flipped (descending); the low half is the index. Keys are unique, so an unstable
-    sort, partition or SIMD sort gives the same order as a stable sort by score with
-    ties by index.
-    """
-    bits = (scores + np.float32(0.0)).view(np.uint32)  # + 0: -0.0 and 0.0 tie, as in a sort
-    negative = bits >> np.uint32(31) == 1
-    ascending = np.where(negative, ~bits, bits | np.uint32(0x8000_0000))
-    return ((~ascending).astype(np.uint64) << np.uint64(32)) | indices.astype(np.uint64)
-
-
-def _decode(keys: np.ndarray):
-    """(scores float32, indices int64) of :func:`_sort_keys` keys; unfilled: -inf, -1."""
-    ascending = ~(keys >> np.uint64(32)).astype(np.uint32)
-    negative = ascending >> np.uint32(31) == 0
-    bits = np.where(negative, ~ascending, ascending & np.uint32(0x7FFF_FFFF))
-    scores = bits.view(np.float32)
-    indices = (keys & _INDEX_MASK).astype(np.int64)
-    empty = keys == _EMPTY
-    scores[empty], indices[empty] = -np.inf, -1
-    return scores, indices
-
-
-def kth_of_group_maxima(s: np.ndarray, k: int) -> np.ndarray:
-    """Per row, a value at most the row's k-th largest, in about one pass (any
-    ordered dtype).
-
-    The k-th largest of the maxima of disjoint groups is at most the row's own k-th
-    largest (k groups hold a score at least that large), and folding the row in halves
-    with ``np.maximum`` costs one pass, against ~6 ns a score for ``np.partition`` of
-    the full row: the bound is a little looser (~10-25 % more candidates in this block).
-    """
-    m = s
-    while m.shape[1] >= 8 * k:
-        half = m.shape[1] // 2  # an odd last column is left out: still a lower bound
-        m = np.maximum(m[:, :half], m[:, half:2 * half])
-    return np.partition(m, m.shape[1] - k, axis=1)[:, m.shape[1] - k]
-
-
-def _kth_largest_bound(s: np.ndarray, k: int) -> np.ndarray:
-    """Per row, an ``x`` such that every score ``<= x`` has ``k`` scores of the row
-    strictly above it (so it cannot enter a top-k that already saw the row)."""
-    return np.nextafter(kth_of_group_maxima(s, k), np.float32(-np.inf))
-
-
-class _RunningTopk:
-    """The running top-k of query rows over database blocks seen in index order.
-
-    Each entry is one uint64 key (:func:`_sort_keys`), so a merge is an unstable
-    ``np.partition`` and ties by index come for free. The candidates of several blocks
-    wait in a pending list and are merged at once when a row holds more than
-    ``merge_after`` of them (or at the end). ``lo`` is a lower bound on what a new
-    score must beat (the k-th best after the last merge, or a block's own bound); it
-    only rises, so a deferred merge admits a few more candidates but never loses one.
+    Args:
+      database: (N, D) embeddings (copied to float32).
+      query_chunk: queries scored at once (default 512 numpy, 1024 tensorflow).
+      database_chunk: database rows scored at once; the running top-k of earlier
+        chunks is merged with each new chunk (default 8192 numpy, 65536 tensorflow).
+      engine: ``"auto"``, ``"numpy"`` or ``"tensorflow"``.
+      num_threads: threads of the numpy engine (0: every core this process may use).
+      prefilter: ``"auto"`` (default: the bfloat16 prefilter when the CPU has
+        bfloat16 units, the product is checked to accumulate in float32, a search has
+        at least 2^32 multiply-adds and D >= 32, and it wins this call with its
+        one-off costs counted, above), ``"bfloat16"`` (always; a ValueError where it
+        cannot run), ``"bfloat16-torch"`` / ``"bfloat16-tensorflow"`` (always, with that
+        product) or ``"none"``. The numpy engine only.
     """
 
-    def __init__(self, rows: int, k: int, merge_after: int):
-        self.k = k
-        self.merge_after = merge_after
-        self.keys = np.full((rows, k), _EMPTY, np.uint64)
-        self.lo = np.full(rows, -np.inf, np.float32)
-        self.pending: list[tuple[np.ndarray, np.ndarray]] = []  # (rows, keys)
-        self.pending_count = np.zeros(rows, np.int64)
+    backend = "exact"
+    _restores = ("exact",)
+    _returns_tie_order = True  # both engines order ties by index (see _tf_chunk_topk)
+    _PREFILTERS = ("auto", "bfloat16", "bfloat16-torch", "bfloat16-tensorflow", "none")
+    _DEFAULT_CHUNKS: ClassVar[dict[str, tuple[int, int]]] = {
+        # numpy: 512 query rows per BLAS call; 128 spent ~35 % more CPU on the product
+        # (300k x 128, k = 100; docs/search.md)
+        "numpy": (512, 8192), "tensorflow": (1024, 65536)}
 
-    def add(self, s: np.ndarray, offset: int) -> None:
-        """Fold the scores ``s`` (R, nb) of database rows ``offset ..`` in."""
-        rows_n, nb = s.shape
-        k, lo = self.k, self.lo
-        if nb > k:
-            unfilled = np.flatnonzero(lo == -np.inf)
-            if unfilled.size:
-                lo[unfilled] = _kth_largest_bound(s[unfilled], k)
-        pos = np.flatnonzero(s > lo[:, None])  # one compare a score: most of the cost
-        if pos.size == 0:
-            return
-        rows = pos // nb
-        counts = np.bincount(rows, minlength=rows_n)
-        flat = s.reshape(-1)
-        if nb > k:
-            # Adversarial orders (e.g. a database sorted by score): a row that lets
-            # through many candidates is cut to about its k best in this block first.
-            heavy = np.flatnonzero(counts > _HEAVY_FACTOR * k)
-            if heavy.size:
-                lo[heavy] = np.maximum(lo[heavy], _kth_largest_bound(s[heavy], k))
-                keep = flat[pos] > lo[rows]
-                pos, rows = pos[keep], rows[keep]
-                counts = np.bincount(rows, minlength=rows_n)
-        self.pending.append((rows, _sort_keys(flat[pos], offset + pos % nb)))
-        self.pending_count += counts
-        if self.pending_count.max() > self.merge_after:
-            self.merge()
+    def __init__(self, database, query_chunk: int | None = None,
+                 database_chunk: int | None = None, engine: str = "auto",
+                 num_threads: int = 0, prefilter: str = "auto"):
+        super().__init__(database)
+        if prefilter not in self._PREFILTERS:
+            raise ValueError(f"`prefilter` must be one of {', '.join(self._PREFILTERS)}; "
+                             f"received {prefilter!r}.")
+        if prefilter.startswith("bfloat16"):
+            from tfaploss.evaluation import bfloat16_prefilter
 
-    def merge(self) -> None:
-        """Merge the pending candidates into the kept top-k."""
-        if not self.pending:
-            return
-        k, counts = self.k, self.pending_count
-        if len(self.pending) == 1:
-            rows, keys = self.pending[0]
-        else:
-            rows, keys = (np.concatenate(p) for p in zip(*self.pending))
-            by_row = np.argsort(rows)  # any order within a row: keys are unique
-            rows, keys = rows[by_row], keys[by_row]
-        self.pending = []
-        active = np.flatnonzero(counts)
-        slot = np.zeros(len(counts), np.int64)
-        slot[active] = np.arange(active.size)
-        starts = np.cumsum(counts) - counts
-        col = k + np.arange(rows.size) - starts[rows]
-        cand = np.full((active.size, k + int(counts.max())), _EMPTY, np.uint64)
-        cand[:, :k] = self.keys[active]
-        cand[slot[rows], col] = keys
-        cand.partition(k - 1, axis=1)
-        self.keys[active] = cand[:, :k]
-        kth, _ = _decode(cand[:, k - 1])
-        self.lo[active] = np.maximum(self.lo[active], kth)
-        counts[:] = 0
+            if engine == "tensorflow":
+                raise ValueError(f"`prefilter={prefilter!r}` runs on the numpy engine; "
+                                 f"received engine={engine!r}.")
 
-    def result(self):
-        """(scores, indices), (R, k), best first, ties by index."""
-        self.merge()
-        return _decode(np.sort(self.keys, axis=1))
+            product, why = bfloat16_prefilter.choose_product(_prefilter_product(prefilter))
+            if product is None:
+                raise ValueError(f"`prefilter={prefilter!r}` cannot run here: {why}.")
+        if engine not in ("auto", "tensorflow", "numpy"):
+            raise ValueError(f"`engine` must be 'auto', 'tensorflow' or 'numpy'; "
+                             f"received {engine!r}.")
+        self.query_chunk = check_int("query_chunk", query_chunk, none=True)
+        self.database_chunk = check_int("database_chunk", database_chunk, none=True)
+        self.num_threads = check_int("num_threads", num_threads, low=0)
+        self.database = as_matrix(database, "database")
+        self.engine = engine
+        self.prefilter = prefilter
+        self._tf_db = None
+        self._prepared = None  # the database in bfloat16, made at the first prefiltered search
+        self._prepared_failed = False
+
+    @property
+    def resolved_engine(self) -> str:
+        """The engine searches run on (``"auto"`` resolved)."""
+        if self.engine != "auto":
+            return self.engine
+        tf = sys.modules.get("tensorflow")
+        if tf is not None and tf.config.list_physical_devices("GPU"):
+            return "tensorflow"
+        return "numpy"
+
+    def _chunks(self, engine: str) -> tuple[int, int]:
+        q, d = self._DEFAULT_CHUNKS[engine]
+        return self.query_chunk or q, self.database_chunk or d
+
+    def _config(self):
+        return {"query_chunk": self.query_chunk, "database_chunk": self.database_chunk,
+                "engine": self.engine, "num_threads": self.num_threads,
+                "prefilter": self.prefilter}
+
+    def resolved_prefilter(self, num_queries: int) -> str | None:
+        """The bfloat16 product a search of ``num_queries`` queries prefilters with
+        (``"torch"`` or ``"tensorflow"``), or None when it runs in float32 alone; the
+        one place the searcher decides (its searches ask it). Queries whose scores
+        could come near float32's range still run in float32 alone.
+
+        With ``prefilter="auto"`` the answer depends on the state of the process and
+        of this searcher (which frameworks are imported, whether it holds its bfloat16
+        copy: :func:`tfaploss.evaluation.bfloat16_prefilter.choose_for_search`). Cost:
+        microseconds, unless it chooses a product whose framework is not imported yet:
+        then it imports it (a second or two, once a process), as the search would.
+        """
+        if self.prefilter == "none" or self.resolved_engine != "numpy" or self._prepared_failed:
+            return None
+        from tfaploss.evaluation import bfloat16_prefilter
+
+        if self.prefilter == "auto":
+            held = None if self._prepared is None else self._prepared.product.name
+            return bfloat16_prefilter.choose_for_search(num_queries, self.size, self.dim,
+                                                        held)
+        return bfloat16_prefilter.choose_product(_prefilter_product(self.prefilter))[0]
+
+    def _save(self, directory):
+        atomic.atomic_write(os.path.join(directory, "database.npy"),
+                            lambda tmp: np.save(tmp, self.database), fault="searcher",
+                            needed=self.database.nbytes)
+
+    @classmethod
+    def _load(cls, directory, meta):
+        db = np.load(os.path.join(directory, "database.npy"), allow_pickle=False)
+        return cls(db, query_chunk=meta["query_chunk"], database_chunk=meta["database_chunk"],
+                   engine=meta["engine"], num_threads=meta.get("num_threads", 0),
+                   prefilter=meta.get("prefilter", "auto"))
+
+    def _search(self, queries, k):
+        engine = self.resolved_engine
+        if engine == "numpy":
+            prepared = self._prepared_database(len(queries))
+            if prepared is not None and prepared.fits(queries):
+                from tfaploss.evaluation import bfloat16_prefilter
+
+                scores, idx = bfloat16_prefilter.exact_topk(
+                    queries, prepared, k, query_block=self.query_chunk
+                    or bfloat16_prefilter.QUERY_BLOCK, threads=self.num_threads)
+                return idx, scores
+            qc, dc = self._chunks(engine)
+            scores, idx = exact_topk(queries, self.database, k, query_block=qc,
+                                     database_block=dc, threads=self.num_threads)
+            return idx, scores
+        return self._search_tf(queries, k)
+
+    def _prepared_database(self, num_queries: int):
+        product = self.resolved_prefilter(num_queries)
+        if product is None:
+            return None
+        if self._prepared is None or self._prepared.product.name != product:
+            from tfaploss.evaluation import bfloat16_prefilter
+
+            try:
+                self._prepared = None  # a copy for another product: freed first
+                self._prepared = bfloat16_prefilter.PreparedDatabase(
+                    self.database, product,
+                    self.database_chunk or bfloat16_prefilter.DATABASE_BLOCK,
+                    self.num_threads)
+            except OverflowError:  # rows beyond bfloat16's range: float32 alone
+                self._prepared_failed = True
+                return None
+        return self._prepared
+
+    def _search_tf(self, queries, k):
+        import tensorflow as tf
+
+        qc, dc = self._chunks("tensorflow")
+        if self._tf_db is None:
+            self._tf_db = [tf.constant(self.database[d0:d0 + dc])
+                           for d0 in range(0, self.size, dc)]
+        offsets = list(range(0, self.size, dc))
+        out_i, out_s = [], []
+        for q0 in range(0, len(queries), qc):
+            i, s = _tf_chunk_topk(tf.constant(queries[q0:q0 + qc]), self._tf_db, offsets, k)
+            out_i.append(i.numpy())
+            out_s.append(s.numpy())
+        return np.concatenate(out_i), np.concatenate(out_s)
 
 
-def _product(q: np.ndarray, block: np.ndarray, buffer: np.ndarray) -> np.ndarray:
-    out = buffer.reshape(-1)[:q.shape[0] * block.shape[0]].reshape(q.shape[0], block.shape[0])
-    return np.matmul(q, block.T, out=out)
+def _prefilter_product(prefilter: str) -> str | None:
+    """The product a ``prefilter`` setting names (``"bfloat16-torch"``: ``"torch"``), or
+    None for any."""
+    return prefilter.partition("-")[2] or None
 
 
-def _topk_range(q, database, k, start, stop, database_block, merge_after=None):
-    block = min(database_block, stop - start)
-    top = _RunningTopk(q.shape[0], k, _MERGE_AFTER * k if merge_after is None else merge_after)
-    buffer = np.empty((q.shape[0], block), np.float32)
-    for d0 in range(start, stop, database_block):
-        top.add(_product(q, database[d0:min(d0 + database_block, stop)], buffer), d0)
-    return top.result()
+def _tf_chunk_topk(q, db_chunks, offsets, k):
+    """Running top-k over database chunks.
 
-
-def _plan(num_queries: int, size: int, query_block: int, threads: int):
-    """Tasks (q0, q1, d0, d1): query blocks, each split into database shards when there
-    are too few query blocks to keep every thread busy."""
-    q_starts = list(range(0, num_queries, query_block))
-    shards = 1 if len(q_starts) >= 2 * threads else threads
-    shards = max(1, min(shards, size // 4096 or 1))
-    edges = np.linspace(0, size, shards + 1).astype(int)
-    return [(q0, min(q0 + query_block, num_queries), int(edges[j]), int(edges[j + 1]))
-            for q0 in q_starts for j in range(shards)], shards
-
-
-def _run(tasks, fn, threads):
-    use_pool = threads > 1 and len(tasks) > 1 and _threadpoolctl_available()
-    with single_threaded_blas(use_pool):
-        if not use_pool:
-            return [fn(t) for t in tasks]
-        with ThreadPoolExecutor(threads) as pool:
-            return list(pool.map(fn, tasks))
-
-
-def exact_topk(queries: np.ndarray, database: np.ndarray, k: int, *,
-               query_block: int = QUERY_BLOCK, database_block: int = DATABASE_BLOCK,
-               threads: int = 0):
-    """Exact top-k inner products: (scores (Q, k) float32, indices (Q, k) int64),
-    best first, ties by index. ``k`` must be <= the database size.
-
-    Cost: ``Q N D`` multiply-adds (BLAS) plus about one comparison per score;
-    memory ``threads x query_block x database_block`` floats.
+    ``tf.math.top_k`` is stable (equal values: lower position first). The running
+    top-k (from earlier chunks, hence lower database indices) is placed *before* the
+    new chunk's candidates, so the merged order is (score desc, index asc).
     """
-    check_database_size(len(database))
-    threads = threads or available_threads()
-    tasks, shards = _plan(len(queries), len(database), query_block, threads)
-    results = _run(tasks, lambda t: _topk_range(queries[t[0]:t[1]], database, k, t[2], t[3],
-                                                database_block), threads)
-    return join_shards(results, shards, k)
+    import tensorflow as tf
 
-
-def check_database_size(size: int) -> None:
-    if size >= MAX_DATABASE:
-        raise ValueError(f"`database` must have fewer than {MAX_DATABASE} rows for exact "
-                         f"search; received {size}.")
-
-
-def join_shards(results, shards: int, k: int):
-    """The (scores, indices) of every query block from its tasks' results, in
-    :func:`_plan`'s order (each query block's database shards in turn)."""
-    out_s, out_i = [], []
-    for b in range(0, len(results), shards):
-        group = results[b:b + shards]
-        if shards == 1:
-            s, i = group[0]
-        else:
-            s, i = merge_sorted_topk([g[0] for g in group], [g[1] for g in group], k)
-        out_s.append(s)
-        out_i.append(i)
-    return np.concatenate(out_s), np.concatenate(out_i)
-
-
-def score_blocks(queries: np.ndarray, database: np.ndarray,
-                 fn: Callable[[int, np.ndarray], object], *, max_block_bytes: int = 1 << 26,
-                 threads: int = 0) -> list:
-    """Apply ``fn(q0, scores)`` to every query block's full score matrix
-    (``scores = queries[q0:q0 + b] @ database.T``, float32, (b, N)), in a thread pool;
-    returns the results in query order. ``fn`` may overwrite ``scores``.
-
-    The block height ``b`` keeps each score matrix under ``max_block_bytes``.
-    """
-    threads = threads or available_threads()
-    n = len(database)
-    rows = int(max(1, min(len(queries), max_block_bytes // (4 * max(n, 1)))))
-    tasks = [(q0, min(q0 + rows, len(queries))) for q0 in range(0, len(queries), rows)]
-
-    def run(task):
-        q0, q1 = task
-        return fn(q0, np.matmul(queries[q0:q1], database.T))
-
-    return _run(tasks, run, threads)
+    best_s = tf.zeros((q.shape[0], 0), tf.float32)
+    best_i = tf.zeros((q.shape[0], 0), tf.int64)
+    for chunk, off in zip(db_chunks, offsets):
+        s = tf.matmul(q, chunk, transpose_b=True)
+        kk = min(k, chunk.shape[0])
+        cs, ci = tf.math.top_k(s, k=kk, sorted=True)
+        cand_s = tf.concat([best_s, cs], axis=1)
+        cand_i = tf.concat([best_i, tf.cast(ci, tf.int64) + off], axis=1)
+        kk = min(k, cand_s.shape[1])
+        best_s, pos = tf.math.top_k(cand_s, k=kk, sorted=True)
+        best_i = tf.gather(cand_i, pos, batch_dims=1)
+    return best_i, best_s

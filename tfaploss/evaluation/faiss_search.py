@@ -21,7 +21,7 @@ CPU). The GPU path is not covered by the tests, which run on CPUs.
 :class:`FaissSpace` is the tuner's plan for faiss (candidate settings, their cost,
 which settings bound others): ``build_searcher(db, "faiss", target_recall=0.95)``
 gives the fastest faiss setting whose recall reaches the target on a sample, or exact
-search, with the ScaNN tuner's rule and report (:mod:`tfaploss.evaluation.tuner`).
+search, with the same rule and report as ScaNN's (:mod:`tfaploss.evaluation.tuner`).
 
 Saved with :meth:`Searcher.serialize` as ``searcher.json`` plus ``index.faiss``
 (faiss's own binary format, written to a temporary name and renamed; nothing is
@@ -40,7 +40,16 @@ import numpy as np
 
 from tfaploss import extras
 from tfaploss.durable import atomic
-from tfaploss.evaluation.searchers import Searcher, _as_matrix, probe_counts
+from tfaploss.evaluation.arrays import as_matrix, check_int
+from tfaploss.evaluation.searchers import (
+    BRUTE_COST,
+    MIN_PARTITION_POINTS,
+    QUERY_OVERHEAD,
+    Searcher,
+    exact_cost,
+    partitioned_cost,
+    probe_counts,
+)
 
 LOG = logging.getLogger(__name__)
 
@@ -49,14 +58,6 @@ DEVICES = ("auto", "cpu", "gpu")
 _INDEX_FILE = "index.faiss"
 # faiss's k-means warns below 39 training points per list: the default nlist keeps to it.
 _MIN_POINTS_PER_LIST = 39
-_MIN_IVF_POINTS = 2_000  # below this a partition does not pay (as for ScaNN's tree)
-# Cost model in units of one multiply-add of exact search's BLAS product, as the ScaNN
-# tuner's: a float32 multiply-add outside BLAS about 1.5-2, a 4-bit fast-scan lookup
-# about a quarter of one, a fixed cost per query of some microseconds.
-_BRUTE_COST = 1.5
-_LUT_COST = 0.25
-_REORDER_COST = 2.0
-_QUERY_OVERHEAD = 20_000.0
 
 
 def import_faiss():
@@ -92,12 +93,6 @@ def faiss_params(num_database: int, dim: int, kind: str = "ivf_flat") -> dict[st
     if kind == "hnsw":
         params.update(hnsw_m=32, ef_construction=40, ef_search=64)
     return params
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer; received {value!r}.")
-    return int(value)
 
 
 class FaissSearcher(Searcher):
@@ -151,7 +146,7 @@ class FaissSearcher(Searcher):
                  "ef_construction": ef_construction, "ef_search": ef_search,
                  "training_sample_size": training_sample_size, "spherical": spherical}
         faiss = import_faiss()
-        database = _as_matrix(database, "database")
+        database = as_matrix(database, "database")
         self._set_options(kind, device, num_threads, seed)
         extra = sorted(k for k, v in given.items()
                        if v is not None and k not in self._KIND_KEYS[kind])
@@ -173,14 +168,9 @@ class FaissSearcher(Searcher):
             raise ValueError(f"`kind` must be one of {KINDS}; received {kind!r}.")
         if device not in DEVICES:
             raise ValueError(f"`device` must be one of {DEVICES}; received {device!r}.")
-        if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)) \
-                or num_threads < 0:
-            raise ValueError(f"`num_threads` must be an integer >= 0; received "
-                             f"{num_threads!r}.")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"`seed` must be an integer >= 0; received {seed!r}.")
         self.kind, self.device = kind, device
-        self.num_threads, self.seed = int(num_threads), int(seed)
+        self.num_threads = check_int("num_threads", num_threads, low=0)
+        self.seed = check_int("seed", seed, low=0)
         self.approximate = kind != "flat"
 
     def _checked(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -188,7 +178,7 @@ class FaissSearcher(Searcher):
         for key in ("nlist", "nprobe", "k_factor", "hnsw_m", "ef_construction", "ef_search",
                     "training_sample_size"):
             if key in out:
-                out[key] = _positive_int(key, out[key])
+                out[key] = check_int(key, out[key])
         if "nlist" in out:
             if out["nlist"] > self.size:
                 raise ValueError(f"`nlist` must be in [1, {self.size}] (the database size); "
@@ -282,16 +272,11 @@ class FaissSearcher(Searcher):
                 "seed": self.seed, **self.params}
 
     def describe(self) -> str:
-        """The setting in words, as the tuner's reports write it."""
-        p = self.params
         if self.kind == "flat":
             return "flat (exact)"
-        if self.kind == "hnsw":
-            return f"HNSW{p['hnsw_m']}, efSearch {p['ef_search']}"
-        lists = f"{p['nprobe']}/{p['nlist']} lists"
-        if self.kind == "ivf_flat":
-            return f"IVF-Flat, {lists}"
-        return f"IVF-PQ {self.dim // 2}x4 fast-scan, {lists}, re-rank {p['k_factor']} k"
+        p = self.params
+        return FaissSetting(self.kind, p.get("nlist"), p.get("nprobe"), p.get("k_factor"),
+                            p.get("hnsw_m"), p.get("ef_search")).describe()
 
     def _search(self, queries, k):
         if self.num_threads:
@@ -367,21 +352,19 @@ class FaissSetting:
         lists = f"{self.nprobe}/{self.nlist} lists"
         if self.kind == "ivf_flat":
             return f"IVF-Flat, {lists}"
-        return f"IVF-PQ 4-bit, {lists}, re-rank {self.k_factor} k"
+        return f"IVF-PQ 4-bit fast-scan, {lists}, re-rank {self.k_factor} k"
 
 
 def faiss_cost(setting: FaissSetting | None, n: int, d: int, k: int = 10) -> float:
     """Cost of one query in multiply-adds of exact search (``setting=None``: exact)."""
     if setting is None:
-        return float(n) * d
+        return exact_cost(n, d)
     if setting.kind == "hnsw":  # each node of the beam expanded checks about M links
-        return _QUERY_OVERHEAD + setting.ef_search * setting.hnsw_m * d * _BRUTE_COST
-    units = _QUERY_OVERHEAD + setting.nlist * d
-    scanned = n * setting.nprobe / setting.nlist
+        return QUERY_OVERHEAD + setting.ef_search * setting.hnsw_m * d * BRUTE_COST
     if setting.kind == "ivf_flat":
-        return units + scanned * d * _BRUTE_COST
-    return (units + scanned * math.ceil(d / 2) * _LUT_COST
-            + min(setting.k_factor * k, n) * d * _REORDER_COST)
+        return partitioned_cost(n, d, setting.nlist, setting.nprobe)
+    return partitioned_cost(n, d, setting.nlist, setting.nprobe, codes=math.ceil(d / 2),
+                            rescored=setting.k_factor * k)
 
 
 def faiss_candidates(n: int, d: int, k: int) -> list[FaissSetting]:
@@ -392,7 +375,7 @@ def faiss_candidates(n: int, d: int, k: int) -> list[FaissSetting]:
     k candidates; HNSW with 32 links and a beam of k .. 32 k (at least 16).
     """
     out: list[FaissSetting] = []
-    if n >= _MIN_IVF_POINTS:
+    if n >= MIN_PARTITION_POINTS:
         cap = max(1, n // _MIN_POINTS_PER_LIST)
         for nlist in sorted({min(cap, round(f * math.sqrt(n))) for f in (1, 4)}):
             for p in probe_counts(nlist):
@@ -406,7 +389,8 @@ def faiss_candidates(n: int, d: int, k: int) -> list[FaissSetting]:
 
 
 class FaissSpace:
-    """The tuner's plan for faiss (the interface of ``tuner.SearchSpace``)."""
+    """The tuner's plan for faiss (the interface of
+    :class:`~tfaploss.evaluation.searchers.SearchSpace`)."""
 
     name = "faiss"
 

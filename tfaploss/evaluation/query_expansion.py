@@ -15,6 +15,8 @@ import json
 
 import numpy as np
 
+from tfaploss.evaluation.arrays import check_int
+
 
 def _l2n(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
@@ -29,12 +31,11 @@ def alpha_query_expansion(queries, database, alpha: float = 2.0, k: int = 10,
 
     Cost: one top-``k`` search plus ``O(Q k D)``.
     """
-    from tfaploss.evaluation.searchers import ExactSearcher
+    from tfaploss.evaluation.exact_search import ExactSearcher
 
     if alpha < 0:
         raise ValueError(f"`alpha` must be >= 0; received {alpha!r}.")
-    if not isinstance(k, (int, np.integer)) or k < 1:
-        raise ValueError(f"`k` must be a positive integer; received {k!r}.")
+    check_int("k", k)
     queries = np.asarray(queries, np.float32)
     database = np.asarray(database, np.float32)
     searcher = searcher or ExactSearcher(database)
@@ -55,8 +56,7 @@ class PCAWhitening:
     """
 
     def __init__(self, dim: int | None = None, power: float = 0.5, eps: float = 1e-6):
-        if dim is not None and (not isinstance(dim, (int, np.integer)) or dim < 1):
-            raise ValueError(f"`dim` must be a positive integer or None; received {dim!r}.")
+        check_int("dim", dim, none=True)
         self.dim, self.power, self.eps = dim, float(power), float(eps)
         self.mean = self.projection = None
 

@@ -1,5 +1,5 @@
-"""Tune ScaNN or faiss to a target recall on the user's own data, and measure the recall
-reached.
+"""The walk to a target recall: tune a backend's settings on the user's own data, and
+measure the recall reached.
 
 ScaNN's default parameters give recall@10 0.98 on clustered data, 0.8 on data with
 more spread and 0.4 on random vectors: a user who turns approximate search on cannot
@@ -11,32 +11,26 @@ know which of these they got. :func:`tune_searcher` asks for a recall instead:
 2. **Truth.** Their exact top-``k`` comes from :class:`ExactSearcher` (timed: the
    exact q/s every setting must beat).
 3. **Search.** It walks a small space of one backend's settings (its
-   :class:`SearchSpace`; faiss's IVF lists, lists probed, PQ re-ranking and HNSW beam
-   are in :mod:`tfaploss.evaluation.faiss_search`, with IVF-Flat over the same lists
-   as the probe). ScaNN's (:func:`candidate_settings`), in order of a cost model
-   (:func:`estimated_cost`, cheapest first): partitions (``num_leaves``: none, about
-   sqrt(N) or 2 sqrt(N)), leaves searched (1, 2, 4 or 8 leaves, and 1/64 .. 1/2 of
-   them), scoring inside the leaves (4-bit AH with 2 or 1 dimensions per block,
-   anisotropic threshold 0.2 or off, or exact float32 brute force), and the exact
-   re-order size (2k, 4k, 10k). Settings the cost model already puts at or above exact
-   search are never tried, and a setting is skipped when a setting that finds at least
-   every neighbour it can find already missed the target (brute force over as many
-   leaves or more of the same partition; AH with as many leaves or more, as large a
-   re-order and as fine codes). Before the first AH setting that searches ``t`` leaves
-   of a partition, brute force over those ``t`` leaves is tried as a probe: it bounds
-   the recall of every AH setting searching ``t`` leaves or fewer, so one miss there
-   rules them all out (without it, the cheap end of the space is a long list of
+   :class:`~tfaploss.evaluation.searchers.SearchSpace`: ScaNN's in
+   :mod:`tfaploss.evaluation.scann_search`, faiss's IVF lists, lists probed, PQ
+   re-ranking and HNSW beam in :mod:`tfaploss.evaluation.faiss_search`), cheapest
+   first by the cost model of :mod:`tfaploss.evaluation.searchers`. Settings the
+   cost model already puts at or above exact search are never tried, and a setting is
+   skipped when one that finds at least every neighbour it can find already missed the
+   target (the space's ``dominates``). Before a setting, the space's probe for it (a
+   cheap setting bounding its recall: ScaNN's brute force over the same leaves,
+   faiss's IVF-Flat over the same lists) is tried, and one miss there rules out every
+   setting it bounds (without it, the cheap end of the space is a long list of
    settings that all miss).
 4. **Stop.** A setting *meets* the target when the lower end of its recall@k's 95 %
    interval on the sample reaches it (so that fresh queries of the same distribution
    reach it too; a target of 1 is then only met by exact search) and its speed beats
-   exact search. Once one has, the settings the cost model
-   expects to be cheaper than it are still tried (a probe may meet the target before
-   cheaper settings had their turn), then ``patience`` more (default 2; none with
-   ``speed="model"``) in case the cost model misjudged their order; the fastest
-   setting that met the target wins (see 5). Then the search stops. It also stops after
-   ``max_settings`` settings (default 40) or ``max_seconds`` (default 120 s, builds
-   included).
+   exact search. Once one has, the settings the cost model expects to be cheaper
+   than it are still tried (a probe may meet the target before cheaper settings had
+   their turn), then ``patience`` more (default 2; none with ``speed="model"``) in
+   case the cost model misjudged their order; the fastest setting that met the target
+   wins (see 5). Then the search stops. It also stops after ``max_settings`` settings
+   (default 40) or ``max_seconds`` (default 120 s, builds included).
 5. **Re-time and choose** (``speed="measure"``). One timing on a busy machine can
    swap two settings of nearly equal speed, so the fastest settings that met the
    target (at most 4, whose built indexes were kept) and exact search are timed again
@@ -68,16 +62,11 @@ unlike a bootstrap over the queries it does not collapse to a point when every s
 query is found whole. The neighbours of one query are not independent, so pooling the
 k neighbours of all queries as k Q trials would be too narrow; we do not.
 
-:func:`build_searcher` is the one place that decides how a backend and a target recall
-combine: with a target, faiss is tuned for ``"faiss"`` and ScaNN for any other backend
-(exact search has recall 1, so asking for a recall asks for approximate search); without
-one, the backend is built as named. ``"auto"`` is first made a concrete backend
-(:func:`~tfaploss.evaluation.backend_choice.resolve_backend`).
-
-The tuned searcher carries its report as ``searcher.tuning`` (a JSON-able dict), and
-:func:`search_report` gives the same description for any searcher (exact: recall 1 by
-construction; an untuned ScaNN searcher: recall measured on a sample), which the
-evaluator writes into every report.
+Whose space is walked, to which target and k, is the
+:class:`~tfaploss.evaluation.search_plan.SearchPlan`'s to say (its ``tuner``). The
+tuned searcher carries its report as ``searcher.tuning`` (a JSON-able dict);
+:func:`tfaploss.evaluation.search.search_report` gives the same description for any
+searcher, with :func:`measure_recall` for an untuned approximate one.
 """
 
 from __future__ import annotations
@@ -86,195 +75,29 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from dataclasses import asdict
+from typing import Any
 
 import numpy as np
 
-from tfaploss.evaluation.backend_choice import AUTO, auto_record, resolve_backend
-from tfaploss.evaluation.faiss_search import FaissSearcher, FaissSpace
-from tfaploss.evaluation.searchers import (
-    ExactSearcher,
-    ScannSearcher,
-    Searcher,
-    _as_matrix,
-    probe_counts,
-)
+from tfaploss.evaluation.arrays import as_matrix, check_int
+from tfaploss.evaluation.exact_search import ExactSearcher
+from tfaploss.evaluation.faiss_search import FaissSpace
+from tfaploss.evaluation.scann_search import ScannSpace
+from tfaploss.evaluation.search_plan import SearchPlan
+from tfaploss.evaluation.searchers import Searcher, SearchSpace, exact_cost
 
 LOG = logging.getLogger(__name__)
 
-__all__ = ["CI_METHOD", "SPACES", "SearchSpace", "Setting", "build_searcher",
-           "candidate_settings", "estimated_cost", "measure_recall", "recall_per_query", "search_report", "tune_searcher",
+__all__ = ["CI_METHOD", "SPACES", "measure_recall", "recall_per_query", "tune_searcher",
            "wilson_interval"]
 
 CI_METHOD = ("95% Wilson score interval over the sample queries (per-query recall@k as one "
              "trial; conservative, see tfaploss.evaluation.tuner)")
-
-# Cost model, in units of one multiply-add of exact search's BLAS product (per query):
-# a 4-bit AH lookup (SIMD LUT16) costs about a quarter of one; a float32 multiply-add
-# outside BLAS (scores inside leaves, re-ordering gathered rows) about 1.5-2; a ScaNN
-# query has a fixed cost besides (dispatch, heaps, copies) of some microseconds.
-_LUT_COST = 0.25
-_BRUTE_COST = 1.5
-_REORDER_COST = 2.0
-_QUERY_OVERHEAD = 20_000.0
 _MODEL_UNIT_SECONDS = 1e-10  # the nominal time of one unit when speed="model"
-_MIN_TREE_POINTS = 2_000     # below this a partition does not pay
-_MIN_POINTS_PER_LEAF = 16
 _MAX_BUILDS_KEPT = 4         # built indexes kept for later settings (LRU, the best kept)
 _MAX_FINALISTS = 4           # settings that met the target re-timed against each other
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One point of the search space (``num_leaves=None``: no partitioning)."""
-
-    num_leaves: int | None
-    leaves_to_search: int | None
-    leaf_scoring: str  # "ah" | "brute_force"
-    dimensions_per_block: int | None = None
-    anisotropic_quantization_threshold: float | None = None
-    reorder_num_neighbors: int | None = None
-
-    @property
-    def build_key(self):
-        return (self.num_leaves, self.leaf_scoring, self.dimensions_per_block,
-                self.anisotropic_quantization_threshold)
-
-    def searcher_params(self) -> dict[str, Any]:
-        """Keyword arguments of :class:`ScannSearcher` (``mode="ah"``)."""
-        p: dict[str, Any] = {"num_leaves": self.num_leaves,
-                             "num_leaves_to_search": self.leaves_to_search,
-                             "leaf_scoring": self.leaf_scoring, "reorder_factor": 1}
-        if self.leaf_scoring == "ah":
-            p.update(dimensions_per_block=self.dimensions_per_block,
-                     anisotropic_quantization_threshold=self.anisotropic_quantization_threshold,
-                     reorder_num_neighbors=self.reorder_num_neighbors)
-        return p
-
-    def describe(self) -> str:
-        part = ("no partitions" if not self.num_leaves else
-                f"{self.leaves_to_search}/{self.num_leaves} leaves")
-        if self.leaf_scoring == "brute_force":
-            return f"{part}, brute force"
-        thr = self.anisotropic_quantization_threshold
-        return (f"{part}, AH {self.dimensions_per_block} dims/block, anisotropic "
-                f"{'off' if thr is None else f'{thr:g}'}, reorder {self.reorder_num_neighbors}")
-
-
-def estimated_cost(setting: Setting | None, n: int, d: int) -> float:
-    """Cost of one query in multiply-adds of exact search (``setting=None``: exact)."""
-    if setting is None:
-        return float(n) * d
-    units = _QUERY_OVERHEAD
-    scanned = float(n)
-    if setting.num_leaves:
-        units += setting.num_leaves * d
-        scanned = n * setting.leaves_to_search / setting.num_leaves
-    if setting.leaf_scoring == "brute_force":
-        return units + scanned * d * _BRUTE_COST
-    return (units + scanned * math.ceil(d / setting.dimensions_per_block) * _LUT_COST
-            + min(setting.reorder_num_neighbors, n) * d * _REORDER_COST)
-
-
-def candidate_settings(n: int, d: int, k: int) -> list[Setting]:
-    """The search space for an (n, d) database and top-``k``, cheapest first."""
-    reorders = sorted({min(n, r) for r in (2 * k, 4 * k, 10 * k)})
-    ah = [(2, 0.2), (2, None), (1, 0.2)]
-    partitions: list[tuple[int | None, list[int | None]]] = [(None, [None])]
-    if n >= _MIN_TREE_POINTS:
-        cap = min(4000, n // _MIN_POINTS_PER_LEAF)
-        for leaves in sorted({min(cap, round(f * math.sqrt(n))) for f in (1, 2)}):
-            # a share of the leaves, and a few leaves whatever their number: on data
-            # whose neighbours share a cluster one or two leaves hold them all (faiss's
-            # IVF reaches recall 0.9997 probing 2 of 2,190 lists on the clustered set
-            # of benchmarks/search.py, where 1/64 of the leaves is already 17)
-            partitions.append((leaves, probe_counts(leaves)))
-    out = []
-    for leaves, searched in partitions:
-        for t in searched:
-            if leaves:
-                out.append(Setting(leaves, t, "brute_force"))
-            out += [Setting(leaves, t, "ah", dpb, thr, r) for dpb, thr in ah for r in reorders]
-    out.sort(key=lambda s: (estimated_cost(s, n, d), s.describe()))
-    return out
-
-
-def _dominates(a: Setting, b: Setting) -> bool:
-    """True when ``a`` finds at least every neighbour ``b`` finds (so if ``a`` misses
-    the target, ``b`` does too)."""
-    if a.num_leaves != b.num_leaves or (a.leaves_to_search or 0) < (b.leaves_to_search or 0):
-        return False
-    if a.leaf_scoring == "brute_force":
-        return True  # exact scores over a superset of b's leaves
-    return (b.leaf_scoring == "ah"
-            and a.anisotropic_quantization_threshold == b.anisotropic_quantization_threshold
-            and a.dimensions_per_block <= b.dimensions_per_block
-            and a.reorder_num_neighbors >= b.reorder_num_neighbors)
-
-
-class SearchSpace(Protocol):
-    """What the tuner needs from a backend: settings in order of cost, and how to build.
-
-    A setting is a frozen dataclass with ``build_key`` (settings sharing it share one
-    built index) and ``describe()``.
-    """
-
-    name: str  # the backend, as the tuner's log lines name it
-
-    def check(self) -> None:
-        """Raise before any work when the backend cannot run (e.g. not installed)."""
-
-    def candidates(self, n: int, d: int, k: int) -> list:
-        """Every setting for an (n, d) database and top-``k``, cheapest first."""
-
-    def cost(self, setting, n: int, d: int, k: int) -> float:
-        """Cost of a query in multiply-adds of exact search (``None``: exact)."""
-
-    def dominates(self, a, b) -> bool:
-        """True when ``a`` finds at least every neighbour ``b`` finds."""
-
-    def probe(self, setting):
-        """A cheap setting whose miss rules ``setting`` out, or ``None``."""
-
-    def build(self, database, setting, k: int, num_threads: int) -> Searcher:
-        """A new searcher with ``setting``."""
-
-    def configure(self, searcher: Searcher, setting) -> None:
-        """Give a built searcher the search-time parameters of ``setting``."""
-
-
-class ScannSpace:
-    """ScaNN's plan: :func:`candidate_settings`, :func:`estimated_cost`, brute force
-    over the same leaves as the probe of an AH setting."""
-
-    name = "ScaNN"
-
-    def check(self) -> None:
-        pass  # ScaNN's import fails where the first searcher is built
-
-    def candidates(self, n, d, k):
-        return candidate_settings(n, d, k)
-
-    def cost(self, setting, n, d, k):
-        return estimated_cost(setting, n, d)
-
-    def dominates(self, a, b):
-        return _dominates(a, b)
-
-    def probe(self, setting):
-        if setting.num_leaves and setting.leaf_scoring == "ah":
-            return Setting(setting.num_leaves, setting.leaves_to_search, "brute_force")
-        return None
-
-    def build(self, database, setting, k, num_threads):
-        return ScannSearcher(database, mode="ah", num_neighbors=k, num_threads=num_threads,
-                             **setting.searcher_params())
-
-    def configure(self, searcher, setting):
-        searcher.params.update(setting.searcher_params())
-
-
+# The spaces a plan's `tuner` names.
 SPACES: dict[str, SearchSpace] = {"scann": ScannSpace(), "faiss": FaissSpace()}
 
 
@@ -391,8 +214,8 @@ def _choose(timing, finalists, target_recall, num_queries):
 def measure_recall(searcher: Searcher, database, k: int, queries=None,
                    sample_size: int = 1000, seed: int = 0) -> dict[str, Any]:
     """Recall@k of ``searcher`` against exact search on a sample (see the module doc)."""
-    database = _as_matrix(database, "database")
-    q = None if queries is None else _as_matrix(queries, "queries")
+    database = as_matrix(database, "database")
+    q = None if queries is None else as_matrix(queries, "queries")
     sample, exclude, what = _sample(database, q, sample_size, seed)
     truth, _ = ExactSearcher(database).search(sample, k, exclude=exclude)
     found, _ = searcher.search(sample, k, exclude=exclude)
@@ -401,72 +224,30 @@ def measure_recall(searcher: Searcher, database, k: int, queries=None,
             "ci_method": CI_METHOD, "num_sample_queries": len(sample), "sample": what}
 
 
-def _describe_params(searcher: Searcher) -> str:
-    if isinstance(searcher, FaissSearcher):
-        return searcher.describe()
-    if isinstance(searcher, ScannSearcher) and searcher.mode == "ah":
-        p = searcher.params
-        leaves = p.get("num_leaves")
-        return Setting(leaves, p.get("num_leaves_to_search") if leaves else None,
-                       p.get("leaf_scoring", "ah"), p.get("dimensions_per_block"),
-                       p.get("anisotropic_quantization_threshold"),
-                       p.get("reorder_num_neighbors")).describe()
-    if isinstance(searcher, ScannSearcher):
-        return "ScaNN float32 brute force"
-    return "exact"
-
-
-def exact_report(k: int) -> dict[str, Any]:
-    """The search part of a report for exact search."""
-    return {"backend": "exact", "setting": "exact", "k": int(k), "recall": 1.0,
-            "recall_ci": [1.0, 1.0], "ci_method": "exact search: recall 1 by construction"}
-
-
-def search_report(searcher: Searcher | None, database, k: int, queries=None,
-                  sample_size: int = 1000, seed: int = 0) -> dict[str, Any]:
-    """Backend, setting and recall@k (with its interval) of ``searcher``, for a report.
-
-    A tuned searcher reports what the tuner measured; exact search reports recall 1;
-    any other searcher is measured on a sample (:func:`measure_recall`).
-    """
-    # What backend="auto" chose and why, when it chose (build_searcher records it).
-    auto = {"auto": searcher.auto} if getattr(searcher, "auto", None) else {}
-    if searcher is None or searcher.backend == "exact":
-        tuning = getattr(searcher, "tuning", None)
-        return {**(dict(tuning) if tuning else exact_report(k)), **auto}
-    tuning = getattr(searcher, "tuning", None)
-    if tuning:
-        return {**dict(tuning), **auto}
-    out = {"backend": searcher.backend, "setting": _describe_params(searcher), "tuned": False}
-    out.update(measure_recall(searcher, database, k, queries, sample_size, seed))
-    return {**out, **auto}
-
-
-def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=None, *,
-                  sample_size: int = 1000, max_settings: int = 40, max_seconds: float = 120.0,
-                  patience: int = 2, speed: str = "measure",
-                  timer: Callable[[], float] = time.perf_counter, num_threads: int = 0,
-                  seed: int = 0, backend: str = "scann",
+def tune_searcher(database, plan: SearchPlan, queries=None, *, sample_size: int = 1000,
+                  max_settings: int = 40, max_seconds: float = 120.0, patience: int = 2,
+                  speed: str = "measure", timer: Callable[[], float] = time.perf_counter,
+                  num_threads: int = 0, seed: int = 0,
                   timing_rounds: int = 3) -> tuple[Searcher, dict[str, Any]]:
-    """The fastest ScaNN (or faiss) searcher whose recall@k on a sample reaches
-    ``target_recall``, or the exact searcher when none beats exact search (see the
-    module doc).
+    """The fastest searcher of ``plan.tuner``'s space (ScaNN or faiss) whose recall@k on
+    a sample reaches ``plan.target_recall``, or the exact searcher when none beats
+    exact search (see the module doc).
 
     Args:
       database: (N, D) embeddings.
-      target_recall: in (0, 1].
-      k: the k of recall@k (capped at the database size, less one without queries).
+      plan: a :class:`~tfaploss.evaluation.search_plan.SearchPlan` with a target
+        recall; its ``tuned_k`` is the k of recall@k (capped at the database size, less
+        one without queries).
       queries: the user's queries; ``None``: database points (self excluded).
       sample_size: sample queries held out (at most).
       max_settings, max_seconds: the bounds on the tuner's cost.
       patience: settings still tried once the cost model expects none of those left to
         be cheaper than one that met the target (``speed="measure"`` only).
       speed: ``"measure"`` (wall time of a search of the sample, via ``timer``) or
-        ``"model"`` (the deterministic cost model of :func:`estimated_cost`).
+        ``"model"`` (the deterministic cost model of the space).
       timer: the clock of ``speed="measure"`` and of ``max_seconds``.
       num_threads: ScaNN or faiss threads (0: the library's default).
       seed: the sample's seed.
-      backend: ``"scann"`` or ``"faiss"``: whose settings are searched (:data:`SPACES`).
       timing_rounds: rounds of re-timing after the search (``speed="measure"``): each
         round times exact search and every finalist once, round-robin; a round is only
         started when it fits in what is left of ``max_seconds``.
@@ -474,37 +255,34 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
     Returns:
       ``(searcher, info)``; ``info`` is also ``searcher.tuning``.
     """
-    if isinstance(target_recall, bool) or not isinstance(target_recall, (int, float)) \
-            or not 0 < target_recall <= 1:
-        raise ValueError(f"`target_recall` must be in (0, 1]; received {target_recall!r}.")
+    if plan.tuner is None:
+        raise ValueError(f"{plan} tunes nothing: it needs a target recall and a backend "
+                         "with settings to tune.")
     if speed not in ("measure", "model"):
         raise ValueError(f"`speed` must be 'measure' or 'model'; received {speed!r}.")
-    if backend not in SPACES:
-        raise ValueError(f"`backend` must be one of {tuple(SPACES)}; received {backend!r}.")
-    space = SPACES[backend]
-    if not isinstance(timing_rounds, (int, np.integer)) or timing_rounds < 0:
-        raise ValueError(f"`timing_rounds` must be an integer >= 0; received {timing_rounds!r}.")
-    for name, v in (("sample_size", sample_size), ("max_settings", max_settings)):
-        if not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"`{name}` must be a positive integer; received {v!r}.")
-    database = _as_matrix(database, "database")
+    space, target_recall = SPACES[plan.tuner], plan.target_recall
+    check_int("timing_rounds", timing_rounds, low=0)
+    check_int("sample_size", sample_size)
+    check_int("max_settings", max_settings)
+    database = as_matrix(database, "database")
     n, d = database.shape
-    q = None if queries is None else _as_matrix(queries, "queries")
+    q = None if queries is None else as_matrix(queries, "queries")
     if q is None and n < 2:
         raise ValueError("tuning on database points needs at least 2 of them.")
     space.check()
     start = timer()
     sample, exclude, what = _sample(database, q, sample_size, seed)
     exact = ExactSearcher(database)
-    (truth, _), t_exact = _timed(timer, lambda: exact.search(sample, k, exclude=exclude))
+    (truth, _), t_exact = _timed(timer, lambda: exact.search(sample, plan.tuned_k,
+                                                             exclude=exclude))
     k = int(truth.shape[1])
     if speed == "measure":  # the first run paid for thread start-up: keep the better one
         _, t2 = _timed(timer, lambda: exact.search(sample, k, exclude=exclude))
         t_exact = min(t_exact, t2)
     else:
-        t_exact = estimated_cost(None, n, d) * _MODEL_UNIT_SECONDS * len(sample)
+        t_exact = exact_cost(n, d) * _MODEL_UNIT_SECONDS * len(sample)
     exact_qps = len(sample) / t_exact
-    exact_units = estimated_cost(None, n, d)
+    exact_units = exact_cost(n, d)
     LOG.info("tuning %s for recall@%d >= %g on %d sample queries (%s); exact search: "
              "%.0f q/s", space.name, k, target_recall, len(sample), what, exact_qps)
 
@@ -655,59 +433,3 @@ def tune_searcher(database, target_recall: float = 0.95, k: int = 10, queries=No
              len(tried), seconds, stopped)
     searcher.tuning = info
     return searcher, info
-
-
-def build_searcher(database, backend: str = "exact", *, target_recall: float | None = None,
-                   k: int | None = None, queries=None, **kwargs) -> Searcher:
-    """The searcher of an evaluation: ``backend`` as named, or tuned to a recall.
-
-    Args:
-      database: (N, D) embeddings.
-      backend: ``"exact"``, ``"scann"`` (ScaNN brute force), ``"scann_ah"`` (tree +
-        AH + reorder) or ``"faiss"`` (:class:`FaissSearcher`, flat by default); see
-        :mod:`tfaploss.evaluation.searchers`. ``"auto"``
-        (:func:`~tfaploss.evaluation.backend_choice.resolve_backend`, which logs its
-        choice): exact search without ``target_recall``; with one, the best installed
-        searcher tuned to it (ScaNN, else faiss), else exact search (recall 1 meets
-        any target).
-      target_recall: ``None``: build ``backend`` with ``kwargs``. A value in (0, 1]:
-        tune faiss for ``"faiss"``, else ScaNN, whatever ``backend`` names (with
-        ``"exact"`` too: exact search has recall 1, so a target asks for approximate
-        search). The result is
-        the fastest setting whose recall@``k`` on a sample of ``queries`` reaches the
-        target, or the exact searcher when none beats exact search; ``kwargs`` then go
-        to :func:`tune_searcher`, and the searcher carries its report as
-        ``searcher.tuning``.
-      k: the k of the tuned recall@k (default 10); only with ``target_recall``.
-      queries: the tuner's sample queries (default: database points, self excluded);
-        only with ``target_recall``.
-
-    Example::
-
-        searcher = build_searcher(embeddings, target_recall=0.95, k=10)
-        searcher = build_searcher(embeddings, "faiss", target_recall=0.95, k=10)
-        indices, scores = searcher.search(queries, 10)
-    """
-    requested, backend = backend, resolve_backend(backend, target_recall)
-    if requested == AUTO and backend == "exact" and target_recall is not None:
-        # nothing installed to tune: exact search meets the target (recall 1)
-        searcher = ExactSearcher(database)
-        searcher.auto = auto_record(requested, target_recall)
-        return searcher
-    if target_recall is not None:
-        searcher, _ = tune_searcher(database, target_recall, 10 if k is None else k,
-                                    queries, backend="faiss" if backend == "faiss" else "scann",
-                                    **kwargs)
-        searcher.auto = auto_record(requested, target_recall)
-        return searcher
-    if k is not None or queries is not None:
-        raise ValueError("`k` and `queries` of build_searcher only apply with `target_recall`.")
-    if backend == "exact":
-        searcher = ExactSearcher(database, **kwargs)
-        searcher.auto = auto_record(requested, target_recall)
-        return searcher
-    if backend == "scann":
-        return ScannSearcher(database, mode="brute_force", **kwargs)
-    if backend == "faiss":
-        return FaissSearcher(database, **kwargs)
-    return ScannSearcher(database, mode="ah", **kwargs)

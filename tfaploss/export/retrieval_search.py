@@ -132,7 +132,7 @@ class ScannSearch:
     backend = "scann"
 
     def __init__(self, index, k: int, chunk_rows: int = DEFAULT_CHUNK_ROWS):
-        from tfaploss.evaluation.searchers import scann_ah_params
+        from tfaploss.evaluation.scann_search import scann_ah_params
 
         ops = _scann_ops()
         self.k = min(check_k(k), index.size)

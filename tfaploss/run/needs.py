@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from tfaploss import extras
 from tfaploss.config.schema import Config
-from tfaploss.evaluation.backend_choice import required_extra
 
 __all__ = ["check_config_extras", "config_extras"]
 
@@ -20,7 +19,7 @@ def config_extras(cfg: Config) -> list[tuple[str, str]]:
     needs = []
     ev = cfg.evaluation
     if cfg.data.test and (ev.at_end or ev.every_n_epochs):
-        need = required_extra(ev.backend, ev.target_recall, key="evaluation.backend")
+        need = ev.search_plan.required_extra(key="evaluation.backend")
         if need is not None:
             needs.append(need)
     backbone = str(cfg.model.backbone)

@@ -80,41 +80,28 @@ def embed_split(embedding_model, cfg: Config, path: str, max_images: int | None 
 
 def evaluate_split(embedding_model, cfg: Config, path: str, max_images: int | None = None,
                    search: dict | None = None):
-    """Retrieval metrics of ``cfg.evaluation`` on a split (each image queries the rest).
+    """Retrieval metrics of ``cfg.evaluation`` on a split (each image queries the rest),
+    by :func:`tfaploss.evaluation.evaluate` with the config's search plan.
 
-    With ``evaluation.target_recall`` the search is tuned to it on these embeddings
-    (as ``tfaploss evaluate`` does, see :func:`tfaploss.evaluation.build_searcher`),
-    the metrics gain ``search_recall`` (the recall@k the tuner measured) and
-    ``search``, when given, receives the whole search report (backend, setting, recall
-    and its interval). With ``evaluation.backend: auto`` ``search`` also receives what
-    it chose and why (``search["auto"]``).
+    ``search``, when given, receives the report's search part (backend, setting, recall
+    and its interval; with ``evaluation.backend: auto`` also what it chose and why, as
+    ``search["auto"]``). With ``evaluation.target_recall`` the search is tuned to it on
+    these embeddings, and the metrics gain ``search_recall`` (the recall@k the tuner
+    measured).
     """
-    from tfaploss.evaluation import build_searcher, retrieval_metrics
-    from tfaploss.evaluation.backend_choice import auto_record, resolve_backend
+    from tfaploss.evaluation.evaluator import describe_search, evaluate
 
     embeddings, labels = embed_split(embedding_model, cfg, path, max_images)
-    n = len(labels)
-    ks = [k for k in cfg.evaluation.ks if k < n] or [1]
-    target = cfg.evaluation.target_recall
-    if target is None:
-        backend = resolve_backend(cfg.evaluation.backend)
-        auto = auto_record(cfg.evaluation.backend)
-        if search is not None and auto is not None:  # auto without a target: exact
-            from tfaploss.evaluation.tuner import exact_report
-
-            search.update({**exact_report(max(ks)), "auto": auto})
-        return retrieval_metrics(embeddings, labels, ks=ks, backend=backend)
-    from tfaploss.evaluation.tuner import search_report
-
-    searcher = build_searcher(embeddings, cfg.evaluation.backend, target_recall=target,
-                              k=max(ks))
-    report = search_report(searcher, embeddings, max(ks))
-    LOG.info("search tuned to recall@%d >= %g: %s, recall %.4f (95%% CI %s)", max(ks),
-             target, report.get("setting"), report["recall"], report["recall_ci"])
+    ks = [k for k in cfg.evaluation.ks if k < len(labels)] or [1]
+    result = evaluate(embeddings, labels, ks=ks, backend=cfg.evaluation.search_plan,
+                      verbose=0)
+    report = result.details["search"]
     if search is not None:
         search.update(report)
-    metrics = retrieval_metrics(embeddings, labels, ks=ks, searcher=searcher)
-    metrics["search_recall"] = float(report["recall"])
+    metrics = dict(result.metrics)
+    if cfg.evaluation.search_plan.target_recall is not None:
+        LOG.info("%s", describe_search(report))
+        metrics["search_recall"] = float(report["recall"])
     return metrics
 
 
