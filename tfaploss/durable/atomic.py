@@ -75,12 +75,9 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 
 class DiskFullError(OSError):
-    """No space left for ``path``: ``needed`` bytes (None: unknown), ``free`` bytes
-    free on its file system when the write failed or was refused (None: unknown).
-
-    Nothing was written: the temporary file is removed and the previous file, if any,
-    is intact; the same command, once space is freed, resumes or finishes.
-    """
+    """No space left for ``path``: ``needed`` and ``free`` bytes (None: unknown). Nothing
+    was written and the previous file is intact: the same command, once space is freed,
+    resumes or finishes."""
 
     def __init__(self, path, needed: int | None = None, free: int | None = None):
         self.path, self.needed, self.free = str(path), needed, free
@@ -125,12 +122,8 @@ def is_disk_full(err: BaseException) -> bool:
 
 def disk_full_in(err: BaseException, path: str | os.PathLike) -> DiskFullError | None:
     """The :class:`DiskFullError` behind ``err``, however wrapped (Beam re-raises a
-    worker's error as a ``RuntimeError`` caused by it), else None.
-
-    A full disk known only as an ``OSError`` or by its text (TensorFlow's file system,
-    a runner that passes on the message alone) becomes a :class:`DiskFullError` for
-    ``path``, the folder being written.
-    """
+    worker's error inside its own), else None; a full disk known only as an ``OSError``
+    or by its text becomes one for ``path``, the folder being written."""
     seen, found, chain = set(), None, err
     while chain is not None and id(chain) not in seen:
         if isinstance(chain, DiskFullError):
@@ -217,13 +210,11 @@ def _let_go_of_files_left_open(folder: Path, before: dict[int, str] | None) -> l
     """Detach the descriptors a failed write opened in ``folder`` and left open (``before``:
     :func:`_descriptors` when it began); returns the files' names.
 
-    Keras's ``save_weights`` leaves its HDF5 file open when a write fails, and a large
-    model's ``.keras`` save closes its temporary HDF5 file in a ``finally`` that fails
-    again. HDF5 then flushes the file once more when Python frees it, which on a full
-    disk raises in h5py's deallocator and kills the process by SIGSEGV at exit; asking
-    HDF5 about such a file crashes it at once. So the library is not asked: each
-    descriptor is pointed at an anonymous memory file (``dup2`` over it), which closes
-    the file on disk now, and whatever HDF5 flushes later lands in memory and succeeds.
+    Keras leaves its HDF5 file open when a write fails; HDF5 then flushes it again when
+    Python frees it, which on a full disk kills the process by SIGSEGV at exit, and
+    asking HDF5 about such a file crashes it at once. So each descriptor is pointed at an
+    anonymous memory file (``dup2``): the file on disk is closed now, and whatever HDF5
+    flushes later lands in memory.
     """
     if before is None:
         return []

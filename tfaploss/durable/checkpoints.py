@@ -51,12 +51,9 @@ TRASH_PREFIX = ".backup-trash-"  # a finished run's backup, renamed aside to be 
 
 
 class DamagedRunError(RuntimeError):
-    """A file of a run directory is damaged in a way no kill leaves.
-
-    ``path``: the file; ``problem``: what is wrong with it; ``fix``: how to repair it
-    (besides starting over). The message says both ways out: repair, or start over
-    with ``--restart`` (``train(..., restart=True)``), which moves the run's files
-    aside, never deletes them.
+    """A file of a run directory (``path``) is damaged in a way no kill leaves. The
+    message says what is wrong (``problem``) and both ways out: repair (``fix``), or
+    start over with ``--restart``, which moves the run's files aside, never deletes them.
     """
 
     def __init__(self, path: str | os.PathLike, problem: str, fix: str | None = None):
@@ -372,13 +369,9 @@ class RunBackup:
         return newest, path
 
     def restore(self, model, found: tuple[int, Path | None] | None = None) -> int:
-        """Load the newest checkpoint into ``model``; returns its epoch (0: none).
-
-        ``found``: what :meth:`find` returned, if already called (the checkpoint is then
-        not read and checked again). The model must be built and compiled (its
-        optimizer is built here if needed). Raises :class:`DamagedRunError` when the
-        checkpoint is damaged or does not load into ``model``.
-        """
+        """Load the newest checkpoint (``found``: what :meth:`find` returned, if called
+        already) into the built, compiled ``model``; returns its epoch (0: none). Raises
+        :class:`DamagedRunError` when it is damaged or does not load into ``model``."""
         epoch, path = found if found is not None else self.find()
         if path is None:
             return 0

@@ -46,13 +46,9 @@ def check_k(k, name: str = "k") -> int:
 
 
 def check_backend(backend: str) -> str:
-    """``backend`` if it is one of :data:`BACKENDS` and can run here.
-
-    Raises:
-      ValueError: an unknown name.
-      tfaploss.extras.MissingExtraError: ``"scann"`` where ScaNN's TensorFlow ops do not
-        load (not installed, or built for another TensorFlow).
-    """
+    """``backend`` if it is one of :data:`BACKENDS` and can run here: a ValueError for
+    an unknown name, a MissingExtraError for ``"scann"`` where ScaNN's TensorFlow ops
+    do not load."""
     if backend not in BACKENDS:
         raise ValueError(f"`index_backend` must be one of {', '.join(BACKENDS)}; "
                          f"received {backend!r}")

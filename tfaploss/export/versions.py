@@ -21,11 +21,8 @@ def next_version(path) -> int:
 
 def find_saved_model(path) -> str:
     """The SavedModel folder ``path`` names: ``path`` itself when it holds
-    ``saved_model.pb``, else its newest version folder (as TF Serving serves it).
-
-    Raises:
-      FileNotFoundError: ``path`` holds neither ``saved_model.pb`` nor a version folder.
-    """
+    ``saved_model.pb``, else its newest version folder (as TF Serving serves it); a
+    FileNotFoundError when it holds neither."""
     path = os.fspath(path)
     if os.path.exists(os.path.join(path, "saved_model.pb")):
         return path
@@ -38,12 +35,8 @@ def find_saved_model(path) -> str:
 
 def read_export_metadata(path) -> dict:
     """The export metadata (``assets.extra/tfaploss_export.json``) of the SavedModel
-    ``path`` names (see :func:`find_saved_model`).
-
-    Raises:
-      FileNotFoundError: no SavedModel there, or one without the metadata (not written
-        by :func:`tfaploss.export.export_saved_model`).
-    """
+    ``path`` names; a FileNotFoundError when there is none, or no metadata (not written
+    by :func:`tfaploss.export.export_saved_model`)."""
     folder = find_saved_model(path)
     try:
         with open(os.path.join(folder, METADATA_FILE), encoding="utf-8") as f:
