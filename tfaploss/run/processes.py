@@ -56,12 +56,9 @@ class RankStoppedError(RuntimeError):
 
 @dataclass(frozen=True)
 class ProcessGroup:
-    """This process's place among the ranks of a run (one process: rank 0 of 1).
-
-    ``backend``: ``"torch"``, ``"jax"`` or ``"none"`` (one process); ``launcher``: what
-    started the ranks (``"torchrun"``, ``"coordinator"``, ``"cluster"``, ``"user"``: a
-    process group set up before the run).
-    """
+    """This process's place among the ranks of a run (one process: rank 0 of 1);
+    ``launcher``: ``"torchrun"``, ``"coordinator"``, ``"cluster"`` or ``"user"`` (a
+    process group set up before the run)."""
 
     backend: str = "none"
     rank: int = 0

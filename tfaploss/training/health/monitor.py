@@ -107,18 +107,15 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
 
     Args:
         thresholds: a :class:`~tfaploss.config.health.HealthThresholds` (default: its
-            defaults, which only warn: ``stop_share=None``).
-        data: optional held batch ``(images, labels)``.
-        every: steps between two held-batch evaluations.
+            defaults, which only warn); ``**overrides`` replace its fields.
+        data, every: an optional held batch ``(images, labels)``, embedded every
+            ``every`` steps.
         action: ``"warn"`` (a :class:`TrainingHealthWarning`) or ``"stop"`` (warn,
             then set ``model.stop_training``) at the first report.
-        total_images: the run's images when Keras's ``params`` do not tell (a dataset
-            of unknown length). Without either, the run is taken to be
-            ``min_window_images / window_share`` images long.
-        batch_size: images per step when the compiled metrics do not tell (held-batch
-            or loss-only monitoring); default the held batch's size, else 128.
-        **overrides: fields of :class:`~tfaploss.config.health.HealthThresholds`
-            replacing those of ``thresholds`` (``stop_share=0.25``, ...).
+        total_images: the run's images when Keras's ``params`` do not tell (without
+            either: ``min_window_images / window_share``).
+        batch_size: images per step when the compiled metrics do not tell (default the
+            held batch's size, else 128).
 
     ``events`` lists what was reported as ``(step, kind, message)``; ``records`` the
     same as dicts (with the window's ``images`` and ``steps``, ``share_of_run``,
