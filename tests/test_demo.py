@@ -9,7 +9,8 @@ import pytest
 
 @pytest.mark.slow
 def test_quick_demo_improves_recall_on_unseen_digits(tmp_path, capsys):
-    from tfaploss.demo import QUICK_STEPS, run_demo
+    from tfaploss.cli.demo import run_demo
+    from tfaploss.demo import QUICK_STEPS
 
     out = tmp_path / "demo"
     assert run_demo(out=str(out), quick=True) == 0
@@ -46,7 +47,7 @@ def test_quick_demo_improves_recall_on_unseen_digits(tmp_path, capsys):
 
 
 def test_demo_refuses_to_replace_a_folder_it_did_not_write(tmp_path):
-    from tfaploss.demo import run_demo
+    from tfaploss.cli.demo import run_demo
 
     precious = tmp_path / "my_photos"
     precious.mkdir()

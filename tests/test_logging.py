@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# The command line and the demo talk to a person directly; everything else logs.
-MAY_PRINT = {"tfaploss/cli/__init__.py", "tfaploss/cli/evaluate.py", "tfaploss/demo.py"}
+# The command line (tfaploss/cli/) talks to a person directly; everything else logs.
+MAY_PRINT = "tfaploss/cli/"
 ESCAPES = ("\x1b", "\r", "\x08")
 
 
@@ -26,7 +26,7 @@ def _library_modules():
     for package in ("tfaploss",):
         for path in sorted((REPO / package).rglob("*.py")):
             rel = path.relative_to(REPO).as_posix()
-            if rel not in MAY_PRINT:
+            if not rel.startswith(MAY_PRINT):
                 yield rel, path
 
 

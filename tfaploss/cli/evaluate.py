@@ -1,6 +1,5 @@
 """``tfaploss evaluate``: retrieval metrics of a ``.keras`` model, an exported SavedModel,
-or a config's untrained model, on a split of TFRecords (its flags: :mod:`tfaploss.cli`);
-and how every command shows a config's notes (:func:`show_config_warnings`).
+or a config's untrained model, on a split of TFRecords.
 
 Heavy imports (TensorFlow, Keras) happen inside the functions, so ``--help`` stays instant.
 """
@@ -9,7 +8,10 @@ from __future__ import annotations
 
 import os
 import sys
+import textwrap
 
+from tfaploss.cli.arguments import add_command
+from tfaploss.cli.config import SET_HELP, load_run_config
 from tfaploss.log import is_terminal
 
 
@@ -86,6 +88,86 @@ def _parse_image_size(value, default):
                          f"received {value!r}") from None
 
 
+def register(sub) -> None:
+    add_command(
+        sub, "evaluate", cmd_evaluate, _arguments,
+        help="retrieval metrics of a model on a TFRecord split",
+        description=textwrap.dedent("""\
+            Embed a split with a model and report retrieval metrics (Recall@K,
+            Precision@1, MAP@R, R-precision, mAP; mAP/mP@K for revisited
+            Oxford/Paris), as a table on screen and metrics.json + figures in --out
+            (metrics.json first; without matplotlib, pip install "tfaploss[viz]", the
+            figures are skipped with a warning).
+
+            --model: a .keras file (e.g. RUN_DIR/model.keras) or a SavedModel written
+            by `tfaploss export` (its version folder or the folder holding versions).
+            Load only models you trust: a SavedModel can run arbitrary graph code.
+            --config instead of --model: the UNTRAINED model `tfaploss train` would
+            start from (same seed, weights and BatchNorm calibration), the baseline to
+            compare a trained model with; --data then defaults to the config's
+            data.test and --ks to its evaluation.ks.
+            --data:  a split folder written by a pipelines job (holds manifest.json).
+            Without --query each image of --data queries all the others.
+
+            Preprocessing (printed in the header): the shorter side is resized to
+            image_size / 0.875 and the centre image_size square is kept (e.g. 64 px:
+            resize to 73, crop 64), which cuts the borders; --image-size original
+            embeds each image whole, at its own size."""),
+        epilog=textwrap.dedent("""\
+            examples:
+              tfaploss evaluate --model runs/sop/model.keras --data data/sop/test --protocol sop
+              tfaploss evaluate --config recipe:demo_digits   (untrained baseline)
+              tfaploss evaluate --model serving/roxf/1 --data data/roxford5k/database \\
+                  --query data/roxford5k/queries --gnd data/roxford5k/gnd_roxford5k.json \\
+                  --protocol revisited --image-size original"""))
+
+
+def _arguments(p) -> None:
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help=".keras file or exported SavedModel")
+    source.add_argument("--config", metavar="YAML",
+                        help="evaluate the untrained model `tfaploss train --config YAML` "
+                             "starts from (a baseline); YAML: a file or recipe:NAME")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --config: " + SET_HELP)
+    p.add_argument("--data", default=None, metavar="SPLIT_DIR",
+                   help="database split (TFRecord folder); with --config, default: its "
+                        "data.test")
+    p.add_argument("--protocol", default="retrieval",
+                   help="retrieval (default; ks 1,10,100), sop (1,10,100,1000), "
+                        "inaturalist (1,4,16,32), cub, cars, revisited / roxford / rparis, "
+                        "gldv2")
+    p.add_argument("--query", default=None, metavar="SPLIT_DIR",
+                   help="separate query split (revisited, gldv2, or any query/database set)")
+    p.add_argument("--gnd", default=None,
+                   help="ground truth for revisited (the gnd_<dataset>.json that "
+                        "tfaploss.pipelines.revisited writes; a gnd_*.pkl is refused with the command "
+                        "that converts it) or gldv2")
+    p.add_argument("--ks", default=None, help="comma-separated cut-offs, e.g. 1,10,100 "
+                                              "(default: the protocol's)")
+    p.add_argument("--backend", default=None,
+                   choices=("auto", "exact", "scann", "scann_ah", "faiss"),
+                   help="search backend (default: the config's, else auto: exact search "
+                        "without --target-recall, with it the best installed searcher "
+                        "tuned to it, ScaNN, else faiss, else exact; scann_ah: "
+                        "approximate, for large databases; faiss: flat, or tuned with "
+                        "--target-recall; scann and scann_ah need pip install "
+                        "\"tfaploss[scann]\", faiss pip install \"tfaploss[faiss]\")")
+    p.add_argument("--target-recall", type=float, default=None, metavar="R",
+                   help="tune the search to reach recall@k >= R in (0, 1] against exact "
+                        "search (k: the largest cut-off), measured on a sample of the "
+                        "queries; exact search when no setting beats it (default: the "
+                        "config's evaluation.target_recall, else none: search with "
+                        "--backend as is)")
+    p.add_argument("--image-size", default=None,
+                   help="side of the centre crop the images are resized to, or 'original' "
+                        "(default: the model's input size, else 224)")
+    p.add_argument("--batch-size", type=int, default=64, help="images embedded at once")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write metrics.json and figures here (default: eval_<split> "
+                        "beside the model; with --config, RUN_DIR/eval_untrained_<split>)")
+
+
 def cmd_evaluate(args) -> int:
     from tfaploss.data import read_manifest
 
@@ -93,10 +175,7 @@ def cmd_evaluate(args) -> int:
         raise SystemExit("error: --set changes a run config; it needs --config")
     cfg = None
     if args.config:
-        from tfaploss.config import load_config
-
-        show_config_warnings()
-        cfg = load_config(args.config, args.set)
+        cfg = load_run_config(args)
         if args.data is None:
             if not cfg.data.test:
                 raise SystemExit(f"error: {args.config} has no data.test; give --data")
@@ -203,19 +282,3 @@ def _check_evaluate_extras(plan, key: str) -> bool:
         return False
     return True
 
-
-def show_config_warnings() -> None:
-    """Show :class:`~tfaploss.config.ConfigWarning`s as ``note: ...`` lines on stderr, other warnings as
-    Python formats them: how every command presents a config's notes."""
-    import warnings
-
-    from tfaploss.config import ConfigWarning
-
-    def show(message, category, filename, lineno, file=None, line=None):
-        if issubclass(category, ConfigWarning):
-            print(f"note: {message}", file=sys.stderr)
-        else:
-            print(warnings.formatwarning(message, category, filename, lineno, line),
-                  file=sys.stderr, end="")
-
-    warnings.showwarning = show

@@ -1,25 +1,49 @@
-"""What ``tfaploss verify`` does (its arguments are in :mod:`tfaploss.cli`): a split's
-record files against its manifest, with a progress bar on a terminal.
+"""``tfaploss verify``: a split's record files against its manifest
+(:func:`tfaploss.data.integrity.check_split`), with a progress bar on a terminal.
 
     tfaploss verify data/sop/train             # sizes and CRC-32C of every shard
     tfaploss verify data/sop                   # every split folder below it
     tfaploss verify data/sop/train --records   # also parse and check every record
 
 One line per damaged file (``DAMAGED path at record r, byte b: problem``), then what
-wrote the split and the command that rebuilds it; exit 0 when every file agrees with
-the manifest, 2 when one does not. The checks are :func:`tfaploss.data.integrity.check_split`'s.
+wrote the split and the command that rebuilds it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
+import textwrap
 
+from tfaploss.cli.arguments import add_command
 from tfaploss.data.integrity import check_split, layout_files
 from tfaploss.data.split_manifest import describe_source
+from tfaploss.log import is_terminal
 
-LOG = logging.getLogger("tfaploss.data.verify")
+LOG = logging.getLogger(__name__)
+
+
+def register(sub) -> None:
+    add_command(
+        sub, "verify", cmd_verify, _arguments,
+        help="check a split's TFRecord files against its manifest (sizes, checksums)",
+        description=textwrap.dedent("""\
+            Check the record files of a split folder (or of every split folder below
+            DIR) against its manifest.json in one pass: each file's size and CRC-32C
+            and, with --records, every record (framing, features, labels among the
+            manifest's classes). A manifest without checksums (older pipelines): each
+            record's own CRCs. Exit 0 when all agree; 2 with one line per damaged
+            file and the command that rebuilds the split."""))
+
+
+def _arguments(p) -> None:
+    p.add_argument("dir", metavar="DIR",
+                   help="a split folder written by a pipelines job (OUT/train), or OUT")
+    p.add_argument("--records", action="store_true",
+                   help="also parse every record and check its features (slower)")
+    p.add_argument("--sizes-only", action="store_true",
+                   help="only sizes and file names against the manifest (no read)")
+
 
 def split_dirs(path: str) -> list[str]:
     """``path`` when it holds a manifest.json, else its sub-folders that do."""
@@ -41,15 +65,14 @@ def _total_bytes(split: str) -> int:
                for f in layout_files(split, layout))
 
 
-def command(args) -> int:
+def cmd_verify(args) -> int:
     """Run ``tfaploss verify``; returns the exit status (0 all good, 2 damage)."""
     level = "sizes" if args.sizes_only else "records" if args.records else "full"
     splits = split_dirs(args.dir)
     total = sum(_total_bytes(s) for s in splits)
     bar = None
     # A bar only on a terminal (as the other commands): a log file gets the lines alone.
-    on_terminal = hasattr(sys.stdout, "isatty") and sys.stdout.isatty()
-    if on_terminal and not getattr(args, "quiet", False) and level != "sizes" and total:
+    if is_terminal() and not getattr(args, "quiet", False) and level != "sizes" and total:
         import keras
 
         bar = keras.utils.Progbar(max(1, total // (1 << 20)), unit_name="MiB")

@@ -1,0 +1,56 @@
+"""``tfaploss config``: a run config validated and printed whole; and how every command
+takes a run config (``--config``, ``--set``: :func:`load_run_config`)."""
+
+from __future__ import annotations
+
+import sys
+
+from tfaploss.cli.arguments import add_command
+
+CONFIG_HELP = ("run config: a YAML file, or recipe:NAME for a shipped recipe "
+               "(`tfaploss recipes` lists them)")
+SET_HELP = (
+    "override one config key, YAML-typed; repeatable. Examples: --set training.epochs=3 "
+    "--set optimizer.lr=2e-5 --set evaluation.ks=[1,10] --set model.weights=null "
+    "--set loss.temperature=0.05"
+)
+
+
+def add_config_arguments(p) -> None:
+    """``--config YAML`` (required) and ``--set KEY=VALUE``."""
+    p.add_argument("--config", required=True, metavar="YAML", help=CONFIG_HELP)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
+
+
+def register(sub) -> None:
+    add_command(sub, "config", cmd_config, add_config_arguments,
+                help="validate a run config and print it with every default filled in",
+                description="Load a run config, apply --set overrides, validate it, and "
+                            "print the result as YAML. Exits 2 with the offending key named "
+                            "when the config is invalid.")
+
+
+def cmd_config(args) -> int:
+    import yaml
+
+    print(yaml.safe_dump(load_run_config(args).to_dict(), sort_keys=False), end="")
+    return 0
+
+
+def load_run_config(args):
+    """The config ``args.config`` names, with ``args.set``'s overrides. Its
+    :class:`~tfaploss.config.ConfigWarning`s are shown as ``note: ...`` lines on stderr,
+    other warnings as Python formats them: how every command presents a config's notes."""
+    import warnings
+
+    from tfaploss.config import ConfigWarning, load_config
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, ConfigWarning):
+            print(f"note: {message}", file=sys.stderr)
+        else:
+            print(warnings.formatwarning(message, category, filename, lineno, line),
+                  file=sys.stderr, end="")
+
+    warnings.showwarning = show
+    return load_config(args.config, args.set)
