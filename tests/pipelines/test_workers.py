@@ -74,3 +74,37 @@ def test_shard_writers_order_by_index_and_chunk_by_class(records, tmp_path):
     assert [(c["class/label"][0], c["class/chunk"][0], c["class/num_chunks"][0])
             for c in chunks] == [(7, 0, 2), (7, 1, 2)]
     assert [c["image/id"] for c in chunks] == [[b"img0"], [b"img2"]]
+
+
+_INHERITED_ITERATOR = """
+import gc, sys
+import tensorflow as tf
+from tfaploss.pipelines import image_workers as W
+gc.disable()  # keep the cycle uncollected until the pool forks, as earlier work can
+it = iter(tf.data.Dataset.range(100).map(lambda x: x * 2, num_parallel_calls=2).prefetch(4))
+next(it)
+cycle = [it]
+cycle.append(cycle)
+del it, cycle
+token = W.start_local_pool(1)
+print("collected", W.local_pool(token).submit(gc.collect).result(timeout=60), flush=True)
+W.stop_local_pool(token)
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_never_collects_the_tf_data_iterators_it_inherits(tmp_path):
+    """A tf.data iterator left in a reference cycle in the job's process (a notebook, a
+    test run before it) waits in its destructor for threads a forked worker does not
+    have: the worker hung at its first garbage collection, and the job with it."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TF_CPP_MIN_LOG_LEVEL": "3",
+           "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", _INHERITED_ITERATOR], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("collected "), done.stdout

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import gc
 import hashlib
 import importlib
 import json
@@ -177,7 +178,17 @@ class _Pool:
         self.executor = ProcessPoolExecutor(
             processes, mp_context=ctx, initializer=_worker_init,
             initargs=(os.getpid(), self.board, self.next_slot))
-        self.executor.submit(os.getpid).result()  # forks every worker now, not inside Beam
+        # Garbage the workers would inherit is collected here, where its threads live: a
+        # tf.data iterator left in a reference cycle by earlier work in this process (a
+        # notebook, a test run) waits in its destructor for threads a forked child does
+        # not have, and the child hung at its first collection. What survives is frozen
+        # out of the children's collections.
+        gc.collect()
+        gc.freeze()
+        try:
+            self.executor.submit(os.getpid).result()  # forks every worker now, not in Beam
+        finally:
+            gc.unfreeze()
         # The worker processes (forked up front with the fork context), kept to learn
         # how each ended: the executor forgets them once it is broken.
         self.workers = dict(getattr(self.executor, "_processes", None) or {})
