@@ -72,16 +72,12 @@ class RecallAtKLoss(RetrievalLoss):
     each class is one group, and its 6 pairs are the authors' 6); each group contributes
     all its g(g-1)/2 pairs, so F = ceil(B/g)·g(g-1)/2 (1.5·B for g = 4). A group that
     straddles two classes keeps only its same-class pairs. The authors draw ``alpha``
-    with ``np.random.uniform``; here it is a stateless counter-based hash,
-    :func:`tfaploss.ops.recall_rank.simix_coefficients`, of ``seed``, the pair's index,
-    the labels and the batch's L2-normalised embeddings rounded to a grid of 2^-10: 23
-    uniform bits per pair, constants of the step (no gradient). No random state is
-    carried, so the draws are the same on TensorFlow, JAX and PyTorch, under
-    ``jit``/``tf.function`` and in every trainer (Keras's JAX ``fit`` carries no loss
-    state; a ``SeedGenerator`` would repeat its first draw there), and they change at
-    every training step because the batch or the network that embeds it does. The same
-    seed and batch give the same coefficients (a repeated call gives the same loss);
-    :meth:`simix_coefficients` returns them. The rounding makes a chunked forward pass
+    with ``np.random.uniform``; here it is a stateless hash of ``seed``, the pair and
+    the batch (:func:`tfaploss.ops.recall_rank.simix_coefficients`), the same on every
+    backend and trainer (Keras's JAX ``fit`` carries no loss state; a ``SeedGenerator``
+    would repeat its first draw there), new at every step as the batch or the network
+    changes, and the same for the same seed and batch (:meth:`simix_coefficients`
+    returns them). Rounding the embeddings to a grid makes a chunked forward pass
     (:class:`~tfaploss.training.MultiStageModel`) draw what a single pass draws unless
     an embedding lies within rounding error of a grid line (likely only once B·D is in
     the millions; the step then uses other, equally random coefficients, its gradient

@@ -269,9 +269,6 @@ class XBMLoss(keras.losses.Loss):
                     raise ValueError(
                         f"XBMLoss: `{arg}`={value!r} differs from the given memory's "
                         f"{arg}={own!r}")
-        else:
-            integer("XBMLoss", "size", size)
-            integer("XBMLoss", "embedding_dim", embedding_dim, optional=True)
         self.weight = float(check("XBMLoss", "weight", weight, is_number(weight)
                                   and math.isfinite(weight) and weight >= 0,
                                   "a finite number >= 0"))
