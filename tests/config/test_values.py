@@ -148,8 +148,8 @@ def test_non_finite_numbers_are_refused(key, spelling):
     ("APLoss", "num_bins", 0, "[2, 4096]"),
     ("APLoss", "num_bins", 1, "[2, 4096]"),
     ("FastAPLoss", "num_bins", 10 ** 7, "[2, 4096]"),
-    ("SmoothAPLoss", "temperature", 0.0, "temperature must be > 0"),
-    ("SmoothAPLoss", "temperature", -0.01, "temperature must be > 0"),
+    ("SmoothAPLoss", "temperature", 0.0, "temperature must be a number > 0"),
+    ("SmoothAPLoss", "temperature", -0.01, "temperature must be a number > 0"),
     ("PNPLoss", "variant", "Dx", "variant must be one of"),
 ])
 def test_loss_arguments_the_loss_refuses_are_config_errors(loss, key, value, words):

@@ -168,11 +168,13 @@ def test_config_round_trip_and_serialization():
     ({"tau": 0}, "HAPLoss: tau must be a positive number; received 0"),
     ({"rho": -1.0}, "HAPLoss: rho must be a non-negative number; received -1.0"),
     ({"offset": "x"}, "HAPLoss: offset must be a number or None; received 'x'"),
-    ({"alpha": 0.0}, "HAPLoss: alpha must be > 0; received 0.0"),
-    ({"clustering_weight": 1.0}, r"HAPLoss: clustering_weight must be in \[0, 1\); received 1.0"),
+    ({"alpha": 0.0}, "HAPLoss: alpha must be a number > 0; received alpha=0.0"),
+    ({"clustering_weight": 1.0}, ("HAPLoss: clustering_weight must be a number >= 0 and "
+                                  "< 1; received clustering_weight=1.0")),
     ({"clustering_weight": 0.1}, ("HAPLoss: num_classes must be a positive int when "
-                                  "clustering_weight > 0; received None")),
-    ({"cluster_temperature": -1}, "HAPLoss: cluster_temperature must be > 0; received -1"),
+                                  "clustering_weight > 0; received num_classes=None")),
+    ({"cluster_temperature": -1}, ("HAPLoss: cluster_temperature must be a number > 0; "
+                                   "received cluster_temperature=-1")),
 ])
 def test_bad_arguments_name_argument_and_value(kwargs, message):
     with pytest.raises(ValueError, match=message):

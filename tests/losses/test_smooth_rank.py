@@ -397,9 +397,9 @@ def test_graph_and_xla_match_eager(jit_compile):
 
 def test_large_classes_run_in_bounded_blocks():
     """64 items per class: ranked in blocks of pairs_per_block x N, never B x B x B."""
-    from tfaploss.ops.smooth_rank import _block_size
+    from tfaploss.ops.pair_blocks import block_size
 
-    assert _block_size(4096, 4096, None) * 4096 <= 2**22
+    assert block_size(4096, 4096, None) * 4096 <= 2**22
     rng = np.random.default_rng(0)
     y = rng.permutation(np.repeat(np.arange(3), 64))
     x = rng.standard_normal((192, 8))

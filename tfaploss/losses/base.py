@@ -11,44 +11,30 @@ one term per query and Keras's ``Loss.__call__`` reduces them (``sample_weight``
 
 from __future__ import annotations
 
-import functools
+import inspect
 import warnings
 
 import keras
-import numpy as np
 from keras import ops
 
 from tfaploss._keras_compat import in_symbolic_scope
+from tfaploss.losses._checks import (
+    NARROW_FLOATS,
+    check_labels,
+    check_sizes,
+    concrete,
+    finite_or_zero,
+    in_xla_context,
+    nan_unless,
+)
+from tfaploss.losses._reduction import KerasReduction, with_mask
+from tfaploss.losses._shared_args import fill_shared_args, forwarded_signature
 from tfaploss.losses.lone_queries import LoneQueryTracker
 from tfaploss.ops import distribute
-from tfaploss.ops.backend import on_tensorflow
+from tfaploss.ops.backend import tf_kernels
 from tfaploss.ops.masks import label_masks, pairwise_scores, self_pair_mask
 
-# Label ids above 2**24 are not exact in float32, the dtype Keras gives a loss's y_true.
-_NARROW_FLOATS = ("float16", "bfloat16")
 _warned_no_positives = False
-
-
-def _in_xla_context() -> bool:
-    """True while TensorFlow traces for XLA (always False on the other backends)."""
-    if not on_tensorflow():
-        return False
-    from tfaploss.ops import tensorflow_kernels
-
-    return tensorflow_kernels.in_xla_context()
-
-
-def _concrete(value):
-    """``value`` as a NumPy scalar when it is known now (eager), else None (traced)."""
-    if on_tensorflow():
-        import tensorflow as tf
-
-        return value.numpy() if tf.executing_eagerly() else None
-    if keras.backend.backend() == "jax":
-        import jax
-
-        return None if isinstance(value, jax.core.Tracer) else np.asarray(value)
-    return ops.convert_to_numpy(value)
 
 
 def _warn_once_without_positives(has_positive_pair):
@@ -61,135 +47,23 @@ def _warn_once_without_positives(has_positive_pair):
         "sampler (tfaploss.data, e.g. sampler='m_per_class') so that each batch holds "
         "at least two images per class."
     )
-    known = _concrete(has_positive_pair)
+    known = concrete(has_positive_pair)
     if known is not None:
         if not _warned_no_positives and not bool(known):
             _warned_no_positives = True
             warnings.warn(message, RuntimeWarning, stacklevel=3)
         return has_positive_pair
-    if not on_tensorflow() or _in_xla_context():
-        return has_positive_pair  # a traced JAX/XLA step cannot print; the 0 says it
-    from tfaploss.ops import tensorflow_kernels
-
-    return tensorflow_kernels.print_unless(has_positive_pair, "WARNING: " + message)
-
-
-def _dtype_name(values):
-    dtype = getattr(values, "dtype", None)
-    if dtype is None:
-        dtype = np.asarray(values).dtype
-    if isinstance(dtype, np.dtype) and dtype.kind in "USO":
-        return "string"
-    try:
-        return keras.backend.standardize_dtype(dtype)
-    except ValueError:
-        return str(getattr(dtype, "name", dtype))
-
-
-def check_labels(y_true):
-    """Return labels as a rank-1 tensor, refusing shapes and dtypes that lose ids."""
-    name = _dtype_name(y_true)
-    if name in _NARROW_FLOATS:
-        raise ValueError(
-            f"Ranking losses need labels that represent class ids exactly; received "
-            f"y_true of dtype {name}, which only holds integers up to "
-            f"{'2048' if name == 'float16' else '256'} exactly. Pass "
-            "integer labels (int32/int64) or float32."
-        )
-    if not ("int" in name or "float" in name):
-        raise ValueError(
-            f"Ranking losses expect integer class labels as y_true; received dtype "
-            f"{name}. Map string or one-hot labels to integer ids first."
-        )
-    labels = ops.convert_to_tensor(y_true)
-    shape = tuple(labels.shape)
-    if len(shape) == 2 and shape[-1] == 1:
-        labels = ops.squeeze(labels, axis=-1)
-    elif len(shape) != 1:
-        raise ValueError(
-            "Ranking losses expect y_true of shape (batch,) or (batch, 1) holding "
-            f"integer class labels; received shape {shape}. One-hot labels: "
-            "pass `argmax(y, axis=-1)` instead."
-        )
-    return labels
-
-
-def _check_sizes(owner, labels, embeddings, labels_name, embeddings_name):
-    """``labels``, checked to hold one label per row of ``embeddings``.
-
-    Statically where both sizes are known; otherwise (a TensorFlow graph with an
-    unknown batch size) with a run-time assertion carrying the same message.
-    """
-    n_labels, n_rows = labels.shape[0], embeddings.shape[0]
-    message = (f"{owner}: {labels_name} holds {{}} labels but {embeddings_name} holds {{}} "
-               "embeddings; pass exactly one label per embedding.")
-    if n_labels is not None and n_rows is not None:
-        if int(n_labels) != int(n_rows):
-            raise ValueError(message.format(n_labels, n_rows))
-        return labels
-    if not on_tensorflow():
-        return labels  # JAX traces and torch tensors always have static sizes
-    from tfaploss.ops import tensorflow_kernels
-
-    return tensorflow_kernels.assert_same_rows(
-        labels, embeddings, f"ValueError: {owner}: {labels_name} and {embeddings_name} "
-        "differ in size (one label per embedding needed); sizes:")
-
-
-def _finite_or_zero(*embeddings):
-    """``(all finite, embeddings)``, every embedding zeroed when any value is not finite.
-
-    Non-finite embeddings must give a non-finite loss, never a finite loss with a NaN
-    gradient, and must not reach the binning or sorting ops (a NaN bin index crashes
-    a bincount). The loss is computed on zeros instead and replaced by NaN at the end
-    (:func:`_nan_unless`); its gradient is then 0. Cost: one pass over the inputs.
-    """
-    finite = ops.all(ops.stack([ops.all(ops.isfinite(e)) for e in embeddings]))
-    return finite, tuple(ops.where(finite, e, ops.zeros_like(e)) for e in embeddings)
-
-
-def _nan_unless(finite, loss):
-    return ops.where(finite, loss, ops.full_like(loss, float("nan")))
-
-
-class _AttachMask(keras.layers.Layer):
-    """Returns its input with ``mask`` attached as the Keras mask.
-
-    Keras reads a mask from the values a loss's ``call`` returns and leaves the masked
-    entries out of the reduction, but exports no function to attach one; a layer that
-    supports masking is the public way (``Layer.__call__`` attaches ``mask`` to its
-    output, on every backend, eager or traced).
-    """
-
-    def __init__(self):
-        super().__init__(name="query_mask", autocast=False)
-        self.supports_masking = True
-
-    def call(self, values, mask=None):
-        return values
-
-
-@functools.cache
-def _mask_layer():
-    return _AttachMask()
-
-
-def _with_mask(values, mask):
-    """``values`` carrying the bool ``mask`` (same shape) as their Keras mask."""
-    return _mask_layer()(values, mask=mask)
-
-
-class _KerasReduction(keras.losses.Loss):
-    """Keras's ``Loss.__call__`` on per-query terms already computed: it applies
-    ``sample_weight``, the terms' mask and the ``reduction`` (and, under
-    ``tf.distribute``, Keras's per-replica scaling of the mean reductions)."""
-
-    def call(self, y_true, y_pred):
-        return y_pred
+    kernels = tf_kernels()
+    if kernels is None or in_xla_context():
+        return has_positive_pair  # a traced JAX/XLA step cannot warn; the 0 says it
+    return kernels.warn_unless(has_positive_pair, message)
 
 
 def _shape_text(shape):
     return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+_MISSING = object()
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
@@ -216,22 +90,16 @@ class RetrievalLoss(keras.losses.Loss):
     warned, once per run, when most queries are lone (``tfaploss train`` adds both;
     :mod:`tfaploss.losses.lone_queries`).
 
-    Subclasses override :meth:`per_query` (and :meth:`pairwise` for distances) and
-    extend :meth:`get_config`; a loss whose terms are not per query overrides
-    :meth:`_weighted_terms`.
+    Subclasses override :meth:`per_query` (and :meth:`pairwise` for distances); a loss
+    whose terms are not per query overrides :meth:`_weighted_terms`. A subclass's
+    constructor takes its own arguments and forwards the rest (``**kwargs``) here: its
+    signature then lists both (a loss without use for a shared argument names it in
+    :attr:`unused_args`), ``get_config`` writes every argument of that signature, and
+    the Args of its docstring take the shared arguments' entries from
+    :data:`tfaploss.losses._shared_args.ARGS_DOC`.
 
     Args:
-        normalize: L2-normalise the embeddings first, so scores are cosines in [-1, 1].
-        include_self: rank each query against itself too (it counts as its own
-            positive), as Smooth-AP's and ROADMAP's code do. Otherwise the query is
-            left out of its own ranking, as the histogram-AP paper describes.
-        drop_lone_queries: leave out every query whose class has no other item in the
-            batch. Kept by default, as the originals keep it (``docs/losses.md``, "Lone
-            queries"); without ``include_self`` such a query has no positive and is
-            always left out.
-        reduction: how the per-query terms are reduced (``docs/losses.md``).
-        name, dtype: as for ``keras.losses.Loss``; ``float16``/``bfloat16`` are refused
-            (they cannot hold label ids exactly).
+{shared_args}
 
     Example:
 
@@ -248,6 +116,9 @@ class RetrievalLoss(keras.losses.Loss):
     #: Whether a call under several replicas gathers the global batch; a loss that
     #: cannot sets False and is refused there rather than rank one shard.
     gathers_global_batch = True
+    #: The shared arguments this loss has no use for: left out of its signature and
+    #: config, and refused unless left at their default.
+    unused_args: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -259,12 +130,18 @@ class RetrievalLoss(keras.losses.Loss):
         drop_lone_queries: bool = False,
     ):
         super().__init__(name=name, reduction=reduction, dtype=dtype)
-        if self.dtype in _NARROW_FLOATS:
+        owner = type(self).__name__
+        if self.dtype in NARROW_FLOATS:
             raise ValueError(
-                f"{type(self).__name__}: dtype={self.dtype!r} cannot represent label "
+                f"{owner}: dtype={self.dtype!r} cannot represent label "
                 "ids exactly and loses ranking precision; use 'float32' (mixed "
                 "precision models still compute the loss in float32) or 'float64'."
             )
+        for arg, value in (("include_self", include_self),
+                           ("drop_lone_queries", drop_lone_queries)):
+            if arg in self.unused_args and value:
+                raise ValueError(f"{owner} takes no {arg} (it has no use for it); "
+                                 f"received {arg}={value!r}.")
         self.normalize = bool(normalize)
         self.include_self = bool(include_self)
         self.drop_lone_queries = bool(drop_lone_queries)
@@ -274,6 +151,22 @@ class RetrievalLoss(keras.losses.Loss):
         #: ``LoneQueryShare`` metric and ``LoneQueryMonitor`` of ``tfaploss.training``
         #: do, and hand the counts to this tracker.
         self.lone_queries = LoneQueryTracker(warn=not self.drop_lone_queries)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            cls.__init__.__signature__ = forwarded_signature(cls)
+        fill_shared_args(cls)
+
+    def get_config(self):
+        """``name``, ``reduction``, ``dtype`` and every argument of the constructor's
+        signature, read from the attribute of its name (tuples as lists)."""
+        config = {**super().get_config(), "dtype": self.dtype}
+        for arg in inspect.signature(type(self)).parameters:
+            value = getattr(self, arg, _MISSING)
+            if arg not in config and value is not _MISSING:
+                config[arg] = list(value) if isinstance(value, tuple) else value
+        return config
 
     # -- Keras entry points -------------------------------------------------------
 
@@ -304,11 +197,8 @@ class RetrievalLoss(keras.losses.Loss):
     def _global_batch_call(self, y_true, y_pred, sample_weight, replicas):
         """``__call__`` on one of several replicas: the global batch's loss, as this
         replica's share (:func:`tfaploss.ops.distribute.global_batch_loss`)."""
-        owner = type(self).__name__
         with keras.name_scope(self.name):
-            embeddings = self._check_embeddings(ops.convert_to_tensor(y_pred), "y_pred")
-            labels = _check_sizes(owner, self._query_labels(y_true), embeddings, "y_true",
-                                  "y_pred")
+            labels, embeddings = self._rows(self._query_labels(y_true), y_pred, cast=False)
             return self._rank_global_batch(labels, embeddings, sample_weight, replicas,
                                            self._reduced_loss)
 
@@ -319,37 +209,45 @@ class RetrievalLoss(keras.losses.Loss):
     def _rank_global_batch(self, labels, embeddings, sample_weight, replicas, reduced):
         """``reduced(labels, embeddings, sample_weight)`` of the global batch, as this
         replica's share; ``labels`` and ``embeddings`` are this replica's, checked."""
-        if sample_weight is not None:
-            # One weight per local query, cast as Keras casts it, so that the
-            # replicas' weights line up with their gathered rows.
-            local = ops.zeros_like(labels, dtype=self.dtype)
-            sample_weight = ops.reshape(ops.cast(
-                self._check_sample_weight(sample_weight, local), self.dtype), (-1,))
+        # One weight per local query, cast as Keras casts it, so that the replicas'
+        # weights line up with their gathered rows.
+        sample_weight = self._row_weights(sample_weight, labels)
         return distribute.global_batch_loss(reduced, labels, embeddings, sample_weight,
                                             self.reduction, replicas)
 
     def call(self, y_true, y_pred):
         """Per-query terms, shape (B,), masked where a query has no positive."""
-        y_pred = self._check_embeddings(ops.convert_to_tensor(y_pred, dtype=self.dtype),
-                                        "y_pred")
-        labels = _check_sizes(type(self).__name__, check_labels(y_true), y_pred,
-                              "y_true", "y_pred")
-        finite, (y_pred,) = _finite_or_zero(y_pred)
+        labels, y_pred = self._rows(check_labels(y_true), y_pred)
+        finite, (y_pred,) = finite_or_zero(y_pred)
         scores = self.pairwise(y_pred, y_pred)
         positives, candidates = label_masks(labels, labels, exclude_self=not self.include_self)
         self_pairs = self_pair_mask(ops.shape(labels)[0]) if self.include_self else None
         return self._query_terms(finite, scores, positives, candidates, self_pairs)
 
-    def _check_embeddings(self, embeddings, name):
+    def _rows(self, labels, embeddings, names=("y_true", "y_pred"), cast=True):
+        """``(labels, embeddings)``: the embeddings checked as (batch, dim) and cast to
+        this loss's dtype (unless not ``cast``), the labels (checked already) as one
+        per embedding."""
+        embeddings = ops.convert_to_tensor(embeddings, dtype=self.dtype if cast else None)
         if len(embeddings.shape) != 2:
             raise ValueError(
-                f"{type(self).__name__} expects {name} of shape (batch, dim) holding "
+                f"{type(self).__name__} expects {names[1]} of shape (batch, dim) holding "
                 f"embeddings; received shape {tuple(embeddings.shape)}."
             )
-        return embeddings
+        return check_sizes(type(self).__name__, labels, embeddings, *names), embeddings
 
-    def _check_sample_weight(self, sample_weight, terms):
-        """``sample_weight`` as a tensor, refused unless it gives one weight per query."""
+    def _row_weights(self, sample_weight, labels, per="query"):
+        """``sample_weight`` (checked) as one weight per row of ``labels``, shape (B,), in
+        this loss's dtype; None stays None."""
+        if sample_weight is None:
+            return None
+        rows = ops.zeros_like(labels, dtype=self.dtype)
+        weights = self._check_sample_weight(sample_weight, rows, per)
+        return ops.reshape(ops.cast(weights, self.dtype), (-1,))
+
+    def _check_sample_weight(self, sample_weight, terms, per="query"):
+        """``sample_weight`` as a tensor, refused unless it gives one weight per query
+        (per row of ``terms``)."""
         if sample_weight is None:
             return None
         sample_weight = ops.convert_to_tensor(sample_weight)
@@ -359,7 +257,7 @@ class RetrievalLoss(keras.losses.Loss):
         if shape != () and not per_query:
             n = "B" if queries is None else int(queries)
             raise ValueError(
-                f"{type(self).__name__}: sample_weight must hold one weight per query, "
+                f"{type(self).__name__}: sample_weight must hold one weight per {per}, "
                 f"shape ({n},) or ({n}, 1), or be a scalar; received sample_weight of "
                 f"shape {_shape_text(shape)}. It scales each query's term; the "
                 "rankings always use the whole batch."
@@ -383,8 +281,8 @@ class RetrievalLoss(keras.losses.Loss):
                 type(self).__name__,
                 "its own __call__ path, which does not gather the replicas' rows,",
                 shapes_only=in_symbolic_scope())
-        reduction = _KerasReduction(name=self.name, reduction=self.reduction,
-                                    dtype=self.dtype)
+        reduction = KerasReduction(name=self.name, reduction=self.reduction,
+                                   dtype=self.dtype)
         return reduction(terms, terms, sample_weight)
 
     def query_database_loss(self, query_labels, query_embeddings, db_labels, db_embeddings,
@@ -398,17 +296,12 @@ class RetrievalLoss(keras.losses.Loss):
         gradient flows into both inputs; stop it on the database side for a detached
         memory bank. Cost: that of the loss on a (Q, N) score matrix.
         """
-        owner = type(self).__name__
-        query_embeddings = self._check_embeddings(
-            ops.convert_to_tensor(query_embeddings, dtype=self.dtype), "query_embeddings")
-        db_embeddings = self._check_embeddings(
-            ops.convert_to_tensor(db_embeddings, dtype=self.dtype), "db_embeddings")
-        query_labels = _check_sizes(owner, check_labels(query_labels), query_embeddings,
-                                    "query_labels", "query_embeddings")
-        db_labels = _check_sizes(owner, check_labels(db_labels), db_embeddings,
-                                 "db_labels", "db_embeddings")
-        finite, (query_embeddings, db_embeddings) = _finite_or_zero(query_embeddings,
-                                                                    db_embeddings)
+        query_labels, query_embeddings = self._rows(
+            check_labels(query_labels), query_embeddings, ("query_labels", "query_embeddings"))
+        db_labels, db_embeddings = self._rows(check_labels(db_labels), db_embeddings,
+                                              ("db_labels", "db_embeddings"))
+        finite, (query_embeddings, db_embeddings) = finite_or_zero(query_embeddings,
+                                                                   db_embeddings)
         scores = self.pairwise(query_embeddings, db_embeddings)
         positives, all_items = label_masks(query_labels, db_labels)
         if candidates is not None:
@@ -446,7 +339,7 @@ class RetrievalLoss(keras.losses.Loss):
         total = ops.sum(weights)
         relative = weights * count / ops.where(total > 0, total, ops.ones_like(total))
         terms = ops.where(valid, values * relative, ops.zeros_like(values))
-        return _with_mask(_nan_unless(finite, terms), valid)
+        return with_mask(nan_unless(finite, terms), valid)
 
     # -- what subclasses implement --------------------------------------------------
 
@@ -483,8 +376,5 @@ class RetrievalLoss(keras.losses.Loss):
         """
         raise NotImplementedError(f"{type(self).__name__} must implement per_query")
 
-    def get_config(self):
-        config = super().get_config()
-        config.update(normalize=self.normalize, include_self=self.include_self,
-                      drop_lone_queries=self.drop_lone_queries, dtype=self.dtype)
-        return config
+
+fill_shared_args(RetrievalLoss)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from tfaploss.losses.base import RetrievalLoss, _in_xla_context
-from tfaploss.ops.backend import ascending_order, gather_rows, inverse_permutations
+from tfaploss.losses._checks import in_xla_context, one_of
+from tfaploss.losses.base import RetrievalLoss
+from tfaploss.ops.backend import ascending_order, dim, gather_rows, inverse_permutations
 from tfaploss.ops.masks import masked_mean, safe_normalize
 
 _MINING = ("semihard", "hard", "all")
@@ -37,7 +38,7 @@ def _negatives_below(distances, query_values, queries, negatives):
     inf = ops.full_like(distances, float("inf"))
     keys = ops.concatenate([ops.where(negatives, distances, inf),
                             ops.where(queries, query_values, inf)], axis=-1)
-    n2 = keys.shape[-1] if keys.shape[-1] is not None else ops.shape(keys)[-1]
+    n2 = dim(keys, -1)
     order = ascending_order(keys)  # ties keep the lower index first
     position = inverse_permutations(order)
     zeros = ops.zeros_like(distances)
@@ -47,10 +48,10 @@ def _negatives_below(distances, query_values, queries, negatives):
     counts = ops.cumsum(negative_sorted, axis=-1)
     sums = ops.cumsum(gather_rows(negative_values, order), axis=-1)
     n_neg = counts[:, -1:]
-    n = distances.shape[-1] if distances.shape[-1] is not None else ops.shape(distances)[-1]
+    n = dim(distances, -1)
     query_position = position[:, n:]
     below = gather_rows(counts, query_position)
-    if _in_xla_context():
+    if in_xla_context():
         # XLA cannot lower the second InvertPermutation below: sort the negatives.
         ascending = ops.sort(keys[:, :n], axis=-1)
         next_value = gather_rows(ascending, ops.minimum(ops.cast(below, "int32"), n - 1))
@@ -108,21 +109,16 @@ class ContrastiveLoss(_DistanceLoss):
     Args:
         margin: distance below which negative pairs are penalised.
         averaging: ``"pairs"`` or ``"per_query"``, as above.
-        normalize, include_self, reduction, name, dtype: see ``RetrievalLoss``.
+{shared_args}
     """
 
     AVERAGING = ("pairs", "per_query")
+    unused_args = ("drop_lone_queries",)  # a lone query forms no pair
 
-    def __init__(self, margin=1.0, normalize=True, include_self=False,
-                 reduction="sum_over_batch_size", name="contrastive_loss", dtype=None,
-                 averaging="pairs"):
-        super().__init__(normalize=normalize, include_self=include_self,
-                         reduction=reduction, name=name, dtype=dtype)
-        if averaging not in self.AVERAGING:
-            raise ValueError(f"ContrastiveLoss: averaging must be one of {self.AVERAGING}; "
-                             f"received averaging={averaging!r}.")
+    def __init__(self, margin=1.0, averaging="pairs", *, name="contrastive_loss", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.averaging = one_of("ContrastiveLoss", "averaging", averaging, self.AVERAGING)
         self.margin = float(margin)
-        self.averaging = averaging
 
     def per_query(self, scores, positives, candidates, self_pairs=None):
         d = _distances(scores)
@@ -137,11 +133,6 @@ class ContrastiveLoss(_DistanceLoss):
         values = masked_mean(pair, candidates, axis=-1)
         return values, ops.sum(ops.cast(candidates, d.dtype), axis=-1) * has_positive
 
-    def get_config(self):
-        config = super().get_config()
-        config.pop("drop_lone_queries", None)  # a lone query forms no pair
-        config.update(margin=self.margin, averaging=self.averaging)
-        return config
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
@@ -170,17 +161,15 @@ class TripletLoss(_DistanceLoss):
     Args:
         margin: the triplet margin (TF Addons' default 1.0).
         mining: ``"semihard"``, ``"hard"`` or ``"all"``.
-        normalize, include_self, reduction, name, dtype: see ``RetrievalLoss``.
+{shared_args}
     """
 
-    def __init__(self, margin=1.0, mining="semihard", normalize=True, include_self=False,
-                 reduction="sum_over_batch_size", name="triplet_loss", dtype=None):
-        super().__init__(normalize=normalize, include_self=include_self,
-                         reduction=reduction, name=name, dtype=dtype)
-        if mining not in _MINING:
-            raise ValueError(f"mining must be one of {_MINING}; received mining={mining!r}.")
+    unused_args = ("drop_lone_queries",)  # a lone query forms no triplet
+
+    def __init__(self, margin=1.0, mining="semihard", *, name="triplet_loss", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.mining = one_of("TripletLoss", "mining", mining, _MINING)
         self.margin = float(margin)
-        self.mining = mining
 
     def per_query(self, scores, positives, candidates, self_pairs=None):
         d = _distances(scores)
@@ -218,9 +207,3 @@ class TripletLoss(_DistanceLoss):
         pair_loss = ops.where(positives, ops.relu(self.margin + d - chosen), zeros)
         values = ops.sum(pair_loss, axis=-1) / ops.maximum(n_pos, 1.0)
         return values, n_pos * valid
-
-    def get_config(self):
-        config = super().get_config()
-        config.pop("drop_lone_queries", None)  # a lone query forms no triplet
-        config.update(margin=self.margin, mining=self.mining)
-        return config

@@ -9,6 +9,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from tfaploss.losses._checks import number, positive_number
 from tfaploss.losses.base import RetrievalLoss
 from tfaploss.ops.blackbox import blackbox_ap
 
@@ -39,22 +40,14 @@ class BlackBoxAPLoss(RetrievalLoss):
         lambda_: interpolation strength of the black-box gradient.
         margin: scale of the stochastic margin (0 for deterministic).
         seed: seed of the margin noise (``None``: random).
-        normalize, include_self, drop_lone_queries, reduction, name, dtype: see
-            ``RetrievalLoss``.
+{shared_args}
     """
 
-    def __init__(self, lambda_=4.0, margin=0.02, seed=None, normalize=True,
-                 include_self=True, reduction="sum_over_batch_size",
-                 name="blackbox_ap_loss", dtype=None, drop_lone_queries=False):
-        super().__init__(normalize=normalize, include_self=include_self,
-                         reduction=reduction, name=name, dtype=dtype,
-                         drop_lone_queries=drop_lone_queries)
-        if not lambda_ > 0:
-            raise ValueError(f"lambda_ must be > 0; received lambda_={lambda_!r}.")
-        if not margin >= 0:
-            raise ValueError(f"margin must be >= 0; received margin={margin!r}.")
-        self.lambda_ = float(lambda_)
-        self.margin = float(margin)
+    def __init__(self, lambda_=4.0, margin=0.02, seed=None, include_self=True,
+                 *, name="blackbox_ap_loss", **kwargs):
+        super().__init__(include_self=include_self, name=name, **kwargs)
+        self.lambda_ = positive_number("BlackBoxAPLoss", "lambda_", lambda_)
+        self.margin = number("BlackBoxAPLoss", "margin", margin, low=0)
         self.seed = seed
         self._seed_generator = keras.random.SeedGenerator(seed) if self.margin else None
 
@@ -70,8 +63,3 @@ class BlackBoxAPLoss(RetrievalLoss):
         # gradient (and the original's 1e-5) would not be 0 there.
         has_negative = ops.any(ops.logical_and(candidates, ops.logical_not(positives)), axis=-1)
         return ops.where(has_negative, 1.0 - ap, ops.zeros_like(ap)), weights
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(lambda_=self.lambda_, margin=self.margin, seed=self.seed)
-        return config

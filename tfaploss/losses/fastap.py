@@ -7,6 +7,7 @@ from keras import ops
 
 from tfaploss.losses.base import RetrievalLoss
 from tfaploss.ops.fastap import fastap
+from tfaploss.ops.histogram import check_num_bins
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
@@ -30,26 +31,14 @@ class FastAPLoss(RetrievalLoss):
 
     Args:
         num_bins: number of distance intervals (``num_bins + 1`` bin centres).
-        normalize, include_self, drop_lone_queries, reduction, name, dtype: see
-            ``RetrievalLoss``.
+{shared_args}
     """
 
-    def __init__(self, num_bins=10, normalize=True, include_self=False,
-                 reduction="sum_over_batch_size", name="fastap_loss", dtype=None,
-                 drop_lone_queries=False):
-        super().__init__(normalize=normalize, include_self=include_self,
-                         reduction=reduction, name=name, dtype=dtype,
-                         drop_lone_queries=drop_lone_queries)
-        if int(num_bins) != num_bins or num_bins < 1:
-            raise ValueError(f"num_bins must be an integer >= 1; received num_bins={num_bins!r}.")
-        self.num_bins = int(num_bins)
+    def __init__(self, num_bins=10, *, name="fastap_loss", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.num_bins = check_num_bins(num_bins, 1)
 
     def per_query(self, scores, positives, candidates, self_pairs=None):
         ap = fastap(scores, positives, candidates, self.num_bins)
         weights = ops.cast(ops.any(positives, axis=-1), ap.dtype)
         return 1.0 - ap, weights
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(num_bins=self.num_bins)
-        return config

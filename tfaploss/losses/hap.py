@@ -11,13 +11,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from tfaploss.losses.base import (
-    RetrievalLoss,
-    _check_sizes,
-    _dtype_name,
-    _finite_or_zero,
-    check_labels,
-)
+from tfaploss.losses._checks import check, check_labels, dtype_name, finite_or_zero, number
+from tfaploss.losses.base import RetrievalLoss
 from tfaploss.losses.proxies import ClusterProxies, ProxiesOwner
 from tfaploss.ops.hap import hap_per_query, hierarchy_levels, pop_relevance
 from tfaploss.ops.masks import safe_normalize, self_pair_mask
@@ -36,7 +31,7 @@ def _check_level_labels(owner, y_true):
         raise ValueError(
             f"{owner} expects y_true of shape (batch,) or (batch, levels) holding integer "
             f"labels, finest level first; received y_true of shape {shape} (dtype "
-            f"{_dtype_name(y_true)}).")
+            f"{dtype_name(y_true)}).")
     return ops.expand_dims(check_labels(y_true), 1)
 
 
@@ -114,6 +109,7 @@ class HAPLoss(ProxiesOwner, RetrievalLoss):
             by the loss itself.
         drop_lone_queries: see ``RetrievalLoss``; a query is lone when no other item
             of the batch is relevant to it (shares no level).
+{shared_args}
 
     Example:
 
@@ -131,38 +127,29 @@ class HAPLoss(ProxiesOwner, RetrievalLoss):
 
     def __init__(self, tau=0.01, rho=100.0, delta=0.05, start=0.5, offset=1.44, alpha=1.0,
                  clustering_weight=0.0, num_classes=None, cluster_temperature=0.05,
-                 include_self=True, normalize=True, pairs_per_block=None,
-                 reduction="sum_over_batch_size", name="hap_loss", dtype=None,
-                 drop_lone_queries=False, proxies_key=None):
-        super().__init__(normalize=normalize, include_self=include_self,
-                         reduction=reduction, name=name, dtype=dtype,
-                         drop_lone_queries=drop_lone_queries)
+                 include_self=True, pairs_per_block=None, *, name="hap_loss", proxies_key=None,
+                 **kwargs):
+        super().__init__(include_self=include_self, name=name, **kwargs)
+        owner = "HAPLoss"
         try:
-            SupAPUpperStep(tau, rho, delta, start, offset)  # validates
+            self._upper = SupAPUpperStep(tau, rho, delta, start, offset)
         except ValueError as err:
             message = str(err).replace("temperature must", "tau must")
-            raise ValueError(f"HAPLoss: {message}") from None
-        if not (isinstance(alpha, (int, float)) and alpha > 0):
-            raise ValueError(f"HAPLoss: alpha must be > 0; received {alpha!r}.")
-        if not (isinstance(clustering_weight, (int, float))
-                and 0.0 <= clustering_weight < 1.0):
-            raise ValueError("HAPLoss: clustering_weight must be in [0, 1); received "
-                             f"{clustering_weight!r}.")
-        if clustering_weight > 0 and not (isinstance(num_classes, int) and num_classes > 0):
-            raise ValueError("HAPLoss: num_classes must be a positive int when "
-                             f"clustering_weight > 0; received {num_classes!r}.")
-        if not (isinstance(cluster_temperature, (int, float)) and cluster_temperature > 0):
-            raise ValueError("HAPLoss: cluster_temperature must be > 0; received "
-                             f"{cluster_temperature!r}.")
-        self.tau, self.rho, self.delta = float(tau), float(rho), float(delta)
-        self.start = float(start)
-        self.offset = None if offset is None else float(offset)
-        self.alpha = float(alpha)
-        self.clustering_weight = float(clustering_weight)
+            raise ValueError(f"{owner}: {message}") from None
+        upper = self._upper
+        self.tau, self.rho, self.delta, self.start = (upper.temperature, upper.rho,
+                                                      upper.delta, upper.start)
+        self.offset = None if offset is None else upper.offset
+        self.alpha = number(owner, "alpha", alpha, low=0, open_low=True)
+        self.clustering_weight = number(owner, "clustering_weight", clustering_weight, low=0,
+                                        high=1, open_high=True)
+        check(owner, "num_classes", num_classes, self.clustering_weight == 0 or (
+            isinstance(num_classes, int) and num_classes > 0),
+            "a positive int when clustering_weight > 0")
         self.num_classes = num_classes
-        self.cluster_temperature = float(cluster_temperature)
+        self.cluster_temperature = number(owner, "cluster_temperature", cluster_temperature,
+                                          low=0, open_low=True)
         self.pairs_per_block = pairs_per_block
-        self._upper = SupAPUpperStep(self.tau, self.rho, self.delta, self.start, self.offset)
         self._levels = None
         self._init_proxies(num_classes, proxies_key)
 
@@ -177,12 +164,8 @@ class HAPLoss(ProxiesOwner, RetrievalLoss):
 
     def call(self, y_true, y_pred):
         """Per-query terms, shape (B,), masked where a query has no relevant item."""
-        owner = type(self).__name__
-        y_pred = self._check_embeddings(ops.convert_to_tensor(y_pred, dtype=self.dtype),
-                                        "y_pred")
-        labels = _check_sizes(owner, _check_level_labels(owner, y_true), y_pred,
-                              "y_true", "y_pred")
-        finite, (y_pred,) = _finite_or_zero(y_pred)
+        labels, y_pred = self._rows(self._query_labels(y_true), y_pred)
+        finite, (y_pred,) = finite_or_zero(y_pred)
         scores = self.pairwise(y_pred, y_pred)
         level = hierarchy_levels(labels, labels)
         n = ops.shape(labels)[0]
@@ -227,12 +210,3 @@ class HAPLoss(ProxiesOwner, RetrievalLoss):
         labels = ops.cast(labels, "int32")
         ce = ops.sparse_categorical_crossentropy(labels, logits, from_logits=True)
         return ops.mean(ce)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(tau=self.tau, rho=self.rho, delta=self.delta, start=self.start,
-                      offset=self.offset, alpha=self.alpha,
-                      clustering_weight=self.clustering_weight, num_classes=self.num_classes,
-                      cluster_temperature=self.cluster_temperature,
-                      pairs_per_block=self.pairs_per_block, proxies_key=self.proxies_key)
-        return config

@@ -10,7 +10,7 @@ import keras
 from keras import ops
 
 from tfaploss.losses.base import RetrievalLoss
-from tfaploss.ops.histogram import _check_bins, histogram_ap, tie_aware_histogram_ap
+from tfaploss.ops.histogram import check_bins, histogram_ap, tie_aware_histogram_ap
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
@@ -40,18 +40,14 @@ class APLoss(RetrievalLoss):
         score_range: ``(low, high)`` of the quantised scores (paper: ``(-1, 1)``;
             the authors' code: ``(0, 1)``).
         class_balanced: weight each query by the inverse size of its class.
-        normalize, include_self, drop_lone_queries, reduction, name, dtype: see
-            ``RetrievalLoss``. The paper ranks each query against the OTHER images
-            (``include_self=False``).
+{shared_args}
+        The paper ranks each query against the OTHER images (``include_self=False``).
     """
 
     def __init__(self, num_bins=20, score_range=(-1.0, 1.0), class_balanced=False,
-                 normalize=True, include_self=False, reduction="sum_over_batch_size",
-                 name="ap_loss", dtype=None, drop_lone_queries=False):
-        super().__init__(normalize=normalize, include_self=include_self,
-                         reduction=reduction, name=name, dtype=dtype,
-                         drop_lone_queries=drop_lone_queries)
-        self.num_bins, lo, hi = _check_bins(num_bins, score_range)
+                 *, name="ap_loss", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.num_bins, lo, hi = check_bins(num_bins, score_range)
         self.score_range = (lo, hi)
         self.class_balanced = bool(class_balanced)
 
@@ -72,12 +68,6 @@ class APLoss(RetrievalLoss):
         ap = self.query_ap(scores, positives, candidates)
         return 1.0 - ap, self.query_weights(positives, ap.dtype, self_pairs)
 
-    def get_config(self):
-        config = super().get_config()
-        config.update(num_bins=self.num_bins, score_range=list(self.score_range),
-                      class_balanced=self.class_balanced)
-        return config
-
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class TieAwareAPLoss(APLoss):
@@ -92,23 +82,18 @@ class TieAwareAPLoss(APLoss):
     order of the items inside each bin, the harmonic sum approximated by
     ``ln((C_m + 1) / (C_{m-1} + 1))`` (see :func:`tfaploss.ops.tie_aware_histogram_ap`).
     Cost as :class:`APLoss`: O(B²) time and memory beyond the scores.
+
+    Args:
+        num_bins, score_range, class_balanced: as for :class:`APLoss`.
+        simplified: Eq. 13 (True) or the expected AP (False), as above.
+{shared_args}
     """
 
     def __init__(self, num_bins=20, score_range=(-1.0, 1.0), simplified=False,
-                 class_balanced=False, normalize=True, include_self=False,
-                 reduction="sum_over_batch_size", name="tie_aware_ap_loss", dtype=None,
-                 drop_lone_queries=False):
-        super().__init__(num_bins=num_bins, score_range=score_range,
-                         class_balanced=class_balanced, normalize=normalize,
-                         include_self=include_self, reduction=reduction, name=name,
-                         dtype=dtype, drop_lone_queries=drop_lone_queries)
+                 *, name="tie_aware_ap_loss", **kwargs):
+        super().__init__(num_bins, score_range, name=name, **kwargs)
         self.simplified = bool(simplified)
 
     def query_ap(self, scores, positives, candidates):
         return tie_aware_histogram_ap(scores, positives, candidates, self.num_bins,
                                       self.score_range, simplified=self.simplified)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(simplified=self.simplified)
-        return config

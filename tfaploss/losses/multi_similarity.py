@@ -6,14 +6,9 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from tfaploss.losses._checks import number, positive_number
 from tfaploss.losses.base import RetrievalLoss
 from tfaploss.ops.masks import masked_logsumexp
-
-
-def _positive_number(owner, name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{owner}: {name} must be a number > 0; received {name}={value!r}.")
-    return float(value)
 
 
 def hard_pairs(scores, positives, negatives, epsilon):
@@ -66,27 +61,17 @@ class MultiSimilarityLoss(RetrievalLoss):
         epsilon: the miner's margin (>= 0), or None (default) for every pair. The
             authors' SOP setting is ``alpha=2, beta=50, base=0.5, epsilon=0.1``
             (pytorch-metric-learning's ``MultiSimilarityMiner`` default).
-        normalize, include_self, drop_lone_queries, reduction, name, dtype: see
-            ``RetrievalLoss``.
+{shared_args}
     """
 
-    def __init__(self, alpha=2.0, beta=50.0, base=0.5, epsilon=None, normalize=True,
-                 include_self=False, reduction="sum_over_batch_size",
-                 name="multi_similarity_loss", dtype=None, drop_lone_queries=False):
-        super().__init__(normalize=normalize, include_self=include_self,
-                         reduction=reduction, name=name, dtype=dtype,
-                         drop_lone_queries=drop_lone_queries)
+    def __init__(self, alpha=2.0, beta=50.0, base=0.5, epsilon=None,
+                 *, name="multi_similarity_loss", **kwargs):
+        super().__init__(name=name, **kwargs)
         owner = type(self).__name__
-        self.alpha = _positive_number(owner, "alpha", alpha)
-        self.beta = _positive_number(owner, "beta", beta)
-        if isinstance(base, bool) or not isinstance(base, (int, float)):
-            raise ValueError(f"{owner}: base must be a number; received base={base!r}.")
-        self.base = float(base)
-        if epsilon is not None and (isinstance(epsilon, bool)
-                                    or not isinstance(epsilon, (int, float)) or epsilon < 0):
-            raise ValueError(f"{owner}: epsilon must be a number >= 0 or None; received "
-                             f"epsilon={epsilon!r}.")
-        self.epsilon = None if epsilon is None else float(epsilon)
+        self.alpha = positive_number(owner, "alpha", alpha)
+        self.beta = positive_number(owner, "beta", beta)
+        self.base = number(owner, "base", base)
+        self.epsilon = number(owner, "epsilon", epsilon, low=0, optional=True)
 
     def per_query(self, scores, positives, candidates, self_pairs=None):
         pos = ops.logical_and(self.without_self_pairs(positives, self_pairs), candidates)
@@ -97,8 +82,3 @@ class MultiSimilarityLoss(RetrievalLoss):
         push = masked_logsumexp(self.beta * (scores - self.base), neg, add_one=True)
         values = pull / self.alpha + push / self.beta
         return values, ops.ones_like(values)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(alpha=self.alpha, beta=self.beta, base=self.base, epsilon=self.epsilon)
-        return config

@@ -6,6 +6,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from tfaploss.losses._checks import one_of, positive_number
 from tfaploss.losses.base import RetrievalLoss
 from tfaploss.ops.smooth_rank import PNP_VARIANTS, pnp_per_query
 
@@ -36,33 +37,21 @@ class PNPLoss(RetrievalLoss):
         alpha: exponent of the ``"Dq"`` penalty.
         temperature: sigmoid temperature.
         include_self: include the query's own term (k = i).
-        normalize, pairs_per_block: as for :class:`~tfaploss.losses.SmoothAPLoss`.
-        drop_lone_queries: see ``RetrievalLoss`` (default True here, as the original).
+        drop_lone_queries: as for ``RetrievalLoss`` (default True here, as the original).
+{shared_args}
     """
 
     def __init__(self, variant="Dq", b=2.0, alpha=4.0, temperature=0.01, include_self=True,
-                 normalize=True, pairs_per_block=None, reduction="sum_over_batch_size",
-                 name="pnp_loss", dtype=None, drop_lone_queries=True):
-        super().__init__(normalize=normalize, include_self=include_self,
-                         reduction=reduction, name=name, dtype=dtype,
-                         drop_lone_queries=drop_lone_queries)
-        if variant not in PNP_VARIANTS:
-            raise ValueError(f"PNPLoss: variant must be one of {PNP_VARIANTS}; received "
-                             f"{variant!r}.")
-        for arg, value in (("b", b), ("alpha", alpha), ("temperature", temperature)):
-            if not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"PNPLoss: {arg} must be > 0; received {value!r}.")
-        self.variant = variant
-        self.b, self.alpha, self.temperature = float(b), float(alpha), float(temperature)
+                 pairs_per_block=None, *, name="pnp_loss", drop_lone_queries=True, **kwargs):
+        super().__init__(include_self=include_self, name=name,
+                         drop_lone_queries=drop_lone_queries, **kwargs)
+        self.variant = one_of("PNPLoss", "variant", variant, PNP_VARIANTS)
+        self.b, self.alpha, self.temperature = (
+            positive_number("PNPLoss", arg, value)
+            for arg, value in (("b", b), ("alpha", alpha), ("temperature", temperature)))
         self.pairs_per_block = pairs_per_block
 
     def per_query(self, scores, positives, candidates, self_pairs=None):
         values, counts = pnp_per_query(scores, positives, candidates, self.variant, self.b,
                                        self.alpha, self.temperature, self.pairs_per_block)
         return values, ops.cast(counts > 0, values.dtype)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(variant=self.variant, b=self.b, alpha=self.alpha,
-                      temperature=self.temperature, pairs_per_block=self.pairs_per_block)
-        return config

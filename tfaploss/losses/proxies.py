@@ -31,6 +31,8 @@ import weakref
 import keras
 import numpy as np
 
+from tfaploss.losses._checks import integer
+
 # key -> the most recently created ClassProxies of that key (weakly: a dropped model
 # takes its layer with it).
 _LAYERS: weakref.WeakValueDictionary[str, ClassProxies] = weakref.WeakValueDictionary()
@@ -67,11 +69,7 @@ class ClassProxies(keras.layers.Layer):
         # An identity: never cast the embeddings to a mixed policy's float16.
         kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
-        if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) \
-                or num_classes < 1:
-            raise ValueError(f"{type(self).__name__}: num_classes must be a positive int; "
-                             f"received num_classes={num_classes!r}.")
-        self.num_classes = int(num_classes)
+        self.num_classes = integer(type(self).__name__, "num_classes", num_classes)
         self.initializer = keras.initializers.get(
             initializer if initializer is not None else self.default_initializer())
         self.key = str(key) if key is not None else uuid.uuid4().hex

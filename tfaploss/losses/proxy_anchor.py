@@ -6,15 +6,16 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from tfaploss.losses.base import (
-    RetrievalLoss,
-    _check_sizes,
-    _concrete,
-    _finite_or_zero,
-    _nan_unless,
+from tfaploss.losses._checks import (
     check_labels,
+    concrete,
+    finite_or_zero,
+    integer,
+    nan_unless,
+    number,
+    positive_number,
 )
-from tfaploss.losses.multi_similarity import _positive_number
+from tfaploss.losses.base import RetrievalLoss
 from tfaploss.losses.proxies import ProxiesOwner
 from tfaploss.ops.masks import masked_logsumexp, pairwise_scores
 
@@ -74,22 +75,19 @@ class ProxyAnchorLoss(ProxiesOwner, RetrievalLoss):
         normalize: compare cosines (L2-normalise embeddings and proxies), as the paper.
         proxies_key: pairs the loss with its proxies layer across a save and load; set
             by the loss itself.
-        reduction, name, dtype: see ``RetrievalLoss`` and the terms above.
+        reduction: as for ``RetrievalLoss``, of the per-proxy terms above.
+{shared_args}
     """
 
-    def __init__(self, num_classes, margin=0.1, alpha=32.0, normalize=True,
-                 reduction="sum_over_batch_size", name="proxy_anchor_loss", dtype=None,
-                 proxies_key=None):
-        super().__init__(normalize=normalize, reduction=reduction, name=name, dtype=dtype)
+    unused_args = ("include_self", "drop_lone_queries")  # it ranks against proxies
+
+    def __init__(self, num_classes, margin=0.1, alpha=32.0, *, name="proxy_anchor_loss",
+                 proxies_key=None, **kwargs):
+        super().__init__(name=name, **kwargs)
         owner = type(self).__name__
-        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
-            raise ValueError(f"{owner}: num_classes must be a positive int; received "
-                             f"num_classes={num_classes!r}.")
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)):
-            raise ValueError(f"{owner}: margin must be a number; received margin={margin!r}.")
-        self.num_classes = num_classes
-        self.margin = float(margin)
-        self.alpha = _positive_number(owner, "alpha", alpha)
+        self.num_classes = integer(owner, "num_classes", num_classes)
+        self.margin = number(owner, "margin", margin)
+        self.alpha = positive_number(owner, "alpha", alpha)
         self._init_proxies(num_classes, proxies_key)
         # Every item has its class's proxy as a positive: no query is lone, nothing to
         # track or warn about (tfaploss.losses.lone_queries).
@@ -123,12 +121,9 @@ class ProxyAnchorLoss(ProxiesOwner, RetrievalLoss):
 
     def proxy_terms(self, labels, embeddings, sample_weight=None):
         """The (C,) per-proxy terms ``t_c`` of the class docstring."""
-        owner = type(self).__name__
-        embeddings = self._check_embeddings(
-            ops.convert_to_tensor(embeddings, dtype=self.dtype), "y_pred")
-        labels = _check_sizes(owner, check_labels(labels), embeddings, "y_true", "y_pred")
-        weights = self._item_weights(sample_weight, labels, embeddings.dtype)
-        finite, (embeddings,) = _finite_or_zero(embeddings)
+        labels, embeddings = self._rows(check_labels(labels), embeddings)
+        weights = self._item_weights(sample_weight, labels)
+        finite, (embeddings,) = finite_or_zero(embeddings)
         proxies = self.proxies_for(embeddings)
         scores = pairwise_scores(embeddings, proxies, normalize=self.normalize)  # (B, C)
         classes = ops.arange(self.num_classes, dtype=labels.dtype)
@@ -145,16 +140,14 @@ class ProxyAnchorLoss(ProxiesOwner, RetrievalLoss):
                                      axis=0, add_one=True)
         with_items = ops.sum(ops.cast(ops.any(pos, axis=0), scores.dtype))
         terms = pos_terms * (self.num_classes / ops.maximum(with_items, 1.0)) + neg_terms
-        return _nan_unless(ops.logical_and(finite, known), terms)
+        return nan_unless(ops.logical_and(finite, known), terms)
 
-    def _item_weights(self, sample_weight, labels, dtype):
+    def _item_weights(self, sample_weight, labels):
         """``sample_weight`` as one weight per item, shape (B,) (ones without one)."""
-        items = ops.zeros_like(labels, dtype=dtype)
         if sample_weight is None:
-            return items + 1.0
-        weights = ops.cast(self._check_sample_weight(sample_weight, items), dtype)
-        weights = ops.reshape(weights, (-1,))
-        negative = _concrete(ops.any(weights < 0))
+            return ops.ones_like(labels, dtype=self.dtype)
+        weights = self._row_weights(sample_weight, labels)
+        negative = concrete(ops.any(weights < 0))
         if negative is not None and bool(negative):
             raise ValueError(f"{type(self).__name__}: sample_weight weights items inside "
                              "the proxies' sums and must be >= 0; received a negative "
@@ -163,7 +156,7 @@ class ProxyAnchorLoss(ProxiesOwner, RetrievalLoss):
 
     def _check_label_range(self, all_known, labels):
         """``all_known``, raising now when it is known to be False (eager)."""
-        known = _concrete(all_known)
+        known = concrete(all_known)
         if known is not None and not bool(known):
             values = ops.convert_to_numpy(labels).reshape(-1)
             bad = sorted({v.item() for v in values
@@ -173,11 +166,3 @@ class ProxyAnchorLoss(ProxiesOwner, RetrievalLoss):
                 f"(num_classes={self.num_classes}, one proxy each); received labels "
                 f"{bad[:10]}{' ...' if len(bad) > 10 else ''}.")
         return all_known
-
-    def get_config(self):
-        config = super().get_config()
-        for unused in ("include_self", "drop_lone_queries"):
-            config.pop(unused, None)
-        config.update(num_classes=self.num_classes, margin=self.margin, alpha=self.alpha,
-                      proxies_key=self.proxies_key)
-        return config

@@ -3,18 +3,22 @@ Matas, "Recall@k Surrogate Loss with Large Batches and Similarity Mixup", CVPR 2
 
 from __future__ import annotations
 
-import numbers
 import random
 
 import keras
 from keras import ops
 
-from tfaploss.losses.base import (
-    RetrievalLoss,
-    _check_sizes,
-    _finite_or_zero,
+from tfaploss.losses._checks import (
+    check,
     check_labels,
+    finite_or_zero,
+    integer,
+    is_int,
+    is_number,
+    positive_ints,
+    positive_number,
 )
+from tfaploss.losses.base import RetrievalLoss
 from tfaploss.ops.masks import label_masks, safe_normalize, self_pair_mask
 from tfaploss.ops.recall_rank import (
     recall_at_k_per_query,
@@ -22,11 +26,6 @@ from tfaploss.ops.recall_rank import (
     simix_mix,
     simix_pairs,
 )
-
-
-def _is_positive_number(value):
-    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
-            and value > 0)
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
@@ -73,16 +72,12 @@ class RecallAtKLoss(RetrievalLoss):
     each class is one group, and its 6 pairs are the authors' 6); each group contributes
     all its g(g-1)/2 pairs, so F = ceil(B/g)·g(g-1)/2 (1.5·B for g = 4). A group that
     straddles two classes keeps only its same-class pairs. The authors draw ``alpha``
-    with ``np.random.uniform``; here it is a stateless counter-based hash,
-    :func:`tfaploss.ops.recall_rank.simix_coefficients`, of ``seed``, the pair's index,
-    the labels and the batch's L2-normalised embeddings rounded to a grid of 2^-10: 23
-    uniform bits per pair, constants of the step (no gradient). No random state is
-    carried, so the draws are the same on TensorFlow, JAX and PyTorch, under
-    ``jit``/``tf.function`` and in every trainer (Keras's JAX ``fit`` carries no loss
-    state; a ``SeedGenerator`` would repeat its first draw there), and they change at
-    every training step because the batch or the network that embeds it does. The same
-    seed and batch give the same coefficients (a repeated call gives the same loss);
-    :meth:`simix_coefficients` returns them. The rounding makes a chunked forward pass
+    with ``np.random.uniform``; here it is a stateless hash of ``seed``, the pair and
+    the batch (:func:`tfaploss.ops.recall_rank.simix_coefficients`), the same on every
+    backend and trainer (Keras's JAX ``fit`` carries no loss state; a ``SeedGenerator``
+    would repeat its first draw there), new at every step as the batch or the network
+    changes, and the same for the same seed and batch (:meth:`simix_coefficients`
+    returns them). Rounding the embeddings to a grid makes a chunked forward pass
     (:class:`~tfaploss.training.MultiStageModel`) draw what a single pass draws unless
     an embedding lies within rounding error of a grid line (likely only once B·D is in
     the millions; the step then uses other, equally random coefficients, its gradient
@@ -110,8 +105,7 @@ class RecallAtKLoss(RetrievalLoss):
         simix_group: items per SiMix group (the sampler's images per class; >= 2).
         seed: int folded into the SiMix coefficients' hash (None: a random one, from
             Python's ``random``, which ``keras.utils.set_random_seed`` seeds).
-        pairs_per_block: positive pairs ranked per loop step (None: automatic).
-        drop_lone_queries, reduction, name, dtype: see ``RetrievalLoss``.
+{shared_args}
 
     Example:
 
@@ -122,53 +116,25 @@ class RecallAtKLoss(RetrievalLoss):
     """
 
     def __init__(self, k=(1, 2, 4, 8, 16), tau1=0.01, tau2=1.0, include_self=True,
-                 normalize=True, simix=False, simix_group=4, seed=None,
-                 pairs_per_block=None, reduction="sum_over_batch_size",
-                 name="recall_at_k_loss", dtype=None, drop_lone_queries=False):
-        super().__init__(normalize=normalize, include_self=include_self,
-                         reduction=reduction, name=name, dtype=dtype,
-                         drop_lone_queries=drop_lone_queries)
+                 simix=False, simix_group=4, seed=None, pairs_per_block=None,
+                 *, name="recall_at_k_loss", **kwargs):
+        super().__init__(include_self=include_self, name=name, **kwargs)
         owner = "RecallAtKLoss"
-        ks = tuple(k) if isinstance(k, (list, tuple)) else None
-        if not ks or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
-                             and v > 0 for v in ks):
-            raise ValueError(f"{owner}: k must be a non-empty list of positive integers; "
-                             f"received {k!r}.")
-        if not _is_positive_number(tau1):
-            raise ValueError(f"{owner}: tau1 must be a number > 0; received {tau1!r}.")
-        if isinstance(tau2, (list, tuple)):
-            if len(tau2) != len(ks) or not all(_is_positive_number(t) for t in tau2):
-                raise ValueError(f"{owner}: tau2 must be a number > 0 or one number > 0 "
-                                 f"per k ({len(ks)} of them); received {tau2!r}.")
-            temps = tuple(float(t) for t in tau2)
-        elif _is_positive_number(tau2):
-            temps = (float(tau2),) * len(ks)
-        else:
-            raise ValueError(f"{owner}: tau2 must be a number > 0 or one number > 0 per k; "
-                             f"received {tau2!r}.")
-        if not isinstance(simix, bool):
-            raise ValueError(  # noqa: TRY004  (the library's argument errors are ValueErrors)
-                f"{owner}: simix must be True or False; received {simix!r}.")
-        if not (isinstance(simix_group, numbers.Integral) and not isinstance(simix_group, bool)
-                and simix_group >= 2):
-            raise ValueError(f"{owner}: simix_group must be an int >= 2; received "
-                             f"{simix_group!r}.")
-        if seed is not None and not (isinstance(seed, numbers.Integral)
-                                     and not isinstance(seed, bool)):
-            raise ValueError(f"{owner}: seed must be an int or None; received {seed!r}.")
-        if pairs_per_block is not None and not (
-                isinstance(pairs_per_block, int) and not isinstance(pairs_per_block, bool)
-                and pairs_per_block > 0):
-            raise ValueError(f"{owner}: pairs_per_block must be a positive int or None; "
-                             f"received {pairs_per_block!r}.")
-        self.k = tuple(int(v) for v in ks)
-        self.tau1 = float(tau1)
-        self.tau2 = list(temps) if isinstance(tau2, (list, tuple)) else float(tau2)
-        self._tau2_per_k = temps
-        self.simix = simix
-        self.simix_group = int(simix_group)
-        self.seed = None if seed is None else int(seed)
-        self.pairs_per_block = pairs_per_block
+        self.k = positive_ints(owner, "k", k)
+        self.tau1 = positive_number(owner, "tau1", tau1)
+        per_k = isinstance(tau2, (list, tuple))
+        temps = tuple(tau2) if per_k else (tau2,) * len(self.k)
+        check(owner, "tau2", tau2, len(temps) == len(self.k) and all(
+            is_number(t) and t > 0 for t in temps),
+            f"a number > 0 or one number > 0 per k ({len(self.k)} of them)")
+        self._tau2_per_k = tuple(float(t) for t in temps)
+        self.tau2 = list(self._tau2_per_k) if per_k else float(tau2)
+        self.simix = check(owner, "simix", simix, isinstance(simix, bool), "True or False")
+        self.simix_group = integer(owner, "simix_group", simix_group, low=2)
+        self.seed = None if seed is None else int(
+            check(owner, "seed", seed, is_int(seed), "an int or None"))
+        self.pairs_per_block = integer(owner, "pairs_per_block", pairs_per_block,
+                                       optional=True)
         self._k_limit = None
         # seed=None: a random one, from Python's generator (keras.utils.set_random_seed
         # seeds it).
@@ -218,15 +184,15 @@ class RecallAtKLoss(RetrievalLoss):
                               first=None, second=None):
         """The B + F terms and their checked weights (sources' mean for mixed items)."""
         terms, first, second = self._mixed_terms(labels, y_pred, alphas, first, second)
-        sample_weight = self._mixed_sample_weight(sample_weight, first, second,
-                                                  labels.shape[0])
-        return terms, self._check_sample_weight(sample_weight, terms)
+        weights = self._row_weights(sample_weight, labels, "batch item")
+        if weights is not None:  # a mixed item weighs its sources' mean
+            weights = ops.concatenate([weights, 0.5 * (ops.take(weights, first, axis=0)
+                                                       + ops.take(weights, second, axis=0))])
+        return terms, self._check_sample_weight(weights, terms)
 
     def _mixed_terms(self, labels, y_pred, alphas=None, first=None, second=None):
         owner = type(self).__name__
-        y_pred = self._check_embeddings(ops.convert_to_tensor(y_pred, dtype=self.dtype),
-                                        "y_pred")
-        labels = _check_sizes(owner, labels, y_pred, "y_true", "y_pred")
+        labels, y_pred = self._rows(labels, y_pred)
         n = labels.shape[0]
         if n is None:
             raise ValueError(f"{owner}: SiMix needs a batch of static size (the number of "
@@ -248,7 +214,7 @@ class RecallAtKLoss(RetrievalLoss):
             valid = ops.equal(ops.take(labels, first, axis=0),
                               ops.take(labels, second, axis=0))
         num_mixed = int(first.shape[0])
-        finite, (y_pred,) = _finite_or_zero(y_pred)
+        finite, (y_pred,) = finite_or_zero(y_pred)
         x = safe_normalize(y_pred) if self.normalize else y_pred
         if alphas is None:
             alphas = simix_coefficients(x, labels, num_mixed, self._simix_seed, x.dtype)
@@ -281,40 +247,10 @@ class RecallAtKLoss(RetrievalLoss):
         """The coefficients (F,) that a call on this batch mixes its pairs with (pair f
         of :func:`tfaploss.ops.recall_rank.simix_pairs` weighs its first item by the
         f-th), whatever ``simix`` is. Cost: O(B·D)."""
-        owner = type(self).__name__
-        y_pred = self._check_embeddings(ops.convert_to_tensor(y_pred, dtype=self.dtype),
-                                        "y_pred")
-        labels = _check_sizes(owner, check_labels(y_true), y_pred, "y_true", "y_pred")
+        labels, y_pred = self._rows(check_labels(y_true), y_pred)
         if labels.shape[0] is None:
-            raise ValueError(f"{owner}: SiMix needs a batch of static size.")
+            raise ValueError(f"{type(self).__name__}: SiMix needs a batch of static size.")
         first, _, _ = simix_pairs(labels, self.simix_group)
-        _, (y_pred,) = _finite_or_zero(y_pred)
+        _, (y_pred,) = finite_or_zero(y_pred)
         x = safe_normalize(y_pred) if self.normalize else y_pred
         return simix_coefficients(x, labels, int(first.shape[0]), self._simix_seed, x.dtype)
-
-    def _mixed_sample_weight(self, sample_weight, first, second, n):
-        """Per-query weights extended to the mixed items (mean of their sources')."""
-        if sample_weight is None:
-            return None
-        sample_weight = ops.convert_to_tensor(sample_weight)
-        shape = tuple(sample_weight.shape)
-        if shape == ():
-            return sample_weight
-        if len(shape) == 2 and shape[1] == 1:
-            sample_weight = ops.squeeze(sample_weight, axis=1)
-            shape = shape[:1]
-        if len(shape) != 1 or (shape[0] is not None and n is not None and shape[0] != n):
-            raise ValueError(f"{type(self).__name__}: sample_weight must hold one weight "
-                             f"per batch item, shape ({n},) or ({n}, 1), or be a scalar; "
-                             f"received sample_weight of shape {shape}.")
-        sample_weight = ops.cast(sample_weight, self.dtype)
-        mixed = 0.5 * (ops.take(sample_weight, first, axis=0)
-                       + ops.take(sample_weight, second, axis=0))
-        return ops.concatenate([sample_weight, mixed], axis=0)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(k=list(self.k), tau1=self.tau1, tau2=self.tau2, simix=self.simix,
-                      simix_group=self.simix_group, seed=self.seed,
-                      pairs_per_block=self.pairs_per_block)
-        return config

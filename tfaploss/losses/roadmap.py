@@ -6,19 +6,21 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from tfaploss.losses._checks import number, one_of
 from tfaploss.losses.base import RetrievalLoss
+from tfaploss.losses.smooth_ap import UpperStepArgs
 from tfaploss.ops.calibration import CALIBRATION_AVERAGING, calibration_loss
-from tfaploss.ops.smooth_rank import SupAPUpperStep, sup_ap_per_query
+from tfaploss.ops.smooth_rank import sup_ap_per_query
 
 
-def _check_margins(owner, pos_margin, neg_margin, averaging):
-    for arg, value in (("pos_margin", pos_margin), ("neg_margin", neg_margin)):
-        if not isinstance(value, (int, float)):
-            raise ValueError(f"{owner}: {arg} must be a number; received {value!r}.")  # noqa: TRY004
-    if averaging not in CALIBRATION_AVERAGING:
-        raise ValueError(f"{owner}: averaging must be one of {CALIBRATION_AVERAGING}; "
-                         f"received {averaging!r}.")
-    return float(pos_margin), float(neg_margin), averaging
+class _CalibrationArgs:
+    """The calibration term's arguments, checked and kept (a mixin of the losses)."""
+
+    def _keep_margins(self, pos_margin, neg_margin, averaging):
+        owner = type(self).__name__
+        self.pos_margin = number(owner, "pos_margin", pos_margin)
+        self.neg_margin = number(owner, "neg_margin", neg_margin)
+        self.averaging = one_of(owner, "averaging", averaging, CALIBRATION_AVERAGING)
 
 
 def _broadcast_scalar(value, scores):
@@ -26,7 +28,7 @@ def _broadcast_scalar(value, scores):
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
-class CalibrationLoss(RetrievalLoss):
+class CalibrationLoss(_CalibrationArgs, RetrievalLoss):
     """ROADMAP's calibration loss.
 
     Over ordered pairs i != j of the batch:
@@ -47,16 +49,16 @@ class CalibrationLoss(RetrievalLoss):
         pos_margin: alpha, the score positives should reach (0.9).
         neg_margin: beta, the score negatives should stay below (0.6).
         averaging: ``"nonzero_pairs"`` (code) or ``"per_query"`` (paper Eq. 7).
-        normalize: L2-normalise embeddings first.
+{shared_args}
     """
 
+    # Pairs i != j: no query is ranked against itself, so none is "lone" with itself.
+    unused_args = ("include_self", "drop_lone_queries")
+
     def __init__(self, pos_margin=0.9, neg_margin=0.6, averaging="nonzero_pairs",
-                 normalize=True, reduction="sum_over_batch_size", name="calibration_loss",
-                 dtype=None):
-        super().__init__(normalize=normalize, include_self=False, reduction=reduction,
-                         name=name, dtype=dtype)
-        self.pos_margin, self.neg_margin, self.averaging = _check_margins(
-            "CalibrationLoss", pos_margin, neg_margin, averaging)
+                 *, name="calibration_loss", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self._keep_margins(pos_margin, neg_margin, averaging)
 
     def per_query(self, scores, positives, candidates, self_pairs=None):
         # The code's reduction runs over pairs, not queries: every query carries the
@@ -69,18 +71,9 @@ class CalibrationLoss(RetrievalLoss):
         values = _broadcast_scalar(total, scores)
         return values, _broadcast_scalar(ops.cast(any_pair, scores.dtype), scores)
 
-    def get_config(self):
-        config = super().get_config()
-        # Always False: pairs i != j, so no query is ever "lone" with itself.
-        config.pop("include_self", None)
-        config.pop("drop_lone_queries", None)
-        config.update(pos_margin=self.pos_margin, neg_margin=self.neg_margin,
-                      averaging=self.averaging)
-        return config
-
 
 @keras.saving.register_keras_serializable(package="tfaploss")
-class ROADMAPLoss(RetrievalLoss):
+class ROADMAPLoss(UpperStepArgs, _CalibrationArgs, RetrievalLoss):
     """ROADMAP: ``L = (1 - lambda_) * SupAP + lambda_ * Calibration`` (paper, λ = 0.5).
 
     SupAP is :class:`~tfaploss.losses.SupAPLoss` (query included as its own positive);
@@ -118,33 +111,17 @@ class ROADMAPLoss(RetrievalLoss):
 
     Args:
         lambda_: weight of the calibration term, in [0, 1].
-        temperature, rho, delta, start, offset: SupAP's upper bound (see
-            :class:`~tfaploss.losses.SupAPLoss`).
         pos_margin, neg_margin, averaging: calibration (see :class:`CalibrationLoss`).
-        include_self, normalize, pairs_per_block, drop_lone_queries: as for SupAP.
+{shared_args}
     """
 
     def __init__(self, lambda_=0.5, temperature=0.01, rho=100.0, delta=0.05, start=0.5,
                  offset=None, pos_margin=0.9, neg_margin=0.6, averaging="nonzero_pairs",
-                 include_self=True, normalize=True, pairs_per_block=None,
-                 reduction="sum_over_batch_size", name="roadmap_loss", dtype=None,
-                 drop_lone_queries=False):
-        super().__init__(normalize=normalize, include_self=include_self,
-                         reduction=reduction, name=name, dtype=dtype,
-                         drop_lone_queries=drop_lone_queries)
-        if not (isinstance(lambda_, (int, float)) and 0.0 <= lambda_ <= 1.0):
-            raise ValueError(f"ROADMAPLoss: lambda_ must be in [0, 1]; received {lambda_!r}.")
-        try:
-            SupAPUpperStep(temperature, rho, delta, start, offset)  # validates
-        except ValueError as err:
-            raise ValueError(f"ROADMAPLoss: {err}") from None
-        self.lambda_ = float(lambda_)
-        self.temperature, self.rho, self.delta = float(temperature), float(rho), float(delta)
-        self.start = float(start)
-        self.offset = None if offset is None else float(offset)
-        self.pos_margin, self.neg_margin, self.averaging = _check_margins(
-            "ROADMAPLoss", pos_margin, neg_margin, averaging)
-        self.pairs_per_block = pairs_per_block
+                 include_self=True, pairs_per_block=None, *, name="roadmap_loss", **kwargs):
+        super().__init__(include_self=include_self, name=name, **kwargs)
+        self.lambda_ = number("ROADMAPLoss", "lambda_", lambda_, low=0, high=1)
+        self._keep_upper_step(temperature, rho, delta, start, offset, pairs_per_block)
+        self._keep_margins(pos_margin, neg_margin, averaging)
 
     def per_query(self, scores, positives, candidates, self_pairs=None):
         ap, counts = sup_ap_per_query(scores, positives, candidates, self.temperature,
@@ -159,11 +136,3 @@ class ROADMAPLoss(RetrievalLoss):
         # (mean) reduction gives (1 - lambda) * SupAP + lambda * calibration.
         values = (1.0 - self.lambda_) * (1.0 - ap) + self.lambda_ * calibration
         return values, ops.cast(counts > 0, ap.dtype)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(lambda_=self.lambda_, temperature=self.temperature, rho=self.rho,
-                      delta=self.delta, start=self.start, offset=self.offset,
-                      pos_margin=self.pos_margin, neg_margin=self.neg_margin,
-                      averaging=self.averaging, pairs_per_block=self.pairs_per_block)
-        return config

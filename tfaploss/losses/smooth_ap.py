@@ -10,6 +10,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from tfaploss.losses._checks import integer, positive_number
 from tfaploss.losses.base import RetrievalLoss
 from tfaploss.ops.smooth_rank import SupAPUpperStep, smooth_ap_per_query, sup_ap_per_query
 
@@ -56,53 +57,39 @@ class SmoothAPLoss(_SmoothRankAPLoss):
 
     Args:
         temperature: sigmoid temperature (paper: 0.01).
-        include_self: the query is its own positive and is ranked (original code).
-        normalize: L2-normalise embeddings first.
-        pairs_per_block: positive pairs ranked per loop step (``None``: automatic).
-        drop_lone_queries: see ``RetrievalLoss``.
+{shared_args}
     """
 
-    def __init__(self, temperature=0.01, include_self=True, normalize=True,
-                 pairs_per_block=None, reduction="sum_over_batch_size", name="smooth_ap_loss",
-                 dtype=None, drop_lone_queries=False):
-        super().__init__(normalize=normalize, include_self=include_self,
-                         reduction=reduction, name=name, dtype=dtype,
-                         drop_lone_queries=drop_lone_queries)
-        if not (isinstance(temperature, (int, float)) and temperature > 0):
-            raise ValueError(f"SmoothAPLoss: temperature must be > 0; received {temperature!r}.")
-        self.temperature = float(temperature)
-        self.pairs_per_block = pairs_per_block
+    def __init__(self, temperature=0.01, include_self=True, pairs_per_block=None,
+                 *, name="smooth_ap_loss", **kwargs):
+        super().__init__(include_self=include_self, name=name, **kwargs)
+        self.temperature = positive_number("SmoothAPLoss", "temperature", temperature)
+        self.pairs_per_block = integer("SmoothAPLoss", "pairs_per_block", pairs_per_block,
+                                       optional=True)
 
     def _ap(self, scores, positives, candidates):
         return smooth_ap_per_query(scores, positives, candidates, self.temperature,
                                    self.pairs_per_block)
 
-    def get_config(self):
-        config = super().get_config()
-        config.update(temperature=self.temperature, pairs_per_block=self.pairs_per_block)
-        return config
-
 
 class UpperStepArgs:
-    """The step-rank upper bound's constants of SupAP and the SupRank losses: checked,
-    kept as attributes and written to the config (a mixin of ``RetrievalLoss``es)."""
+    """The step-rank upper bound's constants of SupAP, ROADMAP and the SupRank losses,
+    and their ``pairs_per_block``: checked and kept as attributes (a mixin of
+    ``RetrievalLoss``es)."""
 
     def _keep_upper_step(self, temperature, rho, delta, start, offset, pairs_per_block):
         """Check and keep the constants; returns the step (``SupAPUpperStep``)."""
+        owner = type(self).__name__
         try:
             step = SupAPUpperStep(temperature, rho, delta, start, offset)
         except ValueError as err:
-            raise ValueError(f"{type(self).__name__}: {err}") from None
-        self.temperature, self.rho, self.delta = float(temperature), float(rho), float(delta)
-        self.start = float(start)
-        self.offset = None if offset is None else float(offset)
-        self.pairs_per_block = pairs_per_block
+            raise ValueError(f"{owner}: {err}") from None
+        self.temperature, self.rho, self.delta, self.start = (step.temperature, step.rho,
+                                                              step.delta, step.start)
+        self.offset = None if offset is None else step.offset
+        self.pairs_per_block = integer(owner, "pairs_per_block", pairs_per_block,
+                                       optional=True)
         return step
-
-    def _upper_step_config(self):
-        return {"temperature": self.temperature, "rho": self.rho, "delta": self.delta,
-                "start": self.start, "offset": self.offset,
-                "pairs_per_block": self.pairs_per_block}
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
@@ -125,23 +112,14 @@ class SupAPLoss(UpperStepArgs, _SmoothRankAPLoss):
     Cost: as :class:`SmoothAPLoss`, O(B·m·B) time, O(chunk·B + B²) memory.
 
     Args:
-        temperature, rho, delta, start, offset: the upper bound's parameters.
-        include_self, normalize, pairs_per_block, drop_lone_queries: as for
-            :class:`SmoothAPLoss`.
+{shared_args}
     """
 
     def __init__(self, temperature=0.01, rho=100.0, delta=0.05, start=0.5, offset=None,
-                 include_self=True, normalize=True, pairs_per_block=None,
-                 reduction="sum_over_batch_size", name="sup_ap_loss", dtype=None,
-                 drop_lone_queries=False):
-        super().__init__(normalize=normalize, include_self=include_self,
-                         reduction=reduction, name=name, dtype=dtype,
-                         drop_lone_queries=drop_lone_queries)
+                 include_self=True, pairs_per_block=None, *, name="sup_ap_loss", **kwargs):
+        super().__init__(include_self=include_self, name=name, **kwargs)
         self._keep_upper_step(temperature, rho, delta, start, offset, pairs_per_block)
 
     def _ap(self, scores, positives, candidates):
         return sup_ap_per_query(scores, positives, candidates, self.temperature, self.rho,
                                 self.delta, self.start, self.offset, self.pairs_per_block)
-
-    def get_config(self):
-        return {**super().get_config(), **self._upper_step_config()}

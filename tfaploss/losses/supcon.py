@@ -6,8 +6,8 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from tfaploss.losses._checks import positive_number
 from tfaploss.losses.base import RetrievalLoss
-from tfaploss.losses.multi_similarity import _positive_number
 from tfaploss.ops.masks import masked_logsumexp, masked_mean
 
 
@@ -35,14 +35,14 @@ class SupConLoss(RetrievalLoss):
     Args:
         temperature: the softmax temperature (> 0; pytorch-metric-learning's default
             0.1; the paper's 0.1 for its ImageNet runs).
-        normalize, include_self, reduction, name, dtype: see ``RetrievalLoss``.
+{shared_args}
     """
 
-    def __init__(self, temperature=0.1, normalize=True, include_self=False,
-                 reduction="sum_over_batch_size", name="supcon_loss", dtype=None):
-        super().__init__(normalize=normalize, include_self=include_self,
-                         reduction=reduction, name=name, dtype=dtype)
-        self.temperature = _positive_number(type(self).__name__, "temperature", temperature)
+    unused_args = ("drop_lone_queries",)  # a query without a positive has no term
+
+    def __init__(self, temperature=0.1, *, name="supcon_loss", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.temperature = positive_number(type(self).__name__, "temperature", temperature)
 
     def per_query(self, scores, positives, candidates, self_pairs=None):
         others = self.without_self_pairs(candidates, self_pairs)
@@ -54,9 +54,3 @@ class SupConLoss(RetrievalLoss):
         negatives = ops.any(ops.logical_and(others, ops.logical_not(positives)))
         return values, ops.cast(ops.logical_and(ops.any(pos, axis=-1), negatives),
                                 values.dtype)
-
-    def get_config(self):
-        config = super().get_config()
-        config.pop("drop_lone_queries", None)  # a query without a positive has no term
-        config.update(temperature=self.temperature)
-        return config

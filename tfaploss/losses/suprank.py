@@ -26,8 +26,10 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from tfaploss.losses._checks import positive_ints, positive_number
 from tfaploss.losses.base import RetrievalLoss
 from tfaploss.losses.smooth_ap import UpperStepArgs
+from tfaploss.ops.backend import dim
 from tfaploss.ops.smooth_rank import (
     HeavisideStep,
     positive_rank_terms,
@@ -41,19 +43,11 @@ _AT_K = (1, 2, 4, 8, 16)
 
 
 class _SupRankLoss(UpperStepArgs, RetrievalLoss):
-    """Constructor, validation and config common to the SupRank surrogates."""
+    """Constructor and ranks common to the SupRank surrogates."""
 
-    def __init__(self, temperature, rho, delta, start, offset, include_self, normalize,
-                 pairs_per_block, reduction, name, dtype, drop_lone_queries):
-        super().__init__(normalize=normalize, include_self=include_self,
-                         reduction=reduction, name=name, dtype=dtype,
-                         drop_lone_queries=drop_lone_queries)
-        owner = type(self).__name__
-        if pairs_per_block is not None and not (
-                isinstance(pairs_per_block, int) and not isinstance(pairs_per_block, bool)
-                and pairs_per_block > 0):
-            raise ValueError(f"{owner}: pairs_per_block must be a positive int or None; "
-                             f"received {pairs_per_block!r}.")
+    def __init__(self, temperature=_TAU, rho=_RHO, delta=_DELTA, start=_START,
+                 offset=_OFFSET, include_self=True, pairs_per_block=None, **kwargs):
+        super().__init__(include_self=include_self, **kwargs)
         self._upper = self._keep_upper_step(temperature, rho, delta, start, offset,
                                             pairs_per_block)
 
@@ -63,9 +57,6 @@ class _SupRankLoss(UpperStepArgs, RetrievalLoss):
                                                    HeavisideStep(), self._upper,
                                                    self.pairs_per_block)
         return 1.0 + pos_above + neg_above
-
-    def get_config(self):
-        return {**super().get_config(), **self._upper_step_config()}
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
@@ -116,32 +107,15 @@ class SupRecallLoss(_SupRankLoss):
     Args:
         at_k: the ks of Recall@k, positive ints (a list or tuple).
         recall_temperature: temperature of the sigmoid of ``k - rank`` (``temp``).
-        temperature, rho, delta, start, offset: the step-rank upper bound
-            (:class:`~tfaploss.ops.smooth_rank.SupAPUpperStep`; ``offset=None``:
-            continuous at ``delta``).
-        include_self: the query is its own positive and is ranked (original code).
-        normalize: L2-normalise embeddings first.
-        pairs_per_block: positive pairs ranked per loop step (``None``: automatic).
-        drop_lone_queries, reduction, name, dtype: see ``RetrievalLoss``.
+{shared_args}
     """
 
-    def __init__(self, at_k=_AT_K, recall_temperature=1.0, temperature=_TAU, rho=_RHO,
-                 delta=_DELTA, start=_START, offset=_OFFSET, include_self=True,
-                 normalize=True, pairs_per_block=None, reduction="sum_over_batch_size",
-                 name="sup_recall_loss", dtype=None, drop_lone_queries=False):
-        super().__init__(temperature, rho, delta, start, offset, include_self, normalize,
-                         pairs_per_block, reduction, name, dtype, drop_lone_queries)
-        ks = at_k if isinstance(at_k, (list, tuple)) else None
-        if not ks or not all(isinstance(k, int) and not isinstance(k, bool) and k > 0
-                             for k in ks):
-            raise ValueError("SupRecallLoss: at_k must be a non-empty list of positive "
-                             f"integers; received at_k={at_k!r}.")
-        if not (isinstance(recall_temperature, (int, float))
-                and not isinstance(recall_temperature, bool) and recall_temperature > 0):
-            raise ValueError("SupRecallLoss: recall_temperature must be a positive number; "
-                             f"received recall_temperature={recall_temperature!r}.")
-        self.at_k = tuple(int(k) for k in ks)
-        self.recall_temperature = float(recall_temperature)
+    def __init__(self, at_k=_AT_K, recall_temperature=1.0, *args, name="sup_recall_loss",
+                 **kwargs):
+        super().__init__(*args, name=name, **kwargs)
+        self.at_k = positive_ints("SupRecallLoss", "at_k", at_k)
+        self.recall_temperature = positive_number("SupRecallLoss", "recall_temperature",
+                                                  recall_temperature)
 
     def per_query(self, scores, positives, candidates, self_pairs=None):
         positives = ops.logical_and(positives, candidates)
@@ -156,11 +130,6 @@ class SupRecallLoss(_SupRankLoss):
                 ops.minimum(num_pos, float(k)), 1.0)
         recall = recall / float(len(self.at_k))
         return 1.0 - recall, ops.cast(counts > 0, recall.dtype)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(at_k=list(self.at_k), recall_temperature=self.recall_temperature)
-        return config
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
@@ -206,21 +175,11 @@ class SupNDCGLoss(_SupRankLoss):
     under ``tf.function``, ~7-8 s with ``jit_compile=True``; peak RSS ~2.0 GB.
 
     Args:
-        temperature, rho, delta, start, offset: the step-rank upper bound
-            (:class:`~tfaploss.ops.smooth_rank.SupAPUpperStep`; ``offset=None``:
-            continuous at ``delta``).
-        include_self: the query is its own positive and is ranked (original code).
-        normalize: L2-normalise embeddings first.
-        pairs_per_block: relevant pairs ranked per loop step (``None``: automatic).
-        drop_lone_queries, reduction, name, dtype: see ``RetrievalLoss``.
+{shared_args}
     """
 
-    def __init__(self, temperature=_TAU, rho=_RHO, delta=_DELTA, start=_START,
-                 offset=_OFFSET, include_self=True, normalize=True, pairs_per_block=None,
-                 reduction="sum_over_batch_size", name="sup_ndcg_loss", dtype=None,
-                 drop_lone_queries=False):
-        super().__init__(temperature, rho, delta, start, offset, include_self, normalize,
-                         pairs_per_block, reduction, name, dtype, drop_lone_queries)
+    def __init__(self, *args, name="sup_ndcg_loss", **kwargs):
+        super().__init__(*args, name=name, **kwargs)
 
     def _relevance(self, positives, candidates, dtype):
         """(Q, N) relevances (0 = not relevant) and their distinct positive levels
@@ -239,8 +198,7 @@ class SupNDCGLoss(_SupRankLoss):
         dtype = scores.dtype
         relevance, levels = self._relevance(positives, candidates, dtype)
         candidates = ops.cast(candidates, "bool")
-        num_items = scores.shape[1] if scores.shape[1] is not None else ops.shape(scores)[1]
-        table = self._discount_sums(num_items, dtype)
+        table = self._discount_sums(dim(scores, 1), dtype)
         zeros = ops.zeros_like(scores)
         dcg = idcg = ops.zeros_like(scores[:, 0])
         for level in sorted(levels, reverse=True):  # few static levels

@@ -21,14 +21,16 @@ import keras
 from keras import ops
 
 from tfaploss._keras_compat import in_symbolic_scope  # private Keras API
-from tfaploss.losses.base import RetrievalLoss, _check_sizes, _concrete, check_labels
+from tfaploss.losses._checks import (
+    check,
+    check_labels,
+    check_sizes,
+    concrete,
+    integer,
+    is_number,
+)
+from tfaploss.losses.base import RetrievalLoss
 from tfaploss.ops import distribute
-
-
-def _check_int(owner, name, value, minimum):
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(
-            f"{owner}: `{name}` must be an int >= {minimum}, received {name}={value!r}")
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
@@ -62,11 +64,9 @@ class CrossBatchMemory(keras.layers.Layer):
         kwargs.setdefault("trainable", False)
         kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
-        _check_int("CrossBatchMemory", "size", size, 1)
-        if embedding_dim is not None:
-            _check_int("CrossBatchMemory", "embedding_dim", embedding_dim, 1)
-        self.size = size
-        self.embedding_dim = embedding_dim
+        self.size = integer("CrossBatchMemory", "size", size)
+        self.embedding_dim = integer("CrossBatchMemory", "embedding_dim", embedding_dim,
+                                     optional=True)
         self.supports_masking = True
         # (replica, shape-only?) -> `training` of the last call not yet taken by a loss.
         self._pending_training = {}
@@ -177,7 +177,7 @@ class CrossBatchMemory(keras.layers.Layer):
         per_query = getattr(loss, "reduction", None) in (None, "none")
         empty_shape = (ops.shape(query_labels)[0],) if per_query else ()
         filled = ops.convert_to_tensor(self.filled) > 0
-        known = _concrete(filled)
+        known = concrete(filled)
         if known is not None:  # eager: no cond to trace (on JAX, traced on every call)
             return with_memory() if bool(known) else ops.zeros(empty_shape, "float32")
         return ops.cond(filled, with_memory, lambda: ops.zeros(empty_shape, "float32"))
@@ -269,17 +269,11 @@ class XBMLoss(keras.losses.Loss):
                     raise ValueError(
                         f"XBMLoss: `{arg}`={value!r} differs from the given memory's "
                         f"{arg}={own!r}")
-        else:
-            _check_int("XBMLoss", "size", size, 1)
-            if embedding_dim is not None:
-                _check_int("XBMLoss", "embedding_dim", embedding_dim, 1)
-        if (isinstance(weight, bool) or not isinstance(weight, (int, float))
-                or not math.isfinite(weight) or weight < 0):
-            raise ValueError(
-                f"XBMLoss: `weight` must be a finite number >= 0, received weight={weight!r}")
+        self.weight = float(check("XBMLoss", "weight", weight, is_number(weight)
+                                  and math.isfinite(weight) and weight >= 0,
+                                  "a finite number >= 0"))
         super().__init__(name=name, reduction=loss.reduction, dtype=loss.dtype)
         self.loss = loss
-        self.weight = float(weight)
         self.memory = memory if memory is not None else CrossBatchMemory(size, embedding_dim)
 
     @property
@@ -304,7 +298,7 @@ class XBMLoss(keras.losses.Loss):
         replicas = distribute.replicas_to_gather(owner)
         with keras.name_scope(self.name):
             embeddings = ops.convert_to_tensor(y_pred)
-            labels = _check_sizes(owner, check_labels(y_true), embeddings, "y_true", "y_pred")
+            labels = check_sizes(owner, check_labels(y_true), embeddings)
             self._check_state(embeddings)
             if replicas == 1:
                 return self._loss_and_enqueue(labels, embeddings, sample_weight, training)

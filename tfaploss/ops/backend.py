@@ -17,28 +17,35 @@ def on_tensorflow() -> bool:
     return keras.backend.backend() == "tensorflow"
 
 
-def static_or_dynamic_shape(x):
-    """The shape of ``x`` as Python ints where known, else the run-time shape."""
-    if all(d is not None for d in x.shape):
-        return tuple(int(d) for d in x.shape)
-    return ops.shape(x)
+def tf_kernels():
+    """:mod:`tfaploss.ops.tensorflow_kernels` on TensorFlow, else None. (No ``:=`` at
+    its callers: AutoGraph cannot convert a function that uses it.)"""
+    if not on_tensorflow():
+        return None
+    from tfaploss.ops import tensorflow_kernels
+
+    return tensorflow_kernels
+
+
+def dim(x, axis):
+    """The size of ``x`` along ``axis``: a Python int where known, else a tensor."""
+    size = x.shape[axis]
+    return int(size) if size is not None else ops.shape(x)[axis]
 
 
 def descending_order(scores):
     """Per row, the indices by decreasing score; ties keep the lower index first."""
-    if on_tensorflow():
-        from tfaploss.ops import tensorflow_kernels
-
-        return tensorflow_kernels.descending_order(scores)
+    kernels = tf_kernels()
+    if kernels:
+        return kernels.descending_order(scores)
     return ops.argsort(-scores, axis=-1)  # a stable sort on every other backend
 
 
 def ascending_order(keys):
     """Per row, the indices by increasing key; ties keep the lower index first."""
-    if on_tensorflow():
-        from tfaploss.ops import tensorflow_kernels
-
-        return tensorflow_kernels.descending_order(-keys)
+    kernels = tf_kernels()
+    if kernels:
+        return kernels.descending_order(-keys)
     return ops.argsort(keys, axis=-1)
 
 
@@ -67,10 +74,9 @@ def inverse_permutations(order):
     ``inverse[i, order[i, p]] = p``: turns a sort order into each item's position.
     O(Q·N) time (a scatter, or TensorFlow's ``invert_permutation``), not a second sort.
     """
-    if on_tensorflow():
-        from tfaploss.ops import tensorflow_kernels
-
-        return tensorflow_kernels.inverse_permutations(order)
+    kernels = tf_kernels()
+    if kernels:
+        return kernels.inverse_permutations(order)
     order = ops.cast(order, "int32")
     rows, cols = ops.shape(order)
     row_index = ops.broadcast_to(ops.arange(rows, dtype="int32")[:, None], (rows, cols))
@@ -86,10 +92,9 @@ def two_bin_counts(index, upper, lower, num_bins):
     Differentiable in ``upper`` and ``lower`` (the backward is a gather of the (Q, M)
     gradient at each entry's two bins). O(Q·N) time and memory, no (Q, N, M) tensor.
     """
-    if on_tensorflow():
-        from tfaploss.ops import tensorflow_kernels
-
-        return tensorflow_kernels.two_bin_counts(index, upper, lower, num_bins)
+    kernels = tf_kernels()
+    if kernels:
+        return kernels.two_bin_counts(index, upper, lower, num_bins)
     rows = ops.shape(index)[0]
     offsets = ops.arange(rows, dtype="int32")[:, None] * num_bins
     flat_index = ops.reshape(ops.concatenate([index + offsets, index + 1 + offsets], -1), [-1])

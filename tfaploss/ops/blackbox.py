@@ -17,6 +17,7 @@ import keras
 from keras import ops
 
 from tfaploss.ops.backend import descending_order, gather_rows, inverse_permutations
+from tfaploss.ops.masks import ranked_masks
 
 
 def _order_and_ranks(scores):
@@ -86,10 +87,7 @@ def blackbox_ap(scores, positives, candidates=None, lambda_=4.0, margin=0.0, noi
     """
     scores = ops.convert_to_tensor(scores)
     dtype = scores.dtype
-    if candidates is None:
-        candidates = ops.ones_like(positives, dtype="bool")
-    candidates = ops.cast(candidates, "bool")
-    positives = ops.logical_and(ops.cast(positives, "bool"), candidates)
+    positives, candidates = ranked_masks(positives, candidates)
     target = ops.cast(positives, dtype)
     if margin:
         if noise is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from keras import ops
 
-from tfaploss.ops.masks import masked_mean
+from tfaploss.ops.masks import masked_mean, ranked_masks
 
 CALIBRATION_AVERAGING = ("nonzero_pairs", "per_query")
 
@@ -31,8 +31,7 @@ def calibration_loss(scores, positives, candidates, pos_margin=0.9, neg_margin=0
         raise ValueError(f"averaging must be one of {CALIBRATION_AVERAGING}; received "
                          f"{averaging!r}.")
     scores = ops.convert_to_tensor(scores)
-    candidates = ops.cast(candidates, "bool")
-    positives = ops.logical_and(ops.cast(positives, "bool"), candidates)
+    positives, candidates = ranked_masks(positives, candidates)
     negatives = ops.logical_and(candidates, ops.logical_not(positives))
     zeros = ops.zeros_like(scores)
     pos_terms = ops.where(positives, ops.relu(pos_margin - scores), zeros)

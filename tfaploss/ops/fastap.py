@@ -15,7 +15,7 @@ so FastAP is computed by the same two-adjacent-bins code: O(Q·N) time and memor
 
 from __future__ import annotations
 
-from tfaploss.ops.histogram import histogram_ap
+from tfaploss.ops.histogram import check_num_bins, histogram_ap
 
 
 def fastap(scores, positives, candidates=None, num_bins=10):
@@ -26,7 +26,5 @@ def fastap(scores, positives, candidates=None, num_bins=10):
     Queries without positives get 0; leave them out of any mean.
     Cost: O(Q·N) time and memory.
     """
-    if int(num_bins) != num_bins or num_bins < 1:
-        raise ValueError(f"num_bins must be an integer >= 1; received num_bins={num_bins!r}.")
-    return histogram_ap(scores, positives, candidates, num_bins=int(num_bins) + 1,
+    return histogram_ap(scores, positives, candidates, num_bins=check_num_bins(num_bins, 1) + 1,
                         score_range=(-1.0, 1.0))

@@ -1,8 +1,8 @@
 """H-AP's kernels (HAPPIER, Ramzi et al., ECCV 2022): multi-level label relations, the
 authors' relevance, and the blocked smoothed ranks of every relevant pair.
 
-The pairs are ranked in the fixed-size blocks of :mod:`tfaploss.ops.smooth_rank` (its
-pair enumeration and block loops, with a block kernel of its own), so memory stays
+The pairs are ranked in the fixed-size blocks of :mod:`tfaploss.ops.pair_blocks` (with
+a block kernel of its own), so memory stays
 O(pairs_per_block·B + B²) at any batch size. :class:`tfaploss.losses.HAPLoss` is the loss.
 """
 
@@ -10,13 +10,8 @@ from __future__ import annotations
 
 from keras import ops
 
-from tfaploss.ops.backend import on_tensorflow, take
-from tfaploss.ops.smooth_rank import (
-    _block_size,
-    _Blocks,
-    _keras_rank_terms,
-    _static_or_dynamic,
-)
+from tfaploss.ops.backend import dim, take
+from tfaploss.ops.pair_blocks import Blocks, blocked_rank_terms
 
 # Level code of an item that takes no part in a query's ranking (never >= a real level).
 _OUT = -1
@@ -75,7 +70,7 @@ def _hap_block_kernels(upper):
 
     def geometry(s, kind, flat):
         code, relevance = kind
-        num_items = s.shape[1] if s.shape[1] is not None else ops.shape(s)[1]
+        num_items = dim(s, 1)
         rows = flat // num_items
         t = take(s, rows, axis=0) - take(ops.reshape(s, [-1]), flat)[:, None]
         codes = take(code, rows, axis=0)
@@ -130,19 +125,9 @@ def hap_per_query(scores, level, relevance, candidates, upper, pairs_per_block=N
                           ops.zeros_like(scores))
     relevant = ops.logical_and(relevance > 0, candidates)
     code = ops.where(candidates, ops.cast(level, "int32"), ops.full_like(level, _OUT, "int32"))
-    num_queries = _static_or_dynamic(scores, 0)
-    num_items = _static_or_dynamic(scores, 1)
-    blocks = _Blocks(relevant, _block_size(num_queries, num_items, pairs_per_block))
-    forward, backward = _hap_block_kernels(upper)
-    kind = (code, relevance)
-    if on_tensorflow():
-        from tfaploss.ops import tensorflow_kernels
-
-        hrank_sum, rank_sum = tensorflow_kernels.blocked_rank_terms(
-            scores, kind, blocks, True, ("hap", *upper.key), forward, backward)
-    else:
-        hrank_sum, rank_sum = _keras_rank_terms(scores, kind, blocks, True, forward,
-                                                backward)
+    hrank_sum, rank_sum = blocked_rank_terms(scores, (code, relevance),
+                                             Blocks(relevant, pairs_per_block), True,
+                                             ("hap", *upper.key), *_hap_block_kernels(upper))
     ratio = (relevance + hrank_sum) / (1.0 + rank_sum)
     total = ops.sum(ops.where(relevant, ratio, ops.zeros_like(ratio)), axis=1)
     norm = ops.sum(relevance, axis=1)

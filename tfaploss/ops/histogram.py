@@ -21,11 +21,20 @@ from __future__ import annotations
 from keras import ops
 
 from tfaploss.ops.backend import two_bin_counts
+from tfaploss.ops.masks import ranked_masks
 
 
-def _check_bins(num_bins, score_range):
-    if int(num_bins) != num_bins or num_bins < 2:
-        raise ValueError(f"num_bins must be an integer >= 2; received num_bins={num_bins!r}.")
+def check_num_bins(num_bins, least=2):
+    """``num_bins`` as an int, refused unless a whole number >= ``least``."""
+    if int(num_bins) != num_bins or num_bins < least:
+        raise ValueError(f"num_bins must be an integer >= {least}; received "
+                         f"num_bins={num_bins!r}.")
+    return int(num_bins)
+
+
+def check_bins(num_bins, score_range):
+    """``(num_bins, low, high)`` of a histogram, checked."""
+    num_bins = check_num_bins(num_bins)
     try:
         lo, hi = (float(v) for v in score_range)
     except (TypeError, ValueError):
@@ -34,7 +43,7 @@ def _check_bins(num_bins, score_range):
         ) from None
     if not lo < hi:
         raise ValueError(f"score_range must have low < high; received score_range={score_range!r}.")
-    return int(num_bins), lo, hi
+    return num_bins, lo, hi
 
 
 def two_bin_assignment(scores, num_bins=20, score_range=(-1.0, 1.0)):
@@ -47,7 +56,7 @@ def two_bin_assignment(scores, num_bins=20, score_range=(-1.0, 1.0)):
     sum to 1; outside the range the edge bin gets 1 with zero gradient).
     Cost: O(size of scores).
     """
-    num_bins, lo, hi = _check_bins(num_bins, score_range)
+    num_bins, lo, hi = check_bins(num_bins, score_range)
     scores = ops.convert_to_tensor(scores)
     delta = (hi - lo) / (num_bins - 1)
     u = ops.clip((hi - scores) / delta, 0.0, float(num_bins - 1))
@@ -72,10 +81,7 @@ def soft_histograms(scores, positives, candidates=None, num_bins=20, score_range
     scores = ops.convert_to_tensor(scores)
     dtype = scores.dtype
     num_bins = int(num_bins)
-    if candidates is None:
-        candidates = ops.ones_like(positives, dtype="bool")
-    candidates = ops.cast(candidates, "bool")
-    positives = ops.logical_and(ops.cast(positives, "bool"), candidates)
+    positives, candidates = ranked_masks(positives, candidates)
     index, frac = two_bin_assignment(scores, num_bins, score_range)
     upper, lower = 1.0 - frac, frac
     cand = ops.cast(candidates, dtype)
@@ -90,9 +96,7 @@ def _shift_right(x):
 
 
 def _positive_counts(positives, candidates, dtype):
-    if candidates is not None:
-        positives = ops.logical_and(ops.cast(positives, "bool"), ops.cast(candidates, "bool"))
-    return ops.sum(ops.cast(positives, dtype), axis=-1)
+    return ops.sum(ops.cast(ranked_masks(positives, candidates)[0], dtype), axis=-1)
 
 
 def _safe_divide(num, den):

@@ -60,6 +60,15 @@ def label_masks(query_labels, db_labels, exclude_self=False):
     return ops.logical_and(same, candidates), candidates
 
 
+def ranked_masks(positives, candidates=None):
+    """``(positives, candidates)`` as bool (Q, N) masks, the positives limited to the
+    candidates (every item is a candidate when ``candidates`` is None)."""
+    positives = ops.cast(positives, "bool")
+    candidates = (ops.ones_like(positives) if candidates is None
+                  else ops.cast(candidates, "bool"))
+    return ops.logical_and(positives, candidates), candidates
+
+
 def masked_logsumexp(x, mask, axis=-1, add_one=False):
     """``log(sum_{mask} exp(x))`` along ``axis`` (``log(1 + sum ...)`` with ``add_one``).
 

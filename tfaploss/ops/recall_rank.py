@@ -23,6 +23,8 @@ import math
 
 from keras import ops
 
+from tfaploss.ops.backend import dim
+from tfaploss.ops.masks import ranked_masks
 from tfaploss.ops.smooth_rank import SigmoidStep, positive_rank_terms
 
 
@@ -47,8 +49,7 @@ def recall_at_k_per_query(scores, positives, candidates, k_values, tau1, tau2,
         ``(mean_recall, num_positives)``, each (Q,); ``mean_recall`` is 0 where a query
         has no positive.
     """
-    candidates = ops.cast(candidates, "bool")
-    positives = ops.logical_and(ops.cast(positives, "bool"), candidates)
+    positives, candidates = ranked_masks(positives, candidates)
     counts = ops.sum(ops.cast(positives, "int32"), axis=1)
     step = SigmoidStep(tau1)
     # The same step for positives and negatives: their sum is every candidate but p.
@@ -57,7 +58,7 @@ def recall_at_k_per_query(scores, positives, candidates, k_values, tau1, tau2,
     rank = 1.0 + pos_above + neg_above
     dtype = rank.dtype
     if k_limit is None:
-        k_limit = scores.shape[1] if scores.shape[1] is not None else ops.shape(scores)[1]
+        k_limit = dim(scores, 1)
     limit = ops.cast(k_limit, dtype)
     k_effs = [ops.minimum(ops.cast(k, dtype), limit) for k in k_values]
     hits = _soft_hits(rank, positives, k_effs, tau2)

@@ -72,9 +72,8 @@ def warn_unless(condition, message: str, category: type[Warning] = RuntimeWarnin
     like the eager path's (filters, ``logging.captureWarnings``, pytest's
     ``pytest.warns``) instead of a ``tf.print`` to the process's stderr. The branch runs
     only when ``condition`` is False, so a step whose condition holds pays nothing more
-    than the ``tf.cond``. A ``WARNING: `` prefix (the one ``tf.print`` needed) is dropped.
+    than the ``tf.cond``.
     """
-    message = message.removeprefix("WARNING: ")
 
     def warn_then():
         done = tf.py_function(lambda: _warn_from_graph(message, category), [], Tout=tf.bool)
@@ -83,8 +82,6 @@ def warn_unless(condition, message: str, category: type[Warning] = RuntimeWarnin
 
     return tf.cond(condition, lambda: condition, warn_then)
 
-
-print_unless = warn_unless  # the name tfaploss.losses.base calls
 
 
 def assert_same_rows(labels, embeddings, message):
