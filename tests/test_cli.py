@@ -540,7 +540,7 @@ def test_a_beam_job_without_beam_says_how_to_install_it(tmp_path):
                    timeout=60, env=env)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_core_install_trains_the_demo_without_scann_or_matplotlib(tmp_path):
     """What a fresh core install does with the demo recipe: no ScaNN, no matplotlib, no
     faiss (blocked in the subprocess), TensorFlow's log level not set by the user. The

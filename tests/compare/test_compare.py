@@ -165,7 +165,7 @@ def digit_splits(tmp_path_factory):
     return root
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_compare_quick_runs_resumes_and_writes_its_report(digit_splits, tmp_path, capsys):
     from tfaploss.cli import main
 
@@ -221,7 +221,7 @@ def test_compare_quick_runs_resumes_and_writes_its_report(digit_splits, tmp_path
         main(args + ["--batch-sizes", "16,64"])
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_compare_images_shows_one_line_per_run_and_precise_bn_curves(digit_splits, tmp_path,
                                                                      capsys):
     """The image tier: each run's `tfaploss train` output in its log, one console line

@@ -27,7 +27,7 @@ import pytest
 from tests.distribute import multiworker_worker as worker
 from tfaploss.losses import APLoss
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.long
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 240  # both workers, from their launch; a lost peer hangs its collectives

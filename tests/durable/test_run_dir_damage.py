@@ -325,7 +325,7 @@ def test_the_python_api_raises_damaged_run_error(runs, tmp_path):
     assert err.value.path == _checkpoint(run_dir) and "cut short" in err.value.problem
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_restart_moves_the_damaged_files_aside_and_trains(runs, tmp_path):
     config, unfinished, _ = runs
     run_dir = _copy(unfinished, tmp_path)
@@ -461,7 +461,7 @@ def test_the_lock_is_released_when_training_fails(runs, tmp_path):
     assert not (run_dir / ".tfaploss.lock").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_two_tfaploss_train_at_once_the_second_is_refused(runs, tmp_path):
     """A real `tfaploss train` in a subprocess, and the same command started while it
     trains: refused, naming its PID; the first one finishes untouched."""

@@ -125,6 +125,7 @@ def test_layout_and_versions(exported, tmp_path):
         export_saved_model(model, tmp_path / "m", image_size=(64, 64))
 
 
+@pytest.mark.long
 def test_a_full_disk_leaves_no_version_and_the_rerun_exports_the_same(exported, tmp_path,
                                                                       monkeypatch):
     """ENOSPC while the version is written: one DiskFullError naming it, no temporary

@@ -506,7 +506,7 @@ def test_train_runs_each_peer_on_the_digits(digits, loss):
     assert ("cluster_proxies" in names) == (loss["name"] == "HAPLoss")
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.tensorflow
 def test_train_builds_proxies_from_the_manifest_and_resumes_them(digits, monkeypatch):
     """A Proxy-Anchor run killed after its first checkpoint resumes with the proxies it

@@ -35,7 +35,7 @@ def _temp_files(folder_):
             if is_temp_name(n) or ".tmp-" in n]
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_a_full_disk_at_each_write_of_a_job_is_one_line_and_the_rerun_ends_equal(
         tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(console, "configure", lambda verbose=False: None)  # pytest's logs

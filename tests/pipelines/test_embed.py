@@ -117,7 +117,7 @@ def test_embed_command_line_help_and_bad_model(tmp_path, monkeypatch, capsys):
                        "--output", str(tmp_path / "o")]) == 2
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_embed_rerun_killed_midway_keeps_the_previous_output(tmp_path, exported):
     import hashlib
     import os

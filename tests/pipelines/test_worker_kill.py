@@ -52,7 +52,7 @@ def test_a_killed_worker_ends_the_job_cleanly_naming_the_shard(tmp_path):
     assert mini.processes_running_with(out) == []
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_a_killed_worker_keeps_the_previous_dataset(tmp_path):
     """In this process (the workers are forked from it, with the fault armed): the
     previous version of the split stays, byte for byte."""

@@ -110,7 +110,7 @@ def _assert_same_weights(a, b):
         np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_sigterm_mid_epoch_saves_a_step_and_the_rerun_ends_equal(workspace):
     root, reference = workspace
     config = _config(root, "sigterm", root / "train")

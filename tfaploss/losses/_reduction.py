@@ -39,6 +39,9 @@ def with_mask(values, mask):
     return _mask_layer()(values, mask=mask)
 
 
+# Registered as every Keras class of the library is, although no model saves it: a loss
+# builds one per call.
+@keras.saving.register_keras_serializable(package="tfaploss")
 class KerasReduction(keras.losses.Loss):
     """Keras's ``Loss.__call__`` on per-query terms already computed: it applies
     ``sample_weight``, the terms' mask and the ``reduction`` (and, under
