@@ -64,7 +64,7 @@ def _run_tiny_suite(out: Path) -> str:
 
 
 # One test, not two sharing a fixture: pytest-xdist could run the suite once per worker.
-@pytest.mark.slow
+@pytest.mark.long
 def test_tiny_suite_prints_every_figure_beside_its_floor_and_the_previous_ratio(
         suite, tmp_path, monkeypatch, capsys):
     out = tmp_path / "results" / "suite.json"

@@ -348,6 +348,7 @@ def test_restart_moves_the_damaged_files_aside_and_trains(runs, tmp_path):
     assert len([p for p in run_dir.iterdir() if p.name.startswith("previous-")]) == 1
 
 
+@pytest.mark.long
 def test_what_a_kill_leaves_still_resumes(runs, tmp_path):
     """A last line cut short by a kill (with NUL bytes after it, as a crash without
     ordered writes can leave), an epoch re-run after a kill, a torn index and a killed

@@ -488,9 +488,9 @@ def _config(digits, run, loss, **model):
 @pytest.mark.slow
 @pytest.mark.tensorflow
 @pytest.mark.parametrize("loss", [
-    {"name": "MultiSimilarityLoss", "epsilon": 0.1},
+    pytest.param({"name": "MultiSimilarityLoss", "epsilon": 0.1}, marks=pytest.mark.long),
     {"name": "SupConLoss", "temperature": 0.1},
-    {"name": "HAPLoss", "clustering_weight": 0.1},
+    pytest.param({"name": "HAPLoss", "clustering_weight": 0.1}, marks=pytest.mark.long),
 ], ids=lambda loss: loss["name"])
 def test_train_runs_each_peer_on_the_digits(digits, loss):
     from tfaploss.run.trainer import train

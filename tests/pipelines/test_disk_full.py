@@ -63,7 +63,7 @@ def test_a_full_disk_at_each_write_of_a_job_is_one_line_and_the_rerun_ends_equal
                 os.path.join(reference, "train"))
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_a_job_on_a_full_tmpfs_stops_cleanly_and_the_rerun_publishes(tmp_path, monkeypatch,
                                                                      caplog):
     """The kernel's ENOSPC, in an image worker process writing a part file."""

@@ -51,7 +51,7 @@ def _sigterm_when(proc, out, suffix, timeout=120):
     return False
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("moment", MOMENTS)
 def test_sigterm_mid_job_publishes_nothing_half_and_the_rerun_finishes(tmp_path, moment):
     tree = mini.make_folder(str(tmp_path / "tree"), num_classes=6, per_class=12)

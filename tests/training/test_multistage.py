@@ -561,6 +561,7 @@ def test_batch_statistics_batch_norm_is_exact_ghost_batch_norm(chunk_size):
 
 
 @pytest.mark.tensorflow
+@pytest.mark.long
 def test_stage_check_catches_a_nondeterministic_model_on_tensorflow():
     images, labels = make_batch(BATCH_TF)
     model = build_exactness_model(dropout=0.5)
