@@ -105,8 +105,8 @@ test: $(STAMP) $(TORCH_STAMP)
 # under torchrun and JAX's coordinator (2 processes = 1, SIGTERM and SIGKILL + restart),
 # real small tmpfs runs of tfaploss train, serving under concurrent load, a run killed at
 # every point of its writes, Ctrl-C, a full disk at every file a run writes. Kept out of
-# `make test` so that it stays within its 15 minutes; CI (.ci/run) runs both. Run them
-# before changing the run folder, the process group or the export.
+# `make test` so that it stays within its 15 minutes. Run them before changing the run
+# folder, the process group, the jobs' publishing or the export.
 test-long: $(STAMP) $(TORCH_STAMP)
 	$(BIN)/python -m pytest -m long $(PYTEST_ARGS)
 	KERAS_BACKEND=jax $(JAX_TEST_ENV) \
