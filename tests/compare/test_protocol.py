@@ -1,4 +1,4 @@
-"""The protocol's answers to issue 47, with synthetic runners (no training):
+"""What the comparison protocol guarantees, checked with synthetic runners (no training):
 
 * tuning repeats: R independent tunings, each evaluated on the seeds; the interval over
   the repeats' means holds the tuning noise that one tuning's seed interval leaves out;
