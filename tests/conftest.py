@@ -11,6 +11,7 @@ CPU-only machine. Golden numbers from the original implementations live in
 ``tests/goldens`` (see its README).
 """
 
+import gc
 import json
 import logging
 import os
@@ -102,6 +103,24 @@ def two_replica_strategy():
     if len(devices) < 2:
         pytest.fail("tests/conftest.py should have configured two logical CPU devices")
     return tf.distribute.MirroredStrategy(devices)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _heap_settled_after_each_module():
+    """After each test module (its own fixtures torn down): collect, then freeze what
+    survives, so that CPython's cycle collector never again walks it.
+
+    A test worker accumulates millions of long-lived objects (Keras and TensorFlow state,
+    traced functions, module constants); every full collection walks them all. In one
+    measured ``make test`` the two workers spent 54 and 60 s in the collector, in pauses
+    of 1-2 s and up to 21 s, charged to whichever test happened to allocate; the first
+    ``@given`` test of a worker paid a full ``gc.collect()`` inside hypothesis (33 s).
+    Frozen, the survivors are no longer walked; garbage of later modules is still
+    collected (the frozen objects only count as outside references).
+    """
+    yield
+    gc.collect()
+    gc.freeze()
 
 
 _LOGGERS = ("", "tfaploss", "tfaploss.pipelines", "tfaploss.models",
