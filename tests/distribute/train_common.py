@@ -29,6 +29,24 @@ STEPS = 3
 TIMEOUT_S = 60  # training.distribute.timeout_s of the runs: a failing test ends soon
 
 
+def stop_point(result: dict, epoch: int, signalled: int) -> tuple[int, int, dict]:
+    """Where the ranks of a preempted run stopped, from rank 0's checkpoint indexes
+    (train_ranks.py): ``(epoch, step, index)``, 1-based, ``index`` the checkpoint's.
+
+    A rank that signals itself after step ``signalled`` of ``epoch`` is heard at the
+    ranks' next agreement (:class:`tfaploss.run.processes.StopAgreement`): after the
+    next step while an all-reduce is cheap against a step, after a few more when it is
+    not (a loaded machine: seen in ``make test-long`` beside other work), and at the
+    latest at the epoch's end, where the epoch checkpoint stands for the step one."""
+    step = result["step"]
+    if step is None:
+        index = result["epoch"]
+        assert index is not None and index["epoch"] == epoch, result
+        return epoch, STEPS, index
+    assert step["epoch"] == epoch and signalled < step["step"] <= STEPS, result
+    return step["epoch"], step["step"], step
+
+
 def write_workspace(root: Path) -> dict[str, Path]:
     """The tiny training split under ``root`` and the configs; returns
     ``{name: config path}``."""
