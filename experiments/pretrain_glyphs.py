@@ -25,7 +25,6 @@ loss is run; the record holds both numbers.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -63,23 +62,20 @@ def load(path, exclude_root, image_size, max_classes=0, seed=0):
 def frozen_scores(base, retrieval_root, image_size, test_classes):
     """Validation and test MAP@R (%) of the backbone's L2-normalised pooled features
     (BatchNorm in inference mode), on the classes ``tfaploss compare --features`` scores:
-    every validation class, and the seeded draw of ``test_classes`` test classes."""
+    every validation class, and its seeded draw of ``test_classes`` test classes."""
     import keras
-    import numpy as np
 
-    from tfaploss.compare.features import class_subset, score
+    from tfaploss.compare.features import TEST_CLASS_SEED, class_subset, score
     from tfaploss.data import make_eval_dataset
+    from tfaploss.evaluation.embed import embed_dataset
 
     embed = keras.Model(base.input, base.get_layer("gem").output)
     out = {}
-    for split, classes, seed in (("val", None, 0), ("test", test_classes, 2)):
-        xs, ys = [], []
-        for x, y, _ in make_eval_dataset(str(Path(retrieval_root) / split),
-                                         image_size=image_size, batch_size=512):
-            xs.append(np.asarray(embed(x, training=False)))
-            ys.append(y.numpy())
-        features, labels = class_subset(np.concatenate(xs), np.concatenate(ys), classes,
-                                        seed=seed)
+    for split, classes in (("val", None), ("test", test_classes)):
+        ds = make_eval_dataset(str(Path(retrieval_root) / split), image_size=image_size,
+                               batch_size=512)
+        features, labels, _ = embed_dataset(embed, ds, verbose=0, predict_step=True)
+        features, labels = class_subset(features, labels, classes, seed=TEST_CLASS_SEED)
         out[f"{split}_map@r"], out[f"{split}_r@1"], _ = score(lambda b: b, features, labels)
     return out
 
@@ -108,6 +104,7 @@ def main(argv=None):
     import numpy as np
     import tensorflow as tf
 
+    from tfaploss.durable.atomic import atomic_write_json
     from tfaploss.models import build_embedding_model
 
     started = time.time()
@@ -154,9 +151,7 @@ def main(argv=None):
               "lr": args.lr, "image_size": size, "seconds": round(time.time() - started),
               "history": {k: [float(v) for v in vs] for k, vs in history.history.items()}}
     record["frozen"] = frozen_scores(base, args.exclude, size, args.test_classes)
-    tmp = out.with_name(".tmp-" + out.with_suffix(".json").name)
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, out.with_suffix(".json"))
+    atomic_write_json(out.with_suffix(".json"), record)
     print(f"wrote {out} ({time.time() - started:.0f} s): held-out top-1 "
           f"{record['history']['val_accuracy'][-1]:.3f}; frozen features: val MAP@R "
           f"{record['frozen']['val_map@r']:.1f}, test MAP@R "

@@ -95,7 +95,7 @@ def test_sigterm_to_one_process_stops_both_then_resumes(workspace, references,
     root, _ = workspace
     assert [ranks[2]["status"] for ranks in two_processes] == [143, 143]
     # process 1 signalled itself after step 1 of epoch 1; both stopped at one agreement
-    _, _, index = stop_point(two_processes[0][2], 1, 1)
+    _, index = stop_point(two_processes[0][2], 1, 1)
     assert index["processes"] == 2
     assert [ranks[3]["status"] for ranks in two_processes] == [0, 0]
     summary = json.loads((root / "preempted2" / "summary.json").read_text())

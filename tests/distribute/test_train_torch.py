@@ -112,7 +112,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_one_step(workspace, references,
     stopped, resumed = 2, 3
     assert [ranks[stopped]["status"] for ranks in two_ranks] == [143, 143]
     # rank 1 signalled itself after step 1 of epoch 1; both stopped at one agreement
-    _, step, index = stop_point(two_ranks[0][stopped], 1, 1)
+    step, index = stop_point(two_ranks[0][stopped], 1, 1)
     assert (index["processes"], index["global_batch"]) == (2, 8)
     if step < STEPS:
         assert two_ranks[0][stopped]["epoch"] is None  # no epoch finished

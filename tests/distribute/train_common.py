@@ -29,9 +29,10 @@ STEPS = 3
 TIMEOUT_S = 60  # training.distribute.timeout_s of the runs: a failing test ends soon
 
 
-def stop_point(result: dict, epoch: int, signalled: int) -> tuple[int, int, dict]:
-    """Where the ranks of a preempted run stopped, from rank 0's checkpoint indexes
-    (train_ranks.py): ``(epoch, step, index)``, 1-based, ``index`` the checkpoint's.
+def stop_point(result: dict, epoch: int, signalled: int) -> tuple[int, dict]:
+    """The step of ``epoch`` (1-based) after which the ranks of a preempted run
+    stopped, from rank 0's checkpoint indexes (train_ranks.py), and that checkpoint's
+    index: ``(step, index)``.
 
     A rank that signals itself after step ``signalled`` of ``epoch`` is heard at the
     ranks' next agreement (:class:`tfaploss.run.processes.StopAgreement`): after the
@@ -42,9 +43,9 @@ def stop_point(result: dict, epoch: int, signalled: int) -> tuple[int, int, dict
     if step is None:
         index = result["epoch"]
         assert index is not None and index["epoch"] == epoch, result
-        return epoch, STEPS, index
+        return STEPS, index
     assert step["epoch"] == epoch and signalled < step["step"] <= STEPS, result
-    return step["epoch"], step["step"], step
+    return step["step"], step
 
 
 def write_workspace(root: Path) -> dict[str, Path]:

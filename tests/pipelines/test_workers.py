@@ -108,3 +108,26 @@ def test_a_worker_never_collects_the_tf_data_iterators_it_inherits(tmp_path):
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("collected "), done.stdout
+
+
+def test_a_pool_unfreezes_only_what_it_froze():
+    """The pool freezes the heap its workers inherit, then unfreezes it, except when its
+    caller had frozen objects itself: gc.unfreeze() would release those too."""
+    import gc
+
+    from tfaploss.pipelines import image_workers as W
+
+    def pool_once():
+        W.stop_local_pool(W.start_local_pool(1))
+
+    def frozen(obj) -> bool:  # gc.get_objects() lists the collected generations only
+        return not any(o is obj for o in gc.get_objects())
+
+    gc.unfreeze()
+    pool_once()
+    assert gc.get_freeze_count() == 0
+    kept = [[] for _ in range(3)]  # a live object of the caller's, frozen by the caller
+    gc.freeze()
+    assert frozen(kept)
+    pool_once()
+    assert frozen(kept) and gc.get_freeze_count() > 0

@@ -181,6 +181,11 @@ def baselines(train, val, test, dim: int) -> dict:
 
 HEADS = ("residual", "linear", "mlp")
 
+#: The seed of the test classes a comparison scores with ``test_classes`` set
+#: (:func:`class_subset`): the same draw in every comparison, and for anyone scoring a
+#: backbone on "the comparison's test classes".
+TEST_CLASS_SEED = 2
+
 
 class FeatureRunner:
     """Trains and scores one :class:`~tfaploss.compare.protocol.RunSpec` on features.
@@ -204,7 +209,7 @@ class FeatureRunner:
         self.train = data["train"]
         self.val = data["val"]
         self.curve_val = class_subset(*data["val"], curve_classes, seed=1)
-        self.test = class_subset(*data["test"], test_classes, seed=2)
+        self.test = class_subset(*data["test"], test_classes, seed=TEST_CLASS_SEED)
         # class ids 0..C-1 for the proxies
         self.classes, self.train_labels = np.unique(self.train[1], return_inverse=True)
         self.width = int(self.train[0].shape[1])

@@ -182,13 +182,17 @@ class _Pool:
         # tf.data iterator left in a reference cycle by earlier work in this process (a
         # notebook, a test run) waits in its destructor for threads a forked child does
         # not have, and the child hung at its first collection. What survives is frozen
-        # out of the children's collections.
+        # out of the children's collections. Unfrozen after the fork only when nothing
+        # was frozen before: gc.unfreeze() releases every frozen object, and a caller's
+        # own freeze (a pre-fork server, a test runner) is not ours to undo.
+        caller_froze = gc.get_freeze_count() > 0
         gc.collect()
         gc.freeze()
         try:
             self.executor.submit(os.getpid).result()  # forks every worker now, not in Beam
         finally:
-            gc.unfreeze()
+            if not caller_froze:
+                gc.unfreeze()
         # The worker processes (forked up front with the fork context), kept to learn
         # how each ended: the executor forgets them once it is broken.
         self.workers = dict(getattr(self.executor, "_processes", None) or {})
