@@ -25,6 +25,7 @@ loss is run; the record holds both numbers.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -59,17 +60,22 @@ def load(path, exclude_root, image_size, max_classes=0, seed=0):
     return images, labels.astype("int32"), [keep[int(c)] for c in classes], len(excluded)
 
 
-def frozen_scores(base, retrieval_root, image_size, test_classes):
-    """Validation and test MAP@R (%) of the backbone's L2-normalised pooled features
-    (BatchNorm in inference mode), on the classes ``tfaploss compare --features`` scores:
-    every validation class, and its seeded draw of ``test_classes`` test classes."""
-    import keras
+def frozen_scores(weights, retrieval_root, image_size, test_classes):
+    """Validation and test MAP@R (%) of the L2-normalised pooled features of the backbone
+    saved in ``weights``, on the classes ``tfaploss compare --features`` scores: every
+    validation class, and its seeded draw of ``test_classes`` test classes.
 
+    The backbone is rebuilt from the file as ``compare`` builds it (GeM at its default
+    exponent, BatchNorm in inference mode): the file holds the backbone only, so the
+    exponent GeM learned during pretraining is not what a comparison sees."""
     from tfaploss.compare.features import TEST_CLASS_SEED, class_subset, score
     from tfaploss.data import make_eval_dataset
     from tfaploss.evaluation.embed import embed_dataset
+    from tfaploss.models import build_embedding_model
 
-    embed = keras.Model(base.input, base.get_layer("gem").output)
+    embed = build_embedding_model("small_cnn", "gem", embedding_dim=None, head="identity",
+                                  weights=str(weights), input_shape=(image_size, image_size, 3),
+                                  freeze_bn=True)
     out = {}
     for split, classes in (("val", None), ("test", test_classes)):
         ds = make_eval_dataset(str(Path(retrieval_root) / split), image_size=image_size,
@@ -80,9 +86,23 @@ def frozen_scores(base, retrieval_root, image_size, test_classes):
     return out
 
 
+def rescore(args):
+    """Rewrite the record's frozen scores from the weights file, without retraining."""
+    from tfaploss.durable.atomic import atomic_write_json
+
+    out = Path(args.out)
+    record_path = out.with_suffix(".json")
+    record = json.loads(record_path.read_text())
+    record["test_classes"] = args.test_classes
+    record["frozen"] = frozen_scores(out, args.exclude, record["image_size"], args.test_classes)
+    atomic_write_json(record_path, record)
+    print(f"rescored {out}: val MAP@R {record['frozen']['val_map@r']:.2f}, test MAP@R "
+          f"{record['frozen']['test_map@r']:.2f}", flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", required=True, help="the pretraining split (train)")
+    p.add_argument("--data", help="the pretraining split (train)")
     p.add_argument("--exclude", required=True,
                    help="the retrieval set's root (train/val/test): its characters are dropped")
     p.add_argument("--out", required=True, help="the backbone weights file (.weights.h5)")
@@ -98,8 +118,14 @@ def main(argv=None):
                    help="pretrain on a seeded draw of this many characters (0: all); "
                         "the study's weak backbone uses few, so that its frozen features "
                         "leave room for a loss to win")
+    p.add_argument("--rescore", action="store_true",
+                   help="only rescore the frozen features of the existing --out file")
     args = p.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.rescore:
+        return rescore(args)
+    if not args.data:
+        p.error("--data is required unless --rescore")
     import keras
     import numpy as np
     import tensorflow as tf
@@ -150,7 +176,8 @@ def main(argv=None):
               "held_out_images": len(held), "epochs": args.epochs, "batch": args.batch,
               "lr": args.lr, "image_size": size, "seconds": round(time.time() - started),
               "history": {k: [float(v) for v in vs] for k, vs in history.history.items()}}
-    record["frozen"] = frozen_scores(base, args.exclude, size, args.test_classes)
+    record["test_classes"] = args.test_classes
+    record["frozen"] = frozen_scores(out, args.exclude, size, args.test_classes)
     atomic_write_json(out.with_suffix(".json"), record)
     print(f"wrote {out} ({time.time() - started:.0f} s): held-out top-1 "
           f"{record['history']['val_accuracy'][-1]:.3f}; frozen features: val MAP@R "
