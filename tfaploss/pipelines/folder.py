@@ -56,11 +56,9 @@ def parser():
     g.add_argument("--splits_from_folders", action="store_true",
                    help="INPUT_DIR holds one folder per split (train/, test/, ...), each "
                         "with class folders; write each as its own split")
-    p.add_argument("--follow_external_links", action="store_true",
-                   help="follow symlinks (files and folders) that leave INPUT_DIR; without "
-                        "it they are listed in ignored_files.jsonl")
-    p.add_argument("--split_name", default="train",
-                   help="name of the single split when no class split is asked for")
+    opts.add_options(p, (opts.FOLLOW_EXTERNAL_LINKS, (
+        "--split_name", str, "train",
+        "name of the single split when no class split is asked for")))
     return p
 
 

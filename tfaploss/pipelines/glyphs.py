@@ -74,42 +74,35 @@ RENDER_FN = "tfaploss.pipelines.glyph_render:render_png"
 
 
 def parser():
-    p = opts.build_parser(__doc__.splitlines()[0])
-    p.add_argument("--charset", default="cjk",
-                   help="characters: cjk, hangul, latin, several joined by '+' "
-                        "(cjk+hangul), or comma-separated ranges U+4E00-U+4FFF,U+AC00")
-    p.add_argument("--min_coverage", type=float, default=0.9,
-                   help="fraction of the faces taking part in a character's set that "
-                        "must have it in their cmap")
-    p.add_argument("--max_classes", type=int, default=3000,
-                   help="most characters kept (a seeded sample of the covered ones); 0: all")
-    p.add_argument("--test_fraction", type=float, default=0.5,
-                   help="fraction of the characters in the 'test' split")
-    p.add_argument("--val_fraction", type=float, default=0.1,
-                   help="fraction of the characters in the 'val' split (0: no val split)")
-    p.add_argument("--follow_external_links", action="store_true",
-                   help="follow symlinks (files and folders) that leave INPUT_DIR; without "
-                        "it they are listed in ignored_files.jsonl")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seeds the class sample, the split and every image's jitter")
-    p.add_argument("--canvas_size", type=int, default=64,
-                   help="width and height of the images in pixels")
-    p.add_argument("--margin", type=float, default=0.08,
-                   help="blank border on each side, as a fraction of the canvas")
-    p.add_argument("--scale_jitter", type=float, default=0.15,
-                   help="each glyph is drawn at 1 - U(0, this) of its full size")
-    p.add_argument("--shift_jitter", type=float, default=0.04,
-                   help="each glyph is shifted by U(-this, this) canvas widths in x and "
-                        "y (never past the canvas edge)")
-    p.add_argument("--stroke_jitter", type=float, default=1.0,
-                   help="strokes are thickened by U(0, this) canvas pixels")
-    p.add_argument("--min_images", type=int, default=2,
-                   help="characters left with fewer images than this (after the checks "
-                        "below) are dropped: a class needs two images to be retrieved")
-    p.add_argument("--keep_duplicate_outlines", action="store_true",
-                   help="also render a face whose glyph has the same outline as an "
-                        "earlier face's (by default listed as ignored)")
-    return p
+    return opts.build_parser(__doc__.splitlines()[0], (
+        ("--charset", str, "cjk", (
+            "characters: cjk, hangul, latin, several joined by '+' (cjk+hangul), or "
+            "comma-separated ranges U+4E00-U+4FFF,U+AC00")),
+        ("--min_coverage", float, 0.9, (
+            "fraction of the faces taking part in a character's set that must have it in "
+            "their cmap")),
+        ("--max_classes", int, 3000,
+         "most characters kept (a seeded sample of the covered ones); 0: all"),
+        ("--test_fraction", float, 0.5, "fraction of the characters in the 'test' split"),
+        ("--val_fraction", float, 0.1,
+         "fraction of the characters in the 'val' split (0: no val split)"),
+        opts.FOLLOW_EXTERNAL_LINKS,
+        ("--seed", int, 0, "seeds the class sample, the split and every image's jitter"),
+        ("--canvas_size", int, 64, "width and height of the images in pixels"),
+        ("--margin", float, 0.08, "blank border on each side, as a fraction of the canvas"),
+        ("--scale_jitter", float, 0.15,
+         "each glyph is drawn at 1 - U(0, this) of its full size"),
+        ("--shift_jitter", float, 0.04, (
+            "each glyph is shifted by U(-this, this) canvas widths in x and y (never past "
+            "the canvas edge)")),
+        ("--stroke_jitter", float, 1.0, "strokes are thickened by U(0, this) canvas pixels"),
+        ("--min_images", int, 2, (
+            "characters left with fewer images than this (after the checks below) are "
+            "dropped: a class needs two images to be retrieved")),
+        ("--keep_duplicate_outlines", bool, False, (
+            "also render a face whose glyph has the same outline as an earlier face's (by "
+            "default listed as ignored)")),
+    ))
 
 
 def _validate(args) -> None:
