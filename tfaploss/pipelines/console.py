@@ -1,12 +1,5 @@
-"""What a job prints: its plan, progress and summary, its result, and Beam's internals
-only when asked; and the shared ``__main__`` of the jobs.
-
-Beam logs dozens of lines per local run, none of which helps a user: the jobs keep
-Beam's loggers at WARNING (``--verbose``: INFO) and log their own plan, progress and
-summary on stderr as plain lines (a log file reads as the terminal). The result, one
-line per split (what a script reads), goes to the ``tfaploss.pipelines.result``
-logger, which :func:`configure` sends to stdout.
-"""
+"""What a job prints (its plan, progress, summary and result; Beam's internals only
+with ``--verbose``), and the shared ``__main__`` of the jobs (docs/pipelines.md)."""
 
 from __future__ import annotations
 

@@ -1,27 +1,9 @@
 """Embed a large image set with an exported SavedModel, through Beam's RunInference.
 
-For sets too large for one process (the 1M revisited distractors, the GLDv2 index)::
-
     python -m tfaploss.pipelines.embed --input OUT/test --model EXPORT/1 --output EMB [Beam options]
 
-``--input``: TFRecords written by the other jobs (a directory or a glob) or image files
-(a directory searched recursively, or a glob; the id is the relative path, the label
-the index of the top-level folder with ``--labels_from_folders``, else -1).
-``--model``: a SavedModel written by ``tfaploss.export.export_saved_model``, loaded
-once per worker with ``tf.saved_model.load`` (no Keras needed); RunInference batches
-the images.
-
-Output (``tfaploss.evaluation.load_embeddings(EMB)`` reads it)::
-
-    EMB/embeddings-00000-of-0000N.tfrecord   embedding, image/id, image/class/label
-    EMB/dead_letters.jsonl                   {"id", "path", "reason"} per failed image
-    EMB/manifest.json                        counts, model, options
-
-A re-run writes into ``.EMB.incoming`` and swaps it in only when everything is written:
-killed midway, the previous output stays intact. One job at a time per ``EMB`` (its
-lock). An undecodable image does not stop the batch: it is retried image by image
-and the bad one goes to the dead letters. Without ``--runner`` the local DirectRunner
-runs in one process (TensorFlow already uses every core inside it).
+Inputs, outputs (``tfaploss.evaluation.load_embeddings(EMB)`` reads them) and the
+staged publish: docs/pipelines.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
 """Class-per-subfolder image tree -> TFRecords (a user's own data, the demo's digits).
 
-Layout read: ``INPUT_DIR/<class name>/**/<image>`` with any of
-:data:`tfaploss.pipelines.images.IMAGE_EXTENSIONS` (JPEG, PNG, BMP, GIF, WebP, TIFF; any size,
-e.g. 8x8 PNGs). Class names are sorted in natural order ("2" before "10"); image ids
-are the paths relative to ``INPUT_DIR``.
-
-Every file under ``INPUT_DIR`` ends up in exactly one of: the records, the dead letters
-(unreadable or undecodable images, names that are not UTF-8, folders that cannot be
-listed), or ``ignored_files.jsonl`` with its reason (not an image, outside a class
-folder, hidden names, links refused by :mod:`tfaploss.pipelines.links`).
-
-Splits: without a split option everything goes to one split (``--split_name``,
-default ``train``). ``--test_classes 6,7,8,9`` puts those classes in ``test`` and the
-rest in ``train``; ``--split_classes N`` puts the first N classes (natural order) in
-``train`` and the rest in ``test`` (the zero-shot retrieval protocol of CUB/Cars/SOP).
-A tree that is already split (``INPUT_DIR/train/<class>/...``,
-``INPUT_DIR/test/<class>/...``) is refused unless ``--splits_from_folders`` is given,
-which writes each top-level folder as its own split. Labels are contiguous ``0..C-1``
-within each split; the manifest's ``label_map`` gives the folder name of each label.
+``INPUT_DIR/<class name>/**/<image>``; every file ends up in the records, the dead
+letters or ``ignored_files.jsonl``. The split options and rules: docs/pipelines.md.
 
     python -m tfaploss.pipelines.folder --input_dir digits/ --output_dir out/ --test_classes 6,7,8,9
-    python -m tfaploss.pipelines.folder --input_dir already_split/ --output_dir out/ --splits_from_folders
 """
 
 from __future__ import annotations

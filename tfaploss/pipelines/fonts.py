@@ -1,16 +1,6 @@
-"""Font files read with fontTools: their faces, what each face maps a character to, and
-whether that glyph has an outline worth rendering.
-
-Used by the driver of :mod:`tfaploss.pipelines.glyphs` while planning (the workers render
-with :mod:`tfaploss.pipelines.glyph_render`). Only the tables needed are read, and glyphs
-one by one: a CJK font has tens of thousands of glyphs and a job looks at a few
-thousand; faces of a collection that share their outline table read it once.
-
-:meth:`Face.glyph` sorts one character of a face into: not in the cmap; mapped to
-``.notdef`` or to a copy of its outline (a "missing glyph" box drawn as a glyph of its
-own); an empty outline; or a usable glyph, with a fingerprint of its outline (two faces
-whose glyphs share it draw the same outline, whatever their hinting).
-"""
+"""Font files read with fontTools for :mod:`tfaploss.pipelines.glyphs`' planning: faces,
+their cmaps, and whether a glyph has an outline worth rendering (:meth:`Face.glyph`).
+Only the tables needed are read, glyph by glyph (docs/pipelines.md)."""
 
 from __future__ import annotations
 

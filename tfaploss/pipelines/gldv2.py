@@ -1,19 +1,7 @@
 """Google Landmarks Dataset v2 (Weyand et al., CVPR'20) -> TFRecords.
 
-``--subset train`` (default): reads ``--train_csv`` from ``INPUT_DIR``, either the full
-``train.csv`` (``id,url,landmark_id``) or ``train_clean.csv`` (``landmark_id,images``
-with space-separated ids); the format is recognised from the header. Images live at
-``INPUT_DIR/train/a/b/c/<id>.jpg`` (the first three characters of the id). Classes
-with fewer than ``--min_images_per_class`` listed images are left out (counted in the
-manifest, not failures). Labels are contiguous ``0..C-1`` (sorted landmark id).
-
-``--subset retrieval``: the index and test sets for evaluation. ``index`` images
-(``index/a/b/c/<id>.jpg``) are labelled from ``index_image_to_landmark.csv``
-(``id,landmark_id``); ``test`` queries (``test/a/b/c/<id>.jpg``) come from
-``retrieval_solution_v2.1.csv`` (``id,images,Usage``; ``images`` are the relevant index
-ids or ``None``) and get the label of their relevant index images. The ground truth is
-written as JSON to ``OUTPUT_DIR/test/ground_truth.json`` (published with the test records):
-``[{"id", "relevant": [index ids], "usage"}]``.
+``--subset train`` (the training set) or ``retrieval`` (index and test, with
+``test/ground_truth.json``); the files read: docs/pipelines.md.
 
     python -m tfaploss.pipelines.gldv2 --input_dir gldv2 --output_dir out/gldv2 \\
         --train_csv train_clean.csv --max_side 512 --runner DataflowRunner ...

@@ -1,13 +1,5 @@
-"""One character of one font face -> a small image: the worker side of :mod:`tfaploss.pipelines.glyphs`.
-
-Pillow's FreeType renders the glyph at ``2 * canvas`` pixels per em (then scaled down:
-smooth edges at any canvas size); its ink is cropped, scaled so that the em square
-fills ``scale`` of the canvas inside the margin (a small character stays small), and
-further if its ink would leave that box, and pasted black on white, centred on its ink
-and shifted by ``(shift_x, shift_y)`` canvas widths, never past the edge. The jitter
-comes from :func:`jitter`, SHA-256 of ``(seed, face id, code point)``: a rerun draws the
-same images whatever the order or process. Pure Pillow, no Beam, no fontTools.
-"""
+"""One character of one font face -> a small image: the worker side of
+:mod:`tfaploss.pipelines.glyphs` (pure Pillow; how it is placed: docs/pipelines.md)."""
 
 from __future__ import annotations
 

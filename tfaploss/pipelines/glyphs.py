@@ -1,35 +1,10 @@
 """A folder of fonts -> a retrieval dataset: one class per character, one image per face.
 
-Reads every ``.ttf``, ``.otf``, ``.ttc`` and ``.otc`` file under ``INPUT_DIR`` (each face
-of a collection a face of its own) with fontTools, picks the characters of
-``--charset`` that most faces have, and has the image workers render each with every
-face that has it (:mod:`tfaploss.pipelines.glyph_render`): black on white, the em
-filling the canvas inside ``--margin`` (a small character stays small), centred on
-its ink and never cropped, with a seeded jitter of scale, shift and stroke width
-(SHA-256 of seed, face and code point: a rerun writes the same bytes). docs/data.md
-has the figures.
-
-A face *takes part* in a named set or range when its cmap has one of its characters;
-a character is *covered* when ``--min_coverage`` of the faces taking part in its set
-have it; at most ``--max_classes`` covered characters are kept (a seeded sample), and
-those left with fewer than ``--min_images`` images are dropped. Splits are by class
-(zero-shot): a seeded shuffle puts ``--test_fraction`` in ``test``,
-``--val_fraction`` in ``val`` and the rest in ``train``; labels are contiguous per
-split in code-point order, ``label_map`` gives ``"U+4E00 一"``, the manifest's
-``glyphs`` entry the faces and their image counts.
-
-Every file under ``INPUT_DIR`` ends up in exactly one place: an unreadable font is a
-dead letter (a glyph FreeType fails on: that pair); other files, hidden names and the
-links :mod:`tfaploss.pipelines.links` refuses are in ``ignored_files.jsonl`` with
-their reason. Each (kept character, face taking part) pair gives an image or an
-ignored entry ``{"path", "face", "char", "reason"}``: ``not in cmap``, ``mapped to
-.notdef``, ``same outline as .notdef`` (a box drawn as a glyph), ``empty outline``,
-``no ink when rendered``, ``same outline as another face`` (``same_as`` names it;
-``--keep_duplicate_outlines`` renders them all) or ``character with fewer than
---min_images images``: no tofu box is rendered. Fonts are read from a local folder.
+Seeded (a rerun writes the same bytes); every file and every (character, face) pair
+ends up in the records, the dead letters or ``ignored_files.jsonl`` with its reason.
+The rules: docs/pipelines.md; figures: docs/data.md.
 
     python -m tfaploss.pipelines.glyphs --input_dir data/fonts/extracted --output_dir data/glyphs
-    python -m tfaploss.pipelines.glyphs --input_dir my_fonts/ --output_dir out/ --charset latin
 """
 
 from __future__ import annotations

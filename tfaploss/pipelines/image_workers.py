@@ -1,22 +1,9 @@
 """Where the image work runs, and how its results reach the shard writers.
 
-A *task* is a few work-list records of one shard. A worker reads (or draws, for a
-record carrying a ``render`` recipe), decodes, resizes and re-encodes each image, frames
-its record and writes the task's records to one *part file* in the staging folder.
-What goes back to Beam is four numbers per image (where its record and its JPEG lie),
-never the pixels; the shard writers assemble their files from the parts. A run needs
-free space for about twice its output.
-
-On the local DirectRunner's in-memory mode (the default) tasks run in a pool of forked
-processes, one per core, forked before Beam starts its threads: PIL holds the GIL for
-part of every image, so two threads reach about 1.75x one core where two processes
-reach 1.86x (``benchmarks/pipeline.py``). Elsewhere they run on ``--image_threads``
-threads of the Beam worker. Workers import neither Beam nor TensorFlow.
-
-A worker that dies (SIGKILL, the OOM killer) breaks its pool. Each worker notes what it
-is doing in a small shared-memory board, so :func:`worker_deaths` can tell the job
-which worker died, how, and on what; the job then stops with :class:`WorkerDiedError`
-and publishes nothing.
+A worker writes each task's framed records to a part file and hands Beam only where
+they lie. Locally the tasks run in forked processes (one per core), elsewhere on
+``--image_threads`` threads; a worker that dies is named by its notes on a
+shared-memory board (:func:`worker_deaths`). docs/pipelines.md has the figures.
 """
 
 from __future__ import annotations

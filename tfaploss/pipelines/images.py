@@ -1,9 +1,5 @@
-"""The per-image work every job does: read, decode, validate, crop, resize, re-encode.
-
-Pure PIL, no Beam and no TensorFlow, so it is cheap to import in a worker. PIL releases
-the GIL while it decodes, resizes and encodes, so several threads of one worker process
-share the cores (see :mod:`tfaploss.pipelines.image_workers`).
-"""
+"""The per-image work every job does: read, decode, validate, crop, resize, re-encode
+(pure PIL, no Beam, no TensorFlow)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""Where each record of a split goes, and the work list the Beam pipeline reads.
-
-Record ``i`` of a split's ``n`` (sorted by id) goes to shard ``i * num_shards // n`` and
-class ``c`` of ``C`` to by-class shard ``c * num_class_shards // C``: the same input
-always gives the same files. The work list is JSON lines of *batches*
-(``--images_per_batch`` images of one shard), so that neither the job graph nor Beam's
-per-element cost grows with the number of images. Splits that come from a source
-transform instead of a work list (TFDS) are sharded by a hash of the id, since their
-number of records is only known afterwards.
-
-The driver hands Beam only the byte range of each shard's batches in the work list
-(:func:`write_work_list`, :func:`read_work_chunk`): a ``beam.Create`` of ranges runs on
-every runner, where a file source does not (Beam's DaskRunner translates no ``Read``).
-"""
+"""Where each record of a split goes (shard ``i * num_shards // n`` of the records
+sorted by id), and the work list of batches the Beam pipeline reads by byte range
+(docs/pipelines.md)."""
 
 from __future__ import annotations
 

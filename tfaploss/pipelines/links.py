@@ -1,16 +1,6 @@
-"""One walker and one symlink policy for the jobs that list an input folder (folder,
-glyphs): :func:`walk` lists a folder, :class:`LinkPolicy` decides its links.
-
-Every file below the folder is handed to the job, ignored with its reason (names
-starting with ``.`` or ``_`` and everything below them, devices and pipes, links the
-policy refuses) or a dead letter (names that are not UTF-8, folders that cannot be
-listed, dangling links). A link whose target lies inside the real ``--input_dir`` is
-followed; one that leaves it is ignored (:data:`LEAVES_ROOT`) unless
-``--follow_external_links``; a loop, or a second name for a file or folder already
-listed, is ignored with its reason. Real entries are listed before any link is
-followed (:meth:`LinkPolicy.defer`), so a link never takes a file from the class folder
-it really sits in. Entries are judged by real path (hard links are separate files).
-"""
+"""One walker (:func:`walk`) and one symlink policy (:class:`LinkPolicy`) for the jobs
+that list an input folder (folder, glyphs); the rules: docs/pipelines.md and
+docs/reliability.md."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""The bookkeeping of a finished split: its dead letters, ignored files and manifest, and
-the failure-fraction check.
-
-Once the Beam pipeline is done, :func:`finish_split` writes into each staged split
-folder ``dead_letters.jsonl`` (one JSON object per rejected input, with its id, path and
-reason: the planning's and the workers'), ``ignored_files.jsonl`` (files deliberately
-left out, with why) and ``manifest.json`` (counts, label maps, shards, options) last;
-only then does the runner publish the split. :func:`failure_report` names the splits
-whose failure fraction exceeds ``--max_failure_fraction``, which the runner raises as
-:class:`TooManyFailuresError` after publishing.
-"""
+"""The bookkeeping of a finished split: :func:`finish_split` writes its dead letters,
+ignored files and manifest (last) before the runner publishes it;
+:func:`raise_if_too_many` checks ``--max_failure_fraction`` after."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """Command-line handling shared by every job, and how many workers do the image work.
 
-Beam jobs conventionally split ``argv`` in two: the job's own arguments (parsed with
-argparse here) and everything else, handed to Beam's ``PipelineOptions`` (``--runner``,
-``--direct_num_workers``, ``--project``, ``--temp_location``, ``--setup_file``...).
-:class:`JobOptions` keeps that second part and reads the few of Beam's options that
-decide where the image work runs without importing Beam: on the local DirectRunner a
-job starts its image processes on the work list first, and imports Beam (about a
-second of one core) while they work.
+The job's own arguments are parsed here; the rest go to Beam's ``PipelineOptions``
+(:class:`JobOptions`, which reads the few Beam options that decide where the image work
+runs without importing Beam).
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """Revisited Oxford5k / Paris6k (Radenović et al., CVPR'18) -> TFRecords + JSON truth.
 
-Reads ``INPUT_DIR/gnd_<dataset>.pkl`` (a dict with ``imlist``, ``qimlist`` and ``gnd``,
-one dict per query with ``bbx``, ``easy``, ``hard``, ``junk``) and the images
-``INPUT_DIR/jpg/<name>.jpg``. Writes two splits:
-
-* ``database``: every ``imlist`` image, ``image/index`` = its position in ``imlist``;
-* ``queries``: every ``qimlist`` image cropped to its ``bbx`` (as the protocol
-  requires), ``image/index`` = its position in ``qimlist``, ``image/bbox`` = the box;
-
-and the ground truth as ``OUTPUT_DIR/gnd_<dataset>.json`` (same structure as the pickle,
-arrays as lists, plus ``source``: the pickle's name and SHA-256), written atomically.
-Labels are -1: retrieval is scored with the ground truth, by index.
-
-This job is the only place a ground-truth pickle is read, once per dataset, and
-evaluation reads only the JSON. The pickle is untrusted: ``INPUT_DIR/gnd_<dataset>.pkl``
-is read only when its SHA-256 is the one expected (:data:`PUBLISHED_SHA256`, or
-``--expected_sha256``), another file only when the user names it (``--ground_truth``),
-and either is read by :mod:`tfaploss.pipelines.pickle_sandbox` (an allow-list unpickler
-in a child process with memory and time limits). With ``--ground_truth_only`` the job
-converts the pickle and stops, reading no image.
+Splits ``database`` and ``queries`` (cropped to their boxes) and
+``OUTPUT_DIR/gnd_<dataset>.json``. The ground-truth pickle is untrusted: read only with
+the expected SHA-256 or when named, and then in :mod:`tfaploss.pipelines.pickle_sandbox`
+(docs/pipelines.md).
 
     python -m tfaploss.pipelines.revisited --input_dir roxford5k --dataset roxford5k --output_dir out \\
         --expected_sha256 <SHA-256 of the published gnd_roxford5k.pkl>
-    python -m tfaploss.pipelines.revisited --input_dir roxford5k --dataset roxford5k --output_dir out \\
-        --ground_truth my/gnd_roxford5k.pkl --ground_truth_only
 """
 
 from __future__ import annotations

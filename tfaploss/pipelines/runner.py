@@ -1,25 +1,10 @@
 """The job runner every preprocessing job shares: plan -> Beam -> publish.
 
-Each job reads its annotation files in the driver and hands :func:`run_job` one
-:class:`~tfaploss.pipelines.plan.SplitPlan` per split. The runner then
-
-1. writes each split's work list, batches of one shard, into a staging folder
-   (:mod:`tfaploss.pipelines.layout`);
-2. on the local DirectRunner, forks the image processes and hands them the first
-   batches, then imports Beam while they work (Beam's start-up takes a second or more
-   of one core, which would otherwise hold up every image);
-3. runs one Beam pipeline: the work lists' byte ranges (a ``Create``, which every
-   runner can start from) -> the image work -> group by output file -> the shards
-   (:mod:`tfaploss.pipelines.steps`);
-4. checks that the reports account for every planned image exactly once (else
-   :class:`IncompleteRunError`), writes the dead letters and the manifest into each
-   staged split and only then publishes it over the old one: a killed or failed run
-   leaves the previous dataset as it was;
-5. logs a summary (:mod:`tfaploss.pipelines.console`).
-
-One job at a time per output folder (its lock, :mod:`tfaploss.durable.locks`). Importing
-this module does not import Beam; it is where the jobs, tests and benchmarks import
-the shared names from (``__all__``).
+Each job hands :func:`run_job` one :class:`~tfaploss.pipelines.plan.SplitPlan` per
+split; the runner writes the work lists, starts the local image processes before it
+imports Beam, runs the pipeline, checks that every planned image is accounted for once,
+and publishes each split only when all are complete (docs/pipelines.md). Importing it
+does not import Beam; ``__all__`` is what the jobs, tests and benchmarks import.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The two Beam steps of a preprocessing job.
-
-:class:`ProcessBatchDoFn` hands each batch of the work list to the image workers
-(:mod:`tfaploss.pipelines.image_workers`), which write the framed records to part files;
-only where each record lies travels through Beam, keyed by its output file.
-:class:`WriteOutputsDoFn` gets those locations grouped by file and has the shards
-assembled from the parts (:mod:`tfaploss.pipelines.shard_writers`).
-"""
+"""The two Beam steps of a preprocessing job: :class:`ProcessBatchDoFn` (work-list
+batches -> part files, keyed by output file) and :class:`WriteOutputsDoFn` (the shards,
+assembled from the parts by :mod:`tfaploss.pipelines.shard_writers`)."""
 
 from __future__ import annotations
 

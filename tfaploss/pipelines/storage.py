@@ -1,16 +1,6 @@
 """Files for the jobs: local paths and Beam filesystem URLs, atomic writes, and the
-staged publish that keeps the previous dataset until the new one is complete.
-
-No TensorFlow here (its import costs seconds): local paths use ``os``, URLs
-(``gs://``, ``s3://``, ...) Beam's ``FileSystems``.
-
-A job writes a new version of each output folder into a staging folder beside it and
-calls :func:`publish` only when the records, dead letters and manifest are all there.
-Locally, publish is :func:`tfaploss.durable.atomic.replace_folder` (one atomic exchange
-where Linux has it; elsewhere two renames, which :func:`recover` completes after a
-crash). On object stores, where folders cannot be renamed, the old manifest is deleted
-first and the new one written last, so a manifest never describes records that are not
-there. A full disk raises :class:`tfaploss.durable.atomic.DiskFullError`.
+staged publish that keeps the previous dataset until the new one is complete
+(docs/pipelines.md). No TensorFlow here.
 """
 
 from __future__ import annotations

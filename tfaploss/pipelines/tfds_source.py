@@ -1,10 +1,7 @@
 """A prepared TensorFlow Datasets image-classification dataset -> TFRecords.
 
-For a dataset already prepared in a TFDS ``--data_dir`` (nothing is downloaded). Images
-are read undecoded and go through the same transforms as every other job. Each TFDS
-split in ``--splits`` is written under its own name, or with ``--split_classes N``
-pooled, classes ``0..N-1`` to ``train`` and the rest (relabelled) to ``test``: the
-zero-shot retrieval protocol (CUB: 100, Cars196: 98).
+Nothing is downloaded; ``--split_classes N`` pools the splits for the zero-shot protocol
+(CUB: 100, Cars196: 98).
 
     python -m tfaploss.pipelines.tfds_source --dataset cars196 --data_dir ~/tensorflow_datasets \\
         --output_dir out/cars --splits train,test --split_classes 98
