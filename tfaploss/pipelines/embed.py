@@ -40,10 +40,8 @@ _COUNTER_NS = "tfaploss.embed"
 
 
 class _LoadedModel:
-    """The loaded SavedModel and its signature. The object is kept because a
-    signature only holds weak references to its variables; a class (not a dict)
-    because Beam's model sharing takes a weak reference to what ``load_model``
-    returns."""
+    """The loaded SavedModel (a signature holds only weak references to its variables)
+    and its signature; a class, as Beam's model sharing takes a weak reference to it."""
 
     def __init__(self, loaded, fn):
         self.loaded = loaded
@@ -51,9 +49,8 @@ class _LoadedModel:
 
 
 class SavedModelBytesHandler(ModelHandler):
-    """A Beam ``ModelHandler``: encoded image bytes -> embedding, with a SavedModel. A
-    batch refused for an undecodable image is run image by image, the bad ones coming
-    back with ``inference={"error": message}``."""
+    """A Beam ``ModelHandler``: encoded image bytes -> embedding. A batch refused for an
+    undecodable image is rerun image by image, the bad ones with ``{"error": message}``."""
 
     def __init__(self, model_path: str, signature: str = "serving_default",
                  input_key: str | None = None, output_key: str | None = None,
@@ -163,21 +160,25 @@ def list_inputs(input_path: str, input_format: str = "auto"):
 
 
 def parse_image_record(serialized: bytes) -> dict[str, Any]:
-    """``{"id", "label", "data"}`` from a ``tf.train.Example`` of the pipelines' schema."""
+    """``{"id", "label", "data", "path"}`` from a ``tf.train.Example`` of the pipelines'
+    schema."""
     from tensorflow.core.example import example_pb2
 
-    ex = example_pb2.Example.FromString(serialized)
-    f = ex.features.feature
-    rec: dict[str, Any] = {"id": None, "label": -1, "data": None, "path": ""}
-    if "image/id" in f and f["image/id"].bytes_list.value:
-        rec["id"] = f["image/id"].bytes_list.value[0].decode("utf-8")
-    if "image/class/label" in f and f["image/class/label"].int64_list.value:
-        rec["label"] = int(f["image/class/label"].int64_list.value[0])
-    if "image/encoded" in f and f["image/encoded"].bytes_list.value:
-        rec["data"] = f["image/encoded"].bytes_list.value[0]
-    if "image/path" in f and f["image/path"].bytes_list.value:
-        rec["path"] = f["image/path"].bytes_list.value[0].decode("utf-8")
-    return rec
+    f = example_pb2.Example.FromString(serialized).features.feature
+
+    def first(key: str, kind: str, default):
+        values = getattr(f[key], kind).value if key in f else ()
+        return values[0] if values else default
+
+    image_id = first("image/id", "bytes_list", None)
+    return {"id": image_id.decode("utf-8") if image_id is not None else None,
+            "label": int(first("image/class/label", "int64_list", -1)),
+            "data": first("image/encoded", "bytes_list", None),
+            "path": first("image/path", "bytes_list", b"").decode("utf-8")}
+
+
+def _failed(image_id, path: str, reason: str):
+    return beam.pvalue.TaggedOutput("failed", {"id": image_id, "path": path, "reason": reason})
 
 
 class ParseRecordDoFn(beam.DoFn):
@@ -188,13 +189,11 @@ class ParseRecordDoFn(beam.DoFn):
         try:
             rec = parse_image_record(serialized)
         except Exception as e:  # noqa: BLE001 - a corrupt record is reported, not fatal
-            yield beam.pvalue.TaggedOutput("failed", {"id": None, "path": "",
-                                                      "reason": f"unparsable record: {e}"})
+            yield _failed(None, "", f"unparsable record: {e}")
             return
         if rec["id"] is None or not rec["data"]:
             missing = "image/id" if rec["id"] is None else "image/encoded"
-            yield beam.pvalue.TaggedOutput("failed", {"id": rec["id"], "path": rec["path"],
-                                                      "reason": f"record lacks {missing}"})
+            yield _failed(rec["id"], rec["path"], f"record lacks {missing}")
             return
         yield (rec["id"], rec["label"]), rec["data"]
 
@@ -211,12 +210,10 @@ class ReadImageDoFn(beam.DoFn):
             with FileSystems.open(path) as f:
                 data = f.read()
         except Exception as e:  # noqa: BLE001
-            yield beam.pvalue.TaggedOutput("failed", {"id": image_id, "path": path,
-                                                      "reason": f"unreadable: {e}"})
+            yield _failed(image_id, path, f"unreadable: {e}")
             return
         if not data:
-            yield beam.pvalue.TaggedOutput("failed", {"id": image_id, "path": path,
-                                                      "reason": "empty file"})
+            yield _failed(image_id, path, "empty file")
             return
         yield (image_id, label), data
 
@@ -238,8 +235,7 @@ class ToExampleDoFn(beam.DoFn):
         (image_id, label), result = keyed
         inference = result.inference
         if isinstance(inference, dict) and "error" in inference:
-            yield beam.pvalue.TaggedOutput("failed", {"id": image_id, "path": "",
-                                                      "reason": inference["error"]})
+            yield _failed(image_id, "", inference["error"])
             return
         self.ok.inc()
         self.done += 1
@@ -378,10 +374,9 @@ def _embed(args, beam_argv, gfile, kind, inputs, final) -> dict:
 
 
 def _run_checked(pipeline, kind, inputs):
-    """Run the pipeline; a damaged input record file (corrupt, truncated, not a
-    TFRecord file) ends it, before or during the run, with one DamagedDataError naming
-    the file, the record and the command that rebuilds it (a record that parses but
-    holds no image is a dead letter, as before)."""
+    """Run the pipeline; a damaged input record file ends it, before or during the run,
+    with one DamagedDataError naming the file, the record and the command that rebuilds
+    it (a record that parses but holds no image is a dead letter)."""
     from tfaploss.data import integrity
     from tfaploss.data.record_checks import scan_shard
 

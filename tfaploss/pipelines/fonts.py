@@ -48,8 +48,7 @@ class Glyph:
 
 
 class _Table:
-    """An outline table of a file, shared by the faces that point at it; read when
-    first needed."""
+    """An outline table, shared by the faces that point at it; read when first needed."""
 
     def __init__(self, font: TTFont, tag: str):
         self.font, self.tag = font, tag
@@ -79,9 +78,8 @@ class _Table:
 
 @dataclass
 class Face:
-    """One face of a font file: ``relpath`` of the file (relative to the job's input
-    folder), ``index`` in the file (0 outside collections), ``name`` (its full name).
-    :attr:`cmap` maps code points to glyph ids."""
+    """One face of a font file: ``relpath`` of the file, ``index`` in it (0 outside
+    collections); :attr:`cmap` maps code points to glyph ids."""
 
     relpath: str
     index: int
@@ -171,8 +169,7 @@ class Face:
 
 
 def _gid(name: str) -> int:
-    # The names FontFile gives the glyphs ("gid123"; fontTools: "glyph00123" past the
-    # end of the glyph order).
+    # "gid123" as FontFile names them; fontTools' "glyph00123" past the glyph order.
     return int(name[3:]) if name.startswith("gid") else int(name[5:])
 
 
@@ -187,10 +184,9 @@ def _digest(*parts: bytes) -> str:
 class FontFile:
     """An open font file (a local path) and its :attr:`faces`; a context manager.
 
-    ``cmaps``: the faces' :attr:`Face.cmap` from an earlier opening of the same file
-    (reading a large cmap costs a tenth of a second). Raises :class:`FontError` when
-    fontTools cannot read the file, a table lies beyond its end, a face has no
-    outlines or no Unicode cmap, or a collection holds no face.
+    ``cmaps``: the faces' cmaps from an earlier opening (a large one costs 0.1 s to read).
+    Raises :class:`FontError` for a file fontTools cannot read, a table beyond its end, a
+    face without outlines or Unicode cmap, or a collection without faces.
     """
 
     def __init__(self, path: str, relpath: str, cmaps: list[dict[int, int]] | None = None):

@@ -112,16 +112,13 @@ def _validate(args) -> None:
     parse_charset(args.charset)
 
 
-# ------------------------------------------------------------------------------ charset
-
-
 def _graphic(cp: int) -> bool:
     return unicodedata.category(chr(cp))[0] in "LNPS"
 
 
 def parse_charset(spec: str) -> list[tuple[str, list[int]]]:
-    """``--charset`` -> ``[(set name, sorted code points)]``, one entry per named set
-    or range (a character in two of them counts in the first)."""
+    """``--charset`` -> ``[(set name, sorted code points)]`` per named set or range (a
+    character in two counts in the first)."""
     parts: list[tuple[str, list[tuple[int, int]]]] = []
     for token in (t.strip() for t in spec.split(",")):
         m = _RANGE.fullmatch(token)
@@ -163,13 +160,10 @@ def char_name(cp: int) -> str:
     return f"U+{cp:04X}"
 
 
-# ------------------------------------------------------------------------------ listing
-
-
 @dataclass
 class Listing:
-    """What :func:`list_fonts` found: ``fonts`` ``[(relpath, path)]`` in name order,
-    ``dead`` letters and ``ignored`` ``{"path", "reason"}`` entries."""
+    """What :func:`list_fonts` found: ``fonts`` ``[(relpath, path)]``, ``dead`` letters,
+    ``ignored`` entries."""
 
     fonts: list[tuple[str, str]] = field(default_factory=list)
     dead: list[dict] = field(default_factory=list)
@@ -183,9 +177,8 @@ class Listing:
 
 
 def list_fonts(input_dir: str, follow_external_links: bool = False) -> Listing:
-    """Every file under ``input_dir``: a font to read, a dead letter or ignored. Symlinks
-    follow :mod:`tfaploss.pipelines.links` (``follow_external_links``: follow those that leave
-    ``input_dir``)."""
+    """Every file under ``input_dir``: a font to read, a dead letter or ignored (links as
+    :mod:`tfaploss.pipelines.links` decides)."""
     if not os.path.isdir(input_dir):
         raise FileNotFoundError(f"--input_dir {input_dir!r} is not a directory")
     listing = Listing()
@@ -200,9 +193,6 @@ def list_fonts(input_dir: str, follow_external_links: bool = False) -> Listing:
     policy.drain()
     listing.fonts.sort()
     return listing
-
-
-# ------------------------------------------------------------------------------ planning
 
 
 @dataclass
@@ -223,8 +213,8 @@ def _processes(args) -> int:
 
 
 def _map_files(fn, jobs: list[tuple], processes: int, what: str) -> list:
-    """``[fn(*job) for job in jobs]``, the font files spread over ``processes`` forked
-    processes (largest first) when there are several."""
+    """``[fn(*job) for job in jobs]``, over ``processes`` forked processes (largest
+    font file first)."""
     progress = console.Progress(what, total=len(jobs))
     if processes <= 1 or len(jobs) <= 1:
         out = []
@@ -244,7 +234,7 @@ def _map_files(fn, jobs: list[tuple], processes: int, what: str) -> list:
 
 def _scan_file(rel: str, path: str, charset: frozenset[int]):
     """One font file's faces ``[(index, name, {cp: glyph id} of the charset)]``, or its
-    dead letter when fontTools or FreeType cannot read it."""
+    dead letter."""
     try:
         with F.FontFile(path, rel) as font:
             faces = [(f.index, f.name, {cp: g for cp, g in f.cmap.items() if cp in charset})
@@ -259,8 +249,8 @@ def _scan_file(rel: str, path: str, charset: frozenset[int]):
 
 
 def _read_faces(listing: Listing, charset: set[int], processes: int) -> list[_FaceInfo]:
-    """Open every listed font (fontTools and FreeType); unreadable ones become dead
-    letters. Returns the faces with the charset's characters they map."""
+    """The faces of every listed font, with the charset's characters they map; unreadable
+    files become dead letters."""
     chars = frozenset(charset)
     scans = _map_files(_scan_file, [(rel, path, chars) for rel, path in listing.fonts],
                        processes, "font files read")
@@ -276,9 +266,8 @@ def _read_faces(listing: Listing, charset: set[int], processes: int) -> list[_Fa
 
 def _check_file(rel: str, path: str, cmaps: list[dict[int, int]],
                 todo: list[list[int]]) -> list[list[tuple[str | None, str, bool]]]:
-    """For each face of a font file and each of its ``todo`` characters: ``(reason it
-    gives no image or None, outline fingerprint, has ink)``, or ``(BROKEN, what went
-    wrong, False)``. FreeType checks the ink once per outline."""
+    """Per face of a font file and per ``todo`` character: ``(reason it gives no image or
+    None, outline fingerprint, has ink)`` or ``(BROKEN, what went wrong, False)``."""
     ink: dict[tuple[int, str], bool] = {}
     out = []
     try:
@@ -343,8 +332,8 @@ def _split_characters(args, kept: list[int]) -> dict[str, list[int]]:
 
 def _check_glyphs(args, faces: list[_FaceInfo], part_of: dict[int, str],
                   taking_part: dict[str, list], kept: list[int], processes: int):
-    """Sort every (kept character, face taking part in its set) pair: ``{cp: [face]}``
-    to render, and ignored entries and dead letters per character."""
+    """Sort every (kept character, face taking part) pair: ``{cp: [face]}`` to render,
+    and the ignored entries and dead letters per character."""
     member_of = {name: {f.id for f in members} for name, members in taking_part.items()}
     by_file: dict[tuple[str, str], list[_FaceInfo]] = collections.defaultdict(list)
     for f in faces:

@@ -37,24 +37,13 @@ class HeaderError(ValueError):
         self.truncated = truncated
 
 
-def _be16(data, i):
-    return int.from_bytes(data[i:i + 2], "big")
+def _uint(size: int, order: str):
+    """A reader of the ``size``-byte unsigned integer at ``data[at:]``."""
+    return lambda data, at: int.from_bytes(data[at:at + size], order)
 
 
-def _be32(data, i):
-    return int.from_bytes(data[i:i + 4], "big")
-
-
-def _le16(data, i):
-    return int.from_bytes(data[i:i + 2], "little")
-
-
-def _le24(data, i):
-    return int.from_bytes(data[i:i + 3], "little")
-
-
-def _le32(data, i):
-    return int.from_bytes(data[i:i + 4], "little")
+_be16, _be32 = _uint(2, "big"), _uint(4, "big")
+_le16, _le24, _le32 = _uint(2, "little"), _uint(3, "little"), _uint(4, "little")
 
 
 def read_size(data: bytes) -> tuple[str, int, int] | None:
@@ -62,7 +51,7 @@ def read_size(data: bytes) -> tuple[str, int, int] | None:
 
     None for bytes that are not JPEG, PNG, GIF, BMP or WebP. Raises
     :class:`HeaderError` for a header that is malformed, that the decoder would read
-    differently, or that exceeds the caps of the module docstring.
+    differently, or that exceeds the caps (``MAX_*``).
     """
     if data[:3] == b"\xff\xd8\xff":
         return ("JPEG", *_jpeg(data))

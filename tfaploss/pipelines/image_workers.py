@@ -37,13 +37,10 @@ PROCESS_TASK_IMAGES = 4
 
 def process_task(records: list[dict], settings: dict, root: str | None,
                  part_path: str, where: dict | None = None) -> list:
-    """Process ``records`` and write their framed records to ``part_path``.
-
-    Returns one entry per record, in order: its dead letter (a dict) or
-    ``(offset, length, jpeg_offset, jpeg_length)`` in the part file. No part file is
-    written when every record failed. ``where`` (``split``, ``shard``, ``num_shards``)
-    is what a worker notes on the board before each image (see the module doc).
-    """
+    """Process ``records`` and write their framed records to ``part_path`` (none when all
+    failed); returns per record its dead letter or ``(offset, length, jpeg_offset,
+    jpeg_length)`` in the part file. ``where`` (split, shard, num_shards) goes on the
+    board."""
     results, pieces, offset = [], [], 0
     for record in records:
         if _WORKER is not None:
@@ -78,9 +75,8 @@ def _one(record: dict, s: dict, root: str | None):
 
 
 def _image_bytes(record: dict, root: str | None) -> bytes:
-    """A record's encoded image: carried along under ``_bytes`` (TFDS), drawn from the
-    recipe under ``render`` (``{"fn": "tfaploss.pipelines.<module>:<function>", "args": {...}}``,
-    e.g. the glyphs job's fonts), or read from its ``path``."""
+    """A record's encoded image: under ``_bytes`` (TFDS), drawn from its ``render``
+    recipe (``{"fn": "tfaploss.pipelines.<module>:<function>", "args": {...}}``), or read."""
     data = record.pop("_bytes", None)
     if data is not None:
         return data
@@ -121,8 +117,7 @@ def part_path(parts_dir: str, split: str, records: list[dict]) -> str:
 
 
 def read_slices(ranges) -> list[memoryview]:
-    """The bytes at ``(part_path, start, length)`` for each of ``ranges``, reading each
-    part file once."""
+    """The bytes at each ``(part_path, start, length)``, reading each part file once."""
     cache: dict[str, memoryview] = {}
     out = []
     for path, start, length in ranges:
@@ -132,8 +127,6 @@ def read_slices(ranges) -> list[memoryview]:
         out.append(data[start:start + length])
     return out
 
-
-# ---------------------------------------------------------------------- local processes
 
 _LOCAL_POOLS: dict[str, ProcessPoolExecutor] = {}
 # Tasks submitted before Beam started, by pool token, then by part file (a task's name):
@@ -165,13 +158,10 @@ class _Pool:
         self.executor = ProcessPoolExecutor(
             processes, mp_context=ctx, initializer=_worker_init,
             initargs=(os.getpid(), self.board, self.next_slot))
-        # Garbage the workers would inherit is collected here, where its threads live: a
-        # tf.data iterator left in a reference cycle by earlier work in this process (a
-        # notebook, a test run) waits in its destructor for threads a forked child does
-        # not have, and the child hung at its first collection. What survives is frozen
-        # out of the children's collections. Unfrozen after the fork only when nothing
-        # was frozen before: gc.unfreeze() releases every frozen object, and a caller's
-        # own freeze (a pre-fork server, a test runner) is not ours to undo.
+        # Collected here, where its threads live: a tf.data iterator in a reference cycle
+        # waits in its destructor for threads a forked child lacks (the child hung). The
+        # rest is frozen out of the children's collections; unfrozen after the fork only
+        # if the caller (a pre-fork server, a test runner) had frozen nothing itself.
         caller_froze = gc.get_freeze_count() > 0
         gc.collect()
         gc.freeze()
@@ -180,8 +170,7 @@ class _Pool:
         finally:
             if not caller_froze:
                 gc.unfreeze()
-        # The worker processes (forked up front with the fork context), kept to learn
-        # how each ended: the executor forgets them once it is broken.
+        # Kept to learn how each worker ended: a broken executor forgets them.
         self.workers = dict(getattr(self.executor, "_processes", None) or {})
 
     def doing(self, pid: int) -> dict | None:
@@ -202,20 +191,16 @@ _WORKER: dict | None = None  # in a worker process: its board slot and fault thr
 
 
 def start_local_pool(processes: int) -> str:
-    """Fork ``processes`` image workers now; returns the token a DoFn finds them by.
-
-    Call it before Beam starts its threads: a process forked while other threads hold
-    locks could inherit them held.
-    """
+    """Fork ``processes`` image workers now (before Beam starts threads whose locks a
+    child could inherit held); returns the token a DoFn finds them by."""
     token = uuid.uuid4().hex
     _LOCAL_POOLS[token] = _Pool(processes)
     return token
 
 
 def _worker_init(parent: int, board=None, next_slot=None) -> None:
-    """Tie a worker's life to the job's: a job killed with SIGKILL or ``os._exit`` runs no
-    clean-up, and its workers, which share the pool's pipes, would wait forever. Then
-    take a slot of the board."""
+    """Die with the job (killed, it runs no clean-up and its workers would wait on the
+    pool's pipes forever); take a slot of the board."""
     global _WORKER
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the job's to handle
     try:
@@ -267,11 +252,14 @@ def noted(where: dict, fn, *args):
     return out
 
 
+def _pool(token: str | None) -> _Pool | None:
+    return _LOCAL_POOLS.get(token) if token else None
+
+
 def worker_deaths(token: str | None) -> list[dict]:
-    """The workers of the pool ``token`` that died other than by the pool's own
-    shutdown: ``pid``, ``exitcode`` (``-9``: SIGKILL), ``signal`` (its name) and
-    ``doing`` (their last note on the board). Empty when none died (or no pool)."""
-    pool = _LOCAL_POOLS.get(token) if token else None
+    """The workers of the pool ``token`` that died other than by the pool's shutdown:
+    ``pid``, ``exitcode`` (``-9``: SIGKILL), ``signal`` (name) and ``doing`` (last note)."""
+    pool = _pool(token)
     if pool is None:
         return []
     ended = {pid: p.exitcode for pid, p in pool.workers.items()}
@@ -319,16 +307,9 @@ def describe_deaths(deaths: list[dict]) -> str:
 
 def submit_ahead(token: str, batches, settings: dict, root: str | None, parts_dir: str,
                  limit: int) -> int:
-    """Submit the tasks of ``batches`` (work-list batches, as Beam will hand them to
-    :class:`~tfaploss.pipelines.steps.ProcessBatchDoFn`) to the pool ``token``, up to ``limit``
-    images; returns how many were submitted.
-
-    The local DirectRunner job calls it before it imports Beam, so that the workers
-    process images while Beam loads and builds its pipeline. The DoFn cuts the same
-    tasks, finds each one here by its part file (:func:`claim_ahead`) and takes its
-    future over instead of submitting it again, so every image is still processed once
-    and accounted for by Beam's steps.
-    """
+    """Submit the tasks of work-list ``batches`` to the pool ``token``, up to ``limit``
+    images, before Beam is imported; returns how many. The DoFn cuts the same tasks and
+    takes each one's future over (:func:`claim_ahead`): every image is processed once."""
     pool = _LOCAL_POOLS[token]
     ahead = _AHEAD.setdefault(token, {})
     submitted = 0
@@ -352,38 +333,42 @@ def claim_ahead(token: str | None, path: str) -> tuple[Future, float] | None:
 
 
 def local_pool(token: str | None) -> ProcessPoolExecutor | None:
-    """The pool :func:`start_local_pool` made in this process, or None (another process,
-    as in Beam's multi-process mode or on a remote worker)."""
-    pool = _LOCAL_POOLS.get(token) if token else None
+    """The pool :func:`start_local_pool` made in this process, or None (another process:
+    Beam's multi-process mode, a remote worker)."""
+    pool = _pool(token)
     return pool.executor if pool is not None else None
 
 
 def local_pool_size(token: str | None) -> int:
     """How many processes the pool ``token`` has (0: no pool in this process)."""
-    pool = _LOCAL_POOLS.get(token) if token else None
+    pool = _pool(token)
     return pool.processes if pool is not None else 0
 
 
 def stop_local_pool(token: str | None, forget: bool = True) -> None:
     """Shut the pool down (waiting for its workers); ``forget=False`` keeps it known,
     for :func:`worker_deaths`, until a later call forgets it."""
-    pool = (_LOCAL_POOLS.pop(token, None) if forget else _LOCAL_POOLS.get(token)) \
-        if token else None
+    pool = _LOCAL_POOLS.pop(token, None) if forget and token else _pool(token)
     _AHEAD.pop(token, None)
     if pool is not None:
         pool.executor.shutdown(wait=True, cancel_futures=True)
 
 
-def is_pool_broken(err: BaseException) -> bool:
-    """Whether ``err`` (or what it wraps: Beam re-raises a DoFn's error in its own)
-    comes from a broken process pool."""
+def caused_by(err: BaseException | None, types) -> bool:
+    """Whether ``err`` or what it was raised from (Beam re-raises a DoFn's error in its
+    own) is one of ``types``."""
     seen = set()
     while err is not None and id(err) not in seen:
-        if isinstance(err, BrokenProcessPool):
+        if isinstance(err, types):
             return True
         seen.add(id(err))
         err = err.__cause__ or err.__context__
     return False
+
+
+def is_pool_broken(err: BaseException) -> bool:
+    """Whether ``err`` comes from a broken process pool."""
+    return caused_by(err, BrokenProcessPool)
 
 
 def thread_pool(threads: int) -> Executor | None:

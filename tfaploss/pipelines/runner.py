@@ -33,25 +33,10 @@ from tfaploss.pipelines.plan import (
 )
 
 __all__ = [  # what the jobs, tests and benchmarks import from here
-    "LAST_TIMING",
-    "SCHEMA_VERSION",
-    "STAGING",
-    "IncompleteRunError",
-    "SplitPlan",
-    "TooManyFailuresError",
-    "class_split_plan",
-    "contiguous_labels",
-    "dead_letter",
-    "dedupe_and_index",
-    "describe_manifests",
-    "image_processes",
-    "image_threads",
-    "join",
-    "listed_splits",
-    "main_wrapper",
-    "run_command",
-    "run_job",
-    "shard_of",
+    "LAST_TIMING", "SCHEMA_VERSION", "STAGING", "IncompleteRunError", "SplitPlan",
+    "TooManyFailuresError", "class_split_plan", "contiguous_labels", "dead_letter",
+    "dedupe_and_index", "describe_manifests", "image_processes", "image_threads", "join",
+    "listed_splits", "main_wrapper", "run_command", "run_job", "shard_of",
 ]
 
 STAGING = ".incoming"
@@ -63,10 +48,8 @@ AHEAD_IMAGES_PER_PROCESS = 512
 
 def _assemble(p, plans: list[SplitPlan], layouts: dict, chunks: list, per_batch: int,
               process, write) -> None:
-    """The job's Beam graph: work lists (``chunks``: byte ranges of the work-list files,
-    :func:`tfaploss.pipelines.layout.write_work_list`) and source splits -> ``process``
-    (:class:`~tfaploss.pipelines.steps.ProcessBatchDoFn`) -> ``write``
-    (:class:`~tfaploss.pipelines.steps.WriteOutputsDoFn`)."""
+    """The job's Beam graph: work-list byte ranges (``chunks``) and source splits ->
+    ``process`` -> group by output file -> ``write``."""
     beam = console.import_beam_quietly()
     inputs = []
     if chunks:
@@ -96,11 +79,9 @@ def run_job(job: str, plans: list[SplitPlan], args, options) -> dict[str, dict]:
     """Run the Beam pipeline for all ``plans``, then publish every split; returns
     ``{split: manifest}``.
 
-    Raises :class:`TooManyFailuresError` (after publishing) when a split's failure
-    fraction exceeds ``--max_failure_fraction``; and, with nothing published,
-    :class:`~tfaploss.durable.locks.LockHeldError` (another job writes the folder),
-    :class:`~tfaploss.pipelines.image_workers.WorkerDiedError`,
-    :class:`IncompleteRunError` or :class:`~tfaploss.durable.atomic.DiskFullError`.
+    Raises :class:`TooManyFailuresError` after publishing; with nothing published,
+    ``LockHeldError`` (another job writes the folder), ``WorkerDiedError``,
+    :class:`IncompleteRunError` or ``DiskFullError``.
     """
     started = getattr(args, "_started", None) or time.time()
     storage.makedirs(args.output_dir)
@@ -200,8 +181,8 @@ def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):
 
 
 def _unaccounted(plans: list[SplitPlan], report: list[dict]) -> str:
-    """Which work-list splits' reports do not cover each planned record exactly once
-    (``""``: none); splits read from a source transform have no count to check."""
+    """The work-list splits whose reports do not cover each record exactly once (``""``:
+    none; source splits have no count to check)."""
     done: dict[str, int] = {}
     for row in report:
         done[row["split"]] = done.get(row["split"], 0) + row["n"]
@@ -211,17 +192,14 @@ def _unaccounted(plans: list[SplitPlan], report: list[dict]) -> str:
 
 
 def _close_client(pipeline) -> None:
-    """Close the cluster connection a runner opened for this run, if any: Beam's
-    DaskRunner leaves its ``dask.distributed`` Client open, which then keeps trying to
-    reach a cluster that may be gone."""
+    """Close the ``dask.distributed`` Client Beam's DaskRunner leaves open (it keeps
+    trying to reach a cluster that may be gone)."""
     client = getattr(getattr(pipeline, "result", None), "client", None)
     if client is not None and hasattr(client, "close"):
         client.close()
 
 
 def _death_message(job: str, plans: list[SplitPlan], out: str, deaths: list[dict]) -> str:
-    """What a job says when an image worker died: who, how, on what; what is on disk;
-    what to do."""
     who = (W.describe_deaths(deaths) if deaths
            else "an image worker process died (its pool broke)")
     state = ", ".join(
