@@ -18,22 +18,14 @@ _JOB_NEEDS = {"glyphs": (("beam", ("apache_beam", "fontTools")),),
 
 
 def _check_job_extras(argv: list[str]) -> None:
-    """``python -m tfaploss.pipelines.<job>`` without what the job imports: one line naming the
-    job and the install command, exit status 2, instead of the traceback of the job's
-    first ``import apache_beam``.
-
-    Python imports this package on its way to the job module, while ``sys.argv[0]``
-    is ``"-m"``; ``argv`` (``sys.orig_argv``) names the module. Any other import of
-    ``tfaploss.pipelines`` (tfaploss's own code, the tests, a Beam worker) is left alone.
+    """``python -m tfaploss.pipelines.<job>`` without what the job imports: one line with
+    the install command and exit status 2, not a traceback. Runs while Python imports
+    this package on its way to the job (``sys.argv[0]`` is ``"-m"``; ``argv``,
+    ``sys.orig_argv``, names the module); any other import is left alone.
     """
-    module = None
-    for i, arg in enumerate(argv[1:], 1):
-        if arg == "-m":
-            module = argv[i + 1] if i + 1 < len(argv) else None
-            break
-        if arg.startswith("-m"):
-            module = arg[2:]
-            break
+    at = next((i for i, arg in enumerate(argv[1:], 1) if arg.startswith("-m")), None)
+    module = None if at is None else (
+        argv[at][2:] or (argv[at + 1] if at + 1 < len(argv) else None))
     if not module or not module.startswith("tfaploss.pipelines."):
         return
     job = module.split(".")[2]
@@ -48,8 +40,8 @@ def _check_job_extras(argv: list[str]) -> None:
         for extra, modules in needs:
             extras.require(extra, f"python -m tfaploss.pipelines.{job}", modules)
     except extras.MissingExtraError as err:
-        # The job's __main__ never runs, so set up its console here: the ``tfaploss``
-        # logger's NullHandler would keep Python's last-resort handler from writing it.
+        # The job's __main__ never runs: without its console, the ``tfaploss`` logger's
+        # NullHandler would keep Python's last-resort handler from writing this.
         from tfaploss.pipelines import console
 
         console.configure()

@@ -9,6 +9,7 @@ staged publish: docs/pipelines.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ from typing import Any
 
 from tfaploss.durable import atomic, faults, locks
 from tfaploss.pipelines import console, storage
+from tfaploss.pipelines import options as opts
 
 beam = console.import_beam_quietly()
 
@@ -122,7 +124,6 @@ def _error_line(message: str) -> str:
     return " ".join(lines[:2])[:500]
 
 
-# -- inputs -----------------------------------------------------------------------------
 def _gfile():
     import tensorflow as tf
 
@@ -244,7 +245,6 @@ class ToExampleDoFn(beam.DoFn):
         yield embedding_example(inference, image_id, label)
 
 
-# -- job --------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tfaploss.pipelines.embed", description=__doc__.split("\n\n")[0],
@@ -255,24 +255,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TFRecord directory/glob, or image directory/glob")
     p.add_argument("--model", required=True, help="SavedModel directory (a version folder)")
     p.add_argument("--output", required=True, help="output directory")
-    p.add_argument("--input_format", choices=("auto", "tfrecord", "images"), default="auto")
-    p.add_argument("--labels_from_folders", action="store_true",
-                   help="image files: label = index of the top-level folder (sorted)")
-    p.add_argument("--signature", default="serving_default")
-    p.add_argument("--input_key", default=None,
-                   help="signature input taking image bytes (default: its only string input)")
-    p.add_argument("--output_key", default=None,
-                   help="signature output holding the embedding (default: the only output, "
-                        "else 'embedding')")
-    p.add_argument("--batch_size", type=int, default=32, help="largest RunInference batch")
-    p.add_argument("--num_shards", type=int, default=0, help="output shards (0: Beam decides)")
-    p.add_argument("--max_failure_fraction", type=float, default=0.01)
-    p.add_argument("--verbose", action="store_true", help="also show Beam's INFO logging")
+    opts.add_options(p, (
+        ("--input_format", ("auto", "tfrecord", "images"), "auto", None),
+        ("--labels_from_folders", bool, False,
+         "image files: label = index of the top-level folder (sorted)"),
+        ("--signature", str, "serving_default", None),
+        ("--input_key", str, None,
+         "signature input taking image bytes (default: its only string input)"),
+        ("--output_key", str, None,
+         "signature output holding the embedding (default: the only output, else 'embedding')"),
+        ("--batch_size", int, 32, "largest RunInference batch"),
+        ("--num_shards", int, 0, "output shards (0: Beam decides)"),
+        ("--max_failure_fraction", float, 0.01, None),
+        ("--verbose", bool, False, "also show Beam's INFO logging"),
+    ))
     return p
-
-
-def _jsonl(row: dict) -> str:
-    return json.dumps(row, sort_keys=True)
 
 
 def run(argv: list[str] | None = None) -> dict:
@@ -337,7 +334,7 @@ def _embed(args, beam_argv, gfile, kind, inputs, final) -> dict:
         os.path.join(stage, "embeddings"), file_name_suffix=".tfrecord",
         num_shards=args.num_shards)
     _ = ((parsed.failed, embedded.failed) | "AllFailures" >> beam.Flatten()
-         | "FailuresToJson" >> beam.Map(_jsonl)
+         | "FailuresToJson" >> beam.Map(functools.partial(json.dumps, sort_keys=True))
          | "WriteFailures" >> beam.io.WriteToText(
              os.path.join(stage, DEAD_LETTERS), shard_name_template="",
              num_shards=1))

@@ -41,6 +41,14 @@ def image_path(root: str, folder: str, image_id: str) -> tuple[str, str]:
     return storage.join(root, rel), rel
 
 
+def _record(root: str, folder: str, image_id: str, labels: dict, landmark) -> dict:
+    """The work-list record of an image of ``landmark`` (None: none, label -1)."""
+    path, rel = image_path(root, folder, image_id)
+    return {"id": image_id, "path": path, "relpath": rel, "super_label": -1,
+            "label": -1 if landmark is None else labels[landmark],
+            "class_text": "" if landmark is None else str(landmark)}
+
+
 def _read_csv(path: str) -> tuple[list[str], list[tuple[int, list[str]]]]:
     if not storage.exists(path):
         raise FileNotFoundError(f"GLDv2 file not found: {path}")
@@ -87,13 +95,8 @@ def plan_train(args) -> list[R.SplitPlan]:
     counts = collections.Counter(lm for _, lm in pairs)
     keep = {lm for lm, n in counts.items() if n >= args.min_images_per_class}
     labels = R.contiguous_labels(keep)
-    records = []
-    for image_id, lm in pairs:
-        if lm in keep:
-            path, rel = image_path(args.input_dir, "train", image_id)
-            records.append({"id": image_id, "path": path, "relpath": rel,
-                            "label": labels[lm], "super_label": -1, "class_text": str(lm)})
-    records, dups = R.dedupe_and_index(records)
+    records, dups = R.dedupe_and_index([_record(args.input_dir, "train", image_id, labels, lm)
+                                        for image_id, lm in pairs if lm in keep])
     dropped = {"num_classes_below_min": len(counts) - len(keep),
                "num_images_below_min": sum(n for lm, n in counts.items() if lm not in keep)}
     return [R.SplitPlan("train", records, bad + dups,
@@ -114,12 +117,9 @@ def plan_retrieval(args) -> list[R.SplitPlan]:
         except (ValueError, IndexError) as e:
             bad_index.append(_bad(index_csv, lineno, row, str(e)))
     labels = R.contiguous_labels(index_lm.values())
-    index_records = []
-    for image_id, lm in index_lm.items():
-        path, rel = image_path(args.input_dir, "index", image_id)
-        index_records.append({"id": image_id, "path": path, "relpath": rel,
-                              "label": labels[lm], "super_label": -1, "class_text": str(lm)})
-    index_records, dups = R.dedupe_and_index(index_records)
+    index_records, dups = R.dedupe_and_index([
+        _record(args.input_dir, "index", image_id, labels, lm)
+        for image_id, lm in index_lm.items()])
 
     solution_csv = storage.join(args.input_dir, args.solution_csv)
     header, rows = _read_csv(solution_csv)
@@ -135,12 +135,9 @@ def plan_retrieval(args) -> list[R.SplitPlan]:
             continue
         usage = row[2] if len(row) > 2 else ""
         known = [index_lm[i] for i in relevant if i in index_lm]
-        label = labels[known[0]] if known else -1
         truth.append({"id": row[0], "relevant": relevant, "usage": usage})
-        path, rel = image_path(args.input_dir, "test", row[0])
-        test_records.append({"id": row[0], "path": path, "relpath": rel, "label": label,
-                             "super_label": -1,
-                             "class_text": str(known[0]) if known else ""})
+        test_records.append(_record(args.input_dir, "test", row[0], labels,
+                                    known[0] if known else None))
     test_records, test_dups = R.dedupe_and_index(test_records)
     truth_json = json.dumps(sorted(truth, key=lambda t: t["id"]), sort_keys=True)
     label_map = {v: str(k) for k, v in labels.items()}

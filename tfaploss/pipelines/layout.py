@@ -51,8 +51,8 @@ def layout(args, plan: SplitPlan) -> Layout:
 
 
 def batches(plan: SplitPlan, lay: Layout, per_batch: int, root: str | None):
-    """The work list of a planned split: batches of at most ``per_batch`` records of
-    one shard each (``root``: the real input folder the records must resolve into)."""
+    """The work list of a planned split: batches of at most ``per_batch`` records of one
+    shard (``root``: the real folder the records must resolve into)."""
     n = len(plan.records)
     bounds = collections.defaultdict(list)
     for i in range(n):
@@ -69,8 +69,8 @@ def batches(plan: SplitPlan, lay: Layout, per_batch: int, root: str | None):
 
 def write_work_list(path: str, plan: SplitPlan, lay: Layout, per_batch: int,
                     root: str | None) -> list[tuple[str, int, int]]:
-    """Write the work list of a planned split to ``path`` (see :func:`batches`); returns
-    ``(path, offset, length)``: the byte range of each shard's batches, in shard order."""
+    """Write the work list of a planned split to ``path``; returns the byte range
+    ``(path, offset, length)`` of each shard's batches, in shard order."""
     pieces, chunks, offset = [], [], 0
     for _, group in itertools.groupby(batches(plan, lay, per_batch, root),
                                       key=lambda b: b["shard"]):
@@ -91,8 +91,8 @@ def read_work_chunk(chunk: tuple[str, int, int]):
 
 
 def source_batches(p, plan: SplitPlan, lay: Layout, per_batch: int):
-    """Records from a source transform -> batches; shard by a hash of the id (the
-    number of records is only known afterwards), ordered by index within a shard."""
+    """Records from a source transform -> batches, sharded by a hash of the id (their
+    number is only known afterwards)."""
     import apache_beam as beam
 
     def to_batches(kv):

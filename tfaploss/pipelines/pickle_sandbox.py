@@ -35,8 +35,8 @@ class UnsafePickleError(ValueError):
 
 
 def read_pickle(data: bytes, name: str) -> object:
-    """The plain data (dicts, lists, strings, numbers) of the pickle ``data``, read in a
-    sandboxed child; ``name`` names it in the one-line :class:`UnsafePickleError`."""
+    """The plain data of the pickle ``data``, read in a sandboxed child; ``name`` names
+    it in the one-line :class:`UnsafePickleError`."""
     if len(data) > MAX_BYTES:
         raise UnsafePickleError(f"{name}: more than {MAX_BYTES} bytes; not a ground truth")
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
@@ -137,8 +137,8 @@ class _Unpickler(pickle.Unpickler):
 
 
 def loads_plain(data: bytes) -> object:
-    """The pickle ``data`` read with the allow-list and walked into JSON-able data, in
-    this process: without the child's limits, so for the child and in-house pickles."""
+    """The pickle ``data`` read with the allow-list into JSON-able data, in this process
+    (without the child's limits: for the child and in-house pickles)."""
     spent = [0, 0]  # items, bytes of text
 
     def walk(value, depth):
@@ -166,8 +166,8 @@ def loads_plain(data: bytes) -> object:
 
 
 def limit_this_process() -> None:
-    """The child's limits: :data:`MEMORY_BYTES` of address space, :data:`CPU_SECONDS`, no
-    core file. Where the system refuses one (macOS: ``RLIMIT_AS``), the timeout stays."""
+    """The child's limits: :data:`MEMORY_BYTES`, :data:`CPU_SECONDS`, no core file (one
+    the system refuses, macOS' ``RLIMIT_AS``, leaves the timeout)."""
     import resource
 
     for limit, value in ((resource.RLIMIT_AS, MEMORY_BYTES), (resource.RLIMIT_CORE, 0),
