@@ -28,12 +28,17 @@ def jitter(seed: int, face_id: str, cp: int, *, scale: float, shift: float,
     """The seeded jitter of one image (SHA-256 of the arguments): ``scale`` in
     ``[1 - scale, 1]``, ``shift_x``/``shift_y`` in ``[-shift, shift]`` canvas widths,
     ``stroke`` in ``[0, stroke]`` canvas pixels."""
-    key = f"{seed}\0{face_id}\0{cp}".encode()
-    rng = random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))
+    rng = seeded_rng(seed, face_id, cp)
     return {"scale": round(1.0 - scale * rng.random(), 6),
             "shift_x": round(shift * (2 * rng.random() - 1), 6),
             "shift_y": round(shift * (2 * rng.random() - 1), 6),
             "stroke": round(stroke * rng.random(), 6)}
+
+
+def seeded_rng(*parts) -> random.Random:
+    """A ``random.Random`` seeded by SHA-256 of ``parts`` (never Python's ``hash``)."""
+    digest = hashlib.sha256("\0".join(map(str, parts)).encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "big"))
 
 
 def _font(path: str, index: int, size: int) -> ImageFont.FreeTypeFont:

@@ -10,11 +10,9 @@ The rules: docs/pipelines.md; figures: docs/data.md.
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
 import multiprocessing
 import os
-import random
 import re
 import sys
 import unicodedata
@@ -149,11 +147,6 @@ def parse_charset(spec: str) -> list[tuple[str, list[int]]]:
     if not out:
         raise ValueError(f"--charset {spec!r} holds no graphic character")
     return out
-
-
-def _rng(seed: int, purpose: str) -> random.Random:
-    digest = hashlib.sha256(f"{seed}\0{purpose}".encode()).digest()
-    return random.Random(int.from_bytes(digest[:8], "big"))
 
 
 def char_name(cp: int) -> str:
@@ -310,7 +303,7 @@ def _select(args, parts, faces: list[_FaceInfo]):
     covered.sort()
     kept = covered
     if args.max_classes and len(covered) > args.max_classes:
-        kept = sorted(_rng(args.seed, "classes").sample(covered, args.max_classes))
+        kept = sorted(G.seeded_rng(args.seed, "classes").sample(covered, args.max_classes))
     return covered, kept, taking_part
 
 
@@ -324,7 +317,7 @@ def _split_characters(args, kept: list[int]) -> dict[str, list[int]]:
             f"--test_fraction {args.test_fraction} and --val_fraction {args.val_fraction}; "
             "add faces, widen --charset or lower --min_coverage")
     order = list(kept)
-    _rng(args.seed, "splits").shuffle(order)
+    G.seeded_rng(args.seed, "splits").shuffle(order)
     groups = {"test": order[:n_test], "val": order[n_test:n_test + n_val],
               "train": order[n_test + n_val:]}
     return {s: sorted(groups[s]) for s in SPLITS if groups[s]}

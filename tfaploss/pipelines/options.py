@@ -25,15 +25,12 @@ _BEAM_EPILOG = (
 )
 
 
-# Images per Beam element. With local image processes a batch is one wake-up of the
-# Beam thread that feeds them: 128 beat 32 in each of 6 rounds (600 and 2,400 images,
-# docs/benchmarks.md). Elsewhere a batch is the unit a remote runner spreads over its
-# workers, so it stays small.
+# Images per Beam element: small where a remote runner spreads batches over workers; with
+# local image processes 128 beat 32 in each of 6 rounds (docs/benchmarks.md).
 BATCH = 32
 LOCAL_POOL_BATCH = 128
 
 
-# The options every job shares: (flag, type, default, help), as :func:`add_options` reads them.
 SHARED_OPTIONS = (
     ("--max_side", int, 0, (
         "resize so that the longer side is at most this (keeps aspect ratio; never "
@@ -103,13 +100,8 @@ def build_parser(description: str, rows=(), *,
 
 
 class JobOptions:
-    """Beam's part of a job's command line: every argument the job's parser left.
-
-    ``runner``, ``direct_running_mode`` (``None`` on other runners) and
-    ``direct_num_workers`` are read as Beam reads them (its defaults, full option names
-    only) without importing Beam; :meth:`pipeline_options` builds Beam's
-    ``PipelineOptions`` from the same arguments.
-    """
+    """Beam's part of a job's command line; ``runner``, ``direct_running_mode`` (None off
+    the DirectRunner) and ``direct_num_workers`` read as Beam reads them, without Beam."""
 
     def __init__(self, argv: list[str], verbose: bool = False):
         self.argv = list(argv)
@@ -158,9 +150,8 @@ def cores() -> int:
 
 
 def emit_lag(options: JobOptions) -> int:
-    """How many batches :class:`~tfaploss.pipelines.steps.ProcessBatchDoFn` may hold back until
-    ``finish_bundle``: 2, but 0 on Beam's DaskRunner, which collects a bundle's outputs
-    before it calls ``finish_bundle`` and so drops whatever is emitted there (Beam 2.77)."""
+    """Batches ``ProcessBatchDoFn`` may hold back until ``finish_bundle``: 2, but 0 on the
+    DaskRunner, which drops what is emitted there (Beam 2.77)."""
     return 0 if options.runner.rsplit(".", 1)[-1].lower() == "daskrunner" else 2
 
 
@@ -178,9 +169,8 @@ def image_threads(args, options: JobOptions) -> int:
 
 
 def image_processes(args, options: JobOptions) -> int:
-    """How many forked processes do the image work: ``--image_processes``, or one per
-    core when it is 0, on the local DirectRunner in its in-memory mode where ``fork``
-    exists; 1 (threads in the Beam worker) everywhere else."""
+    """Forked processes doing the image work: ``--image_processes`` (0: one per core) on
+    the in-memory DirectRunner where ``fork`` exists; else 1 (threads)."""
     if options.direct_running_mode != "in_memory" or not W.can_fork():
         return 1
     return getattr(args, "image_processes", 0) or cores()
