@@ -29,9 +29,8 @@ from tfaploss.pipelines import images as I
 from tfaploss.pipelines import storage
 from tfaploss.pipelines import tf_example as X
 
-# The fewest images one task holds when it goes to a process pool. A batch is cut into
-# one task per process, not into tasks of 4: each task is a hand-off through the pool's
-# feeder thread, which a busy machine schedules late.
+# The fewest images of a task on a process pool; a batch is cut into one task per process
+# (each task is a hand-off through the pool's feeder thread, scheduled late when busy).
 PROCESS_TASK_IMAGES = 4
 
 
@@ -129,8 +128,7 @@ def read_slices(ranges) -> list[memoryview]:
 
 
 _LOCAL_POOLS: dict[str, ProcessPoolExecutor] = {}
-# Tasks submitted before Beam started, by pool token, then by part file (a task's name):
-# (future, when it was submitted).
+# Tasks submitted before Beam started: token -> part file -> (future, when submitted).
 _AHEAD: dict[str, dict[str, tuple[Future, float]]] = {}
 
 
@@ -142,9 +140,8 @@ _SLOT = 512  # bytes of the board per worker: its pid and what it is doing, as J
 
 
 class WorkerDiedError(RuntimeError):
-    """An image worker process died during the job (killed: SIGKILL, the OOM killer);
-    nothing was published. The message names the worker, the signal, and the split,
-    shard and image it was working on."""
+    """An image worker process died during the job (SIGKILL, the OOM killer); nothing
+    was published. The message names the worker, the signal and what it worked on."""
 
 
 class _Pool:
@@ -223,13 +220,12 @@ def _note(note: dict) -> None:
     """Put what this worker is doing on its slot of the board (a memory copy)."""
     if _WORKER is None or _WORKER["at"] + _SLOT > len(_WORKER["board"]):
         return
-    data = json.dumps({"pid": os.getpid(), **note}).encode("ascii")
-    if len(data) > _SLOT:  # a very long id or path: shorten it, still valid JSON
-        data = json.dumps({"pid": os.getpid(), **{
-            k: v[:30] + "..." if isinstance(v, str) and len(v) > 30 else v
-            for k, v in note.items()}}).encode("ascii")
-    if len(data) > _SLOT:
-        data = json.dumps({"pid": os.getpid(), "doing": note.get("doing")}).encode("ascii")
+    short = {k: v[:30] + "..." if isinstance(v, str) and len(v) > 30 else v
+             for k, v in note.items()}  # a very long id or path, still valid JSON
+    for fits in (note, short, {"doing": note.get("doing")}):
+        data = json.dumps({"pid": os.getpid(), **fits}).encode("ascii")
+        if len(data) <= _SLOT:
+            break
     at = _WORKER["at"]
     _WORKER["board"][at:at + _SLOT] = data.ljust(_SLOT, b"\0")
 

@@ -149,11 +149,10 @@ class WriteOutputsDoFn(_PooledDoFn):
             return
         kind, split, shard, num_shards = key
         items = [t for group in groups for t in group]
+        name = f"{kind}-{shard:05d}-of-{num_shards:05d}.tfrecord"  # images- or classes-
         if kind == IMAGES:
-            name = f"images-{shard:05d}-of-{num_shards:05d}.tfrecord"
             call = (S.write_image_shard, storage.join(self.stage, split, name), items)
         else:
-            name = f"classes-{shard:05d}-of-{num_shards:05d}.tfrecord"
             call = (S.write_class_shard, storage.join(self.stage, split, "by_class", name),
                     items, self.chunk_size)
         if self.pool is None:
