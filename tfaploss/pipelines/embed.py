@@ -312,8 +312,7 @@ def _embed(args, beam_argv, gfile, kind, inputs, final) -> dict:
     handler = KeyedModelHandler(SavedModelBytesHandler(
         args.model, args.signature, args.input_key, args.output_key,
         max_batch_size=args.batch_size))
-    options = PipelineOptions(beam_argv)
-    pipeline = beam.Pipeline(options=options)
+    pipeline = beam.Pipeline(options=PipelineOptions(beam_argv))
     if kind == "tfrecord":
         raw = pipeline | "ListRecords" >> beam.Create(inputs) | "ReadRecords" >> (
             beam.io.ReadAllFromTFRecord())
@@ -347,26 +346,25 @@ def _embed(args, beam_argv, gfile, kind, inputs, final) -> dict:
             failures = [json.loads(line) for line in f if line.strip()]
     shards = sorted(os.path.basename(p)
                     for p in gfile.glob(os.path.join(stage, "embeddings-*")))
-    num_inputs = None if kind == "tfrecord" else len(inputs)
     embedded_count = _embedded_count(result, shards, stage)
     total = embedded_count + len(failures)
     manifest = {
         "input": args.input, "input_format": kind, "model": args.model,
         "signature": args.signature, "num_embedded": embedded_count,
-        "num_failures": len(failures), "num_inputs": num_inputs if num_inputs else total,
+        "num_failures": len(failures), "num_inputs": (kind == "images" and len(inputs)) or total,
         "shards": shards, "dead_letters": DEAD_LETTERS,
         "format": "tfaploss.evaluation.embedding_files",
     }
     storage.write_json(os.path.join(stage, MANIFEST), manifest, indent=1, sort_keys=True,
                        fault="manifest")
     storage.publish(stage, final)
-    dead_path = os.path.join(final, DEAD_LETTERS)
     LOG.info("embedded %d images, %d failures -> %s", embedded_count, len(failures),
              args.output)
     if total and len(failures) > args.max_failure_fraction * total:
         raise TooManyFailuresError(
             f"{len(failures)} of {total} inputs failed (more than --max_failure_fraction="
-            f"{args.max_failure_fraction}); see {dead_path}", {"embed": manifest})
+            f"{args.max_failure_fraction}); see {os.path.join(final, DEAD_LETTERS)}",
+            {"embed": manifest})
     return manifest
 
 

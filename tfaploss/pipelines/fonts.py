@@ -4,6 +4,7 @@ Only the tables needed are read, glyph by glyph (docs/pipelines.md)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import struct
@@ -52,28 +53,19 @@ class _Table:
 
     def __init__(self, font: TTFont, tag: str):
         self.font, self.tag = font, tag
-        self._data: bytes | None = None
-        self._cff = None
-        self._identity: bytes | None = None
 
-    @property
+    @functools.cached_property
     def data(self) -> bytes:
-        if self._data is None:
-            self._data = self.font.reader[self.tag]
-        return self._data
+        return self.font.reader[self.tag]
 
-    @property
+    @functools.cached_property
     def identity(self) -> bytes:
-        if self._identity is None:
-            self._identity = hashlib.sha1(self.tag.encode() + self.data).digest()
-        return self._identity
+        return hashlib.sha1(self.tag.encode() + self.data).digest()
 
-    @property
+    @functools.cached_property
     def top(self):
         """The CFF top dict (the table decompiled once, by the first face)."""
-        if self._cff is None:
-            self._cff = self.font[self.tag]
-        return self._cff.cff.topDictIndex[0]
+        return self.font[self.tag].cff.topDictIndex[0]
 
 
 @dataclass

@@ -37,8 +37,8 @@ class _PooledDoFn(beam.DoFn):
 
 
 class ProcessBatchDoFn(_PooledDoFn):
-    """A batch of work-list records -> part files under ``parts_dir``, and what each
-    output file holds, keyed by that file:
+    """A batch of work-list records -> part files under ``parts_dir``, and per output
+    file (the key) what it holds:
 
     * ``(IMAGES, split, shard, num_shards)``: ``[(index, id, part, offset, length)]``;
     * ``(CLASSES, split, class_shard, num_class_shards)``: ``[(label, id, super, part,
