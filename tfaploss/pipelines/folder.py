@@ -164,20 +164,25 @@ def _class_groups(args, names: list[str]) -> dict[str, list[str]]:
     return {args.split_name: names}
 
 
-def _records(args, listing: Listing, members: list[str], split: str) -> R.SplitPlan:
+def _records(args, listing: Listing, members: list[str], split: str,
+             outside: bool) -> R.SplitPlan:
+    """The plan of ``members``' images (``outside``: with the listing's entries outside
+    any class; the manifest sorts them)."""
     records = [{"id": rel, "path": storage.join(args.input_dir, rel), "relpath": rel,
                 "label": label, "super_label": -1, "class_text": cls,
                 **({"root": root} if root else {})}
                for label, cls in enumerate(members) for rel, root in listing.classes[cls]]
     records, failures = R.dedupe_and_index(records)
-    dead = [d for cls in members for d in listing.dead.get(cls, [])]
-    ignored = [d for cls in members for d in listing.ignored.get(cls, [])]
+    keys = [*members, None] if outside else members
+    dead = [d for cls in keys for d in listing.dead.get(cls, [])]
+    ignored = [d for cls in keys for d in listing.ignored.get(cls, [])]
     return R.SplitPlan(split, records, dead + failures, label_map=dict(enumerate(members)),
                        ignored=ignored)
 
 
 def plan(args) -> list[R.SplitPlan]:
-    listing = list_tree(args.input_dir, follow_external_links=getattr(args, "follow_external_links", False))
+    listing = list_tree(args.input_dir,
+                        follow_external_links=getattr(args, "follow_external_links", False))
     names = sorted(listing.classes, key=_natural_key)
     if getattr(args, "splits_from_folders", False):
         return _plan_split_folders(args, listing, names)
@@ -189,11 +194,8 @@ def plan(args) -> list[R.SplitPlan]:
             f"{names} hold class folders, so they would become {len(names)} classes named "
             f"{names}. Run with --splits_from_folders to write each as its own split (its "
             "subfolders are the classes), or point --input_dir at one of them.")
-    plans = [_records(args, listing, members, split)
-             for split, members in _class_groups(args, names).items()]
-    plans[0].failures = listing.dead.get(None, []) + plans[0].failures
-    plans[0].ignored = listing.ignored.get(None, []) + plans[0].ignored
-    return plans
+    return [_records(args, listing, members, split, outside=i == 0)
+            for i, (split, members) in enumerate(_class_groups(args, names).items())]
 
 
 def _plan_split_folders(args, top: Listing, splits: list[str]) -> list[R.SplitPlan]:
@@ -206,10 +208,7 @@ def _plan_split_folders(args, top: Listing, splits: list[str]) -> list[R.SplitPl
         names = sorted(listing.classes, key=_natural_key)
         if not names:
             raise ValueError(f"--splits_from_folders: {split}/ has no class subfolders")
-        p = _records(args, listing, names, split)
-        p.failures = listing.dead.get(None, []) + p.failures
-        p.ignored = listing.ignored.get(None, []) + p.ignored
-        plans.append(p)
+        plans.append(_records(args, listing, names, split, outside=True))
     plans[0].failures = top.dead.get(None, []) + plans[0].failures
     plans[0].ignored = top.ignored.get(None, []) + plans[0].ignored
     return plans

@@ -22,18 +22,17 @@ from tfaploss.pipelines import storage
 
 
 def parser():
-    p = opts.build_parser(__doc__.splitlines()[0])
-    p.add_argument("--subset", choices=("train", "retrieval"), default="train",
-                   help="train: the training set; retrieval: the index and test sets")
-    p.add_argument("--train_csv", default="train_clean.csv",
-                   help="train.csv (id,url,landmark_id) or train_clean.csv (landmark_id,images)")
-    p.add_argument("--min_images_per_class", type=int, default=1,
-                   help="leave out landmarks with fewer listed training images")
-    p.add_argument("--index_csv", default="index_image_to_landmark.csv")
-    p.add_argument("--solution_csv", default="retrieval_solution_v2.1.csv")
-    p.add_argument("--include_non_landmark_queries", action="store_true",
-                   help="also write test queries whose solution is 'None'")
-    return p
+    return opts.build_parser(__doc__.splitlines()[0], (
+        ("--subset", ("train", "retrieval"), "train",
+         "train: the training set; retrieval: the index and test sets"),
+        ("--train_csv", str, "train_clean.csv",
+         "train.csv (id,url,landmark_id) or train_clean.csv (landmark_id,images)"),
+        ("--min_images_per_class", int, 1,
+         "leave out landmarks with fewer listed training images"),
+        ("--index_csv", str, "index_image_to_landmark.csv", None),
+        ("--solution_csv", str, "retrieval_solution_v2.1.csv", None),
+        ("--include_non_landmark_queries", bool, False,
+         "also write test queries whose solution is 'None'")))
 
 
 def image_path(root: str, folder: str, image_id: str) -> tuple[str, str]:

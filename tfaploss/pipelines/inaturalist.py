@@ -17,13 +17,12 @@ from tfaploss.pipelines import storage
 
 
 def parser():
-    p = opts.build_parser(__doc__.splitlines()[0])
-    p.add_argument("--train_list", default="Inaturalist_train_set1.txt",
-                   help="train split list, relative to --input_dir")
-    p.add_argument("--test_list", default="Inaturalist_test_set1.txt",
-                   help="test split list, relative to --input_dir")
-    p.add_argument("--splits", default="train,test", help="splits to write: train, test")
-    return p
+    return opts.build_parser(__doc__.splitlines()[0], (
+        ("--train_list", str, "Inaturalist_train_set1.txt",
+         "train split list, relative to --input_dir"),
+        ("--test_list", str, "Inaturalist_test_set1.txt",
+         "test split list, relative to --input_dir"),
+        ("--splits", str, "train,test", "splits to write: train, test")))
 
 
 def read_list(path: str) -> tuple[list[dict], list[dict]]:

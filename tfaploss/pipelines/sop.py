@@ -19,9 +19,8 @@ SPLIT_FILES = {"train": "Ebay_train.txt", "test": "Ebay_test.txt"}
 
 
 def parser():
-    p = opts.build_parser(__doc__.splitlines()[0])
-    p.add_argument("--splits", default="train,test", help="splits to write: train, test")
-    return p
+    return opts.build_parser(__doc__.splitlines()[0], (
+        ("--splits", str, "train,test", "splits to write: train, test"),))
 
 
 def read_annotations(path: str) -> tuple[list[dict], list[dict]]:
