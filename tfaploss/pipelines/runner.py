@@ -167,10 +167,9 @@ def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):
             "does not run the job's steps as Beam specifies (a DoFn's finish_bundle "
             "output dropped?); run it on another runner.")
     timing = console.batch_timing(report, started, beam_started)
-    manifests = {}
-    for plan in plans:
-        rows = [r for r in report if r["split"] == plan.name]
-        manifests[plan.name] = M.finish_split(job, plan, args, rows, join(stage, plan.name))
+    manifests = {plan.name: M.finish_split(job, plan, args,
+                                           [r for r in report if r["split"] == plan.name],
+                                           join(stage, plan.name)) for plan in plans}
     for plan in plans:  # only now is every split complete
         storage.publish(join(stage, plan.name), join(out, plan.name))
     storage.remove_tree(stage)
