@@ -258,10 +258,9 @@ def worker_deaths(token: str | None) -> list[dict]:
     pool = _pool(token)
     if pool is None:
         return []
-    ended = {pid: p.exitcode for pid, p in pool.workers.items()}
+    dead = {pid: p.exitcode for pid, p in pool.workers.items() if p.exitcode not in (None, 0)}
     # When one worker dies, the executor terminates the others (SIGTERM): report those
     # only when nothing else explains the break.
-    dead = {pid: code for pid, code in ended.items() if code not in (None, 0)}
     culprits = {pid: c for pid, c in dead.items() if c != -signal.SIGTERM} or dead
     out = []
     for pid, code in sorted(culprits.items()):
