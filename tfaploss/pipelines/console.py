@@ -1,12 +1,5 @@
-"""What a job prints: its plan, progress and summary, its result, and Beam's internals
-only when asked; and the shared ``__main__`` of the jobs.
-
-Beam logs dozens of lines per local run, none of which helps a user: the jobs keep
-Beam's loggers at WARNING (``--verbose``: INFO) and log their own plan, progress and
-summary on stderr as plain lines (a log file reads as the terminal). The result, one
-line per split (what a script reads), goes to the ``tfaploss.pipelines.result``
-logger, which :func:`configure` sends to stdout.
-"""
+"""What a job prints (its plan, progress, summary and result; Beam's internals only
+with ``--verbose``), and the shared ``__main__`` of the jobs (docs/pipelines.md)."""
 
 from __future__ import annotations
 
@@ -26,19 +19,12 @@ _NOISY = ("apache_beam", "apache_beam.io.tfrecordio", "absl", "tensorflow", "url
 
 
 def import_beam_quietly():
-    """Import ``apache_beam`` without its import-time warnings (``apitools not found``,
-    logged on the root logger, which also makes Python install a root handler when
-    there is none).
-
-    Returns the module. Without Beam: :class:`~tfaploss.extras.MissingExtraError` with
-    the install command.
-    """
+    """Import ``apache_beam`` without its import-time warnings on the root logger (which
+    would also make Python install a root handler); without Beam, ``MissingExtraError``."""
     from tfaploss import extras
 
     if "apache_beam" in sys.modules:
         return sys.modules["apache_beam"]
-    # The jobs configure logging before they import Beam (after planning), so the
-    # warnings are held back by level, and the sink keeps Python from adding a handler.
     root = logging.getLogger()
     level, sink = root.level, logging.NullHandler()
     root.addHandler(sink)
@@ -55,30 +41,26 @@ def wants_verbose(argv) -> bool:
 
 
 class _DropReportsOf(logging.Filter):
-    """Drops a Beam log record whose exception is (or was raised from) one of ``types``:
-    the job reports that failure itself, in one line instead of Beam's traceback."""
+    """Drops a Beam log record whose exception is (or was raised from) one of ``types``,
+    which the job reports itself in one line."""
 
     def __init__(self, types: tuple[type, ...]):
         super().__init__()
         self.types = types
 
     def filter(self, record):
-        err = record.exc_info[1] if record.exc_info else None
-        seen = set()
-        while err is not None and id(err) not in seen:
-            if isinstance(err, self.types):
-                LOG.debug("Beam's report, left out: %s", record.getMessage())
-                return False
-            seen.add(id(err))
-            err = err.__cause__ or err.__context__
+        from tfaploss.pipelines.image_workers import caused_by
+
+        if caused_by(record.exc_info[1] if record.exc_info else None, self.types):
+            LOG.debug("Beam's report, left out: %s", record.getMessage())
+            return False
         return True
 
 
 @contextlib.contextmanager
 def beam_quiet_on(*types: type):
-    """While the block runs, Beam's loggers drop their reports (with traceback) of a
-    broken process pool (an image worker died) or of an error of ``types``: the job
-    reports those itself, in one line."""
+    """While the block runs, Beam's loggers drop their reports of a broken process pool
+    or of an error of ``types`` (:class:`_DropReportsOf`)."""
     from concurrent.futures.process import BrokenProcessPool
 
     drop = _DropReportsOf((BrokenProcessPool, *types))
@@ -94,9 +76,8 @@ def beam_quiet_on(*types: type):
 
 
 def configure(verbose: bool = False) -> None:
-    """For a job's ``__main__`` only: its lines on stderr as ``message`` (``verbose``:
-    with time, logger and level), the result on stdout, Beam at WARNING unless
-    ``verbose``."""
+    """For a job's ``__main__`` only: its lines on stderr (``verbose``: with time, logger
+    and level), the result on stdout, Beam at WARNING unless ``verbose``."""
     root = logging.getLogger()
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(DETAILED_FORMAT if verbose else PLAIN_FORMAT))
@@ -128,15 +109,10 @@ class Progress:
             LOG.info("%s: %d%s (%.1f/s)", self.what, self.done, of, rate)
 
 
-# ---------------------------------------------------------------------- the summary
-
-
 LAST_TIMING: dict = {}
-"""Wall-clock figures of the last :func:`tfaploss.pipelines.runner.run_job` in this process (for
-benchmarks): ``images``, ``seconds``, ``images_per_second``, ``startup_seconds`` (job
-start to the first image work), ``steady_images_per_second`` (after the first batch
-finished), ``finish_seconds`` (last batch to published), ``planning_seconds``,
-``threads``, ``processes``."""
+"""Wall-clock figures of the last ``run_job`` in this process (for benchmarks):
+``startup_seconds`` is job start to the first image work, ``steady_images_per_second``
+after the first batch, ``finish_seconds`` last batch to published."""
 
 
 def batch_timing(report: list[dict], started: float, beam_started: float) -> dict:
@@ -155,8 +131,7 @@ def batch_timing(report: list[dict], started: float, beam_started: float) -> dic
 
 
 def finish_timing(timing: dict, started: float, threads: int, processes: int) -> dict:
-    """Complete :func:`batch_timing`'s figures once the job is published, and keep them
-    in :data:`LAST_TIMING`."""
+    """Complete :func:`batch_timing`'s figures once published; kept in :data:`LAST_TIMING`."""
     timing["seconds"] = time.time() - started
     # Grouping, writing the shards and by-class records, manifests and publish.
     timing["finish_seconds"] = time.time() - timing.pop("_last_batch_end", started)
@@ -197,12 +172,8 @@ def describe_manifests(manifests: dict[str, dict]) -> str:
 
 def main_wrapper(run_fn, argv: list[str] | None = None, describe=describe_manifests) -> int:
     """Shared ``__main__``: quiet logging, exit 1 on too many failures, a dead image
-    worker or a run that lost images, 2 on bad arguments, an output folder another
-    job holds or a full disk (one line naming the file).
-
-    ``describe`` turns what ``run_fn`` returned into the result written on success
-    (stdout, through the ``tfaploss.pipelines.result`` logger).
-    """
+    worker or a run that lost images, 2 on bad arguments, an output folder another job
+    holds or a full disk; ``describe(result)`` is the line written on success (stdout)."""
     from tfaploss.durable.atomic import DiskFullError
     from tfaploss.durable.locks import LockError
     from tfaploss.pipelines.image_workers import WorkerDiedError

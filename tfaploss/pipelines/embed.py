@@ -1,32 +1,15 @@
 """Embed a large image set with an exported SavedModel, through Beam's RunInference.
 
-For sets too large for one process (the 1M revisited distractors, the GLDv2 index)::
-
     python -m tfaploss.pipelines.embed --input OUT/test --model EXPORT/1 --output EMB [Beam options]
 
-``--input``: TFRecords written by the other jobs (a directory or a glob) or image files
-(a directory searched recursively, or a glob; the id is the relative path, the label
-the index of the top-level folder with ``--labels_from_folders``, else -1).
-``--model``: a SavedModel written by ``tfaploss.export.export_saved_model``, loaded
-once per worker with ``tf.saved_model.load`` (no Keras needed); RunInference batches
-the images.
-
-Output (``tfaploss.evaluation.load_embeddings(EMB)`` reads it)::
-
-    EMB/embeddings-00000-of-0000N.tfrecord   embedding, image/id, image/class/label
-    EMB/dead_letters.jsonl                   {"id", "path", "reason"} per failed image
-    EMB/manifest.json                        counts, model, options
-
-A re-run writes into ``.EMB.incoming`` and swaps it in only when everything is written:
-killed midway, the previous output stays intact. One job at a time per ``EMB`` (its
-lock). An undecodable image does not stop the batch: it is retried image by image
-and the bad one goes to the dead letters. Without ``--runner`` the local DirectRunner
-runs in one process (TensorFlow already uses every core inside it).
+Inputs, outputs (``tfaploss.evaluation.load_embeddings(EMB)`` reads them) and the
+staged publish: docs/pipelines.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -36,6 +19,7 @@ from typing import Any
 
 from tfaploss.durable import atomic, faults, locks
 from tfaploss.pipelines import console, storage
+from tfaploss.pipelines import options as opts
 
 beam = console.import_beam_quietly()
 
@@ -58,10 +42,8 @@ _COUNTER_NS = "tfaploss.embed"
 
 
 class _LoadedModel:
-    """The loaded SavedModel and its signature. The object is kept because a
-    signature only holds weak references to its variables; a class (not a dict)
-    because Beam's model sharing takes a weak reference to what ``load_model``
-    returns."""
+    """The loaded SavedModel (a signature holds only weak references to its variables)
+    and its signature; a class, as Beam's model sharing takes a weak reference to it."""
 
     def __init__(self, loaded, fn):
         self.loaded = loaded
@@ -69,9 +51,8 @@ class _LoadedModel:
 
 
 class SavedModelBytesHandler(ModelHandler):
-    """A Beam ``ModelHandler``: encoded image bytes -> embedding, with a SavedModel. A
-    batch refused for an undecodable image is run image by image, the bad ones coming
-    back with ``inference={"error": message}``."""
+    """A Beam ``ModelHandler``: encoded image bytes -> embedding. A batch refused for an
+    undecodable image is rerun image by image, the bad ones with ``{"error": message}``."""
 
     def __init__(self, model_path: str, signature: str = "serving_default",
                  input_key: str | None = None, output_key: str | None = None,
@@ -143,7 +124,6 @@ def _error_line(message: str) -> str:
     return " ".join(lines[:2])[:500]
 
 
-# -- inputs -----------------------------------------------------------------------------
 def _gfile():
     import tensorflow as tf
 
@@ -181,21 +161,25 @@ def list_inputs(input_path: str, input_format: str = "auto"):
 
 
 def parse_image_record(serialized: bytes) -> dict[str, Any]:
-    """``{"id", "label", "data"}`` from a ``tf.train.Example`` of the pipelines' schema."""
+    """``{"id", "label", "data", "path"}`` from a ``tf.train.Example`` of the pipelines'
+    schema."""
     from tensorflow.core.example import example_pb2
 
-    ex = example_pb2.Example.FromString(serialized)
-    f = ex.features.feature
-    rec: dict[str, Any] = {"id": None, "label": -1, "data": None, "path": ""}
-    if "image/id" in f and f["image/id"].bytes_list.value:
-        rec["id"] = f["image/id"].bytes_list.value[0].decode("utf-8")
-    if "image/class/label" in f and f["image/class/label"].int64_list.value:
-        rec["label"] = int(f["image/class/label"].int64_list.value[0])
-    if "image/encoded" in f and f["image/encoded"].bytes_list.value:
-        rec["data"] = f["image/encoded"].bytes_list.value[0]
-    if "image/path" in f and f["image/path"].bytes_list.value:
-        rec["path"] = f["image/path"].bytes_list.value[0].decode("utf-8")
-    return rec
+    f = example_pb2.Example.FromString(serialized).features.feature
+
+    def first(key: str, kind: str, default):
+        values = getattr(f[key], kind).value if key in f else ()
+        return values[0] if values else default
+
+    image_id = first("image/id", "bytes_list", None)
+    return {"id": image_id.decode("utf-8") if image_id is not None else None,
+            "label": int(first("image/class/label", "int64_list", -1)),
+            "data": first("image/encoded", "bytes_list", None),
+            "path": first("image/path", "bytes_list", b"").decode("utf-8")}
+
+
+def _failed(image_id, path: str, reason: str):
+    return beam.pvalue.TaggedOutput("failed", {"id": image_id, "path": path, "reason": reason})
 
 
 class ParseRecordDoFn(beam.DoFn):
@@ -206,13 +190,11 @@ class ParseRecordDoFn(beam.DoFn):
         try:
             rec = parse_image_record(serialized)
         except Exception as e:  # noqa: BLE001 - a corrupt record is reported, not fatal
-            yield beam.pvalue.TaggedOutput("failed", {"id": None, "path": "",
-                                                      "reason": f"unparsable record: {e}"})
+            yield _failed(None, "", f"unparsable record: {e}")
             return
         if rec["id"] is None or not rec["data"]:
             missing = "image/id" if rec["id"] is None else "image/encoded"
-            yield beam.pvalue.TaggedOutput("failed", {"id": rec["id"], "path": rec["path"],
-                                                      "reason": f"record lacks {missing}"})
+            yield _failed(rec["id"], rec["path"], f"record lacks {missing}")
             return
         yield (rec["id"], rec["label"]), rec["data"]
 
@@ -229,12 +211,10 @@ class ReadImageDoFn(beam.DoFn):
             with FileSystems.open(path) as f:
                 data = f.read()
         except Exception as e:  # noqa: BLE001
-            yield beam.pvalue.TaggedOutput("failed", {"id": image_id, "path": path,
-                                                      "reason": f"unreadable: {e}"})
+            yield _failed(image_id, path, f"unreadable: {e}")
             return
         if not data:
-            yield beam.pvalue.TaggedOutput("failed", {"id": image_id, "path": path,
-                                                      "reason": "empty file"})
+            yield _failed(image_id, path, "empty file")
             return
         yield (image_id, label), data
 
@@ -256,8 +236,7 @@ class ToExampleDoFn(beam.DoFn):
         (image_id, label), result = keyed
         inference = result.inference
         if isinstance(inference, dict) and "error" in inference:
-            yield beam.pvalue.TaggedOutput("failed", {"id": image_id, "path": "",
-                                                      "reason": inference["error"]})
+            yield _failed(image_id, "", inference["error"])
             return
         self.ok.inc()
         self.done += 1
@@ -266,7 +245,6 @@ class ToExampleDoFn(beam.DoFn):
         yield embedding_example(inference, image_id, label)
 
 
-# -- job --------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tfaploss.pipelines.embed", description=__doc__.split("\n\n")[0],
@@ -277,24 +255,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TFRecord directory/glob, or image directory/glob")
     p.add_argument("--model", required=True, help="SavedModel directory (a version folder)")
     p.add_argument("--output", required=True, help="output directory")
-    p.add_argument("--input_format", choices=("auto", "tfrecord", "images"), default="auto")
-    p.add_argument("--labels_from_folders", action="store_true",
-                   help="image files: label = index of the top-level folder (sorted)")
-    p.add_argument("--signature", default="serving_default")
-    p.add_argument("--input_key", default=None,
-                   help="signature input taking image bytes (default: its only string input)")
-    p.add_argument("--output_key", default=None,
-                   help="signature output holding the embedding (default: the only output, "
-                        "else 'embedding')")
-    p.add_argument("--batch_size", type=int, default=32, help="largest RunInference batch")
-    p.add_argument("--num_shards", type=int, default=0, help="output shards (0: Beam decides)")
-    p.add_argument("--max_failure_fraction", type=float, default=0.01)
-    p.add_argument("--verbose", action="store_true", help="also show Beam's INFO logging")
+    opts.add_options(p, (
+        ("--input_format", ("auto", "tfrecord", "images"), "auto", None),
+        ("--labels_from_folders", bool, False,
+         "image files: label = index of the top-level folder (sorted)"),
+        ("--signature", str, "serving_default", None),
+        ("--input_key", str, None,
+         "signature input taking image bytes (default: its only string input)"),
+        ("--output_key", str, None,
+         "signature output holding the embedding (default: the only output, else 'embedding')"),
+        ("--batch_size", int, 32, "largest RunInference batch"),
+        ("--num_shards", int, 0, "output shards (0: Beam decides)"),
+        ("--max_failure_fraction", float, 0.01, None),
+        ("--verbose", bool, False, "also show Beam's INFO logging"),
+    ))
     return p
-
-
-def _jsonl(row: dict) -> str:
-    return json.dumps(row, sort_keys=True)
 
 
 def run(argv: list[str] | None = None) -> dict:
@@ -337,8 +312,7 @@ def _embed(args, beam_argv, gfile, kind, inputs, final) -> dict:
     handler = KeyedModelHandler(SavedModelBytesHandler(
         args.model, args.signature, args.input_key, args.output_key,
         max_batch_size=args.batch_size))
-    options = PipelineOptions(beam_argv)
-    pipeline = beam.Pipeline(options=options)
+    pipeline = beam.Pipeline(options=PipelineOptions(beam_argv))
     if kind == "tfrecord":
         raw = pipeline | "ListRecords" >> beam.Create(inputs) | "ReadRecords" >> (
             beam.io.ReadAllFromTFRecord())
@@ -359,7 +333,7 @@ def _embed(args, beam_argv, gfile, kind, inputs, final) -> dict:
         os.path.join(stage, "embeddings"), file_name_suffix=".tfrecord",
         num_shards=args.num_shards)
     _ = ((parsed.failed, embedded.failed) | "AllFailures" >> beam.Flatten()
-         | "FailuresToJson" >> beam.Map(_jsonl)
+         | "FailuresToJson" >> beam.Map(functools.partial(json.dumps, sort_keys=True))
          | "WriteFailures" >> beam.io.WriteToText(
              os.path.join(stage, DEAD_LETTERS), shard_name_template="",
              num_shards=1))
@@ -372,34 +346,32 @@ def _embed(args, beam_argv, gfile, kind, inputs, final) -> dict:
             failures = [json.loads(line) for line in f if line.strip()]
     shards = sorted(os.path.basename(p)
                     for p in gfile.glob(os.path.join(stage, "embeddings-*")))
-    num_inputs = None if kind == "tfrecord" else len(inputs)
     embedded_count = _embedded_count(result, shards, stage)
     total = embedded_count + len(failures)
     manifest = {
         "input": args.input, "input_format": kind, "model": args.model,
         "signature": args.signature, "num_embedded": embedded_count,
-        "num_failures": len(failures), "num_inputs": num_inputs if num_inputs else total,
+        "num_failures": len(failures), "num_inputs": (kind == "images" and len(inputs)) or total,
         "shards": shards, "dead_letters": DEAD_LETTERS,
         "format": "tfaploss.evaluation.embedding_files",
     }
     storage.write_json(os.path.join(stage, MANIFEST), manifest, indent=1, sort_keys=True,
                        fault="manifest")
     storage.publish(stage, final)
-    dead_path = os.path.join(final, DEAD_LETTERS)
     LOG.info("embedded %d images, %d failures -> %s", embedded_count, len(failures),
              args.output)
     if total and len(failures) > args.max_failure_fraction * total:
         raise TooManyFailuresError(
             f"{len(failures)} of {total} inputs failed (more than --max_failure_fraction="
-            f"{args.max_failure_fraction}); see {dead_path}", {"embed": manifest})
+            f"{args.max_failure_fraction}); see {os.path.join(final, DEAD_LETTERS)}",
+            {"embed": manifest})
     return manifest
 
 
 def _run_checked(pipeline, kind, inputs):
-    """Run the pipeline; a damaged input record file (corrupt, truncated, not a
-    TFRecord file) ends it, before or during the run, with one DamagedDataError naming
-    the file, the record and the command that rebuilds it (a record that parses but
-    holds no image is a dead letter, as before)."""
+    """Run the pipeline; a damaged input record file ends it, before or during the run,
+    with one DamagedDataError naming the file, the record and the command that rebuilds
+    it (a record that parses but holds no image is a dead letter)."""
     from tfaploss.data import integrity
     from tfaploss.data.record_checks import scan_shard
 

@@ -1,26 +1,9 @@
 """Class-per-subfolder image tree -> TFRecords (a user's own data, the demo's digits).
 
-Layout read: ``INPUT_DIR/<class name>/**/<image>`` with any of
-:data:`tfaploss.pipelines.images.IMAGE_EXTENSIONS` (JPEG, PNG, BMP, GIF, WebP, TIFF; any size,
-e.g. 8x8 PNGs). Class names are sorted in natural order ("2" before "10"); image ids
-are the paths relative to ``INPUT_DIR``.
-
-Every file under ``INPUT_DIR`` ends up in exactly one of: the records, the dead letters
-(unreadable or undecodable images, names that are not UTF-8, folders that cannot be
-listed), or ``ignored_files.jsonl`` with its reason (not an image, outside a class
-folder, hidden names, links refused by :mod:`tfaploss.pipelines.links`).
-
-Splits: without a split option everything goes to one split (``--split_name``,
-default ``train``). ``--test_classes 6,7,8,9`` puts those classes in ``test`` and the
-rest in ``train``; ``--split_classes N`` puts the first N classes (natural order) in
-``train`` and the rest in ``test`` (the zero-shot retrieval protocol of CUB/Cars/SOP).
-A tree that is already split (``INPUT_DIR/train/<class>/...``,
-``INPUT_DIR/test/<class>/...``) is refused unless ``--splits_from_folders`` is given,
-which writes each top-level folder as its own split. Labels are contiguous ``0..C-1``
-within each split; the manifest's ``label_map`` gives the folder name of each label.
+``INPUT_DIR/<class name>/**/<image>``; every file ends up in the records, the dead
+letters or ``ignored_files.jsonl``. The split options and rules: docs/pipelines.md.
 
     python -m tfaploss.pipelines.folder --input_dir digits/ --output_dir out/ --test_classes 6,7,8,9
-    python -m tfaploss.pipelines.folder --input_dir already_split/ --output_dir out/ --splits_from_folders
 """
 
 from __future__ import annotations
@@ -56,11 +39,9 @@ def parser():
     g.add_argument("--splits_from_folders", action="store_true",
                    help="INPUT_DIR holds one folder per split (train/, test/, ...), each "
                         "with class folders; write each as its own split")
-    p.add_argument("--follow_external_links", action="store_true",
-                   help="follow symlinks (files and folders) that leave INPUT_DIR; without "
-                        "it they are listed in ignored_files.jsonl")
-    p.add_argument("--split_name", default="train",
-                   help="name of the single split when no class split is asked for")
+    opts.add_options(p, (opts.FOLLOW_EXTERNAL_LINKS, (
+        "--split_name", str, "train",
+        "name of the single split when no class split is asked for")))
     return p
 
 
@@ -183,20 +164,25 @@ def _class_groups(args, names: list[str]) -> dict[str, list[str]]:
     return {args.split_name: names}
 
 
-def _records(args, listing: Listing, members: list[str], split: str) -> R.SplitPlan:
+def _records(args, listing: Listing, members: list[str], split: str,
+             outside: bool) -> R.SplitPlan:
+    """The plan of ``members``' images (``outside``: with the listing's entries outside
+    any class; the manifest sorts them)."""
     records = [{"id": rel, "path": storage.join(args.input_dir, rel), "relpath": rel,
                 "label": label, "super_label": -1, "class_text": cls,
                 **({"root": root} if root else {})}
                for label, cls in enumerate(members) for rel, root in listing.classes[cls]]
     records, failures = R.dedupe_and_index(records)
-    dead = [d for cls in members for d in listing.dead.get(cls, [])]
-    ignored = [d for cls in members for d in listing.ignored.get(cls, [])]
+    keys = [*members, None] if outside else members
+    dead = [d for cls in keys for d in listing.dead.get(cls, [])]
+    ignored = [d for cls in keys for d in listing.ignored.get(cls, [])]
     return R.SplitPlan(split, records, dead + failures, label_map=dict(enumerate(members)),
                        ignored=ignored)
 
 
 def plan(args) -> list[R.SplitPlan]:
-    listing = list_tree(args.input_dir, follow_external_links=getattr(args, "follow_external_links", False))
+    listing = list_tree(args.input_dir,
+                        follow_external_links=getattr(args, "follow_external_links", False))
     names = sorted(listing.classes, key=_natural_key)
     if getattr(args, "splits_from_folders", False):
         return _plan_split_folders(args, listing, names)
@@ -208,11 +194,8 @@ def plan(args) -> list[R.SplitPlan]:
             f"{names} hold class folders, so they would become {len(names)} classes named "
             f"{names}. Run with --splits_from_folders to write each as its own split (its "
             "subfolders are the classes), or point --input_dir at one of them.")
-    plans = [_records(args, listing, members, split)
-             for split, members in _class_groups(args, names).items()]
-    plans[0].failures = listing.dead.get(None, []) + plans[0].failures
-    plans[0].ignored = listing.ignored.get(None, []) + plans[0].ignored
-    return plans
+    return [_records(args, listing, members, split, outside=i == 0)
+            for i, (split, members) in enumerate(_class_groups(args, names).items())]
 
 
 def _plan_split_folders(args, top: Listing, splits: list[str]) -> list[R.SplitPlan]:
@@ -225,10 +208,7 @@ def _plan_split_folders(args, top: Listing, splits: list[str]) -> list[R.SplitPl
         names = sorted(listing.classes, key=_natural_key)
         if not names:
             raise ValueError(f"--splits_from_folders: {split}/ has no class subfolders")
-        p = _records(args, listing, names, split)
-        p.failures = listing.dead.get(None, []) + p.failures
-        p.ignored = listing.ignored.get(None, []) + p.ignored
-        plans.append(p)
+        plans.append(_records(args, listing, names, split, outside=True))
     plans[0].failures = top.dead.get(None, []) + plans[0].failures
     plans[0].ignored = top.ignored.get(None, []) + plans[0].ignored
     return plans

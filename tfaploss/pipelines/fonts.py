@@ -1,19 +1,10 @@
-"""Font files read with fontTools: their faces, what each face maps a character to, and
-whether that glyph has an outline worth rendering.
-
-Used by the driver of :mod:`tfaploss.pipelines.glyphs` while planning (the workers render
-with :mod:`tfaploss.pipelines.glyph_render`). Only the tables needed are read, and glyphs
-one by one: a CJK font has tens of thousands of glyphs and a job looks at a few
-thousand; faces of a collection that share their outline table read it once.
-
-:meth:`Face.glyph` sorts one character of a face into: not in the cmap; mapped to
-``.notdef`` or to a copy of its outline (a "missing glyph" box drawn as a glyph of its
-own); an empty outline; or a usable glyph, with a fingerprint of its outline (two faces
-whose glyphs share it draw the same outline, whatever their hinting).
-"""
+"""Font files read with fontTools for :mod:`tfaploss.pipelines.glyphs`' planning: faces,
+their cmaps, and whether a glyph has an outline worth rendering (:meth:`Face.glyph`).
+Only the tables needed are read, glyph by glyph (docs/pipelines.md)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import struct
@@ -58,40 +49,29 @@ class Glyph:
 
 
 class _Table:
-    """An outline table of a file, shared by the faces that point at it; read when
-    first needed."""
+    """An outline table, shared by the faces that point at it; read when first needed."""
 
     def __init__(self, font: TTFont, tag: str):
         self.font, self.tag = font, tag
-        self._data: bytes | None = None
-        self._cff = None
-        self._identity: bytes | None = None
 
-    @property
+    @functools.cached_property
     def data(self) -> bytes:
-        if self._data is None:
-            self._data = self.font.reader[self.tag]
-        return self._data
+        return self.font.reader[self.tag]
 
-    @property
+    @functools.cached_property
     def identity(self) -> bytes:
-        if self._identity is None:
-            self._identity = hashlib.sha1(self.tag.encode() + self.data).digest()
-        return self._identity
+        return hashlib.sha1(self.tag.encode() + self.data).digest()
 
-    @property
+    @functools.cached_property
     def top(self):
         """The CFF top dict (the table decompiled once, by the first face)."""
-        if self._cff is None:
-            self._cff = self.font[self.tag]
-        return self._cff.cff.topDictIndex[0]
+        return self.font[self.tag].cff.topDictIndex[0]
 
 
 @dataclass
 class Face:
-    """One face of a font file: ``relpath`` of the file (relative to the job's input
-    folder), ``index`` in the file (0 outside collections), ``name`` (its full name).
-    :attr:`cmap` maps code points to glyph ids."""
+    """One face of a font file: ``relpath`` of the file, ``index`` in it (0 outside
+    collections); :attr:`cmap` maps code points to glyph ids."""
 
     relpath: str
     index: int
@@ -181,8 +161,7 @@ class Face:
 
 
 def _gid(name: str) -> int:
-    # The names FontFile gives the glyphs ("gid123"; fontTools: "glyph00123" past the
-    # end of the glyph order).
+    # "gid123" as FontFile names them; fontTools' "glyph00123" past the glyph order.
     return int(name[3:]) if name.startswith("gid") else int(name[5:])
 
 
@@ -197,10 +176,9 @@ def _digest(*parts: bytes) -> str:
 class FontFile:
     """An open font file (a local path) and its :attr:`faces`; a context manager.
 
-    ``cmaps``: the faces' :attr:`Face.cmap` from an earlier opening of the same file
-    (reading a large cmap costs a tenth of a second). Raises :class:`FontError` when
-    fontTools cannot read the file, a table lies beyond its end, a face has no
-    outlines or no Unicode cmap, or a collection holds no face.
+    ``cmaps``: the faces' cmaps from an earlier opening (a large one costs 0.1 s to read).
+    Raises :class:`FontError` for a file fontTools cannot read, a table beyond its end, a
+    face without outlines or Unicode cmap, or a collection without faces.
     """
 
     def __init__(self, path: str, relpath: str, cmaps: list[dict[int, int]] | None = None):

@@ -1,19 +1,7 @@
 """Google Landmarks Dataset v2 (Weyand et al., CVPR'20) -> TFRecords.
 
-``--subset train`` (default): reads ``--train_csv`` from ``INPUT_DIR``, either the full
-``train.csv`` (``id,url,landmark_id``) or ``train_clean.csv`` (``landmark_id,images``
-with space-separated ids); the format is recognised from the header. Images live at
-``INPUT_DIR/train/a/b/c/<id>.jpg`` (the first three characters of the id). Classes
-with fewer than ``--min_images_per_class`` listed images are left out (counted in the
-manifest, not failures). Labels are contiguous ``0..C-1`` (sorted landmark id).
-
-``--subset retrieval``: the index and test sets for evaluation. ``index`` images
-(``index/a/b/c/<id>.jpg``) are labelled from ``index_image_to_landmark.csv``
-(``id,landmark_id``); ``test`` queries (``test/a/b/c/<id>.jpg``) come from
-``retrieval_solution_v2.1.csv`` (``id,images,Usage``; ``images`` are the relevant index
-ids or ``None``) and get the label of their relevant index images. The ground truth is
-written as JSON to ``OUTPUT_DIR/test/ground_truth.json`` (published with the test records):
-``[{"id", "relevant": [index ids], "usage"}]``.
+``--subset train`` (the training set) or ``retrieval`` (index and test, with
+``test/ground_truth.json``); the files read: docs/pipelines.md.
 
     python -m tfaploss.pipelines.gldv2 --input_dir gldv2 --output_dir out/gldv2 \\
         --train_csv train_clean.csv --max_side 512 --runner DataflowRunner ...
@@ -34,23 +22,30 @@ from tfaploss.pipelines import storage
 
 
 def parser():
-    p = opts.build_parser(__doc__.splitlines()[0])
-    p.add_argument("--subset", choices=("train", "retrieval"), default="train",
-                   help="train: the training set; retrieval: the index and test sets")
-    p.add_argument("--train_csv", default="train_clean.csv",
-                   help="train.csv (id,url,landmark_id) or train_clean.csv (landmark_id,images)")
-    p.add_argument("--min_images_per_class", type=int, default=1,
-                   help="leave out landmarks with fewer listed training images")
-    p.add_argument("--index_csv", default="index_image_to_landmark.csv")
-    p.add_argument("--solution_csv", default="retrieval_solution_v2.1.csv")
-    p.add_argument("--include_non_landmark_queries", action="store_true",
-                   help="also write test queries whose solution is 'None'")
-    return p
+    return opts.build_parser(__doc__.splitlines()[0], (
+        ("--subset", ("train", "retrieval"), "train",
+         "train: the training set; retrieval: the index and test sets"),
+        ("--train_csv", str, "train_clean.csv",
+         "train.csv (id,url,landmark_id) or train_clean.csv (landmark_id,images)"),
+        ("--min_images_per_class", int, 1,
+         "leave out landmarks with fewer listed training images"),
+        ("--index_csv", str, "index_image_to_landmark.csv", None),
+        ("--solution_csv", str, "retrieval_solution_v2.1.csv", None),
+        ("--include_non_landmark_queries", bool, False,
+         "also write test queries whose solution is 'None'")))
 
 
 def image_path(root: str, folder: str, image_id: str) -> tuple[str, str]:
     rel = f"{folder}/{image_id[0]}/{image_id[1]}/{image_id[2]}/{image_id}.jpg"
     return storage.join(root, rel), rel
+
+
+def _record(root: str, folder: str, image_id: str, labels: dict, landmark) -> dict:
+    """The work-list record of an image of ``landmark`` (None: none, label -1)."""
+    path, rel = image_path(root, folder, image_id)
+    return {"id": image_id, "path": path, "relpath": rel, "super_label": -1,
+            "label": -1 if landmark is None else labels[landmark],
+            "class_text": "" if landmark is None else str(landmark)}
 
 
 def _read_csv(path: str) -> tuple[list[str], list[tuple[int, list[str]]]]:
@@ -99,13 +94,8 @@ def plan_train(args) -> list[R.SplitPlan]:
     counts = collections.Counter(lm for _, lm in pairs)
     keep = {lm for lm, n in counts.items() if n >= args.min_images_per_class}
     labels = R.contiguous_labels(keep)
-    records = []
-    for image_id, lm in pairs:
-        if lm in keep:
-            path, rel = image_path(args.input_dir, "train", image_id)
-            records.append({"id": image_id, "path": path, "relpath": rel,
-                            "label": labels[lm], "super_label": -1, "class_text": str(lm)})
-    records, dups = R.dedupe_and_index(records)
+    records, dups = R.dedupe_and_index([_record(args.input_dir, "train", image_id, labels, lm)
+                                        for image_id, lm in pairs if lm in keep])
     dropped = {"num_classes_below_min": len(counts) - len(keep),
                "num_images_below_min": sum(n for lm, n in counts.items() if lm not in keep)}
     return [R.SplitPlan("train", records, bad + dups,
@@ -126,12 +116,9 @@ def plan_retrieval(args) -> list[R.SplitPlan]:
         except (ValueError, IndexError) as e:
             bad_index.append(_bad(index_csv, lineno, row, str(e)))
     labels = R.contiguous_labels(index_lm.values())
-    index_records = []
-    for image_id, lm in index_lm.items():
-        path, rel = image_path(args.input_dir, "index", image_id)
-        index_records.append({"id": image_id, "path": path, "relpath": rel,
-                              "label": labels[lm], "super_label": -1, "class_text": str(lm)})
-    index_records, dups = R.dedupe_and_index(index_records)
+    index_records, dups = R.dedupe_and_index([
+        _record(args.input_dir, "index", image_id, labels, lm)
+        for image_id, lm in index_lm.items()])
 
     solution_csv = storage.join(args.input_dir, args.solution_csv)
     header, rows = _read_csv(solution_csv)
@@ -147,12 +134,9 @@ def plan_retrieval(args) -> list[R.SplitPlan]:
             continue
         usage = row[2] if len(row) > 2 else ""
         known = [index_lm[i] for i in relevant if i in index_lm]
-        label = labels[known[0]] if known else -1
         truth.append({"id": row[0], "relevant": relevant, "usage": usage})
-        path, rel = image_path(args.input_dir, "test", row[0])
-        test_records.append({"id": row[0], "path": path, "relpath": rel, "label": label,
-                             "super_label": -1,
-                             "class_text": str(known[0]) if known else ""})
+        test_records.append(_record(args.input_dir, "test", row[0], labels,
+                                    known[0] if known else None))
     test_records, test_dups = R.dedupe_and_index(test_records)
     truth_json = json.dumps(sorted(truth, key=lambda t: t["id"]), sort_keys=True)
     label_map = {v: str(k) for k, v in labels.items()}

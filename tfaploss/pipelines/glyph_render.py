@@ -1,13 +1,5 @@
-"""One character of one font face -> a small image: the worker side of :mod:`tfaploss.pipelines.glyphs`.
-
-Pillow's FreeType renders the glyph at ``2 * canvas`` pixels per em (then scaled down:
-smooth edges at any canvas size); its ink is cropped, scaled so that the em square
-fills ``scale`` of the canvas inside the margin (a small character stays small), and
-further if its ink would leave that box, and pasted black on white, centred on its ink
-and shifted by ``(shift_x, shift_y)`` canvas widths, never past the edge. The jitter
-comes from :func:`jitter`, SHA-256 of ``(seed, face id, code point)``: a rerun draws the
-same images whatever the order or process. Pure Pillow, no Beam, no fontTools.
-"""
+"""One character of one font face -> a small image: the worker side of
+:mod:`tfaploss.pipelines.glyphs` (pure Pillow; how it is placed: docs/pipelines.md)."""
 
 from __future__ import annotations
 
@@ -33,15 +25,20 @@ PROBE_EM = 24  # pixels per em of the planning check for ink (:func:`has_ink`)
 
 def jitter(seed: int, face_id: str, cp: int, *, scale: float, shift: float,
            stroke: float) -> dict:
-    """The seeded jitter of one image: ``scale`` in ``[1 - scale, 1]``, ``shift_x`` and
-    ``shift_y`` in ``[-shift, shift]`` (canvas widths), ``stroke`` in ``[0, stroke]``
-    (canvas pixels). Depends only on its arguments (not on Python's ``hash``)."""
-    key = f"{seed}\0{face_id}\0{cp}".encode()
-    rng = random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))
+    """The seeded jitter of one image (SHA-256 of the arguments): ``scale`` in
+    ``[1 - scale, 1]``, ``shift_x``/``shift_y`` in ``[-shift, shift]`` canvas widths,
+    ``stroke`` in ``[0, stroke]`` canvas pixels."""
+    rng = seeded_rng(seed, face_id, cp)
     return {"scale": round(1.0 - scale * rng.random(), 6),
             "shift_x": round(shift * (2 * rng.random() - 1), 6),
             "shift_y": round(shift * (2 * rng.random() - 1), 6),
             "stroke": round(stroke * rng.random(), 6)}
+
+
+def seeded_rng(*parts) -> random.Random:
+    """A ``random.Random`` seeded by SHA-256 of ``parts`` (never Python's ``hash``)."""
+    digest = hashlib.sha256("\0".join(map(str, parts)).encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "big"))
 
 
 def _font(path: str, index: int, size: int) -> ImageFont.FreeTypeFont:
@@ -60,8 +57,7 @@ def _open_font(path: str, index: int, size: int, pid: int) -> ImageFont.FreeType
 
 
 def open_face(path: str, index: int, em: int = PROBE_EM) -> ImageFont.FreeTypeFont:
-    """Face ``index`` of ``path`` as FreeType opens it (cached); raises
-    :class:`ImageError` (``unreadable_font``)."""
+    """Face ``index`` of ``path`` as FreeType opens it (cached), or ``ImageError``."""
     return _font(path, index, em)
 
 
@@ -71,9 +67,8 @@ def close_fonts() -> None:
 
 
 def has_ink(path: str, index: int, cp: int) -> bool:
-    """Whether FreeType draws any ink (:data:`INK_LEVEL`) for ``cp`` at
-    :data:`PROBE_EM` pixels per em: the planning check, as a glyph with an outline may
-    still draw nothing."""
+    """Whether FreeType draws any ink for ``cp`` at :data:`PROBE_EM` pixels per em (an
+    outline may still draw nothing)."""
     extrema = _font(path, index, PROBE_EM).getmask(chr(cp)).getextrema()
     return extrema is not None and extrema[1] >= INK_LEVEL
 
@@ -81,9 +76,8 @@ def has_ink(path: str, index: int, cp: int) -> bool:
 def render(path: str, index: int, cp: int, *, canvas: int, margin: float,
            scale: float = 1.0, shift_x: float = 0.0, shift_y: float = 0.0,
            stroke: float = 0.0) -> Image.Image:
-    """Render code point ``cp`` of face ``index`` of the font file ``path`` (see the
-    module doc); a grayscale ``canvas x canvas`` image. Raises :class:`ImageError`
-    (``no_ink`` when the glyph draws nothing)."""
+    """Render code point ``cp`` of face ``index`` of ``path`` into a grayscale ``canvas x
+    canvas`` image (docs/pipelines.md); ``ImageError`` ``no_ink`` when it draws nothing."""
     em = SUPERSAMPLE * canvas
     font = _font(path, index, em)
     char = chr(cp)
@@ -115,9 +109,7 @@ def _place(canvas: int, size: int, shift: float) -> int:
 
 
 def render_png(path: str, index: int, cp: int, **kwargs) -> bytes:
-    """:func:`render`, PNG-encoded: what the image workers take in (the recipe of a
-    :mod:`tfaploss.pipelines.glyphs` record is ``{"fn": "tfaploss.pipelines.glyph_render:render_png",
-    "args": {...}}``)."""
+    """:func:`render`, PNG-encoded: the render recipe of a glyphs record."""
     buf = io.BytesIO()
     render(path, index, cp, **kwargs).save(buf, format="PNG", compress_level=1)
     return buf.getvalue()

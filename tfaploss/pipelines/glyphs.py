@@ -1,45 +1,18 @@
 """A folder of fonts -> a retrieval dataset: one class per character, one image per face.
 
-Reads every ``.ttf``, ``.otf``, ``.ttc`` and ``.otc`` file under ``INPUT_DIR`` (each face
-of a collection a face of its own) with fontTools, picks the characters of
-``--charset`` that most faces have, and has the image workers render each with every
-face that has it (:mod:`tfaploss.pipelines.glyph_render`): black on white, the em
-filling the canvas inside ``--margin`` (a small character stays small), centred on
-its ink and never cropped, with a seeded jitter of scale, shift and stroke width
-(SHA-256 of seed, face and code point: a rerun writes the same bytes). docs/data.md
-has the figures.
-
-A face *takes part* in a named set or range when its cmap has one of its characters;
-a character is *covered* when ``--min_coverage`` of the faces taking part in its set
-have it; at most ``--max_classes`` covered characters are kept (a seeded sample), and
-those left with fewer than ``--min_images`` images are dropped. Splits are by class
-(zero-shot): a seeded shuffle puts ``--test_fraction`` in ``test``,
-``--val_fraction`` in ``val`` and the rest in ``train``; labels are contiguous per
-split in code-point order, ``label_map`` gives ``"U+4E00 一"``, the manifest's
-``glyphs`` entry the faces and their image counts.
-
-Every file under ``INPUT_DIR`` ends up in exactly one place: an unreadable font is a
-dead letter (a glyph FreeType fails on: that pair); other files, hidden names and the
-links :mod:`tfaploss.pipelines.links` refuses are in ``ignored_files.jsonl`` with
-their reason. Each (kept character, face taking part) pair gives an image or an
-ignored entry ``{"path", "face", "char", "reason"}``: ``not in cmap``, ``mapped to
-.notdef``, ``same outline as .notdef`` (a box drawn as a glyph), ``empty outline``,
-``no ink when rendered``, ``same outline as another face`` (``same_as`` names it;
-``--keep_duplicate_outlines`` renders them all) or ``character with fewer than
---min_images images``: no tofu box is rendered. Fonts are read from a local folder.
+Seeded (a rerun writes the same bytes); every file and every (character, face) pair
+ends up in the records, the dead letters or ``ignored_files.jsonl`` with its reason.
+The rules: docs/pipelines.md; figures: docs/data.md.
 
     python -m tfaploss.pipelines.glyphs --input_dir data/fonts/extracted --output_dir data/glyphs
-    python -m tfaploss.pipelines.glyphs --input_dir my_fonts/ --output_dir out/ --charset latin
 """
 
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
 import multiprocessing
 import os
-import random
 import re
 import sys
 import unicodedata
@@ -74,42 +47,35 @@ RENDER_FN = "tfaploss.pipelines.glyph_render:render_png"
 
 
 def parser():
-    p = opts.build_parser(__doc__.splitlines()[0])
-    p.add_argument("--charset", default="cjk",
-                   help="characters: cjk, hangul, latin, several joined by '+' "
-                        "(cjk+hangul), or comma-separated ranges U+4E00-U+4FFF,U+AC00")
-    p.add_argument("--min_coverage", type=float, default=0.9,
-                   help="fraction of the faces taking part in a character's set that "
-                        "must have it in their cmap")
-    p.add_argument("--max_classes", type=int, default=3000,
-                   help="most characters kept (a seeded sample of the covered ones); 0: all")
-    p.add_argument("--test_fraction", type=float, default=0.5,
-                   help="fraction of the characters in the 'test' split")
-    p.add_argument("--val_fraction", type=float, default=0.1,
-                   help="fraction of the characters in the 'val' split (0: no val split)")
-    p.add_argument("--follow_external_links", action="store_true",
-                   help="follow symlinks (files and folders) that leave INPUT_DIR; without "
-                        "it they are listed in ignored_files.jsonl")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seeds the class sample, the split and every image's jitter")
-    p.add_argument("--canvas_size", type=int, default=64,
-                   help="width and height of the images in pixels")
-    p.add_argument("--margin", type=float, default=0.08,
-                   help="blank border on each side, as a fraction of the canvas")
-    p.add_argument("--scale_jitter", type=float, default=0.15,
-                   help="each glyph is drawn at 1 - U(0, this) of its full size")
-    p.add_argument("--shift_jitter", type=float, default=0.04,
-                   help="each glyph is shifted by U(-this, this) canvas widths in x and "
-                        "y (never past the canvas edge)")
-    p.add_argument("--stroke_jitter", type=float, default=1.0,
-                   help="strokes are thickened by U(0, this) canvas pixels")
-    p.add_argument("--min_images", type=int, default=2,
-                   help="characters left with fewer images than this (after the checks "
-                        "below) are dropped: a class needs two images to be retrieved")
-    p.add_argument("--keep_duplicate_outlines", action="store_true",
-                   help="also render a face whose glyph has the same outline as an "
-                        "earlier face's (by default listed as ignored)")
-    return p
+    return opts.build_parser(__doc__.splitlines()[0], (
+        ("--charset", str, "cjk", (
+            "characters: cjk, hangul, latin, several joined by '+' (cjk+hangul), or "
+            "comma-separated ranges U+4E00-U+4FFF,U+AC00")),
+        ("--min_coverage", float, 0.9, (
+            "fraction of the faces taking part in a character's set that must have it in "
+            "their cmap")),
+        ("--max_classes", int, 3000,
+         "most characters kept (a seeded sample of the covered ones); 0: all"),
+        ("--test_fraction", float, 0.5, "fraction of the characters in the 'test' split"),
+        ("--val_fraction", float, 0.1,
+         "fraction of the characters in the 'val' split (0: no val split)"),
+        opts.FOLLOW_EXTERNAL_LINKS,
+        ("--seed", int, 0, "seeds the class sample, the split and every image's jitter"),
+        ("--canvas_size", int, 64, "width and height of the images in pixels"),
+        ("--margin", float, 0.08, "blank border on each side, as a fraction of the canvas"),
+        ("--scale_jitter", float, 0.15,
+         "each glyph is drawn at 1 - U(0, this) of its full size"),
+        ("--shift_jitter", float, 0.04, (
+            "each glyph is shifted by U(-this, this) canvas widths in x and y (never past "
+            "the canvas edge)")),
+        ("--stroke_jitter", float, 1.0, "strokes are thickened by U(0, this) canvas pixels"),
+        ("--min_images", int, 2, (
+            "characters left with fewer images than this (after the checks below) are "
+            "dropped: a class needs two images to be retrieved")),
+        ("--keep_duplicate_outlines", bool, False, (
+            "also render a face whose glyph has the same outline as an earlier face's (by "
+            "default listed as ignored)")),
+    ))
 
 
 def _validate(args) -> None:
@@ -144,16 +110,13 @@ def _validate(args) -> None:
     parse_charset(args.charset)
 
 
-# ------------------------------------------------------------------------------ charset
-
-
 def _graphic(cp: int) -> bool:
     return unicodedata.category(chr(cp))[0] in "LNPS"
 
 
 def parse_charset(spec: str) -> list[tuple[str, list[int]]]:
-    """``--charset`` -> ``[(set name, sorted code points)]``, one entry per named set
-    or range (a character in two of them counts in the first)."""
+    """``--charset`` -> ``[(set name, sorted code points)]`` per named set or range (a
+    character in two counts in the first)."""
     parts: list[tuple[str, list[tuple[int, int]]]] = []
     for token in (t.strip() for t in spec.split(",")):
         m = _RANGE.fullmatch(token)
@@ -186,22 +149,14 @@ def parse_charset(spec: str) -> list[tuple[str, list[int]]]:
     return out
 
 
-def _rng(seed: int, purpose: str) -> random.Random:
-    digest = hashlib.sha256(f"{seed}\0{purpose}".encode()).digest()
-    return random.Random(int.from_bytes(digest[:8], "big"))
-
-
 def char_name(cp: int) -> str:
     return f"U+{cp:04X}"
 
 
-# ------------------------------------------------------------------------------ listing
-
-
 @dataclass
 class Listing:
-    """What :func:`list_fonts` found: ``fonts`` ``[(relpath, path)]`` in name order,
-    ``dead`` letters and ``ignored`` ``{"path", "reason"}`` entries."""
+    """What :func:`list_fonts` found: ``fonts`` ``[(relpath, path)]``, ``dead`` letters,
+    ``ignored`` entries."""
 
     fonts: list[tuple[str, str]] = field(default_factory=list)
     dead: list[dict] = field(default_factory=list)
@@ -215,9 +170,8 @@ class Listing:
 
 
 def list_fonts(input_dir: str, follow_external_links: bool = False) -> Listing:
-    """Every file under ``input_dir``: a font to read, a dead letter or ignored. Symlinks
-    follow :mod:`tfaploss.pipelines.links` (``follow_external_links``: follow those that leave
-    ``input_dir``)."""
+    """Every file under ``input_dir``: a font to read, a dead letter or ignored (links as
+    :mod:`tfaploss.pipelines.links` decides)."""
     if not os.path.isdir(input_dir):
         raise FileNotFoundError(f"--input_dir {input_dir!r} is not a directory")
     listing = Listing()
@@ -232,9 +186,6 @@ def list_fonts(input_dir: str, follow_external_links: bool = False) -> Listing:
     policy.drain()
     listing.fonts.sort()
     return listing
-
-
-# ------------------------------------------------------------------------------ planning
 
 
 @dataclass
@@ -255,8 +206,8 @@ def _processes(args) -> int:
 
 
 def _map_files(fn, jobs: list[tuple], processes: int, what: str) -> list:
-    """``[fn(*job) for job in jobs]``, the font files spread over ``processes`` forked
-    processes (largest first) when there are several."""
+    """``[fn(*job) for job in jobs]``, over ``processes`` forked processes (largest
+    font file first)."""
     progress = console.Progress(what, total=len(jobs))
     if processes <= 1 or len(jobs) <= 1:
         out = []
@@ -276,7 +227,7 @@ def _map_files(fn, jobs: list[tuple], processes: int, what: str) -> list:
 
 def _scan_file(rel: str, path: str, charset: frozenset[int]):
     """One font file's faces ``[(index, name, {cp: glyph id} of the charset)]``, or its
-    dead letter when fontTools or FreeType cannot read it."""
+    dead letter."""
     try:
         with F.FontFile(path, rel) as font:
             faces = [(f.index, f.name, {cp: g for cp, g in f.cmap.items() if cp in charset})
@@ -291,8 +242,8 @@ def _scan_file(rel: str, path: str, charset: frozenset[int]):
 
 
 def _read_faces(listing: Listing, charset: set[int], processes: int) -> list[_FaceInfo]:
-    """Open every listed font (fontTools and FreeType); unreadable ones become dead
-    letters. Returns the faces with the charset's characters they map."""
+    """The faces of every listed font, with the charset's characters they map; unreadable
+    files become dead letters."""
     chars = frozenset(charset)
     scans = _map_files(_scan_file, [(rel, path, chars) for rel, path in listing.fonts],
                        processes, "font files read")
@@ -308,9 +259,8 @@ def _read_faces(listing: Listing, charset: set[int], processes: int) -> list[_Fa
 
 def _check_file(rel: str, path: str, cmaps: list[dict[int, int]],
                 todo: list[list[int]]) -> list[list[tuple[str | None, str, bool]]]:
-    """For each face of a font file and each of its ``todo`` characters: ``(reason it
-    gives no image or None, outline fingerprint, has ink)``, or ``(BROKEN, what went
-    wrong, False)``. FreeType checks the ink once per outline."""
+    """Per face of a font file and per ``todo`` character: ``(reason it gives no image or
+    None, outline fingerprint, has ink)`` or ``(BROKEN, what went wrong, False)``."""
     ink: dict[tuple[int, str], bool] = {}
     out = []
     try:
@@ -353,7 +303,7 @@ def _select(args, parts, faces: list[_FaceInfo]):
     covered.sort()
     kept = covered
     if args.max_classes and len(covered) > args.max_classes:
-        kept = sorted(_rng(args.seed, "classes").sample(covered, args.max_classes))
+        kept = sorted(G.seeded_rng(args.seed, "classes").sample(covered, args.max_classes))
     return covered, kept, taking_part
 
 
@@ -367,7 +317,7 @@ def _split_characters(args, kept: list[int]) -> dict[str, list[int]]:
             f"--test_fraction {args.test_fraction} and --val_fraction {args.val_fraction}; "
             "add faces, widen --charset or lower --min_coverage")
     order = list(kept)
-    _rng(args.seed, "splits").shuffle(order)
+    G.seeded_rng(args.seed, "splits").shuffle(order)
     groups = {"test": order[:n_test], "val": order[n_test:n_test + n_val],
               "train": order[n_test + n_val:]}
     return {s: sorted(groups[s]) for s in SPLITS if groups[s]}
@@ -375,8 +325,8 @@ def _split_characters(args, kept: list[int]) -> dict[str, list[int]]:
 
 def _check_glyphs(args, faces: list[_FaceInfo], part_of: dict[int, str],
                   taking_part: dict[str, list], kept: list[int], processes: int):
-    """Sort every (kept character, face taking part in its set) pair: ``{cp: [face]}``
-    to render, and ignored entries and dead letters per character."""
+    """Sort every (kept character, face taking part) pair: ``{cp: [face]}`` to render,
+    and the ignored entries and dead letters per character."""
     member_of = {name: {f.id for f in members} for name, members in taking_part.items()}
     by_file: dict[tuple[str, str], list[_FaceInfo]] = collections.defaultdict(list)
     for f in faces:

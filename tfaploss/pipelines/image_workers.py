@@ -1,22 +1,9 @@
 """Where the image work runs, and how its results reach the shard writers.
 
-A *task* is a few work-list records of one shard. A worker reads (or draws, for a
-record carrying a ``render`` recipe), decodes, resizes and re-encodes each image, frames
-its record and writes the task's records to one *part file* in the staging folder.
-What goes back to Beam is four numbers per image (where its record and its JPEG lie),
-never the pixels; the shard writers assemble their files from the parts. A run needs
-free space for about twice its output.
-
-On the local DirectRunner's in-memory mode (the default) tasks run in a pool of forked
-processes, one per core, forked before Beam starts its threads: PIL holds the GIL for
-part of every image, so two threads reach about 1.75x one core where two processes
-reach 1.86x (``benchmarks/pipeline.py``). Elsewhere they run on ``--image_threads``
-threads of the Beam worker. Workers import neither Beam nor TensorFlow.
-
-A worker that dies (SIGKILL, the OOM killer) breaks its pool. Each worker notes what it
-is doing in a small shared-memory board, so :func:`worker_deaths` can tell the job
-which worker died, how, and on what; the job then stops with :class:`WorkerDiedError`
-and publishes nothing.
+A worker writes each task's framed records to a part file and hands Beam only where
+they lie. Locally the tasks run in forked processes (one per core), elsewhere on
+``--image_threads`` threads; a worker that dies is named by its notes on a
+shared-memory board (:func:`worker_deaths`). docs/pipelines.md has the figures.
 """
 
 from __future__ import annotations
@@ -42,21 +29,17 @@ from tfaploss.pipelines import images as I
 from tfaploss.pipelines import storage
 from tfaploss.pipelines import tf_example as X
 
-# The fewest images one task holds when it goes to a process pool. A batch is cut into
-# one task per process, not into tasks of 4: each task is a hand-off through the pool's
-# feeder thread, which a busy machine schedules late.
+# The fewest images of a task on a process pool; a batch is cut into one task per process
+# (each task is a hand-off through the pool's feeder thread, scheduled late when busy).
 PROCESS_TASK_IMAGES = 4
 
 
 def process_task(records: list[dict], settings: dict, root: str | None,
                  part_path: str, where: dict | None = None) -> list:
-    """Process ``records`` and write their framed records to ``part_path``.
-
-    Returns one entry per record, in order: its dead letter (a dict) or
-    ``(offset, length, jpeg_offset, jpeg_length)`` in the part file. No part file is
-    written when every record failed. ``where`` (``split``, ``shard``, ``num_shards``)
-    is what a worker notes on the board before each image (see the module doc).
-    """
+    """Process ``records`` and write their framed records to ``part_path`` (none when all
+    failed); returns per record its dead letter or ``(offset, length, jpeg_offset,
+    jpeg_length)`` in the part file. ``where`` (split, shard, num_shards) goes on the
+    board."""
     results, pieces, offset = [], [], 0
     for record in records:
         if _WORKER is not None:
@@ -91,9 +74,8 @@ def _one(record: dict, s: dict, root: str | None):
 
 
 def _image_bytes(record: dict, root: str | None) -> bytes:
-    """A record's encoded image: carried along under ``_bytes`` (TFDS), drawn from the
-    recipe under ``render`` (``{"fn": "tfaploss.pipelines.<module>:<function>", "args": {...}}``,
-    e.g. the glyphs job's fonts), or read from its ``path``."""
+    """A record's encoded image: under ``_bytes`` (TFDS), drawn from its ``render``
+    recipe (``{"fn": "tfaploss.pipelines.<module>:<function>", "args": {...}}``), or read."""
     data = record.pop("_bytes", None)
     if data is not None:
         return data
@@ -134,8 +116,7 @@ def part_path(parts_dir: str, split: str, records: list[dict]) -> str:
 
 
 def read_slices(ranges) -> list[memoryview]:
-    """The bytes at ``(part_path, start, length)`` for each of ``ranges``, reading each
-    part file once."""
+    """The bytes at each ``(part_path, start, length)``, reading each part file once."""
     cache: dict[str, memoryview] = {}
     out = []
     for path, start, length in ranges:
@@ -146,11 +127,8 @@ def read_slices(ranges) -> list[memoryview]:
     return out
 
 
-# ---------------------------------------------------------------------- local processes
-
 _LOCAL_POOLS: dict[str, ProcessPoolExecutor] = {}
-# Tasks submitted before Beam started, by pool token, then by part file (a task's name):
-# (future, when it was submitted).
+# Tasks submitted before Beam started: token -> part file -> (future, when submitted).
 _AHEAD: dict[str, dict[str, tuple[Future, float]]] = {}
 
 
@@ -162,9 +140,8 @@ _SLOT = 512  # bytes of the board per worker: its pid and what it is doing, as J
 
 
 class WorkerDiedError(RuntimeError):
-    """An image worker process died during the job (killed: SIGKILL, the OOM killer);
-    nothing was published. The message names the worker, the signal, and the split,
-    shard and image it was working on."""
+    """An image worker process died during the job (SIGKILL, the OOM killer); nothing
+    was published. The message names the worker, the signal and what it worked on."""
 
 
 class _Pool:
@@ -178,13 +155,10 @@ class _Pool:
         self.executor = ProcessPoolExecutor(
             processes, mp_context=ctx, initializer=_worker_init,
             initargs=(os.getpid(), self.board, self.next_slot))
-        # Garbage the workers would inherit is collected here, where its threads live: a
-        # tf.data iterator left in a reference cycle by earlier work in this process (a
-        # notebook, a test run) waits in its destructor for threads a forked child does
-        # not have, and the child hung at its first collection. What survives is frozen
-        # out of the children's collections. Unfrozen after the fork only when nothing
-        # was frozen before: gc.unfreeze() releases every frozen object, and a caller's
-        # own freeze (a pre-fork server, a test runner) is not ours to undo.
+        # Collected here, where its threads live: a tf.data iterator in a reference cycle
+        # waits in its destructor for threads a forked child lacks (the child hung). The
+        # rest is frozen out of the children's collections; unfrozen after the fork only
+        # if the caller (a pre-fork server, a test runner) had frozen nothing itself.
         caller_froze = gc.get_freeze_count() > 0
         gc.collect()
         gc.freeze()
@@ -193,8 +167,7 @@ class _Pool:
         finally:
             if not caller_froze:
                 gc.unfreeze()
-        # The worker processes (forked up front with the fork context), kept to learn
-        # how each ended: the executor forgets them once it is broken.
+        # Kept to learn how each worker ended: a broken executor forgets them.
         self.workers = dict(getattr(self.executor, "_processes", None) or {})
 
     def doing(self, pid: int) -> dict | None:
@@ -215,20 +188,16 @@ _WORKER: dict | None = None  # in a worker process: its board slot and fault thr
 
 
 def start_local_pool(processes: int) -> str:
-    """Fork ``processes`` image workers now; returns the token a DoFn finds them by.
-
-    Call it before Beam starts its threads: a process forked while other threads hold
-    locks could inherit them held.
-    """
+    """Fork ``processes`` image workers now (before Beam starts threads whose locks a
+    child could inherit held); returns the token a DoFn finds them by."""
     token = uuid.uuid4().hex
     _LOCAL_POOLS[token] = _Pool(processes)
     return token
 
 
 def _worker_init(parent: int, board=None, next_slot=None) -> None:
-    """Tie a worker's life to the job's: a job killed with SIGKILL or ``os._exit`` runs no
-    clean-up, and its workers, which share the pool's pipes, would wait forever. Then
-    take a slot of the board."""
+    """Die with the job (killed, it runs no clean-up and its workers would wait on the
+    pool's pipes forever); take a slot of the board."""
     global _WORKER
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the job's to handle
     try:
@@ -251,13 +220,12 @@ def _note(note: dict) -> None:
     """Put what this worker is doing on its slot of the board (a memory copy)."""
     if _WORKER is None or _WORKER["at"] + _SLOT > len(_WORKER["board"]):
         return
-    data = json.dumps({"pid": os.getpid(), **note}).encode("ascii")
-    if len(data) > _SLOT:  # a very long id or path: shorten it, still valid JSON
-        data = json.dumps({"pid": os.getpid(), **{
-            k: v[:30] + "..." if isinstance(v, str) and len(v) > 30 else v
-            for k, v in note.items()}}).encode("ascii")
-    if len(data) > _SLOT:
-        data = json.dumps({"pid": os.getpid(), "doing": note.get("doing")}).encode("ascii")
+    short = {k: v[:30] + "..." if isinstance(v, str) and len(v) > 30 else v
+             for k, v in note.items()}  # a very long id or path, still valid JSON
+    for fits in (note, short, {"doing": note.get("doing")}):
+        data = json.dumps({"pid": os.getpid(), **fits}).encode("ascii")
+        if len(data) <= _SLOT:
+            break
     at = _WORKER["at"]
     _WORKER["board"][at:at + _SLOT] = data.ljust(_SLOT, b"\0")
 
@@ -280,17 +248,19 @@ def noted(where: dict, fn, *args):
     return out
 
 
+def _pool(token: str | None) -> _Pool | None:
+    return _LOCAL_POOLS.get(token) if token else None
+
+
 def worker_deaths(token: str | None) -> list[dict]:
-    """The workers of the pool ``token`` that died other than by the pool's own
-    shutdown: ``pid``, ``exitcode`` (``-9``: SIGKILL), ``signal`` (its name) and
-    ``doing`` (their last note on the board). Empty when none died (or no pool)."""
-    pool = _LOCAL_POOLS.get(token) if token else None
+    """The workers of the pool ``token`` that died other than by the pool's shutdown:
+    ``pid``, ``exitcode`` (``-9``: SIGKILL), ``signal`` (name) and ``doing`` (last note)."""
+    pool = _pool(token)
     if pool is None:
         return []
-    ended = {pid: p.exitcode for pid, p in pool.workers.items()}
+    dead = {pid: p.exitcode for pid, p in pool.workers.items() if p.exitcode not in (None, 0)}
     # When one worker dies, the executor terminates the others (SIGTERM): report those
     # only when nothing else explains the break.
-    dead = {pid: code for pid, code in ended.items() if code not in (None, 0)}
     culprits = {pid: c for pid, c in dead.items() if c != -signal.SIGTERM} or dead
     out = []
     for pid, code in sorted(culprits.items()):
@@ -332,16 +302,9 @@ def describe_deaths(deaths: list[dict]) -> str:
 
 def submit_ahead(token: str, batches, settings: dict, root: str | None, parts_dir: str,
                  limit: int) -> int:
-    """Submit the tasks of ``batches`` (work-list batches, as Beam will hand them to
-    :class:`~tfaploss.pipelines.steps.ProcessBatchDoFn`) to the pool ``token``, up to ``limit``
-    images; returns how many were submitted.
-
-    The local DirectRunner job calls it before it imports Beam, so that the workers
-    process images while Beam loads and builds its pipeline. The DoFn cuts the same
-    tasks, finds each one here by its part file (:func:`claim_ahead`) and takes its
-    future over instead of submitting it again, so every image is still processed once
-    and accounted for by Beam's steps.
-    """
+    """Submit the tasks of work-list ``batches`` to the pool ``token``, up to ``limit``
+    images, before Beam is imported; returns how many. The DoFn cuts the same tasks and
+    takes each one's future over (:func:`claim_ahead`): every image is processed once."""
     pool = _LOCAL_POOLS[token]
     ahead = _AHEAD.setdefault(token, {})
     submitted = 0
@@ -365,38 +328,42 @@ def claim_ahead(token: str | None, path: str) -> tuple[Future, float] | None:
 
 
 def local_pool(token: str | None) -> ProcessPoolExecutor | None:
-    """The pool :func:`start_local_pool` made in this process, or None (another process,
-    as in Beam's multi-process mode or on a remote worker)."""
-    pool = _LOCAL_POOLS.get(token) if token else None
+    """The pool :func:`start_local_pool` made in this process, or None (another process:
+    Beam's multi-process mode, a remote worker)."""
+    pool = _pool(token)
     return pool.executor if pool is not None else None
 
 
 def local_pool_size(token: str | None) -> int:
     """How many processes the pool ``token`` has (0: no pool in this process)."""
-    pool = _LOCAL_POOLS.get(token) if token else None
+    pool = _pool(token)
     return pool.processes if pool is not None else 0
 
 
 def stop_local_pool(token: str | None, forget: bool = True) -> None:
     """Shut the pool down (waiting for its workers); ``forget=False`` keeps it known,
     for :func:`worker_deaths`, until a later call forgets it."""
-    pool = (_LOCAL_POOLS.pop(token, None) if forget else _LOCAL_POOLS.get(token)) \
-        if token else None
+    pool = _LOCAL_POOLS.pop(token, None) if forget and token else _pool(token)
     _AHEAD.pop(token, None)
     if pool is not None:
         pool.executor.shutdown(wait=True, cancel_futures=True)
 
 
-def is_pool_broken(err: BaseException) -> bool:
-    """Whether ``err`` (or what it wraps: Beam re-raises a DoFn's error in its own)
-    comes from a broken process pool."""
+def caused_by(err: BaseException | None, types) -> bool:
+    """Whether ``err`` or what it was raised from (Beam re-raises a DoFn's error in its
+    own) is one of ``types``."""
     seen = set()
     while err is not None and id(err) not in seen:
-        if isinstance(err, BrokenProcessPool):
+        if isinstance(err, types):
             return True
         seen.add(id(err))
         err = err.__cause__ or err.__context__
     return False
+
+
+def is_pool_broken(err: BaseException) -> bool:
+    """Whether ``err`` comes from a broken process pool."""
+    return caused_by(err, BrokenProcessPool)
 
 
 def thread_pool(threads: int) -> Executor | None:

@@ -1,12 +1,7 @@
 """iNaturalist-2018 with the metric-learning split of Brown et al. (Smooth-AP) -> TFRecords.
 
-Reads the split lists ``Inaturalist_train_set1.txt`` / ``Inaturalist_test_set1.txt``
-(one path per line relative to ``INPUT_DIR``, e.g.
-``train_val2018/Plantae/7477/3b60c9486db1d2ee875f11a669fbde4a.jpg``): the class is the
-category id folder, the super-class the supercategory folder. Labels are contiguous
-``0..C-1`` per split (sorted category id); super-classes ``0..S-1`` (sorted name).
-Image ids are the relative paths. Expected: train 325,846 images / 5,690 classes,
-test 136,093 / 2,452.
+Reads the split lists (docs/pipelines.md). Expected: train 325,846 images / 5,690
+classes, test 136,093 / 2,452.
 
     python -m tfaploss.pipelines.inaturalist --input_dir iNat2018 --output_dir out/inat
 """
@@ -22,13 +17,12 @@ from tfaploss.pipelines import storage
 
 
 def parser():
-    p = opts.build_parser(__doc__.splitlines()[0])
-    p.add_argument("--train_list", default="Inaturalist_train_set1.txt",
-                   help="train split list, relative to --input_dir")
-    p.add_argument("--test_list", default="Inaturalist_test_set1.txt",
-                   help="test split list, relative to --input_dir")
-    p.add_argument("--splits", default="train,test", help="splits to write: train, test")
-    return p
+    return opts.build_parser(__doc__.splitlines()[0], (
+        ("--train_list", str, "Inaturalist_train_set1.txt",
+         "train split list, relative to --input_dir"),
+        ("--test_list", str, "Inaturalist_test_set1.txt",
+         "test split list, relative to --input_dir"),
+        ("--splits", str, "train,test", "splits to write: train, test")))
 
 
 def read_list(path: str) -> tuple[list[dict], list[dict]]:

@@ -1,17 +1,6 @@
-"""Where each record of a split goes, and the work list the Beam pipeline reads.
-
-Record ``i`` of a split's ``n`` (sorted by id) goes to shard ``i * num_shards // n`` and
-class ``c`` of ``C`` to by-class shard ``c * num_class_shards // C``: the same input
-always gives the same files. The work list is JSON lines of *batches*
-(``--images_per_batch`` images of one shard), so that neither the job graph nor Beam's
-per-element cost grows with the number of images. Splits that come from a source
-transform instead of a work list (TFDS) are sharded by a hash of the id, since their
-number of records is only known afterwards.
-
-The driver hands Beam only the byte range of each shard's batches in the work list
-(:func:`write_work_list`, :func:`read_work_chunk`): a ``beam.Create`` of ranges runs on
-every runner, where a file source does not (Beam's DaskRunner translates no ``Read``).
-"""
+"""Where each record of a split goes (shard ``i * num_shards // n`` of the records
+sorted by id), and the work list of batches the Beam pipeline reads by byte range
+(docs/pipelines.md)."""
 
 from __future__ import annotations
 
@@ -62,8 +51,8 @@ def layout(args, plan: SplitPlan) -> Layout:
 
 
 def batches(plan: SplitPlan, lay: Layout, per_batch: int, root: str | None):
-    """The work list of a planned split: batches of at most ``per_batch`` records of
-    one shard each (``root``: the real input folder the records must resolve into)."""
+    """The work list of a planned split: batches of at most ``per_batch`` records of one
+    shard (``root``: the real folder the records must resolve into)."""
     n = len(plan.records)
     bounds = collections.defaultdict(list)
     for i in range(n):
@@ -80,8 +69,8 @@ def batches(plan: SplitPlan, lay: Layout, per_batch: int, root: str | None):
 
 def write_work_list(path: str, plan: SplitPlan, lay: Layout, per_batch: int,
                     root: str | None) -> list[tuple[str, int, int]]:
-    """Write the work list of a planned split to ``path`` (see :func:`batches`); returns
-    ``(path, offset, length)``: the byte range of each shard's batches, in shard order."""
+    """Write the work list of a planned split to ``path``; returns the byte range
+    ``(path, offset, length)`` of each shard's batches, in shard order."""
     pieces, chunks, offset = [], [], 0
     for _, group in itertools.groupby(batches(plan, lay, per_batch, root),
                                       key=lambda b: b["shard"]):
@@ -102,8 +91,8 @@ def read_work_chunk(chunk: tuple[str, int, int]):
 
 
 def source_batches(p, plan: SplitPlan, lay: Layout, per_batch: int):
-    """Records from a source transform -> batches; shard by a hash of the id (the
-    number of records is only known afterwards), ordered by index within a shard."""
+    """Records from a source transform -> batches, sharded by a hash of the id (their
+    number is only known afterwards)."""
     import apache_beam as beam
 
     def to_batches(kv):

@@ -1,16 +1,6 @@
-"""One walker and one symlink policy for the jobs that list an input folder (folder,
-glyphs): :func:`walk` lists a folder, :class:`LinkPolicy` decides its links.
-
-Every file below the folder is handed to the job, ignored with its reason (names
-starting with ``.`` or ``_`` and everything below them, devices and pipes, links the
-policy refuses) or a dead letter (names that are not UTF-8, folders that cannot be
-listed, dangling links). A link whose target lies inside the real ``--input_dir`` is
-followed; one that leaves it is ignored (:data:`LEAVES_ROOT`) unless
-``--follow_external_links``; a loop, or a second name for a file or folder already
-listed, is ignored with its reason. Real entries are listed before any link is
-followed (:meth:`LinkPolicy.defer`), so a link never takes a file from the class folder
-it really sits in. Entries are judged by real path (hard links are separate files).
-"""
+"""One walker (:func:`walk`) and one symlink policy (:class:`LinkPolicy`) for the jobs
+that list an input folder (folder, glyphs); the rules: docs/pipelines.md and
+docs/reliability.md."""
 
 from __future__ import annotations
 
@@ -30,8 +20,7 @@ def inside(path: str, folder: str) -> bool:
 
 
 class LinkPolicy:
-    """The state one walk of ``input_dir`` shares: what is listed, what waits.
-    ``follow_external``: follow links that leave it (``--follow_external_links``)."""
+    """The state one walk of ``input_dir`` shares: what is listed, what waits."""
 
     def __init__(self, input_dir: str, follow_external: bool = False):
         self.root = os.path.realpath(input_dir)
@@ -41,23 +30,18 @@ class LinkPolicy:
         self._pending: deque[Callable[[], None]] = deque()
 
     def claim_dir(self, real: str, rel: str) -> None:
-        """Record that folder ``real`` is listed as ``rel``."""
         self._dirs[real] = rel
 
     def listed_as(self, real: str) -> str | None:
-        """The path folder ``real`` itself was listed as, if it was."""
         return self._dirs.get(real)
 
     def dir_owner(self, real: str) -> str | None:
         """The path a listed folder containing (or equal to) ``real`` was listed as."""
-        probe = real
-        while True:
-            if probe in self._dirs:
-                return self._dirs[probe]
-            parent = os.path.dirname(probe)
-            if parent == probe:
+        while real not in self._dirs:
+            if os.path.dirname(real) == real:
                 return None
-            probe = parent
+            real = os.path.dirname(real)
+        return self._dirs[real]
 
     def claim_file(self, real: str, rel: str) -> str | None:
         """Record file ``real`` as ``rel``; the reason to ignore it if already listed."""
@@ -69,9 +53,8 @@ class LinkPolicy:
 
     def admit(self, rel: str, real: str, extensions: tuple[str, ...], other: str,
               ignore) -> bool:
-        """Whether the walked file ``rel`` (at ``real``) goes to the job: one of
-        ``extensions``, not a second name of a listed file; else ``ignore(rel, reason)``
-        (``other``: the reason for another extension)."""
+        """Whether the walked file ``rel`` goes to the job (one of ``extensions``, not a
+        second name of a listed file); else ``ignore(rel, reason)``."""
         reason = (other if not rel.lower().endswith(extensions)
                   else self.claim_file(real, rel))
         if reason:
@@ -83,8 +66,7 @@ class LinkPolicy:
         return not self.follow_external and not inside(real, self.root)
 
     def dir_link_reason(self, path: str, real_dir: str) -> str | None:
-        """Why the folder link ``path`` (in real folder ``real_dir``) is not followed;
-        ``None``: follow it."""
+        """Why the folder link ``path`` (in ``real_dir``) is not followed, or None."""
         real = os.path.realpath(path)
         if self.leaves(real):
             return LEAVES_ROOT
@@ -96,8 +78,8 @@ class LinkPolicy:
         return None
 
     def bound(self, real: str) -> str:
-        """The real folder a later read of file ``real`` must stay in: the input root, or
-        for a file outside it (``--follow_external_links``) its own folder."""
+        """The real folder a read of file ``real`` must stay in: the input root, or for
+        a file outside it its own folder."""
         return self.root if inside(real, self.root) else os.path.dirname(real)
 
     def defer(self, step: Callable[[], None]) -> None:
@@ -105,7 +87,7 @@ class LinkPolicy:
         self._pending.append(step)
 
     def drain(self) -> None:
-        """Follow the deferred links, and the links found behind them, in order."""
+        """Follow the deferred links, and those found behind them, in order."""
         while self._pending:
             self._pending.popleft()()
 
@@ -117,9 +99,8 @@ def hidden_reason(name: str) -> str:
 
 
 def screen(entry: os.DirEntry, rel: str, ignore, dead) -> bool:
-    """Handle ``entry`` (shown as ``rel``) if its name is not UTF-8 (a dead letter for it,
-    or for every file below it) or starts with ``.`` or ``_`` (ignored, with every file
-    below it); ``False``: the name is fine."""
+    """Handle ``entry`` (shown as ``rel``) and everything below it if its name is not
+    UTF-8 (dead letters) or hidden (ignored); ``False``: the name is fine."""
     if storage.printable_name(entry.name) is not None:
         if entry.is_dir(follow_symlinks=False):
             storage.walk_all_files(entry.path, rel, lambda r: dead(
@@ -138,11 +119,9 @@ def screen(entry: os.DirEntry, rel: str, ignore, dead) -> bool:
 
 
 def walk(path: str, rel_dir: str, policy: LinkPolicy, on_file, ignore, dead) -> None:
-    """List folder ``path`` (shown as ``rel_dir``, ``""`` for the input root) and below.
-
-    Each regular file, and each file a followed link reaches, goes to
-    ``on_file(rel, path, real)``; the rest to ``ignore(rel, reason)`` or
-    ``dead(rel, code, detail)``. Links wait in ``policy`` until the caller drains it.
+    """List folder ``path`` (shown as ``rel_dir``) and below: files (and those followed
+    links reach) to ``on_file(rel, path, real)``, the rest to ``ignore(rel, reason)`` or
+    ``dead(rel, code, detail)``; links wait in ``policy`` until the caller drains it.
     Costs one ``scandir`` per folder and one ``realpath`` per folder and file.
     """
     def join(rel_dir: str, name: str) -> str:

@@ -1,14 +1,6 @@
-"""The bookkeeping of a finished split: its dead letters, ignored files and manifest, and
-the failure-fraction check.
-
-Once the Beam pipeline is done, :func:`finish_split` writes into each staged split
-folder ``dead_letters.jsonl`` (one JSON object per rejected input, with its id, path and
-reason: the planning's and the workers'), ``ignored_files.jsonl`` (files deliberately
-left out, with why) and ``manifest.json`` (counts, label maps, shards, options) last;
-only then does the runner publish the split. :func:`failure_report` names the splits
-whose failure fraction exceeds ``--max_failure_fraction``, which the runner raises as
-:class:`TooManyFailuresError` after publishing.
-"""
+"""The bookkeeping of a finished split: :func:`finish_split` writes its dead letters,
+ignored files and manifest (last) before the runner publishes it;
+:func:`raise_if_too_many` checks ``--max_failure_fraction`` after."""
 
 from __future__ import annotations
 
@@ -27,10 +19,8 @@ MANIFEST = "manifest.json"
 
 
 class TooManyFailuresError(RuntimeError):
-    """A split's failure fraction exceeded ``--max_failure_fraction``.
-
-    The outputs and manifests were written; ``manifests`` holds them.
-    """
+    """A split's failure fraction exceeded ``--max_failure_fraction``; the outputs were
+    written, ``manifests`` holds their manifests."""
 
     def __init__(self, message: str, manifests: dict):
         super().__init__(message)
@@ -44,8 +34,8 @@ class IncompleteRunError(RuntimeError):
 
 def finish_split(job: str, plan: SplitPlan, args, report: list[dict],
                  split_dir: str) -> dict:
-    """Write the dead letters, ignored files, the plan's extra files and the manifest of
-    a staged split from the workers' ``report`` rows; returns the manifest."""
+    """Write a staged split's dead letters, ignored files, extra files and manifest from
+    the workers' ``report`` rows; returns the manifest."""
     join = storage.join
     counts, supers = collections.Counter(), {}
     dead = list(plan.failures)
@@ -87,8 +77,8 @@ def finish_split(job: str, plan: SplitPlan, args, report: list[dict],
         "by_class": ({"shards": [f"by_class/{b}" for b in by_class],
                       "chunk_size": args.class_chunk_size} if by_class else None),
         "dead_letters": DEAD_LETTERS,
-        # Size, CRC-32C and records of each file, for `tfaploss verify` and the start-up
-        # check of `tfaploss train` (object stores: their own per-object checksums).
+        # For `tfaploss verify` and `tfaploss train`'s start-up check (object stores
+        # have their own).
         "checksums": (None if "://" in split_dir else manifest_checksums(
             split_dir, shards + [f"by_class/{b}" for b in by_class])),
         "features": {k: v[0] for k, v in X.IMAGE_FEATURES.items()},

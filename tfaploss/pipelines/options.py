@@ -1,12 +1,8 @@
 """Command-line handling shared by every job, and how many workers do the image work.
 
-Beam jobs conventionally split ``argv`` in two: the job's own arguments (parsed with
-argparse here) and everything else, handed to Beam's ``PipelineOptions`` (``--runner``,
-``--direct_num_workers``, ``--project``, ``--temp_location``, ``--setup_file``...).
-:class:`JobOptions` keeps that second part and reads the few of Beam's options that
-decide where the image work runs without importing Beam: on the local DirectRunner a
-job starts its image processes on the work list first, and imports Beam (about a
-second of one core) while they work.
+The job's own arguments are parsed here; the rest go to Beam's ``PipelineOptions``
+(:class:`JobOptions`, which reads the few Beam options that decide where the image work
+runs without importing Beam).
 """
 
 from __future__ import annotations
@@ -29,16 +25,67 @@ _BEAM_EPILOG = (
 )
 
 
-# Images per Beam element. With local image processes a batch is one wake-up of the
-# Beam thread that feeds them: 128 beat 32 in each of 6 rounds (600 and 2,400 images,
-# docs/benchmarks.md). Elsewhere a batch is the unit a remote runner spreads over its
-# workers, so it stays small.
+# Images per Beam element: small where a remote runner spreads batches over workers; with
+# local image processes 128 beat 32 in each of 6 rounds (docs/benchmarks.md).
 BATCH = 32
 LOCAL_POOL_BATCH = 128
 
 
-def build_parser(description: str, *, input_dir_required: bool = True) -> argparse.ArgumentParser:
-    """Return a parser holding the options every job shares."""
+SHARED_OPTIONS = (
+    ("--max_side", int, 0, (
+        "resize so that the longer side is at most this (keeps aspect ratio; never "
+        "upscales); 0 keeps the original size")),
+    ("--jpeg_quality", int, 90, "JPEG quality of the re-encoded images (1-100)"),
+    ("--min_side", int, 1, "images whose shorter side is below this are rejected"),
+    ("--max_pixels", int, 100_000_000,
+     "images with more pixels than this are rejected (decompression bombs)"),
+    ("--num_shards", int, 0, "shards per split; 0 picks ceil(images / --records_per_shard)"),
+    ("--records_per_shard", int, 1024, "target images per shard when --num_shards is 0"),
+    ("--by_class", ("train", "all", "none"), "train", (
+        "which splits also get the per-class layout (by_class/) the streaming class-balanced "
+        "samplers read: splits named 'train', every split, or none")),
+    ("--class_chunk_size", int, 32, (
+        "most images per by_class record; larger classes are split into balanced chunks of "
+        "at least half this size (keep it >= 2 m)")),
+    ("--images_per_batch", int, 0, (
+        "images handed to a worker as one Beam element (Beam's per-element cost is paid per "
+        f"batch, not per image); 0: {LOCAL_POOL_BATCH} when the image work runs in local "
+        f"image processes, {BATCH} elsewhere")),
+    ("--image_processes", int, 0, (
+        "on the local DirectRunner (in-memory mode): processes forked for the image work; 0: "
+        "one per core; 1: none, the image work runs on --image_threads threads of the Beam "
+        "process")),
+    ("--image_threads", int, 0, (
+        "threads decoding and encoding images in each Beam worker when no image processes "
+        "are used (remote runners, Beam's multi_processing mode, --image_processes 1); 0: "
+        "one per core on the local DirectRunner")),
+    ("--verbose", bool, False, "also show Apache Beam's own INFO logging"),
+    ("--max_failure_fraction", float, 0.01, (
+        "the job fails (exit 1) when more than this fraction of a split's inputs end up in "
+        "the dead letters")),
+)
+
+# The listing jobs' (folder, glyphs) link option.
+FOLLOW_EXTERNAL_LINKS = ("--follow_external_links", bool, False, (
+    "follow symlinks (files and folders) that leave INPUT_DIR; without it they are listed "
+    "in ignored_files.jsonl"))
+
+
+def add_options(parser: argparse.ArgumentParser, rows) -> None:
+    """Add ``(flag, type, default, help)`` rows: type ``bool`` is a ``store_true`` flag,
+    a tuple the choices."""
+    for flag, kind, default, text in rows:
+        if kind is bool:
+            parser.add_argument(flag, action="store_true", help=text)
+        elif isinstance(kind, tuple):
+            parser.add_argument(flag, choices=kind, default=default, help=text)
+        else:
+            parser.add_argument(flag, type=kind, default=default, help=text)
+
+
+def build_parser(description: str, rows=(), *,
+                 input_dir_required: bool = True) -> argparse.ArgumentParser:
+    """Return a parser holding the options every job shares, then the job's ``rows``."""
     parser = argparse.ArgumentParser(
         description=description,
         epilog=_BEAM_EPILOG,
@@ -48,56 +95,13 @@ def build_parser(description: str, *, input_dir_required: bool = True) -> argpar
                         help="root of the raw dataset (local path or any Beam filesystem URL)")
     parser.add_argument("--output_dir", required=True,
                         help="where <split>/ folders of TFRecords and manifests are written")
-    parser.add_argument("--max_side", type=int, default=0,
-                        help="resize so that the longer side is at most this (keeps aspect "
-                             "ratio; never upscales); 0 keeps the original size")
-    parser.add_argument("--jpeg_quality", type=int, default=90,
-                        help="JPEG quality of the re-encoded images (1-100)")
-    parser.add_argument("--min_side", type=int, default=1,
-                        help="images whose shorter side is below this are rejected")
-    parser.add_argument("--max_pixels", type=int, default=100_000_000,
-                        help="images with more pixels than this are rejected (decompression bombs)")
-    parser.add_argument("--num_shards", type=int, default=0,
-                        help="shards per split; 0 picks ceil(images / --records_per_shard)")
-    parser.add_argument("--records_per_shard", type=int, default=1024,
-                        help="target images per shard when --num_shards is 0")
-    parser.add_argument("--by_class", choices=("train", "all", "none"), default="train",
-                        help="which splits also get the per-class layout (by_class/) the "
-                             "streaming class-balanced samplers read: splits named 'train', "
-                             "every split, or none")
-    parser.add_argument("--class_chunk_size", type=int, default=32,
-                        help="most images per by_class record; larger classes are split into "
-                             "balanced chunks of at least half this size (keep it >= 2 m)")
-    parser.add_argument("--images_per_batch", type=int, default=0,
-                        help="images handed to a worker as one Beam element (Beam's "
-                             "per-element cost is paid per batch, not per image); 0: "
-                             f"{LOCAL_POOL_BATCH} when the image work runs in local image "
-                             f"processes, {BATCH} elsewhere")
-    parser.add_argument("--image_processes", type=int, default=0,
-                        help="on the local DirectRunner (in-memory mode): processes forked "
-                             "for the image work; 0: one per core; 1: none, the image work "
-                             "runs on --image_threads threads of the Beam process")
-    parser.add_argument("--image_threads", type=int, default=0,
-                        help="threads decoding and encoding images in each Beam worker "
-                             "when no image processes are used (remote runners, Beam's "
-                             "multi_processing mode, --image_processes 1); 0: one per core "
-                             "on the local DirectRunner")
-    parser.add_argument("--verbose", action="store_true",
-                        help="also show Apache Beam's own INFO logging")
-    parser.add_argument("--max_failure_fraction", type=float, default=0.01,
-                        help="the job fails (exit 1) when more than this fraction of a split's "
-                             "inputs end up in the dead letters")
+    add_options(parser, SHARED_OPTIONS + tuple(rows))
     return parser
 
 
 class JobOptions:
-    """Beam's part of a job's command line: every argument the job's parser left.
-
-    ``runner``, ``direct_running_mode`` (``None`` on other runners) and
-    ``direct_num_workers`` are read as Beam reads them (its defaults, full option names
-    only) without importing Beam; :meth:`pipeline_options` builds Beam's
-    ``PipelineOptions`` from the same arguments.
-    """
+    """Beam's part of a job's command line; ``runner``, ``direct_running_mode`` (None off
+    the DirectRunner) and ``direct_num_workers`` read as Beam reads them, without Beam."""
 
     def __init__(self, argv: list[str], verbose: bool = False):
         self.argv = list(argv)
@@ -146,9 +150,8 @@ def cores() -> int:
 
 
 def emit_lag(options: JobOptions) -> int:
-    """How many batches :class:`~tfaploss.pipelines.steps.ProcessBatchDoFn` may hold back until
-    ``finish_bundle``: 2, but 0 on Beam's DaskRunner, which collects a bundle's outputs
-    before it calls ``finish_bundle`` and so drops whatever is emitted there (Beam 2.77)."""
+    """Batches ``ProcessBatchDoFn`` may hold back until ``finish_bundle``: 2, but 0 on the
+    DaskRunner, which drops what is emitted there (Beam 2.77)."""
     return 0 if options.runner.rsplit(".", 1)[-1].lower() == "daskrunner" else 2
 
 
@@ -166,9 +169,8 @@ def image_threads(args, options: JobOptions) -> int:
 
 
 def image_processes(args, options: JobOptions) -> int:
-    """How many forked processes do the image work: ``--image_processes``, or one per
-    core when it is 0, on the local DirectRunner in its in-memory mode where ``fork``
-    exists; 1 (threads in the Beam worker) everywhere else."""
+    """Forked processes doing the image work: ``--image_processes`` (0: one per core) on
+    the in-memory DirectRunner where ``fork`` exists; else 1 (threads)."""
     if options.direct_running_mode != "in_memory" or not W.can_fork():
         return 1
     return getattr(args, "image_processes", 0) or cores()
@@ -177,14 +179,10 @@ def image_processes(args, options: JobOptions) -> int:
 def _validate(args) -> None:
     if not 1 <= args.jpeg_quality <= 100:
         raise ValueError(f"--jpeg_quality must be in 1..100, got {args.jpeg_quality}")
-    for name in ("max_side", "num_shards"):
+    for name in ("max_side", "num_shards", "image_threads", "image_processes",
+                 "images_per_batch"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
-    for name in ("image_threads", "image_processes"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
-    if args.images_per_batch < 0:
-        raise ValueError(f"--images_per_batch must be >= 0, got {args.images_per_batch}")
     for name in ("records_per_shard", "class_chunk_size", "min_side", "max_pixels"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")

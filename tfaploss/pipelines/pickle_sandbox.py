@@ -1,22 +1,9 @@
 """Read an untrusted pickle of plain data (the revisited ground truth) in a child process.
 
-Unpickling runs whatever a pickle names. :func:`read_pickle` puts three walls between
-such a file and the caller:
-
-* an allow-list ``find_class``: what numpy writes for a numeric array or scalar (in
-  ``numpy.core`` or ``numpy._core``), ``_codecs.encode`` and ``bytes()``, each resolved
-  to a checking function here, never to numpy's own (its ``dtype`` and ``_reconstruct``
-  build an array of raw pointers from 168 bytes): a dtype is bool, integer or float,
-  its state sets only the byte order, and a shape must match its bytes;
-* a walk of the result into JSON-able data (arrays as lists) that refuses any other
-  type, nesting deeper than :data:`MAX_DEPTH` (so cycles), and more than
-  :data:`MAX_ITEMS` items or :data:`MAX_TEXT` bytes of text, a shared value counting
-  at every use (so a few bytes cannot stand for an exponential tree);
-* a child process under ``RLIMIT_AS``, ``RLIMIT_CPU`` and a wall-clock timeout: a
-  memory bomb, a crash or a loop ends the child, and the caller gets one line, an
-  :class:`UnsafePickleError` (a ``ValueError``) naming the file.
-
-Cost: a Python start with numpy (about 0.2 s), then milliseconds for a real file.
+Three walls: an allow-list ``find_class`` resolving to checking functions here, a walk
+of the result into JSON-able data with caps (:data:`MAX_DEPTH`, :data:`MAX_ITEMS`,
+:data:`MAX_TEXT`), and a child process under ``RLIMIT_AS``, ``RLIMIT_CPU`` and a
+timeout; docs/pipelines.md has the details. Cost: about 0.2 s per file.
 """
 
 from __future__ import annotations
@@ -48,8 +35,8 @@ class UnsafePickleError(ValueError):
 
 
 def read_pickle(data: bytes, name: str) -> object:
-    """The plain data (dicts, lists, strings, numbers) of the pickle ``data``, read in a
-    sandboxed child; ``name`` names it in the one-line :class:`UnsafePickleError`."""
+    """The plain data of the pickle ``data``, read in a sandboxed child; ``name`` names
+    it in the one-line :class:`UnsafePickleError`."""
     if len(data) > MAX_BYTES:
         raise UnsafePickleError(f"{name}: more than {MAX_BYTES} bytes; not a ground truth")
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
@@ -150,8 +137,8 @@ class _Unpickler(pickle.Unpickler):
 
 
 def loads_plain(data: bytes) -> object:
-    """The pickle ``data`` read with the allow-list and walked into JSON-able data, in
-    this process: without the child's limits, so for the child and in-house pickles."""
+    """The pickle ``data`` read with the allow-list into JSON-able data, in this process
+    (without the child's limits: for the child and in-house pickles)."""
     spent = [0, 0]  # items, bytes of text
 
     def walk(value, depth):
@@ -179,8 +166,8 @@ def loads_plain(data: bytes) -> object:
 
 
 def limit_this_process() -> None:
-    """The child's limits: :data:`MEMORY_BYTES` of address space, :data:`CPU_SECONDS`, no
-    core file. Where the system refuses one (macOS: ``RLIMIT_AS``), the timeout stays."""
+    """The child's limits: :data:`MEMORY_BYTES`, :data:`CPU_SECONDS`, no core file (one
+    the system refuses, macOS' ``RLIMIT_AS``, leaves the timeout)."""
     import resource
 
     for limit, value in ((resource.RLIMIT_AS, MEMORY_BYTES), (resource.RLIMIT_CORE, 0),

@@ -1,6 +1,5 @@
-"""What a job decides in the driver before any image is read (cheap: ids, paths and
-labels only): one :class:`SplitPlan` per split, and the helpers the jobs build them
-with."""
+"""What a job decides in the driver before any image is read: one :class:`SplitPlan`
+per split, and the helpers the jobs build them with."""
 
 from __future__ import annotations
 
@@ -17,16 +16,13 @@ dead_letter = I.dead_letter
 class SplitPlan:
     """What the driver decided for one split before any image is read.
 
-    ``records``: work-list dicts with ``id``, ``path`` (full), ``relpath``, ``label``,
-    ``super_label``, ``class_text``, optionally ``bbox`` and ``root`` (the real folder
-    the file must resolve into; default: ``--input_dir``); ``failures``: dead letters
-    found while planning; ``ignored``: ``{"path", "reason"}`` of files deliberately
-    left out; ``label_map`` / ``super_label_map``: label -> dataset name; ``extra``:
-    more manifest entries; ``files``: ``{name: text}`` written into the split folder
-    with the records; ``by_class``: whether to write the per-class layout (``None``:
-    decided by ``--by_class``); ``source``: instead of a work list, a function
-    ``(pipeline, step_prefix) -> PCollection`` of records carrying their image bytes
-    under ``"_bytes"`` (TFDS), with ``num_records_hint`` records expected.
+    ``records``: work-list dicts (``id``, ``path``, ``relpath``, ``label``,
+    ``super_label``, ``class_text``, optionally ``bbox`` and ``root``, the real folder
+    the file must resolve into); ``failures``: dead letters found while planning;
+    ``ignored``: ``{"path", "reason"}``; ``extra``: more manifest entries; ``files``:
+    ``{name: text}`` written with the records; ``by_class``: None lets ``--by_class``
+    decide; ``source``: instead of a work list, ``(pipeline, step_prefix) ->
+    PCollection`` of records with their bytes under ``"_bytes"`` (TFDS).
     """
 
     name: str
@@ -75,9 +71,8 @@ def listed_splits(names: str, known) -> list[str]:
 def class_split_plan(split: str, rows: list[dict], failures: list[dict],
                      input_dir: str) -> SplitPlan:
     """The plan of a split listed image by image with a class and a super-class (SOP,
-    iNaturalist). ``rows`` hold ``id``, ``relpath``, ``class_id``, ``super_id`` and
-    ``super_name``; labels are contiguous by sorted class id, super-labels by sorted
-    ``super_id`` and named by ``super_name``."""
+    iNaturalist): ``rows`` of ``id``, ``relpath``, ``class_id``, ``super_id``,
+    ``super_name``; labels contiguous by sorted class id, super-labels by ``super_id``."""
     labels = contiguous_labels(r["class_id"] for r in rows)
     supers = contiguous_labels(r["super_id"] for r in rows)
     records = [{"id": r["id"], "path": storage.join(input_dir, r["relpath"]),

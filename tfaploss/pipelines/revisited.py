@@ -1,29 +1,12 @@
 """Revisited Oxford5k / Paris6k (Radenović et al., CVPR'18) -> TFRecords + JSON truth.
 
-Reads ``INPUT_DIR/gnd_<dataset>.pkl`` (a dict with ``imlist``, ``qimlist`` and ``gnd``,
-one dict per query with ``bbx``, ``easy``, ``hard``, ``junk``) and the images
-``INPUT_DIR/jpg/<name>.jpg``. Writes two splits:
-
-* ``database``: every ``imlist`` image, ``image/index`` = its position in ``imlist``;
-* ``queries``: every ``qimlist`` image cropped to its ``bbx`` (as the protocol
-  requires), ``image/index`` = its position in ``qimlist``, ``image/bbox`` = the box;
-
-and the ground truth as ``OUTPUT_DIR/gnd_<dataset>.json`` (same structure as the pickle,
-arrays as lists, plus ``source``: the pickle's name and SHA-256), written atomically.
-Labels are -1: retrieval is scored with the ground truth, by index.
-
-This job is the only place a ground-truth pickle is read, once per dataset, and
-evaluation reads only the JSON. The pickle is untrusted: ``INPUT_DIR/gnd_<dataset>.pkl``
-is read only when its SHA-256 is the one expected (:data:`PUBLISHED_SHA256`, or
-``--expected_sha256``), another file only when the user names it (``--ground_truth``),
-and either is read by :mod:`tfaploss.pipelines.pickle_sandbox` (an allow-list unpickler
-in a child process with memory and time limits). With ``--ground_truth_only`` the job
-converts the pickle and stops, reading no image.
+Splits ``database`` and ``queries`` (cropped to their boxes) and
+``OUTPUT_DIR/gnd_<dataset>.json``. The ground-truth pickle is untrusted: read only with
+the expected SHA-256 or when named, and then in :mod:`tfaploss.pipelines.pickle_sandbox`
+(docs/pipelines.md).
 
     python -m tfaploss.pipelines.revisited --input_dir roxford5k --dataset roxford5k --output_dir out \\
         --expected_sha256 <SHA-256 of the published gnd_roxford5k.pkl>
-    python -m tfaploss.pipelines.revisited --input_dir roxford5k --dataset roxford5k --output_dir out \\
-        --ground_truth my/gnd_roxford5k.pkl --ground_truth_only
 """
 
 from __future__ import annotations
@@ -40,10 +23,9 @@ from tfaploss.pipelines import pickle_sandbox, storage
 from tfaploss.pipelines import runner as R
 
 DATASETS = ("roxford5k", "rparis6k")
-# The SHA-256 of http://cmp.felk.cvut.cz/revisitop/data/datasets/<dataset>/gnd_<dataset>.pkl.
-# Not recorded yet: neither the files nor a published hash of them could be checked where
-# this was written, and a wrong pin would refuse the genuine file. Until one is filled in
-# from a verified download, the user gives it (--expected_sha256) or names the file.
+# The SHA-256 of http://cmp.felk.cvut.cz/revisitop/data/datasets/<dataset>/gnd_<dataset>.pkl:
+# not recorded until checked on a verified download (a wrong pin refuses the genuine file);
+# meanwhile the user gives it (--expected_sha256) or names the file.
 PUBLISHED_SHA256: dict[str, str | None] = {"roxford5k": None, "rparis6k": None}
 
 
@@ -72,13 +54,10 @@ def parser():
 
 def read_pickled_ground_truth(path: str, expected_sha256: str | None,
                               named: bool = False) -> dict:
-    """Check and read a ``gnd_*.pkl``; returns it as plain JSON-able data, with ``source``
-    (the file's name and SHA-256) added.
-
-    The file is read only if its SHA-256 is ``expected_sha256``, or, with none expected,
-    if the user ``named`` it. :mod:`tfaploss.pipelines.pickle_sandbox` reads it, and
-    :func:`check_revisited_gnd` refuses a wrong structure naming the file and the key.
-    Costs a child process (about 0.2 s) plus the file's size in hashing.
+    """Check and read a ``gnd_*.pkl`` (only with SHA-256 ``expected_sha256``, or with none
+    expected if the user ``named`` it) in :mod:`~tfaploss.pipelines.pickle_sandbox`;
+    returns JSON-able data with ``source`` (file name and SHA-256) added. Costs a child
+    process (about 0.2 s) plus hashing the file.
     """
     data = storage.read_range(path, 0, pickle_sandbox.MAX_BYTES + 1)
     sha256 = hashlib.sha256(data).hexdigest()
@@ -112,12 +91,8 @@ def load_ground_truth(args) -> dict:
 
 def plan(args) -> tuple[list[R.SplitPlan], dict]:
     """The two splits, and the ground truth (written by :func:`run` once they are out).
-
-    Image names come from the pickle, which is untrusted: a name that would leave
-    ``--input_dir/--images_subdir`` (``..``, an absolute path, a URL) is a dead letter
-    with reason ``unsafe_path``, and so is a file that is a symlink to elsewhere
-    (checked when it is read).
-    """
+    An untrusted image name that would leave ``--input_dir/--images_subdir``, or a link
+    to elsewhere, is an ``unsafe_path`` dead letter."""
     gnd_name = f"gnd_{args.dataset}"
     gnd = load_ground_truth(args)
 

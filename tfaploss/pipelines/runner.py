@@ -1,25 +1,10 @@
 """The job runner every preprocessing job shares: plan -> Beam -> publish.
 
-Each job reads its annotation files in the driver and hands :func:`run_job` one
-:class:`~tfaploss.pipelines.plan.SplitPlan` per split. The runner then
-
-1. writes each split's work list, batches of one shard, into a staging folder
-   (:mod:`tfaploss.pipelines.layout`);
-2. on the local DirectRunner, forks the image processes and hands them the first
-   batches, then imports Beam while they work (Beam's start-up takes a second or more
-   of one core, which would otherwise hold up every image);
-3. runs one Beam pipeline: the work lists' byte ranges (a ``Create``, which every
-   runner can start from) -> the image work -> group by output file -> the shards
-   (:mod:`tfaploss.pipelines.steps`);
-4. checks that the reports account for every planned image exactly once (else
-   :class:`IncompleteRunError`), writes the dead letters and the manifest into each
-   staged split and only then publishes it over the old one: a killed or failed run
-   leaves the previous dataset as it was;
-5. logs a summary (:mod:`tfaploss.pipelines.console`).
-
-One job at a time per output folder (its lock, :mod:`tfaploss.durable.locks`). Importing
-this module does not import Beam; it is where the jobs, tests and benchmarks import
-the shared names from (``__all__``).
+Each job hands :func:`run_job` one :class:`~tfaploss.pipelines.plan.SplitPlan` per
+split; the runner writes the work lists, starts the local image processes before it
+imports Beam, runs the pipeline, checks that every planned image is accounted for once,
+and publishes each split only when all are complete (docs/pipelines.md). Importing it
+does not import Beam; ``__all__`` is what the jobs, tests and benchmarks import.
 """
 
 from __future__ import annotations
@@ -48,25 +33,10 @@ from tfaploss.pipelines.plan import (
 )
 
 __all__ = [  # what the jobs, tests and benchmarks import from here
-    "LAST_TIMING",
-    "SCHEMA_VERSION",
-    "STAGING",
-    "IncompleteRunError",
-    "SplitPlan",
-    "TooManyFailuresError",
-    "class_split_plan",
-    "contiguous_labels",
-    "dead_letter",
-    "dedupe_and_index",
-    "describe_manifests",
-    "image_processes",
-    "image_threads",
-    "join",
-    "listed_splits",
-    "main_wrapper",
-    "run_command",
-    "run_job",
-    "shard_of",
+    "LAST_TIMING", "SCHEMA_VERSION", "STAGING", "IncompleteRunError", "SplitPlan",
+    "TooManyFailuresError", "class_split_plan", "contiguous_labels", "dead_letter",
+    "dedupe_and_index", "describe_manifests", "image_processes", "image_threads", "join",
+    "listed_splits", "main_wrapper", "run_command", "run_job", "shard_of",
 ]
 
 STAGING = ".incoming"
@@ -78,10 +48,8 @@ AHEAD_IMAGES_PER_PROCESS = 512
 
 def _assemble(p, plans: list[SplitPlan], layouts: dict, chunks: list, per_batch: int,
               process, write) -> None:
-    """The job's Beam graph: work lists (``chunks``: byte ranges of the work-list files,
-    :func:`tfaploss.pipelines.layout.write_work_list`) and source splits -> ``process``
-    (:class:`~tfaploss.pipelines.steps.ProcessBatchDoFn`) -> ``write``
-    (:class:`~tfaploss.pipelines.steps.WriteOutputsDoFn`)."""
+    """The job's Beam graph: work-list byte ranges (``chunks``) and source splits ->
+    ``process`` -> group by output file -> ``write``."""
     beam = console.import_beam_quietly()
     inputs = []
     if chunks:
@@ -111,11 +79,9 @@ def run_job(job: str, plans: list[SplitPlan], args, options) -> dict[str, dict]:
     """Run the Beam pipeline for all ``plans``, then publish every split; returns
     ``{split: manifest}``.
 
-    Raises :class:`TooManyFailuresError` (after publishing) when a split's failure
-    fraction exceeds ``--max_failure_fraction``; and, with nothing published,
-    :class:`~tfaploss.durable.locks.LockHeldError` (another job writes the folder),
-    :class:`~tfaploss.pipelines.image_workers.WorkerDiedError`,
-    :class:`IncompleteRunError` or :class:`~tfaploss.durable.atomic.DiskFullError`.
+    Raises :class:`TooManyFailuresError` after publishing; with nothing published,
+    ``LockHeldError`` (another job writes the folder), ``WorkerDiedError``,
+    :class:`IncompleteRunError` or ``DiskFullError``.
     """
     started = getattr(args, "_started", None) or time.time()
     storage.makedirs(args.output_dir)
@@ -201,10 +167,9 @@ def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):
             "does not run the job's steps as Beam specifies (a DoFn's finish_bundle "
             "output dropped?); run it on another runner.")
     timing = console.batch_timing(report, started, beam_started)
-    manifests = {}
-    for plan in plans:
-        rows = [r for r in report if r["split"] == plan.name]
-        manifests[plan.name] = M.finish_split(job, plan, args, rows, join(stage, plan.name))
+    manifests = {plan.name: M.finish_split(job, plan, args,
+                                           [r for r in report if r["split"] == plan.name],
+                                           join(stage, plan.name)) for plan in plans}
     for plan in plans:  # only now is every split complete
         storage.publish(join(stage, plan.name), join(out, plan.name))
     storage.remove_tree(stage)
@@ -215,8 +180,8 @@ def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):
 
 
 def _unaccounted(plans: list[SplitPlan], report: list[dict]) -> str:
-    """Which work-list splits' reports do not cover each planned record exactly once
-    (``""``: none); splits read from a source transform have no count to check."""
+    """The work-list splits whose reports do not cover each record exactly once (``""``:
+    none; source splits have no count to check)."""
     done: dict[str, int] = {}
     for row in report:
         done[row["split"]] = done.get(row["split"], 0) + row["n"]
@@ -226,17 +191,14 @@ def _unaccounted(plans: list[SplitPlan], report: list[dict]) -> str:
 
 
 def _close_client(pipeline) -> None:
-    """Close the cluster connection a runner opened for this run, if any: Beam's
-    DaskRunner leaves its ``dask.distributed`` Client open, which then keeps trying to
-    reach a cluster that may be gone."""
+    """Close the ``dask.distributed`` Client Beam's DaskRunner leaves open (it keeps
+    trying to reach a cluster that may be gone)."""
     client = getattr(getattr(pipeline, "result", None), "client", None)
     if client is not None and hasattr(client, "close"):
         client.close()
 
 
 def _death_message(job: str, plans: list[SplitPlan], out: str, deaths: list[dict]) -> str:
-    """What a job says when an image worker died: who, how, on what; what is on disk;
-    what to do."""
     who = (W.describe_deaths(deaths) if deaths
            else "an image worker process died (its pool broke)")
     state = ", ".join(

@@ -1,10 +1,5 @@
-"""The output files of a split, assembled from the part files the image workers wrote.
-
-Both run where the image work ran (a local process pool, or inline in the Beam worker),
-so that a split's per-image shards and by-class shards are written side by side, not
-one after the other. Each file is written under a temporary name and renamed into
-place (:func:`tfaploss.pipelines.storage.write_atomic`).
-"""
+"""The output files of a split, assembled from the part files the image workers wrote
+(where the image work ran, so that a split's files are written side by side)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """Stanford Online Products (Song et al., CVPR'16) -> TFRecords.
 
-Reads ``INPUT_DIR/Ebay_train.txt`` and ``INPUT_DIR/Ebay_test.txt`` (space-separated,
-header ``image_id class_id super_class_id path``, class ids 1-based with test classes
-following train classes, paths like ``bicycle_final/111085122871_0.JPG``). Labels are
-remapped to contiguous ``0..C-1`` per split (sorted class id); super-classes to
-``0..11`` (sorted super-class id, named by their folder), for the hierarchical sampler.
-Expected: train 59,551 images / 11,318 classes, test 60,502 / 11,316.
+Reads ``Ebay_train.txt`` / ``Ebay_test.txt`` (docs/pipelines.md). Expected: train
+59,551 images / 11,318 classes, test 60,502 / 11,316.
 
     python -m tfaploss.pipelines.sop --input_dir Stanford_Online_Products --output_dir out/sop
 """
@@ -23,9 +19,8 @@ SPLIT_FILES = {"train": "Ebay_train.txt", "test": "Ebay_test.txt"}
 
 
 def parser():
-    p = opts.build_parser(__doc__.splitlines()[0])
-    p.add_argument("--splits", default="train,test", help="splits to write: train, test")
-    return p
+    return opts.build_parser(__doc__.splitlines()[0], (
+        ("--splits", str, "train,test", "splits to write: train, test"),))
 
 
 def read_annotations(path: str) -> tuple[list[dict], list[dict]]:

@@ -1,11 +1,6 @@
-"""The two Beam steps of a preprocessing job.
-
-:class:`ProcessBatchDoFn` hands each batch of the work list to the image workers
-(:mod:`tfaploss.pipelines.image_workers`), which write the framed records to part files;
-only where each record lies travels through Beam, keyed by its output file.
-:class:`WriteOutputsDoFn` gets those locations grouped by file and has the shards
-assembled from the parts (:mod:`tfaploss.pipelines.shard_writers`).
-"""
+"""The two Beam steps of a preprocessing job: :class:`ProcessBatchDoFn` (work-list
+batches -> part files, keyed by output file) and :class:`WriteOutputsDoFn` (the shards,
+assembled from the parts by :mod:`tfaploss.pipelines.shard_writers`)."""
 
 from __future__ import annotations
 
@@ -24,9 +19,8 @@ IMAGES, CLASSES, REPORT = "images", "classes", "report"
 
 
 class _PooledDoFn(beam.DoFn):
-    """A DoFn whose work runs on the image workers' pool: the local processes that
-    ``pool_token`` names in this process, else ``threads`` threads of its own (none for
-    one thread: the work then runs inline)."""
+    """A DoFn whose work runs on the local processes ``pool_token`` names in this
+    process, else on ``threads`` threads of its own (one: inline)."""
 
     def __init__(self, threads: int, pool_token: str | None):
         self.threads = max(1, threads)
@@ -43,11 +37,8 @@ class _PooledDoFn(beam.DoFn):
 
 
 class ProcessBatchDoFn(_PooledDoFn):
-    """A batch of work-list records -> descriptions of the output files' contents.
-
-    The image work runs in the pool ``pool_token`` names in this process, else on
-    ``threads`` threads, writing part files under ``parts_dir``. Every output is keyed
-    by the file it belongs to:
+    """A batch of work-list records -> part files under ``parts_dir``, and per output
+    file (the key) what it holds:
 
     * ``(IMAGES, split, shard, num_shards)``: ``[(index, id, part, offset, length)]``;
     * ``(CLASSES, split, class_shard, num_class_shards)``: ``[(label, id, super, part,
@@ -55,8 +46,7 @@ class ProcessBatchDoFn(_PooledDoFn):
     * ``(REPORT,)``: one dict per batch with the counts per (label, super_label), the
       dead letters and the batch's wall-clock span.
 
-    Up to ``emit_lag`` batches are held back and emitted later, the last ones from
-    ``finish_bundle`` (:func:`emit_lag`).
+    Up to ``emit_lag`` batches are held back, the last emitted from ``finish_bundle``.
     """
 
     def __init__(self, settings: dict, threads: int, root: str | None, parts_dir: str,
@@ -78,8 +68,7 @@ class ProcessBatchDoFn(_PooledDoFn):
         self.pending = collections.deque()
 
     def process(self, batch: dict):
-        # Tasks are submitted as batches come and emitted emit_lag (2) batches behind, so
-        # the workers never wait for the slowest image of a batch before starting the next.
+        # Emitted emit_lag batches behind: the workers never wait for a batch's slowest image.
         tasks = W.cut_tasks(batch["records"], self.workers, self.task_images)
         paths = [W.part_path(self.parts_dir, batch["split"], t) for t in tasks]
         where = {k: batch[k] for k in ("split", "shard", "num_shards")}
@@ -139,12 +128,9 @@ def _windowed(value):
 
 
 class WriteOutputsDoFn(_PooledDoFn):
-    """``(key, [values])`` from :class:`ProcessBatchDoFn`, grouped -> the split's files.
-
-    The TFRecord files are assembled by :mod:`tfaploss.pipelines.shard_writers` on the same pool
-    as the image work, so they are written side by side; the report (one JSON line per
-    batch) goes to ``report_path``. Yields ``(kind, split, file name, records)``.
-    """
+    """``(key, [values])`` from :class:`ProcessBatchDoFn`, grouped -> the split's files,
+    written on the image work's pool; the report goes to ``report_path``. Yields
+    ``(kind, split, file name, records)``."""
 
     def __init__(self, stage: str, report_path: str, chunk_size: int, threads: int,
                  pool_token: str | None = None):
@@ -163,11 +149,10 @@ class WriteOutputsDoFn(_PooledDoFn):
             return
         kind, split, shard, num_shards = key
         items = [t for group in groups for t in group]
+        name = f"{kind}-{shard:05d}-of-{num_shards:05d}.tfrecord"  # images- or classes-
         if kind == IMAGES:
-            name = f"images-{shard:05d}-of-{num_shards:05d}.tfrecord"
             call = (S.write_image_shard, storage.join(self.stage, split, name), items)
         else:
-            name = f"classes-{shard:05d}-of-{num_shards:05d}.tfrecord"
             call = (S.write_class_shard, storage.join(self.stage, split, "by_class", name),
                     items, self.chunk_size)
         if self.pool is None:

@@ -1,16 +1,6 @@
 """Files for the jobs: local paths and Beam filesystem URLs, atomic writes, and the
-staged publish that keeps the previous dataset until the new one is complete.
-
-No TensorFlow here (its import costs seconds): local paths use ``os``, URLs
-(``gs://``, ``s3://``, ...) Beam's ``FileSystems``.
-
-A job writes a new version of each output folder into a staging folder beside it and
-calls :func:`publish` only when the records, dead letters and manifest are all there.
-Locally, publish is :func:`tfaploss.durable.atomic.replace_folder` (one atomic exchange
-where Linux has it; elsewhere two renames, which :func:`recover` completes after a
-crash). On object stores, where folders cannot be renamed, the old manifest is deleted
-first and the new one written last, so a manifest never describes records that are not
-there. A full disk raises :class:`tfaploss.durable.atomic.DiskFullError`.
+staged publish that keeps the previous dataset until the new one is complete
+(docs/pipelines.md). No TensorFlow here.
 """
 
 from __future__ import annotations
@@ -68,10 +58,7 @@ def listdir(path: str) -> list[str]:
     """Names directly inside ``path`` (files and folders)."""
     if is_url(path):
         prefix = path.rstrip("/") + "/"
-        names = set()
-        for p in glob(prefix + "**"):
-            names.add(p[len(prefix):].split("/")[0])
-        return sorted(names)
+        return sorted({p[len(prefix):].split("/")[0] for p in glob(prefix + "**")})
     return sorted(os.listdir(path))
 
 
@@ -83,35 +70,27 @@ def read_text(path: str) -> str:
         return f.read()
 
 
+def _open_binary(path: str):
+    return _fs().open(path) if is_url(path) else open(path, "rb")
+
+
 def read_binary(path: str) -> bytes:
-    if is_url(path):
-        with _fs().open(path) as f:
-            return f.read()
-    with open(path, "rb") as f:
+    with _open_binary(path) as f:
         return f.read()
 
 
 def read_range(path: str, offset: int, length: int) -> bytes:
-    """``length`` bytes of ``path`` from byte ``offset`` (a worker's share of a file the
-    driver wrote)."""
-    if is_url(path):
-        with _fs().open(path) as f:
-            f.seek(offset)
-            return f.read(length)
-    with open(path, "rb") as f:
+    """``length`` bytes of ``path`` from byte ``offset``."""
+    with _open_binary(path) as f:
         f.seek(offset)
         return f.read(length)
 
 
 def write_atomic(path: str, data: bytes | str, *, durable: bool = True,
                  fault: str | None = None) -> None:
-    """Write ``data`` to ``path`` through a temporary name, renamed into place when
-    complete (a retried or killed writer never leaves a half file under ``path``).
-
-    ``durable=False`` skips the fsync: for intermediate files of a run, which a crash
-    discards with the rest of the staging folder anyway. ``fault``: the write site's
-    name, for its fault point ``<fault>_enospc`` (:mod:`tfaploss.durable.faults`).
-    """
+    """Write ``data`` to ``path`` through a temporary name renamed into place when
+    complete. ``durable=False`` skips the fsync (a run's intermediate files, which a
+    crash discards anyway); ``fault``: the site's fault point ``<fault>_enospc``."""
     if isinstance(data, str):
         data = data.encode("utf-8")
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
@@ -158,9 +137,8 @@ def remove_tree(path: str) -> None:
 
 
 def disk_full_stage(err: BaseException, stage: str):
-    """The :class:`~tfaploss.durable.atomic.DiskFullError` behind ``err`` (however Beam
-    wrapped it), with the staging folder ``stage`` removed: nothing was published, and
-    what the run wrote would keep the disk full. None when ``err`` is no full disk."""
+    """The ``DiskFullError`` behind ``err`` (however Beam wrapped it), with the staging
+    folder ``stage`` removed (it would keep the disk full); None when there is none."""
     full = atomic.disk_full_in(err, stage)
     if full is not None:
         remove_tree(stage)
@@ -168,9 +146,8 @@ def disk_full_stage(err: BaseException, stage: str):
 
 
 def check_owned(folder: str, marker_keys=("job", "format")) -> None:
-    """Refuse to replace ``folder`` unless it is absent, empty, or was written by one of
-    these jobs (its ``manifest.json`` says so): a mistyped output path must not wipe a
-    user's own files."""
+    """Refuse to replace ``folder`` unless it is absent, empty, or its ``manifest.json``
+    says one of these jobs wrote it: a mistyped output path must not wipe a user's files."""
     if not exists(folder) or not listdir(folder):
         return
     manifest = join(folder, "manifest.json")
@@ -204,7 +181,7 @@ def publish(staged: str, final: str) -> None:
 def _publish_objects(staged: str, final: str) -> None:
     fs = _fs()
     prefix = staged.rstrip("/") + "/"
-    new = [p for p in glob(prefix + "**")]
+    new = glob(prefix + "**")
     old = glob(final.rstrip("/") + "/**")
     manifest = join(final, "manifest.json")
     if manifest in old:
@@ -229,8 +206,8 @@ def printable_name(name: str) -> str | None:
 
 
 def walk_all_files(path: str, rel: str, emit) -> None:
-    """Call ``emit(rel)`` for every file below ``path`` (symlinks not followed); a folder
-    that cannot be listed is emitted as ``rel + "/"``."""
+    """``emit(rel)`` for every file below ``path`` (links not followed); a folder that
+    cannot be listed as ``rel + "/"``."""
     try:
         entries = sorted(os.scandir(path), key=lambda e: e.name)
     except OSError:

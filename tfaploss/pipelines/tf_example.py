@@ -1,13 +1,6 @@
-"""The ``tf.train.Example`` wire format and TFRecord framing, written by hand.
-
-A few lines of protobuf wire format, so that workers never import TensorFlow (it costs
-seconds per worker process and nothing here needs it). Encoding is deterministic
-(sorted keys), so the same features always give the same bytes; the tests check that
-TensorFlow parses them and re-serialises them to the same bytes.
-
-Also: the schema tables of the per-image and per-class records, the balanced split of a
-class into chunks, and :func:`write_tfrecords` (the framing is
-:mod:`tfaploss.data.framing`'s).
+"""The ``tf.train.Example`` wire format, written by hand so that workers never import
+TensorFlow (seconds per process); deterministic (sorted keys), so the same features give
+the same bytes. Also the record schemas and the balanced split of a class into chunks.
 """
 
 from __future__ import annotations
@@ -33,14 +26,16 @@ IMAGE_FEATURES = {
     "image/bbox": ("float[4]", "x0, y0, x1, y1 in source pixels (cropped queries only)"),
 }
 
+# One by-class record per chunk of a class: the class as the per-image records label it,
+# the chunk's place in the class, and its N (<= --class_chunk_size) images' JPEGs and ids.
 CLASS_FEATURES = {
-    "class/label": ("int64", "class label"),
-    "class/super_label": ("int64", "super-class label; -1 none"),
+    "class/label": IMAGE_FEATURES["image/class/label"],
+    "class/super_label": IMAGE_FEATURES["image/class/super_label"],
     "class/num_images": ("int64", "images in the whole class"),
     "class/chunk": ("int64", "chunk index within the class"),
     "class/num_chunks": ("int64", "chunks of this class"),
-    "image/encoded": ("bytes[N]", "the chunk's JPEGs, N <= --class_chunk_size"),
-    "image/id": ("bytes[N]", "their ids"),
+    **{k: (f"{IMAGE_FEATURES[k][0]}[N]", IMAGE_FEATURES[k][1])
+       for k in ("image/encoded", "image/id")},
 }
 
 
@@ -76,11 +71,8 @@ def _feature(values) -> bytes:
 
 
 def serialize_example(features: dict[str, Any]) -> bytes:
-    """Serialise ``{key: value or list}`` as a ``tf.train.Example`` (wire format).
-
-    bytes/str values become a BytesList, floats a FloatList, ints an Int64List. Keys are
-    written sorted, so the bytes are deterministic.
-    """
+    """Serialise ``{key: value or list}`` as a ``tf.train.Example``: bytes/str values
+    become a BytesList, floats a FloatList, ints an Int64List."""
     entries = b"".join(
         _field(1, _field(1, key.encode("utf-8")) + _field(2, _feature(features[key])))
         for key in sorted(features)
@@ -137,9 +129,6 @@ def class_chunk_examples(label: int, items: Iterable[tuple], chunk_size: int) ->
             "image/id": [t[0] for t in part],
         }))
     return out
-
-
-# ---------------------------------------------------------------------------- TFRecord
 
 
 def write_tfrecords(f: BinaryIO, records: Iterable[bytes]) -> int:

@@ -1,10 +1,7 @@
 """A prepared TensorFlow Datasets image-classification dataset -> TFRecords.
 
-For a dataset already prepared in a TFDS ``--data_dir`` (nothing is downloaded). Images
-are read undecoded and go through the same transforms as every other job. Each TFDS
-split in ``--splits`` is written under its own name, or with ``--split_classes N``
-pooled, classes ``0..N-1`` to ``train`` and the rest (relabelled) to ``test``: the
-zero-shot retrieval protocol (CUB: 100, Cars196: 98).
+Nothing is downloaded; ``--split_classes N`` pools the splits for the zero-shot protocol
+(CUB: 100, Cars196: 98).
 
     python -m tfaploss.pipelines.tfds_source --dataset cars196 --data_dir ~/tensorflow_datasets \\
         --output_dir out/cars --splits train,test --split_classes 98
@@ -104,14 +101,10 @@ def plan(args) -> list[R.SplitPlan]:
             raise ValueError(f"--split_classes must be in 1..{(num_classes or 1) - 1}, "
                              f"got {args.split_classes}")
         n = args.split_classes
-        label_name = (lambda i: names[i]) if names else str
-        return [
-            R.SplitPlan("train", [], label_map={i: label_name(i) for i in range(n)},
-                        source=source(jobs, 0, (0, n)), num_records_hint=total),
-            R.SplitPlan("test", [], label_map={i - n: label_name(i)
-                                               for i in range(n, num_classes)},
-                        source=source(jobs, n, (n, num_classes)), num_records_hint=total),
-        ]
+        return [R.SplitPlan(split, [], label_map={i - lo: names[i] if names else str(i)
+                                                  for i in range(lo, hi)},
+                            source=source(jobs, lo, (lo, hi)), num_records_hint=total)
+                for split, lo, hi in (("train", 0, n), ("test", n, num_classes))]
     label_map = dict(enumerate(names))
     return [R.SplitPlan(s, [], label_map=label_map,
                         source=source([j for j in jobs if j[0] == s], 0, None),
