@@ -196,9 +196,8 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
     """Evaluate retrieval and return an :class:`EvaluationResult`.
 
     Args:
-      model_or_embeddings: a Keras model (or any callable images -> embeddings),
-        a (N, D) array of database embeddings, or the output directory of
-        ``python -m tfaploss.pipelines.embed``.
+      model_or_embeddings: a Keras model (or any callable images -> embeddings), a
+        (N, D) array of database embeddings, or an embed job's output directory.
       dataset: the database: a batched ``tf.data.Dataset`` of ``(images, labels)`` or
         ``(images, labels, ids)`` when a model is given; with an array of embeddings it
         may instead be the labels array.
@@ -217,14 +216,13 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
       whitening: a fitted :class:`~tfaploss.evaluation.PCAWhitening` applied to
         queries and database.
       depth: ranking length read by the metrics (``map_depth`` of
-        :func:`retrieval_metrics`; for revisited with a ScaNN backend the top-k kept,
-        default 1,000). Shorter than the database: mAP is reported as a lower bound.
+        :func:`retrieval_metrics`; revisited with a searcher: default 1,000); shorter
+        than the database, mAP is a lower bound.
       output_dir: where to write ``metrics.json`` (first) and the figures; a figure
         that cannot be drawn is skipped with a warning, never the metrics.
       figures: write figures into ``output_dir`` (retrieval examples when a dataset
         of images was given; per-query AP for revisited).
-      label_names: optional mapping label -> class name shown in the figures (e.g. a
-        split manifest's ``label_map``).
+      label_names: optional mapping label -> class name shown in the figures.
       verbose: progress bars, and the table at the end (logged at INFO; see
         :func:`tfaploss.log.reporting`).
     """

@@ -32,14 +32,10 @@ class ExactSearcher(Searcher):
 
     On CPUs with bfloat16 matrix units the numpy engine can run a **bfloat16
     prefilter** (:mod:`tfaploss.evaluation.bfloat16_prefilter`): still the exact top-k,
-    at 1.2-1.8x the speed of the bare float32 product with PyTorch on 300k x 128
-    (docs/search.md). ``prefilter="auto"`` takes it only when its one-off costs (the
-    framework's import, the bfloat16 copy) plus its estimated time come in under
-    float32's for this call; :meth:`resolved_prefilter` says which path a search takes.
+    at 1.2-1.8x the speed of the bare float32 product with PyTorch (docs/search.md).
 
     Cost: ``O(Q * N * D)`` multiply-adds; memory ``O(query_chunk * database_chunk)``
-    per thread for the score tile plus ``O(Q * k)`` for the results, so a 1M x 512
-    database (2 GB of float32) is searched with a few tens of MB on top.
+    per thread plus ``O(Q * k)`` for the results.
 
     Args:
       database: (N, D) embeddings (copied to float32).
@@ -48,12 +44,11 @@ class ExactSearcher(Searcher):
         chunks is merged with each new chunk (default 8192 numpy, 65536 tensorflow).
       engine: ``"auto"``, ``"numpy"`` or ``"tensorflow"``.
       num_threads: threads of the numpy engine (0: every core this process may use).
-      prefilter: ``"auto"`` (default: the bfloat16 prefilter when the CPU has
-        bfloat16 units, the product accumulates in float32, a search has at least 2^32
-        multiply-adds and D >= 32, and it wins this call), ``"bfloat16"`` (always; a
-        ValueError where it cannot run), ``"bfloat16-torch"`` /
-        ``"bfloat16-tensorflow"`` (always, with that product) or ``"none"``. The numpy
-        engine only.
+      prefilter: ``"auto"`` (default: the bfloat16 prefilter where it can run and its
+        one-off costs and time come in under float32's for this call: see
+        :meth:`resolved_prefilter`), ``"bfloat16"`` (always; a ValueError where it
+        cannot run), ``"bfloat16-torch"`` / ``"bfloat16-tensorflow"`` (that product) or
+        ``"none"``. The numpy engine only.
     """
 
     backend = "exact"

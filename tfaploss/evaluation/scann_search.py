@@ -77,10 +77,9 @@ class ScannSearcher(Searcher):
     """ScaNN search: exact brute force (``mode="brute_force"``) or tree + asymmetric
     hashing + re-ordering (``mode="ah"``).
 
-    AH cost per query: ``num_leaves * D`` to pick leaves, then a 4-bit LUT scan of
-    ``N * num_leaves_to_search / num_leaves`` codes and an exact re-scoring of
-    ``reorder_num_neighbors`` candidates. Parameters not given are taken from
-    :func:`scann_ah_params`.
+    AH cost per query: ``num_leaves * D`` to pick leaves, a 4-bit LUT scan of
+    ``N * num_leaves_to_search / num_leaves`` codes, and ``reorder_num_neighbors``
+    exact re-scores. Parameters not given come from :func:`scann_ah_params`.
 
     Args:
       database: (N, D) embeddings.
@@ -91,8 +90,7 @@ class ScannSearcher(Searcher):
         (AH codebooks), tree_training_sample_size (k-means of the tree): ScaNN
         parameters (``mode="ah"`` only); ``num_leaves=None`` disables the tree.
       leaf_scoring: ``"ah"`` (default: 4-bit AH codes + exact re-ordering) or
-        ``"brute_force"`` (exact float32 scores of every point of the leaves searched;
-        no re-ordering needed).
+        ``"brute_force"`` (exact scores of every point of the leaves searched).
       reorder_factor: a search for ``k`` re-orders ``max(reorder_factor * k,
         reorder_num_neighbors)`` candidates (default 10; the tuner sets 1).
       anisotropic_quantization_threshold: ``None`` turns the anisotropic loss off

@@ -118,7 +118,7 @@ def export_saved_model(model, path, image_size=(224, 224), version=None, whiteni
     """Write ``model`` as a TF Serving SavedModel in ``path/<version>/``, with a
     retrieval index when ``index`` is given.
 
-    Signatures (``saved_model_cli show --dir path/<version> --all`` lists them):
+    Signatures:
 
     - ``serving_default``: ``image_bytes`` string ``[None]`` (encoded JPEG, PNG, GIF, BMP or
       WebP files; REST takes ``{"b64": ...}``) -> ``{"embedding": float32 [None, D]}``,
@@ -127,16 +127,13 @@ def export_saved_model(model, path, image_size=(224, 224), version=None, whiteni
       ``max_request_pixels`` in all, fails the batch with ``INVALID_ARGUMENT``.
     - ``embed_pixels``: ``images`` float32 ``[None, h, w, 3]``, RGB pixels in
       [0, 255] already at ``image_size`` -> ``{"embedding": ...}``.
-    - With ``index``: ``retrieve`` takes ``image_bytes`` and an optional int32 ``k``
-      (1 to the exported ``k``) and returns ``{"keys": string [None, k], "scores":
-      float32 [None, k], "labels": int64 [None, k]}``, best first, equal scores in
-      catalogue order; ``retrieve_pixels`` the same from ``images``.
-
-    The model normalises the pixels itself; the SavedModel needs only TensorFlow.
+    - With ``index``: ``retrieve`` (``image_bytes``) and ``retrieve_pixels``
+      (``images``), with an optional int32 ``k`` (1 to the exported ``k``) ->
+      ``{"keys", "scores", "labels"}``, each ``[None, k]``, best first.
 
     Args:
         model: a Keras model from raw ``(B, H, W, 3)`` images in [0, 255] to
-            embeddings (e.g. from ``tfaploss.models.build_embedding_model``).
+            embeddings.
         path: the model's base directory (TF Serving's ``--model_base_path``).
         image_size: ``(height, width)`` the served images are cropped to.
         version: integer version directory; ``None`` takes 1 + the largest existing.
