@@ -60,13 +60,11 @@ def faiss_params(num_database: int, dim: int, kind: str = "ivf_flat") -> dict[st
     * ``nlist`` = 4 sqrt(N) (faiss's guideline is 4 to 16 sqrt(N)), at most N / 39;
     * ``nprobe`` = 1/16 of the lists, at least 8 (recall before speed when untuned);
     * ``k_factor`` = 10: ``10 k`` candidates re-scored, ScaNN's ``reorder_factor``;
-    * ``hnsw_m`` = 32 and ``ef_construction`` = 40 (faiss's default: a larger one costs
-      minutes at 1M points on 2 cores), ``ef_search`` = 64 (4 times faiss's default of
-      16, which is sized for k = 1);
-    * ``spherical`` = True: unit-norm list centres, faiss's own default for inner
-      product;
+    * ``hnsw_m`` = 32, ``ef_construction`` = 40 (faiss's default; larger costs minutes at
+      1M points), ``ef_search`` = 64 (faiss's 16 is sized for k = 1);
+    * ``spherical`` = True (faiss's own default for inner product);
     * ``training_sample_size`` = 50 points per list, at least 10,000 (the 4-bit PQ
-      codebooks want 16 x 39 points; the k-means' cost grows with the sample).
+      codebooks want 16 x 39 points).
     """
     if kind not in KINDS:
         raise ValueError(f"`kind` must be one of {KINDS}; received {kind!r}.")
@@ -211,12 +209,17 @@ class FaissSearcher(Searcher):
         elif self.kind == "hnsw":
             faiss.downcast_index(index).hnsw.efConstruction = self.params["ef_construction"]
         index.add(database)
+        index = self._place(faiss, index)
+        LOG.debug("faiss %s index over %d x %d on %s", self._factory(), self.size, self.dim,
+                  "GPU 0" if self._use_gpu else "the CPU")
+        return index
+
+    def _place(self, faiss, index):
+        """``index`` on the device it runs on, with its search-time parameters."""
         if self._use_gpu:
             self._gpu_resources = faiss.StandardGpuResources()
             index = faiss.index_cpu_to_gpu(self._gpu_resources, 0, index)
         self._apply(faiss, index)
-        LOG.debug("faiss %s index over %d x %d on %s", self._factory(), self.size, self.dim,
-                  "GPU 0" if self._use_gpu else "the CPU")
         return index
 
     def _apply(self, faiss, index) -> None:
@@ -286,11 +289,7 @@ class FaissSearcher(Searcher):
             raise ValueError(f"{_INDEX_FILE} in {directory!r} holds {index.ntotal} x "
                              f"{index.d}, but searcher.json says {obj.size} x {obj.dim}.")
         obj._use_gpu = obj._resolve_device(faiss)
-        if obj._use_gpu:
-            obj._gpu_resources = faiss.StandardGpuResources()
-            index = faiss.index_cpu_to_gpu(obj._gpu_resources, 0, index)
-        obj._apply(faiss, index)
-        obj._index = index
+        obj._index = obj._place(faiss, index)
         return obj
 
 

@@ -142,15 +142,9 @@ def decode_images(image_bytes, image_size=(224, 224), crop_fraction=DEFAULT_CROP
     indices = tf.range(n)
 
     pixels = tf.map_fn(declared_pixels, image_bytes, fn_output_signature=tf.float64)
-    too_big = tf.where(pixels > max_pixels)[:, 0]
-    size_check = tf.debugging.Assert(
-        tf.equal(tf.size(too_big), 0),
-        ["image_bytes: the image(s) at index(es)", too_big, "declare",
-         tf.cast(tf.gather(pixels, too_big), tf.int64),
-         (f"pixels, more than max_pixels={max_pixels}; downscale them before sending "
-          "(or export with a larger max_pixels)")],
-        summarize=64,
-    )
+    size_check = _image_check(indices, pixels, "declare", max_pixels,
+                              "; downscale them before sending (or export with a larger "
+                              "max_pixels)")
     # Unreadable headers count 0 here: they are refused below without being decoded.
     total = tf.reduce_sum(tf.maximum(pixels, 0.0))
     total_check = _request_check(total, "declare", max_request_pixels, "; nothing was decoded")
@@ -179,15 +173,9 @@ def decode_images(image_bytes, image_size=(224, 224), crop_fraction=DEFAULT_CROP
     images, decoded_indices, decoded_pixels = (
         decoded.concatenate(sentinel).batch(n + 1).get_single_element())
     images, decoded_indices = images[:-1], decoded_indices[:-1]
-    over = tf.where(decoded_pixels > max_pixels)[:, 0]
-    decode_check = tf.debugging.Assert(
-        tf.equal(tf.size(over), 0),
-        ["image_bytes: the image(s) at index(es)", tf.gather(decoded_indices, over),
-         "decode to", tf.cast(tf.gather(decoded_pixels, over), tf.int64),
-         (f"pixels, more than max_pixels={max_pixels}, though their headers declare "
-          "fewer; nothing larger was decoded")],
-        summarize=64,
-    )
+    decode_check = _image_check(decoded_indices, decoded_pixels[:-1], "decode to", max_pixels,
+                                ", though their headers declare fewer; nothing larger was "
+                                "decoded")
     decoded_total = _request_check(tf.reduce_sum(decoded_pixels), "decode to",
                                    max_request_pixels, ", though they declare fewer")
     bad = tf.sparse.to_dense(tf.sets.difference(indices[None], decoded_indices[None]))[0]
@@ -202,6 +190,18 @@ def decode_images(image_bytes, image_size=(224, 224), crop_fraction=DEFAULT_CROP
         )
     with tf.control_dependencies([check]):
         return tf.identity(images)
+
+
+def _image_check(indices, pixels, verb: str, max_pixels: int, tail: str):
+    """Fails the request naming the ``indices`` whose ``pixels`` exceed ``max_pixels``."""
+    over = tf.where(pixels > max_pixels)[:, 0]
+    return tf.debugging.Assert(
+        tf.equal(tf.size(over), 0),
+        ["image_bytes: the image(s) at index(es)", tf.gather(indices, over), verb,
+         tf.cast(tf.gather(pixels, over), tf.int64),
+         f"pixels, more than max_pixels={max_pixels}{tail}"],
+        summarize=64,
+    )
 
 
 def _request_check(total, verb: str, max_request_pixels: int, tail: str):
