@@ -77,16 +77,11 @@ class Searcher:
         raise NotImplementedError
 
     def search(self, queries, k: int, exclude=None) -> tuple[np.ndarray, np.ndarray]:
-        """Return ``(indices, scores)``, both (num_queries, k'), best first.
+        """Return ``(indices, scores)``, both (num_queries, k'), best first, ties by index.
 
-        Args:
-          queries: (num_queries, dim) float array.
-          k: number of neighbours wanted; ``k' = min(k, database size - (1 if exclude
-            is given else 0))``.
-          exclude: optional int array (num_queries,): a database index to remove from
-            each query's results (``-1``: remove nothing).
-
-        Ties are broken by database index (lower first).
+        ``k' = min(k, database size - (1 if exclude is given else 0))``; ``exclude``:
+        optional (num_queries,) ints, a database index removed from each query's results
+        (``-1``: none).
         """
         queries = as_matrix(queries, "queries")
         if queries.shape[1] != self.dim:

@@ -49,18 +49,10 @@ def model_fingerprint(model) -> str:
 
 @dataclass(frozen=True, eq=False)
 class RetrievalIndex:
-    """The catalogue a ``retrieve`` signature searches.
-
-    Attributes:
-      embeddings: ``(N, D)`` float32, one row per catalogue item.
-      keys: ``(N,)`` str, unique: what a search returns for each row.
-      labels: ``(N,)`` int64 class labels (-1 when unknown).
-      model_fingerprint: :func:`model_fingerprint` of the model that embedded the rows.
-      source: where the rows came from (a path, or a word), for messages and metadata.
-
-    Raises:
-      DamagedIndexError: the rows are empty, not 2-D, not finite, or disagree in
-        count with the keys or labels, or two rows share a key.
+    """The catalogue a ``retrieve`` signature searches: ``embeddings`` (N, D) float32,
+    unique str ``keys`` (what a search returns), int64 ``labels`` (-1 when unknown), the
+    :func:`model_fingerprint` of the model that embedded them, and their ``source``
+    (for messages). A :class:`DamagedIndexError` when they are not whole.
     """
 
     embeddings: np.ndarray
