@@ -206,15 +206,20 @@ def tune_searcher(database, plan: SearchPlan, queries=None, *, sample_size: int 
     space.check()
     start = timer()
     sample, exclude, what = _sample(database, q, sample_size, seed)
+
+    def timed_search(searcher, k: int, units: float):
+        """(indices found for the sample, seconds): the better of two runs (the first
+        pays for the warm-up), or with ``speed="model"`` the nominal time of ``units``."""
+        (found, _), t = _timed(timer, lambda: searcher.search(sample, k, exclude=exclude))
+        if speed == "measure":
+            t = min(t, _timed(timer, lambda: searcher.search(sample, k, exclude=exclude))[1])
+        else:
+            t = units * _MODEL_UNIT_SECONDS * len(sample)
+        return found, t
+
     exact = ExactSearcher(database)
-    (truth, _), t_exact = _timed(timer, lambda: exact.search(sample, plan.tuned_k,
-                                                             exclude=exclude))
+    truth, t_exact = timed_search(exact, plan.tuned_k, exact_cost(n, d))
     k = int(truth.shape[1])
-    if speed == "measure":  # the first run paid for thread start-up: keep the better one
-        _, t2 = _timed(timer, lambda: exact.search(sample, k, exclude=exclude))
-        t_exact = min(t_exact, t2)
-    else:
-        t_exact = exact_cost(n, d) * _MODEL_UNIT_SECONDS * len(sample)
     exact_qps = len(sample) / t_exact
     exact_units = exact_cost(n, d)
     LOG.info("tuning %s for recall@%d >= %g on %d sample queries (%s); exact search: "
@@ -257,13 +262,8 @@ def tune_searcher(database, plan: SearchPlan, queries=None, *, sample_size: int 
             if len(built) <= _MAX_BUILDS_KEPT:
                 break
             del built[key]  # memory: a brute-force tree holds a copy of the database
-        (found, _), t = _timed(timer, lambda: searcher.search(sample, k, exclude=exclude))
+        found, t = timed_search(searcher, k, cost(setting))
         recall, ci = _summary(recall_per_query(found, truth))
-        if speed == "measure":  # the first run was the warm-up
-            _, t2 = _timed(timer, lambda: searcher.search(sample, k, exclude=exclude))
-            t = min(t, t2)
-        else:
-            t = cost(setting) * _MODEL_UNIT_SECONDS * len(sample)
         qps = len(sample) / t
         # The lower end of the interval, not the mean: a setting accepted on its mean
         # lands below the target on fresh queries about half the time.
@@ -295,8 +295,7 @@ def tune_searcher(database, plan: SearchPlan, queries=None, *, sample_size: int 
                 stopped = "target met"
                 break
             after_success += 1
-        reached = bound_reached()
-        if reached:
+        if reached := bound_reached():
             stopped = reached
             break
         # A probe that misses rules out every setting it bounds.
@@ -305,8 +304,7 @@ def tune_searcher(database, plan: SearchPlan, queries=None, *, sample_size: int 
             trial(probe)
             if any(space.dominates(f, setting) for f in failed):
                 continue
-            reached = bound_reached()
-            if reached:
+            if reached := bound_reached():
                 stopped = reached
                 break
         trial(setting)
@@ -323,10 +321,7 @@ def tune_searcher(database, plan: SearchPlan, queries=None, *, sample_size: int 
                  "n/a" if timing["noise"] is None else
                  f"median {timing['noise']['median_spread']:.2f}, "
                  f"max {timing['noise']['max_spread']:.2f}")
-    for entry in tried:
-        entry.pop("_setting")
-        entry.pop("_reached")
-        entry.pop("_times")
+    tried = [{key: v for key, v in e.items() if not key.startswith("_")} for e in tried]
     seconds = timer() - start
     info: dict[str, Any] = {
         "tuned": True, "target_recall": float(target_recall), "k": k,
