@@ -73,6 +73,24 @@ def scann_ah_params(num_database: int, dim: int) -> dict[str, Any]:
     return params
 
 
+def configure_ah(builder, p: dict[str, Any], reorder: int | None = None):
+    """ScaNN's ``builder`` (pybind's or the TensorFlow ops') with the tree, leaf scoring
+    and re-ordering of the AH parameters ``p`` (:func:`scann_ah_params`'s keys)."""
+    if p.get("num_leaves"):
+        builder = builder.tree(num_leaves=int(p["num_leaves"]),
+                               num_leaves_to_search=int(p["num_leaves_to_search"]),
+                               training_sample_size=int(p["tree_training_sample_size"]),
+                               spherical=bool(p.get("spherical")))
+    if p.get("leaf_scoring", "ah") == "brute_force":
+        return builder.score_brute_force()
+    threshold = p["anisotropic_quantization_threshold"]
+    builder = builder.score_ah(
+        int(p["dimensions_per_block"]),
+        anisotropic_quantization_threshold=float("nan") if threshold is None else float(threshold),
+        training_sample_size=int(p["training_sample_size"]))
+    return builder.reorder(int(p["reorder_num_neighbors"]) if reorder is None else reorder)
+
+
 class ScannSearcher(Searcher):
     """ScaNN search: exact brute force (``mode="brute_force"``) or tree + asymmetric
     hashing + re-ordering (``mode="ah"``).
@@ -161,23 +179,7 @@ class ScannSearcher(Searcher):
         if self.mode == "brute_force":
             builder = builder.score_brute_force()
         else:
-            p = self.params
-            if p.get("num_leaves"):
-                builder = builder.tree(
-                    num_leaves=int(p["num_leaves"]),
-                    num_leaves_to_search=int(p["num_leaves_to_search"]),
-                    training_sample_size=int(p["tree_training_sample_size"]),
-                    spherical=bool(p.get("spherical")))
-            if p.get("leaf_scoring", "ah") == "brute_force":
-                builder = builder.score_brute_force()
-            else:
-                threshold = p["anisotropic_quantization_threshold"]
-                builder = builder.score_ah(
-                    int(p["dimensions_per_block"]),
-                    anisotropic_quantization_threshold=(
-                        float("nan") if threshold is None else float(threshold)),
-                    training_sample_size=int(p["training_sample_size"]))
-                builder = builder.reorder(int(p["reorder_num_neighbors"]))
+            builder = configure_ah(builder, self.params)
         builder.set_n_training_threads(self.num_threads)
         searcher = builder.build()
         if self.num_threads:

@@ -121,23 +121,14 @@ class ScannSearch:
     backend = "scann"
 
     def __init__(self, index, k: int, chunk_rows: int = DEFAULT_CHUNK_ROWS):
-        from tfaploss.evaluation.scann_search import scann_ah_params
+        from tfaploss.evaluation.scann_search import configure_ah, scann_ah_params
 
         ops = _scann_ops()
         self.k = min(check_k(k), index.size)
         self.size, self.dim = index.size, index.dim
         params = scann_ah_params(index.size, index.dim)
-        builder = ops.builder(index.embeddings, self.k, "dot_product")
-        if params["num_leaves"]:
-            builder = builder.tree(
-                num_leaves=params["num_leaves"],
-                num_leaves_to_search=params["num_leaves_to_search"],
-                training_sample_size=params["tree_training_sample_size"])
-        builder = builder.score_ah(
-            params["dimensions_per_block"],
-            anisotropic_quantization_threshold=params["anisotropic_quantization_threshold"],
-            training_sample_size=params["training_sample_size"])
-        builder = builder.reorder(max(params["reorder_num_neighbors"], self.k))
+        builder = configure_ah(ops.builder(index.embeddings, self.k, "dot_product"), params,
+                               max(params["reorder_num_neighbors"], self.k))
         self._ops = ops
         self.state = builder.build().serialize_to_module()
         self.keys, self.labels = _keys_and_labels(index)
