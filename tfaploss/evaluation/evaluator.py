@@ -47,15 +47,9 @@ LOG = logging.getLogger(__name__)
 __all__ = ["EvaluationResult", "embed_dataset", "evaluate", "load_embeddings"]
 
 _PROTOCOL_KS = {
-    "retrieval": (1, 10, 100),
-    "sop": (1, 10, 100, 1000),
-    "inaturalist": (1, 4, 16, 32),
-    "cub": (1, 2, 4, 8),
-    "cars": (1, 2, 4, 8),
-    "revisited": (1, 5, 10),
-    "roxford": (1, 5, 10),
-    "rparis": (1, 5, 10),
-    "gldv2": (100,),
+    "retrieval": (1, 10, 100), "sop": (1, 10, 100, 1000), "inaturalist": (1, 4, 16, 32),
+    "cub": (1, 2, 4, 8), "cars": (1, 2, 4, 8),
+    "revisited": (1, 5, 10), "roxford": (1, 5, 10), "rparis": (1, 5, 10), "gldv2": (100,),
 }
 PROTOCOLS = tuple(_PROTOCOL_KS)
 _REVISITED = ("revisited", "roxford", "rparis")

@@ -225,11 +225,8 @@ def retrieval_metrics(query_embeddings, query_labels, db_embeddings=None, db_lab
         return metrics
     exact_search = searcher.backend in ("exact", "scann")
     details: dict[str, Any] = {
-        "backend": searcher.backend,
-        "num_queries": int(num_q),
-        "num_database": int(n_db),
-        "self_retrieval": bool(self_retrieval),
-        "lone_queries": int((~valid).sum()),
+        "backend": searcher.backend, "num_queries": int(num_q), "num_database": int(n_db),
+        "self_retrieval": bool(self_retrieval), "lone_queries": int((~valid).sum()),
         "depth": int(depth),
         "map_is_lower_bound": bool(depth < n_avail or not exact_search),
         "map_r_truncated": bool(depth < int(num_relevant.max())),

@@ -57,14 +57,9 @@ def scann_ah_params(num_database: int, dim: int) -> dict[str, Any]:
     """
     n = int(num_database)
     params: dict[str, Any] = {
-        "dimensions_per_block": 2,
-        "anisotropic_quantization_threshold": 0.2,
-        "reorder_num_neighbors": 250,
-        "training_sample_size": min(n, 100_000),
-        "num_leaves": None,
-        "num_leaves_to_search": None,
-        "tree_training_sample_size": None,
-    }
+        "dimensions_per_block": 2, "anisotropic_quantization_threshold": 0.2,
+        "reorder_num_neighbors": 250, "training_sample_size": min(n, 100_000),
+        "num_leaves": None, "num_leaves_to_search": None, "tree_training_sample_size": None}
     if n >= 100_000:
         num_leaves = int(min(round(math.sqrt(n)), 4000))
         params["num_leaves"] = num_leaves
