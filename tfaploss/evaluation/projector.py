@@ -44,25 +44,14 @@ def _metadata_text(labels: np.ndarray) -> str:
 
 
 def _config_text(tensor_name: str, tensor_path: str | None, metadata: str | None) -> str:
-    try:
-        from google.protobuf import text_format
-        from tensorboard.plugins import projector
-    except ImportError:
-        # The same text by hand, for a TensorBoard installed elsewhere later.
-        lines = ["embeddings {", f'  tensor_name: "{tensor_name}"']
-        if metadata:
-            lines.append(f'  metadata_path: "{metadata}"')
-        if tensor_path:
-            lines.append(f'  tensor_path: "{tensor_path}"')
-        return "\n".join(lines + ["}"]) + "\n"
-    config = projector.ProjectorConfig()
-    embedding = config.embeddings.add()
-    embedding.tensor_name = tensor_name
+    """The ``ProjectorConfig`` text, written by hand: TensorBoard need not be installed,
+    and the names are fixed ones that protobuf's text format would not escape."""
+    lines = ["embeddings {", f'  tensor_name: "{tensor_name}"']
     if metadata:
-        embedding.metadata_path = metadata
+        lines.append(f'  metadata_path: "{metadata}"')
     if tensor_path:
-        embedding.tensor_path = tensor_path
-    return text_format.MessageToString(config)
+        lines.append(f'  tensor_path: "{tensor_path}"')
+    return "\n".join(lines + ["}"]) + "\n"
 
 
 def _write_checkpoint(embeddings: np.ndarray, log_dir: Path) -> bool:
