@@ -1,20 +1,7 @@
-"""Retrieval evaluation: searchers (exact / ScaNN / faiss), the metrics the papers report,
-revisited Oxford/Paris, query expansion and whitening, ``evaluate`` and figures.
-
-Public API::
-
-    retrieval_metrics(query_embeddings, query_labels, db_embeddings=None,
-                      db_labels=None, ks=(1, 10, 100), backend="exact")
-    revisited_map(scores, gnd, protocol="medium", ks=(1, 5, 10))
-    hierarchical_metrics(query_embeddings, query_labels_with_levels)  # H-AP, ASI, NDCG
-    evaluate(model_or_embeddings, dataset, protocol=...)
-    embed_dataset(model, dataset)   # the one embedding loop (evaluate's and training's)
-    SearchPlan(backend="auto", target_recall=None, k=None)   # how to search, decided once
-    build_searcher(database, plan) / load_searcher(directory)
-    build_searcher(database, target_recall=0.95, k=10)   # ScaNN tuned (tuner.py)
-    build_searcher(database, "faiss", target_recall=0.95, k=10)   # faiss tuned
-
-ScaNN, faiss, matplotlib and Keras are imported only by the functions that need them.
+"""Retrieval evaluation: searchers (exact / ScaNN / faiss, tuned to a recall or not), the
+metrics the papers report, revisited Oxford/Paris, query expansion and whitening,
+``evaluate`` and figures. ScaNN, faiss, matplotlib and Keras are imported only by the
+functions that need them.
 """
 
 from tfaploss.evaluation.embed import embed_dataset

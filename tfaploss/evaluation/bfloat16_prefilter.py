@@ -2,9 +2,8 @@
 candidates, float32 re-scores them, and an error bound makes sure none is missed.
 
 On CPUs with bfloat16 matrix units (Intel AMX, AVX512-BF16), a bfloat16 product runs
-1.4-5x faster than the float32 one (more at larger D), and no float32 selection can
-make up for that (the selection after a float32 product costs at least ~20 % of it;
-docs/search.md). So:
+1.4-5x faster than the float32 one, more than any float32 selection can make up for
+(docs/search.md). So:
 
 1. **Approximate scores.** Queries and database are rounded to bfloat16 (``q^``,
    ``x^``) and multiplied by oneDNN (PyTorch's or TensorFlow's matmul), which
@@ -29,22 +28,12 @@ docs/search.md). So:
 4. **Exact re-scoring** of the candidates in float32, and the top-k of those, ties by
    index.
 
-The selection works on the bfloat16 bits as int16 (for a positive threshold the raw
-bits already order as the values), one compare per score on half the bytes of a
-float32 selection. A row's running threshold comes, like the float32 path's, from its
-first block's group maxima and then from its candidates.
-
-When the bound is loose (a row keeps more than :data:`MAX_CANDIDATES` candidates, e.g.
-a database of duplicates), that query block is searched by the float32 path instead, so
-memory stays bounded and the result is the same.
-
-The prefilter is used only where it is sound and fast: :func:`choose_product` checks the CPU
-flags and, once, that the product accumulates in float32 and rounds to nearest (a
-product of 512 ones is 512 and ``1 + 1.25 * 2^-8`` rounds up), which rules out a
-bfloat16 build that accumulates in bfloat16. ``prefilter="auto"`` takes it only for a
-search where it wins with its one-off costs counted (:func:`cheapest`): the import of
-the product's framework unless imported already, and the bfloat16 copy of the database
-unless the searcher holds it.
+The selection compares the bfloat16 bits as int16, one compare per score on half the
+bytes of a float32 selection. A query block whose rows keep more than
+:data:`MAX_CANDIDATES` candidates (a database of duplicates) is searched in float32
+instead. :func:`choose_product` checks, once, that the product accumulates in float32
+and rounds to nearest; ``prefilter="auto"`` takes it only where it wins with its one-off
+costs counted (:func:`cheapest`).
 
 Cost: the bfloat16 product (``Q N D``), one int16 compare per score, and ``~1.1 Q k D``
 float32 multiply-adds of re-scoring. Memory: the database once more in bfloat16 (half
@@ -73,25 +62,16 @@ MAX_CANDIDATES = 16384  # per row; above this a query block falls back to float3
 _U_OUT = 2.0 ** -8 / (1 - 2.0 ** -8)  # bfloat16 round-to-nearest, relative to the result
 _U32 = 2.0 ** -24
 _SMALLEST_NORMAL = 2.0 ** -126
-# Searches below this many multiply-adds (~0.15 s of float32 search here) stay in
-# float32 whatever the cost model below says: it was measured on searches 10-100x
-# larger, and there is little to gain.
+# Searches below this many multiply-adds (~0.15 s of float32 search) stay in float32:
+# the cost model below was measured on searches 10-100x larger.
 MIN_WORK = 1 << 32
-# The cost model of prefilter="auto" (search_seconds, cheapest): the prefilter runs
-# only when its one-off costs and its own time come in under float32 alone, per call.
-# Measured with benchmarks/search.py and a cold `python -c "import ..."` on the 2-core
-# AMD EPYC (AVX2, no bfloat16 units) the tests run on, at load average below 2:
-# float32 search of clustered 300k x 128, 2,000 queries, k = 100: 2.6-2.8 s
-# (2.7-3.0e10 multiply-adds/s); import torch 2.0-2.5 s, import tensorflow 6.3-7.2 s.
+# The cost model of prefilter="auto" (search_seconds, cheapest), measured on the 2-core
+# AMD EPYC the tests run on (benchmarks/search.py, 300k x 128, k = 100; docs/search.md).
 FLOAT32_RATE = 2.9e10  # multiply-adds/s of the float32 search (ExactSearcher, numpy)
 IMPORT_SECONDS = {"torch": 2.5, "tensorflow": 7.0}  # the slow end: never-slower first
-# PreparedDatabase of 300k x 128 (rounding, float64 norms, the product's copies): 0.30 s
-# in one thread at load 1.8; 2 threads took 0.42x the time of one at load 7.5-12.
-COPY_RATE = 1.5e8  # database elements/s: 0.26 s at 300k x 128
-# The warm prefilter's speed over float32 alone's, per product: the lowest of the runs
-# in docs/search.md (a CPU with AMX; D = 64 to 512): PyTorch 1.67-2.4, TensorFlow
-# 1.22-1.83. Low, so that a search predicted to gain does; on this machine the
-# prefilter never runs (no bfloat16 units), so these are the one figure not from it.
+COPY_RATE = 1.5e8  # database elements/s of PreparedDatabase: 0.26 s at 300k x 128
+# The warm prefilter's speed over float32's, the lowest measured on a CPU with AMX
+# (PyTorch 1.67-2.4, TensorFlow 1.22-1.83): a search predicted to gain does.
 PREFILTER_SPEEDUP = {"torch": 1.7, "tensorflow": 1.2}
 _CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
@@ -224,10 +204,9 @@ def worthwhile(num_queries: int, size: int, dim: int) -> bool:
 
 def search_seconds(num_queries: int, size: int, dim: int, product: str | None = None, *,
                    imported: bool = True, copied: bool = True) -> float:
-    """Estimated seconds of one exact search of ``num_queries`` x ``size`` x ``dim``
-    multiply-adds: float32 alone (``product`` None), or the prefilter with ``product``
-    plus its one-off costs: the import of its framework unless ``imported``, the
-    bfloat16 copy of the database unless ``copied`` (the constants above)."""
+    """Estimated seconds of one exact search: float32 alone (``product`` None), or the
+    prefilter with ``product`` plus the import of its framework unless ``imported`` and
+    the bfloat16 copy of the database unless ``copied``."""
     work = float(num_queries) * size * dim
     if product is None:
         return work / FLOAT32_RATE
@@ -241,16 +220,10 @@ def search_seconds(num_queries: int, size: int, dim: int, product: str | None = 
 
 def cheapest(num_queries: int, size: int, dim: int, products, *, imported=(),
              held: str | None = None) -> str | None:
-    """The decision of ``prefilter="auto"``: of ``products`` (those that can run here),
-    the one whose search, one-off costs included (:func:`search_seconds`), is the
-    shortest, if it is shorter than float32 alone; else None (float32).
-
-    Args:
-      products: the candidate products, e.g. ``("torch", "tensorflow")``; the first
-        wins a tie.
-      imported: the products whose framework is imported already.
-      held: the product the searcher's bfloat16 copy of the database was made for
-        (it is imported, and needs no copy).
+    """The decision of ``prefilter="auto"``: of ``products`` (the first wins a tie), the
+    one whose search, one-off costs included (:func:`search_seconds`), is shortest, if
+    shorter than float32 alone; else None. ``imported``: the products whose framework
+    is imported; ``held``: the product of the searcher's bfloat16 copy.
     """
     if not worthwhile(num_queries, size, dim):
         return None
@@ -276,12 +249,8 @@ def _imported(name: str) -> bool:
 def choose_for_search(num_queries: int, size: int, dim: int,
                       held: str | None = None) -> str | None:
     """The product ``prefilter="auto"`` runs a search with, or None for float32 alone:
-    :func:`cheapest` over the products installed here, given which are imported (read
-    from ``sys.modules``) and ``held`` (the product of the searcher's bfloat16 copy).
-
-    A product is imported and checked (:func:`choose_product`'s check) only once it is
-    chosen; one that fails is dropped and the choice made again among the rest. Cost:
-    microseconds, unless it chooses a product not imported yet (its import, once).
+    :func:`cheapest` over the installed products. A product is imported and checked only
+    once chosen; one that fails is dropped and the choice made again.
     """
     if not worthwhile(num_queries, size, dim) or not _cpu_has_bfloat16_units():
         return None
@@ -298,8 +267,7 @@ def round_to_bfloat16(x: np.ndarray) -> np.ndarray:
     """The bits (int16) of float32 ``x`` rounded to the nearest bfloat16, ties to
     even (finite values beyond bfloat16's range become infinite)."""
     bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
-    # In place on one temporary: a third less time than a fresh array a step (it is
-    # most of the database's copy).
+    # In place on one temporary: a third faster than a fresh array a step.
     rounded = bits >> np.uint32(16)
     rounded &= np.uint32(1)
     rounded += np.uint32(0x7FFF)
@@ -336,9 +304,8 @@ def _key_at_most(t: np.ndarray) -> np.ndarray:
 class PreparedDatabase:
     """A database in bfloat16 blocks, with the norms its error bound needs.
 
-    Cost: a few passes over the database, in ``threads`` threads (300k x 128: 0.30 s
-    in one thread on the 2-core test machine, 2 threads 0.42x of that under load);
-    memory: half the database's float32 size.
+    Cost: a few passes over the database, in ``threads`` threads; memory: half the
+    database's float32 size.
 
     Args:
       database: (N, D) float32.
@@ -368,8 +335,7 @@ class PreparedDatabase:
             return (self.product.from_bits(bits), _max_norm(part - back), _max_norm(part),
                     _max_norm(back))
 
-        # Each block goes to the product as it is made, so at most a block a thread of
-        # bits is held besides the copy.
+        # Each block goes to the product as it is made: one block a thread held besides.
         parts = fp32._run(list(range(0, len(database), self.block)), prepare,
                           threads or fp32.available_threads())
         self.blocks = [p[0] for p in parts]

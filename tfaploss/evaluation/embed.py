@@ -1,8 +1,5 @@
-"""The one embedding loop: a model over a batched dataset -> embeddings, labels, ids.
-
-``evaluate`` embeds its datasets with it, and so does the training run
-(:func:`tfaploss.run.embed_split`, which builds the dataset from a config).
-"""
+"""The one embedding loop (``evaluate``'s and the training run's): a model over a
+batched dataset -> embeddings, labels, ids."""
 
 from __future__ import annotations
 
@@ -47,19 +44,14 @@ def embed_dataset(model, dataset, verbose: int = 1, *, predict_step: bool = Fals
       dataset: a batched ``tf.data.Dataset`` (or any iterable) of elements
         :func:`split_element` reads.
       verbose: show a Keras progress bar.
-      predict_step: run each batch through the model's compiled predict step
-        (``predict_on_batch``), faster than an eager call when every batch has the same
-        image size; images of their own sizes would retrace it at every new shape.
+      predict_step: run each batch through ``predict_on_batch`` (compiled: faster when
+        every batch has the same image size, else retraced at every new shape).
 
     Returns:
       ``(embeddings (N, D) float32, labels (N,) or None, ids (N,) str or None)``.
 
     Raises:
       EmptyDatasetError: the dataset yielded nothing.
-
-    Example::
-
-        embeddings, labels, _ = embed_dataset(model, make_eval_dataset(split, 224))
     """
     import keras
     import tensorflow as tf

@@ -1,18 +1,8 @@
-"""The on-disk format of embeddings written by ``tfaploss/pipelines/embed.py``.
-
-Sharded TFRecord files ``<output>/embeddings-SSSSS-of-NNNNN.tfrecord``, one
-``tf.train.Example`` per image:
-
-================== ========== ===============================================
-feature            type       meaning
-================== ========== ===============================================
-``embedding``      float list the model's output (D floats)
-``image/id``       bytes      the image id (TFRecord ``image/id`` or file path)
-``image/class/label`` int64   class label (-1 when unknown)
-================== ========== ===============================================
-
-Beam writes records in no particular order; :func:`load_embeddings` sorts them by
-id so that evaluation is deterministic.
+"""The on-disk format of embeddings written by ``tfaploss/pipelines/embed.py``: sharded
+TFRecord files ``<output>/embeddings-SSSSS-of-NNNNN.tfrecord``, one ``tf.train.Example``
+per image with ``embedding`` (the model's D floats), ``image/id`` (bytes: the TFRecord's
+``image/id`` or the file path) and ``image/class/label`` (int64, -1 when unknown).
+Beam writes records in no particular order; :func:`load_embeddings` sorts them by id.
 """
 
 from __future__ import annotations

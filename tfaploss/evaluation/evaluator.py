@@ -15,16 +15,10 @@ protocol         ks                       what
 
 ``retrieval``-style protocols also accept a separate query set (``query=...``).
 
-Every report states how the neighbours were searched (``details["search"]``, and a
-``search:`` line under the table): the backend, the setting, and the recall@k of the
-search against exact search measured on a sample of up to 1,000 queries, with its 95 %
-Wilson interval (:mod:`tfaploss.evaluation.tuner` explains it); exact search says
-recall 1. ``k`` is the largest cut-off of the protocol. With a target recall the search
-is tuned to reach it, or exact search is used when no setting beats it, and the report
-says which (:class:`~tfaploss.evaluation.search_plan.SearchPlan` decides whose search).
-``revisited`` and ``gldv2`` need the query set and the ground truth (``gnd``:
-revisited per-query ``easy``/``hard``/``junk`` dicts or a ground-truth file path;
-for ``gldv2`` a per-query list of relevant database indices).
+Every report states how the neighbours were searched (``details["search"]`` and a
+``search:`` line under the table): the backend, the setting, and its recall@k (k: the
+largest cut-off) against exact search on a sample, with its 95 % Wilson interval.
+``revisited`` and ``gldv2`` need the query set and the ground truth (``gnd``).
 """
 
 from __future__ import annotations
@@ -53,15 +47,9 @@ LOG = logging.getLogger(__name__)
 __all__ = ["EvaluationResult", "embed_dataset", "evaluate", "load_embeddings"]
 
 _PROTOCOL_KS = {
-    "retrieval": (1, 10, 100),
-    "sop": (1, 10, 100, 1000),
-    "inaturalist": (1, 4, 16, 32),
-    "cub": (1, 2, 4, 8),
-    "cars": (1, 2, 4, 8),
-    "revisited": (1, 5, 10),
-    "roxford": (1, 5, 10),
-    "rparis": (1, 5, 10),
-    "gldv2": (100,),
+    "retrieval": (1, 10, 100), "sop": (1, 10, 100, 1000), "inaturalist": (1, 4, 16, 32),
+    "cub": (1, 2, 4, 8), "cars": (1, 2, 4, 8),
+    "revisited": (1, 5, 10), "roxford": (1, 5, 10), "rparis": (1, 5, 10), "gldv2": (100,),
 }
 PROTOCOLS = tuple(_PROTOCOL_KS)
 _REVISITED = ("revisited", "roxford", "rparis")
@@ -202,9 +190,8 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
     """Evaluate retrieval and return an :class:`EvaluationResult`.
 
     Args:
-      model_or_embeddings: a Keras model (or any callable images -> embeddings),
-        a (N, D) array of database embeddings, or the output directory of
-        ``python -m tfaploss.pipelines.embed``.
+      model_or_embeddings: a Keras model (or any callable images -> embeddings), a
+        (N, D) array of database embeddings, or an embed job's output directory.
       dataset: the database: a batched ``tf.data.Dataset`` of ``(images, labels)`` or
         ``(images, labels, ids)`` when a model is given; with an array of embeddings it
         may instead be the labels array.
@@ -223,17 +210,14 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
       whitening: a fitted :class:`~tfaploss.evaluation.PCAWhitening` applied to
         queries and database.
       depth: ranking length read by the metrics (``map_depth`` of
-        :func:`retrieval_metrics`; for revisited with a ScaNN backend the top-k kept,
-        default 1,000). Shorter than the database: mAP is reported as a lower bound.
-      output_dir: where to write ``metrics.json`` and the figures. ``metrics.json``
-        is written first, then each figure: a figure that cannot be drawn (matplotlib,
-        the ``viz`` extra, missing) is skipped with a warning, never the metrics.
+        :func:`retrieval_metrics`; revisited with a searcher: default 1,000); shorter
+        than the database, mAP is a lower bound.
+      output_dir: where to write ``metrics.json`` (first) and the figures; a figure
+        that cannot be drawn is skipped with a warning, never the metrics.
       figures: write figures into ``output_dir`` (retrieval examples when a dataset
         of images was given; per-query AP for revisited).
-      label_names: optional mapping label -> class name shown in the figures (e.g. a
-        split manifest's ``label_map``).
-      verbose: progress bars, and the table at the end (logged at INFO on this module's
-        logger; shown on stdout unless the application configured logging, see
+      label_names: optional mapping label -> class name shown in the figures.
+      verbose: progress bars, and the table at the end (logged at INFO; see
         :func:`tfaploss.log.reporting`).
     """
     if protocol not in PROTOCOLS:
@@ -317,10 +301,8 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
 
 
 def _draw(drawers) -> list[str]:
-    """Draw each figure; one that cannot be drawn is skipped with a warning (the
-    metrics are already written). A full disk is not skipped: it ends the evaluation
-    with its one line, so that the rerun, space freed, writes what a run that never
-    failed writes."""
+    """Draw each figure; one that cannot be drawn is skipped with a warning, but a full
+    disk ends the evaluation, so that the rerun writes what an unfailed run writes."""
     paths = []
     for what, draw in drawers:
         try:
@@ -359,37 +341,30 @@ def _build(db, plan, queries, searcher_kwargs, verbose=0):
 
 
 def _evaluate_revisited(q, db, gnd, ks, searcher, depth):
-    from tfaploss.evaluation.revisited import (
-        PROTOCOLS as RPROTOCOLS,
-    )
-    from tfaploss.evaluation.revisited import (
-        load_revisited_gnd,
-        revisited_map,
-        revisited_map_from_ranks,
-        revisited_per_query_ap,
-    )
+    from tfaploss.evaluation import revisited
 
     if isinstance(gnd, (str, os.PathLike)):
-        gnd = load_revisited_gnd(str(gnd))["gnd"]
+        gnd = revisited.load_revisited_gnd(str(gnd))["gnd"]
     metrics: dict[str, float] = {}
     details: dict[str, Any] = {"backend": "exact", "num_queries": len(q),
                                "num_database": len(db)}
     if searcher is None:
         scores = q @ db.T  # revisited sets have ~70 queries: (70 x N) fits at 1M
-        for p in RPROTOCOLS:
-            r = revisited_map(scores, gnd, protocol=p, ks=ks)
+        for p in revisited.PROTOCOLS:
+            r = revisited.revisited_map(scores, gnd, protocol=p, ks=ks)
             metrics.update({f"{p}/{k}": v for k, v in r.items()})
-        aps = revisited_per_query_ap(scores, gnd, "medium")
+        aps = revisited.revisited_per_query_ap(scores, gnd, "medium")
     else:
         depth = min(len(db), depth or 1000)
         ranks, _ = searcher.search(q, depth)
         lower = False
-        for p in RPROTOCOLS:
-            r = revisited_map_from_ranks(ranks, gnd, protocol=p, ks=ks, database_size=len(db))
+        for p in revisited.PROTOCOLS:
+            r = revisited.revisited_map_from_ranks(ranks, gnd, protocol=p, ks=ks,
+                                                   database_size=len(db))
             lower = lower or r.pop("lower_bound") or searcher.approximate
             metrics.update({f"{p}/{k}": v for k, v in r.items()})
         details.update(depth=depth, lower_bound=lower, backend=searcher.backend)
-        aps = revisited_per_query_ap(None, gnd, "medium", ranks=ranks)
+        aps = revisited.revisited_per_query_ap(None, gnd, "medium", ranks=ranks)
     details["per_query_ap_medium"] = aps
     return metrics, details
 

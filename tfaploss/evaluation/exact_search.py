@@ -1,7 +1,5 @@
 """Exact search (:class:`ExactSearcher`), the reference every report and every tuned
-search is measured against. It has no setting to tune: its recall is 1, and its cost,
-``N * D`` multiply-adds a query (:func:`tfaploss.evaluation.searchers.exact_cost`), is
-what the tuner's settings must beat.
+search is measured against: recall 1, at ``N * D`` multiply-adds a query.
 """
 
 from __future__ import annotations
@@ -25,36 +23,19 @@ class ExactSearcher(Searcher):
 
     Engines:
 
-    * ``"numpy"``: BLAS products over (query block x database block) tiles and a
-      threshold top-k that looks at most scores once (see
-      :mod:`tfaploss.evaluation.exact_topk`), in a thread pool. On a CPU this runs
-      at close to the speed of the bare product ``queries @ database.T``.
+    * ``"numpy"``: BLAS products over tiles and a threshold top-k
+      (:mod:`tfaploss.evaluation.exact_topk`) in a thread pool, at close to the speed
+      of the bare product ``queries @ database.T``.
     * ``"tensorflow"``: ``tf.matmul`` + ``tf.math.top_k`` per chunk (use it on a GPU).
     * ``"auto"`` (default): ``"tensorflow"`` when TensorFlow is already imported and
       sees a GPU, else ``"numpy"``.
 
-    On CPUs with bfloat16 matrix units (AMX, AVX512-BF16) the numpy engine can run a
-    **bfloat16 prefilter** (:mod:`tfaploss.evaluation.bfloat16_prefilter`): a bfloat16
-    product (PyTorch's where installed, else TensorFlow's) picks every candidate that a
-    rigorous error bound cannot rule out, and float32 re-scores them. The result is the
-    exact top-k all the same (the bound also covers float32's own rounding); on 300k x
-    128, k = 100 it ran at 1.2-1.8x the speed of the bare float32 product with PyTorch,
-    0.9-1.15x with TensorFlow, against 0.66-0.74x without it (four runs; docs/search.md).
-    Its first search in a process also pays one-off costs: the import of the product's
-    framework (PyTorch cold: 2.0-2.5 s on 2 cores) unless imported already, and the
-    bfloat16 copy of the database (about 0.3 s at 300k x 128, then held by the
-    searcher). So ``prefilter="auto"`` takes it only when, for this call, those one-off
-    costs plus its estimated time come in under float32 alone's estimate, both from
-    the call's ``Q * N * D`` multiply-adds
-    (:func:`tfaploss.evaluation.bfloat16_prefilter.cheapest`): the first call is never
-    slower than ``"none"`` by the estimate, and a 2,000-query search of 300k x 128 in a
-    fresh process stays in float32 (PyTorch's import pays from about 5,000 queries;
-    with TensorFlow imported, its prefilter from about 1,200). :meth:`resolved_prefilter`
-    says which path a search of ``Q`` queries takes.
+    On CPUs with bfloat16 matrix units the numpy engine can run a **bfloat16
+    prefilter** (:mod:`tfaploss.evaluation.bfloat16_prefilter`): still the exact top-k,
+    at 1.2-1.8x the speed of the bare float32 product with PyTorch (docs/search.md).
 
     Cost: ``O(Q * N * D)`` multiply-adds; memory ``O(query_chunk * database_chunk)``
-    per thread for the score tile plus ``O(Q * k)`` for the results, so a 1M x 512
-    database (2 GB of float32) is searched with a few tens of MB on top.
+    per thread plus ``O(Q * k)`` for the results.
 
     Args:
       database: (N, D) embeddings (copied to float32).
@@ -63,12 +44,11 @@ class ExactSearcher(Searcher):
         chunks is merged with each new chunk (default 8192 numpy, 65536 tensorflow).
       engine: ``"auto"``, ``"numpy"`` or ``"tensorflow"``.
       num_threads: threads of the numpy engine (0: every core this process may use).
-      prefilter: ``"auto"`` (default: the bfloat16 prefilter when the CPU has
-        bfloat16 units, the product is checked to accumulate in float32, a search has
-        at least 2^32 multiply-adds and D >= 32, and it wins this call with its
-        one-off costs counted, above), ``"bfloat16"`` (always; a ValueError where it
-        cannot run), ``"bfloat16-torch"`` / ``"bfloat16-tensorflow"`` (always, with that
-        product) or ``"none"``. The numpy engine only.
+      prefilter: ``"auto"`` (default: the bfloat16 prefilter where it can run and its
+        one-off costs and time come in under float32's for this call: see
+        :meth:`resolved_prefilter`), ``"bfloat16"`` (always; a ValueError where it
+        cannot run), ``"bfloat16-torch"`` / ``"bfloat16-tensorflow"`` (that product) or
+        ``"none"``. The numpy engine only.
     """
 
     backend = "exact"
@@ -130,16 +110,11 @@ class ExactSearcher(Searcher):
                 "prefilter": self.prefilter}
 
     def resolved_prefilter(self, num_queries: int) -> str | None:
-        """The bfloat16 product a search of ``num_queries`` queries prefilters with
-        (``"torch"`` or ``"tensorflow"``), or None when it runs in float32 alone; the
-        one place the searcher decides (its searches ask it). Queries whose scores
-        could come near float32's range still run in float32 alone.
-
-        With ``prefilter="auto"`` the answer depends on the state of the process and
-        of this searcher (which frameworks are imported, whether it holds its bfloat16
-        copy: :func:`tfaploss.evaluation.bfloat16_prefilter.choose_for_search`). Cost:
-        microseconds, unless it chooses a product whose framework is not imported yet:
-        then it imports it (a second or two, once a process), as the search would.
+        """The bfloat16 product (``"torch"`` or ``"tensorflow"``) a search of
+        ``num_queries`` queries prefilters with, or None for float32 alone; the one
+        place the searcher decides. With ``"auto"`` it depends on the process and this
+        searcher (:func:`tfaploss.evaluation.bfloat16_prefilter.choose_for_search`), and
+        may import the chosen product's framework, as the search would.
         """
         if self.prefilter == "none" or self.resolved_engine != "numpy" or self._prepared_failed:
             return None
@@ -215,18 +190,13 @@ class ExactSearcher(Searcher):
 
 
 def _prefilter_product(prefilter: str) -> str | None:
-    """The product a ``prefilter`` setting names (``"bfloat16-torch"``: ``"torch"``), or
-    None for any."""
+    """``"bfloat16-torch"`` -> ``"torch"``; None for any product."""
     return prefilter.partition("-")[2] or None
 
 
 def _tf_chunk_topk(q, db_chunks, offsets, k):
-    """Running top-k over database chunks.
-
-    ``tf.math.top_k`` is stable (equal values: lower position first). The running
-    top-k (from earlier chunks, hence lower database indices) is placed *before* the
-    new chunk's candidates, so the merged order is (score desc, index asc).
-    """
+    """Running top-k over database chunks, in (score desc, index asc) order:
+    ``tf.math.top_k`` is stable and the running top-k (lower indices) goes first."""
     import tensorflow as tf
 
     best_s = tf.zeros((q.shape[0], 0), tf.float32)

@@ -1,35 +1,12 @@
 """Exact inner-product top-k on the CPU: blocked BLAS products + a threshold top-k.
 
-The cost of exact search is the product ``queries x database^T`` (``Q N D``
-multiply-adds); everything else must stay small beside it. A full ``argsort`` or
-``argpartition`` of every score costs 2-3 ns per score on one core, as much as the
-product itself at D = 128, so the selection here touches most scores only once, with
-one comparison:
-
-* The database is read in blocks of ``database_block`` rows, in index order. Each
-  query row keeps its running top-k and its k-th best score ``t``. In a new block
-  only the scores ``> t`` can enter (an equal score loses: the kept one has a lower
-  index), and after the first blocks very few do (about ``k * block / seen``), so
-  the work per score is one compare plus a scan of a nearly empty mask (~0.3 ns,
-  against ~2 ns of product per score at D = 128 on one core).
-* The first block of a row (``t = -inf``) and any row that lets through more than
-  ``4 k`` candidates (adversarial orders, e.g. a database sorted by score) first get a
-  bound from the block alone: the k-th largest of the maxima of disjoint groups of
-  the row (folded in halves by ``np.maximum``, one pass), which is at most the row's
-  own k-th largest. So a block never costs much more than one pass.
-* Each kept entry is one uint64 key, the score's bits made to sort as integers
-  (descending) above the index (ascending). Keys are unique, so an unstable
-  ``np.partition`` / ``np.sort`` orders ties by index like a stable sort would.
-  Candidates wait in a pending list and are merged by one partition once a row has
-  ``k`` of them (not after every block): the merges cost a few % of the product.
-
-Measured on 300k x 128, k = 100, one thread (CPU time, so a busy machine counts
-less): the compare and ``flatnonzero`` cost 20-25 % of the product at D = 128; the
-bounds, keys and merges 5-8 %. See docs/search.md.
-
-Query blocks (and, when there are too few of them, database shards) run in a
-thread pool with single-threaded BLAS, so the selection runs in parallel too; the
-products release the GIL. Memory: ``threads x query_block x database_block`` scores.
+The database is read in blocks; each query row keeps its running top-k and its k-th
+best score, so only scores above it enter (one compare per score, against ~2 ns of
+product per score at D = 128). A block that lets through too many candidates is first
+bounded by folded group maxima; kept entries are uint64 keys (score bits, then index),
+so an unstable partition orders ties by index. Query blocks (or database shards) run
+in a thread pool with single-threaded BLAS. The design and its measurements:
+``docs/search.md`` ("Exact search at the product's speed").
 
 :func:`score_blocks` exposes the blocked products alone, for callers that need all
 scores of a query block once (e.g. ranking every positive for mAP).
@@ -95,13 +72,9 @@ MAX_DATABASE = 0xFFFF_FFFF  # indices share a 64-bit key with the score: 32 bits
 
 
 def _sort_keys(scores: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    """uint64 keys whose ascending order is (score descending, index ascending).
-
-    The high half is the float32 score's bits made to sort as unsigned integers, then
-    flipped (descending); the low half is the index. Keys are unique, so an unstable
-    sort, partition or SIMD sort gives the same order as a stable sort by score with
-    ties by index.
-    """
+    """uint64 keys whose ascending order is (score descending, index ascending): the
+    score's bits made to sort as unsigned integers, flipped, above the index. Keys are
+    unique, so an unstable sort orders ties by index like a stable one."""
     bits = (scores + np.float32(0.0)).view(np.uint32)  # + 0: -0.0 and 0.0 tie, as in a sort
     negative = bits >> np.uint32(31) == 1
     ascending = np.where(negative, ~bits, bits | np.uint32(0x8000_0000))
@@ -121,14 +94,10 @@ def _decode(keys: np.ndarray):
 
 
 def kth_of_group_maxima(s: np.ndarray, k: int) -> np.ndarray:
-    """Per row, a value at most the row's k-th largest, in about one pass (any
-    ordered dtype).
-
-    The k-th largest of the maxima of disjoint groups is at most the row's own k-th
-    largest (k groups hold a score at least that large), and folding the row in halves
-    with ``np.maximum`` costs one pass, against ~6 ns a score for ``np.partition`` of
-    the full row: the bound is a little looser (~10-25 % more candidates in this block).
-    """
+    """Per row, a value at most the row's k-th largest (any ordered dtype): the k-th
+    largest of the maxima of disjoint groups, folded in halves with ``np.maximum`` in
+    about one pass (``np.partition`` of the row costs ~6 ns a score; this bound lets
+    ~10-25 % more candidates through)."""
     m = s
     while m.shape[1] >= 8 * k:
         half = m.shape[1] // 2  # an odd last column is left out: still a lower bound
@@ -145,12 +114,9 @@ def _kth_largest_bound(s: np.ndarray, k: int) -> np.ndarray:
 class _RunningTopk:
     """The running top-k of query rows over database blocks seen in index order.
 
-    Each entry is one uint64 key (:func:`_sort_keys`), so a merge is an unstable
-    ``np.partition`` and ties by index come for free. The candidates of several blocks
-    wait in a pending list and are merged at once when a row holds more than
-    ``merge_after`` of them (or at the end). ``lo`` is a lower bound on what a new
-    score must beat (the k-th best after the last merge, or a block's own bound); it
-    only rises, so a deferred merge admits a few more candidates but never loses one.
+    Candidates (uint64 keys, :func:`_sort_keys`) wait in a pending list until a row
+    holds more than ``merge_after`` of them. ``lo``, what a new score must beat, only
+    rises, so a deferred merge admits a few more candidates but never loses one.
     """
 
     def __init__(self, rows: int, k: int, merge_after: int):
@@ -176,8 +142,8 @@ class _RunningTopk:
         counts = np.bincount(rows, minlength=rows_n)
         flat = s.reshape(-1)
         if nb > k:
-            # Adversarial orders (e.g. a database sorted by score): a row that lets
-            # through many candidates is cut to about its k best in this block first.
+            # Adversarial orders (a database sorted by score): cut a row that lets
+            # many candidates through to about its k best in this block first.
             heavy = np.flatnonzero(counts > _HEAVY_FACTOR * k)
             if heavy.size:
                 lo[heavy] = np.maximum(lo[heavy], _kth_largest_bound(s[heavy], k))

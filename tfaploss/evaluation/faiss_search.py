@@ -1,31 +1,20 @@
 """faiss as a search backend: flat, IVF-Flat, IVF-PQ and HNSW indexes.
 
 :class:`FaissSearcher` answers the :class:`~tfaploss.evaluation.searchers.Searcher`
-interface with one of faiss's inner-product indexes (the embeddings are L2-normalised,
-so inner product is cosine similarity):
+interface with one of faiss's inner-product indexes:
 
 * ``kind="flat"``: exact search (``IndexFlatIP``);
-* ``kind="ivf_flat"``: ``nlist`` k-means lists, ``nprobe`` of them scanned with exact
-  float32 scores;
+* ``kind="ivf_flat"``: ``nlist`` k-means lists, ``nprobe`` of them scanned exactly;
 * ``kind="ivf_pq"``: the same lists holding 4-bit fast-scan PQ codes of ``d / 2``
   sub-quantizers (the code size of ScaNN's AH at 2 dimensions per block), then the
-  best ``k_factor * k`` candidates re-scored exactly (``RFlat``, which keeps a float32
-  copy of the database beside the codes);
+  best ``k_factor * k`` re-scored exactly (``RFlat``: a float32 copy beside the codes);
 * ``kind="hnsw"``: a graph of ``hnsw_m`` links per point, searched with a beam of
   ``ef_search``.
 
-On a machine where faiss-gpu sees a GPU, ``device="auto"`` puts flat and IVF-Flat
-indexes on GPU 0 (faiss has no GPU HNSW nor GPU 4-bit fast-scan, so those stay on the
-CPU). The GPU path is not covered by the tests, which run on CPUs.
-
-:class:`FaissSpace` is the tuner's plan for faiss (candidate settings, their cost,
-which settings bound others): ``build_searcher(db, "faiss", target_recall=0.95)``
-gives the fastest faiss setting whose recall reaches the target on a sample, or exact
-search, with the same rule and report as ScaNN's (:mod:`tfaploss.evaluation.tuner`).
-
-Saved with :meth:`Searcher.serialize` as ``searcher.json`` plus ``index.faiss``
-(faiss's own binary format, written to a temporary name and renamed; nothing is
-pickled) and restored with :func:`~tfaploss.evaluation.searchers.load_searcher`.
+``device="auto"`` puts flat and IVF-Flat indexes on GPU 0 where faiss-gpu sees one
+(faiss has no GPU HNSW nor GPU 4-bit fast-scan); the tests, on CPUs, do not cover it.
+:class:`FaissSpace` is the tuner's plan for faiss. Saved as ``searcher.json`` plus
+``index.faiss`` (faiss's binary format; nothing is pickled).
 """
 
 from __future__ import annotations
@@ -61,8 +50,7 @@ _MIN_POINTS_PER_LIST = 39
 
 
 def import_faiss():
-    """``import faiss``, or a :class:`~tfaploss.extras.MissingExtraError` that says how to
-    install it."""
+    """``import faiss``, or a :class:`~tfaploss.extras.MissingExtraError`."""
     return extras.import_extra("faiss", 'the "faiss" search backend')
 
 
@@ -72,13 +60,11 @@ def faiss_params(num_database: int, dim: int, kind: str = "ivf_flat") -> dict[st
     * ``nlist`` = 4 sqrt(N) (faiss's guideline is 4 to 16 sqrt(N)), at most N / 39;
     * ``nprobe`` = 1/16 of the lists, at least 8 (recall before speed when untuned);
     * ``k_factor`` = 10: ``10 k`` candidates re-scored, ScaNN's ``reorder_factor``;
-    * ``hnsw_m`` = 32 and ``ef_construction`` = 40 (faiss's default: a larger one costs
-      minutes at 1M points on 2 cores), ``ef_search`` = 64 (4 times faiss's default of
-      16, which is sized for k = 1);
-    * ``spherical`` = True: unit-norm list centres, faiss's own default for inner
-      product;
+    * ``hnsw_m`` = 32, ``ef_construction`` = 40 (faiss's default; larger costs minutes at
+      1M points), ``ef_search`` = 64 (faiss's 16 is sized for k = 1);
+    * ``spherical`` = True (faiss's own default for inner product);
     * ``training_sample_size`` = 50 points per list, at least 10,000 (the 4-bit PQ
-      codebooks want 16 x 39 points; the k-means' cost grows with the sample).
+      codebooks want 16 x 39 points).
     """
     if kind not in KINDS:
         raise ValueError(f"`kind` must be one of {KINDS}; received {kind!r}.")
@@ -104,7 +90,6 @@ class FaissSearcher(Searcher):
     ``ef_search * hnsw_m`` distance computations.
 
     Args:
-      database: (N, D) embeddings (L2-normalised: scores are inner products).
       kind: ``"flat"`` (default, exact), ``"ivf_flat"``, ``"ivf_pq"`` or ``"hnsw"``.
       nlist, nprobe, training_sample_size, spherical: IVF lists, lists scanned per
         query, k-means training points, spherical k-means (default ``True``, faiss's
@@ -115,15 +100,9 @@ class FaissSearcher(Searcher):
         beam (faiss widens it to k when k is larger).
       device: ``"auto"`` (GPU 0 when faiss-gpu sees one and the kind runs there),
         ``"cpu"`` or ``"gpu"``.
-      num_threads: faiss's OpenMP threads (0: faiss's default, every core). faiss's
-        setting is process-wide: a value here applies to every later faiss call.
+      num_threads: faiss's OpenMP threads (0: every core); process-wide in faiss.
       seed: seed of the k-means training sample and of faiss's k-means.
     Parameters not given come from :func:`faiss_params`.
-
-    Example::
-
-        searcher = FaissSearcher(embeddings, kind="ivf_flat", nprobe=16)
-        indices, scores = searcher.search(queries, 10)
     """
 
     backend = "faiss"
@@ -162,7 +141,6 @@ class FaissSearcher(Searcher):
         self._use_gpu = self._resolve_device(faiss)
         self._index = self._build(faiss, database)
 
-    # -- construction ------------------------------------------------------------------
     def _set_options(self, kind, device, num_threads, seed):
         if kind not in KINDS:
             raise ValueError(f"`kind` must be one of {KINDS}; received {kind!r}.")
@@ -231,12 +209,17 @@ class FaissSearcher(Searcher):
         elif self.kind == "hnsw":
             faiss.downcast_index(index).hnsw.efConstruction = self.params["ef_construction"]
         index.add(database)
+        index = self._place(faiss, index)
+        LOG.debug("faiss %s index over %d x %d on %s", self._factory(), self.size, self.dim,
+                  "GPU 0" if self._use_gpu else "the CPU")
+        return index
+
+    def _place(self, faiss, index):
+        """``index`` on the device it runs on, with its search-time parameters."""
         if self._use_gpu:
             self._gpu_resources = faiss.StandardGpuResources()
             index = faiss.index_cpu_to_gpu(self._gpu_resources, 0, index)
         self._apply(faiss, index)
-        LOG.debug("faiss %s index over %d x %d on %s", self._factory(), self.size, self.dim,
-                  "GPU 0" if self._use_gpu else "the CPU")
         return index
 
     def _apply(self, faiss, index) -> None:
@@ -266,7 +249,6 @@ class FaissSearcher(Searcher):
         self._apply(import_faiss(), self._index)
         return self
 
-    # -- Searcher ----------------------------------------------------------------------
     def _config(self):
         return {"kind": self.kind, "device": self.device, "num_threads": self.num_threads,
                 "seed": self.seed, **self.params}
@@ -291,8 +273,7 @@ class FaissSearcher(Searcher):
     def _save(self, directory):
         faiss = import_faiss()
         index = faiss.index_gpu_to_cpu(self._index) if self._use_gpu else self._index
-        # A killed save never leaves half an index under the name; a full disk (faiss
-        # says so in a RuntimeError) is one DiskFullError.
+        # Never half an index under the name; a full disk is one DiskFullError.
         atomic.atomic_write(os.path.join(directory, _INDEX_FILE),
                             lambda tmp: faiss.write_index(index, tmp), fault="searcher")
 
@@ -308,11 +289,7 @@ class FaissSearcher(Searcher):
             raise ValueError(f"{_INDEX_FILE} in {directory!r} holds {index.ntotal} x "
                              f"{index.d}, but searcher.json says {obj.size} x {obj.dim}.")
         obj._use_gpu = obj._resolve_device(faiss)
-        if obj._use_gpu:
-            obj._gpu_resources = faiss.StandardGpuResources()
-            index = faiss.index_cpu_to_gpu(obj._gpu_resources, 0, index)
-        obj._apply(faiss, index)
-        obj._index = index
+        obj._index = obj._place(faiss, index)
         return obj
 
 
@@ -368,12 +345,9 @@ def faiss_cost(setting: FaissSetting | None, n: int, d: int, k: int = 10) -> flo
 
 
 def faiss_candidates(n: int, d: int, k: int) -> list[FaissSetting]:
-    """faiss's search space for an (n, d) database and top-``k``, cheapest first.
-
-    IVF with about sqrt(N) and 4 sqrt(N) lists (at most N / 39), scanning 1, 2, 4 or 8
-    lists or 1/64 .. 1/2 of them, with exact scores or 4-bit PQ re-ranking 2, 4 or 10
-    k candidates; HNSW with 32 links and a beam of k .. 32 k (at least 16).
-    """
+    """faiss's search space for an (n, d) database and top-``k``, cheapest first: IVF
+    with sqrt(N) and 4 sqrt(N) lists (at most N / 39), exact or 4-bit PQ re-ranking 2, 4
+    or 10 k; HNSW with 32 links and a beam of k .. 32 k (at least 16)."""
     out: list[FaissSetting] = []
     if n >= MIN_PARTITION_POINTS:
         cap = max(1, n // _MIN_POINTS_PER_LIST)
@@ -389,8 +363,7 @@ def faiss_candidates(n: int, d: int, k: int) -> list[FaissSetting]:
 
 
 class FaissSpace:
-    """The tuner's plan for faiss (the interface of
-    :class:`~tfaploss.evaluation.searchers.SearchSpace`)."""
+    """The tuner's plan for faiss (a :class:`~tfaploss.evaluation.searchers.SearchSpace`)."""
 
     name = "faiss"
 

@@ -1,10 +1,5 @@
-"""Figures for retrieval evaluation, written as PNG with matplotlib's Agg canvas.
-
-The figure objects are created directly on a ``FigureCanvasAgg`` (no pyplot, no
-global backend switch), so this works headless and leaves the caller's matplotlib
-state alone. matplotlib is the ``viz`` extra; without it a figure raises
-:class:`~tfaploss.extras.MissingExtraError` with the install command.
-"""
+"""Figures for retrieval evaluation, PNG on matplotlib's Agg canvas (no pyplot: headless,
+and the caller's matplotlib state is left alone); matplotlib is the ``viz`` extra."""
 
 from __future__ import annotations
 
@@ -30,8 +25,7 @@ def _new_figure(width: float, height: float):
 
 
 def _save(fig, path: str) -> None:
-    """Write ``fig`` as PNG to ``path``, whole or absent (fault point ``figure``); a
-    full disk raises :class:`~tfaploss.durable.atomic.DiskFullError`."""
+    """Write ``fig`` as PNG to ``path``, whole or absent (fault point ``figure``)."""
     atomic.atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"), fault="figure")
 
 
@@ -64,16 +58,9 @@ def _show(ax, img, colour=None, title=None):
 
 def plot_retrieval_examples(query_images, result_images, relevant, path: str,
                             scores=None, query_titles: Sequence[str] | None = None) -> str:
-    """Save a grid: each row a query then its top-k results framed green (relevant)
-    or red (not relevant).
-
-    Args:
-      query_images: (n, H, W, C) images (any scaling; shown min-max normalised).
-      result_images: (n, k, H, W, C).
-      relevant: (n, k) bool.
-      path: PNG file to write.
-      scores: optional (n, k) similarities printed above the results.
-      query_titles: optional n strings.
+    """Save a grid to the PNG ``path``: each row a query (``query_images`` (n, H, W, C),
+    any scaling) then its top-k ``result_images`` (n, k, H, W, C), framed green where
+    ``relevant`` (n, k), else red; optional ``scores`` (n, k) and ``query_titles``.
     """
     relevant = np.asarray(relevant, bool)
     n, k = relevant.shape

@@ -17,9 +17,7 @@ is relevant; ``P_q(i)`` = precision of the first ``i`` results):
   truncated to the first ``depth`` results, the positives beyond it contribute 0: the
   value is then a **lower bound**.
 
-Here the metrics are computed from rankings (a relevance matrix, or the ranks of the
-positives) and exact hierarchical rankings; the retrieval that produces the rankings
-with a searcher is :func:`tfaploss.evaluation.retrieval.retrieval_metrics`.
+The rankings come from :func:`tfaploss.evaluation.retrieval.retrieval_metrics`.
 """
 
 
@@ -73,16 +71,9 @@ def count_relevant(query_labels, db_labels, exclude=None) -> np.ndarray:
 
 
 def per_query_metrics(rel: np.ndarray, num_relevant: np.ndarray, ks: Sequence[int]):
-    """Per-query values from a ranked relevance matrix.
-
-    Args:
-      rel: (Q, K) bool, ``rel[q, i]`` = result ``i`` (0-based rank) is relevant.
-      num_relevant: (Q,) ``R_q``.
-      ks: cut-offs for recall@K.
-
-    Returns a dict of (Q,) arrays: ``hit@K``, ``p@1``, ``ap``, ``ap@r``, ``r_prec``
-    (undefined where ``R_q = 0``: those entries are 0 and must be masked).
-    """
+    """Per-query values from a ranked relevance matrix ``rel`` (Q, K) bool and ``R_q``:
+    a dict of (Q,) arrays ``hit@K``, ``p@1``, ``ap``, ``ap@r``, ``r_prec`` (0 where
+    ``R_q = 0``, to be masked)."""
     q, depth = rel.shape
     relf = rel.astype(np.float64)
     cum = np.cumsum(relf, axis=1)
@@ -101,16 +92,9 @@ def per_query_metrics(rel: np.ndarray, num_relevant: np.ndarray, ks: Sequence[in
 
 def metrics_from_ranks(ranks: np.ndarray, query: np.ndarray, num_queries: int,
                        num_relevant: np.ndarray, depth: int, ks: Sequence[int]):
-    """The values of :func:`per_query_metrics` from the 1-based ranks of the positives.
-
-    Args:
-      ranks: (P,) rank of each positive in its query's ranking, sorted by
-        ``(query, rank)``.
-      query: (P,) query (0 .. num_queries - 1) of each positive.
-      num_relevant: (num_queries,) ``R_q``.
-      depth: ranking length read; positives ranked deeper do not count.
-
-    Cost: ``O(P)``, against ``O(Q * depth)`` for the relevance matrix.
+    """The values of :func:`per_query_metrics` from the 1-based ``ranks`` (P,) of the
+    positives, sorted by ``(query, rank)``, and the ``query`` of each; positives ranked
+    deeper than ``depth`` do not count. Cost: ``O(P)``, against ``O(Q * depth)``.
     """
     ranks = ranks.astype(np.float64)
     counts = np.bincount(query, minlength=num_queries)

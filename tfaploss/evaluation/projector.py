@@ -1,12 +1,5 @@
-"""Pictures of an embedding space: TensorBoard's embedding projector, and a UMAP plot.
-
-* :func:`export_projector` writes what TensorBoard's projector tab reads from a log
-  folder: the embeddings, ``metadata.tsv`` (one label per row) and
-  ``projector_config.pbtxt``. Every file is written to a temporary name and renamed
-  into place, so TensorBoard reading the folder never sees half a file.
-* :func:`umap_figure` draws the embeddings in 2-D with UMAP, coloured by label (the
-  ``viz`` extra: ``pip install "tfaploss[viz]"``).
-"""
+"""Pictures of an embedding space: TensorBoard's embedding projector
+(:func:`export_projector`), and a UMAP plot (:func:`umap_figure`)."""
 
 from __future__ import annotations
 
@@ -51,31 +44,19 @@ def _metadata_text(labels: np.ndarray) -> str:
 
 
 def _config_text(tensor_name: str, tensor_path: str | None, metadata: str | None) -> str:
-    try:
-        from google.protobuf import text_format
-        from tensorboard.plugins import projector
-    except ImportError:
-        # Without TensorBoard the same text, written by hand (TensorBoard reads it
-        # wherever it is installed later).
-        lines = ["embeddings {", f'  tensor_name: "{tensor_name}"']
-        if metadata:
-            lines.append(f'  metadata_path: "{metadata}"')
-        if tensor_path:
-            lines.append(f'  tensor_path: "{tensor_path}"')
-        return "\n".join(lines + ["}"]) + "\n"
-    config = projector.ProjectorConfig()
-    embedding = config.embeddings.add()
-    embedding.tensor_name = tensor_name
+    """The ``ProjectorConfig`` text, written by hand: TensorBoard need not be installed,
+    and the names are fixed ones that protobuf's text format would not escape."""
+    lines = ["embeddings {", f'  tensor_name: "{tensor_name}"']
     if metadata:
-        embedding.metadata_path = metadata
+        lines.append(f'  metadata_path: "{metadata}"')
     if tensor_path:
-        embedding.tensor_path = tensor_path
-    return text_format.MessageToString(config)
+        lines.append(f'  tensor_path: "{tensor_path}"')
+    return "\n".join(lines + ["}"]) + "\n"
 
 
 def _write_checkpoint(embeddings: np.ndarray, log_dir: Path) -> bool:
-    """The embeddings as a TensorFlow checkpoint (what the projector reads by default)
-    and the ``checkpoint`` file naming it; False without TensorFlow."""
+    """The embeddings as a TensorFlow checkpoint and the ``checkpoint`` file naming it;
+    False without TensorFlow."""
     try:
         import tensorflow as tf
     except ImportError:
@@ -94,8 +75,7 @@ def _write_checkpoint(embeddings: np.ndarray, log_dir: Path) -> bool:
             raise atomic.DiskFullError(log_dir / CHECKPOINT, embeddings.nbytes,
                                        atomic.free_bytes(log_dir)) from None
         raise
-    # The index names its data shards by the prefix it is read with, so both files are
-    # renamed to the final prefix; the index last, as it is what a reader opens first.
+    # The index names its shards by the prefix it is read with: all renamed, index last.
     shards = sorted(Path(p) for p in tf.io.gfile.glob(f"{written}.data-*"))
     for shard in shards:
         os.replace(shard, log_dir / (CHECKPOINT + shard.name[len(tmp.name):]))
@@ -109,30 +89,19 @@ def _write_checkpoint(embeddings: np.ndarray, log_dir: Path) -> bool:
 def export_projector(embeddings, labels, log_dir, *, checkpoint: bool | None = None) -> Path:
     """Write embeddings for TensorBoard's embedding projector into ``log_dir``.
 
-    Files: the embeddings (a TensorFlow checkpoint ``embeddings.ckpt`` with its
-    ``checkpoint`` file, or ``tensors.tsv`` without TensorFlow), ``metadata.tsv`` (one
-    row per embedding: its label, or its labels with a header when ``labels`` has
-    several columns) and ``projector_config.pbtxt``. Each is written to a temporary
-    name and renamed into place. Then ``tensorboard --logdir <log_dir>``, tab
-    "Projector".
+    Files: the embeddings (checkpoint ``embeddings.ckpt``, or ``tensors.tsv`` without
+    TensorFlow), ``metadata.tsv`` (one row of labels per embedding, a header with
+    several columns) and ``projector_config.pbtxt``, each written whole or not at all.
 
     Args:
         embeddings: (N, D) array.
         labels: (N,) or (N, L) labels, or None (no metadata).
-        log_dir: the folder (created if needed); a TensorBoard log folder, or one of
-            its own.
+        log_dir: the folder (created if needed).
         checkpoint: write a TensorFlow checkpoint (True) or ``tensors.tsv`` (False);
             None: a checkpoint when TensorFlow is installed.
 
     Returns:
         The path of ``projector_config.pbtxt``.
-
-    Example:
-
-    ```python
-    embeddings, labels, _ = tfaploss.evaluation.embed_dataset(model, test_ds)
-    export_projector(embeddings, labels, "runs/my_run/logs/projector")
-    ```
     """
     embeddings, labels = _check(embeddings, labels)
     log_dir = Path(log_dir)
@@ -159,20 +128,9 @@ def export_projector(embeddings, labels, log_dir, *, checkpoint: bool | None = N
 
 def umap_figure(embeddings, labels, path, *, n_neighbors: int = 15, seed: int = 0,
                 title: str | None = None) -> Path:
-    """A 2-D UMAP of ``embeddings`` (cosine metric), one colour per label, as a PNG.
-
-    Needs the ``viz`` extra (umap-learn, matplotlib): ``pip install "tfaploss[viz]"``.
-
-    Args:
-        embeddings: (N, D) array; labels: (N,) labels (their first column if 2-D).
-        path: the PNG written (atomically).
-        n_neighbors, seed: UMAP's neighbourhood size and random state.
-
-    Example:
-
-    ```python
-    umap_figure(embeddings, labels, "runs/my_run/umap.png")
-    ```
+    """A 2-D UMAP of ``embeddings`` (cosine metric), one colour per label (their first
+    column if 2-D), written to the PNG ``path``; needs the ``viz`` extra.
+    ``n_neighbors``, ``seed``: UMAP's neighbourhood size and random state.
     """
     try:
         import umap

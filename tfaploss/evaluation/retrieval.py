@@ -1,10 +1,7 @@
 """Retrieval metrics of embeddings: rank the database for each query with a searcher,
 then score the rankings (:mod:`tfaploss.evaluation.metrics` defines the metrics).
-
-Rankings are by inner product, descending, **ties broken by database index** (lower
-index first; see :mod:`tfaploss.evaluation.searchers`). When the query set is the
-database (``db_embeddings=None``), each query's own row is removed *by index*, so an
-exact duplicate of the query elsewhere in the database is still retrieved and counted.
+Ties are broken by database index; in self-retrieval each query's own row is removed
+*by index*, so an exact duplicate of it is still retrieved and counted.
 """
 
 from __future__ import annotations
@@ -54,13 +51,8 @@ def _rank_positives(scores: np.ndarray, positives: np.ndarray) -> np.ndarray:
 
 def _exact_rank_metrics(searcher, queries, q_labels, d_labels, exclude, num_relevant,
                         depth, ks, bar):
-    """Per-query metrics of an exact search from the ranks of the positives.
-
-    Every metric here is a function of where the positives land, so instead of
-    sorting each query's whole ranking, each query block's scores are computed once
-    and only the positives are ranked: ``R_q`` comparisons per score for small
-    classes, one ``np.sort`` of the scores' values (SIMD, no index payload) for large
-    ones. Cost: the product ``Q N D`` plus ``O(Q N min(R, log N))``.
+    """Per-query metrics of an exact search from the ranks of the positives alone (no
+    sort of the whole ranking). Cost: the product ``Q N D`` plus ``O(Q N min(R, log N))``.
     """
     import threading
 
@@ -129,19 +121,14 @@ def retrieval_metrics(query_embeddings, query_labels, db_embeddings=None, db_lab
       db_embeddings, db_labels: the database; ``None`` means the query set is the
         database and each query's own index is removed from its ranking.
       ks: cut-offs for ``recall@K``.
-      backend: ``"exact"`` (blocked products; every positive is ranked among all
-        scores, no sort of the whole ranking), ``"scann"`` (ScaNN brute force),
-        ``"scann_ah"`` (ScaNN tree + AH + reorder), ``"faiss"`` (faiss, flat unless
-        ``searcher_kwargs`` name another kind), ``"auto"`` (exact without a target
-        recall), or a :class:`~tfaploss.evaluation.search_plan.SearchPlan`. Ignored
+      backend: a backend name (``"exact"``, ``"scann"``, ``"scann_ah"``, ``"faiss"``,
+        ``"auto"``) or a :class:`~tfaploss.evaluation.search_plan.SearchPlan`; ignored
         when ``searcher`` is given.
       map_depth: length of the ranking the metrics read. Default: the full ranking
-        for ``"exact"``; ``max(max(ks), max R_q, 1000)`` (capped at the database
-        size) for the ScaNN backends. ``map`` is a lower bound whenever the depth is
-        shorter than the full ranking; recall@K, MAP@R and R-precision are exact as
-        long as the depth is at least K and R_q (and the search is exact).
-      searcher: a prebuilt searcher over the database (e.g. from
-        :func:`~tfaploss.evaluation.load_searcher`).
+        for exact search, else ``max(max(ks), max R_q, 1000)`` (capped at the database
+        size). ``map`` is a lower bound when the depth is shorter than the ranking;
+        recall@K, MAP@R and R-precision stay exact while it is at least K and R_q.
+      searcher: a prebuilt searcher over the database.
       return_details: also return a dict describing how the numbers were obtained.
       progress: show a progress bar over query chunks.
       exclude: with a separate database, one database index per query (``-1``: none)
@@ -154,11 +141,10 @@ def retrieval_metrics(query_embeddings, query_labels, db_embeddings=None, db_lab
       ``r_precision``, ``map``; with ``return_details=True`` a tuple
       ``(metrics, details)``.
 
-    Cost: exact backend: the product ``O(Q N D)`` plus ranking each query's
-    positives among its scores (``R_q`` comparisons per score when ``R_q <= 16``, else
-    one sort of the score values), whatever ``map_depth`` is; memory one block of
-    scores (64 MB) per thread. ScaNN backends: one search of depth ``map_depth`` per
-    query, then ``O(Q * depth)``.
+    Cost: exact search: the product ``O(Q N D)`` plus ranking each query's positives
+    (``R_q`` comparisons per score when ``R_q <= 16``, else one sort of the scores),
+    whatever ``map_depth`` is; memory one block of scores (64 MB) per thread. Other
+    backends: one search of depth ``map_depth`` per query, then ``O(Q * depth)``.
     """
     ks = check_ks(ks)
     plan = SearchPlan.of(backend)
@@ -239,11 +225,8 @@ def retrieval_metrics(query_embeddings, query_labels, db_embeddings=None, db_lab
         return metrics
     exact_search = searcher.backend in ("exact", "scann")
     details: dict[str, Any] = {
-        "backend": searcher.backend,
-        "num_queries": int(num_q),
-        "num_database": int(n_db),
-        "self_retrieval": bool(self_retrieval),
-        "lone_queries": int((~valid).sum()),
+        "backend": searcher.backend, "num_queries": int(num_q), "num_database": int(n_db),
+        "self_retrieval": bool(self_retrieval), "lone_queries": int((~valid).sum()),
         "depth": int(depth),
         "map_is_lower_bound": bool(depth < n_avail or not exact_search),
         "map_r_truncated": bool(depth < int(num_relevant.max())),

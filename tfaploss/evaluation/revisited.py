@@ -145,11 +145,9 @@ def revisited_per_query_ap(scores, gnd, protocol: str = "medium", ranks=None) ->
 def revisited_map_from_ranks(ranks, gnd, protocol: str = "medium", ks=(1, 5, 10),
                              database_size: int | None = None) -> dict:
     """Like :func:`revisited_map` from the top-K database indices of each query.
-
-    For large databases (+1M distractors) only a searcher's top-K is available.
-    Positives not in the top K contribute 0 to AP, so when ``K < database_size`` the
-    returned ``map`` is a **lower bound** (``"lower_bound": True`` in the result).
-    mP@k is exact when the top K still holds at least k non-junk images.
+    Positives not in the top K contribute 0 to AP, so when ``K < database_size``
+    ``map`` is a **lower bound** (``"lower_bound": True``); mP@k is exact while the top K
+    holds at least k non-junk images.
     """
     ranks = np.asarray(ranks)
     if ranks.ndim != 2:
@@ -166,19 +164,12 @@ _MAX_GND_BYTES = 64 << 20
 
 def load_revisited_gnd(path: str) -> dict:
     """Load the JSON ground truth that ``tfaploss.pipelines.revisited`` wrote
-    (``gnd_roxford5k.json`` / ``gnd_rparis6k.json``).
+    (``gnd_roxford5k.json`` / ``gnd_rparis6k.json``), checked by
+    :func:`check_revisited_gnd`: a dict with ``imlist``, ``qimlist`` and ``gnd``.
 
-    Evaluation never unpickles: the published ``gnd_*.pkl`` is untrusted, and it is
-    converted once, when the data is prepared, by the revisited job (which checks its
-    SHA-256 and reads it in :mod:`tfaploss.pipelines.pickle_sandbox`, the only code that
-    reads such a pickle). A pickle given here raises a ``ValueError`` naming the
-    conversion command. The content
-    is checked by :func:`check_revisited_gnd`. Anything unusable raises ``ValueError``
-    naming the file (and the key, for a wrong structure).
-
-    Returns a dict with ``imlist``, ``qimlist`` and ``gnd`` (a list of dicts whose
-    ``easy``/``hard``/``junk`` are lists of ints and ``bbx`` a list of 4 floats when
-    present).
+    Evaluation never unpickles (the published ``gnd_*.pkl`` is untrusted and converted
+    once by the revisited job): a pickle raises a ``ValueError`` naming the conversion
+    command. Anything unusable raises ``ValueError`` naming the file.
     """
     path = str(path)
     return check_revisited_gnd(_load_json(path), path)

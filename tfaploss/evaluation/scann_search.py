@@ -1,28 +1,15 @@
 """ScaNN as a search backend: its searcher, its tuning space and its costs.
 
 :class:`ScannSearcher` answers the :class:`~tfaploss.evaluation.searchers.Searcher`
-interface with ScaNN:
+interface with ScaNN's exact brute force (``"scann"``) or its tree + anisotropic
+asymmetric hashing + exact re-ordering (``"scann_ah"``, parameters from
+:func:`scann_ah_params`).
 
-* ``"scann"`` (``mode="brute_force"``): ScaNN's exact float32 brute force;
-* ``"scann_ah"`` (``mode="ah"``): ScaNN's partitioning tree + anisotropic asymmetric
-  hashing + exact re-ordering, the fast default for large databases. Its parameters
-  are chosen from the database size (:func:`scann_ah_params`) and every one can be
-  overridden.
-
-:class:`ScannSpace` is the tuner's plan for ScaNN (:mod:`tfaploss.evaluation.tuner`
-walks it to a target recall). Its settings (:func:`candidate_settings`), in order of
-the cost model (:func:`estimated_cost`, cheapest first): partitions (``num_leaves``:
-none, about sqrt(N) or 2 sqrt(N)), leaves searched (1, 2, 4 or 8 leaves, and 1/64 ..
-1/2 of them), scoring inside the leaves (4-bit AH with 2 or 1 dimensions per block,
-anisotropic threshold 0.2 or off, or exact float32 brute force), and the exact
-re-order size (2k, 4k, 10k). A setting is ruled out when a setting that finds at least
-every neighbour it can find already missed the target (brute force over as many
-leaves or more of the same partition; AH with as many leaves or more, as large a
-re-order and as fine codes). Before the first AH setting that searches ``t`` leaves of
-a partition, brute force over those ``t`` leaves is tried as a probe: it bounds the
-recall of every AH setting searching ``t`` leaves or fewer, so one miss there rules
-them all out (without it, the cheap end of the space is a long list of settings that
-all miss).
+:class:`ScannSpace` is the tuner's plan for ScaNN: partitions (none, about sqrt(N) or
+2 sqrt(N) leaves), leaves searched, 4-bit AH (2 or 1 dimensions per block, anisotropic
+0.2 or off) or exact scores inside the leaves, and the re-order size (2k, 4k, 10k).
+Brute force over a setting's leaves is its probe: it bounds the recall of every AH
+setting searching as many leaves or fewer.
 """
 
 from __future__ import annotations
@@ -60,29 +47,19 @@ def _unit_rows(database, tolerance: float = 1e-3) -> bool:
 def scann_ah_params(num_database: int, dim: int) -> dict[str, Any]:
     """Tree + AH + reorder parameters for a database of ``num_database`` x ``dim``.
 
-    * ``num_leaves`` about sqrt(N) (at most 4,000) and ``num_leaves_to_search`` =
-      max(50, 5 % of them): a leaf then holds about sqrt(N) points, so the share of the
-      database scanned falls as N grows, at the same recall.
-    * ``tree_training_sample_size`` = 250 points per leaf (all of a smaller set): the
-      k-means behind the tree is what recall depends on most.
-    * AH: 2 dimensions per 4-bit block, anisotropic threshold 0.2 (for unit-norm data),
-      codebooks trained on at most 100k points (``training_sample_size``).
-    * exact re-ordering of at least 250 candidates (``10 * k`` when more are asked for).
+    * ``num_leaves`` about sqrt(N) (at most 4,000), ``num_leaves_to_search`` =
+      max(50, 5 % of them); the tree's k-means trains on 250 points per leaf.
+    * AH: 2 dimensions per 4-bit block, anisotropic threshold 0.2, codebooks trained on
+      at most 100k points; exact re-ordering of at least 250 candidates (``10 * k``).
 
-    Below 100,000 points the tree is skipped: scanning every 4-bit AH code is already
-    fast there, and a tree costs recall, badly so on embeddings without cluster
-    structure. The measurements behind each value are in ``docs/search.md``.
+    Below 100,000 points there is no tree: scanning every code is already fast, and a
+    tree costs recall. The measurements behind each value are in ``docs/search.md``.
     """
     n = int(num_database)
     params: dict[str, Any] = {
-        "dimensions_per_block": 2,
-        "anisotropic_quantization_threshold": 0.2,
-        "reorder_num_neighbors": 250,
-        "training_sample_size": min(n, 100_000),
-        "num_leaves": None,
-        "num_leaves_to_search": None,
-        "tree_training_sample_size": None,
-    }
+        "dimensions_per_block": 2, "anisotropic_quantization_threshold": 0.2,
+        "reorder_num_neighbors": 250, "training_sample_size": min(n, 100_000),
+        "num_leaves": None, "num_leaves_to_search": None, "tree_training_sample_size": None}
     if n >= 100_000:
         num_leaves = int(min(round(math.sqrt(n)), 4000))
         params["num_leaves"] = num_leaves
@@ -91,14 +68,31 @@ def scann_ah_params(num_database: int, dim: int) -> dict[str, Any]:
     return params
 
 
+def configure_ah(builder, p: dict[str, Any], reorder: int | None = None):
+    """ScaNN's ``builder`` (pybind's or the TensorFlow ops') with the tree, leaf scoring
+    and re-ordering of the AH parameters ``p`` (:func:`scann_ah_params`'s keys)."""
+    if p.get("num_leaves"):
+        builder = builder.tree(num_leaves=int(p["num_leaves"]),
+                               num_leaves_to_search=int(p["num_leaves_to_search"]),
+                               training_sample_size=int(p["tree_training_sample_size"]),
+                               spherical=bool(p.get("spherical")))
+    if p.get("leaf_scoring", "ah") == "brute_force":
+        return builder.score_brute_force()
+    threshold = p["anisotropic_quantization_threshold"]
+    builder = builder.score_ah(
+        int(p["dimensions_per_block"]),
+        anisotropic_quantization_threshold=float("nan") if threshold is None else float(threshold),
+        training_sample_size=int(p["training_sample_size"]))
+    return builder.reorder(int(p["reorder_num_neighbors"]) if reorder is None else reorder)
+
+
 class ScannSearcher(Searcher):
     """ScaNN search: exact brute force (``mode="brute_force"``) or tree + asymmetric
     hashing + re-ordering (``mode="ah"``).
 
-    AH cost per query: ``num_leaves * D`` to pick leaves, then a 4-bit LUT scan of
-    ``N * num_leaves_to_search / num_leaves`` codes and an exact re-scoring of
-    ``reorder_num_neighbors`` candidates. Parameters not given are taken from
-    :func:`scann_ah_params`.
+    AH cost per query: ``num_leaves * D`` to pick leaves, a 4-bit LUT scan of
+    ``N * num_leaves_to_search / num_leaves`` codes, and ``reorder_num_neighbors``
+    exact re-scores. Parameters not given come from :func:`scann_ah_params`.
 
     Args:
       database: (N, D) embeddings.
@@ -109,18 +103,13 @@ class ScannSearcher(Searcher):
         (AH codebooks), tree_training_sample_size (k-means of the tree): ScaNN
         parameters (``mode="ah"`` only); ``num_leaves=None`` disables the tree.
       leaf_scoring: ``"ah"`` (default: 4-bit AH codes + exact re-ordering) or
-        ``"brute_force"`` (exact float32 scores of every point of the leaves searched;
-        no re-ordering needed).
+        ``"brute_force"`` (exact scores of every point of the leaves searched).
       reorder_factor: a search for ``k`` re-orders ``max(reorder_factor * k,
-        reorder_num_neighbors)`` candidates (default 10; the tuner of
-        :class:`ScannSpace` sets 1 for the tuner to choose the re-order size itself).
+        reorder_num_neighbors)`` candidates (default 10; the tuner sets 1).
       anisotropic_quantization_threshold: ``None`` turns the anisotropic loss off
         (plain AH).
-      spherical: spherical k-means for the tree (unit-norm centres). ``None``
-        (default): when every database row has norm 1 (± 1e-3), as the embeddings of
-        the losses do. Dot products with raw k-means centres favour the centres of
-        tight clusters, so a query's neighbours land in other leaves
-        (``docs/search.md``).
+      spherical: spherical k-means for the tree. ``None`` (default): when every row
+        has norm 1 (± 1e-3); raw centres favour tight clusters (``docs/search.md``).
       num_threads: search/training threads (0 = ScaNN's default, all cores).
     """
 
@@ -185,23 +174,7 @@ class ScannSearcher(Searcher):
         if self.mode == "brute_force":
             builder = builder.score_brute_force()
         else:
-            p = self.params
-            if p.get("num_leaves"):
-                builder = builder.tree(
-                    num_leaves=int(p["num_leaves"]),
-                    num_leaves_to_search=int(p["num_leaves_to_search"]),
-                    training_sample_size=int(p["tree_training_sample_size"]),
-                    spherical=bool(p.get("spherical")))
-            if p.get("leaf_scoring", "ah") == "brute_force":
-                builder = builder.score_brute_force()
-            else:
-                threshold = p["anisotropic_quantization_threshold"]
-                builder = builder.score_ah(
-                    int(p["dimensions_per_block"]),
-                    anisotropic_quantization_threshold=(
-                        float("nan") if threshold is None else float(threshold)),
-                    training_sample_size=int(p["training_sample_size"]))
-                builder = builder.reorder(int(p["reorder_num_neighbors"]))
+            builder = configure_ah(builder, self.params)
         builder.set_n_training_threads(self.num_threads)
         searcher = builder.build()
         if self.num_threads:
@@ -360,10 +333,6 @@ def candidate_settings(n: int, d: int, k: int) -> list[ScannSetting]:
     if n >= MIN_PARTITION_POINTS:
         cap = min(4000, n // _MIN_POINTS_PER_LEAF)
         for leaves in sorted({min(cap, round(f * math.sqrt(n))) for f in (1, 2)}):
-            # a share of the leaves, and a few leaves whatever their number: on data
-            # whose neighbours share a cluster one or two leaves hold them all (faiss's
-            # IVF reaches recall 0.9997 probing 2 of 2,190 lists on the clustered set
-            # of benchmarks/search.py, where 1/64 of the leaves is already 17)
             partitions.append((leaves, probe_counts(leaves)))
     out = []
     for leaves, searched in partitions:
@@ -377,10 +346,7 @@ def candidate_settings(n: int, d: int, k: int) -> list[ScannSetting]:
 
 
 class ScannSpace:
-    """ScaNN's plan for the tuner (the interface of
-    :class:`~tfaploss.evaluation.searchers.SearchSpace`): :func:`candidate_settings`,
-    :func:`estimated_cost`, brute force over the same leaves as the probe of an AH
-    setting."""
+    """ScaNN's plan for the tuner (a :class:`~tfaploss.evaluation.searchers.SearchSpace`)."""
 
     name = "ScaNN"
 
@@ -394,8 +360,7 @@ class ScannSpace:
         return estimated_cost(setting, n, d)
 
     def dominates(self, a: ScannSetting, b: ScannSetting) -> bool:
-        """True when ``a`` finds at least every neighbour ``b`` finds (so if ``a``
-        misses the target, ``b`` does too)."""
+        """True when ``a`` finds at least every neighbour ``b`` finds."""
         if a.num_leaves != b.num_leaves or (a.leaves_to_search or 0) < (b.leaves_to_search
                                                                        or 0):
             return False

@@ -1,8 +1,6 @@
-"""The searcher of an evaluation, built as its :class:`~tfaploss.evaluation.search_plan.
-SearchPlan` asks (:func:`build_searcher`), and what a report says of it
-(:func:`search_report`: the backend, the setting and the recall@k of the search against
-exact search, with its interval).
-"""
+"""The searcher of an evaluation, built as its
+:class:`~tfaploss.evaluation.search_plan.SearchPlan` asks (:func:`build_searcher`), and
+what a report says of it (:func:`search_report`)."""
 
 from __future__ import annotations
 
@@ -41,15 +39,9 @@ def build_searcher(database, backend: str | SearchPlan = "exact", *,
       **kwargs: without a target, the searcher's constructor arguments; with one, the
         tuner's (:func:`~tfaploss.evaluation.tuner.tune_searcher`).
 
-    With a target recall the result is the fastest setting of the plan's ``tuner``
-    whose recall@k on a sample of ``queries`` reaches it, or the exact searcher when
-    none beats exact search; the searcher carries its report as ``searcher.tuning``.
-
-    Example::
-
-        searcher = build_searcher(embeddings, target_recall=0.95, k=10)
-        searcher = build_searcher(embeddings, "faiss", target_recall=0.95, k=10)
-        indices, scores = searcher.search(queries, 10)
+    With a target recall: the fastest setting of the plan's ``tuner`` whose recall@k
+    on a sample reaches it, or exact search when none beats it; its report is
+    ``searcher.tuning``.
     """
     plan = SearchPlan.of(backend, target_recall, k)
     if plan.target_recall is None:
@@ -61,7 +53,6 @@ def build_searcher(database, backend: str | SearchPlan = "exact", *,
         searcher = ExactSearcher(database)
     else:
         searcher, _ = tune_searcher(database, plan, queries, **kwargs)
-    # What backend="auto" chose and why, for search_report (None for a named backend).
     searcher.auto = plan.auto
     return searcher
 
@@ -74,12 +65,8 @@ def exact_report(k: int) -> dict[str, Any]:
 
 def search_report(searcher: Searcher | None, database, k: int, queries=None,
                   sample_size: int = 1000, seed: int = 0) -> dict[str, Any]:
-    """Backend, setting and recall@k (with its interval) of ``searcher``, for a report.
-
-    A tuned searcher reports what the tuner measured; exact search reports recall 1;
-    any other searcher is measured on a sample
-    (:func:`~tfaploss.evaluation.tuner.measure_recall`).
-    """
+    """Backend, setting and recall@k (with its interval) of ``searcher``, for a report:
+    the tuner's measure, recall 1 for exact search, else measured on a sample."""
     auto = {"auto": searcher.auto} if getattr(searcher, "auto", None) else {}
     tuning = getattr(searcher, "tuning", None)
     if tuning:

@@ -1,31 +1,17 @@
 """How an evaluation searches, checked and decided once: :class:`SearchPlan`.
 
 The plan holds the backend asked for, the target recall and the k of recall@k, checked
-where it is made. The config's ``evaluation`` section makes it
-(:attr:`tfaploss.config.schema.EvaluationConfig.search_plan`), and the trainer,
-:func:`~tfaploss.evaluation.evaluator.evaluate`, ``tfaploss evaluate`` and
-:func:`~tfaploss.evaluation.search.build_searcher` take it and ask it; none of them
-checks or decides again.
+where it is made (the config's ``evaluation`` section makes one); the trainer,
+``evaluate``, ``tfaploss evaluate`` and ``build_searcher`` ask it and never check or
+decide again.
 
-``backend="auto"`` is resolved the first time the plan is asked
-(:attr:`SearchPlan.resolved`), once:
-
-- **No target recall**: exact search. Without a recall to reach, an approximate
-  search's recall is unknown and its metrics are not comparable with anyone's; exact
-  search is the reference, and the blocked BLAS search
-  (:mod:`tfaploss.evaluation.exact_topk`) handles the test sets of the recipes (up to
-  about 10^5 images) in seconds to minutes. Set a target for approximate search.
-- **A target recall**: the best installed searcher that can be tuned to it: ScaNN
-  (the ``scann`` extra), else faiss (the ``faiss`` extra), else exact search, which
-  meets any target (recall 1) and is only slower.
-
-The choice is logged at INFO (once per process for each request) and
-:attr:`SearchPlan.auto` describes it for a report (``details["search"]["auto"]`` of
-``evaluate``, ``final_search`` of a training summary).
-
-A target recall asks for a tuned search (:attr:`SearchPlan.tuner`): faiss's settings
-for ``"faiss"``, ScaNN's for any other named backend (with ``"exact"`` too: exact search
-has recall 1, so asking for a recall asks for approximate search).
+``backend="auto"`` is resolved once, when first asked (:attr:`SearchPlan.resolved`):
+without a target recall, exact search (an approximate search's recall would be
+unknown, its metrics comparable with no one's); with one, the first installed of
+ScaNN and faiss, else exact search, which meets any target. The choice is logged at
+INFO once per process and described by :attr:`SearchPlan.auto`. A target recall with
+a named backend tunes faiss's settings for ``"faiss"``, ScaNN's for any other
+(``"exact"`` too: asking for a recall asks for approximate search).
 """
 
 from __future__ import annotations
@@ -63,13 +49,6 @@ class SearchPlan:
         sample of the queries (exact search when no setting beats it).
       k: the k of that recall@k; ``None``: the largest cut-off of the evaluation
         (:meth:`with_k`), else :data:`DEFAULT_K`.
-
-    Example::
-
-        plan = SearchPlan("auto", target_recall=0.95)
-        plan.resolved        # "scann" where ScaNN is installed
-        plan.tuner           # whose settings are tuned: "scann"
-        build_searcher(embeddings, plan)
     """
 
     backend: str = AUTO
@@ -138,8 +117,7 @@ class SearchPlan:
         return DEFAULT_K if self.k is None else int(self.k)
 
     def with_k(self, k: int) -> SearchPlan:
-        """This plan, its k set to ``k`` unless it names one; auto stays resolved as it
-        was."""
+        """This plan, its k set to ``k`` unless it names one (auto stays resolved)."""
         if self.k is not None:
             return self
         plan = dataclasses.replace(self, k=k)
@@ -148,15 +126,9 @@ class SearchPlan:
         return plan
 
     def required_extra(self, key: str = "backend") -> tuple[str, str] | None:
-        """``(extra, what needs it)`` for this search, or ``None`` when the core install
-        does (auto takes what is installed). ``key`` names the setting in the message
-        (``"evaluation.backend"``, ``"--backend"``).
-
-        Example::
-
-            SearchPlan("scann_ah").required_extra("evaluation.backend")
-            # ("scann", "evaluation.backend: scann_ah")
-        """
+        """``(extra, what needs it)`` for this search, e.g. ``("scann",
+        "evaluation.backend: scann_ah")``, or ``None`` when the core install does (auto
+        takes what is installed). ``key`` names the setting in the message."""
         if self.backend == AUTO:
             return None
         if self.backend in _BACKEND_EXTRAS:

@@ -1,32 +1,19 @@
-"""The interfaces of a search backend: :class:`Searcher`, which every backend answers
-(and :func:`load_searcher`, which restores a saved one), and :class:`SearchSpace`, what
-a backend the tuner can tune gives it, with the cost model those backends share.
+"""The interfaces of a search backend: :class:`Searcher` (every backend; restored by
+:func:`load_searcher`) and :class:`SearchSpace` (what the tuner needs of a backend),
+with the cost model the backends share. Each backend has its own module
+(``exact_search``, ``scann_search``, ``faiss_search``).
 
-The backends live one module each, with their searcher, tuning space and costs:
-:mod:`~tfaploss.evaluation.exact_search` (``"exact"``),
-:mod:`~tfaploss.evaluation.scann_search` (``"scann"``, ``"scann_ah"``) and
-:mod:`~tfaploss.evaluation.faiss_search` (``"faiss"``).
+Scores are inner products, higher is better; every backend returns the ``k`` best
+indices per query sorted by score with **ties broken by index** (lower first), so
+backends agree on tied scores. ``exclude`` removes one database index per query *by
+index* (self-retrieval): removing "the first neighbour" instead is wrong when the
+database holds exact duplicates of the query. Saved searchers are JSON plus ``.npy``
+files read with ``allow_pickle=False``: loading one runs no code.
 
-Scores are inner products (cosine similarity for L2-normalised embeddings), higher is
-better. Every backend returns, per query, the ``k`` best database indices sorted by
-score (descending) with **ties broken by index** (the lower database index first), so
-results are deterministic and backends agree on tied scores.
-
-``exclude`` removes one database index per query *by index* (used when the query set
-is the database: a query must not retrieve itself). Removing "the first neighbour"
-instead is wrong when the database holds exact duplicates of the query.
-
-Searchers are saved with :meth:`Searcher.serialize` and restored with
-:func:`load_searcher`; the metadata is JSON and arrays are ``.npy`` files read with
-``allow_pickle=False`` (nothing in a saved searcher can run code when loaded).
-
-**Cost model.** Costs are counted per query in units of one multiply-add of exact
-search's BLAS product: a 4-bit lookup (ScaNN's AH, faiss's fast-scan PQ: SIMD LUT16)
-costs about a quarter of one; a float32 multiply-add outside BLAS (scores inside
-partitions, re-scoring gathered rows) about 1.5-2; a query has a fixed cost besides
-(dispatch, heaps, copies) of some microseconds. The tuner orders each space's settings
-by this model, cheapest first, and never tries a setting it puts at or above exact
-search.
+**Cost model.** Per query, in multiply-adds of exact search's BLAS product: a 4-bit
+lookup (ScaNN's AH, faiss's fast-scan PQ) costs about a quarter of one, a float32
+multiply-add outside BLAS about 1.5-2, plus a fixed cost of some microseconds a query.
+The tuner never tries a setting the model puts at or above exact search.
 """
 
 from __future__ import annotations
@@ -47,10 +34,7 @@ _LOADERS: dict[str, type] = {}  # saved backend name -> the Searcher class that 
 
 
 def sort_by_score_then_index(indices: np.ndarray, scores: np.ndarray):
-    """Sort each row by score (descending), ties by index (ascending).
-
-    Rows may carry padding (index ``-1``, score ``-inf``), which sorts last.
-    """
+    """Sort each row by score (descending), ties by index; padding (-1, -inf) last."""
     order = np.lexsort((indices, -scores.astype(np.float64)), axis=-1)
     return (np.take_along_axis(indices, order, axis=-1),
             np.take_along_axis(scores, order, axis=-1))
@@ -59,9 +43,8 @@ def sort_by_score_then_index(indices: np.ndarray, scores: np.ndarray):
 class Searcher:
     """Base class: a database of embeddings that answers top-k inner-product queries.
 
-    Subclasses implement :meth:`_search` (no exclusion; may return ``k`` results with
-    arbitrary tie order) and the (de)serialisation hooks. This class does the shared
-    work: input checks, by-index exclusion, chunking of queries and tie ordering.
+    Subclasses implement :meth:`_search` (no exclusion, any tie order) and the
+    (de)serialisation hooks; this class checks inputs, excludes and orders ties.
     """
 
     backend: str = "base"
@@ -74,8 +57,7 @@ class Searcher:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        # A registry rather than an import of each backend here: every backend's
-        # module imports this one, so load_searcher cannot import them back.
+        # A registry: every backend imports this module, so it cannot import them.
         for name in cls.__dict__.get("_restores", ()):
             _LOADERS[name] = cls
 
@@ -85,7 +67,6 @@ class Searcher:
             raise ValueError("`database` is empty; a searcher needs at least one row.")
         self.size, self.dim = database.shape
 
-    # -- to implement ------------------------------------------------------------------
     def _search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError
 
@@ -95,18 +76,12 @@ class Searcher:
     def _save(self, directory: str) -> None:
         raise NotImplementedError
 
-    # -- public ------------------------------------------------------------------------
     def search(self, queries, k: int, exclude=None) -> tuple[np.ndarray, np.ndarray]:
-        """Return ``(indices, scores)``, both (num_queries, k'), best first.
+        """Return ``(indices, scores)``, both (num_queries, k'), best first, ties by index.
 
-        Args:
-          queries: (num_queries, dim) float array.
-          k: number of neighbours wanted; ``k' = min(k, database size - (1 if exclude
-            is given else 0))``.
-          exclude: optional int array (num_queries,): a database index to remove from
-            each query's results (``-1``: remove nothing).
-
-        Ties are broken by database index (lower first).
+        ``k' = min(k, database size - (1 if exclude is given else 0))``; ``exclude``:
+        optional (num_queries,) ints, a database index removed from each query's results
+        (``-1``: none).
         """
         queries = as_matrix(queries, "queries")
         if queries.shape[1] != self.dim:
@@ -127,9 +102,7 @@ class Searcher:
         sc = np.asarray(sc, np.float32)
         if self._returns_tie_order:
             if exclude is not None:
-                # Move the excluded index (where it was returned) to the end, keeping
-                # the order of the rest; otherwise the last result is dropped (one
-                # more than needed was fetched).
+                # The excluded index moves last; else the one extra fetched is dropped.
                 order = np.argsort(idx == exclude[:, None], axis=1, kind="stable")
                 idx = np.take_along_axis(idx, order, 1)
                 sc = np.take_along_axis(sc, order, 1)
@@ -152,10 +125,9 @@ class Searcher:
     def serialize(self, directory: str) -> str:
         """Save the searcher into ``directory`` (created if missing); returns it.
 
-        Each file is written whole or not at all, the metadata last (what a load reads
-        first), so a save that a full disk stops leaves the previous searcher loadable:
-        :class:`~tfaploss.durable.atomic.DiskFullError` names the file (fault point
-        ``searcher``).
+        Each file is written whole or not at all, the metadata last, so a save that a
+        full disk stops (a :class:`~tfaploss.durable.atomic.DiskFullError`, fault point
+        ``searcher``) leaves the previous searcher loadable.
         """
         os.makedirs(directory, exist_ok=True)
         self._save(directory)
@@ -179,8 +151,7 @@ def load_searcher(directory: str) -> Searcher:
     if meta.get("format_version") != _FORMAT_VERSION:
         raise ValueError(f"unsupported searcher format_version {meta.get('format_version')!r}.")
     backend = meta.get("backend")
-    # Every backend's module is imported by the package's __init__, so each has
-    # registered its class here before any load.
+    # The package's __init__ imports every backend, so each has registered its class.
     cls = _LOADERS.get(backend)
     if cls is None:
         raise ValueError(f"unknown backend {backend!r} in {path}.")
@@ -202,11 +173,9 @@ def exact_cost(n: int, d: int) -> float:
 
 def partitioned_cost(n: int, d: int, parts: int | None, probed: int | None, *,
                      codes: int | None = None, rescored: int = 0) -> float:
-    """Cost of one query that picks ``probed`` of ``parts`` partitions (``parts * d``;
-    ``parts=None``: no partition, every point scanned) and scans their
-    ``n * probed / parts`` points: exact float32 scores (``codes=None``,
-    ``BRUTE_COST * d`` each), or ``codes`` 4-bit lookups each and then ``rescored``
-    candidates (at most ``n``) scored exactly (``REORDER_COST * d`` each)."""
+    """Cost of one query that picks ``probed`` of ``parts`` partitions (``parts=None``:
+    none) and scores their points exactly (``codes=None``) or with ``codes`` 4-bit
+    lookups each, then ``rescored`` candidates exactly."""
     units = QUERY_OVERHEAD
     scanned = float(n)
     if parts:
@@ -227,11 +196,8 @@ def probe_counts(parts: int) -> list[int]:
 
 
 class SearchSpace(Protocol):
-    """What the tuner needs from a backend: settings in order of cost, and how to build.
-
-    A setting is a frozen dataclass with ``build_key`` (settings sharing it share one
-    built index) and ``describe()``.
-    """
+    """What the tuner needs from a backend. A setting is a frozen dataclass with
+    ``build_key`` (settings sharing it share one built index) and ``describe()``."""
 
     name: str  # the backend, as the tuner's log lines name it
 

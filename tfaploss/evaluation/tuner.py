@@ -1,72 +1,14 @@
 """The walk to a target recall: tune a backend's settings on the user's own data, and
 measure the recall reached.
 
-ScaNN's default parameters give recall@10 0.98 on clustered data, 0.8 on data with
-more spread and 0.4 on random vectors: a user who turns approximate search on cannot
-know which of these they got. :func:`tune_searcher` asks for a recall instead:
-
-1. **Sample.** It holds out up to ``sample_size`` (default 1,000) queries: a seeded
-   random subset of the user's queries when given, else of the database points, each
-   excluded from its own results (by index, as in self-retrieval).
-2. **Truth.** Their exact top-``k`` comes from :class:`ExactSearcher` (timed: the
-   exact q/s every setting must beat).
-3. **Search.** It walks a small space of one backend's settings (its
-   :class:`~tfaploss.evaluation.searchers.SearchSpace`: ScaNN's in
-   :mod:`tfaploss.evaluation.scann_search`, faiss's IVF lists, lists probed, PQ
-   re-ranking and HNSW beam in :mod:`tfaploss.evaluation.faiss_search`), cheapest
-   first by the cost model of :mod:`tfaploss.evaluation.searchers`. Settings the
-   cost model already puts at or above exact search are never tried, and a setting is
-   skipped when one that finds at least every neighbour it can find already missed the
-   target (the space's ``dominates``). Before a setting, the space's probe for it (a
-   cheap setting bounding its recall: ScaNN's brute force over the same leaves,
-   faiss's IVF-Flat over the same lists) is tried, and one miss there rules out every
-   setting it bounds (without it, the cheap end of the space is a long list of
-   settings that all miss).
-4. **Stop.** A setting *meets* the target when the lower end of its recall@k's 95 %
-   interval on the sample reaches it (so that fresh queries of the same distribution
-   reach it too; a target of 1 is then only met by exact search) and its speed beats
-   exact search. Once one has, the settings the cost model expects to be cheaper
-   than it are still tried (a probe may meet the target before cheaper settings had
-   their turn), then ``patience`` more (default 2; none with ``speed="model"``) in
-   case the cost model misjudged their order; the fastest setting that met the target
-   wins (see 5). Then the search stops. It also stops after ``max_settings`` settings
-   (default 40) or ``max_seconds`` (default 120 s, builds included).
-5. **Re-time and choose** (``speed="measure"``). One timing on a busy machine can
-   swap two settings of nearly equal speed, so the fastest settings that met the
-   target (at most 4, whose built indexes were kept) and exact search are timed again
-   in ``timing_rounds`` rounds (default 3), round-robin: each round times exact search
-   and then every finalist once, so a burst of load falls on all of them rather than
-   on every repeat of one. A round only starts when it fits in what is left of
-   ``max_seconds``. A finalist must be faster than exact search by median time;
-   among those whose time range (min-max) overlaps the fastest's, the one with the
-   largest recall margin (lower end of the interval minus the target) wins, then the
-   faster. The report's ``timing`` holds each finalist's and exact search's times,
-   min / median / max and spread ((max - min) / median), and the noise over all of
-   them (median and largest spread).
-6. **Fall back.** If no setting reached the target faster than exact search (by
-   the re-timing's medians when there was one), the exact searcher is returned and
-   the report says so (a WARNING on this module's logger and ``fell_back: True`` in
-   the returned info): an "approximate" search slower than exact is never worth
-   having.
-
-Every setting tried is logged at INFO: the setting, its recall@k on the sample with
-the confidence interval, and its q/s beside exact search's.
-
-**Recall and its interval.** The recall of a query is the share of its exact top-k
-that the searcher returned; the sample's recall is their mean over the sample
-queries. The interval is a 95 % *Wilson score interval* with ``n`` = the number of
-sample queries and the mean recall as the success rate. A per-query recall lies in
-[0, 1], and a [0, 1] variable with mean p has variance at most p(1 - p), so this
-interval is at least as wide as the normal interval of the mean (conservative), and
-unlike a bootstrap over the queries it does not collapse to a point when every sample
-query is found whole. The neighbours of one query are not independent, so pooling the
-k neighbours of all queries as k Q trials would be too narrow; we do not.
-
-Whose space is walked, to which target and k, is the
-:class:`~tfaploss.evaluation.search_plan.SearchPlan`'s to say (its ``tuner``). The
-tuned searcher carries its report as ``searcher.tuning`` (a JSON-able dict);
-:func:`tfaploss.evaluation.search.search_report` gives the same description for any
-searcher, with :func:`measure_recall` for an untuned approximate one.
+:func:`tune_searcher` holds out a seeded sample of queries, takes their exact top-k,
+walks the settings of the plan's :class:`~tfaploss.evaluation.searchers.SearchSpace`
+cheapest first by the cost model (skipping settings a probe or a dominating setting
+already ruled out), re-times the fastest settings that met the target against exact
+search, and falls back to exact search when none beats it. A setting meets the target
+when the lower end of the 95 % Wilson interval of its recall@k on the sample reaches
+it. The full rule, and why the interval is Wilson's, is in ``docs/search.md`` ("Tuning
+to a target recall").
 """
 
 from __future__ import annotations
@@ -151,14 +93,9 @@ def _time_stats(name: str, times: list[float]) -> dict[str, Any]:
 
 def _retime(tried, built, space, exact, t_exact, sample, k, exclude, timer, start,
             max_seconds, rounds):
-    """Time exact search and the finalists again, round-robin, while the budget lasts.
-
-    The finalists are the fastest settings that met the target (at most
-    ``_MAX_FINALISTS``, whose builds were kept). One round times each of them and exact
-    search once, in turn, so a burst of load on the machine falls on all of them
-    rather than on every repeat of one. Returns (the report's ``timing`` dict, the
-    finalists' entries in the order of ``timing["finalists"]``).
-    """
+    """Time exact search and the finalists (the fastest kept builds that met the target)
+    again, round-robin so that a burst of load falls on all of them, while the budget
+    lasts. Returns (the report's ``timing``, the finalists in its order)."""
     finalists = sorted((e for e in tried if e["met"] and e["_setting"].build_key in built),
                        key=lambda e: -e["qps"])[:_MAX_FINALISTS]
     exact_times = [t_exact]
@@ -189,10 +126,9 @@ def _retime(tried, built, space, exact, t_exact, sample, k, exclude, timer, star
 
 
 def _choose(timing, finalists, target_recall, num_queries):
-    """The finalist to keep: among those faster than exact search (by median time),
-    the ones whose time range overlaps the fastest's cannot be told apart by speed on
-    this machine, so the one with the largest recall margin above the target wins
-    (then the faster). Returns ``(qps, setting, entry)`` or ``None``."""
+    """Among the finalists faster than exact search by median time, those whose time
+    range overlaps the fastest's cannot be told apart by speed: the largest recall margin
+    wins, then the faster. Returns ``(qps, setting, entry)`` or ``None``."""
     exact_median = timing["exact"]["median_s"]
     pool = [(e, s) for e, s in zip(finalists, timing["finalists"])
             if s["median_s"] < exact_median]
@@ -240,17 +176,15 @@ def tune_searcher(database, plan: SearchPlan, queries=None, *, sample_size: int 
         one without queries).
       queries: the user's queries; ``None``: database points (self excluded).
       sample_size: sample queries held out (at most).
-      max_settings, max_seconds: the bounds on the tuner's cost.
+      max_settings, max_seconds: the bounds on the tuner's cost (builds included).
       patience: settings still tried once the cost model expects none of those left to
         be cheaper than one that met the target (``speed="measure"`` only).
-      speed: ``"measure"`` (wall time of a search of the sample, via ``timer``) or
-        ``"model"`` (the deterministic cost model of the space).
+      speed: ``"measure"`` (wall time via ``timer``) or ``"model"`` (the space's
+        deterministic cost model).
       timer: the clock of ``speed="measure"`` and of ``max_seconds``.
       num_threads: ScaNN or faiss threads (0: the library's default).
-      seed: the sample's seed.
-      timing_rounds: rounds of re-timing after the search (``speed="measure"``): each
-        round times exact search and every finalist once, round-robin; a round is only
-        started when it fits in what is left of ``max_seconds``.
+      timing_rounds: rounds of round-robin re-timing of the finalists
+        (``speed="measure"``), each started only when it fits in ``max_seconds``.
 
     Returns:
       ``(searcher, info)``; ``info`` is also ``searcher.tuning``.
@@ -272,15 +206,20 @@ def tune_searcher(database, plan: SearchPlan, queries=None, *, sample_size: int 
     space.check()
     start = timer()
     sample, exclude, what = _sample(database, q, sample_size, seed)
+
+    def timed_search(searcher, k: int, units: float):
+        """(indices found for the sample, seconds): the better of two runs (the first
+        pays for the warm-up), or with ``speed="model"`` the nominal time of ``units``."""
+        (found, _), t = _timed(timer, lambda: searcher.search(sample, k, exclude=exclude))
+        if speed == "measure":
+            t = min(t, _timed(timer, lambda: searcher.search(sample, k, exclude=exclude))[1])
+        else:
+            t = units * _MODEL_UNIT_SECONDS * len(sample)
+        return found, t
+
     exact = ExactSearcher(database)
-    (truth, _), t_exact = _timed(timer, lambda: exact.search(sample, plan.tuned_k,
-                                                             exclude=exclude))
+    truth, t_exact = timed_search(exact, plan.tuned_k, exact_cost(n, d))
     k = int(truth.shape[1])
-    if speed == "measure":  # the first run paid for thread start-up: keep the better one
-        _, t2 = _timed(timer, lambda: exact.search(sample, k, exclude=exclude))
-        t_exact = min(t_exact, t2)
-    else:
-        t_exact = exact_cost(n, d) * _MODEL_UNIT_SECONDS * len(sample)
     exact_qps = len(sample) / t_exact
     exact_units = exact_cost(n, d)
     LOG.info("tuning %s for recall@%d >= %g on %d sample queries (%s); exact search: "
@@ -314,8 +253,8 @@ def tune_searcher(database, plan: SearchPlan, queries=None, *, sample_size: int 
             space.configure(searcher, setting)
         built[setting.build_key] = searcher  # most recently used last
         keep = None if best is None else best[1].build_key
-        # Evict the least recently used first, but the builds of settings that reached
-        # the recall last (their finalists are re-timed at the end), the slowest first.
+        # Evict the least recently used, but the builds that reached the recall last
+        # (their finalists are re-timed at the end), the slowest of those first.
         reached_keys = {e["_setting"].build_key: e["qps"] for e in tried if e["_reached"]}
         order = sorted((key for key in built if key not in (keep, setting.build_key)),
                        key=lambda key: (key in reached_keys, reached_keys.get(key, 0.0)))
@@ -323,13 +262,8 @@ def tune_searcher(database, plan: SearchPlan, queries=None, *, sample_size: int 
             if len(built) <= _MAX_BUILDS_KEPT:
                 break
             del built[key]  # memory: a brute-force tree holds a copy of the database
-        (found, _), t = _timed(timer, lambda: searcher.search(sample, k, exclude=exclude))
+        found, t = timed_search(searcher, k, cost(setting))
         recall, ci = _summary(recall_per_query(found, truth))
-        if speed == "measure":  # the first run was the warm-up
-            _, t2 = _timed(timer, lambda: searcher.search(sample, k, exclude=exclude))
-            t = min(t, t2)
-        else:
-            t = cost(setting) * _MODEL_UNIT_SECONDS * len(sample)
         qps = len(sample) / t
         # The lower end of the interval, not the mean: a setting accepted on its mean
         # lands below the target on fresh queries about half the time.
@@ -361,20 +295,16 @@ def tune_searcher(database, plan: SearchPlan, queries=None, *, sample_size: int 
                 stopped = "target met"
                 break
             after_success += 1
-        reached = bound_reached()
-        if reached:
+        if reached := bound_reached():
             stopped = reached
             break
-        # Probe: a cheap setting that bounds this one's recall (ScaNN: brute force over
-        # the same leaves, which bounds every AH setting searching as many leaves or
-        # fewer); when it misses, they are all skipped.
+        # A probe that misses rules out every setting it bounds.
         probe = space.probe(setting)
         if probe is not None and probe not in done and cost(probe) < exact_units:
             trial(probe)
             if any(space.dominates(f, setting) for f in failed):
                 continue
-            reached = bound_reached()
-            if reached:
+            if reached := bound_reached():
                 stopped = reached
                 break
         trial(setting)
@@ -391,10 +321,7 @@ def tune_searcher(database, plan: SearchPlan, queries=None, *, sample_size: int 
                  "n/a" if timing["noise"] is None else
                  f"median {timing['noise']['median_spread']:.2f}, "
                  f"max {timing['noise']['max_spread']:.2f}")
-    for entry in tried:
-        entry.pop("_setting")
-        entry.pop("_reached")
-        entry.pop("_times")
+    tried = [{key: v for key, v in e.items() if not key.startswith("_")} for e in tried]
     seconds = timer() - start
     info: dict[str, Any] = {
         "tuned": True, "target_recall": float(target_recall), "k": k,

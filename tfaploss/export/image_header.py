@@ -1,15 +1,11 @@
 """The pixel count an encoded image declares, read from its header with TF ops.
 
-A PNG of 285 KB can declare 10000 x 10000 pixels: decoding it allocates 300 MB per
-image (1.3 GB with the float copies), and a 30000² one kills a server. The serving graph
-therefore reads the declared size *before* decoding (:func:`declared_pixels`) and
-refuses images above a ``max_pixels`` budget. This is the fast path; the decode-time
-checks of :func:`tfaploss.export.image_ops.decode_images` back it up.
-
-Formats are recognised by the magic bytes TensorFlow's ``DecodeImage`` uses, and each
-header is read the way the decoder TensorFlow runs reads it, so that a header cannot
-show this walk one size and the decoder another (the walks, format by format, are
-those of :mod:`tfaploss.pipelines.image_headers`, with TensorFlow's decoders):
+A small file can declare a huge image (a 285 KB PNG of 10000 x 10000 costs 1.3 GB
+decoded), so the serving graph reads the declared size *before* decoding and refuses
+images over ``max_pixels``; :func:`tfaploss.export.image_ops.decode_images` checks the
+decoded sizes again. Formats are recognised by ``DecodeImage``'s magic bytes, and each
+header is read the way TensorFlow's decoder reads it, so a header cannot show this
+walk one size and the decoder another (as :mod:`tfaploss.pipelines.image_headers`):
 
 * JPEG: the first start-of-frame, walking the segments as libjpeg's ``next_marker``
   does (a frame header inside an EXIF thumbnail or a comment does not count); more
@@ -24,10 +20,9 @@ those of :mod:`tfaploss.pipelines.image_headers`, with TensorFlow's decoders):
   22, where TensorFlow reads them whatever the header;
 * WebP: the ``VP8 ``, ``VP8L`` or ``VP8X`` canvas.
 
-Cost: linear in the file's size with no loop step per segment: candidate positions are
-selected with vector ops and each chain is followed by pointer doubling
-(``ceil(log2(chain))`` gathers), so 250 000 tiny segments cost what their bytes cost
-(at most 0.2 s for the worst 1 MB input of ``tests/reliability/stress_images.py``).
+Cost: linear in the file's size: candidate positions are selected with vector ops and
+chains followed by pointer doubling (``ceil(log2(chain))`` gathers), so 250 000 tiny
+segments cost what their bytes cost (at most 0.2 s for the worst 1 MB input).
 """
 
 from __future__ import annotations
@@ -89,14 +84,10 @@ def _area(width, height):
 
 
 def _follow(nxt, value=None):
-    """Follow every chain ``i -> nxt[i] -> ...`` to its end, by pointer doubling.
-
-    ``nxt`` is an int32 vector pointing forward, whose fixed points (``nxt[i] == i``)
-    end the chains. Returns, for every ``i``, where its chain ends and (with ``value``,
-    float64, 0 at the fixed points) the sum of ``value`` over the chain's nodes. Each
-    round doubles the steps every node has taken and the loop stops when nothing
-    moves, so the cost is ``len(nxt) * ceil(log2(longest chain))`` gathers, however
-    many steps the chains take.
+    """Follow every chain ``i -> nxt[i] -> ...`` (int32, forward; fixed points end the
+    chains) by pointer doubling: where each ends and, with ``value`` (float64, 0 at the
+    fixed points), the sum of ``value`` over its nodes. Cost: ``len(nxt) *
+    ceil(log2(longest chain))`` gathers.
     """
     bound = tf.cast(tf.math.ceil(tf.math.log(tf.cast(tf.size(nxt), tf.float64) + 2) / 0.69),
                     tf.int32) + 1

@@ -10,26 +10,15 @@ import tensorflow as tf
 
 from tfaploss.data.augment import DEFAULT_CROP_FRACTION  # served as evaluated
 
-# Largest image (width x height, as its header declares it) the serving graph decodes.
-# 40 megapixels covers phone photos (12-50 MP sensors, 12 MP files by default) and most
-# camera files; decoding one costs ~120 MB as uint8 RGB and ~480 MB as the float32 copy
-# that is resized, so a handful in parallel fit a server. A retrieval model sees 224 to
-# ~1024 px: clients should downscale anything larger. Without a limit a 285 KB PNG
-# declaring 10000 x 10000 costs 1.3 GB, and a 30000² one kills the server.
+# Largest image (width x height, as its header declares it) the serving graph decodes:
+# 40 MP covers phone and most camera photos (~600 MB decoded and copied as float32);
+# without a limit a 285 KB PNG declaring 10000 x 10000 costs 1.3 GB.
 DEFAULT_MAX_PIXELS = 40_000_000
-# Largest total of those sizes in one request, when the export does not name one:
-# REQUEST_PIXELS_PER_MAX_PIXELS x max_pixels. Four images at the limit (or 13 phone
-# photos of 12 MP) is ~2 s of one core's decoding and, decoded in parallel, ~2.4 GB of
-# uint8 + float32 copies at once: a batch of many allowed images costs no more than that.
+# The default request budget, in max_pixels: four images at the limit, ~2.4 GB decoded.
 REQUEST_PIXELS_PER_MAX_PIXELS = 4
-# Memory a request holds while it is decoded, per pixel of its images: the uint8 RGB
-# image (3 bytes), the float32 copy that is resized (12) and the decoder's and resize's
-# working buffers. Measured 12-17 bytes (JPEG and PNG of 1-4 MP, one to four images per
-# request, benchmarks/serving_load.py). Beside it, each thread that calls the signature
-# keeps a few MB of its own (TensorFlow's per-thread state, an allocator arena): 1.5-3
-# MB measured, whatever the images. So a server holds at most DECODE_BYTES_PER_PIXEL x
-# max_request_pixels + REQUEST_OVERHEAD_BYTES per request in flight, beside the model
-# and its forward pass (docs/serving.md, "Concurrent requests").
+# A request in flight holds at most DECODE_BYTES_PER_PIXEL x max_request_pixels +
+# REQUEST_OVERHEAD_BYTES beside the model (measured 12-17 bytes a pixel and 1.5-3 MB a
+# calling thread; docs/serving.md, "Concurrent requests").
 DECODE_BYTES_PER_PIXEL = 20
 REQUEST_OVERHEAD_BYTES = 8 << 20
 # What the serving signature decodes (tf.io.decode_image), as the docs and --help list it.
@@ -47,11 +36,9 @@ def resize_and_center_crop(image, image_size=(224, 224), crop_fraction=DEFAULT_C
     """Evaluation preprocessing of one image: aspect-preserving resize + centre crop.
 
     The image ``(H, W, C)`` is scaled by ``max(round(h / crop_fraction) / H,
-    round(w / crop_fraction) / W)`` (for a square crop: the short side goes to
-    ``round(h / crop_fraction)``, e.g. 224 / 0.875 = 256), bilinear with antialiasing,
-    then the central ``h x w`` window is kept: the test transform of ``tfaploss.data``
-    (``center_crop``). ``crop_fraction=1`` fills the crop with the whole short side.
-    An image that already has the resized size is not resampled (bit-exact pixels).
+    round(w / crop_fraction) / W)`` (e.g. short side 224 / 0.875 = 256), then the central
+    ``h x w`` window is kept: the test transform of ``tfaploss.data``. An image that
+    already has the resized size is not resampled (bit-exact pixels).
 
     Returns float32 ``(h, w, C)`` with the input's value range (0..255 for decoded
     images). Cost: O(H·W + h·w) per image.
@@ -97,14 +84,10 @@ def check_max_request_pixels(max_request_pixels, max_pixels: int) -> int:
 
 
 def _decode_within(data, declared, image_size, crop_fraction, method, antialias, max_pixels):
-    """Decode one image, never past ``max_pixels``: ``(image, pixels)``, where ``pixels``
-    is the size the decoder found and ``image`` zeros when it is over the limit.
-
-    For a JPEG the size comes first from libjpeg itself (``tf.image.extract_jpeg_shape``
-    reads the header the way the decoder will, so no header trick can show it another
-    size), and nothing is decoded past the limit. For the other formats the header walk
-    (``declared``) reads the fields their decoders allocate by. Then the decoded shape
-    itself is checked before the resize, which would otherwise copy it as float32.
+    """Decode one image, never past ``max_pixels``: ``(image, pixels)``, ``image`` zeros
+    when over. A JPEG's size comes first from libjpeg itself (no header trick can show
+    it another size), the other formats' from the header walk (``declared``); the
+    decoded shape is checked again before the float32 resize.
     """
     h, w = image_size
     empty = tf.zeros([h, w, 3], tf.float32)
@@ -134,18 +117,14 @@ def decode_images(image_bytes, image_size=(224, 224), crop_fraction=DEFAULT_CROP
     """Decode a batch of encoded images (JPEG, PNG, GIF, BMP, WebP) to ``(N, h, w, 3)``
     float32.
 
-    Each image is decoded to RGB (grayscale is repeated, alpha dropped, the first
-    frame of a GIF kept) and passed through ``resize_and_center_crop``. Decoding runs
-    in parallel in a ``tf.data`` pipeline, in order.
+    Each image is decoded to RGB (grayscale repeated, alpha dropped, a GIF's first
+    frame) and passed through ``resize_and_center_crop``, in parallel, in order.
 
-    No image is decoded past ``max_pixels`` (default :data:`DEFAULT_MAX_PIXELS`),
-    whatever its header says: the size each header declares
-    (:func:`tfaploss.export.image_header.declared_pixels`) is checked before anything
-    is decoded, so a small file declaring a huge image costs nothing; then a JPEG's
-    size is read again by libjpeg, and every decoded shape is checked before the
-    resize. The whole request is held to ``max_request_pixels`` the same way (default
-    :data:`REQUEST_PIXELS_PER_MAX_PIXELS` x ``max_pixels``), so that many images, each
-    under the limit, cannot tie up a server's memory and cores.
+    No image is decoded past ``max_pixels``, whatever its header says: the declared
+    sizes (:func:`tfaploss.export.image_header.declared_pixels`) are checked before
+    anything is decoded, then the decoded shapes before the resize. The whole request
+    is held to ``max_request_pixels`` (default :data:`REQUEST_PIXELS_PER_MAX_PIXELS` x
+    ``max_pixels``) the same way.
 
     Raises:
         tf.errors.InvalidArgumentError: inputs that declare or decode to more than
@@ -163,15 +142,9 @@ def decode_images(image_bytes, image_size=(224, 224), crop_fraction=DEFAULT_CROP
     indices = tf.range(n)
 
     pixels = tf.map_fn(declared_pixels, image_bytes, fn_output_signature=tf.float64)
-    too_big = tf.where(pixels > max_pixels)[:, 0]
-    size_check = tf.debugging.Assert(
-        tf.equal(tf.size(too_big), 0),
-        ["image_bytes: the image(s) at index(es)", too_big, "declare",
-         tf.cast(tf.gather(pixels, too_big), tf.int64),
-         (f"pixels, more than max_pixels={max_pixels}; downscale them before sending "
-          "(or export with a larger max_pixels)")],
-        summarize=64,
-    )
+    size_check = _image_check(indices, pixels, "declare", max_pixels,
+                              "; downscale them before sending (or export with a larger "
+                              "max_pixels)")
     # Unreadable headers count 0 here: they are refused below without being decoded.
     total = tf.reduce_sum(tf.maximum(pixels, 0.0))
     total_check = _request_check(total, "declare", max_request_pixels, "; nothing was decoded")
@@ -200,15 +173,9 @@ def decode_images(image_bytes, image_size=(224, 224), crop_fraction=DEFAULT_CROP
     images, decoded_indices, decoded_pixels = (
         decoded.concatenate(sentinel).batch(n + 1).get_single_element())
     images, decoded_indices = images[:-1], decoded_indices[:-1]
-    over = tf.where(decoded_pixels > max_pixels)[:, 0]
-    decode_check = tf.debugging.Assert(
-        tf.equal(tf.size(over), 0),
-        ["image_bytes: the image(s) at index(es)", tf.gather(decoded_indices, over),
-         "decode to", tf.cast(tf.gather(decoded_pixels, over), tf.int64),
-         (f"pixels, more than max_pixels={max_pixels}, though their headers declare "
-          "fewer; nothing larger was decoded")],
-        summarize=64,
-    )
+    decode_check = _image_check(decoded_indices, decoded_pixels[:-1], "decode to", max_pixels,
+                                ", though their headers declare fewer; nothing larger was "
+                                "decoded")
     decoded_total = _request_check(tf.reduce_sum(decoded_pixels), "decode to",
                                    max_request_pixels, ", though they declare fewer")
     bad = tf.sparse.to_dense(tf.sets.difference(indices[None], decoded_indices[None]))[0]
@@ -223,6 +190,18 @@ def decode_images(image_bytes, image_size=(224, 224), crop_fraction=DEFAULT_CROP
         )
     with tf.control_dependencies([check]):
         return tf.identity(images)
+
+
+def _image_check(indices, pixels, verb: str, max_pixels: int, tail: str):
+    """Fails the request naming the ``indices`` whose ``pixels`` exceed ``max_pixels``."""
+    over = tf.where(pixels > max_pixels)[:, 0]
+    return tf.debugging.Assert(
+        tf.equal(tf.size(over), 0),
+        ["image_bytes: the image(s) at index(es)", tf.gather(indices, over), verb,
+         tf.cast(tf.gather(pixels, over), tf.int64),
+         f"pixels, more than max_pixels={max_pixels}{tail}"],
+        summarize=64,
+    )
 
 
 def _request_check(total, verb: str, max_request_pixels: int, tail: str):

@@ -1,12 +1,9 @@
 """What a ``retrieve`` signature searches: the catalogue's embeddings, keys and labels,
 and the fingerprint of the model that embedded them.
 
-An index (:func:`build_index`) is a split embedded here with the model being exported
-(:func:`index_from_split`), an embed job's output (:func:`index_from_embeddings`), or
-a :class:`RetrievalIndex` built by the caller. The model fingerprint
-(:func:`model_fingerprint`) is the one rule that says whether two models embed alike:
-an export refuses an index of another model (:class:`IndexMismatchError`), and one
-that is not whole (:class:`DamagedIndexError`).
+An index (:func:`build_index`) comes from a split, an embed job's output or the
+caller. An export refuses an index of another model by :func:`model_fingerprint`
+(:class:`IndexMismatchError`), and one that is not whole (:class:`DamagedIndexError`).
 """
 
 from __future__ import annotations
@@ -34,13 +31,9 @@ class IndexMismatchError(ValueError):
 
 
 def model_fingerprint(model) -> str:
-    """The SHA-256 of a Keras model's weights (hex): shape, dtype and bytes of each of
-    ``model.weights`` in order, trainable and not (BatchNorm statistics count).
-
-    Two models that embed alike have the same fingerprint; retraining, a whitening
-    appended, or another checkpoint changes it. Names are left out, so reloading a
-    ``.keras`` file or renaming layers does not. Cost: one pass over the weights
-    (~0.3 s for a ResNet-50's 100 MB).
+    """The SHA-256 (hex) of shape, dtype and bytes of each of ``model.weights`` in
+    order, BatchNorm statistics included; names are left out, so reloading or renaming
+    layers keeps it. Cost: one pass over the weights (~0.3 s for a ResNet-50).
     """
     import keras
 
@@ -56,18 +49,10 @@ def model_fingerprint(model) -> str:
 
 @dataclass(frozen=True, eq=False)
 class RetrievalIndex:
-    """The catalogue a ``retrieve`` signature searches.
-
-    Attributes:
-      embeddings: ``(N, D)`` float32, one row per catalogue item.
-      keys: ``(N,)`` str, unique: what a search returns for each row.
-      labels: ``(N,)`` int64 class labels (-1 when unknown).
-      model_fingerprint: :func:`model_fingerprint` of the model that embedded the rows.
-      source: where the rows came from (a path, or a word), for messages and metadata.
-
-    Raises:
-      DamagedIndexError: the rows are empty, not 2-D, not finite, or disagree in
-        count with the keys or labels, or two rows share a key.
+    """The catalogue a ``retrieve`` signature searches: ``embeddings`` (N, D) float32,
+    unique str ``keys`` (what a search returns), int64 ``labels`` (-1 when unknown), the
+    :func:`model_fingerprint` of the model that embedded them, and their ``source``
+    (for messages). A :class:`DamagedIndexError` when they are not whole.
     """
 
     embeddings: np.ndarray
@@ -194,10 +179,8 @@ def index_from_split(model, split: str, image_size=(224, 224), crop_fraction=Non
                      batch_size: int = 64, fingerprint: str | None = None
                      ) -> RetrievalIndex:
     """Embed every image of a split with ``model`` as the served images are
-    preprocessed (short side to ``image_size / crop_fraction``, centre crop).
-
-    Cost: one forward pass per image, in this process (for millions of images use the
-    embed job and pass its output instead).
+    preprocessed. Cost: one forward pass per image, in this process (for millions, use
+    the embed job and pass its output).
     """
     from tfaploss.data import make_eval_dataset
     from tfaploss.data.augment import DEFAULT_CROP_FRACTION
@@ -220,12 +203,8 @@ def index_from_split(model, split: str, image_size=(224, 224), crop_fraction=Non
 
 
 def index_from_embeddings(path: str) -> RetrievalIndex:
-    """Read an embed job's output as an index; keys are its ``image/id`` values. Its
-    ``manifest.json`` says how many rows were written and which SavedModel embedded
-    them, whose export metadata holds the fingerprint. Raises
-    :class:`DamagedIndexError` (no manifest, a shard missing, rows miscounted) or
-    :class:`IndexMismatchError` (the embedding model cannot be established).
-    """
+    """Read an embed job's output as an index, keyed by ``image/id``; its manifest
+    gives the row count and the SavedModel whose metadata holds the fingerprint."""
     import tensorflow as tf
 
     from tfaploss.evaluation.embedding_files import load_embeddings

@@ -1,16 +1,10 @@
 """The search behind the ``retrieve`` signatures: an index held as SavedModel variables
 and searched inside the serving graph.
 
-Backends (``index_backend``):
-
-* ``"brute_force"`` (default): exact inner-product search with stock TensorFlow ops
-  only, so the SavedModel runs on a stock TF Serving build: a float32 index read in
-  chunks of ``chunk_rows`` rows, a stable ``top_k`` per chunk and one over the chunks'
-  candidates, so ties come in catalogue order (``ExactSearcher``'s). bfloat16 storage
-  does not pay on CPUs (docs/serving.md).
-* ``"scann"``: ScaNN's TensorFlow ops (approximate, the parameters of
-  :func:`tfaploss.evaluation.scann_ah_params`); TF Serving must be a build that links
-  them, and a Python process must import ``scann`` first (:func:`load_op_libraries`).
+Backends (``index_backend``): ``"brute_force"`` (default: exact, stock TensorFlow ops,
+a stable top-k per chunk of ``chunk_rows`` rows and one over the chunks, so ties come in
+catalogue order) and ``"scann"`` (ScaNN's TensorFlow ops, approximate; TF Serving must
+link them, and Python must import ``scann`` first: :func:`load_op_libraries`).
 
 Memory while serving: the index (N x D x 4 bytes for brute force), the keys and labels,
 and per request ``batch x chunk_rows x 4`` bytes of scores for each chunk in flight.
@@ -32,8 +26,7 @@ KEYS_OUTPUT, SCORES_OUTPUT, LABELS_OUTPUT = "keys", "scores", "labels"
 INDEX_COLLECTION = "retrieval_index"  # the variables, as tf.saved_model.load restores them
 BACKENDS = ("brute_force", "scann")
 DEFAULT_K = 10
-# Rows scored at once. 65536 x 128 float32 is 32 MB per chunk; a batch of 32 scores
-# 8 MB per chunk. Larger chunks were no faster (benchmarks/serving.py).
+# Rows scored at once (32 MB at D = 128); larger chunks were no faster (benchmarks/serving.py).
 DEFAULT_CHUNK_ROWS = 65536
 _SCANN_OPS = "scann.scann_ops.py.scann_ops"
 
@@ -128,23 +121,14 @@ class ScannSearch:
     backend = "scann"
 
     def __init__(self, index, k: int, chunk_rows: int = DEFAULT_CHUNK_ROWS):
-        from tfaploss.evaluation.scann_search import scann_ah_params
+        from tfaploss.evaluation.scann_search import configure_ah, scann_ah_params
 
         ops = _scann_ops()
         self.k = min(check_k(k), index.size)
         self.size, self.dim = index.size, index.dim
         params = scann_ah_params(index.size, index.dim)
-        builder = ops.builder(index.embeddings, self.k, "dot_product")
-        if params["num_leaves"]:
-            builder = builder.tree(
-                num_leaves=params["num_leaves"],
-                num_leaves_to_search=params["num_leaves_to_search"],
-                training_sample_size=params["tree_training_sample_size"])
-        builder = builder.score_ah(
-            params["dimensions_per_block"],
-            anisotropic_quantization_threshold=params["anisotropic_quantization_threshold"],
-            training_sample_size=params["training_sample_size"])
-        builder = builder.reorder(max(params["reorder_num_neighbors"], self.k))
+        builder = configure_ah(ops.builder(index.embeddings, self.k, "dot_product"), params,
+                               max(params["reorder_num_neighbors"], self.k))
         self._ops = ops
         self.state = builder.build().serialize_to_module()
         self.keys, self.labels = _keys_and_labels(index)

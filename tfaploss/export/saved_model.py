@@ -118,28 +118,22 @@ def export_saved_model(model, path, image_size=(224, 224), version=None, whiteni
     """Write ``model`` as a TF Serving SavedModel in ``path/<version>/``, with a
     retrieval index when ``index`` is given.
 
-    Signatures (``saved_model_cli show --dir path/<version> --all`` lists them):
+    Signatures:
 
     - ``serving_default``: ``image_bytes`` string ``[None]`` (encoded JPEG, PNG, GIF, BMP or
-      WebP files; the ``_bytes`` suffix lets TF Serving's REST API take
-      ``{"b64": ...}``) -> ``{"embedding": float32 [None, D]}``. Each image is
-      preprocessed like evaluation: resized keeping its aspect so that ``image_size``
-      covers ``crop_fraction`` of the short side, then centre-cropped. A batch holding
-      an undecodable input fails with ``INVALID_ARGUMENT`` naming its index(es), as
-      does one whose headers declare more than ``max_pixels`` for an image or
-      ``max_request_pixels`` in all (checked before decoding).
+      WebP files; REST takes ``{"b64": ...}``) -> ``{"embedding": float32 [None, D]}``,
+      preprocessed like evaluation (:func:`~tfaploss.export.decode_images`). An
+      undecodable input, or headers declaring more than ``max_pixels`` for an image or
+      ``max_request_pixels`` in all, fails the batch with ``INVALID_ARGUMENT``.
     - ``embed_pixels``: ``images`` float32 ``[None, h, w, 3]``, RGB pixels in
       [0, 255] already at ``image_size`` -> ``{"embedding": ...}``.
-    - With ``index``: ``retrieve`` takes ``image_bytes`` and an optional int32 ``k``
-      (1 to the exported ``k``) and returns ``{"keys": string [None, k], "scores":
-      float32 [None, k], "labels": int64 [None, k]}``, best first, equal scores in
-      catalogue order; ``retrieve_pixels`` the same from ``images``.
-
-    The model normalises the pixels itself; the SavedModel needs only TensorFlow.
+    - With ``index``: ``retrieve`` (``image_bytes``) and ``retrieve_pixels``
+      (``images``), with an optional int32 ``k`` (1 to the exported ``k``) ->
+      ``{"keys", "scores", "labels"}``, each ``[None, k]``, best first.
 
     Args:
         model: a Keras model from raw ``(B, H, W, 3)`` images in [0, 255] to
-            embeddings (e.g. from ``tfaploss.models.build_embedding_model``).
+            embeddings.
         path: the model's base directory (TF Serving's ``--model_base_path``).
         image_size: ``(height, width)`` the served images are cropped to.
         version: integer version directory; ``None`` takes 1 + the largest existing.
@@ -147,17 +141,14 @@ def export_saved_model(model, path, image_size=(224, 224), version=None, whiteni
         crop_fraction: see above; 1.0 keeps the whole short side.
         resize_method, antialias: passed to ``tf.image.resize``.
         max_pixels: largest width x height an image header may declare (all frames of
-            a GIF together); default 40 megapixels (``image_ops.DEFAULT_MAX_PIXELS``).
+            a GIF together); default 40 megapixels.
         max_request_pixels: largest total over one request's images, at least
-            ``max_pixels``; default ``None``: 4 x ``max_pixels``
-            (``image_ops.REQUEST_PIXELS_PER_MAX_PIXELS``).
+            ``max_pixels``; default ``None``: 4 x ``max_pixels``.
         overwrite: replace an existing ``path/<version>``; otherwise it is an error.
         verbose: print Keras's summary of the exported endpoints.
-        index: ``None``, or the catalogue ``retrieve`` searches: a split folder
-            (embedded here with ``model``), an embeddings folder of
-            ``python -m tfaploss.pipelines.embed``, or a
-            :class:`~tfaploss.export.retrieval_index.RetrievalIndex`, embedded by this
-            model (its fingerprint). A new index is a new version.
+        index: ``None``, or the catalogue ``retrieve`` searches, embedded by this model:
+            a split folder (embedded here), an embeddings folder of
+            ``python -m tfaploss.pipelines.embed``, or a ``RetrievalIndex``.
         k: the most results a ``retrieve`` request gets (at most the index's size).
         index_backend: ``"brute_force"`` (exact, stock TF ops) or ``"scann"``
             (approximate; needs ScaNN's ops here and in the server).
@@ -170,11 +161,9 @@ def export_saved_model(model, path, image_size=(224, 224), version=None, whiteni
     Returns:
         The version directory (``str``).
 
-    The version is written to a temporary directory and renamed into place, so a
-    server polling ``path`` never loads a half-written one; one export at a time holds
-    ``path``'s lock and first cleans up what a killed export left. Cost: one trace per
-    signature; with ``index``, embedding a split and one pass over the index for its
-    digest (about 1 s per GB).
+    The version is written to a temporary directory and renamed into place (a server
+    never loads a half-written one), under ``path``'s lock. Cost: one trace per
+    signature; with ``index``, embedding a split and a pass over the index (~1 s/GB).
     """
     image_size = tuple(int(s) for s in image_size)
     max_pixels = check_max_pixels(max_pixels)
@@ -194,8 +183,7 @@ def export_saved_model(model, path, image_size=(224, 224), version=None, whiteni
         search = make_search(index, k, index_backend, index_chunk_rows)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    # One export at a time per folder, so that what a killed export left behind is known
-    # to be stale and is cleaned up before the version number is chosen.
+    # One export at a time per folder: what a killed export left is then known stale.
     with locks.exclusive(path, "SavedModel export folder"):
         recover_export_folder(path)
         version = next_version(path) if version is None else int(version)
@@ -296,12 +284,10 @@ def load_retriever(path):
     its newest version; load only models you trust), after checking that its index is
     the one exported with its model.
 
-    Returns ``retrieve(image_bytes, k=None)`` -> ``{"keys", "scores", "labels"}`` as
-    numpy arrays (``keys`` as str), ``retrieve.pixels(images, k=None)`` the same from
-    pixels, ``retrieve.metadata``. Raises :class:`IndexMismatchError` (an index of
-    another model), :class:`DamagedIndexError` (the stored index is not what was
-    exported), ``ValueError`` (no ``retrieve`` signature). Cost: loading the
-    SavedModel and one pass over the index (its digest).
+    Returns ``retrieve(image_bytes, k=None)`` -> ``{"keys", "scores", "labels"}`` (numpy,
+    ``keys`` as str), with ``retrieve.pixels(images, k=None)`` and ``retrieve.metadata``.
+    Raises :class:`IndexMismatchError`, :class:`DamagedIndexError` or ``ValueError``
+    (no ``retrieve`` signature). Cost: loading the SavedModel and a pass over the index.
     """
     folder = find_saved_model(path)
     meta = read_export_metadata(folder)
