@@ -1,7 +1,5 @@
 """``tfaploss evaluate``: retrieval metrics of a ``.keras`` model, an exported SavedModel,
 or a config's untrained model, on a split of TFRecords.
-
-Heavy imports (TensorFlow, Keras) happen inside the functions, so ``--help`` stays instant.
 """
 
 from __future__ import annotations
