@@ -168,6 +168,14 @@ def damaged_error(split_dir: str, damage: Damage, manifest: dict | None = None,
         problem=damage.problem)
 
 
+def _first_damage_error(split_dir: str, damaged: list[Damage], manifest: dict | None,
+                        what: str) -> DamagedDataError:
+    """The error of the first damaged file, the others logged as warnings first."""
+    for damage in damaged[1:]:
+        LOG.warning("also damaged: %s", damage.line())
+    return damaged_error(split_dir, damaged[0], manifest, what)
+
+
 def split_dir_of(path_or_glob: str) -> str:
     """The split folder of a split folder, a glob of its files, or one of its files."""
     if os.path.isdir(path_or_glob):
@@ -182,10 +190,8 @@ def check_or_raise(path: str, level: str = "sizes", *, layouts=("images", "by_cl
     (the others are logged as warnings first)."""
     split_dir = split_dir_of(path)
     report = check_split(split_dir, level, layouts=layouts)
-    for damage in report.damaged[1:]:
-        LOG.warning("also damaged: %s", damage.line())
     if report.damaged:
-        raise damaged_error(split_dir, report.damaged[0], report.manifest, what)
+        raise _first_damage_error(split_dir, report.damaged, report.manifest, what)
     return report
 
 
@@ -234,9 +240,7 @@ def locate(paths, err: BaseException | None = None, what: str = "",
         report = check_split(split_dir, level)
         damaged = [d for d in report.damaged if os.path.normpath(d.path) not in ignore]
         if damaged:
-            for damage in damaged[1:]:
-                LOG.warning("also damaged: %s", damage.line())
-            return damaged_error(split_dir, damaged[0], report.manifest, what)
+            return _first_damage_error(split_dir, damaged, report.manifest, what)
     return None
 
 
@@ -322,10 +326,8 @@ def startup_check(train: str | None, test: str | None = None, *, layout: str = "
         for note in report.notes:
             LOG.info("note: %s: %s", split_dir, note)
         if report.damaged and not skip:
-            for damage in report.damaged[1:]:
-                LOG.warning("also damaged: %s", damage.line())
-            raise damaged_error(split_dir, report.damaged[0], report.manifest,
-                                "checking the training data")
+            raise _first_damage_error(split_dir, report.damaged, report.manifest,
+                                      "checking the training data")
         if report.damaged:
             recorded = ((report.manifest or {}).get("checksums") or {}).get("files") or {}
             shards = []
