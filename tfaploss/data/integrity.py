@@ -58,9 +58,6 @@ class SplitReport:
         return not self.damaged
 
 
-# ------------------------------------------------------------------------ a split
-
-
 def layout_files(split_dir: str, layout: str) -> list[str]:
     import glob
 
@@ -195,9 +192,6 @@ def check_or_raise(path: str, level: str = "sizes", *, layouts=("images", "by_cl
     return report
 
 
-# ------------------------------------------------------------------------ reading
-
-
 # What TensorFlow says when a record's bytes are at fault: the reader's framing errors,
 # the Example parser's and the image decoders' (by message, or by the op's node name in
 # a tf.data function).
@@ -271,9 +265,6 @@ class reading:
         if found is None:
             return False
         raise found from None
-
-
-# ------------------------------------------------------------------------ skipping
 
 
 _SKIPPED: contextvars.ContextVar[tuple] = contextvars.ContextVar(
