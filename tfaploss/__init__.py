@@ -1,20 +1,10 @@
 """tfaploss: train image-retrieval embeddings by directly optimising Average Precision.
 
-The data's path through the library::
-
-    raw files -> pipelines (Beam) -> TFRecords -> tfaploss.data -> models
-      -> tfaploss.losses / tfaploss.training -> tfaploss.run -> tfaploss.evaluation
-      -> tfaploss.export
-
-The library logs through the ``tfaploss`` logger (:mod:`tfaploss.log`) and configures
-nothing on import; the command line sets the level (``--quiet`` / ``--verbose``).
-
-Subpackages are imported on first use so that ``import tfaploss`` stays cheap and
-optional dependencies (ScaNN, Beam, matplotlib) are only needed where they are used.
-
-``import tfaploss`` is also all it takes to load a saved model in plain Keras: it
-registers every Keras class the library saves (as soon as Keras is loaded, see
-:mod:`tfaploss._registration`)::
+The data's path: raw files -> pipelines (Beam) -> TFRecords -> tfaploss.data -> models
+-> tfaploss.losses / tfaploss.training -> tfaploss.run -> tfaploss.evaluation ->
+tfaploss.export. The library logs through the ``tfaploss`` logger and configures nothing
+on import; subpackages are imported on first use, so ``import tfaploss`` stays cheap. It
+is also all it takes to load a saved model in plain Keras (:mod:`tfaploss._registration`)::
 
     import keras
     import tfaploss

@@ -1,20 +1,10 @@
-"""Every Keras API tfaploss uses that Keras does not promise to keep.
-
-Keras 3 exports its public API from ``keras`` (``keras.ops``, ``keras.Model``, ...);
-everything under ``keras.src`` and every attribute whose name starts with ``_`` may move
-or change between minor releases without notice. tfaploss needs a few of them, and they
-are all named here, so that a Keras upgrade has one place to check:
-
-- ``PRIVATE_IMPORTS``: names imported from ``keras.src``; this module imports them,
-  the rest of the package imports them from here.
-- ``PRIVATE_ATTRIBUTES``: underscore attributes of public Keras classes that the code
-  reads or overrides (it cannot import those; the list says where they are used).
-
-``tests/test_keras_compat.py`` checks both lists against the installed Keras and says
-which name moved. Tested with Keras 3.14.1 and 3.15.1; setup.py admits
-``keras>=3.14,<3.16`` (3.12 and 3.13 lack ``keras.ops.scatter_update(...,
-reduction=...)``, which the losses use). Before widening the pin, run that test and
-``make test`` on the new Keras.
+"""Every Keras API tfaploss uses that Keras does not promise to keep, in one place to
+check on a Keras upgrade: ``PRIVATE_IMPORTS`` (names from ``keras.src``, imported here
+for the rest of the package) and ``PRIVATE_ATTRIBUTES`` (underscore attributes of public
+Keras classes the code reads or overrides, with where). ``tests/test_keras_compat.py``
+checks both against the installed Keras. Tested with Keras 3.14.1 and 3.15.1 (3.12 and
+3.13 lack ``keras.ops.scatter_update(..., reduction=...)``); before widening setup.py's
+pin, run that test and ``make test`` on the new Keras.
 """
 
 from __future__ import annotations

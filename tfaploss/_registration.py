@@ -1,27 +1,14 @@
 """``import tfaploss`` registers every Keras class the library saves, without importing
 Keras itself.
 
-A ``model.keras`` written by ``tfaploss train`` holds layers of ``models``
-(``ImageNetNormalization``, ``ImageRescaling``, ``GeM``, ``TokenPooling``, ``L2Normalize``,
-``PCAWhitening``), the frozen BatchNorm of :mod:`tfaploss.training`, and (for a saved
-trainer) the losses, the ``LRMultiplierOptimizer``, the learning-rate schedule and
-``MultiStageModel``. Keras finds them by their registered names (``"tfaploss>GeM"``)
-only once the modules that define them have run, so :func:`register_keras_objects`
-imports those modules. A keras-hub backbone's classes need nothing here: Keras imports
-``keras_hub`` modules itself when it meets them in a file.
-
-``import tfaploss`` stays cheap (the command line sets TensorFlow's log level before
-TensorFlow loads): when Keras is already imported it registers at once; otherwise a
-meta-path hook registers as soon as ``keras`` and the tfaploss module being imported
-have finished loading, whichever comes last, then removes itself.
-
-Why a hook rather than the plain convention of Keras libraries (keras-hub, keras-rs:
-the package's ``__init__`` imports the modules): ``tfaploss/__init__.py`` runs before
-any line of the CLI, so plain imports would load Keras and TensorFlow before ``main``
-can set ``TF_CPP_MIN_LOG_LEVEL`` and ``KERAS_BACKEND`` (``tfaploss --help``: 8-11 s
-instead of 0.1-0.3 s), and every Beam job and worker would load TensorFlow first (6-13 s
-instead of 1-2 s per start). Loading a saved model works either way
-(``tests/test_registration.py``).
+A saved model holds tfaploss layers, losses, the ``LRMultiplierOptimizer``, schedules and
+``MultiStageModel``; Keras finds them by their registered names (``"tfaploss>GeM"``) only
+once their modules have run, so :func:`register_keras_objects` imports them. When Keras
+is already imported that happens at once; otherwise a meta-path hook registers as soon
+as ``keras`` and the tfaploss module being imported have loaded, then removes itself.
+Why a hook, not imports in ``__init__`` (keras-hub's way): those would load TensorFlow
+before the CLI can set ``TF_CPP_MIN_LOG_LEVEL`` and ``KERAS_BACKEND`` (``tfaploss --help``
+8-11 s instead of 0.1-0.3 s), and in every Beam worker.
 """
 
 from __future__ import annotations

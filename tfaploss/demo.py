@@ -1,14 +1,10 @@
 """The work of ``tfaploss demo``, one function per step; :mod:`tfaploss.cli.demo` runs
-them in order and tells what each found (its ``--help`` lists the steps).
+them in order and tells what each found.
 
-scikit-learn ships 1,797 real scans of handwritten digits (8x8 pixels, 10 classes), so
-the demo needs no download. It walks the production path: PNG files in a class-per-folder
-tree (what users' data looks like); the ``folder`` Beam job (digits 0-5 train, 6-9 test:
-the test classes are never seen in training, as in the retrieval benchmarks); exact
-search (``evaluation.backend: auto`` without a target recall); ``tfaploss train``'s code
-path, batches larger than the chunk size so multi-stage backpropagation runs; a TF
-Serving SavedModel whose ``retrieve`` signature searches the test split, reloaded with
-plain TensorFlow.
+scikit-learn's 1,797 handwritten digits (no download) go the production path: PNG files
+in class folders, the ``folder`` Beam job (digits 0-5 train, 6-9 test: unseen classes),
+``tfaploss train``'s code path with multi-stage backpropagation, exact search, and a
+TF Serving SavedModel whose ``retrieve`` signature searches the test split.
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """The optional parts of tfaploss (pip extras): what each brings, how to install it, and
 one clear error when a feature needs one that is missing.
 
-The core install (``pip install tfaploss``) trains, evaluates with exact search and
-exports. Everything else is an extra, installed as ``pip install "tfaploss[<extra>]"``:
-
-=========== ===================== ======================================================
-extra       imports               what needs it
-=========== ===================== ======================================================
-``scann``   ``scann``             ``evaluation.backend: scann`` / ``scann_ah``, the
-                                  ScaNN tuner (``target_recall``); Linux only
-``faiss``   ``faiss``             ``evaluation.backend: faiss``
-``beam``    ``apache_beam``,      the ``python -m tfaploss.pipelines.<job>`` jobs (fontTools:
-            ``fontTools``         the ``glyphs`` job)
-``dask``    ``dask``              the Beam jobs on a Dask cluster (``DaskRunner``)
-``viz``     ``matplotlib``        the figures of ``tfaploss evaluate`` and ``compare``
-``tfds``    ``tensorflow_datasets`` ``python -m tfaploss.pipelines.tfds_source``
-``compare`` ``optuna``            ``tfaploss compare``'s tuning
-``hub``     ``keras_hub``         ``model.backbone: keras_hub:<preset>``
-``demo``    ``sklearn``           ``tfaploss demo`` (scikit-learn's digits)
-=========== ===================== ======================================================
-
-A feature that needs an extra calls :func:`require` (cheap: nothing is imported) or
-:func:`import_extra` with the name of what needs it; a missing extra raises
-:class:`MissingExtraError`, one line naming what needs it and the install command.
+The core install trains, evaluates with exact search and exports; :data:`EXTRAS` lists
+the rest, each installed as ``pip install "tfaploss[<extra>]"``. A feature that needs one
+calls :func:`require` (nothing is imported) or :func:`import_extra`; a missing extra
+raises :class:`MissingExtraError`, one line naming what needs it and the install command.
 Standard library only, so the Beam jobs use it without loading TensorFlow.
 """
 
@@ -77,10 +59,8 @@ def install_command(extra: str) -> str:
 class MissingExtraError(ImportError):
     """An optional part is missing (not installed, or installed but failing to import).
 
-    An :class:`ImportError` rather than a ``ValueError``: a missing module is what it
-    reports, and the usual guard around optional imports (``except ImportError``)
-    keeps catching it. ``str(err)`` is one line: what needs the extra, the install
-    command. Attributes: ``extra`` (its name), ``needed_by``, ``install``.
+    An :class:`ImportError`, so that ``except ImportError`` guards keep catching it.
+    Attributes: ``extra`` (its name), ``needed_by``, ``install``.
     """
 
     def __init__(self, extra: str, needed_by: str, problem: str | None = None):

@@ -1,20 +1,12 @@
 """Where the messages of tfaploss go: the logging scheme.
 
 Library code never calls ``print``: every module logs on ``logging.getLogger(__name__)``
-(INFO for what a user of the command line reads, WARNING for what needs their
-attention, DEBUG for details); a problem the caller should fix in their own code is a
-Python warning, as in Keras and TensorFlow. Who decides what is shown:
-
-* Importing the library configures nothing, never the root logger: the ``tfaploss``
-  logger gets a ``NullHandler``, so an application that configures no logging does not
-  get our warnings through Python's last-resort handler.
-* The ``tfaploss`` command calls :func:`configure`: a :class:`PlainHandler` (INFO to
-  stdout, WARNING to stderr, plain text), at INFO, WARNING with ``--quiet``, DEBUG with
-  ``--verbose`` (which also adds time, level and logger to each line).
-* :func:`tfaploss.run.trainer.train` and :func:`tfaploss.evaluation.evaluate` with
-  ``verbose`` run inside :func:`reporting`: when the application has not said where
-  the ``tfaploss`` INFO lines go, they are shown on stdout for the call, and only there.
-* The Beam jobs are configured by :func:`tfaploss.pipelines.console.configure`.
+(INFO for the command line's reader, WARNING for what needs attention, DEBUG for
+details); a problem in the caller's code is a Python warning. Importing configures
+nothing (the ``tfaploss`` logger gets a ``NullHandler``); the ``tfaploss`` command calls
+:func:`configure` (a :class:`PlainHandler`, level by ``--quiet`` / ``--verbose``);
+``train`` and ``evaluate`` with ``verbose`` run inside :func:`reporting`, which shows
+the INFO lines on stdout for the call when the application has not routed them.
 """
 
 from __future__ import annotations
@@ -32,13 +24,9 @@ DETAILED_FORMAT = "%(asctime)s %(name)s %(levelname)s: %(message)s"
 
 class PlainHandler(logging.Handler):
     """Writes each record as one plain line: below WARNING to stdout, WARNING and above
-    to stderr. The streams are looked up when a record is written (so redirections,
-    ``contextlib.redirect_stdout`` and pytest's capture see the lines), and flushed at
-    once (the lines keep their order with the rest of a log file).
-
-    A stream on a full disk (``> log.txt`` there) takes no more lines: the first error
-    is kept in ``full`` (``(stream, OSError)``) for the command to report once, instead
-    of logging's traceback for every line after it."""
+    to stderr, the streams looked up at each record (redirections see the lines) and
+    flushed at once. A stream on a full disk takes no more lines: the first error is
+    kept in ``full`` (``(stream, OSError)``) for the command to report once."""
 
     def __init__(self, level=logging.NOTSET, fmt: str = PLAIN_FORMAT):
         super().__init__(level)

@@ -1,11 +1,7 @@
-"""Process-wide settings held for the length of a block, by holders that overlap.
-
-Some settings belong to the whole process: PyTorch's thread count, CPython's cycle
-collector (the tests' speed probe holds it off). Code that needs one changed while it runs cannot save it on entry and restore
-it on exit: when two threads overlap, the first to leave would undo the setting under
-the second, and the second would "restore" the value the first had set.
-:class:`HeldSetting` counts its holders instead: the first to enter saves the value it
-finds and sets its own, the last to leave restores the saved one.
+"""Process-wide settings held for the length of a block, by holders that overlap
+(PyTorch's thread count, CPython's cycle collector). Saving on entry and restoring on
+exit fails when two threads overlap; :class:`HeldSetting` counts its holders instead:
+the first to enter saves the value and sets its own, the last to leave restores it.
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
-"""The ``tfaploss`` command. Each command is a module of this package (``train.py``,
-``evaluate.py``, ...) holding its flags, its run and all it prints for a person (the
-library below only logs); this one registers them and turns errors into exit statuses.
-
-    tfaploss demo                                     # the end-to-end tour (about 2 minutes)
-    tfaploss recipes                                  # the shipped recipes; `show NAME` prints one
-    tfaploss train --config recipe:roadmap_sop_resnet50 --set data.train=sop/train
-    tfaploss evaluate --model runs/x/model.keras --data sop/test --protocol sop
-    tfaploss evaluate --config recipe:demo_digits     # the untrained baseline
-    tfaploss export --model runs/x/model.keras --out serving/sop
-    tfaploss config --config my_run.yaml              # print it, validated
-    tfaploss compare --config base.yaml --val data/x/val --features   # which loss, which batch
-    tfaploss verify data/sop/train                    # the records against their manifest
-
-Every ``--config`` takes a YAML file or ``recipe:NAME`` (resolved by the config loader).
-The Beam preprocessing jobs are separate: ``python -m tfaploss.pipelines.<name> --help``.
-Heavy imports (TensorFlow, Keras) happen inside the commands so ``--help`` is instant.
-
-What the commands report goes through the ``tfaploss`` loggers (:mod:`tfaploss.log`);
-:func:`main` shows them as plain lines (INFO on stdout, warnings and errors on stderr,
-no escape codes, so a log file stays readable): at INFO by default, only warnings and
-errors with ``--quiet``, everything with ``--verbose``. Both flags go before or after
-the command name (``tfaploss --quiet train ...`` = ``tfaploss train ... --quiet``).
+"""The ``tfaploss`` command. Each command is a module of this package holding its flags,
+its run and all it prints for a person (the library below only logs); this one registers
+them and turns errors into exit statuses. Heavy imports happen inside the commands, so
+``--help`` is instant. What the commands report goes through the ``tfaploss`` loggers
+(:mod:`tfaploss.log`), shown as plain lines: INFO by default, warnings and errors with
+``--quiet``, everything with ``--verbose`` (before or after the command name).
 """
 
 from __future__ import annotations
@@ -68,15 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quiet_tensorflow(argv: list[str]) -> None:
-    """Keep TensorFlow's C++ start-up lines (``cuInit`` failing on a machine without a
-    GPU is logged as an error, oneDNN notices) off the terminal unless asked for.
-
-    Runs first in :func:`main`, before anything imports TensorFlow (``import tfaploss``
-    and this module do not): TensorFlow reads ``TF_CPP_MIN_LOG_LEVEL`` once, as it
-    loads. 3 hides its INFO, WARNING and ERROR lines (2 still shows the ``cuInit``
-    error); a value the user set is kept, and ``-v`` / ``--verbose`` leaves
-    TensorFlow's own default (everything shown).
-    """
+    """Keep TensorFlow's C++ start-up lines (a ``cuInit`` error without a GPU, oneDNN
+    notices) off the terminal unless ``--verbose``: run before TensorFlow loads, since it
+    reads ``TF_CPP_MIN_LOG_LEVEL`` once (3: 2 still shows the ``cuInit`` error). A value
+    the user set is kept."""
     if not any(a in ("-v", "--verbose") for a in argv):
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")

@@ -48,13 +48,12 @@ DESCRIPTION = textwrap.dedent("""\
 
 
 def add_arguments(p) -> None:
+    from tfaploss.cli.arguments import add_config_arguments
     from tfaploss.compare.protocol import TRIALS_RULE
 
-    p.add_argument("--config", required=True, metavar="YAML",
-                   help="the base run config: data.train, data.test, model (its weights), "
-                        "augmentation, optimizer name")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one config key (as for train)")
+    add_config_arguments(p, config_help="the base run config: data.train, data.test, model "
+                                        "(its weights), augmentation, optimizer name",
+                         set_help="override one config key (as for train)")
     p.add_argument("--val", required=True, metavar="DIR",
                    help="the validation split (classes in neither train nor test): the "
                         "only split the tuning sees")

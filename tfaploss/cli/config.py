@@ -1,25 +1,11 @@
 """``tfaploss config``: a run config validated and printed whole; and how every command
-takes a run config (``--config``, ``--set``: :func:`load_run_config`)."""
+loads a run config (:func:`load_run_config`)."""
 
 from __future__ import annotations
 
 import sys
 
-from tfaploss.cli.arguments import add_command
-
-CONFIG_HELP = ("run config: a YAML file, or recipe:NAME for a shipped recipe "
-               "(`tfaploss recipes` lists them)")
-SET_HELP = (
-    "override one config key, YAML-typed; repeatable. Examples: --set training.epochs=3 "
-    "--set optimizer.lr=2e-5 --set evaluation.ks=[1,10] --set model.weights=null "
-    "--set loss.temperature=0.05"
-)
-
-
-def add_config_arguments(p) -> None:
-    """``--config YAML`` (required) and ``--set KEY=VALUE``."""
-    p.add_argument("--config", required=True, metavar="YAML", help=CONFIG_HELP)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
+from tfaploss.cli.arguments import add_command, add_config_arguments
 
 
 def register(sub) -> None:

@@ -1,7 +1,5 @@
 """``tfaploss evaluate``: retrieval metrics of a ``.keras`` model, an exported SavedModel,
 or a config's untrained model, on a split of TFRecords.
-
-Heavy imports (TensorFlow, Keras) happen inside the functions, so ``--help`` stays instant.
 """
 
 from __future__ import annotations
@@ -10,8 +8,8 @@ import os
 import sys
 import textwrap
 
-from tfaploss.cli.arguments import add_command
-from tfaploss.cli.config import SET_HELP, load_run_config
+from tfaploss.cli.arguments import SET_HELP, add_command, add_config_arguments
+from tfaploss.cli.config import load_run_config
 from tfaploss.log import is_terminal
 
 
@@ -125,47 +123,41 @@ def register(sub) -> None:
 def _arguments(p) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help=".keras file or exported SavedModel")
-    source.add_argument("--config", metavar="YAML",
-                        help="evaluate the untrained model `tfaploss train --config YAML` "
-                             "starts from (a baseline); YAML: a file or recipe:NAME")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="with --config: " + SET_HELP)
-    p.add_argument("--data", default=None, metavar="SPLIT_DIR",
-                   help="database split (TFRecord folder); with --config, default: its "
-                        "data.test")
-    p.add_argument("--protocol", default="retrieval",
-                   help="retrieval (default; ks 1,10,100), sop (1,10,100,1000), "
-                        "inaturalist (1,4,16,32), cub, cars, revisited / roxford / rparis, "
-                        "gldv2")
-    p.add_argument("--query", default=None, metavar="SPLIT_DIR",
+    add_config_arguments(p, group=source, set_help="with --config: " + SET_HELP,
+                         config_help="evaluate the untrained model `tfaploss train --config "
+                                     "YAML` starts from (a baseline); YAML: a file or "
+                                     "recipe:NAME")
+    p.add_argument("--data", metavar="SPLIT_DIR", help="database split (TFRecord folder); "
+                   "with --config, default: its data.test")
+    p.add_argument("--protocol", default="retrieval", help="retrieval (default; ks 1,10,100), "
+                   "sop (1,10,100,1000), inaturalist (1,4,16,32), cub, cars, revisited / "
+                   "roxford / rparis, gldv2")
+    p.add_argument("--query", metavar="SPLIT_DIR",
                    help="separate query split (revisited, gldv2, or any query/database set)")
-    p.add_argument("--gnd", default=None,
-                   help="ground truth for revisited (the gnd_<dataset>.json that "
-                        "tfaploss.pipelines.revisited writes; a gnd_*.pkl is refused with the command "
-                        "that converts it) or gldv2")
-    p.add_argument("--ks", default=None, help="comma-separated cut-offs, e.g. 1,10,100 "
-                                              "(default: the protocol's)")
-    p.add_argument("--backend", default=None,
-                   choices=("auto", "exact", "scann", "scann_ah", "faiss"),
+    p.add_argument("--gnd", help="ground truth for revisited (the gnd_<dataset>.json that "
+                   "tfaploss.pipelines.revisited writes; a gnd_*.pkl is refused with the "
+                   "command that converts it) or gldv2")
+    p.add_argument("--ks", help="comma-separated cut-offs, e.g. 1,10,100 (default: the "
+                   "protocol's)")
+    p.add_argument("--backend", choices=("auto", "exact", "scann", "scann_ah", "faiss"),
                    help="search backend (default: the config's, else auto: exact search "
                         "without --target-recall, with it the best installed searcher "
                         "tuned to it, ScaNN, else faiss, else exact; scann_ah: "
                         "approximate, for large databases; faiss: flat, or tuned with "
                         "--target-recall; scann and scann_ah need pip install "
                         "\"tfaploss[scann]\", faiss pip install \"tfaploss[faiss]\")")
-    p.add_argument("--target-recall", type=float, default=None, metavar="R",
+    p.add_argument("--target-recall", type=float, metavar="R",
                    help="tune the search to reach recall@k >= R in (0, 1] against exact "
                         "search (k: the largest cut-off), measured on a sample of the "
                         "queries; exact search when no setting beats it (default: the "
                         "config's evaluation.target_recall, else none: search with "
                         "--backend as is)")
-    p.add_argument("--image-size", default=None,
-                   help="side of the centre crop the images are resized to, or 'original' "
-                        "(default: the model's input size, else 224)")
+    p.add_argument("--image-size", help="side of the centre crop the images are resized to, "
+                   "or 'original' (default: the model's input size, else 224)")
     p.add_argument("--batch-size", type=int, default=64, help="images embedded at once")
-    p.add_argument("--out", default=None, metavar="DIR",
-                   help="write metrics.json and figures here (default: eval_<split> "
-                        "beside the model; with --config, RUN_DIR/eval_untrained_<split>)")
+    p.add_argument("--out", metavar="DIR", help="write metrics.json and figures here "
+                   "(default: eval_<split> beside the model; with --config, "
+                   "RUN_DIR/eval_untrained_<split>)")
 
 
 def cmd_evaluate(args) -> int:

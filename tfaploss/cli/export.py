@@ -53,7 +53,7 @@ def _arguments(p) -> None:
     p.add_argument("--version", type=int, default=None,
                    help="version number (default: one more than the largest in OUT)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing version")
-    p.add_argument("--index", default=None, metavar="SPLIT_OR_EMBEDDINGS",
+    p.add_argument("--index", metavar="SPLIT_OR_EMBEDDINGS",
                    help="add the retrieve signature over this catalogue: a split folder "
                         "(embedded now with --model) or the output folder of python -m "
                         "tfaploss.pipelines.embed run with this model's export")

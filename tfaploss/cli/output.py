@@ -1,12 +1,8 @@
-"""A command's standard output on a full disk (``tfaploss recipes show NAME > my.yaml``,
-``tfaploss verify DIR > report.txt`` there): one error line naming where the output
-went, exit status 2, instead of a traceback per logged line or an error at exit.
-
-:func:`guarded_stdout` puts :class:`GuardedOutput` in front of ``sys.stdout`` for the
-command: whoever writes there (``print``, the log handler of :mod:`tfaploss.log`, a
-progress bar), a write or flush the disk refuses raises :class:`OutputFullError`, an
-``OSError`` with ``errno.ENOSPC`` that the command's error handling reports as every
-full disk. :func:`finish` flushes the output and raises what the log handler kept.
+"""A command's standard output on a full disk (``tfaploss verify DIR > report.txt``
+there): one error line naming where the output went, exit status 2, instead of a
+traceback per logged line. :func:`guarded_stdout` puts :class:`GuardedOutput` in front
+of ``sys.stdout``, so a write or flush the disk refuses raises :class:`OutputFullError`
+(an ``ENOSPC`` ``OSError``); :func:`finish` flushes and raises what the log handler kept.
 Cost: one Python call per write.
 """
 
@@ -51,24 +47,20 @@ class GuardedOutput:
     def __init__(self, stream):
         self._stream = stream
 
-    def _full(self, err: OSError) -> OSError:
-        return OutputFullError(_target(self._stream)) if err.errno in _FULL else err
+    def _call(self, method: str, *args):
+        try:
+            return getattr(self._stream, method)(*args)
+        except OutputFullError:
+            raise
+        except OSError as err:
+            raise (OutputFullError(_target(self._stream)) if err.errno in _FULL
+                   else err) from None
 
     def write(self, text):
-        try:
-            return self._stream.write(text)
-        except OutputFullError:
-            raise
-        except OSError as err:
-            raise self._full(err) from None
+        return self._call("write", text)
 
     def flush(self):
-        try:
-            return self._stream.flush()
-        except OutputFullError:
-            raise
-        except OSError as err:
-            raise self._full(err) from None
+        return self._call("flush")
 
     def __getattr__(self, name):
         return getattr(self._stream, name)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import textwrap
 
-from tfaploss.cli.arguments import add_command
-from tfaploss.cli.config import add_config_arguments, load_run_config
+from tfaploss.cli.arguments import add_command, add_config_arguments
+from tfaploss.cli.config import load_run_config
 from tfaploss.log import is_terminal
 
 
@@ -61,7 +61,7 @@ def register(sub) -> None:
 
 def _arguments(p) -> None:
     add_config_arguments(p)
-    p.add_argument("--run-dir", default=None, metavar="DIR",
+    p.add_argument("--run-dir", metavar="DIR",
                    help="where checkpoints, logs and the model go (default: the config's "
                         "run_dir)")
     p.add_argument("--restart", action="store_true",

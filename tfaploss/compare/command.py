@@ -1,10 +1,6 @@
-"""What ``tfaploss compare`` does, once its arguments are read (:mod:`tfaploss.cli.compare`):
-check the splits, embed them once, run the protocol from the ledger, write the report.
-
-Every report carries, from the same run of the command, the frozen features' row and a
-PCA baseline at the embedding size (:func:`tfaploss.compare.features.baselines`), and
-each loss's difference from the frozen features. What a person sees while it runs is
-the caller's: :func:`compare` tells ``progress`` of every run as it ends.
+"""What ``tfaploss compare`` does once its arguments are read (:mod:`tfaploss.cli.compare`):
+check the splits, embed them once, run the protocol from the ledger, write the report
+(with the frozen features' and PCA rows, :func:`tfaploss.compare.features.baselines`).
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """The image tier's convergence curve, measured after precise BN.
 
-``tfaploss train``'s own evaluation during training scores the network with the
-BatchNorm statistics it has then, the moving averages, which trail the weights: a run
-at B=512 ended its curve at 55.1 where the same model scored 91.2 once its statistics
-were re-estimated. :class:`PreciseBNCurve` re-estimates them first (``precise BN``,
-:func:`tfaploss.run.build.precise_batch_norm`, on the run's ``model.precise_bn_images``
-training images), then evaluates, so every point of the curve is what the model at
-that step scores.
-
-Re-estimating in place does not change the run: training-mode passes normalise with
-the batch's own statistics and never read the moving ones, and the precise BN at the
-end of ``tfaploss train`` replaces them whole (its first batch has weight 1). With
-frozen BatchNorm there is nothing to re-estimate and it is the plain evaluation.
-
-The image runner (:mod:`tfaploss.compare.images`) names it in the run's
-``training.callbacks``, by import path, so ``tfaploss train`` builds it.
+``tfaploss train``'s own evaluation scores the moving BatchNorm averages, which trail the
+weights (55.1 where the same model scored 91.2 after re-estimating them, at B=512).
+:class:`PreciseBNCurve` re-estimates them first
+(:func:`tfaploss.run.build.precise_batch_norm`, on ``model.precise_bn_images`` images),
+which does not change the run: training passes use batch statistics, and the final
+precise BN replaces the averages whole. The image runner names it in the run's
+``training.callbacks`` by import path.
 """
 
 from __future__ import annotations

@@ -1,30 +1,19 @@
 """The cached-feature tier: a frozen backbone embeds every image once, and each run
-trains only an embedding head on those features.
-
-This is how many users work with a foundation model today (its features, a learned
-head), and it costs a fraction of a second per step, so the whole protocol (every loss,
-batches up to thousands, the full tuning budget, several seeds) fits on a CPU.
+trains only an embedding head on those features (a fraction of a second per step, so the
+whole protocol fits on a CPU).
 
 :func:`extract_features` embeds the splits with the config's backbone and pooling (its
-``model.weights``, BatchNorm frozen, no head) and caches them as ``.npz`` files keyed
-by what produced them. :class:`FeatureRunner` trains one run: an embedding head with
-Adam and a cosine decay to 0, on batches of ``m`` images of ``B / m`` classes drawn
-from the features by a seeded sampler; it records the validation MAP@R of the run's
-end (what the tuning compares), and for the evaluation seeds the validation MAP@R at a
-few points of the run (the convergence curve) and the test MAP@R.
+``model.weights``, BatchNorm frozen, no head) and caches them as ``.npz`` files keyed by
+what produced them. :class:`FeatureRunner` trains one run: a head with Adam and a cosine
+decay to 0 on seeded batches of ``m`` images of ``B / m`` classes; it records the
+validation MAP@R at the run's end, and for the evaluation seeds the convergence curve
+and the test MAP@R.
 
-The head (``head``) starts where the features are, so that a run measures what its
-loss adds to them, not how fast a random head recovers them:
-
-* ``residual`` (the default): ``x + W2 relu(W1 x + b1) + b2``, full width, with W2 and
-  b2 zero at step 0: the identity;
-* ``linear``: ``W x + b``, full width, W the identity and b zero at step 0;
-* ``mlp``: the earlier default, ``Dense(hidden, relu) -> Dense(dim)`` from a random
-  start (kept to reproduce the first studies).
-
-At step 0 the residual and linear heads score exactly the frozen features; every
-report carries that score, and a PCA of the training features to the embedding size,
-as its baseline rows (:func:`baselines`).
+The head starts where the features are, so that a run measures what its loss adds to
+them: ``residual`` (default) ``x + W2 relu(W1 x + b1) + b2`` with W2, b2 zero at step 0;
+``linear`` ``W x + b`` with W = I, b = 0; ``mlp`` ``Dense(hidden, relu) -> Dense(dim)``
+from a random start (the first studies' head). Every report carries the frozen features'
+score and their PCA as baseline rows (:func:`baselines`).
 """
 
 from __future__ import annotations
@@ -286,14 +275,9 @@ class FeatureRunner:
         return model
 
     def step(self, model):
-        """``(x, y) -> loss``: one update of the compiled ``model``.
-
-        Under TensorFlow, a ``tf.function`` traced without autograph: the head and the
-        losses have no Python control flow on tensors, and Keras's ``train_on_batch``
-        traces its step anew for every run's model, with autograph, which dominated
-        a short run (3.5 s of 7 on a loaded 2-core machine; this traces in about half
-        the time, and a step costs the same). Other backends: ``train_on_batch``.
-        """
+        """``(x, y) -> loss``: one update of the compiled ``model``. Under TensorFlow a
+        ``tf.function`` without autograph (``train_on_batch`` retraced every run's step
+        with autograph: half of a short run); other backends: ``train_on_batch``."""
         import keras
 
         if keras.backend.backend() != "tensorflow":

@@ -1,17 +1,11 @@
-"""The image tiers: each run trains the whole network through ``tfaploss train``.
+"""The image tiers: each run trains the whole network through ``tfaploss train``,
+from scratch (``model.weights: null``) or fine-tuning the config's ``model.weights``.
 
-From scratch (``model.weights: null``) or fine-tuning a pretrained backbone (the
-config's ``model.weights``, e.g. a user's ImageNet file, BatchNorm as the config says),
-with the config's data, model, augmentation and optimizer; the runner sets the loss, the
-learning rate (cosine decay to 0), the batch, the number of updates and the seed, and
-multi-stages batches larger than ``chunk_size``. The validation classes are evaluated
-after every epoch (the convergence curve) on at most ``curve_images`` images, after
-precise BN (:class:`tfaploss.compare.curves.PreciseBNCurve`: with BatchNorm on batch
-statistics, train's own evaluation would score the moving averages, which trail the
-weights), the test classes once at the end for the evaluation seeds.
-
-What ``tfaploss train`` reports for a run goes to that run's log (``RUN.train.log`` beside
-its run folder ``RUN``), not to the comparison's console.
+The runner sets the loss, the learning rate (cosine decay to 0), the batch, the updates
+and the seed, and multi-stages batches above ``chunk_size``; the rest is the config's.
+The validation classes are scored after every epoch (the curve) after precise BN
+(:class:`tfaploss.compare.curves.PreciseBNCurve`), the test classes once at the end.
+What ``tfaploss train`` reports goes to the run's log (``RUN.train.log``), not the console.
 """
 
 from __future__ import annotations

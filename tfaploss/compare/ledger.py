@@ -1,17 +1,12 @@
 """A comparison's ledger: every run it trained, one JSON row per line, keyed on
 everything that defines the run.
 
-A run's key hashes its :class:`~tfaploss.compare.protocol.RunSpec` (loss, settings,
-batch, updates, seed) together with the comparison's *setup*: the tier, the config, the
-fingerprint of the data or cached features, the head, m, the test classes scored, and
-whatever else the runner says defines its runs (``runner.setup()``). Each row carries
-its setup, so a changed setup never reuses a row of another: it starts new cells beside
-the old ones, and a note names what changed. Rows written before runs were keyed on
-their setup (they have no ``setup``) are kept and never reused, with a note saying so.
-
-Appending is durable: a row is flushed and fsynced as its run ends, a kill cuts short
-only the last line (dropped with a note when the ledger is read again), and a full disk
-leaves no half line behind.
+A run's key hashes its :class:`~tfaploss.compare.protocol.RunSpec` with the comparison's
+*setup* (tier, config, data or feature fingerprint, head, m, test classes,
+``runner.setup()``). A changed setup never reuses another's rows: it starts new cells,
+with a note naming what changed; rows without a setup (older ledgers) are never reused.
+Appending is durable: a row is fsynced as its run ends, so a kill cuts short only the
+last line and a full disk leaves no half line.
 """
 
 from __future__ import annotations
@@ -77,13 +72,10 @@ class Ledger:
         tier: ``"features"`` or ``"images"``.
         setup: what defines the runs beside their spec (JSON-able; the tier is added).
 
-    Reading it: a last line that a kill cut short (no newline, or not a row) is cut off
-    the file, with a note (logger ``tfaploss.compare.protocol``, INFO), and its run is
-    done again; any other line that is not a row raises :class:`DamagedLedgerError`
-    naming the file and the line. Rows of another setup, or of none, are kept in
-    ``rows`` and never returned by :meth:`get`; a note names what differs. Only one
-    process may write a ledger: ``tfaploss compare`` holds its output folder's lock
-    (:mod:`tfaploss.durable.locks`) while it runs. Cost: one read of the file.
+    A last line a kill cut short is cut off with a note and its run done again; any other
+    line that is not a row raises :class:`DamagedLedgerError`. Rows of another setup are
+    kept in ``rows``, never returned by :meth:`get`. One writer: ``tfaploss compare``
+    holds its output folder's lock. Cost: one read of the file.
     """
 
     def __init__(self, path: str | os.PathLike, tier: str, setup: dict | None = None):

@@ -1,47 +1,14 @@
 """The comparison protocol: every loss tuned alike, then seeds, intervals and pairs.
 
-After Musgrave, Belongie, Lim, "A Metric Learning Reality Check", ECCV 2020:
-
-1. every loss gets the same backbone, embedding, augmentation and optimizer (the
-   runner's), and a tuning budget by one rule (:func:`trials_for_knobs`: a base number
-   of trials for a loss with one knob of its own beside the learning rate, more in
-   proportion for a loss with more knobs) per (loss, batch, budget);
-2. the trials are chosen by Optuna's TPE sampler, or laid on a grid (``grid``: an
-   N-point log grid of the learning rate times a few points of each knob), over the
-   learning rate (log-uniform over the same range at every batch size) and the loss's
-   own knobs (:data:`SEARCH_SPACES`), scored on the VALIDATION classes only (MAP@R),
-   each trial with the tuning seed;
-3. the best trial's setting is trained again with the evaluation seeds (never a tuning
-   seed) and scored on the TEST classes: the mean with a 95 % interval, and each loss's
-   paired difference against the best peer over the shared seeds (the same seed gives
-   both losses the same initialisation and the same batches). The best peer of a cell
-   is the peer with the best VALIDATION MAP@R of its evaluation runs, never the best
-   test score.
-
-Tuning repeats (``tuning_repeats`` R > 1): the whole tuning is done R times, repeat r
-with the tuning seed ``tuning_seed + r`` (another TPE sampler seed, other trial runs),
-and each repeat's pick is trained with the evaluation seeds, repeat r's seed s run as
-seed ``s + 10000 r`` (so that two repeats that pick the same setting are still two
-draws, not one run counted twice). The units are the (repeat, seed) runs, nested in
-repeats; the interval is the two-level one of a balanced nested design: the
-t-interval over the R repeat means (R - 1 degrees of freedom), whose spread holds both
-the tuning's noise and the seeds' (a repeat mean varies by the tuning noise plus the
-seed noise over S seeds). With R = 1 it is the t-interval over the seeds, which holds
-the seeds' noise only (the report says which). Paired differences pair the units
-(repeat r, seed s) of two losses and take the same interval over the differences.
-
-Budgets, per batch size B and with B_max the largest batch of the comparison:
-
-* ``images``: every batch size sees the same number of images (``images / B`` updates);
-* ``updates``: every batch size takes the same number of updates (``updates``);
-* ``matched``: the compute-matched control: every batch size sees as many images as
-  B_max sees in ``updates`` updates (``updates · B_max / B`` updates). Beside
-  ``updates`` it separates "a larger batch" from "more images".
-
-Every run is a row of a ledger (:mod:`tfaploss.compare.ledger`): a comparison cut short
-resumes where it stopped, a changed setup starts new cells, and a run that failed
-(non-finite loss, collapse) stays in the tables as what it was. TPE is seeded and
-replays the cached trials in order, so a resumed search asks for the same settings.
+After Musgrave, Belongie, Lim, "A Metric Learning Reality Check", ECCV 2020: every loss
+gets the runner's backbone, embedding, augmentation and optimizer and a tuning budget by
+one rule (:func:`trials_for_knobs`) per (loss, batch, budget); the trials (Optuna's TPE,
+or a grid) over the learning rate and the loss's knobs (:data:`SEARCH_SPACES`) are scored
+on the VALIDATION classes only; the best trial's setting is trained again with the
+evaluation seeds and scored on the TEST classes (mean, 95 % interval, paired difference
+against the best peer, chosen on validation). Tuning repeats, the nested interval, the
+budgets (``images``, ``updates``, ``matched``) and resuming from the ledger
+(:mod:`tfaploss.compare.ledger`): ``docs/batch_sweep.md`` ("The protocol's details").
 """
 
 from __future__ import annotations

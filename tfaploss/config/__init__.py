@@ -1,9 +1,6 @@
-"""Run configurations: YAML files and the shipped recipes (``recipe:NAME``, found by
-:mod:`tfaploss.config.recipes`), loaded safely and validated.
-
-See :mod:`tfaploss.config.schema` for the keys. This package only describes a run and
-imports neither Keras nor TensorFlow; :mod:`tfaploss.run` carries it out
-(:mod:`tfaploss.run.build` turns a config into a model, a loss and an optimizer).
+"""Run configurations: YAML files and the shipped recipes (``recipe:NAME``), loaded
+safely and validated; the keys: :mod:`tfaploss.config.schema`. Imports neither Keras nor
+TensorFlow; :mod:`tfaploss.run` carries a config out.
 """
 
 from tfaploss.config.consistency import ConfigWarning

@@ -1,18 +1,15 @@
 """``training.callbacks``: the user's Keras callbacks, named by import path.
 
-Each entry is an import path, ``module.Class``, or a mapping ``{class: module.Class,
-kwargs: {...}}``::
+Each entry is ``module.Class`` or ``{class: module.Class, kwargs: {...}}``::
 
     training:
       callbacks:
         - class: keras.callbacks.EarlyStopping
           kwargs: {monitor: val_map@r, mode: max, patience: 3}
-        - my_project.callbacks.SlackNotifier
 
-The path is imported and its arguments bound to its signature when the config is
-loaded, so a typo fails before any training, with the key and value. ``tfaploss
-train`` adds each callback after the retrieval evaluation, so it sees the ``val_*``
-logs.
+The path is imported and its arguments bound when the config is loaded, so a typo fails
+before any training. ``tfaploss train`` adds each after the retrieval evaluation, so it
+sees the ``val_*`` logs.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""Checks across fields: settings that the field types cannot refuse on their own.
-
-A setting that would be ignored is refused (``momentum`` for Adam, a ``step``
-parameter on a ``linear`` schedule, a health threshold with the check disabled), as is
-one that contradicts another (a batch that the sampler cannot split). A setting that
-is valid but probably not what was meant (a ``training.chunk_size`` that does not split
-the batch, which turns multi-stage backpropagation off) is a note, given as a
-:class:`ConfigWarning`.
+"""Checks across fields: a setting that would be ignored (``momentum`` for Adam) or that
+contradicts another (a batch the sampler cannot split) is refused; one that is valid but
+probably not meant (a ``chunk_size`` that does not split the batch) is a
+:class:`ConfigWarning` note.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Typed conversion of raw YAML values: each value is checked against its field's
-annotation and returned in canonical form, or refused with a :class:`ConfigError` that
-names the dotted key, what is allowed there and what was received
-("config key 'optimizer.lr': expected a number, received a string 'fast'.").
-
-Any annotation the converter does not know is a ``TypeError`` on the first config
-checked, never a silent pass. A section whose keys cannot be known from annotations
+annotation and returned in canonical form, or refused with a :class:`ConfigError` naming
+the dotted key, what is allowed and what was received. An unknown annotation is a
+``TypeError`` on the first config checked; a section whose keys annotations cannot give
 (``loss``) supplies a ``from_raw(raw, path)`` classmethod instead.
 """
 

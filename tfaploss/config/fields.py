@@ -1,8 +1,5 @@
-"""The building blocks of the schema's fields: the error a bad value raises, the
-range a numeric field allows and the bounds that several sections share. Kept apart
-from :mod:`tfaploss.config.schema` so that a section defined in its own module
-(:mod:`tfaploss.config.health`, :mod:`tfaploss.config.loss_section`) uses the same
-ranges without importing the schema."""
+"""The schema's field building blocks (the error, numeric ranges, shared bounds), apart
+from :mod:`tfaploss.config.schema` so that sections in their own modules share them."""
 
 from __future__ import annotations
 
@@ -22,9 +19,7 @@ MAX_EPOCHS = 10 ** 6
 @dataclass(frozen=True)
 class Range:
     """The values a numeric key allows: ``low``..``high``, ``low`` excluded when
-    ``low_open``. The bounds are what the code can run (e.g. batches up to 2**20, seeds
-    that TensorFlow and NumPy both take), so a value that parses but makes no sense
-    (``epochs: 1.0e+26``, a negative size) is refused with its key, never trained."""
+    ``low_open``; the bounds are what the code can run (``epochs: 1.0e+26`` is refused)."""
 
     low: float | None = None
     high: float | None = None

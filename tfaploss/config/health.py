@@ -130,10 +130,5 @@ HealthConfig.__module__ = __name__
 HealthConfig.__doc__ = """The batch-health check of ``tfaploss train``
 (:class:`tfaploss.training.TrainingHealthMonitor`): ``enabled`` and every field of
 :class:`HealthThresholds` but ``flat_rtol``, with the same defaults and ranges, except
-``stop_share``: 0.25 here, where the callback alone only warns.
-
-The run is warned about, and stopped, as :class:`HealthThresholds` says, with the
-message on the console and the reason in summary.json (``stopped_early``) and
-epochs.jsonl. ``stop_share: null`` only warns, ``cone_cosine: null`` turns the
-wide-cone rule off, ``stall_chance_ap: null`` the warning at chance. ``enabled: false``
-turns the check off (the metrics are still logged)."""
+``stop_share``: 0.25 here, where the callback alone only warns. ``enabled: false`` turns
+the check off (the metrics are still logged)."""

@@ -1,12 +1,8 @@
-"""Loading a run configuration: the YAML file read safely, ``--set`` overrides
-applied, the result converted and checked into a :class:`~tfaploss.config.schema.Config`::
+"""Loading a run configuration: the YAML read safely, ``--set`` overrides applied
+(``dotted.key=value``, the value parsed as YAML), the result checked into a
+:class:`~tfaploss.config.schema.Config`::
 
-    cfg = load_config("recipe:smoothap_sop_resnet50",   # or a path: "my_run.yaml"
-                      overrides=["optimizer.lr=2e-5", "training.epochs=3"])
-    cfg.optimizer.lr        # 2e-05
-
-Overrides are ``dotted.key=value`` strings whose value is parsed as YAML
-(``evaluation.ks=[1,10]`` a list, ``model.weights=null`` None).
+    cfg = load_config("recipe:smoothap_sop_resnet50", overrides=["training.epochs=3"])
 """
 
 from __future__ import annotations
@@ -101,10 +97,8 @@ def config_from_dict(raw: dict | None, overrides=None, *, warn: bool = True) -> 
 
 
 def read_config_file(path: str | Path):
-    """The raw YAML of a config file, read with :mod:`tfaploss.config.yaml_loader`
-    (safe_load semantics, bounded alias expansion, duplicate keys refused); every
-    failure is a :class:`ConfigError` naming the file. ``recipe:NAME`` reads the
-    shipped recipe NAME (:func:`tfaploss.config.recipes.resolve_config_path`)."""
+    """The raw YAML of a config file or ``recipe:NAME`` (:mod:`tfaploss.config.yaml_loader`);
+    every failure is a :class:`ConfigError` naming the file."""
     from tfaploss.config.yaml_loader import MAX_CONFIG_BYTES, YAMLLimitError, load_yaml_text
 
     path = resolve_config_path(path)

@@ -1,9 +1,6 @@
-"""The ``loss`` section: a class of :mod:`tfaploss.losses` (``name``) and its
-constructor arguments, checked against that class's signature when the config is
-loaded (``loss.num_bins=25``). Its keys depend on the class named, so it is the one
-section the generic converter cannot check from annotations. Listing the classes
-imports :mod:`tfaploss.losses` (and Keras), inside the functions only, so that the
-config package itself imports neither.
+"""The ``loss`` section: a class of :mod:`tfaploss.losses` (``name``) and its constructor
+arguments, checked against its signature when the config is loaded. Listing the classes
+imports :mod:`tfaploss.losses` (and Keras) inside the functions only.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The recipes tfaploss ships: run configurations found by name, wherever it is installed.
-
-A recipe is a YAML run configuration with a ``description:`` key, kept in ``configs/``;
-a built wheel carries the same files as ``tfaploss/recipes/*.yaml`` (setup.py's
-``build_py`` copies them), and a clone or editable install reads ``configs/`` itself.
+"""The shipped recipes: YAML run configurations with a ``description:`` key in
+``configs/``, copied into a wheel as ``tfaploss/recipes/*.yaml`` (setup.py's ``build_py``).
 :func:`resolve_config_path` is the one place the ``recipe:`` prefix is understood.
 """
 

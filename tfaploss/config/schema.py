@@ -1,18 +1,13 @@
 """Run configurations: the typed schema of the YAML recipes in ``configs/``.
 
 A run is one YAML file with the sections ``data``, ``model``, ``loss``, ``optimizer``,
-``training`` and ``evaluation`` plus ``run_dir``; each section is a dataclass below,
-whose docstring says what its keys mean. Validation is strict so that a typo never
-silently trains something else: an unknown key, a value of the wrong type or outside
-its range raises :class:`ConfigError` with the dotted key (``optimizer.schedule.end_lr``)
-and what is allowed there. Where each check lives: :mod:`tfaploss.config.convert` (types
-and ranges), :mod:`tfaploss.config.loss_section` (the loss arguments),
-:mod:`tfaploss.config.consistency` (settings that contradict each other or would be
-ignored), :mod:`tfaploss.config.load` (files and ``--set`` overrides).
-
-Why dataclasses and not pydantic: pydantic would replace only the generic converter;
-the cross-field checks, the ``loss`` section and the error messages would stay, at the
-cost of a compiled runtime dependency for every user.
+``training`` and ``evaluation`` plus ``run_dir``; each section is a dataclass below. Every
+key is described in ``docs/training.md`` ("The run config's keys"). Validation is strict:
+an unknown key, a wrong type or a value out of range raises :class:`ConfigError` naming the
+dotted key; the checks live in :mod:`~tfaploss.config.convert` (types, ranges),
+:mod:`~tfaploss.config.loss_section`, :mod:`~tfaploss.config.consistency` (contradictions)
+and :mod:`~tfaploss.config.load` (files, ``--set``). Dataclasses, not pydantic: pydantic
+would replace only the generic converter, at the cost of a compiled dependency.
 """
 
 from __future__ import annotations
@@ -57,16 +52,9 @@ OPTIMIZER_PARAMS = {
 
 @dataclass
 class AugmentationConfig:
-    """Training-time augmentation, done in the input pipeline (never inside the model,
-    so multi-stage backpropagation sees the same pixels twice).
-
-    ``crop``: ``random_resized_crop`` (a window covering ``scale`` of the area, aspect
-    3/4..4/3, resized to ``image_size``: the papers' recipes) or ``center_crop`` (shorter
-    side to ``image_size / 0.875``, centre crop; ``scale`` is refused with it).
-    ``flip``: random horizontal flip after the crop; ``null`` follows the crop (after
-    ``random_resized_crop`` only); ``false`` for classes that are mirror images of each
-    other (arrows, glyphs), which a flip would mislabel.
-    """
+    """Training-time augmentation, in the input pipeline (never inside the model, so
+    multi-stage backpropagation sees the same pixels twice): ``crop``, its ``scale``,
+    ``flip`` (``null``: after ``random_resized_crop`` only)."""
 
     crop: Crop = "random_resized_crop"
     scale: tuple[float, float] | None = None
@@ -75,18 +63,8 @@ class AugmentationConfig:
 
 @dataclass
 class DataConfig:
-    """Where the TFRecords are and how batches are drawn.
-
-    ``train`` / ``test``: a split folder written by a ``pipelines`` job (the folder that
-    holds ``manifest.json``). ``m``: images per class in a batch; the batch holds
-    ``batch_size / m`` classes (``m_per_class``), two super-classes of
-    ``batch_size / 2`` images each (``hierarchical``), or every class with at least m
-    images (``all_classes``, where ``batch_size`` must then equal classes x m).
-    ``image_size``: side of the square training crops. ``test_image_size``: side of the
-    square test crops (default ``image_size``), or ``original`` to embed test images at
-    their own size (landmarks). ``label_levels``: 1, the class label; 2, labels
-    (class, super-class) for hierarchical losses (``HAPLoss``).
-    """
+    """Where the TFRecords are (``train`` / ``test``: split folders holding
+    ``manifest.json``) and how batches are drawn (``sampler``, ``m`` images per class)."""
 
     train: str | None = None
     test: str | None = None
@@ -102,38 +80,8 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    """The embedding network: backbone → pooling → Dense head → L2 normalisation.
-
-    ``backbone``: ``resnet50``, ``resnet101``, ``small_cnn``, or ``keras_hub:<preset>``
-    (a keras-hub preset name, a Kaggle/Hugging Face handle or a local preset folder;
-    ``pip install "tfaploss[hub]"``). ``backbone_file``: a ``.keras`` model of your own
-    mapping images to a feature map, tokens or pooled features; it replaces
-    ``backbone`` and brings its own weights. ``pooling``: ``gem``, ``avg``, ``max_ln``
-    for feature maps, ``cls`` or ``avg`` for a ViT's tokens
-    (:func:`tfaploss.models.build_pooling`).
-
-    ``weights``: ``null`` (random init), ``imagenet`` (the built-in ResNets),
-    ``preset`` (a keras-hub preset's own) or a weights file. ``preprocessing``: how raw
-    pixels are normalised inside the model: ``auto`` (the ResNets' caffe mode, a
-    preset's own converter, ImageNet mean/std otherwise), ``torch``, ``caffe`` or
-    ``none``.
-
-    ``freeze_bn``: ``true`` keeps BatchNorm statistics fixed (the papers' fine-tuning
-    setting), ``false`` normalises with batch statistics (each chunk with its own under
-    multi-stage backpropagation: ghost batch norm, still exact); ``null`` freezes them
-    when weights are loaded (``weights``, ``backbone_file``) or calibrated
-    (``bn_calibration_images``), because frozen statistics of a random initialisation
-    stop normalising as soon as the weights move (8 points of MAP@R on the glyph set,
-    ``docs/batch_sweep/first_sweep.md``). ``head_lr_multiplier`` /
-    ``proxy_lr_multiplier``: the head / a proxy loss's class proxies learn this many
-    times faster than the backbone (Proxy-Anchor's paper: 100).
-    ``bn_calibration_images``: with frozen BatchNorm and a random init, first estimate
-    the statistics from this many training images (0: keep them).
-    ``precise_bn_images``: after training, re-estimate the moving statistics of the
-    BatchNorm layers that use batch statistics on this many training images ("precise
-    BN", Wu & Johnson 2021; the running averages lag far behind a short run: MAP@R 49
-    with them, 72 after, on the glyph set); at most one pass over the split, 0: keep.
-    """
+    """The embedding network: backbone → pooling → Dense head → L2 normalisation,
+    its weights, preprocessing and BatchNorm handling (``docs/training.md``)."""
 
     backbone: Backbone | str = "resnet50"
     backbone_file: str | None = None
@@ -158,10 +106,8 @@ class ModelConfig:
 
 @dataclass
 class ScheduleConfig:
-    """Learning-rate schedule over the run's updates (batches, not chunks):
-    ``constant``; ``linear`` or ``cosine`` from ``optimizer.lr`` to ``end_lr``; ``step``
-    multiplies by ``gamma`` at each of ``step_epochs``. After ``optimizer.warmup_epochs``
-    of linear warm-up, if any."""
+    """Learning-rate schedule over the run's updates (batches, not chunks), after
+    ``optimizer.warmup_epochs`` of linear warm-up."""
 
     name: ScheduleName = "constant"
     end_lr: float | None = ranged(None, low=0, high=100)
@@ -188,9 +134,8 @@ class OptimizerConfig:
 
 @dataclass
 class XBMConfig:
-    """Cross-batch memory (Wang et al. CVPR'20): each batch's queries are also ranked
-    against the last ``size`` embeddings of earlier batches; that loss is added with
-    ``weight``. ``size: 0`` turns it off."""
+    """Cross-batch memory (Wang et al. CVPR'20): queries also ranked against the last
+    ``size`` embeddings of earlier batches, that loss added with ``weight``; 0: off."""
 
     size: int = ranged(0, low=0, high=2 ** 24)
     weight: float = ranged(1.0, low=0, high=1e6)
@@ -198,22 +143,8 @@ class XBMConfig:
 
 @dataclass
 class DistributeConfig:
-    """Data-parallel training on the devices of this machine
-    (:func:`tfaploss.run.devices.plan_devices`).
-
-    ``strategy``: ``"none"``: one device; ``"data_parallel"``: every batch split over
-    ``devices`` devices (``null``: all GPUs, else all CPU devices) with
-    ``MirroredStrategy`` (TensorFlow) or ``keras.distribution.DataParallel`` (JAX), the
-    losses ranking the global batch; ``"auto"``: ``data_parallel`` with 2 GPUs or more.
-    ``data.batch_size`` is the global batch; ``training.chunk_size`` counts images per
-    device; BatchNorm statistics are per device. Several processes or machines:
-    ``torchrun`` or ``tfaploss train --coordinator`` (docs/scale_out.md).
-
-    ``timeout_s``: under several processes, how long a rank waits in a collective for
-    the others before it fails: longer than the longest thing one rank does while the
-    others wait (rank 0 writing a checkpoint), far shorter than the 30 minutes a hung
-    rank otherwise holds the group. A resumed run may change it.
-    """
+    """Data-parallel training on this machine's devices
+    (:func:`tfaploss.run.devices.plan_devices`; several machines: docs/scale_out.md)."""
 
     strategy: Strategy = "auto"
     devices: int | None = ranged(None, low=1, high=4096)
@@ -222,15 +153,8 @@ class DistributeConfig:
 
 @dataclass
 class TrainingConfig:
-    """How long and how to train.
-
-    ``steps_per_epoch``: updates per epoch (``null``: the training split's image count
-    divided by the batch size). ``chunk_size``: images embedded at once; a larger batch
-    is trained with :class:`tfaploss.training.MultiStageModel` (same gradient).
-    ``health``: when to warn about, and stop, a collapsed or stalled run.
-    ``callbacks``: the user's Keras callbacks, each ``module.Class`` or ``{class:
-    module.Class, kwargs: {...}}``, checked when the config is loaded.
-    """
+    """How long and how to train; a batch above ``chunk_size`` is trained with
+    :class:`tfaploss.training.MultiStageModel` (same gradient)."""
 
     epochs: int = ranged(1, low=1, high=MAX_EPOCHS)
     steps_per_epoch: int | None = ranged(None, low=1, high=10 ** 9)
@@ -249,22 +173,8 @@ class TrainingConfig:
 
 @dataclass
 class EvaluationConfig:
-    """Retrieval evaluation on ``data.test`` (each image queries all the others).
-
-    ``every_n_epochs``: evaluate during training every N epochs (0: only at the end,
-    if ``at_end``). ``max_images``: evaluate on at most this many test images during
-    training (the final evaluation uses all of them). ``backend``: ``auto`` (default)
-    searches exactly without a target recall, and with one picks the best installed
-    searcher that can be tuned to it (ScaNN, else faiss, else exact search), logging
-    the choice; ``exact``, ``scann``, ``scann_ah`` or ``faiss`` name one (ScaNN and faiss:
-    their extras, checked before training starts). ``target_recall``: ``null`` (default)
-    searches with ``backend`` as is; a value in (0, 1] tunes the search to reach that
-    recall@k against exact search on a sample of the queries (faiss when ``backend`` is
-    ``faiss``, else ScaNN), or falls back to exact search when no setting beats it (the
-    report says which, with the recall measured). The two make :attr:`search_plan`,
-    which checks them once, here, and is what the trainer and ``tfaploss evaluate``
-    search with.
-    """
+    """Retrieval evaluation on ``data.test`` (each image queries all the others);
+    ``backend`` and ``target_recall`` make :attr:`search_plan`, checked once, here."""
 
     every_n_epochs: int = ranged(0, low=0, high=MAX_EPOCHS)
     at_end: bool = True
@@ -281,8 +191,7 @@ class EvaluationConfig:
 
     @property
     def search_plan(self) -> SearchPlan:
-        """The evaluation's :class:`~tfaploss.evaluation.search_plan.SearchPlan` (its
-        ``auto`` resolved when first asked)."""
+        """The :class:`~tfaploss.evaluation.search_plan.SearchPlan` to search with."""
         return self._search_plan
 
 
@@ -306,9 +215,8 @@ class Config:
 
     @property
     def multistage_chunk(self) -> int | None:
-        """The images of one forward/backward chunk (``MultiStageModel``'s ``chunk_size``),
-        or ``None`` when batches are not split: ``training.chunk_size`` unset, or not below
-        ``data.batch_size``."""
+        """The images of one forward/backward chunk, or ``None`` when batches are not split
+        (``training.chunk_size`` unset, or not below ``data.batch_size``)."""
         chunk = self.training.chunk_size
         return chunk if chunk is not None and self.data.batch_size > chunk else None
 

@@ -1,17 +1,9 @@
 """Reading run configurations: ``yaml.safe_load`` with bounds and strict mappings.
 
-Plain ``yaml.safe_load`` builds no objects beyond lists, dicts and scalars, but it still
-accepts three things a run configuration should not have:
-
-* **alias bombs**: nested anchors expand to 10^9 values from a 600-byte file, and every
-  later walk over the config expands them (minutes, gigabytes).
-  :class:`BoundedSafeLoader` counts the values the document expands to and refuses
-  past ``max_nodes``, and a recursive alias;
-* **duplicate keys**, which PyYAML keeps the last of silently: an error naming the key
-  and both lines (merge keys ``<<:`` still override);
-* huge or deeply nested files (``MAX_CONFIG_BYTES``, the recursion limit) and integers
-  past ``MAX_INT_DIGITS``, refused with their line.
-
+Refused, beyond safe_load: alias bombs (:class:`BoundedSafeLoader` counts the values the
+document expands to, past ``max_nodes``, and a recursive alias); duplicate keys (naming
+both lines; merge keys ``<<:`` still override); huge or deeply nested files
+(``MAX_CONFIG_BYTES``, the recursion limit) and integers past ``MAX_INT_DIGITS``.
 Cost: linear in the size of the file.
 """
 

@@ -1,12 +1,8 @@
-"""Input pipeline: the TFRecords written by ``pipelines`` -> batches for training/eval.
-
-* :func:`load_split` - every image of a split as dicts (``image``, ``label``, ``id``...).
-* :func:`make_train_dataset` - endless augmented batches from a class-balanced sampler
-  (``"m_per_class"``, ``"hierarchical"``, ``"all_classes"``) or plain shuffling.
-* :func:`make_eval_dataset` - each image once, resized + centre-cropped (or kept).
-
-Images are float32 raw pixels in [0, 255] by default, because the models carry their
-own preprocessing; pass ``normalize="imagenet"`` for (x / 255 - mean) / std.
+"""Input pipeline: the TFRecords written by ``pipelines`` -> batches for training/eval:
+:func:`load_split` (every image as dicts), :func:`make_train_dataset` (endless augmented
+batches from a class-balanced sampler or plain shuffling), :func:`make_eval_dataset`
+(each image once, resized and centre-cropped, or kept). Images are float32 raw pixels in
+[0, 255] by default (the models carry their own preprocessing).
 """
 
 import importlib

@@ -16,7 +16,6 @@ import tensorflow as tf
 DEFAULT_CROP_FRACTION = 0.875
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-NORMALIZATIONS = (None, "imagenet")
 
 
 def _decode_window(encoded: tf.Tensor, window: tf.Tensor) -> tf.Tensor:
@@ -48,13 +47,10 @@ def random_resized_crop(encoded: tf.Tensor, image_size: int, seed: tf.Tensor,
                         scale=(0.16, 1.0), ratio=(3 / 4, 4 / 3)) -> tf.Tensor:
     """RandomResizedCrop from encoded bytes to float32 ``[image_size, image_size, 3]``.
 
-    Samples a window covering ``scale`` of the area with aspect ratio in ``ratio`` (10
-    attempts, then the whole image, as ``tf.image.sample_distorted_bounding_box`` does),
-    decodes only that window and resizes it: averaged over each output pixel's box of
-    input pixels when the window shrinks in both directions (``area``), bilinear
-    otherwise. Costs one JPEG decode of the window: TensorFlow's antialiased bilinear
-    filter would cost about as much again (``benchmarks/input_pipeline.py``), and a
-    CPU training step shares its cores with the input pipeline.
+    A window covering ``scale`` of the area with aspect ratio in ``ratio`` (10 attempts,
+    then the whole image), decoded alone and resized (:func:`_resize`). Costs one JPEG
+    decode of the window (an antialiased bilinear filter would cost as much again:
+    ``benchmarks/input_pipeline.py``).
     """
     shape = image_shape(encoded)
     begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
@@ -67,9 +63,8 @@ def random_resized_crop(encoded: tf.Tensor, image_size: int, seed: tf.Tensor,
 
 
 def _resize(image: tf.Tensor, image_size: int, shrinks: tf.Tensor) -> tf.Tensor:
-    """Square resize: box-averaged when ``shrinks`` (an antialiased shrink at a third of
-    the antialiased bilinear filter's cost), else bilinear (enlarging needs no
-    antialiasing)."""
+    """Square resize: box-averaged when ``shrinks`` (antialiased at a third of the
+    antialiased bilinear filter's cost), else bilinear."""
     size = [image_size, image_size]
     return tf.cond(shrinks, lambda: tf.image.resize(image, size, method="area"),
                    lambda: tf.image.resize(image, size, method="bilinear"))

@@ -124,25 +124,20 @@ def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_
         batch_size: images per batch B (a multiple of m for the samplers).
         m: images per class in a batch.
         image_size: side S of the square output images.
-        augment: RandomResizedCrop(``crop_scale``, ratio 3/4..4/3) (+ horizontal flip,
-            see ``flip``); False: resize the shorter side to S / 0.875 and centre-crop S.
+        augment: RandomResizedCrop(``crop_scale``, ratio 3/4..4/3), then ``flip``;
+            False: resize the shorter side to S / 0.875 and centre-crop S.
         crop_scale: area range of the crop, (0.16, 1) (ROADMAP) or (0.08, 1) (torchvision).
-        normalize: ``None`` (default): raw float32 pixels in [0, 255], for models that
-            carry their own preprocessing; ``"imagenet"``: (x / 255 - mean) / std.
-        seed: makes the stream reproducible (each new iterator reshuffles, like a new
-            epoch, reproducibly too).
+        normalize: ``None`` (raw pixels in [0, 255]) or ``"imagenet"``.
+        seed: makes the stream, and each new iterator's reshuffle, reproducible.
         shuffle_buffer: records in the shuffle buffer (memory: this times a record).
         num_classes: for ``all_classes`` without a manifest.
         with_ids: also return the image ids: ``(images, labels, ids)``.
         flip: random horizontal flip after the crop; ``None`` flips when ``augment``;
             ``False`` for classes that are mirror images of each other.
-        label_levels: 1: labels [B]; 2: labels [B, 2] = (class, super-class) for
-            hierarchical losses (a class without a super-class in the manifest gets
-            one of its own).
-        num_shards, shard_index: this rank's share of each global batch under data
-            parallelism: every rank draws the same global batches and decodes only
-            its own rows, whole classes (``B / num_shards`` a multiple of m); the
-            shards in rank order are the ``num_shards=1`` batch, pixels included.
+        label_levels: 1: labels [B]; 2: labels [B, 2] = (class, super-class).
+        num_shards, shard_index: this rank's share of each global batch (whole classes;
+            ``B / num_shards`` a multiple of m); every rank draws the same global batches
+            and decodes only its own rows.
 
     Returns:
         An infinite ``tf.data.Dataset`` of ``B / num_shards`` rows per batch.

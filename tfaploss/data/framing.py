@@ -2,15 +2,10 @@
 
 A TFRecord is ``uint64 length``, the masked CRC-32C of those 8 bytes, the data, and the
 masked CRC-32C of the data. The pipelines' workers frame records with
-:func:`frame_record` (without importing TensorFlow); :mod:`tfaploss.data.record_checks`
-reads the same framing back, and the manifest records each shard's
-:func:`file_checksum`.
-
-Why CRC-32C rather than SHA-256: the checksum is there to catch storage damage (bit rot,
-truncated or swapped copies), not tampering, and CRC-32C is what TFRecord frames
-already use and what Google Cloud Storage reports for every object; with google-crc32c
-(hardware CRC instructions) it runs at several GB/s, faster than the disk, where
-hashlib's SHA-256 is several times slower.
+:func:`frame_record` (without TensorFlow); :mod:`tfaploss.data.record_checks` reads the
+framing back, and the manifest records each shard's :func:`file_checksum`. CRC-32C, not
+SHA-256: it catches storage damage, not tampering, is what TFRecord frames and Google
+Cloud Storage already use, and with google-crc32c runs faster than the disk.
 """
 
 from __future__ import annotations

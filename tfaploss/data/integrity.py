@@ -1,19 +1,13 @@
 """Damaged TFRecord shards: checksums, checks against the manifest, and one message.
 
-A shard damaged on disk (a flipped byte, a truncated copy, another file under its name)
-makes TensorFlow's reader raise ``DataLossError: corrupted record at N`` from deep inside
-``tf.data``, naming neither the file nor what to do; a copy truncated exactly between two
-records, or a zero-length one, is not noticed at all. This module turns every such case
-into one :class:`DamagedDataError` whose message names the file, the byte offset and the
-record, the job and split that wrote it (from ``manifest.json``) and the command that
-writes it again:
-
-:func:`check_split` checks a split's files against its manifest; :func:`reading` turns
-an error met while iterating records into that message, after a scan has found the
-file; :func:`startup_check` and :func:`skipping` are what ``tfaploss train`` checks
-before its first step and the damaged shards it was told to leave out. The checksums
-are :mod:`tfaploss.data.framing`'s, one file is read by
-:mod:`tfaploss.data.record_checks`, the manifest by :mod:`tfaploss.data.split_manifest`.
+TensorFlow's reader meets a damaged shard (a flipped byte, a truncated copy, another
+file under its name) as ``DataLossError: corrupted record at N``, naming neither the file
+nor what to do, and misses a copy truncated between records. This module turns every
+such case into one :class:`DamagedDataError` naming the file, the byte offset and
+record, the job and split that wrote it and the command that writes it again.
+:func:`check_split` checks a split against its manifest; :func:`reading` turns an error
+met while iterating into that message; :func:`startup_check` and :func:`skipping` are
+what ``tfaploss train`` checks first and the damaged shards it was told to leave out.
 """
 
 from __future__ import annotations
@@ -34,10 +28,8 @@ LOG = logging.getLogger(__name__)
 class DamagedDataError(ValueError):
     """A record file that cannot be read as what its manifest says it is.
 
-    ``path``: the file; ``offset``: byte offset of the damaged record (or None);
-    ``record``: its index in the file (or None); ``problem``: what is wrong, in words.
-    ``str(err)`` is the one message a user reads: file, where, who wrote it, how to
-    write it again. A ``ValueError``, so that the Beam jobs' ``__main__`` exits 2 on it.
+    ``path``: the file; ``offset``, ``record``: where (or None); ``problem``: what is
+    wrong, in words. A ``ValueError``, so that the Beam jobs' ``__main__`` exits 2 on it.
     """
 
     def __init__(self, message: str, *, path: str = "", offset: int | None = None,
@@ -64,9 +56,6 @@ class SplitReport:
     @property
     def ok(self) -> bool:
         return not self.damaged
-
-
-# ------------------------------------------------------------------------ a split
 
 
 def layout_files(split_dir: str, layout: str) -> list[str]:
@@ -176,6 +165,14 @@ def damaged_error(split_dir: str, damage: Damage, manifest: dict | None = None,
         problem=damage.problem)
 
 
+def _first_damage_error(split_dir: str, damaged: list[Damage], manifest: dict | None,
+                        what: str) -> DamagedDataError:
+    """The error of the first damaged file, the others logged as warnings first."""
+    for damage in damaged[1:]:
+        LOG.warning("also damaged: %s", damage.line())
+    return damaged_error(split_dir, damaged[0], manifest, what)
+
+
 def split_dir_of(path_or_glob: str) -> str:
     """The split folder of a split folder, a glob of its files, or one of its files."""
     if os.path.isdir(path_or_glob):
@@ -190,14 +187,9 @@ def check_or_raise(path: str, level: str = "sizes", *, layouts=("images", "by_cl
     (the others are logged as warnings first)."""
     split_dir = split_dir_of(path)
     report = check_split(split_dir, level, layouts=layouts)
-    for damage in report.damaged[1:]:
-        LOG.warning("also damaged: %s", damage.line())
     if report.damaged:
-        raise damaged_error(split_dir, report.damaged[0], report.manifest, what)
+        raise _first_damage_error(split_dir, report.damaged, report.manifest, what)
     return report
-
-
-# ------------------------------------------------------------------------ reading
 
 
 # What TensorFlow says when a record's bytes are at fault: the reader's framing errors,
@@ -242,21 +234,17 @@ def locate(paths, err: BaseException | None = None, what: str = "",
         report = check_split(split_dir, level)
         damaged = [d for d in report.damaged if os.path.normpath(d.path) not in ignore]
         if damaged:
-            for damage in damaged[1:]:
-                LOG.warning("also damaged: %s", damage.line())
-            return damaged_error(split_dir, damaged[0], report.manifest, what)
+            return _first_damage_error(split_dir, damaged, report.manifest, what)
     return None
 
 
 class reading:
     """Turn a damaged record met inside the block into one :class:`DamagedDataError`.
 
-    ``paths``: the splits the block reads (folders or globs). An error a record caused
-    (``DataLossError``; an ``InvalidArgumentError`` of a record's content, or the
-    ``UnicodeDecodeError`` TensorFlow raises in its place for a record that is not
-    UTF-8) is followed by a scan of these splits, which finds the file and record; the
-    error raised names them. Errors of another cause, and ones whose file no scan finds,
-    pass through unchanged. ``ignore``: files already known damaged and left out.
+    An error a record caused (``DataLossError``, an ``InvalidArgumentError`` of its
+    content, or the ``UnicodeDecodeError`` raised for one not UTF-8) is followed by a
+    scan of the splits ``paths``, which finds the file and record; other errors, and ones
+    no scan explains, pass through. ``ignore``: files already known damaged.
     """
 
     def __init__(self, *paths: str | None, what: str = "", ignore=()):
@@ -277,9 +265,6 @@ class reading:
         if found is None:
             return False
         raise found from None
-
-
-# ------------------------------------------------------------------------ skipping
 
 
 _SKIPPED: contextvars.ContextVar[tuple] = contextvars.ContextVar(
@@ -317,14 +302,11 @@ def startup_check(train: str | None, test: str | None = None, *, layout: str = "
     """What ``tfaploss train`` checks before its first step; the skipped shards.
 
     The training split's ``layout`` files and the test split's images at ``level``
-    (``"sizes"``: against the manifest, no read; ``"full"``: also checksums; ``"off"``).
-    ``skip``: the training split is read once in full (``"records"``) and its damaged
-    files are left out instead of stopping the run; returns ``{"shards": [{"file",
-    "problem", "records"}], "records": total or None}`` (None when nothing was
-    skipped). Otherwise the first damaged file raises :class:`DamagedDataError`.
-    Skipping by-class files also returns ``"class_records"`` (``{label: images of its
-    largest record}`` in the files kept) and ``"classes_lost"`` (the manifest's
-    classes no kept file holds).
+    (``"sizes"``, ``"full"`` or ``"off"``); the first damaged file raises
+    :class:`DamagedDataError`. ``skip``: the training split is read in full
+    (``"records"``) and its damaged files are left out instead; returns ``{"shards":
+    [{"file", "problem", "records"}], "records": total}`` (None when nothing was
+    skipped), for by-class files also ``"class_records"`` and ``"classes_lost"``.
     """
     if level not in ("sizes", "full", "off"):
         raise ValueError(f"verify_data must be 'sizes', 'full' or 'off', got {level!r}")
@@ -335,10 +317,8 @@ def startup_check(train: str | None, test: str | None = None, *, layout: str = "
         for note in report.notes:
             LOG.info("note: %s: %s", split_dir, note)
         if report.damaged and not skip:
-            for damage in report.damaged[1:]:
-                LOG.warning("also damaged: %s", damage.line())
-            raise damaged_error(split_dir, report.damaged[0], report.manifest,
-                                "checking the training data")
+            raise _first_damage_error(split_dir, report.damaged, report.manifest,
+                                      "checking the training data")
         if report.damaged:
             recorded = ((report.manifest or {}).get("checksums") or {}).get("files") or {}
             shards = []

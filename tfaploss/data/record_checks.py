@@ -129,14 +129,11 @@ _IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG", b"GIF8", b"BM", b"RIFF")
 def check_example(data: bytes, layout: str, classes: set[int] | None = None,
                   tally: dict[int, int] | None = None, decode: bool = False) -> str | None:
     """What is wrong with one serialized Example of ``layout`` ("images" or
-    "by_class"), in words, or None: unparsable, a feature missing or of another type,
-    a label negative (below -1 for images) or outside ``classes``, an empty or
-    non-image ``image/encoded``, a by-class record whose ``image/id`` does not hold one
-    id per image. ``tally``: for a sound by-class record, ``tally[label]`` becomes the
-    most images one record of that class holds. ``decode``: also decode each image with
-    the decoder the readers use (costs a decode per image; what
-    :func:`tfaploss.data.integrity.reading` runs to find an image the reader could not
-    decode)."""
+    "by_class"), in words, or None: unparsable, a feature missing or mistyped, a label
+    out of range or outside ``classes``, an empty or non-image ``image/encoded``, a
+    by-class record without one ``image/id`` per image. ``tally``: for a sound by-class
+    record, ``tally[label]`` becomes the most images one record of that class holds.
+    ``decode``: also decode each image as the readers do (a decode per image)."""
     from tensorflow.core.example import example_pb2
 
     try:

@@ -1,15 +1,12 @@
 """Streaming class-balanced batch samplers over the by-class TFRecord layout.
 
-Why a by-class layout: drawing P classes x m images from per-image records needs
-either the whole index in memory or one reader per class (81k for GLDv2-clean). In
-``by_class/`` one record holds up to ``class_chunk_size`` images of ONE class; a
+In ``by_class/`` one record holds up to ``class_chunk_size`` images of ONE class; a
 sampler streams records through a bounded shuffle buffer and draws m distinct images
-from each, so memory is ``shuffle_buffer x chunk bytes`` whatever the dataset size,
-and only the m chosen images are decoded. Batches are class-major (image ``i``
-belongs to group ``i // m``): :func:`m_per_class` (B / m classes: Smooth-AP, ROADMAP,
-PNP), :func:`hierarchical` (two super-classes, B / 2 images each: ROADMAP/FastAP on
-SOP), :func:`all_classes` (every eligible class, m each: Revaud et al.). Everything is
-deterministic given ``seed``.
+from each, so memory is ``shuffle_buffer x chunk bytes`` whatever the dataset size (no
+index in memory, no reader per class) and only the chosen images are decoded. Batches
+are class-major (image ``i`` in group ``i // m``): :func:`m_per_class` (B / m classes),
+:func:`hierarchical` (two super-classes, B / 2 images each), :func:`all_classes` (every
+eligible class, m each). Everything is deterministic given ``seed``.
 """
 
 from __future__ import annotations
@@ -198,13 +195,11 @@ def shard_rows(batch: tuple, labels: tf.Tensor | None, num_shards: int, index: i
 
 def shard_batches(dataset: tf.data.Dataset, num_shards: int, index: int,
                   label_index: int = 1) -> tf.data.Dataset:
-    """Shard ``index`` of every class-major batch of ``dataset`` (a tuple of tensors,
-    rows first), for data parallelism: every rank builds the same global batches and
-    keeps its rows (:func:`shard_rows`), so a loss that gathers the ranks' rows ranks
-    exactly the one-device batch. ``label_index``: where the labels are in each element
-    (1 for ``make_train_dataset``'s, 2 for the samplers'). Cost: every rank decodes the
-    whole global batch; ``make_train_dataset(..., num_shards=W, shard_index=rank)``
-    gives the same shards and decodes only the rank's rows.
+    """Shard ``index`` of every class-major batch of ``dataset`` (rows first): every rank
+    builds the same global batches and keeps its rows (:func:`shard_rows`).
+    ``label_index``: where the labels are in each element. Cost: every rank decodes the
+    whole batch; ``make_train_dataset(..., num_shards=W, shard_index=rank)`` gives the
+    same shards and decodes only the rank's rows.
     """
     check_shard_args(num_shards, index)
     return dataset.map(lambda *batch: shard_rows(batch, batch[label_index], num_shards, index))

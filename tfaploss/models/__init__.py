@@ -1,12 +1,10 @@
 """Retrieval models: backbones, pooling, heads and whitening.
 
 ``build_embedding_model`` is the entry point: raw images in [0, 255] -> L2-normalised
-embeddings, with the papers' architectures in ``PAPER_ARCHITECTURES``. Backbones: the
-Keras ResNets, a small CNN, any keras-hub preset (``"keras_hub:<preset>"``, the optional
-``hub`` extra) or a Keras model of the user's (``load_backbone_file``); ``tfaploss.models.hub``.
-
-Every layer here is written with ``keras.ops`` only, so the models build and train
-under ``KERAS_BACKEND`` tensorflow, jax and torch (export stays TensorFlow-only).
+embeddings (the papers' architectures: ``PAPER_ARCHITECTURES``); backbones: the Keras
+ResNets, a small CNN, keras-hub presets or a model file of the user's
+(:mod:`tfaploss.models.hub`). Every layer is written with ``keras.ops`` only, so the
+models build and train under the tensorflow, jax and torch backends.
 """
 
 from tfaploss.models.backbones import build_backbone, resolve_imagenet_weights, small_cnn

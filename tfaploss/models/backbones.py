@@ -1,11 +1,7 @@
-"""Convolutional backbones: ResNet-50/101 from ``keras.applications`` and a small CNN.
-
-A backbone maps images (already normalised, see ``tfaploss.models.preprocessing``) to a feature
-map ``(B, H', W', C)``; pooling and the head come after it (``tfaploss.models.heads``).
-
-ImageNet weights are never downloaded here. ``weights="imagenet"`` uses the file only
-if Keras's cache already holds it; otherwise the error says which file to fetch, from
-where, and how to pass it as ``weights=path``.
+"""Convolutional backbones: ResNet-50/101 from ``keras.applications`` and a small CNN,
+mapping normalised images to a feature map ``(B, H', W', C)``. ImageNet weights are never
+downloaded: ``weights="imagenet"`` uses Keras's cache, else the error says which file to
+fetch, from where, and how to pass it as ``weights=path``.
 """
 
 from __future__ import annotations
@@ -77,11 +73,10 @@ def _resolve_weights(backbone: str, weights):
 def small_cnn(input_shape=(32, 32, 3), widths=(32, 64, 128), name="small_cnn"):
     """A small VGG-like CNN for tests and demos, fast on a CPU.
 
-    ``len(widths)`` stages; each is two ``Conv 3x3 -> BatchNorm -> ReLU`` blocks, and
-    every stage but the last ends with a 2x2 max-pool, so a 32x32 input gives an 8x8
-    map with ``widths[-1]`` channels (a 16x16 input gives 4x4). BatchNorm is there so
-    that ``freeze_batch_norm`` matters; there is no dropout (multi-staged backprop
-    needs a deterministic model). Cost: about 38 M multiply-adds per 32x32 image.
+    ``len(widths)`` stages of two ``Conv 3x3 -> BatchNorm -> ReLU`` blocks, each but the
+    last ending with a 2x2 max-pool (32x32 -> 8x8 x ``widths[-1]``). No dropout:
+    multi-staged backprop needs a deterministic model. Cost: about 38 M multiply-adds
+    per 32x32 image.
     """
     if not widths:
         raise ValueError(f"small_cnn: `widths` must be non-empty, received widths={widths!r}")

@@ -1,8 +1,5 @@
-"""BatchNorm with frozen statistics and trainable affine parameters.
-
-A layer, so it lives with the other model layers; ``tfaploss.training`` re-exports it
-(``tfaploss.training.freeze_batch_norm``) because multi-staged backpropagation is where
-it matters. Backend-agnostic: works under ``KERAS_BACKEND`` tensorflow, jax and torch.
+"""BatchNorm with frozen statistics and trainable affine parameters (re-exported by
+``tfaploss.training``, where multi-staged backpropagation needs it); any backend.
 """
 
 from __future__ import annotations
@@ -15,10 +12,8 @@ from keras import ops
 class FrozenBatchNormalization(keras.layers.BatchNormalization):
     """BatchNormalization that always normalises with its moving statistics.
 
-    ``gamma`` and ``beta`` stay trainable; the moving mean and variance never change.
-    This is the setting of the original AP-loss papers, and what makes a layer
-    deterministic in training mode, which multi-staged backpropagation needs. Keras's
-    ``trainable=False`` would freeze gamma and beta as well.
+    ``gamma`` and ``beta`` stay trainable (Keras's ``trainable=False`` would freeze them
+    too): the AP-loss papers' setting, deterministic in training mode.
     """
 
     def call(self, inputs, training=None, mask=None):

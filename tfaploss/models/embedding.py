@@ -47,10 +47,8 @@ def build_embedding_model(backbone="resnet50", pooling="gem", embedding_dim=512,
                           preprocessing="auto", backbone_kwargs=None, name=None):
     """Build an image-retrieval embedding model.
 
-    The model is ``images -> [normalisation] -> backbone -> pooling -> [head] -> L2``.
-    It takes raw RGB images as float pixels in [0, 255], channels last
-    (``(B, H, W, 3)``), and returns L2-normalised embeddings ``(B, embedding_dim)``
-    in float32 (also under a ``mixed_float16`` policy).
+    ``images -> [normalisation] -> backbone -> pooling -> [head] -> L2``: raw RGB pixels
+    in [0, 255] ``(B, H, W, 3)`` to L2-normalised float32 ``(B, embedding_dim)``.
 
     Args:
         backbone: ``"resnet50"``, ``"resnet101"`` (``keras.applications``),
@@ -62,18 +60,15 @@ def build_embedding_model(backbone="resnet50", pooling="gem", embedding_dim=512,
             FastAP; for tokens the patch tokens' mean), ``"max_ln"`` (global max +
             LayerNorm without affine, ROADMAP-CUB) or ``"cls"`` (tokens only).
         embedding_dim: output units of the linear head.
-        weights: ``None`` (random), ``"imagenet"`` (only from Keras's local cache; else
-            the error says which file to get) or a weights file; for a keras-hub
-            backbone ``"preset"`` (keras-hub downloads it on first use). Nothing else
-            is ever downloaded.
+        weights: ``None`` (random), ``"imagenet"`` (only from Keras's local cache) or a
+            weights file; for a keras-hub backbone ``"preset"`` (downloaded by keras-hub).
         input_shape: ``(H, W, 3)``; ``(None, None, 3)`` accepts any size.
         head: ``"linear"`` (a ``Dense`` named ``"head"``) or ``"identity"`` (the pooled
             features are the embedding; ``embedding_dim`` None or their width).
         head_bias: whether the linear head has a bias (the papers' heads do).
         gem_p, gem_trainable_p: GeM's initial exponent (the papers: 3), and whether it
             is learned.
-        freeze_bn: BatchNorm on its moving statistics, gamma/beta trainable
-            (``freeze_batch_norm``): the papers' setting.
+        freeze_bn: BatchNorm on its moving statistics (``freeze_batch_norm``).
         preprocessing: the input normalisation: ``"auto"`` (``"caffe"`` for the Keras
             ResNets, a keras-hub preset's own converter scale and offset, else
             ``"torch"``), ``"torch"`` (ImageNet mean/std on [0, 1] pixels), ``"caffe"``

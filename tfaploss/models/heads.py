@@ -47,16 +47,11 @@ class PoolingError(ValueError):
 class TokenPooling(ConfigLayer):
     """Pool a token sequence ``(B, T, C)`` of a ViT-like backbone into ``(B, C)``.
 
-    - ``mode="cls"``: the class token, ``x[:, 0]``. ViT is trained to classify from it
-      and DINO/DINOv2's objective is on it, so it is their image descriptor (DINOv2
-      reports its retrieval results with it).
-    - ``mode="avg"``: the mean of the patch tokens ``x[:, prefix_tokens:]``, leaving out
-      the class and register tokens, the counterpart of a CNN's average pooling.
-    - ``mode="max"``: the per-channel maximum over the patch tokens.
+    ``mode``: ``"cls"`` the class token ``x[:, 0]`` (ViT's and DINOv2's image
+    descriptor), ``"avg"`` the mean of the patch tokens ``x[:, prefix_tokens:]``, or
+    ``"max"`` their per-channel maximum.
 
-    Args:
-        mode: ``"cls"``, ``"avg"`` or ``"max"``.
-        prefix_tokens: leading tokens that are not patches (class token, registers).
+    ``prefix_tokens``: leading tokens that are not patches (class token, registers).
 
     Cost: O(B T C).
     """

@@ -1,16 +1,9 @@
-"""Backbones from keras-hub presets and from a user's own Keras model file.
-
-``"keras_hub:<preset>"`` names a keras-hub preset: a built-in name
-(``keras_hub:dinov2_small``), a Kaggle or Hugging Face handle (``keras_hub:hf://...``)
-or a local preset folder (``backbone.save_to_preset(path)``). keras-hub downloads a
-built-in preset on first use and caches it; it is the optional ``hub`` extra.
-
-A backbone's output is a feature map ``(B, H', W', C)`` (pooled as the built-in
-ResNets'), a token sequence ``(B, T, C)`` (ViT, DINOv2: pooled by
-:class:`tfaploss.models.heads.TokenPooling`) or already pooled ``(B, C)``. A preset's
-own input scaling (its ``ImageConverter``'s ``scale`` and ``offset``) becomes the
-model's :class:`tfaploss.models.preprocessing.ImageRescaling` layer, so the model still
-takes raw pixels in [0, 255]; the converter's resizing is not used.
+"""Backbones from keras-hub presets (``"keras_hub:<preset>"``: a built-in name, a Kaggle
+or Hugging Face handle, or a local preset folder; the ``hub`` extra) and from a user's own
+Keras model file. A backbone gives a feature map ``(B, H', W', C)``, tokens ``(B, T, C)``
+(pooled by :class:`tfaploss.models.heads.TokenPooling`) or pooled ``(B, C)``. A preset's
+input scaling becomes the model's :class:`tfaploss.models.preprocessing.ImageRescaling`
+layer, so the model still takes raw pixels in [0, 255].
 """
 
 from __future__ import annotations
@@ -60,10 +53,8 @@ def prefix_tokens(backbone) -> int | None:
 def plain_functional(backbone: keras.Model, name: str) -> keras.Model:
     """``backbone``'s graph as a plain functional model, one image tensor in.
 
-    A keras-hub backbone saves only its constructor arguments, so after
-    ``load_model`` its BatchNorm layers would come back unfrozen; a plain functional
-    model saves each layer, ``FrozenBatchNormalization`` included. Cost: none (the
-    same layers and weights).
+    A keras-hub backbone saves only its constructor arguments (its BatchNorm would load
+    unfrozen); a plain functional model saves each layer. Cost: none.
     """
     inputs = backbone.inputs
     if len(inputs) != 1 or len(backbone.outputs) != 1:

@@ -1,9 +1,6 @@
-"""Per-variable learning-rate multipliers for Keras 3 optimizers.
-
-The papers train the new head 2-10x faster than the pretrained backbone (PyTorch
-parameter groups). Scaling gradients would do that only for plain SGD (Adam is
-invariant to a gradient's scale), so ``LRMultiplierOptimizer`` scales the learning
-rate each variable's update step receives, inside any Keras optimizer.
+"""Per-variable learning-rate multipliers for Keras 3 optimizers: the papers train the
+head 2-10x faster than the backbone. Scaling gradients would not do it for Adam (invariant
+to a gradient's scale), so ``LRMultiplierOptimizer`` scales each variable's learning rate.
 """
 
 from __future__ import annotations

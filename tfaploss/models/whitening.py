@@ -1,13 +1,11 @@
-"""Post-hoc PCA whitening of descriptors ("square-rooted PCA", Revaud et al. ICCV'19).
-
-Learned once on training descriptors after training, then stored in the model as a
-layer so that it is saved with it and applied by the exported SavedModel:
+"""Post-hoc PCA whitening of descriptors ("square-rooted PCA", Revaud et al. ICCV'19),
+learned after training and stored in the model as a layer (saved and exported with it):
 
     y = L2( (x - mu) . U^T / lambda^p )
 
-with ``mu`` the descriptors' mean, ``U`` the covariance's eigenvectors (rows, by
-decreasing eigenvalue ``lambda``) and ``p = 0.25`` (full whitening is ``p = 0.5``;
-Revaud et al. use its square root, which damps the noisy low-variance directions less).
+``mu`` the descriptors' mean, ``U`` the covariance's eigenvectors (rows, by decreasing
+eigenvalue ``lambda``), ``p = 0.25`` (full whitening: 0.5; its square root damps the
+noisy low-variance directions less).
 """
 
 from __future__ import annotations
