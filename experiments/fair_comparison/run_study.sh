@@ -28,17 +28,25 @@ for regime in strong weak; do
     --val data/glyphs/val --cache $R/study_$regime --losses $LOSSES --batch 4096 \
     --start 65536 --largest 524288 --out $R/plateau_$regime.json
 done
-for batches in 2048,4096 512; do
-  for regime in strong weak; do
-    images=$($PY -c "import json, sys; print(json.load(open(sys.argv[1]))['plateau_images'] or '')" \
-      $R/plateau_$regime.json)
-    if [ -z "$images" ]; then
-      echo "the $regime pilot found no plateau up to its largest budget: stopping" >&2
-      exit 1
-    fi
-    compare $regime --batch-sizes $batches --images "$images"
-  done
+plateau() {
+  $PY -c "import json, sys; print(json.load(open(sys.argv[1]))['plateau_images'] or '')" \
+    $R/plateau_"$1".json
+}
+for regime in strong weak; do
+  if [ -z "$(plateau $regime)" ]; then
+    echo "the $regime pilot found no plateau up to its largest budget: stopping" >&2
+    exit 1
+  fi
+done
+# The deciding cells first; each later call reuses the ledger's runs and adds its own,
+# and the last one writes each regime's whole report (both budgets, every batch).
+for regime in strong weak; do
+  compare $regime --batch-sizes 2048,4096 --images "$(plateau $regime)"
 done
 for regime in strong weak; do
-  compare $regime --batch-sizes 512,2048,4096 --budgets seconds --seconds $SECONDS_PER_RUN
+  compare $regime --batch-sizes 512,2048,4096 --images "$(plateau $regime)"
+done
+for regime in strong weak; do
+  compare $regime --batch-sizes 512,2048,4096 --budgets images,seconds \
+    --images "$(plateau $regime)" --seconds $SECONDS_PER_RUN
 done
