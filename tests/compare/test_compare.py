@@ -269,3 +269,45 @@ def test_compare_without_optuna_stops_before_any_run(tmp_path, monkeypatch, caps
                           "needs no tuning) needs Optuna, which is not installed: "
                           'pip install "tfaploss[compare]"')
     assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_the_seconds_budget_gives_each_loss_the_same_time_and_resumes(tmp_path):
+    assert P.updates_for("seconds", 128, 1, 1, 1, seconds=60, step_seconds=0.7) == 85
+    assert P.updates_for("seconds", 128, 1, 1, 1, seconds=1, step_seconds=5.0) == 1
+    with pytest.raises(ValueError, match="seconds per update"):
+        P.updates_for("seconds", 128, 1, 1, 1, seconds=60, step_seconds=None)
+    with pytest.raises(ValueError, match="seconds must be > 0"):
+        P.Protocol(("APLoss",), (32,), budgets=("seconds",), seconds=0)
+    protocol = P.Protocol(("APLoss", "Triplet"), (32, 64), budgets=("seconds",),
+                          seconds=8.0, trials=2, seeds=(0,))
+    calls, timed = [], []
+    runner = _synthetic(calls)
+    per_update = {"APLoss": 0.5, "Triplet": 0.25}  # seconds at B=32, twice at 64
+
+    def timer(loss, batch):
+        timed.append((loss, batch))
+        return per_update[loss] * batch / 32
+
+    runner.step_seconds = timer
+    path = tmp_path / "ledger.jsonl"
+    results = P.run(protocol, P.Ledger(path, "features"), runner)
+    assert sorted(timed) == [("APLoss", 32), ("APLoss", 64), ("Triplet", 32), ("Triplet", 64)]
+    updates = {(r["loss"], r["batch"]): r["updates"] for r in results}
+    assert updates == {("APLoss", 32): 16, ("Triplet", 32): 32,
+                       ("APLoss", 64): 8, ("Triplet", 64): 16}
+    assert {c.updates for c in calls if c.loss == "APLoss" and c.batch == 32} == {16}
+    assert all(r["budget_seconds"] == 8.0 for r in results)
+    ledger = P.Ledger(path, "features")
+    # the timings are kept beside the runs, not counted as runs
+    assert len(ledger.runs()) == len(calls) == protocol.total_runs()
+    assert len(ledger.rows) == len(calls) + 4
+
+    def refuse(spec):
+        raise AssertionError(f"ran {spec} again")
+
+    refuse.step_seconds = lambda loss, batch: pytest.fail("timed again")
+    again = P.run(protocol, ledger, refuse)
+    assert [r["updates"] for r in again] == [r["updates"] for r in results]
+    # a runner that cannot time its updates is refused before any run
+    with pytest.raises(ValueError, match="--features"):
+        P.run(protocol, P.Ledger(tmp_path / "other.jsonl", "images"), _synthetic([]))

@@ -52,6 +52,13 @@ def test_a_residual_run_trains_from_the_features():
                               "test_classes": None, "curve_classes": 100, "curve_points": 2}
 
 
+def test_the_runner_times_an_update_after_warming_up():
+    runner = FeatureRunner(_data(), m=4, hidden=32)
+    seconds = runner.step_seconds("SmoothAP", 16, updates=3)
+    # the median of 3 timed updates: a real duration, far below the traced first one
+    assert np.isfinite(seconds) and 0.0 < seconds < 5.0
+
+
 def test_pca_keeps_the_directions_of_largest_variance():
     """The classes apart in 16 dimensions of variance about 1 each, one dimension of
     noise with variance 4: PCA to one dimension keeps the noise and ranks near

@@ -71,6 +71,24 @@ def test_repeats_are_said_and_edge_picks_flagged(tmp_path):
     assert "SmoothAP B=32 r1: lr" in text and "| ⚠ lr |" in text
 
 
+def test_the_seconds_budget_says_its_time_and_each_loss_updates(tmp_path):
+    def runner(spec):
+        row = {"status": "ok", "val_map@r": 90.0 + spec.updates / 100, "seconds": 0.1}
+        if spec.test:
+            row["test_map@r"] = 89.0 + spec.seed
+        return row
+
+    runner.step_seconds = lambda loss, batch: 0.1 if loss == "Triplet" else 0.4
+    protocol = P.Protocol(("SmoothAP", "Triplet"), (32,), budgets=("seconds",), seconds=4.0,
+                          grid=2, grid_knob_points=1, seeds=(0, 1))
+    results = P.run(protocol, P.Ledger(tmp_path / "l.jsonl", "features"), runner)
+    text = report.markdown(results)
+    assert "| loss | B=32 (4 s) |" in text
+    assert "| SmoothAP (AP) | 89.5 ± 6.4 (10 u) |" in text
+    assert "| Triplet (peer) | 89.5 ± 6.4 (40 u) |" in text
+    assert "B=32: SmoothAP 0.4, Triplet 0.1." in text
+
+
 def test_intervals_are_clipped_to_0_100():
     assert report.clipped_error(5.0, 24.0) == (5.0, 24.0)
     assert report.clipped_error(90.0, 24.0) == (24.0, 10.0)

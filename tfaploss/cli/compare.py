@@ -15,10 +15,10 @@ from tfaploss.log import is_terminal
 
 # --quick: a few minutes on a CPU, for a first look or a test.
 QUICK = {"losses": "APLoss,Triplet,MultiSimilarity", "batch_sizes": "16,32", "images": 512,
-         "updates": 8, "trials": 2, "seeds": "0,1"}
+         "updates": 8, "seconds": 2.0, "trials": 2, "seeds": "0,1"}
 DEFAULTS = {"losses": "APLoss,FastAP,SmoothAP,Triplet,MultiSimilarity,SupCon,ProxyAnchor",
-            "batch_sizes": "128,512,2048", "images": 49152, "updates": 64, "trials": 24,
-            "seeds": "0,1,2"}
+            "batch_sizes": "128,512,2048", "images": 49152, "updates": 64, "seconds": 60.0,
+            "trials": 24, "seeds": "0,1,2"}
 
 DESCRIPTION = textwrap.dedent("""\
     Which loss, which batch, for my data? Tune every loss the same way on the
@@ -27,8 +27,9 @@ DESCRIPTION = textwrap.dedent("""\
     test MAP@R with 95 % intervals, each loss's difference from the frozen features,
     and paired differences against the best peer (multi-similarity, SupCon,
     Proxy-Anchor, triplet; chosen on validation), per batch size and budget: equal
-    images, equal updates, or the compute-matched control (every batch sees the
-    images the largest batch sees in --updates updates).
+    images, equal updates, the compute-matched control (every batch sees the
+    images the largest batch sees in --updates updates), or equal wall-clock time
+    (--features: every loss trains --seconds at each batch).
 
     Two tiers. --features: the config's backbone (model.weights: your pretrained file)
     embeds every image once; each run trains a head on the cached features (seconds
@@ -67,12 +68,16 @@ def add_arguments(p) -> None:
     p.add_argument("--losses", default=None,
                    help=f"comma-separated (default {DEFAULTS['losses']})")
     p.add_argument("--batch-sizes", default=None, help="default 128,512,2048")
-    p.add_argument("--budgets", default="images", help="images, updates, matched (comma-"
-                                                       "separated; default images)")
+    p.add_argument("--budgets", default="images",
+                   help="images, updates, matched, seconds (comma-separated; default "
+                        "images); seconds: the wall-clock-matched budget, --features only")
     p.add_argument("--images", type=int, default=None,
                    help="images per run for the 'images' budget (default 49152)")
     p.add_argument("--updates", type=int, default=None,
                    help="updates per run for 'updates' (and 'matched'); default 64")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="seconds of updates per run for 'seconds' (each loss's updates "
+                        "come from its timed seconds per update at the batch); default 60")
     p.add_argument("--trials", type=int, default=None,
                    help=f"the base of the tuning budget (default {DEFAULTS['trials']}): "
                         f"{TRIALS_RULE}")
@@ -139,6 +144,7 @@ def protocol_from(args):
             losses=tuple(v.strip() for v in pick("losses").split(",") if v.strip()),
             batch_sizes=_ints(pick("batch_sizes"), "batch-sizes"), budgets=budgets,
             images=int(pick("images")), updates=int(pick("updates")),
+            seconds=float(pick("seconds")),
             trials=int(pick("trials")), seeds=_ints(pick("seeds"), "seeds"),
             tuning_repeats=args.tuning_repeats, grid=args.grid,
             grid_knob_points=args.grid_knob_points)

@@ -128,6 +128,9 @@ def _compare(options: Options, cfg, protocol, m: int, out: Path, progress):
     from tfaploss.compare.protocol import Ledger, run, with_baseline_differences
 
     tier, runner = _runner(options, cfg, out, m)
+    if "seconds" in protocol.budgets and not hasattr(runner, "step_seconds"):
+        raise SystemExit("tfaploss compare: the seconds budget (equal wall-clock time) "
+                         "times each loss's updates on cached features: add --features")
     if hasattr(runner, "check"):
         try:
             runner.check(protocol.batch_sizes)

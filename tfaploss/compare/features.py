@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tfaploss.compare.protocol import SEARCH_SPACES, RunSpec
+from tfaploss.compare.protocol import SEARCH_SPACES, RunSpec, grid_settings
 from tfaploss.data.samplers import m_per_class_rows
 from tfaploss.durable import atomic
 
@@ -295,6 +295,25 @@ class FeatureRunner:
             return value
 
         return lambda x, y: float(update(x, y))
+
+    def step_seconds(self, loss: str, batch: int, updates: int = 10) -> float:
+        """The median wall-clock seconds of one update of ``loss`` at ``batch``, over
+        ``updates`` updates after 3 that trace and warm up; its knobs at their ranges'
+        middle (the ``seconds`` budget's timing)."""
+        import keras
+
+        params = grid_settings(loss, 2, 1)[0]
+        spec = RunSpec(loss, tuple(sorted(params.items())), batch, updates + 3, 0, False)
+        keras.backend.clear_session()
+        update = self.step(self._model(spec))
+        x, y = self.train[0], self.train_labels
+        times = []
+        batches = m_per_class_rows(y, batch, self.m, 0).take(updates + 3)
+        for rows in batches.as_numpy_iterator():
+            started = time.perf_counter()
+            update(x[rows], y[rows])
+            times.append(time.perf_counter() - started)
+        return float(np.median(times[3:]))
 
     def __call__(self, spec: RunSpec) -> dict:
         import keras

@@ -5,6 +5,8 @@ A run's key hashes its :class:`~tfaploss.compare.protocol.RunSpec` with the comp
 *setup* (tier, config, data or feature fingerprint, head, m, test classes,
 ``runner.setup()``). A changed setup never reuses another's rows: it starts new cells,
 with a note naming what changed; rows without a setup (older ledgers) are never reused.
+The ``seconds`` budget's timings are rows too (kind ``"timing"``), so that a resumed
+comparison gives its runs the same updates.
 Appending is durable: a row is fsynced as its run ends, so a kill cuts short only the
 last line and a full disk leaves no half line.
 """
@@ -15,6 +17,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -117,6 +120,8 @@ class Ledger:
         others: dict[str, tuple[dict, int]] = {}
         legacy = 0
         for row in self.rows.values():
+            if row.get("kind") == "timing":
+                continue
             setup = row.get("setup")
             if not isinstance(setup, dict):
                 legacy += 1
@@ -140,14 +145,35 @@ class Ledger:
         return row if row is not None and row.get("setup_id") == self.setup_id else None
 
     def runs(self) -> list[dict]:
-        """The rows of this ledger's setup."""
-        return [r for r in self.rows.values() if r.get("setup_id") == self.setup_id]
+        """The runs of this ledger's setup (its timings left out)."""
+        return [r for r in self.rows.values()
+                if r.get("setup_id") == self.setup_id and r.get("kind") != "timing"]
 
     def add(self, spec, row: dict) -> dict:
-        row = {**row, "key": self.key(spec), "tier": self.tier, "loss": spec.loss,
-               "params": spec.settings, "batch": spec.batch, "updates": spec.updates,
-               "images": spec.updates * spec.batch, "seed": spec.seed, "test": spec.test,
-               "setup_id": self.setup_id, "setup": self.setup}
+        return self._append({
+            **row, "key": self.key(spec), "tier": self.tier, "loss": spec.loss,
+            "params": spec.settings, "batch": spec.batch, "updates": spec.updates,
+            "images": spec.updates * spec.batch, "seed": spec.seed, "test": spec.test,
+            "setup_id": self.setup_id, "setup": self.setup})
+
+    def step_seconds(self, loss: str, batch: int, measure) -> float:
+        """Seconds per update of ``loss`` at ``batch`` under this setup: the ledger's
+        timing, or ``measure()``'s, added to it (the ``seconds`` budget)."""
+        key = digest(["timing", self.setup_id, loss, batch])
+        row = self.rows.get(key)
+        if row is None:
+            seconds = float(measure())
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise ValueError(f"the timing of {loss} at batch {batch} is not a positive "
+                                 f"number of seconds; received {seconds!r}")
+            row = self._append({"key": key, "kind": "timing", "tier": self.tier,
+                                "loss": loss, "batch": batch, "step_seconds": seconds,
+                                "setup_id": self.setup_id, "setup": self.setup})
+            LOG.info("timed %s at B=%d: %.3f s per update", loss, batch, seconds)
+        return float(row["step_seconds"])
+
+    def _append(self, row: dict) -> dict:
+        """Append ``row`` durably (module docstring) and keep it."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         line = (json.dumps(row, sort_keys=True) + "\n").encode("utf-8")
         with open(self.path, "ab", buffering=0) as f:  # unbuffered: truncate never flushes

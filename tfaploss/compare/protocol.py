@@ -7,7 +7,7 @@ or a grid) over the learning rate and the loss's knobs (:data:`SEARCH_SPACES`) a
 on the VALIDATION classes only; the best trial's setting is trained again with the
 evaluation seeds and scored on the TEST classes (mean, 95 % interval, paired difference
 against the best peer, chosen on validation). Tuning repeats, the nested interval, the
-budgets (``images``, ``updates``, ``matched``) and resuming from the ledger
+budgets (``images``, ``updates``, ``matched``, ``seconds``) and resuming from the ledger
 (:mod:`tfaploss.compare.ledger`): ``docs/batch_sweep.md`` ("The protocol's details").
 """
 
@@ -56,7 +56,7 @@ SEARCH_SPACES: dict[str, tuple[str, dict, dict]] = {
 AP_LOSSES = ("APLoss", "FastAP", "SmoothAP", "ROADMAP", "RSk")
 PEERS = ("Triplet", "MultiSimilarity", "SupCon", "ProxyAnchor")
 RUN_KNOBS = ("lr", "proxy_lr_multiplier")
-BUDGETS = ("images", "updates", "matched")
+BUDGETS = ("images", "updates", "matched", "seconds")
 # Repeat r's evaluation seed s runs as s + REPEAT_SEED_STRIDE * r.
 REPEAT_SEED_STRIDE = 10_000
 # A pick in the outer EDGE of a knob's range (log-scaled for a log range) is flagged.
@@ -100,14 +100,22 @@ class RunSpec:
 Runner = Callable[[RunSpec], dict]
 
 
-def updates_for(budget: str, batch: int, images: int, updates: int, largest: int) -> int:
-    """Updates a run of ``batch`` gets under ``budget`` (module docstring)."""
+def updates_for(budget: str, batch: int, images: int, updates: int, largest: int,
+                seconds: float | None = None, step_seconds: float | None = None) -> int:
+    """Updates a run of ``batch`` gets under ``budget`` (module docstring); the
+    ``seconds`` budget also needs the loss's measured ``step_seconds`` at ``batch``."""
     if budget == "images":
         return max(1, math.ceil(images / batch))
     if budget == "updates":
         return updates
     if budget == "matched":
         return max(1, math.ceil(updates * largest / batch))
+    if budget == "seconds":
+        if not (seconds and step_seconds and step_seconds > 0):
+            raise ValueError(f"the seconds budget needs seconds and the loss's seconds per "
+                             f"update; received seconds={seconds!r}, "
+                             f"step_seconds={step_seconds!r}")
+        return max(1, math.floor(seconds / step_seconds))
     raise ValueError(f"budget must be one of {BUDGETS}; received budget={budget!r}")
 
 
@@ -219,6 +227,7 @@ class Protocol:
     budgets: tuple[str, ...] = ("images",)
     images: int = 49152
     updates: int = 64
+    seconds: float = 60.0
     trials: int = 24
     seeds: tuple[int, ...] = (0, 1, 2)
     tuning_seed: int = 1000
@@ -241,6 +250,8 @@ class Protocol:
             raise ValueError(f"budgets: {bad} not known; choose from {list(BUDGETS)}.")
         if not self.batch_sizes or min(self.batch_sizes) < 2:
             raise ValueError(f"batch_sizes must be >= 2; received {self.batch_sizes}.")
+        if not self.seconds > 0:
+            raise ValueError(f"seconds must be > 0; received seconds={self.seconds}.")
         if self.trials < 1:
             raise ValueError(f"trials must be >= 1; received trials={self.trials}.")
         if self.tuning_repeats < 1:
@@ -281,17 +292,23 @@ class Protocol:
         return trials_for_knobs(self.trials, knob_count(loss))
 
     def cells(self):
-        """``(budget, batch, updates)`` of every cell; a budget whose updates equal an
-        earlier budget's at that batch is the same cell, listed once."""
+        """``(budget, batch, updates, same)`` of every cell; ``same`` marks a budget whose
+        updates equal an earlier budget's at that batch (the same cell, run once).
+        Under the ``seconds`` budget the updates are each loss's (None here)."""
         largest = max(self.batch_sizes)
         seen = set()
         for budget in self.budgets:
             for batch in sorted(self.batch_sizes):
+                if budget == "seconds":
+                    yield budget, batch, None, False
+                    continue
                 updates = updates_for(budget, batch, self.images, self.updates, largest)
                 yield budget, batch, updates, (batch, updates) in seen
                 seen.add((batch, updates))
 
     def total_runs(self) -> int:
+        """Runs of the whole comparison (at most, under the ``seconds`` budget: a loss
+        whose updates there equal another budget's reuses that cell)."""
         distinct = sum(1 for *_, repeat in self.cells() if not repeat)
         per_cell = sum(self.trials_for(loss) + len(self.seeds) for loss in self.losses)
         return distinct * self.tuning_repeats * per_cell
@@ -409,6 +426,16 @@ def evaluate(protocol: Protocol, ledger: Ledger, runner: Runner, loss: str, batc
             for seed in protocol.seeds]
 
 
+def step_seconds(ledger: Ledger, runner: Runner, losses, batch: int) -> dict:
+    """``{loss: seconds per update at batch}``: the ledger's timings, the missing ones
+    measured now by ``runner.step_seconds``, back to back, and added to it."""
+    if not hasattr(runner, "step_seconds"):
+        raise ValueError("the seconds budget times each loss's updates, which this runner "
+                         "cannot (the cached-feature tier can: --features)")
+    return {loss: ledger.step_seconds(loss, batch, lambda loss=loss: runner.step_seconds(
+        loss, batch)) for loss in losses}
+
+
 def run(protocol: Protocol, ledger: Ledger, runner: Runner,
         progress: Callable[[dict], None] = lambda _: None) -> list[dict]:
     """The whole comparison: one result per (budget, batch, loss), smallest batch first
@@ -417,9 +444,14 @@ def run(protocol: Protocol, ledger: Ledger, runner: Runner,
     its ``spec``, ``row``, ``repeat`` and whether it was ``cached``."""
     results = []
     tuned: dict[tuple, list[dict]] = {}
-    for budget, batch, updates, same_cell in protocol.cells():
+    for budget, batch, cell_updates, _ in protocol.cells():
+        timed = (step_seconds(ledger, runner, protocol.losses, batch)
+                 if budget == "seconds" else {})
         for loss in protocol.losses:
-            if not same_cell:
+            updates = cell_updates or updates_for(
+                budget, batch, protocol.images, protocol.updates, max(protocol.batch_sizes),
+                protocol.seconds, timed.get(loss))
+            if (loss, batch, updates) not in tuned:
                 tunings = []
                 for repeat in range(protocol.tuning_repeats):
                     params, trials = tune(protocol, ledger, runner, loss, batch, updates,
@@ -431,6 +463,9 @@ def run(protocol: Protocol, ledger: Ledger, runner: Runner,
                 tuned[(loss, batch, updates)] = tunings
             results.append(summarise(budget, batch, updates, loss,
                                      tuned[(loss, batch, updates)], protocol))
+            if budget == "seconds":
+                results[-1].update(budget_seconds=protocol.seconds,
+                                   step_seconds=timed[loss])
     return with_paired_differences(results)
 
 

@@ -25,6 +25,8 @@ def _cell(r) -> str:
     text = _num(r["test_map@r"])
     if math.isfinite(r.get("ci95") or float("nan")):
         text += f" ± {_num(r['ci95'])}"
+    if r["budget"] == "seconds":  # each loss's updates in the same time
+        text += f" ({r['updates']} u)"
     bad = [s for s in r["statuses"] if s != "ok"]
     if bad:
         text += f" ({len(bad)}/{len(r['statuses'])} {', '.join(sorted(set(bad)))})"
@@ -43,6 +45,12 @@ def _pair(diff, is_best=False) -> str:
 def _settings(params: dict) -> str:
     return ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                      for k, v in sorted(params.items()))
+
+
+def _column(r, batch) -> str:
+    if r["budget"] == "seconds":
+        return f"B={batch} ({r['budget_seconds']:g} s)"
+    return f"B={batch} ({r['updates']} u, {r['images']:,} im)"
 
 
 def search_words(protocol, settings_from: str | None = None) -> str:
@@ -148,10 +156,10 @@ def markdown(results: list[dict], header: str = "", baselines: dict | None = Non
                   ("Test MAP@R (%), " + ("mean ± 95 % t-interval over the tuning repeats' "
                                          "means" if kinds == {"repeats"} else
                                          "mean ± 95 % t-interval over the seeds")
-                   + "; updates (images) per cell in the header."), "",
-                  "| loss | " + " | ".join(
-                      f"B={b} ({some[b]['updates']} u, {some[b]['images']:,} im)"
-                      for b in cols) + " |",
+                   + ("; every loss trains for the seconds in the header, its updates "
+                      "in brackets." if budget == "seconds" else
+                      "; updates (images) per cell in the header.")), "",
+                  "| loss | " + " | ".join(_column(some[b], b) for b in cols) + " |",
                   "|---|" + "---|" * len(cols)]
         for name, b in (baselines or {}).items():
             lines.append(f"| {BASELINE_NAMES[name]} | "
@@ -161,6 +169,13 @@ def markdown(results: list[dict], header: str = "", baselines: dict | None = Non
             lines.append(f"| {loss}{kind} | " + " | ".join(
                 _cell(by[(budget, loss, b)]) if (budget, loss, b) in by else "–"
                 for b in cols) + " |")
+        if budget == "seconds":
+            timed = {b: ", ".join(f"{loss} {by[(budget, loss, b)]['step_seconds']:.3g}"
+                                  for loss in losses if (budget, loss, b) in by)
+                     for b in cols}
+            lines += ["", "Seconds per update, timed once per loss and batch with the "
+                      "loss's knobs at their ranges' middle: "
+                      + "; ".join(f"B={b}: {text}" for b, text in timed.items()) + "."]
         if baselines:
             lines += ["", ("Difference from the frozen features (test MAP@R points; the "
                            "interval is the loss's own):"), "",

@@ -1,0 +1,133 @@
+"""The pre-registered study's plateau pilot (docs/batch_sweep.md): the smallest
+power-of-two image budget at which the runs plateau, for every loss at its default
+setting (learning rate 1e-3, the loss's own defaults), measured on the validation
+classes only.
+
+    python experiments/fair_comparison/plateau_pilot.py \\
+        --config experiments/fair_comparison/glyphs_pretrained.yaml --val data/glyphs/val \\
+        --cache experiments/fair_comparison/results/study_strong --batch 4096 \\
+        --out experiments/fair_comparison/results/plateau_strong.json
+
+Every loss runs at every power of two from ``--start`` to ``--largest`` images. Two
+measures, both on every validation class: the pre-registered one, how much the last
+fifth of a run moves validation MAP@R (at 4/5 of its updates and at its end), and the
+amended one, how much more any larger budget tried scores. The pre-registered measure
+alone cannot fail under the cosine schedule to 0, whose last fifth takes steps of almost
+no size (the amendment and its measurement are in docs/batch_sweep.md). A budget I is
+the plateau when, for every loss, both are below 0.2.
+
+``--cache`` is the study's output folder, so that the pilot and the study train on the
+same cached features. The pilot runs at the largest batch of the study: an image budget
+gives a smaller batch more updates, so the largest batch is the last to plateau. Prints
+one line per run; the JSON record (written to a temporary name first, after every run)
+holds every run and the budget found, and a second call resumes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+LOSSES = "SmoothAP,FastAP,ROADMAP,RSk,Triplet,SupCon,MultiSimilarity"
+THRESHOLD = 0.2
+LR = 1e-3
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--val", required=True)
+    p.add_argument("--cache", required=True, help="the study's output folder (features)")
+    p.add_argument("--out", required=True, help="the JSON record")
+    p.add_argument("--losses", default=LOSSES)
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--start", type=int, default=65536, help="the first image budget")
+    p.add_argument("--largest", type=int, default=1 << 20, help="the last budget tried")
+    p.add_argument("--seed", type=int, default=1000, help="a tuning seed (not evaluated)")
+    args = p.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+    from tfaploss.compare.features import FeatureRunner, extract_features
+    from tfaploss.compare.protocol import RunSpec
+    from tfaploss.config import load_config
+    from tfaploss.durable.atomic import atomic_write_json
+
+    cfg = load_config(args.config, [], warn=False)
+    data = extract_features(cfg, {"train": cfg.data.train, "val": args.val,
+                                  "test": cfg.data.test}, args.cache)
+    # curve_classes=None: the curve is scored on every validation class; the test
+    # classes are scored too (the runner does so with a curve) but never read here.
+    runner = FeatureRunner(data, m=cfg.data.m, curve_points=5, curve_classes=None,
+                           test_classes=10)
+    out = Path(args.out)
+    record = json.loads(out.read_text()) if out.is_file() else {"runs": []}
+    record.update(batch=args.batch, lr=LR, threshold=THRESHOLD, config=args.config)
+    done = {(r["loss"], r["images"]): r for r in record["runs"]}
+    record.update(rule="plateau at I: for every loss, the last fifth of the run at I "
+                       "moves validation MAP@R by < threshold, and no budget tried above "
+                       "I scores more than threshold above I")
+
+    def measured(loss, images):
+        row = done.get((loss, images))
+        if row is None:
+            updates = max(1, images // args.batch)
+            spec = RunSpec(loss, (("lr", LR),), args.batch, updates, args.seed, True)
+            result = runner(spec)
+            curve = result.get("curve") or []
+            row = {"loss": loss, "images": images, "updates": updates,
+                   "status": result["status"], "val_map@r": result.get("val_map@r"),
+                   "curve": curve, "seconds": result["seconds"],
+                   "last_fifth": (abs(curve[-1][1] - curve[-2][1]) if len(curve) >= 2
+                                  else None)}
+            record["runs"].append(row)
+            done[(loss, images)] = row
+            atomic_write_json(out, record)
+        print(f"{images:>9,} images ({row['updates']} u) {loss:16s} val "
+              f"{_num(row['val_map@r'])}, last fifth moved {_num(row['last_fifth'])} "
+              f"({row['status']}, {row['seconds']:.0f} s)", flush=True)
+        return row
+
+    losses = args.losses.split(",")
+    budgets = []
+    images = args.start
+    while images <= args.largest:
+        budgets.append(images)
+        images *= 2
+    # Every budget of every loss, cheapest first: a pilot cut short keeps its budgets.
+    val = {(loss, i): measured(loss, i) for i in budgets for loss in losses}
+    plateau = None
+    for i in budgets:
+        gains = {loss: max(_gain(val[(loss, i)], val[(loss, j)]) for j in budgets if j >= i)
+                 for loss in losses}
+        fifths = {loss: val[(loss, i)]["last_fifth"] for loss in losses}
+        print(f"{i:>9,} images: more images gain at most "
+              + ", ".join(f"{loss} {_num(g)}" for loss, g in gains.items())
+              + "; last fifth moved " + ", ".join(f"{_num(f)}" for f in fifths.values()),
+              flush=True)
+        if plateau is None and all(g < THRESHOLD for g in gains.values()) and all(
+                f is not None and f < THRESHOLD for f in fifths.values()):
+            plateau = i
+    record["plateau_images"] = plateau
+    atomic_write_json(out, record)
+    print(f"plateau: {plateau:,} images" if plateau else
+          f"no plateau up to {args.largest:,} images", flush=True)
+
+
+def _gain(row, later):
+    """How much more validation MAP@R ``later`` (more images) scores; a failed run
+    (no score) counts as no gain."""
+    a, b = row.get("val_map@r"), later.get("val_map@r")
+    return 0.0 if a is None or b is None else b - a
+
+
+def _num(value):
+    return "-" if value is None else f"{value:.2f}"
+
+
+if __name__ == "__main__":
+    main()

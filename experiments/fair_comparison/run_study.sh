@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The pre-registered study's runs, in their order (docs/batch_sweep.md): the plateau
+# pilot of each regime, then each regime's comparison at the plateau budget (the cells
+# that decide first: B = 2048 and 4096; then B = 512), then the wall-clock-matched
+# budget. Every step resumes from its record or ledger: run this again after a stop and
+# it goes on where it was. From a checkout holding data/glyphs and data/pretrained:
+#
+#   nohup nice -n 19 experiments/fair_comparison/run_study.sh > logs/study.log 2>&1 &
+set -euo pipefail
+PY=${PYTHON:-python}
+R=experiments/fair_comparison/results
+# The size rule's cut (docs/batch_sweep.md): Smooth-AP and the histogram loss against
+# triplet and SupCon.
+LOSSES=SmoothAP,FastAP,Triplet,SupCon
+SECONDS_PER_RUN=120
+config() {
+  if [ "$1" = weak ]; then echo experiments/fair_comparison/glyphs_pretrained_weak.yaml
+  else echo experiments/fair_comparison/glyphs_pretrained.yaml; fi
+}
+compare() {  # regime, then compare's own arguments
+  local regime=$1; shift
+  $PY -m tfaploss.cli compare --config "$(config "$regime")" --features \
+    --val data/glyphs/val --test-classes 500 --losses $LOSSES --tuning-repeats 3 \
+    --seeds 0,1,2,3,4 --out $R/study_"$regime" "$@"
+}
+for regime in strong weak; do
+  $PY experiments/fair_comparison/plateau_pilot.py --config "$(config $regime)" \
+    --val data/glyphs/val --cache $R/study_$regime --losses $LOSSES --batch 4096 \
+    --start 65536 --largest 524288 --out $R/plateau_$regime.json
+done
+plateau() {
+  $PY -c "import json, sys; print(json.load(open(sys.argv[1]))['plateau_images'] or '')" \
+    $R/plateau_"$1".json
+}
+for regime in strong weak; do
+  if [ -z "$(plateau $regime)" ]; then
+    echo "the $regime pilot found no plateau up to its largest budget: stopping" >&2
+    exit 1
+  fi
+done
+# The deciding cells first; each later call reuses the ledger's runs and adds its own,
+# and the last one writes each regime's whole report (both budgets, every batch).
+for regime in strong weak; do
+  compare $regime --batch-sizes 2048,4096 --images "$(plateau $regime)"
+done
+for regime in strong weak; do
+  compare $regime --batch-sizes 512,2048,4096 --images "$(plateau $regime)"
+done
+for regime in strong weak; do
+  compare $regime --batch-sizes 512,2048,4096 --budgets images,seconds \
+    --images "$(plateau $regime)" --seconds $SECONDS_PER_RUN
+done
