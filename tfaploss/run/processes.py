@@ -26,7 +26,6 @@ otherwise hold the whole group for.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -37,7 +36,7 @@ from pathlib import Path
 import keras
 
 from tfaploss.config.fields import ConfigError
-from tfaploss.durable.checkpoints import RunBackup
+from tfaploss.durable.checkpoints import RunBackup, read_latest
 
 __all__ = ["GroupBackup", "ProcessGroup", "RankStoppedError", "StopAgreement",
            "agreed_stop", "check_resume", "check_shards", "current", "start"]
@@ -354,24 +353,13 @@ class GroupBackup(RunBackup):
         return path or self.step_path(epoch, step)
 
 
-def _recorded(index: Path) -> dict | None:
-    """The latest record of a checkpoint index, None when missing or unreadable (the
-    run directory's own checks report a damaged index)."""
-    try:
-        with open(index, encoding="utf-8") as f:
-            latest = json.load(f)["latest"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
-        return None
-    return latest if isinstance(latest, dict) else None
-
-
 def check_resume(backup: RunBackup, group: ProcessGroup, global_batch: int) -> None:
     """Refuse (:class:`~tfaploss.config.ConfigError`, naming both layouts and the ways
     out) to resume a checkpoint written by another world size or global batch; a
     record without a world size counts as one process. Read only: every rank calls it
     before rank 0 changes anything."""
     for index in (backup.index_path, backup.step_index_path):
-        record = _recorded(index)
+        record = read_latest(index)  # a damaged index: the run directory's checks
         if record is None:
             continue
         processes, batch = record.get("processes", 1), record.get("global_batch")
