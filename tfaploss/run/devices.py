@@ -1,8 +1,6 @@
 """Which devices a ``tfaploss train`` run uses (``training.distribute``): data
-parallelism in which the losses gather every device's rows, so that they rank the
-global batch. :func:`plan_devices` must run before TensorFlow initialises its devices:
-several CPU devices can only be configured before that.
-"""
+parallelism, the losses gathering every device's rows. :func:`plan_devices` must run
+before TensorFlow initialises its devices (several CPU devices are set up before)."""
 
 from __future__ import annotations
 
@@ -103,9 +101,8 @@ def _available(backend: str, wanted: int | None) -> tuple[list[str], str]:
 
 
 def plan_devices(cfg: Config) -> DevicePlan:
-    """The :class:`DevicePlan` for ``cfg.training.distribute`` on this machine (under
-    several JAX processes, over every process's devices); a ``ValueError`` naming the
-    key when more devices are asked for than there are, or the batch does not split."""
+    """The :class:`DevicePlan` of ``cfg.training.distribute`` here (under several JAX
+    processes, over all their devices); a ``ValueError`` naming the key when it cannot."""
     dist = cfg.training.distribute
     backend = keras.backend.backend()
     batch = cfg.data.batch_size
