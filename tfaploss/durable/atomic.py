@@ -6,6 +6,7 @@ temporary file (:func:`is_temp_name`), which :func:`remove_temp_files` deletes."
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -49,9 +50,8 @@ def fsync_dir(path: str | os.PathLike) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -80,7 +80,6 @@ def _size(n: int) -> str:
         if n < 1024 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
         n /= 1024
-    return str(n)
 
 
 def free_bytes(folder: str | os.PathLike) -> int | None:
@@ -150,10 +149,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object], *,
         os.replace(tmp, path)
     except BaseException as err:
         _let_go_of_files_left_open(path.parent, open_before)
-        try:
+        with contextlib.suppress(OSError):
             os.remove(tmp)
-        except OSError:
-            pass
         if not is_disk_full(err) or isinstance(err, DiskFullError):
             raise
         # The writer's frames still hold its file objects (Keras's HDF5 store, its
@@ -173,10 +170,8 @@ def _descriptors() -> dict[int, str] | None:
         return None
     found = {}
     for entry in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # closed meanwhile (the listing's)
             found[int(entry)] = os.readlink(f"/proc/self/fd/{entry}")
-        except (OSError, ValueError):
-            pass  # closed meanwhile (the listing's own descriptor among them)
     return found
 
 

@@ -115,7 +115,6 @@ class RunBackup:
         return self.directory / INDEX_NAME
 
     def _files(self, pattern, key) -> dict:
-        """The files whose names match ``pattern``, by ``key(match)``, sorted."""
         if not self.directory.is_dir():
             return {}
         found = {}
@@ -249,8 +248,7 @@ class RunBackup:
                 raise ValueError("far larger than an index")
             with open(self.index_path, encoding="utf-8") as f:
                 latest = json.load(f)["latest"]
-            record = {"epoch": latest["epoch"], "file": latest["file"],
-                      "bytes": latest["bytes"], "sha256": latest["sha256"]}
+            record = {k: latest[k] for k in ("epoch", "file", "bytes", "sha256")}
             if not (type(record["epoch"]) is int and record["epoch"] >= 1
                     and type(record["bytes"]) is int and record["bytes"] >= 0
                     and isinstance(record["file"], str)
@@ -266,7 +264,6 @@ class RunBackup:
             return None
 
     def _problem(self, path: Path, latest: dict | None) -> str | None:
-        """What is wrong with the checkpoint ``path`` (None: it is complete)."""
         try:
             size = path.stat().st_size
             if latest is not None and latest["file"] == path.name:

@@ -73,10 +73,8 @@ def threshold(name: str) -> int:
 def _flush() -> None:
     """stdout and stderr out before a simulated death, which flushes nothing."""
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(AttributeError, OSError, ValueError):
             stream.flush()
-        except (AttributeError, OSError, ValueError):
-            pass
 
 
 def kill(item: str, where: str) -> None:

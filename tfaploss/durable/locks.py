@@ -1,15 +1,7 @@
-"""One writer per folder: the exclusive lock ``FOLDER/.tfaploss.lock`` that a training
-run or a Beam job holds on the folder it writes.
-
-The lock file (JSON: ``pid``, ``host``, ``started``, ``command``, ``boot_id``,
-``process_start``) is written complete to a temporary file, then hard-linked to its
-name, which fails if the name exists; a second writer gets :class:`LockHeldError`
-naming the holder. A lock of a process of this host that no longer runs (no such PID,
-a zombie, a reused PID, another boot) is taken over, saying so, under an ``flock`` of
-the stale file so that only it is ever removed; another host's lock is refused. URLs
-are not locked. Cost: a create, a link and an unlink (docs/reliability.md, "Two jobs,
-one output").
-"""
+"""One writer per folder: the exclusive lock ``FOLDER/.tfaploss.lock`` of a training run
+or a Beam job, created whole (a complete temporary file hard-linked to that name) and
+taken over only from a process of this host that no longer runs
+(docs/reliability.md, "Two jobs, one output"). URLs are not locked."""
 
 from __future__ import annotations
 
@@ -152,12 +144,10 @@ class Lock:
         """Delete the lock file, if it is still this lock (never another's)."""
         if os.getpid() != self._pid:  # a forked child never releases its parent's lock
             return
-        try:
+        with contextlib.suppress(OSError):
             st = os.stat(self.path)
             if (st.st_dev, st.st_ino) == self._inode:
                 os.unlink(self.path)
-        except OSError:
-            pass
 
 
 def _write_exclusive(path: Path, data: bytes) -> None:
@@ -188,10 +178,8 @@ def _create(path: Path, data: bytes) -> tuple[int, int]:
     except OSError:  # no hard links here: the exclusive create itself
         _write_exclusive(path, data)
     finally:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
     st = os.stat(path)
     return st.st_dev, st.st_ino
 
@@ -215,12 +203,10 @@ def _read_open(path: Path) -> tuple[int, dict | None] | None:
 def _remove_if_same(path: Path, fd: int) -> bool:
     """Delete ``path`` if it is still the file open as ``fd``, under an exclusive flock
     of it (two writers never both remove, nor remove a lock created since)."""
-    try:
+    with contextlib.suppress(ImportError, OSError):
         import fcntl
 
         fcntl.flock(fd, fcntl.LOCK_EX)
-    except (ImportError, OSError):
-        pass
     try:
         st, now = os.fstat(fd), os.stat(path)
     except FileNotFoundError:

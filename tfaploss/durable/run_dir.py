@@ -1,12 +1,8 @@
-"""What a run directory holds, checked before a run uses it (:func:`inspect`); and
-``--restart`` (:func:`move_aside`).
-
-What a kill leaves (temporary files, a half-deleted backup, a torn last epoch row, a
-stale or torn checkpoint index) is recovered from; what no kill leaves raises
-:class:`~tfaploss.durable.checkpoints.DamagedRunError` (the list: docs/reliability.md,
-"Resuming a damaged run directory"). A run of another config is the caller's
-``check_config`` to refuse (:mod:`tfaploss.run.resume`): this module reads files only.
-"""
+"""The checks of a run directory before a run uses it (:func:`inspect`: what a kill
+leaves is recovered from, anything else raises
+:class:`~tfaploss.durable.checkpoints.DamagedRunError`; docs/reliability.md) and
+``--restart`` (:func:`move_aside`). The config comparison is the caller's
+(:mod:`tfaploss.run.resume`): this module reads files only."""
 
 from __future__ import annotations
 
@@ -236,7 +232,6 @@ def inspect(run_dir: Path, epochs: int,
 
 def _finished(run_dir: Path, epochs: int, check_config, summary: dict | None,
               model: Path) -> dict:
-    """The summary of the finished run (no backup left) in ``run_dir``, checked."""
     if summary is None:
         raise DamagedRunError(
             run_dir / "summary.json", f"is missing, but {model.name} is there and no "

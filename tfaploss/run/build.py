@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 
 from tfaploss.config.fields import ConfigError
 from tfaploss.config.loss_section import loss_class
@@ -31,14 +32,10 @@ def build_model(cfg: Config, input_shape=None, weights="config", calibrate=True)
     try:
         backbone = config_backbone(m, weights)
         model = build_embedding_model(
-            backbone=backbone,
-            pooling=m.pooling,
-            embedding_dim=m.embedding_dim,
-            weights=None if m.backbone_file else weights,
-            input_shape=tuple(input_shape),
+            backbone=backbone, pooling=m.pooling, embedding_dim=m.embedding_dim,
+            weights=None if m.backbone_file else weights, input_shape=tuple(input_shape),
             freeze_bn=m.frozen_bn,
-            preprocessing=None if m.preprocessing == "none" else m.preprocessing,
-        )
+            preprocessing=None if m.preprocessing == "none" else m.preprocessing)
     except PoolingError as err:
         raise ConfigError(f"config key 'model.pooling': {err}") from None
     except (OSError, ValueError, KeyError) as err:
@@ -181,7 +178,6 @@ def _uses_proxies(cls, kwargs) -> bool:
 
 
 def _proxy_classes(cfg: Config, configured) -> int:
-    """One proxy per training class, counted by the training manifest."""
     found = (_manifest(cfg) or {}).get("num_classes")
     if found is None:
         if configured is None:
@@ -213,16 +209,12 @@ def total_steps(cfg: Config, steps_per_epoch: int) -> int:
 def build_schedule(cfg: Config, steps_per_epoch: int):
     """The learning rate as a :class:`RecipeSchedule` over the run's updates."""
     opt, sched = cfg.optimizer, cfg.optimizer.schedule
-    end_lr = sched.end_lr if sched.end_lr is not None else 0.0
     return RecipeSchedule(
-        kind=sched.name,
-        lr=opt.lr,
-        total_steps=total_steps(cfg, steps_per_epoch),
-        end_lr=end_lr,
+        kind=sched.name, lr=opt.lr, total_steps=total_steps(cfg, steps_per_epoch),
+        end_lr=sched.end_lr if sched.end_lr is not None else 0.0,
         warmup_steps=int(math.ceil(opt.warmup_epochs * steps_per_epoch)),
         boundaries=[e * steps_per_epoch for e in (sched.step_epochs or ())],
-        gamma=sched.gamma if sched.gamma is not None else 0.1,
-    )
+        gamma=sched.gamma if sched.gamma is not None else 0.1)
 
 
 def build_optimizer(cfg: Config, steps_per_epoch: int):
@@ -286,8 +278,6 @@ def check_data(cfg: Config) -> None:
     if cfg.data.train is None:
         raise ConfigError("config key 'data.train' is null: set it to a training split "
                           "folder written by a pipelines job (e.g. --set data.train=out/train).")
-    from pathlib import Path
-
     if "://" not in cfg.data.train and not Path(cfg.data.train).exists():
         raise ConfigError(f"config key 'data.train': {cfg.data.train!r} does not exist. "
                           "Write it with a pipelines job first (see README: Preparing data).")

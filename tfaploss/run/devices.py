@@ -91,12 +91,10 @@ def _available(backend: str, wanted: int | None) -> tuple[list[str], str]:
     if wanted and wanted > 1:
         # Several CPU devices share the same cores: for testing the distributed path
         # on a machine without GPUs, not for speed.
-        try:
+        with contextlib.suppress(RuntimeError):  # initialised: the caller checks the count
             tf.config.set_logical_device_configuration(
                 tf.config.list_physical_devices("CPU")[0],
                 [tf.config.LogicalDeviceConfiguration()] * wanted)
-        except RuntimeError:
-            pass  # already initialised: use what there is (checked by the caller)
     return [d.name for d in tf.config.list_logical_devices("CPU")], "CPU"
 
 
@@ -128,12 +126,12 @@ def plan_devices(cfg: Config) -> DevicePlan:
                 "across processes uses them all (null).")
         _check_split(batch, devices, dist)
         return DevicePlan("data_parallel", devices, batch, backend, group.world_size)
-    if backend not in ("tensorflow", "jax") and dist.strategy == "data_parallel":
-        raise ValueError(
-            f"config key 'training.distribute.strategy': data_parallel runs on the "
-            f"tensorflow and jax backends; received KERAS_BACKEND={backend}. On PyTorch, "
-            "train with torch.distributed (README, scale-out).")
     if backend not in ("tensorflow", "jax"):
+        if dist.strategy == "data_parallel":
+            raise ValueError(
+                f"config key 'training.distribute.strategy': data_parallel runs on the "
+                f"tensorflow and jax backends; received KERAS_BACKEND={backend}. On "
+                "PyTorch, train with torch.distributed (README, scale-out).")
         return DevicePlan("none", ["default"], batch, backend)
     if dist.strategy == "none":
         return DevicePlan("none", _available(backend, None)[0][:1], batch, backend)
@@ -147,9 +145,7 @@ def plan_devices(cfg: Config) -> DevicePlan:
             f"machine has {len(devices)} {kind} device(s) ({', '.join(devices)}).")
     chosen = devices[:wanted]
     _check_split(batch, chosen, dist)
-    if len(chosen) == 1:
-        return DevicePlan("none", chosen, batch, backend)
-    return DevicePlan("data_parallel", chosen, batch, backend)
+    return DevicePlan("none" if len(chosen) == 1 else "data_parallel", chosen, batch, backend)
 
 
 def _check_split(batch: int, devices: list[str], dist) -> None:

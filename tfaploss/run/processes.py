@@ -367,12 +367,10 @@ class StopAgreement(keras.callbacks.Callback):
     processes (put it after every callback that may stop training, before that one).
 
     At each epoch's end and every :attr:`every`-th batch the ranks agree (one
-    all-reduce): a signal any rank's ``local`` :class:`~tfaploss.durable.preemption.SignalFlag`
-    received becomes :attr:`signum` everywhere, and any rank's ``stop_training`` stops
-    all; in between a rank's own stop is held back (alone out of ``fit``, it would
-    leave the others waiting). :attr:`every`: the fewest batches that keep the
-    agreement under :data:`OVERHEAD` of the time between, a signal waiting at most
-    :data:`LATENCY_S`.
+    all-reduce) on the first signal of any rank's ``local`` flag (:attr:`signum`) and on
+    any rank's ``stop_training``, held back until then. :attr:`every`: the fewest
+    batches keeping the agreement under :data:`OVERHEAD` of the time, a signal waiting
+    at most :data:`LATENCY_S` (docs/scale_out.md).
     """
 
     OVERHEAD = 0.01

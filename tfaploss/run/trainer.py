@@ -45,7 +45,6 @@ LOG = logging.getLogger(__name__)
 
 
 def _health_monitor(cfg: Config):
-    """The batch-health callback of ``cfg.training.health`` (None when disabled)."""
     from tfaploss.training.health import TrainingHealthMonitor
 
     h = cfg.training.health
@@ -191,7 +190,6 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto",
 
 
 def _start_over(run_dir: Path, cfg: Config) -> None:
-    """``restart=True``: move the previous run's files aside (never delete them)."""
     try:
         R.inspect(run_dir, cfg)
         damage = None

@@ -3,6 +3,7 @@ in ``tfaploss train``: :func:`tfaploss.run.trainer._train`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -42,7 +43,6 @@ def stop_summary(record: dict) -> dict:
 
 
 def _embedder(callback):
-    """The callback's embedding model, else the one being trained."""
     return callback.embedding_model if callback.embedding_model is not None else callback.model
 
 
@@ -212,10 +212,9 @@ class EpochLogger(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         row = {"epoch": epoch + 1}
         opt = self.model.optimizer
-        try:
+        # a wrapped optimizer may have no scalar learning rate
+        with contextlib.suppress(TypeError, ValueError, AttributeError):
             row["learning_rate"] = float(keras.ops.convert_to_numpy(opt.learning_rate))
-        except (TypeError, ValueError, AttributeError):
-            pass  # a wrapped optimizer without a scalar learning rate
         row.update({k: float(v) for k, v in (logs or {}).items()
                     if isinstance(v, (int, float)) or hasattr(v, "__float__")})
         # NaN (no query counted) becomes null below; absent: no LoneQueryShare compiled.

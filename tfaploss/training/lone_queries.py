@@ -122,7 +122,6 @@ class LoneQueryShare(keras.metrics.Metric):
 
 
 def _find_metric(model):
-    """The compiled :class:`LoneQueryShare` of ``model``, or None."""
     return next((m for m in compiled_metrics(model) if isinstance(m, LoneQueryShare)), None)
 
 

@@ -38,7 +38,6 @@ logger = logging.getLogger(__name__)
 
 
 def _backend_steps():
-    """The ``train_step`` mix-in of the backend Keras runs on."""
     backend = keras.backend.backend()
     if backend == "tensorflow":
         from tfaploss.training.multistage_tf import TensorFlowSteps as steps
@@ -78,11 +77,9 @@ class MultiStageModel(_backend_steps(), keras.Model):
 
     Args:
         embedding_model: a Keras model mapping inputs to (B, d) embeddings.
-        chunk_size: images per forward/backward chunk (int >= 1), or ``None`` for a
-            single-pass step. Batches need not be a multiple of it. Under data
-            parallelism it counts images *per device* (under JAX's ``DataParallel``
-            a chunk takes ``chunk_size`` rows of every device's shard, and
-            batch-statistics BatchNorm normalises those ``chunk_size`` x D together).
+        chunk_size: images per forward/backward chunk (int >= 1; batches need not be a
+            multiple), or ``None`` for a single-pass step. Under data parallelism it
+            counts images *per device*.
         xbm_size, xbm_weight: cross-batch memory slots (0 = no memory), and the weight
             of the query-vs-memory loss.
         xbm_loss: loss for the memory term (default: the compiled loss).
@@ -256,7 +253,6 @@ class MultiStageModel(_backend_steps(), keras.Model):
 
     @staticmethod
     def _max_abs_diff(a, b):
-        """Largest |a - b| (float32 scalar)."""
         gap = ops.abs(ops.cast(a, "float32") - ops.cast(b, "float32"))
         return ops.max(ops.concatenate([ops.reshape(gap, (-1,)), ops.zeros((1,), "float32")]))
 
@@ -271,15 +267,11 @@ class MultiStageModel(_backend_steps(), keras.Model):
         config = super().get_config()
         config.update(
             embedding_model=keras.saving.serialize_keras_object(self.embedding_model),
-            chunk_size=self.chunk_size,
-            xbm_size=self.xbm_size,
-            xbm_weight=self.xbm_weight,
+            chunk_size=self.chunk_size, xbm_size=self.xbm_size, xbm_weight=self.xbm_weight,
             xbm_loss=(None if self.xbm_loss is None
                       else keras.saving.serialize_keras_object(self.xbm_loss)),
-            on_nondeterministic=self.on_nondeterministic,
-            check_stages=self.check_stages,
-            stage_atol=self.stage_atol,
-        )
+            on_nondeterministic=self.on_nondeterministic, check_stages=self.check_stages,
+            stage_atol=self.stage_atol)
         return config
 
     @classmethod

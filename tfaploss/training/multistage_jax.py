@@ -176,7 +176,6 @@ class JaxSteps:
 
     def _jax_objective(self, embeddings, trainable, non_trainable, optimizer_variables,
                        metrics_variables, y, sample_weight):
-        """Stage 2's objective as a pure function (for ``jax.value_and_grad``)."""
         mapping = list(zip(self.trainable_variables, trainable))
         mapping += zip(self.non_trainable_variables, non_trainable)
         mapping += zip(self.optimizer.variables, optimizer_variables)

@@ -27,7 +27,6 @@ def _slice(x, start, stop):
 
 
 def _batch_size(x):
-    """Static batch size if known, else a scalar tensor."""
     first = tree.flatten(x)[0]
     static = first.shape[0]
     return static if static is not None else tf.shape(first)[0]
@@ -135,7 +134,6 @@ class TensorFlowSteps:
         return tf.cond(batch > start, tail, lambda: (acc, diff))
 
     def _gather(self, embeddings, y, sample_weight):
-        """The replicas' rows all-gathered, and this replica's offset."""
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         if replicas == 1:
             return embeddings, y, sample_weight, 0

@@ -30,7 +30,6 @@ class TorchSteps:
     """``train_step`` of ``MultiStageModel`` for ``KERAS_BACKEND=torch``."""
 
     def _sync_ranks_once(self):
-        """Rank 0's weights on every rank, before the first distributed step."""
         if not getattr(self, "_ranks_synced", False):
             distribute_torch.broadcast_from_first_rank(self.embedding_model.weights)
             self._ranks_synced = True
