@@ -142,24 +142,20 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto",
     """Train ``cfg``; returns the run summary (also written to ``run_dir/summary.json``).
 
     Called again with the same config, a killed run resumes from its last checkpoint
-    and a finished one is not trained again. Raises
+    and a finished one is not trained again; ``restart=True`` starts over at epoch 1,
+    the previous files moved aside. Raises
     :class:`~tfaploss.training.guards.NonFiniteTrainingError` at the first non-finite
-    loss or weight, before anything is saved; a run stopped by the batch-health check
-    is saved and summarised, ``summary["stopped_early"]`` saying why.
+    loss or weight; a run the batch-health check stopped is saved and summarised.
 
     Checked before anything is written: the extras the config needs
     (:class:`~tfaploss.extras.MissingExtraError`), the run directory
-    (:class:`~tfaploss.durable.checkpoints.DamagedRunError`, another config's run:
-    :class:`~tfaploss.config.ConfigError`, another process in it:
+    (:class:`~tfaploss.durable.checkpoints.DamagedRunError`, ConfigError,
     :class:`~tfaploss.durable.locks.LockHeldError`) and the data against their manifest
-    (``verify_data``: ``"sizes"``, ``"full"`` or ``"off"``; a damaged record met later
-    raises :class:`~tfaploss.data.integrity.DamagedDataError` unless ``skip_damaged``
-    leaves the damaged files out). ``restart=True`` starts over at epoch 1, the previous
-    files moved aside. An extra failing at the final evaluation costs only its metrics.
-
-    Reports go to this module's logger at INFO; ``verbose`` is Keras's progress display.
-    Under several processes every rank calls ``train``; ranks other than 0 return
-    ``{"run_dir", "rank", "updates", "processes"}``.
+    (``verify_data``: ``"sizes"``, ``"full"`` or ``"off"``; ``skip_damaged`` leaves
+    damaged files out rather than raise
+    :class:`~tfaploss.data.integrity.DamagedDataError`). ``verbose``: Keras's progress
+    display. Under several processes every rank calls ``train``; ranks other than 0
+    return ``{"run_dir", "rank", "updates", "processes"}``.
     """
     with reporting():
         check_config_extras(cfg)

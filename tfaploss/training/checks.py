@@ -19,10 +19,6 @@ class NondeterministicModelWarning(UserWarning):
     """A model used for multi-staged backpropagation is random in training mode."""
 
 
-def _owns_seed_generator(layer) -> bool:
-    return any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values())
-
-
 def find_nondeterministic_layers(model: keras.layers.Layer) -> list[str]:
     """One line per layer of ``model`` drawing random numbers in training (dropout,
     noise, augmentation, unless their rate is 0); empty when it is safe."""
@@ -30,7 +26,7 @@ def find_nondeterministic_layers(model: keras.layers.Layer) -> list[str]:
     for layer in model._flatten_layers(include_self=True, recursive=True):
         if isinstance(layer, keras.layers.BatchNormalization):
             continue
-        if _owns_seed_generator(layer):
+        if any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values()):
             rate = getattr(layer, "rate", None)
             if rate is not None and float(rate) == 0.0:
                 continue

@@ -23,10 +23,6 @@ def sync_state(model) -> None:
         sync()
 
 
-def _variable_name(v) -> str:
-    return getattr(v, "path", None) or getattr(v, "name", "?")
-
-
 def _float_variables(variables) -> list:
     """The floating-point variables (integers are always finite)."""
     return [v for v in variables if "float" in str(v.dtype)]
@@ -52,7 +48,8 @@ def nonfinite_variables(variables) -> list[str]:
     """Names of the variables holding a NaN or an infinity (slow path, for messages)."""
     import numpy as np
 
-    return [_variable_name(v) for v in _float_variables(variables)
+    return [getattr(v, "path", None) or getattr(v, "name", "?")
+            for v in _float_variables(variables)
             if not np.all(np.isfinite(keras.ops.convert_to_numpy(v.value)))]
 
 

@@ -167,8 +167,6 @@ class MultiStageModel(_backend_steps(), keras.Model):
     def compute_output_shape(self, input_shape):
         return self.embedding_model.compute_output_shape(input_shape)
 
-    # The backend-neutral part of the step, which the backends' ``train_step`` calls.
-
     def _embed(self, x):
         return self.embedding_model(x, training=True)
 
