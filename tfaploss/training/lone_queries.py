@@ -1,12 +1,6 @@
-"""Lone queries (no other item of the batch shares their label, so a ranking loss gets
-no signal from them: :mod:`tfaploss.losses.lone_queries`) counted by a Keras metric
-from ``y_true``, inside the compiled step, and the callback that warns when most are.
-``tfaploss train`` adds both; a plain Keras user writes::
-
-    model.compile(optimizer="adam", loss=tfaploss.losses.SmoothAPLoss(),
-                  metrics=[tfaploss.training.LoneQueryShare()])
-    model.fit(x, y, batch_size=8, callbacks=[tfaploss.training.LoneQueryMonitor()])
-"""
+"""Lone queries (no other item of the batch shares their label) counted by a Keras
+metric from ``y_true`` inside the compiled step, and the callback that warns when most
+are; docs/losses.md has the rules and a plain-Keras example."""
 
 from __future__ import annotations
 
@@ -130,12 +124,11 @@ class LoneQueryMonitor(keras.callbacks.Callback):
     :class:`~tfaploss.losses.lone_queries.LoneQueryTracker`, else the monitor's own),
     which warns once per ``fit`` when most queries of the recent steps were lone.
 
-    The counts are read every ``every`` steps and at each epoch's end: on TensorFlow
-    and PyTorch from the metric's variables (under ``tf.distribute`` they sum the
-    replicas', where the logs average them), on JAX, whose variables are written back
-    only at the epoch's end, from the step's logs in Keras's callback thread. Cost with
-    the default ``every`` (20): within 2 % of a B=256 ``SmoothAPLoss`` step on a CPU
-    (``benchmarks/lone_queries.py``).
+    The counts are read every ``every`` steps and at each epoch's end, from the
+    metric's variables (they sum the replicas', where the logs average them), or on
+    JAX, which writes them back only at the epoch's end, from the step's logs. Cost
+    with the default ``every`` (20): within 2 % of a B=256 ``SmoothAPLoss`` step on a
+    CPU (``benchmarks/lone_queries.py``).
     """
 
     async_safe = True  # JAX: on_train_batch_end runs in Keras's callback thread

@@ -14,11 +14,9 @@ then one optimizer update per batch. Peak activation memory is that of one chunk
 price is a second forward pass (time ~ (2 fwd + 1 bwd) / (1 fwd + 1 bwd) ~ 4/3).
 Keras's ``gradient_accumulation_steps`` is not this: it averages per-chunk losses.
 
-Exact only if stage 3 sees what stage 1 saw (no dropout, augmentation in the input
-pipeline); BatchNorm on batch statistics normalises each chunk on its own in both
-stages, the exact gradient of that "ghost batch norm" network (Hoffer et al., NeurIPS
-2017). Stages 2 and 3 need the backend's autodiff: ``multistage_tf``,
-``multistage_jax``, ``multistage_torch``; the rest is here, in ``keras.ops``.
+Exact only if stage 3 sees what stage 1 saw (:mod:`tfaploss.training.checks`). Stages
+2 and 3 need the backend's autodiff: ``multistage_tf``, ``multistage_jax``,
+``multistage_torch``; the rest is here, in ``keras.ops``.
 """
 
 from __future__ import annotations

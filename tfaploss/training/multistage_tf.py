@@ -7,6 +7,7 @@ replicas all-gather embeddings and labels. With a static batch size and at most
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 from keras import tree
 
@@ -44,8 +45,6 @@ class TensorFlowSteps:
     """``train_step`` of ``MultiStageModel`` for ``KERAS_BACKEND=tensorflow``."""
 
     def _embedding_spec(self, x, rows):
-        import keras
-
         spec = tree.map_structure(
             lambda t: keras.KerasTensor((rows,) + tuple(t.shape[1:]), dtype=t.dtype.name), x)
         return self.embedding_model.compute_output_spec(spec)
@@ -176,8 +175,6 @@ class TensorFlowSteps:
         return total, memory_loss, grads[0], direct
 
     def train_step(self, data):
-        import keras
-
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self._check_trainable()
         variables = self.trainable_variables
