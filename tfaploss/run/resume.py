@@ -24,7 +24,13 @@ def inspect(run_dir: Path, cfg: Config) -> RunState:
     def check_config(previous, what: str) -> None:
         previous = _comparable(previous)
         if previous != current:
-            raise _other_config(run_dir, what, previous, current)
+            changed = sorted(diff_keys(previous, current))
+            raise ConfigError(
+                f"run_dir {str(run_dir)!r} holds {what} made with a different config "
+                f"(differs in: {', '.join(changed[:12])}{', ...' if len(changed) > 12 else ''})"
+                ". Resume it with the same config, use a new run_dir (--set run_dir=...), or "
+                "start over here with --restart (the previous run's files are moved aside, "
+                "not deleted).")
 
     return files.inspect(run_dir, cfg.training.epochs, check_config)
 
@@ -61,12 +67,3 @@ def diff_keys(a, b, prefix=""):
             yield from diff_keys(a.get(key), b.get(key), f"{prefix}{key}.")
     elif a != b:
         yield prefix.rstrip(".")
-
-
-def _other_config(run_dir: Path, what: str, previous, current) -> ConfigError:
-    changed = sorted(diff_keys(previous, current))
-    return ConfigError(
-        f"run_dir {str(run_dir)!r} holds {what} made with a different config (differs "
-        f"in: {', '.join(changed[:12])}{', ...' if len(changed) > 12 else ''}). Resume it "
-        "with the same config, use a new run_dir (--set run_dir=...), or start over here "
-        "with --restart (the previous run's files are moved aside, not deleted).")

@@ -115,10 +115,6 @@ class LoneQueryShare(keras.metrics.Metric):
             variable.assign(ops.zeros((), variable.dtype))
 
 
-def _find_metric(model):
-    return next((m for m in compiled_metrics(model) if isinstance(m, LoneQueryShare)), None)
-
-
 class LoneQueryMonitor(keras.callbacks.Callback):
     """Hands the :class:`LoneQueryShare` counts to :attr:`tracker` (the loss's
     :class:`~tfaploss.losses.lone_queries.LoneQueryTracker`, else the monitor's own),
@@ -159,7 +155,8 @@ class LoneQueryMonitor(keras.callbacks.Callback):
         if self._from_step_logs or batch - self._read[0] < self.every:
             return
         # TensorFlow, PyTorch: the metric's variables hold the `batch` steps done.
-        self._metric = self._metric or _find_metric(self.model)
+        self._metric = self._metric or next(
+            (m for m in compiled_metrics(self.model) if isinstance(m, LoneQueryShare)), None)
         if self._metric is None:
             self._missing()
             return
