@@ -337,8 +337,7 @@ def check_classes_left(cfg: Config, kept: dict[int, int], skipped: dict) -> None
 
     m, batch = cfg.data.m, cfg.data.batch_size
     usable = sum(1 for n in kept.values() if n >= m)
-    needed = {"m_per_class": batch // m, "hierarchical": batch // m}.get(
-        cfg.data.sampler, 1)
+    needed = batch // m if cfg.data.sampler in ("m_per_class", "hierarchical") else 1
     lost = skipped.get("classes_lost") or []
     if usable >= needed:
         if lost:

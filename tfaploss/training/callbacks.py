@@ -206,8 +206,7 @@ class EpochLogger(keras.callbacks.Callback):
         super().__init__()
         self.path = Path(path)
         self.health_monitor = health_monitor
-        self._reported = 0
-        self._traced = 0
+        self._reported = self._traced = 0  # monitor records and trace rows written
 
     def on_epoch_end(self, epoch, logs=None):
         row = {"epoch": epoch + 1}
