@@ -1,28 +1,12 @@
-"""Files that are whole or absent: what a kill in the middle of a write leaves is never
-read as the file.
-
-Every file is written the same way (:func:`atomic_write`): to a temporary name in the
-same folder, flushed to disk (``fsync``), then renamed over the final name with
-``os.replace`` (atomic on POSIX and Windows), and the folder is synced so the rename
-itself survives a power cut. A reader therefore sees either the old complete file or
-the new complete file, never a torn one. A kill leaves at most a temporary file
-(:func:`is_temp_name`), which :func:`remove_temp_files` deletes.
-
-A full disk is one error, :class:`DiskFullError` (an ``OSError`` with ``errno.ENOSPC``)
-naming the file and, where known, the space needed: the temporary file is removed, the
-previous file stays, and no file the write opened is left open
-(:func:`_let_go_of_files_left_open`). Given ``needed``, the free space is checked
-before writing.
-
-A folder is replaced whole the same way (:func:`replace_folder`): written complete
-beside its final name, then swapped in by one ``renameat2(RENAME_EXCHANGE)`` call
-(Linux), or elsewhere renamed in after the old one was renamed aside;
-:func:`recover_folder` puts the old one back if a kill fell between those two renames.
-The crash tests' fault points are :mod:`tfaploss.durable.faults`'s.
-"""
+"""Files that are whole or absent (:func:`atomic_write`: a temporary name in the same
+folder, ``fsync``, ``os.replace``, folder synced), folders replaced whole
+(:func:`replace_folder`, :func:`recover_folder`) and a full disk as one error,
+:class:`DiskFullError` (docs/reliability.md, "Full disks"). A kill leaves at most a
+temporary file (:func:`is_temp_name`), which :func:`remove_temp_files` deletes."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -48,8 +32,7 @@ def is_temp_name(name: str) -> bool:
 
 
 def temp_name(path: str | os.PathLike) -> Path:
-    """The temporary name :func:`atomic_write` uses for ``path``: hidden, same folder,
-    same extension(s) (Keras checks ``.keras`` / ``.weights.h5``)."""
+    """Hidden, same folder, same extension(s) (Keras checks ``.keras`` / ``.weights.h5``)."""
     path = Path(path)
     base, dot, rest = path.name.partition(".")
     return path.with_name(f".{base}.tmp-{os.getpid()}{dot}{rest}")
@@ -67,17 +50,15 @@ def fsync_dir(path: str | os.PathLike) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
 
 class DiskFullError(OSError):
-    """No space left for ``path``: ``needed`` and ``free`` bytes (None: unknown). Nothing
-    was written and the previous file is intact: the same command, once space is freed,
-    resumes or finishes."""
+    """No space left for ``path``: ``needed`` and ``free`` bytes (None: unknown); nothing
+    was written, the previous file is intact."""
 
     def __init__(self, path, needed: int | None = None, free: int | None = None):
         self.path, self.needed, self.free = str(path), needed, free
@@ -99,7 +80,6 @@ def _size(n: int) -> str:
         if n < 1024 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
         n /= 1024
-    return str(n)
 
 
 def free_bytes(folder: str | os.PathLike) -> int | None:
@@ -111,9 +91,8 @@ def free_bytes(folder: str | os.PathLike) -> int | None:
 
 
 def is_disk_full(err: BaseException) -> bool:
-    """Whether ``err`` says the disk is full: an ``OSError`` with ENOSPC / EDQUOT, or
-    any error whose text carries the C library's words for them (h5py, TensorFlow's
-    file system, faiss and ScaNN raise their own types, not errno)."""
+    """An ``OSError`` with ENOSPC / EDQUOT, or any error whose text carries the C
+    library's words for them (h5py, TensorFlow, faiss and ScaNN raise their own types)."""
     if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     return isinstance(err, Exception) and (
@@ -121,9 +100,8 @@ def is_disk_full(err: BaseException) -> bool:
 
 
 def disk_full_in(err: BaseException, path: str | os.PathLike) -> DiskFullError | None:
-    """The :class:`DiskFullError` behind ``err``, however wrapped (Beam re-raises a
-    worker's error inside its own), else None; a full disk known only as an ``OSError``
-    or by its text becomes one for ``path``, the folder being written."""
+    """The :class:`DiskFullError` behind ``err``, however wrapped (Beam), else None; a
+    full disk known only as an ``OSError`` or by its text becomes one for ``path``."""
     seen, found, chain = set(), None, err
     while chain is not None and id(chain) not in seen:
         if isinstance(chain, DiskFullError):
@@ -140,8 +118,7 @@ def disk_full_in(err: BaseException, path: str | os.PathLike) -> DiskFullError |
 
 def check_space(path: str | os.PathLike, needed: int | None) -> None:
     """Raise :class:`DiskFullError` when ``path``'s folder has less than ``needed``
-    bytes free (no-op when ``needed`` or the free space is unknown, or the fault point
-    ``no_space_check`` is armed)."""
+    bytes free (unknowns pass; so does everything under the fault ``no_space_check``)."""
     if not needed or faults.requested("no_space_check"):
         return
     free = free_bytes(Path(path).parent)
@@ -152,13 +129,10 @@ def check_space(path: str | os.PathLike, needed: int | None) -> None:
 def atomic_write(path: str | os.PathLike, write: Callable[[str], object], *,
                  fault: str | None = None, epoch: int | None = None,
                  needed: int | None = None) -> Path:
-    """Create ``path`` through ``write(temp_path)``, all or nothing: the temporary file
-    in the same folder is fsynced and renamed over ``path``; if ``write`` raises, it is
-    removed (and a file ``write`` left open in the folder closed first) and ``path`` is
-    untouched. ``fault`` names the fault points ``<fault>_write``, ``<fault>_rename``
-    and ``<fault>_enospc``. ``needed``: the bytes expected, checked free before
-    writing. Raises :class:`DiskFullError` when the disk is full.
-    """
+    """Create ``path`` through ``write(temp_path)``, all or nothing; if ``write`` raises,
+    the temporary file is removed (files it left open in the folder closed first) and
+    ``path`` is untouched. ``fault``: the fault points ``<fault>_write``, ``_rename``,
+    ``_enospc``; ``needed``: bytes checked free first. Raises :class:`DiskFullError`."""
     path = Path(path)
     tmp = temp_name(path)
     open_before = _descriptors()
@@ -175,10 +149,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object], *,
         os.replace(tmp, path)
     except BaseException as err:
         _let_go_of_files_left_open(path.parent, open_before)
-        try:
+        with contextlib.suppress(OSError):
             os.remove(tmp)
-        except OSError:
-            pass
         if not is_disk_full(err) or isinstance(err, DiskFullError):
             raise
         # The writer's frames still hold its file objects (Keras's HDF5 store, its
@@ -192,30 +164,21 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object], *,
 
 
 def _descriptors() -> dict[int, str] | None:
-    """This process's open file descriptors and what each names (Linux's
-    ``/proc/self/fd``; None elsewhere). Cost: one ``readlink`` per descriptor (about
-    2 microseconds each)."""
+    """This process's open descriptors and what each names (``/proc/self/fd``; None
+    elsewhere). Cost: one ``readlink`` (~2 us) per descriptor."""
     if not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
         return None
     found = {}
     for entry in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # closed meanwhile (the listing's)
             found[int(entry)] = os.readlink(f"/proc/self/fd/{entry}")
-        except (OSError, ValueError):
-            pass  # closed meanwhile (the listing's own descriptor among them)
     return found
 
 
 def _let_go_of_files_left_open(folder: Path, before: dict[int, str] | None) -> list[str]:
-    """Detach the descriptors a failed write opened in ``folder`` and left open (``before``:
-    :func:`_descriptors` when it began); returns the files' names.
-
-    Keras leaves its HDF5 file open when a write fails; HDF5 then flushes it again when
-    Python frees it, which on a full disk kills the process by SIGSEGV at exit, and
-    asking HDF5 about such a file crashes it at once. So each descriptor is pointed at an
-    anonymous memory file (``dup2``): the file on disk is closed now, and whatever HDF5
-    flushes later lands in memory.
-    """
+    """Point the descriptors a failed write left open in ``folder`` at an anonymous
+    memory file (``dup2``); returns their names. Keras leaves its HDF5 file open when a
+    write fails, and HDF5's later flush on a full disk kills the process by SIGSEGV."""
     if before is None:
         return []
     folder = os.path.realpath(folder)  # as /proc names it: links resolved
@@ -290,9 +253,8 @@ def _exchange(a: str, b: str) -> bool:
 
 
 def replace_folder(staged: str | os.PathLike, final: str | os.PathLike) -> None:
-    """Replace the local folder ``final`` by the complete folder ``staged`` (beside it,
-    on the same file system): a reader sees the old folder or the new one, never a mix,
-    and the old one is deleted only once the new one is in place."""
+    """Replace the local folder ``final`` by the complete folder ``staged`` (beside it):
+    a reader sees the old folder or the new one, never a mix."""
     staged, final = os.fspath(staged), os.fspath(final)
     if not os.path.exists(final):
         os.rename(staged, final)
@@ -309,8 +271,8 @@ def replace_folder(staged: str | os.PathLike, final: str | os.PathLike) -> None:
 
 
 def interrupted_replacements(parent: str | os.PathLike) -> list[str]:
-    """The folders of ``parent`` whose :func:`replace_folder` was killed between its two
-    renames (each one's old copy is still set aside): what :func:`recover_folder` is for."""
+    """The folders of ``parent`` whose :func:`replace_folder` a kill interrupted
+    between its two renames: what :func:`recover_folder` is for."""
     parent = os.fspath(parent)
     bases = [name[1:-len(".previous")] for name in sorted(os.listdir(parent))
              if name.startswith(".") and name.endswith(".previous")]

@@ -1,24 +1,9 @@
-"""Crash-safe checkpoints for a training run: a kill at any moment loses at most one epoch.
-
-Every file is written through :func:`tfaploss.durable.atomic.atomic_write`.
-:class:`RunBackup` keeps a training run's state in one folder (``RUN_DIR/backup``)::
-
-    epoch-0003.weights.h5   model + optimizer state after epoch 3 (model.save_weights)
-    checkpoint.json         index: the latest checkpoint, its size and SHA-256
-
-Saving epoch N writes ``epoch-N`` next to the previous checkpoint, then the index, and
-only then deletes the previous checkpoint: whatever moment a kill hits, one complete
-checkpoint is on disk. Restoring trusts the files, not the index alone: it takes the
-newest checkpoint, checks it is complete (its size and SHA-256 match the index, or,
-when the index is missing, empty, corrupt or stale, every HDF5 dataset in it reads
-back), and deletes leftover temporary files.
-
-What a kill leaves (temporary files, a stale index, two checkpoints, an empty backup
-folder, an empty or torn index) is recovered from, with a note. What no kill leaves is
-damage, never worked around silently: :meth:`RunBackup.find` raises
-:class:`DamagedRunError` naming the file, what is wrong and how to repair it; the run
-does not fall back to an older checkpoint, nor start over, by itself.
-"""
+"""Crash-safe checkpoints of a training run (:class:`RunBackup`, ``RUN_DIR/backup``):
+``epoch-NNNN.weights.h5`` (model + optimizer) and the index ``checkpoint.json`` (its
+size and SHA-256). Epoch N is written beside the previous checkpoint, then the index,
+and only then is the previous one deleted, so a kill at any moment leaves one complete
+checkpoint. What a kill leaves is recovered from with a note; what no kill leaves raises
+:class:`DamagedRunError` (docs/reliability.md, "Resuming a damaged run directory")."""
 
 from __future__ import annotations
 
@@ -51,10 +36,8 @@ TRASH_PREFIX = ".backup-trash-"  # a finished run's backup, renamed aside to be 
 
 
 class DamagedRunError(RuntimeError):
-    """A file of a run directory (``path``) is damaged in a way no kill leaves. The
-    message says what is wrong (``problem``) and both ways out: repair (``fix``), or
-    start over with ``--restart``, which moves the run's files aside, never deletes them.
-    """
+    """A file of a run directory (``path``) is damaged in a way no kill leaves; the
+    message gives ``problem`` and both ways out: ``fix``, or ``--restart``."""
 
     def __init__(self, path: str | os.PathLike, problem: str, fix: str | None = None):
         self.path = Path(path)
@@ -88,17 +71,20 @@ def _h5_readable(path: Path) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------
-# The run's backup folder
-# ---------------------------------------------------------------------------------------
+def read_latest(index: Path) -> dict | None:
+    """The ``latest`` record of a checkpoint index; None when missing or unreadable."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            latest = json.load(f)["latest"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+    return latest if isinstance(latest, dict) else None
 
 
 def weights_bytes(model, factor: float = 1.0) -> int:
-    """``model``'s variables' bytes, its optimizer's included (``save_weights`` writes
-    both: Adam's two moments make a checkpoint 3x the weights), x ``factor`` + 4 KB per
-    variable and 64 KB: what an HDF5 file adds around them (Keras 3's ``.weights.h5``:
-    1.5 KB per variable for a ResNet-50, 2.2 KB for the small CNN, 11.8 KB in all for a
-    two-variable model)."""
+    """The bytes of ``model``'s and its optimizer's variables (``save_weights`` writes
+    both) x ``factor``, + 4 KB per variable and 64 KB for HDF5's overhead (measured in
+    docs/reliability.md, "Full disks")."""
     import numpy as np
 
     weights = list(getattr(model, "weights", []))
@@ -112,18 +98,14 @@ def weights_bytes(model, factor: float = 1.0) -> int:
 
 
 class RunBackup:
-    """Per-epoch checkpoints of a model (weights and optimizer state) in ``directory``;
-    ``log`` gets one line for each fallback or clean-up (default: the module's logger).
-    Cost of a save: one ``model.save_weights`` plus one read of the file for its
-    SHA-256; the disk holds two checkpoints for a moment.
-    """
+    """Per-epoch checkpoints of a model and its optimizer in ``directory``; ``log`` gets
+    one line per fallback or clean-up. Cost of a save: one ``model.save_weights`` and
+    one read for its SHA-256; the disk holds two checkpoints for a moment."""
 
     def __init__(self, directory: str | os.PathLike,
                  log: Callable[[str], None] | None = None):
         self.directory = Path(directory)
         self.log = log or log_line
-
-    # -- paths -------------------------------------------------------------------------
 
     def checkpoint_path(self, epoch: int) -> Path:
         return self.directory / f"epoch-{epoch:04d}.weights.h5"
@@ -133,8 +115,6 @@ class RunBackup:
         return self.directory / INDEX_NAME
 
     def _files(self, pattern, key) -> dict:
-        """The files of the folder whose names match ``pattern``, by ``key(match)``,
-        sorted by key."""
         if not self.directory.is_dir():
             return {}
         found = {}
@@ -151,11 +131,8 @@ class RunBackup:
     def exists(self) -> bool:
         return self.directory.is_dir()
 
-    # -- save ----------------------------------------------------------------------------
-
     def _write(self, model, path: Path, index: Path, record: dict, fault: str) -> None:
-        """``model``'s weights to ``path``, then its record (size, SHA-256) to ``index``;
-        the fault points ``<fault>checkpoint`` and ``<fault>metadata``."""
+        """``model``'s weights to ``path``, then its record (size, SHA-256) to ``index``."""
         self.directory.mkdir(parents=True, exist_ok=True)
         epoch = record["epoch"]
         atomic_write(path, lambda tmp: model.save_weights(tmp), fault=f"{fault}checkpoint",
@@ -178,9 +155,8 @@ class RunBackup:
         return path
 
     def expected_bytes(self, model=None) -> int | None:
-        """What the next checkpoint will take: the largest one's size x 1.2 + 4 KB (the
-        same variables; HDF5's overhead varies a little); before the first, ``model``'s
-        weights x 1.2 + 4 KB per variable (HDF5's per-dataset headers), else None."""
+        """What the next checkpoint will take: the largest one's size x 1.2 + 4 KB;
+        before the first, :func:`weights_bytes` of ``model`` (None without one)."""
         sizes = [p.stat().st_size for p in [*self.checkpoints().values(),
                                             *self.steps().values()]]
         if sizes:
@@ -188,8 +164,6 @@ class RunBackup:
         if model is None:
             return None
         return weights_bytes(model, 1.2)
-
-    # -- step checkpoints (preemption) ---------------------------------------------------
 
     def step_path(self, epoch: int, step: int) -> Path:
         """The step checkpoint of ``step`` batches done in epoch ``epoch`` (1-based)."""
@@ -215,9 +189,8 @@ class RunBackup:
         return removed
 
     def save_step(self, model, epoch: int, step: int, extra: dict | None = None) -> Path:
-        """Checkpoint ``model`` after ``step`` batches of epoch ``epoch`` (1-based; the
-        epochs before it are complete): what a preempted run resumes from. Replaces
-        any older step checkpoint; the epoch checkpoints are left as they are."""
+        """Checkpoint ``model`` after ``step`` batches of epoch ``epoch`` (1-based), what
+        a preempted run resumes from; replaces any older step checkpoint."""
         path = self.step_path(epoch, step)
         self._write(model, path, self.step_index_path,
                     {"epoch": epoch, "step": step, **(extra or {})}, "step_")
@@ -225,20 +198,17 @@ class RunBackup:
         return path
 
     def _read_step_index(self) -> dict | None:
+        latest = read_latest(self.step_index_path)
         try:
-            with open(self.step_index_path, encoding="utf-8") as f:
-                latest = json.load(f)["latest"]
             return {k: latest[k] for k in ("epoch", "step", "file", "bytes", "sha256")}
-        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        except (KeyError, TypeError):
             return None  # missing or torn: the file itself is checked instead
 
     def find_step(self, done: int) -> tuple[int, Path | None]:
         """``(step, path)`` of the step checkpoint of epoch ``done + 1`` (``done``: the
-        newest complete epoch checkpoint's epoch, 0 for none), checked complete;
-        ``(0, None)`` if there is none. Step checkpoints of earlier epochs (an epoch
-        checkpoint superseded them; a kill came before they were deleted) are removed
-        with a note. Raises :class:`DamagedRunError` when the step checkpoint is
-        damaged, or is of a later epoch than the epoch checkpoints account for."""
+        newest epoch checkpoint's, 0 for none), checked complete, or ``(0, None)``.
+        Superseded ones are removed with a note; :class:`DamagedRunError` when it is
+        damaged or of a later epoch than the epoch checkpoints account for."""
         found = self.steps()
         stale = [p for (e, _), p in found.items() if e <= done]
         for path in stale:
@@ -268,13 +238,9 @@ class RunBackup:
                                   f"to resume from the start of epoch {done + 1}")
         return step, path
 
-    # -- restore -------------------------------------------------------------------------
-
     def _read_index(self) -> dict | None:
-        """The index's record of the latest checkpoint (``epoch``, ``file``, ``bytes``,
-        ``sha256``, checked), or None when there is none or it is unreadable (a torn
-        index is what a crash on a file system without ordered writes can leave: the
-        checkpoint files themselves are then checked)."""
+        """The index's checked record of the latest checkpoint, or None when missing or
+        unreadable (a crash can tear it: the checkpoint files are checked instead)."""
         if not self.index_path.exists():
             return None
         try:
@@ -282,8 +248,7 @@ class RunBackup:
                 raise ValueError("far larger than an index")
             with open(self.index_path, encoding="utf-8") as f:
                 latest = json.load(f)["latest"]
-            record = {"epoch": latest["epoch"], "file": latest["file"],
-                      "bytes": latest["bytes"], "sha256": latest["sha256"]}
+            record = {k: latest[k] for k in ("epoch", "file", "bytes", "sha256")}
             if not (type(record["epoch"]) is int and record["epoch"] >= 1
                     and type(record["bytes"]) is int and record["bytes"] >= 0
                     and isinstance(record["file"], str)
@@ -299,7 +264,6 @@ class RunBackup:
             return None
 
     def _problem(self, path: Path, latest: dict | None) -> str | None:
-        """What is wrong with the checkpoint ``path`` (None: it is complete)."""
         try:
             size = path.stat().st_size
             if latest is not None and latest["file"] == path.name:
@@ -328,9 +292,9 @@ class RunBackup:
                 raise DamagedRunError(entry, "is a folder, not a checkpoint file")
 
     def find(self) -> tuple[int, Path | None]:
-        """``(epoch, path)`` of the newest checkpoint, checked complete; ``(0, None)`` if
-        there is none. Raises :class:`DamagedRunError` when it (or the backup) is
-        damaged: no older checkpoint is taken in its place without being asked."""
+        """``(epoch, path)`` of the newest checkpoint, checked complete, or ``(0, None)``.
+        Raises :class:`DamagedRunError` when it (or the backup) is damaged: no older
+        checkpoint is taken in its place."""
         if not self.directory.exists():
             return 0, None
         self._check_types()
@@ -369,9 +333,9 @@ class RunBackup:
         return newest, path
 
     def restore(self, model, found: tuple[int, Path | None] | None = None) -> int:
-        """Load the newest checkpoint (``found``: what :meth:`find` returned, if called
-        already) into the built, compiled ``model``; returns its epoch (0: none). Raises
-        :class:`DamagedRunError` when it is damaged or does not load into ``model``."""
+        """Load the newest checkpoint (``found``: :meth:`find`'s result, if known) into
+        the built, compiled ``model``; returns its epoch (0: none). Raises
+        :class:`DamagedRunError` when it is damaged or does not load."""
         epoch, path = found if found is not None else self.find()
         if path is None:
             return 0
@@ -385,11 +349,9 @@ class RunBackup:
                 f"{str(err)[:300]})", "put back a copy of it, if you have one") from None
         return epoch
 
-    # -- finish --------------------------------------------------------------------------
-
     def discard(self) -> None:
-        """Delete the backup (the run is complete): renamed aside first, so a kill
-        during the deletion never leaves a half-deleted backup that looks resumable."""
+        """Delete the backup of a complete run, renamed aside first so that a kill never
+        leaves a half-deleted backup that looks resumable."""
         if not self.directory.is_dir():
             return
         trash = self.directory.with_name(f"{TRASH_PREFIX}{os.getpid()}")

@@ -1,27 +1,7 @@
-"""One writer per folder: the exclusive lock a training run or a Beam job holds on the
-folder it writes (``tfaploss train`` on its run directory, a pipelines job on its
-output folder), so that two of them started on the same folder never interleave files.
-
-The lock is a file, ``FOLDER/.tfaploss.lock``, created atomically: its content (JSON:
-``pid``, ``host``, ``started``, ``command``, ``boot_id``, ``process_start``) is written
-to a temporary file that is then hard-linked to the lock's name, which fails if the
-name exists (an exclusive create with the content already complete). A second writer is
-refused with :class:`LockHeldError`, whose message names the holder.
-
-Stale locks. A holder killed with SIGKILL (or a machine that restarted) leaves its lock
-behind. When the lock names a process of this host that no longer runs (no such PID, a
-zombie, the PID now belongs to a process started later, or another boot), the next
-writer takes the lock over and says so. A lock taken on another host (a shared file
-system) cannot be checked from here: it is refused, and the message says which file to
-delete once that process is gone. Two writers that find the same stale lock at once
-remove it under an ``flock`` of the stale file and after checking that the name still
-points at that file, so only the stale lock is ever removed, and one of them wins the
-create that follows.
-
-The lock is released when the ``with`` block ends, also on an exception. Object-store
-URLs have no exclusive create: they are not locked. Cost: a create, a link and an
-unlink (well under a millisecond on a local disk).
-"""
+"""One writer per folder: the exclusive lock ``FOLDER/.tfaploss.lock`` of a training run
+or a Beam job, created whole (a complete temporary file hard-linked to that name) and
+taken over only from a process of this host that no longer runs
+(docs/reliability.md, "Two jobs, one output"). URLs are not locked."""
 
 from __future__ import annotations
 
@@ -51,11 +31,8 @@ class LockError(RuntimeError):
 
 
 class LockHeldError(LockError):
-    """The folder is locked by another live writer (or one this host cannot check).
-
-    ``path``: the lock file; ``holder``: what it says (``pid``, ``host``, ``started``,
-    ``command``; empty if unreadable).
-    """
+    """The folder is locked by another live writer (or one this host cannot check);
+    ``path``: the lock file, ``holder``: what it says (empty if unreadable)."""
 
     def __init__(self, message: str, path: Path, holder: dict):
         super().__init__(message)
@@ -72,8 +49,7 @@ def _boot_id() -> str | None:
 
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """``(state, start time in clock ticks after boot)`` of ``pid`` from /proc, or None
-    (no /proc, or no such process)."""
+    """``(state, start time in ticks after boot)`` of ``pid`` from /proc, or None."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
@@ -111,16 +87,13 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True  # someone else's process
     except OSError:
-        return True
+        pass  # PermissionError: someone else's process
     return True
 
 
 def stale_reason(holder: dict) -> str | None:
-    """Why the lock ``holder`` describes is stale (its process is gone), or None when it
-    is live, or cannot be checked from this host."""
+    """Why the lock ``holder`` describes is stale, or None (live, or not checkable here)."""
     pid = holder.get("pid")
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return None  # not a lock this module wrote: never taken over silently
@@ -171,17 +144,15 @@ class Lock:
         """Delete the lock file, if it is still this lock (never another's)."""
         if os.getpid() != self._pid:  # a forked child never releases its parent's lock
             return
-        try:
+        with contextlib.suppress(OSError):
             st = os.stat(self.path)
             if (st.st_dev, st.st_ino) == self._inode:
                 os.unlink(self.path)
-        except OSError:
-            pass
 
 
 def _write_exclusive(path: Path, data: bytes) -> None:
-    """Create ``path`` (FileExistsError if it exists) holding ``data``, on disk; a write
-    that fails (a full disk) removes it."""
+    """Create ``path`` holding ``data`` (FileExistsError if it exists); removed again
+    if the write fails."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         if os.write(fd, data) != len(data):  # a short write to a file: the disk is full
@@ -207,17 +178,14 @@ def _create(path: Path, data: bytes) -> tuple[int, int]:
     except OSError:  # no hard links here: the exclusive create itself
         _write_exclusive(path, data)
     finally:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
     st = os.stat(path)
     return st.st_dev, st.st_ino
 
 
 def _read_open(path: Path) -> tuple[int, dict | None] | None:
-    """Open the lock file: ``(fd, what it says)`` (None when unreadable), or None when
-    there is no lock file any more."""
+    """``(fd, what the lock file says or None)``, or None when it is gone."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -234,13 +202,11 @@ def _read_open(path: Path) -> tuple[int, dict | None] | None:
 
 def _remove_if_same(path: Path, fd: int) -> bool:
     """Delete ``path`` if it is still the file open as ``fd``, under an exclusive flock
-    of that file (so two writers never both remove, nor remove a lock created since)."""
-    try:
+    of it (two writers never both remove, nor remove a lock created since)."""
+    with contextlib.suppress(ImportError, OSError):
         import fcntl
 
         fcntl.flock(fd, fcntl.LOCK_EX)
-    except (ImportError, OSError):
-        pass
     try:
         st, now = os.fstat(fd), os.stat(path)
     except FileNotFoundError:
@@ -258,13 +224,10 @@ def lock_path(folder: str | os.PathLike, name: str = LOCK_NAME) -> Path:
 def acquire(folder: str | os.PathLike, what: str = "folder", *, name: str = LOCK_NAME,
             target: str | os.PathLike | None = None,
             log: Callable[[str], None] | None = None) -> Lock:
-    """Take the lock of ``folder`` (which must exist), taking over a stale one.
-
-    ``what`` names the folder in messages. Raises :class:`LockHeldError` when another
-    live process holds it, :class:`LockError` when the lock file cannot be created.
-    ``name``: the lock file's name (a job whose output replaces a whole folder locks it
-    from its parent, naming that output as ``target``). ``log`` gets the note on a
-    stale lock taken over.
+    """Take the lock of the existing ``folder`` (``what`` in messages), taking over a
+    stale one (a note to ``log``). ``name``: the lock file's name (a job replacing a
+    whole folder locks it from its parent, naming that output ``target``). Raises
+    :class:`LockHeldError` (another live holder) or :class:`LockError` (cannot create).
     """
     path = lock_path(folder, name)
     shown = str(Path(target if target is not None else folder))
@@ -325,8 +288,7 @@ def acquire(folder: str | os.PathLike, what: str = "folder", *, name: str = LOCK
 def exclusive(folder: str | os.PathLike, what: str = "folder", *, name: str = LOCK_NAME,
               target: str | os.PathLike | None = None,
               log: Callable[[str], None] | None = None) -> Iterator[Lock | None]:
-    """Hold the lock of ``folder`` for the ``with`` block (see :func:`acquire`);
-    released on exit, also on an exception. A URL (``gs://...``) is not locked."""
+    """Hold :func:`acquire`'s lock for the ``with`` block; a URL is not locked."""
     if "://" in str(folder):
         yield None
         return

@@ -1,13 +1,7 @@
-"""Preemption: SIGTERM (what a cluster sends before it takes a machine back, with about
-30 s of grace) and SIGINT (Ctrl-C) turned into a flag that the training loop reads.
-
-The signal handler only records the signal (:class:`SignalFlag`): saving a checkpoint
-from inside a handler would run HDF5 and the backend in the middle of whatever the
-interrupted thread was doing. A callback reads the flag at the end of each batch
-(:class:`tfaploss.training.preemption.PreemptionCheckpoint`), saves a step checkpoint
-and raises :class:`Preempted` (exit 143 for SIGTERM, 130 for SIGINT: :func:`exit_status`).
-A second signal while the first is being handled goes to the previous handler.
-"""
+"""SIGTERM (a cluster taking a machine back, ~30 s of grace) and SIGINT turned into a
+flag (:class:`SignalFlag`) that a callback reads after each batch
+(:class:`tfaploss.training.preemption.PreemptionCheckpoint`): saving from inside a
+handler would run HDF5 in the middle of whatever the thread was doing."""
 
 from __future__ import annotations
 
@@ -27,12 +21,8 @@ def exit_status(signum: int) -> int:
 
 
 class Preempted(Exception):
-    """Training stopped on a signal, its state checkpointed.
-
-    ``signum``: the signal; ``epoch``: epochs finished; ``step``: batches of the next
-    epoch done; ``path``: the checkpoint written (None when none could be: the weights
-    were not finite, or the signal came before the first batch ended).
-    """
+    """Training stopped on a signal after ``epoch`` epochs and ``step`` batches of the
+    next; ``path``: the checkpoint written (None when none could be)."""
 
     def __init__(self, signum: int, epoch: int, step: int, path=None, seconds=0.0):
         self.signum, self.epoch, self.step, self.path = signum, epoch, step, path
@@ -47,13 +37,9 @@ class Preempted(Exception):
 
 
 class SignalFlag:
-    """Record SIGTERM and SIGINT instead of dying on them, for the block's duration.
-
-    ``signum`` is the first signal received (None: none), ``received_at`` its
-    ``time.monotonic()``. Handlers are installed only in the main thread (Python allows
-    no other); elsewhere the flag stays down and the signals keep their handlers. The
-    previous handlers are put back on exit.
-    """
+    """Record SIGTERM and SIGINT instead of dying on them, for the block's duration
+    (main thread only: Python allows no other); a second signal goes to the previous
+    handler. ``signum``: the first received (None: none), at ``received_at``."""
 
     def __init__(self, signals=SIGNALS):
         self.signals = tuple(signals)

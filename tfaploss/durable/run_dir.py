@@ -1,24 +1,8 @@
-"""What a run directory holds, checked before a run uses it; and ``--restart``.
-
-``tfaploss train`` resumes a killed run from the files it finds in its run directory
-(:mod:`tfaploss.run.trainer`). Before it trusts them, :func:`inspect` reads every one:
-
-* what a kill leaves is normal and recovered from, with a note: temporary files of
-  interrupted writes, a half-deleted backup, an epoch log whose last line a kill cut
-  short (dropped: that epoch is trained again), a stale or torn checkpoint index;
-* what no kill leaves is damage (a file that is not what the run wrote: not UTF-8,
-  JSON or YAML of the expected shape, a non-finite number or one beyond float32 in the
-  epoch log, epochs out of order or unaccounted for by the checkpoint, a checkpoint cut
-  short or altered, a finished run's summary or model missing): it raises
-  :class:`~tfaploss.durable.checkpoints.DamagedRunError`, naming the file, what is
-  wrong and how to repair it, and the run neither resumes nor starts over by itself;
-* a run of another config is refused by the caller's ``check_config``
-  (:mod:`tfaploss.run.resume`: this module reads files only).
-
-Starting over is asked for: ``--restart`` (``train(..., restart=True)``) moves the
-previous run's files (:data:`RUN_ENTRIES`) aside into ``RUN_DIR/damaged-<time>/`` (or
-``previous-<time>/`` when they were not damaged), never deleting them.
-"""
+"""The checks of a run directory before a run uses it (:func:`inspect`: what a kill
+leaves is recovered from, anything else raises
+:class:`~tfaploss.durable.checkpoints.DamagedRunError`; docs/reliability.md) and
+``--restart`` (:func:`move_aside`). The config comparison is the caller's
+(:mod:`tfaploss.run.resume`): this module reads files only."""
 
 from __future__ import annotations
 
@@ -41,9 +25,7 @@ LOG = logging.getLogger(__name__)
 
 FILES = ("config.yaml", "epochs.jsonl", "model.keras", "summary.json")
 FOLDERS = ("backup", "logs")
-RUN_ENTRIES = FILES + FOLDERS
-"""What a run writes in its run directory (besides temporary files), and what
-``--restart`` moves aside, with ``eval_*`` folders (the evaluations of its model)."""
+RUN_ENTRIES = FILES + FOLDERS  # what --restart moves aside, with temporary files and eval_*
 
 _MAX_CONFIG_BYTES = 1 << 20  # a run's config.yaml is a few kilobytes
 _MAX_SUMMARY_BYTES = 64 << 20
@@ -53,9 +35,7 @@ _ROW_START = b'{"epoch": '  # every epoch row starts so (json.dumps, "epoch" fir
 
 @dataclass
 class RunState:
-    """What :func:`inspect` found: a finished run's ``summary`` (nothing to do), or
-    whether there is a ``backup`` to resume from, its newest ``checkpoint`` and the
-    ``step`` checkpoint a preempted run left after it."""
+    """What :func:`inspect` found: a finished run's summary, or what to resume from."""
 
     finished: dict | None = None
     resuming: bool = False
@@ -63,9 +43,6 @@ class RunState:
     # A preempted run's step checkpoint: (batches done of epoch checkpoint[0] + 1, path).
     step: tuple[int, Path | None] = (0, None)
     rows: list[dict] = field(default_factory=list)
-
-
-# ----------------------------------------------------------------------------- reading
 
 
 def _kind(value) -> str:
@@ -128,9 +105,8 @@ def _bad_number(value, where: str = "") -> str | None:
 
 
 def read_epoch_log(path: Path, epochs: int) -> list[dict]:
-    """The rows of ``epochs.jsonl``, every one checked (see the module doc), in the
-    order written; a last line that a kill cut short is left out. Raises
-    :class:`DamagedRunError` on the first damaged line."""
+    """The checked rows of ``epochs.jsonl`` as written, a last line a kill cut short
+    left out; :class:`DamagedRunError` on the first damaged line."""
     if not path.exists():
         return []
     if not path.is_file():
@@ -205,17 +181,14 @@ def _read_summary(path: Path) -> dict | None:
     return summary
 
 
-# ---------------------------------------------------------------------------- checking
-
-
 def inspect(run_dir: Path, epochs: int,
             check_config: Callable[[object, str], None]) -> RunState:
     """Check every file of ``run_dir`` against what a run, killed or not, leaves there;
     returns what the run resumes from, or raises :class:`DamagedRunError`.
 
-    ``epochs``: the run's ``training.epochs`` (the epoch log's bound).
-    ``check_config(config, what)``: called with the config a previous run recorded and
-    ``"an unfinished run"`` or ``"a finished run"``; raises when it is not this run's.
+    ``epochs``: ``training.epochs``. ``check_config(config, what)`` gets the config a
+    previous run recorded and ``"an unfinished run"`` or ``"a finished run"``, and
+    raises when it is not this run's.
     """
     for name in FILES:
         if (run_dir / name).is_dir():
@@ -259,7 +232,6 @@ def inspect(run_dir: Path, epochs: int,
 
 def _finished(run_dir: Path, epochs: int, check_config, summary: dict | None,
               model: Path) -> dict:
-    """The summary of the finished run (no backup left) in ``run_dir``, checked."""
     if summary is None:
         raise DamagedRunError(
             run_dir / "summary.json", f"is missing, but {model.name} is there and no "
@@ -282,9 +254,6 @@ def _finished(run_dir: Path, epochs: int, check_config, summary: dict | None,
     return summary
 
 
-# ---------------------------------------------------------------------------- starting over
-
-
 def _entries(run_dir: Path) -> list[Path]:
     out = []
     for entry in sorted(run_dir.iterdir()):
@@ -296,9 +265,8 @@ def _entries(run_dir: Path) -> list[Path]:
 
 
 def move_aside(run_dir: Path, damaged: bool) -> tuple[Path | None, list[str]]:
-    """Move the previous run's files into ``damaged-<time>/`` (``previous-<time>/``
-    when not damaged) inside ``run_dir``; returns the folder and the names moved
-    (``(None, [])`` when there was nothing to move)."""
+    """Move the previous run's files into ``run_dir/damaged-<time>/`` (else
+    ``previous-<time>/``); returns the folder and the names moved, or ``(None, [])``."""
     entries = _entries(run_dir)
     if not entries:
         return None, []

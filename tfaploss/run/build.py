@@ -1,13 +1,11 @@
-"""Turn a validated :class:`~tfaploss.config.Config` into Keras objects.
-
-``build_model``, ``build_loss`` and ``build_optimizer`` are what ``tfaploss train``
-calls; they are importable so a notebook can start from a recipe and change one thing.
-"""
+"""Turn a validated :class:`~tfaploss.config.Config` into Keras objects: what
+``tfaploss train`` calls, importable so a notebook can start from a recipe."""
 
 from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 
 from tfaploss.config.fields import ConfigError
 from tfaploss.config.loss_section import loss_class
@@ -20,12 +18,10 @@ LOG = logging.getLogger(__name__)
 def build_model(cfg: Config, input_shape=None, weights="config", calibrate=True):
     """The embedding model of ``cfg.model`` (``tfaploss.models.build_embedding_model``).
 
-    ``input_shape`` defaults to the training crops, ``(*data.image_size, 3)``;
-    ``weights="config"`` uses ``model.weights`` (pass ``None`` for random weights; a
-    ``model.backbone_file`` keeps its own). With ``model.bn_calibration_images > 0`` (and
-    ``calibrate``) the frozen BatchNorm statistics are then estimated on that many
-    training images (:func:`calibrate_batch_norm`), the same images for the same
-    ``data.seed``.
+    ``input_shape`` defaults to the training crops; ``weights="config"`` uses
+    ``model.weights`` (``None``: random; a ``model.backbone_file`` keeps its own). With
+    ``calibrate`` and ``model.bn_calibration_images``, the frozen BatchNorm statistics
+    are then set from that many training images (:func:`calibrate_batch_norm`).
     """
     from tfaploss.models import PoolingError, build_embedding_model
 
@@ -36,21 +32,16 @@ def build_model(cfg: Config, input_shape=None, weights="config", calibrate=True)
     try:
         backbone = config_backbone(m, weights)
         model = build_embedding_model(
-            backbone=backbone,
-            pooling=m.pooling,
-            embedding_dim=m.embedding_dim,
-            weights=None if m.backbone_file else weights,
-            input_shape=tuple(input_shape),
+            backbone=backbone, pooling=m.pooling, embedding_dim=m.embedding_dim,
+            weights=None if m.backbone_file else weights, input_shape=tuple(input_shape),
             freeze_bn=m.frozen_bn,
-            preprocessing=None if m.preprocessing == "none" else m.preprocessing,
-        )
+            preprocessing=None if m.preprocessing == "none" else m.preprocessing)
     except PoolingError as err:
         raise ConfigError(f"config key 'model.pooling': {err}") from None
     except (OSError, ValueError, KeyError) as err:
         if weights in (None, "imagenet", "preset") or isinstance(err, FileNotFoundError):
             raise
-        # A weights file that is there but does not load: cut short, damaged, or the
-        # weights of another backbone. A clear error, not h5py's traceback.
+        # a file that is there but does not load: a clear error, not h5py's traceback
         raise ConfigError(
             f"config key 'model.weights': {weights!r} does not load into a "
             f"{m.backbone_file or m.backbone} backbone ({type(err).__name__}: "
@@ -62,9 +53,8 @@ def build_model(cfg: Config, input_shape=None, weights="config", calibrate=True)
 
 
 def config_backbone(m, weights="config"):
-    """What ``tfaploss.models.build_embedding_model`` takes as ``backbone`` for ``cfg.model``:
-    its name, or the model loaded from ``model.backbone_file`` (with ``weights`` loaded
-    over the file's when they are a path)."""
+    """``build_embedding_model``'s ``backbone`` for ``cfg.model`` (``m``): its name, or
+    the model of ``model.backbone_file`` (``weights`` loaded over it when a path)."""
     if m.backbone_file is None:
         if m.backbone.startswith(KERAS_HUB_PREFIX):
             from tfaploss.models import require_keras_hub
@@ -95,12 +85,11 @@ _PRECISE_BN_SEED_OFFSET = 7927
 
 
 def estimate_batch_norm_statistics(model, batches) -> int:
-    """Re-estimate the moving statistics of every non-frozen BatchNorm as the mean over
+    """Set the moving statistics of every non-frozen BatchNorm to the mean over
     ``batches`` of their batch statistics ("precise BN", Wu & Johnson 2021), in place;
-    returns the number of layers. Running averages (momentum 0.99) trail the weights by
-    a few hundred steps, so a short run would evaluate with statistics of a network it
-    no longer is. Each batch should hold as many images as training normalised
-    together. Cost: one forward pass per batch.
+    returns the number of layers. Running averages trail the weights by a few hundred
+    steps. Each batch should hold as many images as training normalised together.
+    Cost: one forward pass per batch.
     """
     from tfaploss.training.checks import batch_statistics_layers
 
@@ -121,12 +110,8 @@ def estimate_batch_norm_statistics(model, batches) -> int:
 
 def precise_batch_norm(model, cfg: Config) -> int:
     """:func:`estimate_batch_norm_statistics` on ``model.precise_bn_images`` training
-    images, in groups of the chunk size (or batch size) that training normalised over.
-
-    At most one pass over the training split (its manifest's ``num_images``, rounded
-    up to a whole group): more would draw the same images again, and a small split would
-    pay thousands of forward passes for nothing (a 24-image test run spent 35 s here).
-    """
+    images (at most one pass over the split), in groups of the chunk size (or batch
+    size) that training normalised over."""
     count = cfg.model.precise_bn_images
     if not count or cfg.model.frozen_bn:
         return 0
@@ -150,10 +135,8 @@ def precise_batch_norm(model, cfg: Config) -> int:
 
 def calibrate_batch_norm(model, images) -> int:
     """Set every BatchNorm's moving statistics to those of ``images``, in place (one
-    forward pass in training mode with momentum 0; frozen layers stay frozen): a
-    randomly initialised network with frozen BatchNorm gets the normalisation a
-    pretrained one would bring. Returns the number of layers set.
-    """
+    training-mode pass with momentum 0; frozen layers stay frozen), as a pretrained
+    network would bring them; returns the number of layers set."""
     import keras
 
     from tfaploss.training import FrozenBatchNormalization
@@ -176,11 +159,8 @@ def calibrate_batch_norm(model, images) -> int:
 
 def build_loss(cfg: Config):
     """``tfaploss.losses.<loss.name>(**kwargs)``; a bad value is reported with its key.
-
-    A proxy loss (``ProxyAnchorLoss``, ``HAPLoss`` with its clustering term) gets
-    ``num_classes`` from the training split's manifest when the config leaves it out,
-    and is refused when the config's value disagrees with it.
-    """
+    A proxy loss gets ``num_classes`` from the training manifest (a config value that
+    disagrees is refused)."""
     cls = loss_class(cfg.loss.name)
     kwargs = dict(cfg.loss.kwargs)
     if _uses_proxies(cls, kwargs):
@@ -198,7 +178,6 @@ def _uses_proxies(cls, kwargs) -> bool:
 
 
 def _proxy_classes(cfg: Config, configured) -> int:
-    """The number of training classes (one proxy each), from the training manifest."""
     found = (_manifest(cfg) or {}).get("num_classes")
     if found is None:
         if configured is None:
@@ -216,8 +195,8 @@ def _proxy_classes(cfg: Config, configured) -> int:
 
 
 def attach_proxies(loss, embedding_model):
-    """``embedding_model`` followed by ``loss``'s proxies layer when the loss has one (the
-    optimizer then trains the proxies and checkpoints keep them), else unchanged."""
+    """``embedding_model`` followed by ``loss``'s proxies layer when it has one (so that
+    the optimizer trains them and checkpoints keep them)."""
     if not _uses_proxies(type(loss), loss.get_config()):
         return embedding_model
     return loss.with_proxies(embedding_model)
@@ -230,16 +209,12 @@ def total_steps(cfg: Config, steps_per_epoch: int) -> int:
 def build_schedule(cfg: Config, steps_per_epoch: int):
     """The learning rate as a :class:`RecipeSchedule` over the run's updates."""
     opt, sched = cfg.optimizer, cfg.optimizer.schedule
-    end_lr = sched.end_lr if sched.end_lr is not None else 0.0
     return RecipeSchedule(
-        kind=sched.name,
-        lr=opt.lr,
-        total_steps=total_steps(cfg, steps_per_epoch),
-        end_lr=end_lr,
+        kind=sched.name, lr=opt.lr, total_steps=total_steps(cfg, steps_per_epoch),
+        end_lr=sched.end_lr if sched.end_lr is not None else 0.0,
         warmup_steps=int(math.ceil(opt.warmup_epochs * steps_per_epoch)),
         boundaries=[e * steps_per_epoch for e in (sched.step_epochs or ())],
-        gamma=sched.gamma if sched.gamma is not None else 0.1,
-    )
+        gamma=sched.gamma if sched.gamma is not None else 0.1)
 
 
 def build_optimizer(cfg: Config, steps_per_epoch: int):
@@ -249,14 +224,13 @@ def build_optimizer(cfg: Config, steps_per_epoch: int):
     opt = cfg.optimizer
     lr = build_schedule(cfg, steps_per_epoch)
     common = dict(learning_rate=lr, clipnorm=opt.clipnorm)
-    if opt.weight_decay:
-        common["weight_decay"] = opt.weight_decay
+    if opt.weight_decay or opt.name == "adamw":
+        # AdamW's own default (0.004) would be a hidden setting
+        common["weight_decay"] = opt.weight_decay or 0.0
     extra = {k: getattr(opt, k) for k in ("beta_1", "beta_2", "epsilon", "momentum",
                                           "nesterov") if getattr(opt, k) is not None}
     cls = {"adam": keras.optimizers.Adam, "adamw": keras.optimizers.AdamW,
            "sgd": keras.optimizers.SGD}[opt.name]
-    if opt.name == "adamw" and "weight_decay" not in common:
-        common["weight_decay"] = 0.0  # AdamW's own default (0.004) would be a hidden setting
     optimizer = cls(**common, **extra)
     multipliers = {}
     if cfg.model.head_lr_multiplier != 1.0:
@@ -275,10 +249,8 @@ def build_optimizer(cfg: Config, steps_per_epoch: int):
 
 
 def _manifest(cfg: Config, fresh: bool = False) -> dict | None:
-    """The training split's manifest.json, read once per build: :func:`check_data`, which
-    a run calls first, reads it afresh; the rest of the build (steps per epoch, proxies,
-    BatchNorm, classes left) reuses it, kept on ``cfg`` (not a field, so ``to_dict`` and
-    ``==`` ignore it). A large split's manifest is megabytes of JSON."""
+    """The training split's manifest.json, read once per build (afresh by
+    :func:`check_data`, which a run calls first), kept on ``cfg`` outside its fields."""
     path = cfg.data.train
     held = cfg.__dict__.get("_train_manifest")
     if fresh or held is None or held[0] != path:
@@ -306,8 +278,6 @@ def check_data(cfg: Config) -> None:
     if cfg.data.train is None:
         raise ConfigError("config key 'data.train' is null: set it to a training split "
                           "folder written by a pipelines job (e.g. --set data.train=out/train).")
-    from pathlib import Path
-
     if "://" not in cfg.data.train and not Path(cfg.data.train).exists():
         raise ConfigError(f"config key 'data.train': {cfg.data.train!r} does not exist. "
                           "Write it with a pipelines job first (see README: Preparing data).")
@@ -325,16 +295,14 @@ def check_data(cfg: Config) -> None:
 
 
 def _largest_chunk(n: int, chunk_size: int) -> int:
-    """Images in the largest by-class record of a class of ``n`` images: the pipelines
-    cut it into ceil(n / chunk_size) balanced chunks (tfaploss.pipelines.tf_example.class_chunks)."""
+    """Images in the largest by-class record of a class of ``n`` images (cut into
+    ceil(n / chunk_size) balanced chunks: tfaploss.pipelines.tf_example.class_chunks)."""
     return -(-n // max(1, -(-n // chunk_size)))
 
 
 def _check_class_chunks(cfg: Config, manifest: dict) -> None:
-    """Refuse, from the manifest, a sampler that could never fill a batch: it draws the
-    m images of a class from ONE by-class record (at most ``class_chunk_size`` images),
-    and with too few classes having a record of m the input pipeline would wait
-    forever for its first batch."""
+    """Refuse a sampler that could never fill a batch: it draws a class's m images from
+    one by-class record (at most ``class_chunk_size``)."""
     chunk = (manifest.get("by_class") or {}).get("chunk_size")
     counts = manifest.get("class_counts") or {}
     if not chunk:
@@ -361,17 +329,15 @@ def _check_class_chunks(cfg: Config, manifest: dict) -> None:
 
 
 def check_classes_left(cfg: Config, kept: dict[int, int], skipped: dict) -> None:
-    """After damaged by-class files are skipped: refuse (one
-    :class:`~tfaploss.data.integrity.DamagedDataError`, exit 2) a sampler that the
-    classes left, ``kept`` (``{label: images of its largest record}``), cannot fill,
-    rather than a run that waits forever for its first batch."""
+    """Refuse (:class:`~tfaploss.data.integrity.DamagedDataError`) a sampler that the
+    classes left after skipping damaged files, ``kept`` (``{label: images of its
+    largest record}``), cannot fill."""
     from tfaploss.data import integrity
     from tfaploss.data.split_manifest import describe_source
 
     m, batch = cfg.data.m, cfg.data.batch_size
     usable = sum(1 for n in kept.values() if n >= m)
-    needed = {"m_per_class": batch // m, "hierarchical": batch // m}.get(
-        cfg.data.sampler, 1)
+    needed = batch // m if cfg.data.sampler in ("m_per_class", "hierarchical") else 1
     lost = skipped.get("classes_lost") or []
     if usable >= needed:
         if lost:
@@ -393,12 +359,8 @@ def check_classes_left(cfg: Config, kept: dict[int, int], skipped: dict) -> None
 
 def build_train_dataset(cfg: Config, seed_offset: int = 0, num_shards: int = 1,
                         shard_index: int = 0):
-    """Endless ``(images, labels)`` batches of ``cfg.data`` (``tfaploss.data``).
-
-    ``seed_offset`` shifts ``data.seed``; a resumed run passes the epoch it resumes at
-    so that it does not replay the batches of the first epochs. ``num_shards``,
-    ``shard_index``: a rank's share of every global batch (``make_train_dataset``).
-    """
+    """Endless ``(images, labels)`` batches of ``cfg.data``; ``seed_offset`` shifts
+    ``data.seed`` (an epoch's index), ``num_shards``/``shard_index`` a rank's share."""
     from tfaploss.data import make_train_dataset
 
     d = cfg.data

@@ -1,8 +1,6 @@
 """Which devices a ``tfaploss train`` run uses (``training.distribute``): data
-parallelism in which the losses gather every device's rows, so that they rank the
-global batch. :func:`plan_devices` must run before TensorFlow initialises its devices:
-several CPU devices can only be configured before that.
-"""
+parallelism, the losses gathering every device's rows. :func:`plan_devices` must run
+before TensorFlow initialises its devices (several CPU devices are set up before)."""
 
 from __future__ import annotations
 
@@ -93,19 +91,16 @@ def _available(backend: str, wanted: int | None) -> tuple[list[str], str]:
     if wanted and wanted > 1:
         # Several CPU devices share the same cores: for testing the distributed path
         # on a machine without GPUs, not for speed.
-        try:
+        with contextlib.suppress(RuntimeError):  # initialised: the caller checks the count
             tf.config.set_logical_device_configuration(
                 tf.config.list_physical_devices("CPU")[0],
                 [tf.config.LogicalDeviceConfiguration()] * wanted)
-        except RuntimeError:
-            pass  # already initialised: use what there is (checked by the caller)
     return [d.name for d in tf.config.list_logical_devices("CPU")], "CPU"
 
 
 def plan_devices(cfg: Config) -> DevicePlan:
-    """The :class:`DevicePlan` for ``cfg.training.distribute`` on this machine (under
-    several JAX processes, over every process's devices); a ``ValueError`` naming the
-    key when more devices are asked for than there are, or the batch does not split."""
+    """The :class:`DevicePlan` of ``cfg.training.distribute`` here (under several JAX
+    processes, over all their devices); a ``ValueError`` naming the key when it cannot."""
     dist = cfg.training.distribute
     backend = keras.backend.backend()
     batch = cfg.data.batch_size
@@ -131,12 +126,12 @@ def plan_devices(cfg: Config) -> DevicePlan:
                 "across processes uses them all (null).")
         _check_split(batch, devices, dist)
         return DevicePlan("data_parallel", devices, batch, backend, group.world_size)
-    if backend not in ("tensorflow", "jax") and dist.strategy == "data_parallel":
-        raise ValueError(
-            f"config key 'training.distribute.strategy': data_parallel runs on the "
-            f"tensorflow and jax backends; received KERAS_BACKEND={backend}. On PyTorch, "
-            "train with torch.distributed (README, scale-out).")
     if backend not in ("tensorflow", "jax"):
+        if dist.strategy == "data_parallel":
+            raise ValueError(
+                f"config key 'training.distribute.strategy': data_parallel runs on the "
+                f"tensorflow and jax backends; received KERAS_BACKEND={backend}. On "
+                "PyTorch, train with torch.distributed (README, scale-out).")
         return DevicePlan("none", ["default"], batch, backend)
     if dist.strategy == "none":
         return DevicePlan("none", _available(backend, None)[0][:1], batch, backend)
@@ -150,9 +145,7 @@ def plan_devices(cfg: Config) -> DevicePlan:
             f"machine has {len(devices)} {kind} device(s) ({', '.join(devices)}).")
     chosen = devices[:wanted]
     _check_split(batch, chosen, dist)
-    if len(chosen) == 1:
-        return DevicePlan("none", chosen, batch, backend)
-    return DevicePlan("data_parallel", chosen, batch, backend)
+    return DevicePlan("none" if len(chosen) == 1 else "data_parallel", chosen, batch, backend)
 
 
 def _check_split(batch: int, devices: list[str], dist) -> None:

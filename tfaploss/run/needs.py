@@ -1,10 +1,5 @@
-"""The optional parts (pip extras) a run config needs, checked before any training.
-
-``tfaploss train`` (:func:`tfaploss.run.trainer.train`), ``tfaploss evaluate --config``
-and ``tfaploss compare`` call :func:`check_config_extras` first, so that a recipe
-naming a missing extra stops at once with the install command
-(:class:`~tfaploss.extras.MissingExtraError`) rather than after a day of training.
-"""
+"""The extras a run config needs, checked before any training (by ``train``,
+``evaluate --config`` and ``compare``) so that a missing one stops at once."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """A run's batches, epoch by epoch, and ``fit`` that a preemption stops at a step.
 
-Each epoch's batches depend on ``(data.seed, epoch)`` only (:func:`epoch_batches`), so a
-run resumed at step S of epoch E (from the step checkpoint a SIGTERM or Ctrl-C left,
-:mod:`tfaploss.durable.preemption`) skips the S batches that epoch already trained and
-sees the rest in the order the interrupted run would have: its weights end equal to an
-uninterrupted run's.
+Each epoch's batches depend on ``(data.seed, epoch)`` only (:func:`epoch_batches`), so
+a run resumed at step S of epoch E skips S batches and ends with an uninterrupted
+run's weights (docs/reliability.md, "Preemption").
 """
 
 from __future__ import annotations
@@ -23,14 +21,9 @@ LOG = logging.getLogger(__name__)
 
 def epoch_batches(cfg: Config, steps: int, first: int, last: int, skip: int = 0):
     """The batches of epochs ``first``..``last - 1`` (0-based), ``steps`` each, the
-    first ``skip`` batches of epoch ``first`` left out.
-
-    Epoch e reads the stream of :func:`tfaploss.run.build.build_train_dataset` with
-    ``seed_offset=e`` (what a run resumed at epoch e has always read). The epochs are
-    concatenated, so each one's pipeline starts only when the previous one ends. Under
-    several processes each rank reads its own share of every batch
-    (:meth:`tfaploss.run.processes.ProcessGroup.shard`).
-    """
+    first ``skip`` of epoch ``first`` left out; epoch e reads
+    :func:`~tfaploss.run.build.build_train_dataset` with ``seed_offset=e`` (this rank's
+    share), each epoch's pipeline starting when the previous one ends."""
     import tensorflow as tf
 
     ds = None
@@ -44,12 +37,9 @@ def epoch_batches(cfg: Config, steps: int, first: int, last: int, skip: int = 0)
 
 def _stream(ds):
     """What ``model.fit`` reads: ``ds`` on TensorFlow; on JAX and PyTorch one iterator
-    over it. Their ``fit`` first takes a batch from an iterator of its own (to build the
-    compiled metrics), then starts another, and every new iterator of a training
-    stream reshuffles: the run trained on the second draw of its first epoch, a run
-    resumed there on the second draw of the epoch it resumed at, which an
-    uninterrupted run read in its first draw (PyTorch: epoch 2 of 2 trained on other
-    batches, weights 0.06 apart). A generator hands ``fit`` its first batch back."""
+    over it, since their ``fit`` takes a first batch from an iterator of its own, then
+    starts another, and every new iterator reshuffles (a resumed run would train on
+    other batches than an uninterrupted one)."""
     import keras
 
     if keras.backend.backend() == "tensorflow":
@@ -60,11 +50,9 @@ def _stream(ds):
 def fit(model, cfg: Config, *, steps: int, start_epoch: int, start_step: int, backup,
         callbacks: list, verbose) -> None:
     """``model.fit`` from epoch ``start_epoch`` (0-based), ``start_step`` batches of it
-    already done, to ``cfg.training.epochs``, stopping at SIGTERM or SIGINT.
-
-    A signal is handled at the end of the batch it arrives in: a step checkpoint is
-    saved and :class:`~tfaploss.durable.preemption.Preempted` raised (under several
-    processes, on every rank after the same batch). The rest of a partly trained epoch
+    done, to ``cfg.training.epochs``. A SIGTERM or SIGINT is handled at the end of its
+    batch (every rank's same batch): a step checkpoint, then
+    :class:`~tfaploss.durable.preemption.Preempted`. The rest of a partly trained epoch
     is one ``fit`` (Keras has no partial first epoch), the following epochs a second.
     """
     from tfaploss.training.preemption import PreemptionCheckpoint

@@ -1,32 +1,15 @@
-"""A run across processes: who this process is, and what every rank does together.
-
-``tfaploss train`` runs as one process, or as one rank of W processes started by the
-standard launcher of its Keras backend; this module is the one place that knows which
-(:func:`current`), and holds the collectives the ranks share. Launchers
-(:func:`start`; docs/scale_out.md): ``torchrun`` under ``KERAS_BACKEND=torch`` (gloo
-on CPUs, NCCL with CUDA); under JAX ``jax.distributed.initialize`` from
-``--coordinator HOST:PORT --num-processes N --process-id I`` (or the ``JAX_*``
-variables), or ``--coordinator auto`` under a cluster launcher JAX knows. TensorFlow
-is refused: Keras's ``fit`` does not run under ``MultiWorkerMirroredStrategy``.
-
-Each rank decodes only its share of every global batch (:meth:`ProcessGroup.shard`)
-and the loss ranks the global batch. Rank 0 alone writes the run directory, which
-must be one folder every rank sees for a run to resume; the others wait
-(:meth:`ProcessGroup.main_first`). Checkpoints record the world size and the global
-batch (:class:`GroupBackup`, :func:`check_resume`). A SIGTERM to any rank, or a
-callback stopping any rank, stops every rank after the same step
-(:class:`StopAgreement`).
-
-``training.distribute.timeout_s`` bounds how long a rank waits for the others (on JAX
-also the start-up and shut-down, and, capped at 100 s, the heartbeat that notices a
-dead process): far shorter than PyTorch's 30-minute default, which a hung rank would
-otherwise hold the whole group for.
+"""A run across processes: who this process is (:func:`current`, set up by
+:func:`start` from torchrun's or JAX's launch) and the collectives its ranks share.
+Rank 0 alone writes the run directory while the others wait
+(:meth:`ProcessGroup.main_first`); checkpoints record the world size and global batch
+(:class:`GroupBackup`, :func:`check_resume`); a stop on any rank stops all after the
+same step (:class:`StopAgreement`). docs/scale_out.md, "``tfaploss train`` across
+processes and machines", has the launchers, the rules and the timings.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -37,7 +20,7 @@ from pathlib import Path
 import keras
 
 from tfaploss.config.fields import ConfigError
-from tfaploss.durable.checkpoints import RunBackup
+from tfaploss.durable.checkpoints import RunBackup, read_latest
 
 __all__ = ["GroupBackup", "ProcessGroup", "RankStoppedError", "StopAgreement",
            "agreed_stop", "check_resume", "check_shards", "current", "start"]
@@ -57,8 +40,7 @@ class RankStoppedError(RuntimeError):
 @dataclass(frozen=True)
 class ProcessGroup:
     """This process's place among the ranks of a run (one process: rank 0 of 1);
-    ``launcher``: ``"torchrun"``, ``"coordinator"``, ``"cluster"`` or ``"user"`` (a
-    process group set up before the run)."""
+    ``launcher``: ``"torchrun"``, ``"coordinator"``, ``"cluster"`` or ``"user"``."""
 
     backend: str = "none"
     rank: int = 0
@@ -91,12 +73,9 @@ class ProcessGroup:
         """``make_train_dataset``'s ``num_shards`` and ``shard_index`` for this rank."""
         return {"num_shards": self.world_size, "shard_index": self.rank}
 
-    # -- collectives -------------------------------------------------------------------
-
     def any_rank(self, *values: int) -> tuple[int, ...]:
-        """Each value's maximum over the ranks (a collective: every rank calls it with
-        as many values). Cost: one all-reduce (0.3 ms on gloo, 4 ms on JAX, 2 CPU
-        processes, ``benchmarks/stop_agreement.py``)."""
+        """Each value's maximum over the ranks (a collective). Cost: one all-reduce
+        (0.3 ms on gloo, 4 ms on JAX, 2 CPU processes, ``benchmarks/stop_agreement.py``)."""
         values = tuple(int(v) for v in values)
         if not self.distributed:
             return values
@@ -119,9 +98,8 @@ class ProcessGroup:
         self.any_rank(0)
 
     def main_first(self, fn, what: str):
-        """Rank 0 runs ``fn`` while the others wait; its result on rank 0, None on the
-        others. Every rank first waits for all (rank 0 never writes while another still
-        reads). If ``fn`` raises, the others raise :class:`RankStoppedError` naming
+        """Rank 0 runs ``fn`` (its result; None elsewhere) once every rank is here, while
+        the others wait; if ``fn`` raises, they raise :class:`RankStoppedError` naming
         ``what`` rather than wait for a timeout."""
         if not self.distributed:
             return fn()
@@ -145,10 +123,9 @@ class ProcessGroup:
 
     @contextlib.contextmanager
     def alone(self):
-        """A block this rank runs alone (rank 0 writing a checkpoint). Under JAX across
-        processes, no Keras distribution meanwhile: a variable created in it (Keras's
-        saving makes a throwaway optimizer) would be placed on every process's devices,
-        which asks every process to take part."""
+        """A block this rank runs alone (a checkpoint). Under JAX across processes, no
+        Keras distribution meanwhile: a variable created in it (Keras's saving makes a
+        throwaway optimizer) would ask every process to take part."""
         if not (self.distributed and self.backend == "jax"):
             yield
             return
@@ -160,9 +137,8 @@ class ProcessGroup:
             keras.distribution.set_distribution(previous)
 
     def local_model(self, model):
-        """``model``, or under JAX across processes a copy on this process's devices,
-        for work one rank does alone (an evaluation): the run's variables live on every
-        process's devices, so a computation on them would wait for the others."""
+        """``model``, or under JAX across processes a copy on this process's devices, for
+        work one rank does alone (an evaluation) without waiting for the others."""
         if not (self.distributed and self.backend == "jax"):
             return model
         import numpy as np
@@ -181,9 +157,6 @@ def current() -> ProcessGroup:
     return _GROUP
 
 
-# -- start ------------------------------------------------------------------------------
-
-
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
     if value in (None, ""):
@@ -200,11 +173,10 @@ def start(distribute=None, *, coordinator: str | None = None,
     """Join the ranks of this run when a launcher started several; returns the group
     (the one already started, when called again).
 
-    ``distribute``: the config's ``training.distribute`` (its ``timeout_s``).
-    ``coordinator``, ``num_processes``, ``process_id``: JAX's (default: the ``JAX_*``
-    variables); PyTorch reads torchrun's environment. Raises
-    :class:`~tfaploss.config.ConfigError` when the launch does not fit the backend or
-    a JAX argument is missing.
+    ``distribute``: ``training.distribute`` (its ``timeout_s``: how long a rank waits
+    for the others). ``coordinator``, ``num_processes``, ``process_id``: JAX's
+    (default: the ``JAX_*`` variables); PyTorch reads torchrun's environment. Raises
+    :class:`~tfaploss.config.ConfigError` when the launch does not fit the backend.
     """
     global _GROUP
     if _GROUP.distributed:
@@ -272,10 +244,8 @@ def _start_torch(timeout: int, torchrun: bool) -> ProcessGroup:
 
 
 def _torchrun_store(rank: int, world: int, timeout: int):
-    """torchrun's key-value store, its keys under a prefix of the restart count. With
-    ``init_method="env://"`` a group that ``--max-restarts`` started again read the
-    addresses its killed predecessor had left in the store, and its ranks waited for
-    dead ones (torch 2.13, gloo: stuck for minutes)."""
+    """torchrun's store, its keys under a prefix of the restart count: a restarted group
+    would otherwise read the addresses its killed predecessor left there."""
     import torch.distributed as dist
 
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -324,13 +294,9 @@ def _start_jax(timeout: int, coordinator, num_processes, process_id) -> ProcessG
                         _env_int("LOCAL_RANK") or 0, launcher, timeout)
 
 
-# -- the run directory --------------------------------------------------------------------
-
-
 class GroupBackup(RunBackup):
-    """The run's :class:`~tfaploss.durable.checkpoints.RunBackup` as every rank holds
-    it: rank 0 writes each checkpoint while the others wait, and every index record
-    holds the world size and the global batch that :func:`check_resume` compares."""
+    """The run's :class:`~tfaploss.durable.checkpoints.RunBackup`: rank 0 writes while
+    the others wait, each record holding the world size and the global batch."""
 
     def __init__(self, directory, group: ProcessGroup, global_batch: int, log=None):
         super().__init__(directory, log)
@@ -354,24 +320,11 @@ class GroupBackup(RunBackup):
         return path or self.step_path(epoch, step)
 
 
-def _recorded(index: Path) -> dict | None:
-    """The latest record of a checkpoint index, None when missing or unreadable (the
-    run directory's own checks report a damaged index)."""
-    try:
-        with open(index, encoding="utf-8") as f:
-            latest = json.load(f)["latest"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
-        return None
-    return latest if isinstance(latest, dict) else None
-
-
 def check_resume(backup: RunBackup, group: ProcessGroup, global_batch: int) -> None:
-    """Refuse (:class:`~tfaploss.config.ConfigError`, naming both layouts and the ways
-    out) to resume a checkpoint written by another world size or global batch; a
-    record without a world size counts as one process. Read only: every rank calls it
-    before rank 0 changes anything."""
+    """Refuse (:class:`~tfaploss.config.ConfigError`) to resume a checkpoint of another
+    world size (none recorded: one) or global batch. Read only."""
     for index in (backup.index_path, backup.step_index_path):
-        record = _recorded(index)
+        record = read_latest(index)  # a damaged index: the run directory's checks
         if record is None:
             continue
         processes, batch = record.get("processes", 1), record.get("global_batch")
@@ -392,8 +345,8 @@ def check_resume(backup: RunBackup, group: ProcessGroup, global_batch: int) -> N
 
 
 def check_shards(cfg, group: ProcessGroup) -> None:
-    """Refuse, before anything is written, a global batch the ranks cannot share
-    (``make_train_dataset``'s rule), as a :class:`~tfaploss.config.ConfigError`."""
+    """Refuse (:class:`~tfaploss.config.ConfigError`) a global batch the ranks cannot
+    share (``make_train_dataset``'s rule)."""
     if not group.distributed:
         return
     from tfaploss.run import build as B
@@ -408,23 +361,16 @@ def check_shards(cfg, group: ProcessGroup) -> None:
             f"({cfg.data.m}) over {group.world_size} processes: {err}.") from None
 
 
-# -- stopping together --------------------------------------------------------------------
-
-
 class StopAgreement(keras.callbacks.Callback):
     """Make every rank stop after the same step: the flag that
     :class:`~tfaploss.training.preemption.PreemptionCheckpoint` reads under several
     processes (put it after every callback that may stop training, before that one).
 
-    The ranks agree (one all-reduce) at the end of every epoch and of every
-    :attr:`every`-th batch: a signal any rank received (``local``, a
-    :class:`~tfaploss.durable.preemption.SignalFlag`) becomes :attr:`signum` on every
-    rank, and a ``stop_training`` any rank's callbacks set stops every rank. Between
-    agreements a rank's own stop is held back: a rank leaving ``fit`` alone would leave
-    the others waiting in the next step's collective. :attr:`every` is the same on all
-    ranks, from their timings: the fewest batches that keep the agreement under
-    :data:`OVERHEAD` of the time between them, with a signal waiting at most
-    :data:`LATENCY_S`.
+    At each epoch's end and every :attr:`every`-th batch the ranks agree (one
+    all-reduce) on the first signal of any rank's ``local`` flag (:attr:`signum`) and on
+    any rank's ``stop_training``, held back until then. :attr:`every`: the fewest
+    batches keeping the agreement under :data:`OVERHEAD` of the time, a signal waiting
+    at most :data:`LATENCY_S` (docs/scale_out.md).
     """
 
     OVERHEAD = 0.01
@@ -483,8 +429,8 @@ class StopAgreement(keras.callbacks.Callback):
 
 
 def agreed_stop(local) -> tuple[object, list]:
-    """``(flag, callbacks)`` for a fit: ``local`` and no callback with one process;
-    under several, a :class:`StopAgreement` that is both."""
+    """``(flag, callbacks)`` for a fit: ``(local, [])`` with one process, else a
+    :class:`StopAgreement` as both."""
     group = current()
     if not group.distributed:
         return local, []

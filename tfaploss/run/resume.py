@@ -1,10 +1,6 @@
-"""Whether a run directory holds this config's run: the config comparison over the file
-checks of :mod:`tfaploss.durable.run_dir`.
-
-The file checks know nothing of the config schema (they sit below every package);
-comparing a previous run's config with this one needs the schema, to fill in the keys
-added since that run, so it lives here, with the run.
-"""
+"""Whether a run directory holds this config's run: the config comparison (which needs
+the schema, to fill in keys added since) over :mod:`tfaploss.durable.run_dir`'s file
+checks."""
 
 from __future__ import annotations
 
@@ -21,25 +17,26 @@ __all__ = ["diff_keys", "inspect", "normalised"]
 
 def inspect(run_dir: Path, cfg: Config) -> RunState:
     """Check every file of ``run_dir`` (:func:`tfaploss.durable.run_dir.inspect`) and
-    that a previous run there ran ``cfg``.
-
-    Returns what the run resumes from. Raises
-    :class:`~tfaploss.durable.checkpoints.DamagedRunError` on damage, ConfigError when
-    the directory holds a run of another config.
-    """
+    that a previous run there ran ``cfg``; returns what the run resumes from. Raises
+    :class:`~tfaploss.durable.checkpoints.DamagedRunError` or ConfigError."""
     current = _comparable(cfg.to_dict())
 
     def check_config(previous, what: str) -> None:
         previous = _comparable(previous)
         if previous != current:
-            raise _other_config(run_dir, what, previous, current)
+            changed = sorted(diff_keys(previous, current))
+            raise ConfigError(
+                f"run_dir {str(run_dir)!r} holds {what} made with a different config "
+                f"(differs in: {', '.join(changed[:12])}{', ...' if len(changed) > 12 else ''})"
+                ". Resume it with the same config, use a new run_dir (--set run_dir=...), or "
+                "start over here with --restart (the previous run's files are moved aside, "
+                "not deleted).")
 
     return files.inspect(run_dir, cfg.training.epochs, check_config)
 
 
 def normalised(raw):
-    """A config dict as this version writes it: keys added since (every default
-    filled in) do not make an older run's config differ. ``raw`` itself if invalid."""
+    """A config dict with every default filled in (``raw`` itself if invalid)."""
     if not isinstance(raw, dict):
         return raw
     try:
@@ -50,9 +47,8 @@ def normalised(raw):
 
 
 def _comparable(raw):
-    """A config as compared with a run's: its ``run_dir`` left out (a run directory
-    moved elsewhere still resumes), and ``training.distribute.timeout_s`` (how long
-    ranks wait for each other, not what they train)."""
+    """A config as compared with a run's: without ``run_dir`` (a moved run directory
+    still resumes) and ``training.distribute.timeout_s`` (not what ranks train)."""
     raw = normalised(raw)
     if not isinstance(raw, dict):
         return raw
@@ -71,12 +67,3 @@ def diff_keys(a, b, prefix=""):
             yield from diff_keys(a.get(key), b.get(key), f"{prefix}{key}.")
     elif a != b:
         yield prefix.rstrip(".")
-
-
-def _other_config(run_dir: Path, what: str, previous, current) -> ConfigError:
-    changed = sorted(diff_keys(previous, current))
-    return ConfigError(
-        f"run_dir {str(run_dir)!r} holds {what} made with a different config (differs "
-        f"in: {', '.join(changed[:12])}{', ...' if len(changed) > 12 else ''}). Resume it "
-        "with the same config, use a new run_dir (--set run_dir=...), or start over here "
-        "with --restart (the previous run's files are moved aside, not deleted).")

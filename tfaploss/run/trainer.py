@@ -1,21 +1,15 @@
 """Train a run configuration end to end (what ``tfaploss train`` runs).
 
-Run directory layout (``run_dir``)::
+Run directory layout (``run_dir``; rank 0 alone writes it, every file atomically)::
 
     config.yaml     the validated config of this run (a resumed run must match it)
-    backup/         checkpoint of the last finished epoch (tfaploss.durable.checkpoints),
-                    removed once model.keras and summary.json are in place: a killed
-                    run started again resumes at the first unfinished epoch
+    backup/         checkpoints (tfaploss.durable.checkpoints), removed once
+                    model.keras and summary.json are in place
     logs/           TensorBoard scalars
     epochs.jsonl    one JSON line per finished epoch (training.callbacks.EpochLogger)
     model.keras     the trained embedding model (images -> L2-normalised embeddings)
     summary.json    config, epochs, steps, timings, final retrieval metrics, and
                     ``stopped_early`` / ``health_events`` of the batch-health check
-
-Under several processes (:mod:`tfaploss.run.processes`) rank 0 alone writes the run
-directory and holds its lock; the other ranks wait for it, then read. Every file is
-written to a temporary name and renamed into place; what :func:`train` checks, and
-when it stops, is in its docstring.
 """
 
 from __future__ import annotations
@@ -51,7 +45,6 @@ LOG = logging.getLogger(__name__)
 
 
 def _health_monitor(cfg: Config):
-    """The batch-health callback of ``cfg.training.health`` (None when disabled)."""
     from tfaploss.training.health import TrainingHealthMonitor
 
     h = cfg.training.health
@@ -83,11 +76,9 @@ def evaluate_split(embedding_model, cfg: Config, path: str, max_images: int | No
     """Retrieval metrics of ``cfg.evaluation`` on a split (each image queries the rest),
     by :func:`tfaploss.evaluation.evaluate` with the config's search plan.
 
-    ``search``, when given, receives the report's search part (backend, setting, recall
-    and its interval; with ``evaluation.backend: auto`` also what it chose and why, as
-    ``search["auto"]``). With ``evaluation.target_recall`` the search is tuned to it on
-    these embeddings, and the metrics gain ``search_recall`` (the recall@k the tuner
-    measured).
+    ``search``, when given, receives the report's search part (backend, setting, recall;
+    with ``evaluation.backend: auto`` what it chose and why). With
+    ``evaluation.target_recall`` the metrics gain ``search_recall``, the tuner's recall@k.
     """
     from tfaploss.evaluation.evaluator import describe_search, evaluate
 
@@ -106,8 +97,7 @@ def evaluate_split(embedding_model, cfg: Config, path: str, max_images: int | No
 
 
 def _read_epochs(path: Path) -> list[dict]:
-    """The rows of epochs.jsonl, one per epoch; a re-run epoch replaces the crashed
-    attempt's, and a line cut short by a kill is skipped."""
+    """The rows of epochs.jsonl, one per epoch (a re-run epoch's last), torn lines skipped."""
     if not path.exists():
         return []
     rows = {}
@@ -132,15 +122,14 @@ def _repair_epoch_log(path: Path) -> None:
 
 
 def _backbone_and_pooling(m) -> str:
-    """``resnet50/gem``; a file or preset folder as ``path (gem)``, where a slash would
-    read as part of the path."""
+    """``resnet50/gem``; a path as ``path (gem)``."""
     name = m.backbone_file or m.backbone
     return f"{name} ({m.pooling})" if "/" in name or "\\" in name else f"{name}/{m.pooling}"
 
 
 def initial_model(cfg: Config):
-    """The embedding model ``train`` starts from: same seed, same weights, same
-    BatchNorm calibration (what ``tfaploss evaluate --config`` evaluates)."""
+    """The embedding model ``train`` starts from (what ``tfaploss evaluate --config``
+    evaluates): same seed, weights and BatchNorm calibration."""
     import keras
 
     keras.utils.set_random_seed(cfg.training.seed)
@@ -152,29 +141,21 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto",
           skip_damaged: bool = False) -> dict:
     """Train ``cfg``; returns the run summary (also written to ``run_dir/summary.json``).
 
-    A killed run resumes from its last checkpoint when called again with the same
-    config (at most the epoch in progress is lost, see
-    :mod:`tfaploss.durable.checkpoints`); a finished one is not trained again. Raises
+    Called again with the same config, a killed run resumes from its last checkpoint
+    and a finished one is not trained again; ``restart=True`` starts over at epoch 1,
+    the previous files moved aside. Raises
     :class:`~tfaploss.training.guards.NonFiniteTrainingError` at the first non-finite
-    loss or weight, before anything is saved. A run stopped by the batch-health check
-    (``training.health``) is saved and summarised like a finished one, with
-    ``summary["stopped_early"]`` saying why.
+    loss or weight; a run the batch-health check stopped is saved and summarised.
 
-    Checked first, before anything is written: the optional parts the config needs
-    (:class:`~tfaploss.extras.MissingExtraError`), the run directory (damage:
-    :class:`~tfaploss.durable.checkpoints.DamagedRunError`; a run of another config:
-    :class:`~tfaploss.config.ConfigError`; another process in it:
+    Checked before anything is written: the extras the config needs
+    (:class:`~tfaploss.extras.MissingExtraError`), the run directory
+    (:class:`~tfaploss.durable.checkpoints.DamagedRunError`, ConfigError,
     :class:`~tfaploss.durable.locks.LockHeldError`) and the data against their manifest
-    (``verify_data``: ``"sizes"``, ``"full"`` or ``"off"``; a damaged record met later
-    raises :class:`~tfaploss.data.integrity.DamagedDataError`; ``skip_damaged=True``
-    leaves the damaged files out instead). ``restart=True`` starts over at epoch 1, the
-    previous run's files moved aside, never deleted. An extra that fails only at the
-    final evaluation costs the final metrics, never the model or summary.json.
-
-    Reports go to the ``tfaploss.run.trainer`` logger at INFO (shown on stdout unless
-    the application configured logging); ``verbose`` is Keras's progress display.
-    Under several processes every rank calls ``train``; the ranks other than 0 return
-    ``{"run_dir", "rank", "updates", "processes"}``.
+    (``verify_data``: ``"sizes"``, ``"full"`` or ``"off"``; ``skip_damaged`` leaves
+    damaged files out rather than raise
+    :class:`~tfaploss.data.integrity.DamagedDataError`). ``verbose``: Keras's progress
+    display. Under several processes every rank calls ``train``; ranks other than 0
+    return ``{"run_dir", "rank", "updates", "processes"}``.
     """
     with reporting():
         check_config_extras(cfg)
@@ -205,7 +186,6 @@ def train(cfg: Config, *, run_dir: str | None = None, verbose="auto",
 
 
 def _start_over(run_dir: Path, cfg: Config) -> None:
-    """``restart=True``: move the previous run's files aside (never delete them)."""
     try:
         R.inspect(run_dir, cfg)
         damage = None
@@ -277,7 +257,6 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data=None) -> 
 
     group.main_first(write_config, "writing config.yaml")
     steps = B.steps_per_epoch(cfg)
-    # its notes: the checkpoints module's logger; rank 0 writes, every rank reads
     backup = processes.GroupBackup(run_dir / "backup", group, cfg.data.batch_size)
     policy = keras.config.dtype_policy()
     started = time.time()
@@ -297,8 +276,7 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data=None) -> 
         from tfaploss.training.health import health_metrics
         from tfaploss.training.lone_queries import LoneQueryMonitor, LoneQueryShare
 
-        # Lone queries: counted by a metric in the step, read by LoneQueryMonitor (a loss
-        # with no tracker, e.g. ProxyAnchorLoss, has no lone query).
+        # a loss with no tracker (ProxyAnchorLoss) has no lone query
         lone = getattr(loss, "lone_queries", None) is not None
         model.compile(optimizer=B.build_optimizer(cfg, steps), loss=loss,
                       metrics=health_metrics() + ([LoneQueryShare()] if lone else []),
@@ -315,9 +293,8 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data=None) -> 
                         "%d x %d steps per epoch; did the training split change? "
                         "Continuing from it.", start_epoch, updates, start_epoch, steps)
         if plan.backend == "tensorflow":
-            # The model keeps the strategy it was built in and fit runs under it; the
-            # callbacks read variables outside its scope (inside it, reading a
-            # sync-on-read variable as an array fails).
+            # fit runs under the model's strategy; callbacks read variables outside it
+            # (inside, reading a sync-on-read variable as an array fails)
             devices_scope.close()
 
         if group.is_main:
@@ -414,9 +391,7 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data=None) -> 
                     for row in epochs],
         "final_loss": epochs[-1].get("loss") if epochs else None,
         "final_metrics": final,
-        # backend, setting and measured recall of the final evaluation's search
         "final_search": final_search or None,
-        # damaged training files left out (--skip-damaged-shards), null when none
         "skipped_data": skipped,
         "train_seconds_this_process": round(train_seconds, 2),
         "model": str(model_path),
@@ -428,8 +403,8 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data=None) -> 
 
 
 def _check_records(cfg: Config, reading, level: str, skip: bool):
-    """The data against their manifests before the first step; with ``skip``, the
-    damaged training files and the context that leaves them out."""
+    """Check the data against their manifests; with ``skip``, the damaged training
+    files and the context that leaves them out."""
     from tfaploss.data import integrity
 
     layout = "images" if cfg.data.sampler is None else "by_class"

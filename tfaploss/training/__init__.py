@@ -1,10 +1,8 @@
 """Training: multi-staged backpropagation for very large batches, cross-batch memory,
-the BatchNorm freezing that makes both exact, batch-health metrics with a callback
-that warns when a run has collapsed or stalled, and the lone-query metric with its
-callback (:mod:`tfaploss.training.lone_queries`)."""
+BatchNorm freezing, batch-health metrics and the lone-query metric, with the callbacks
+that warn on them."""
 
-# Re-exported from their homes (models.batch_norm, tfaploss.losses.xbm): the names
-# users train with, importable from the package that trains.
+# re-exported: the names users train with, from the package that trains
 from tfaploss.losses.xbm import CrossBatchMemory
 from tfaploss.models.batch_norm import (
     FrozenBatchNormalization,

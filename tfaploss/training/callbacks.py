@@ -1,12 +1,9 @@
-"""The Keras callbacks of a training run, besides the batch-health check.
-
-``tfaploss train`` (:mod:`tfaploss.run.trainer`) puts them in this order: non-finite
-guard, faults, evaluation, health check, lone-query check, the user's, epoch log,
-TensorBoard, checkpoint (last: it saves what every other callback has seen).
-"""
+"""The Keras callbacks of a training run, besides the batch-health check (their order
+in ``tfaploss train``: :func:`tfaploss.run.trainer._train`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -39,22 +36,18 @@ def finite(value):
 
 
 def stop_summary(record: dict) -> dict:
-    """What summary.json and epochs.jsonl say about a stop of the batch-health check
-    (``record``: the check's record of the stop)."""
+    """What summary.json and epochs.jsonl say about the batch-health check's stop."""
     return {"by": "batch_health", "reason": record["kind"],
             **{k: record[k] for k in ("epoch", "epoch_step", "step", "images",
                                       "share_of_run", "run_images", "message")}}
 
 
 def _embedder(callback):
-    """The model whose output are the embeddings: the callback's own, else the one
-    being trained."""
     return callback.embedding_model if callback.embedding_model is not None else callback.model
 
 
 def _as_dataset(data, labels, batch_size: int):
-    """``data`` as something :func:`~tfaploss.evaluation.embed.embed_dataset` reads:
-    a batched dataset kept as is, or arrays of images (and labels) cut into batches."""
+    """A batched dataset as is, or arrays of images (and labels) cut into batches."""
     if labels is None:
         return data
     import numpy as np
@@ -70,11 +63,10 @@ def _as_dataset(data, labels, batch_size: int):
 class RetrievalEvaluation(keras.callbacks.Callback):
     """Retrieval metrics on a held-out split every ``every_n_epochs`` epochs, as logs.
 
-    Each image of the split queries all the others, as
-    :func:`tfaploss.evaluation.retrieval_metrics` measures it; the metrics are added to
-    the epoch's ``logs`` as ``<prefix><metric>`` (``val_map@r``), so the callbacks after
-    this one read them (``EarlyStopping(monitor="val_map@r", mode="max")``: Keras would
-    guess "min" from the name). With ``log_dir`` also as TensorBoard scalars.
+    Each image queries all the others (:func:`tfaploss.evaluation.retrieval_metrics`);
+    the metrics join the epoch's ``logs`` as ``<prefix><metric>`` (``val_map@r``), for
+    the callbacks after this one (``EarlyStopping(monitor="val_map@r", mode="max")``).
+    With ``log_dir`` also as TensorBoard scalars.
 
     Args:
         data, labels: the split: batches of ``(images, labels)``, or an array of images
@@ -90,7 +82,6 @@ class RetrievalEvaluation(keras.callbacks.Callback):
         batch_size: images per batch when ``data`` is an array.
         evaluate_fn: instead of ``data``: ``evaluate_fn(embedding_model) ->
             {metric: value}`` (what ``tfaploss train`` passes).
-
     """
 
     def __init__(self, data=None, labels=None, *, embedding_model=None,
@@ -115,7 +106,7 @@ class RetrievalEvaluation(keras.callbacks.Callback):
         self._writer = None
 
     def evaluate(self) -> dict:
-        """The metrics of the split now (what an epoch's evaluation adds to its logs)."""
+        """The metrics of the split now."""
         model = _embedder(self)
         if self.evaluate_fn is not None:
             return self.evaluate_fn(model)
@@ -166,10 +157,9 @@ class RetrievalEvaluation(keras.callbacks.Callback):
 
 class EmbeddingProjector(keras.callbacks.Callback):
     """Export a split's embeddings for TensorBoard's projector into ``log_dir`` at the
-    end of training, and every ``every_n_epochs`` epochs when set (the latest replace
-    the previous ones). ``data``, ``labels``, ``batch_size``, ``embedding_model``: as
-    for :class:`RetrievalEvaluation`; ``max_images``: at most this many (the projector
-    handles ~10^5 points).
+    end of training, and every ``every_n_epochs`` epochs when set. ``data``,
+    ``labels``, ``batch_size``, ``embedding_model``: as for :class:`RetrievalEvaluation`;
+    ``max_images``: at most this many (the projector handles ~10^5 points).
 
     Example: ``callbacks=[EmbeddingProjector("logs/projector", test_ds)]``.
     """
@@ -204,33 +194,26 @@ class EmbeddingProjector(keras.callbacks.Callback):
 
 
 class EpochLogger(keras.callbacks.Callback):
-    """Append each finished epoch's logs and learning rate to a JSON-lines file
-    (``path``).
+    """Append each finished epoch's logs to the JSON-lines file ``path``, fsynced.
 
     A row is ``{"epoch": E, "learning_rate": ..., <every numeric log>}``, with
-    ``lone_query_share`` (null where nothing was counted or no
-    :class:`~tfaploss.training.LoneQueryShare` was compiled) and, with a
-    ``health_monitor``, what it reported (``health``, ``stopped_early``) and saw per
-    step (``health_steps``, what a replay reads). Non-finite values are written as
-    null: the file is strict JSON, and a NaN in it is damage to
-    :mod:`tfaploss.durable.run_dir`. Each row is fsynced: a kill loses at most the row
-    being written.
+    ``lone_query_share`` (null when not counted) and, with a ``health_monitor``, what
+    it reported (``health``, ``stopped_early``) and saw per step (``health_steps``).
+    Non-finite values are written as null: the file is strict JSON.
     """
 
     def __init__(self, path: str | os.PathLike, health_monitor=None):
         super().__init__()
         self.path = Path(path)
         self.health_monitor = health_monitor
-        self._reported = 0
-        self._traced = 0
+        self._reported = self._traced = 0  # monitor records and trace rows written
 
     def on_epoch_end(self, epoch, logs=None):
         row = {"epoch": epoch + 1}
         opt = self.model.optimizer
-        try:
+        # a wrapped optimizer may have no scalar learning rate
+        with contextlib.suppress(TypeError, ValueError, AttributeError):
             row["learning_rate"] = float(keras.ops.convert_to_numpy(opt.learning_rate))
-        except (TypeError, ValueError, AttributeError):
-            pass  # a wrapped optimizer without a scalar learning rate
         row.update({k: float(v) for k, v in (logs or {}).items()
                     if isinstance(v, (int, float)) or hasattr(v, "__float__")})
         # NaN (no query counted) becomes null below; absent: no LoneQueryShare compiled.
@@ -262,9 +245,8 @@ class EpochLogger(keras.callbacks.Callback):
 
 class EpochCheckpoint(keras.callbacks.Callback):
     """Checkpoint model and optimizer into ``backup`` (a
-    :class:`~tfaploss.durable.checkpoints.RunBackup`) after every epoch, with the
-    optimizer's update count; a non-finite loss or weight raises
-    :class:`~tfaploss.training.guards.NonFiniteTrainingError` instead."""
+    :class:`~tfaploss.durable.checkpoints.RunBackup`) after every epoch; a non-finite
+    loss or weight raises :class:`~tfaploss.training.guards.NonFiniteTrainingError`."""
 
     def __init__(self, backup):
         super().__init__()
@@ -285,10 +267,8 @@ class EpochCheckpoint(keras.callbacks.Callback):
 
 
 class FaultPoints(keras.callbacks.Callback):
-    """The fault points of a batch (:mod:`tfaploss.durable.faults`), for the crash
-    tests: ``batch:E:B`` exits as if killed after batch B of epoch E, and
-    ``nan_weights:E:B`` puts a NaN in the first trainable weight there. Add it only
-    when :func:`~tfaploss.durable.faults.active`."""
+    """The fault points ``batch:E:B`` and ``nan_weights:E:B`` of the crash tests (add
+    it only when :func:`~tfaploss.durable.faults.active`)."""
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch + 1

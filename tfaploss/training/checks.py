@@ -1,16 +1,8 @@
-"""Exactness guards for multi-staged backpropagation.
-
-Multi-staged backpropagation embeds every chunk twice (stage 1 without a tape, stage 3
-with one) and is exact only when both passes give the same embeddings: the model must
-be deterministic in training mode. Layers that break this: dropout and noise layers,
-and random augmentation layers inside the model.
-
-BatchNormalization with batch statistics does not break it: both stages normalise the
-same chunk with that chunk's statistics, the exact gradient of a network normalising
-each chunk on its own ("ghost batch normalisation", Hoffer et al., NeurIPS 2017). It is
-allowed because frozen statistics of a random initialisation stop normalising once the
-weights move (``docs/batch_sweep/first_sweep.md``).
-"""
+"""Exactness guards for multi-staged backpropagation, which embeds every chunk twice and
+is exact only when both passes agree: the model must be deterministic in training
+mode (no dropout, noise or augmentation layers). BatchNorm on batch statistics is
+allowed: both stages normalise a chunk with its own statistics (ghost batch norm,
+Hoffer et al., NeurIPS 2017; ``docs/batch_sweep/first_sweep.md``)."""
 
 from __future__ import annotations
 
@@ -27,19 +19,14 @@ class NondeterministicModelWarning(UserWarning):
     """A model used for multi-staged backpropagation is random in training mode."""
 
 
-def _owns_seed_generator(layer) -> bool:
-    return any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values())
-
-
 def find_nondeterministic_layers(model: keras.layers.Layer) -> list[str]:
     """One line per layer of ``model`` drawing random numbers in training (dropout,
-    noise, augmentation, unless their rate is 0); empty when the model is safe for
-    multi-staged backpropagation."""
+    noise, augmentation, unless their rate is 0); empty when it is safe."""
     problems = []
     for layer in model._flatten_layers(include_self=True, recursive=True):
         if isinstance(layer, keras.layers.BatchNormalization):
             continue
-        if _owns_seed_generator(layer):
+        if any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values()):
             rate = getattr(layer, "rate", None)
             if rate is not None and float(rate) == 0.0:
                 continue
@@ -52,8 +39,7 @@ def find_nondeterministic_layers(model: keras.layers.Layer) -> list[str]:
 
 
 def ghost_batch_norm_layers(model: keras.layers.Layer) -> list[str]:
-    """Names of the BatchNorm layers of ``model`` that use batch statistics in training
-    (each normalises every chunk on its own; frozen layers are not listed)."""
+    """Names of the :func:`batch_statistics_layers` of ``model``."""
     return [layer.name for layer in batch_statistics_layers(model)]
 
 

@@ -1,12 +1,7 @@
-"""Stop training loudly at the first non-finite loss or weight.
-
-A diverging run (a learning rate far too high, a float16 overflow) otherwise keeps going:
-the weights turn to NaN, some losses then report a finite number for NaN embeddings,
-and the run ends with exit status 0 and a NaN model on disk. :class:`StopOnNonFinite`
-checks after every batch that the loss and every model variable are finite and raises
-:class:`NonFiniteTrainingError` (naming the step, the epoch and the likely causes)
-before anything is checkpointed or saved.
-"""
+"""Stop training loudly at the first non-finite loss or weight (a learning rate far too
+high, a float16 overflow): :class:`StopOnNonFinite` raises
+:class:`NonFiniteTrainingError`, naming the step and the likely causes, before
+anything is checkpointed or saved, rather than a run ending with a NaN model."""
 
 from __future__ import annotations
 
@@ -20,33 +15,22 @@ class NonFiniteTrainingError(RuntimeError):
 
 
 def sync_state(model) -> None:
-    """Make ``model``'s variables hold its current state, for a callback that reads them
-    in the middle of an epoch.
-
-    Keras's JAX trainer keeps the state outside the variables during ``fit`` (it
-    empties them to save memory) and puts it back at each epoch's end; a variable read
-    in between fails. Elsewhere a no-op. Cost on JAX: one assignment per variable.
-    """
+    """Make ``model``'s variables hold its current state, for a callback reading them
+    mid-epoch: Keras's JAX trainer keeps the state outside them until the epoch's end.
+    Elsewhere a no-op. Cost on JAX: one assignment per variable."""
     sync = getattr(model, "jax_state_sync", None)
     if sync is not None:
         sync()
 
 
-def _variable_name(v) -> str:
-    return getattr(v, "path", None) or getattr(v, "name", "?")
-
-
 def _float_variables(variables) -> list:
-    """The floating-point variables (counters and seeds are integers, always finite)."""
+    """The floating-point variables (integers are always finite)."""
     return [v for v in variables if "float" in str(v.dtype)]
 
 
 def _make_all_finite(variables):
-    """A function returning one boolean: are all ``variables`` finite?
-
-    One fused reduction per call (a tf.function on the TensorFlow backend). Cost: one
-    read of every variable, no copy.
-    """
+    """A function returning whether all ``variables`` are finite: one fused reduction
+    (a tf.function on TensorFlow). Cost: one read of every variable, no copy."""
     variables = _float_variables(variables)
 
     def all_finite():
@@ -64,15 +48,14 @@ def nonfinite_variables(variables) -> list[str]:
     """Names of the variables holding a NaN or an infinity (slow path, for messages)."""
     import numpy as np
 
-    return [_variable_name(v) for v in _float_variables(variables)
+    return [getattr(v, "path", None) or getattr(v, "name", "?")
+            for v in _float_variables(variables)
             if not np.all(np.isfinite(keras.ops.convert_to_numpy(v.value)))]
 
 
 def check_finite_weights(model, what: str) -> None:
-    """Raise :class:`NonFiniteTrainingError` if a variable of ``model`` is not finite.
-
-    ``what`` names the artefact that is then not written ("model.keras", ...).
-    """
+    """Raise :class:`NonFiniteTrainingError` naming ``what`` (the artefact then not
+    written) if a variable of ``model`` is not finite."""
     bad = nonfinite_variables(model.weights)
     if bad:
         raise NonFiniteTrainingError(

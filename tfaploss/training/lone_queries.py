@@ -1,15 +1,6 @@
-"""Lone queries counted by a Keras metric, and the callback that warns when most are.
-
-A query is lone when no other item of the batch shares its label: a ranking loss
-gets no signal from it (:mod:`tfaploss.losses.lone_queries`). That depends on the
-labels only, so a metric counts it from ``y_true`` rather than the loss: Keras keeps a
-metric's state inside the compiled step on every backend, and nothing calls the host.
-``tfaploss train`` adds both pieces; a plain Keras user writes::
-
-    model.compile(optimizer="adam", loss=tfaploss.losses.SmoothAPLoss(),
-                  metrics=[tfaploss.training.LoneQueryShare()])
-    model.fit(x, y, batch_size=8, callbacks=[tfaploss.training.LoneQueryMonitor()])
-"""
+"""Lone queries (no other item of the batch shares their label) counted by a Keras
+metric from ``y_true`` inside the compiled step, and the callback that warns when most
+are; docs/losses.md has the rules and a plain-Keras example."""
 
 from __future__ import annotations
 
@@ -29,14 +20,12 @@ __all__ = ["LONE_KEY", "QUERY_KEY", "SHARE_KEY", "LoneQueryMonitor", "LoneQueryS
 
 LOG = logging.getLogger(__name__)
 
-#: The log entries of :class:`LoneQueryShare` (its result).
 SHARE_KEY, LONE_KEY, QUERY_KEY = "lone_query_share", "lone_query_count", "query_count"
 
 
 def _alone_sorted(column):
-    """``(order, alone)``: the permutation that sorts ``column`` (B,) and, in that
-    order, whether the item is the only one of its label (both sorted neighbours
-    differ). Cost: one sort, O(B log B) time, O(B) memory."""
+    """``(order, alone)``: the permutation sorting ``column`` (B,) and, in that order,
+    whether each item is the only one of its label. Cost: one sort, O(B log B)."""
     order = ops.argsort(column)
     ranked = ops.take(column, order)
     new = ops.not_equal(ranked[1:], ranked[:-1])  # item k+1 starts a new label
@@ -49,12 +38,11 @@ def _alone_sorted(column):
 def lone_query_counts(labels, sample_weight=None, rows=None):
     """``(lone, queries)``: int32 scalars counting the lone queries and all queries.
 
-    A query is an item with a weight above 0 (every item without ``sample_weight``);
-    it is lone when no other item of the batch, whatever its weight, shares its label
-    (for (B, L) labels, :class:`~tfaploss.losses.HAPLoss`'s levels: shares no level):
-    the queries a :class:`~tfaploss.losses.RetrievalLoss` finds no positive for.
-    ``rows``: ``(start, stop)``, count only these rows' queries (this replica's rows of
-    a gathered global batch). Cost: one sort per level, O(L·B log B) time, O(B) memory.
+    A query is an item of weight > 0 (every item without ``sample_weight``); it is lone
+    when no other item of the batch shares its label (for (B, L) labels: no level),
+    so that a :class:`~tfaploss.losses.RetrievalLoss` finds no positive for it.
+    ``rows``: ``(start, stop)``, count only these rows' queries (this replica's).
+    Cost: one sort per level, O(L·B log B) time, O(B) memory.
     """
     labels = ops.convert_to_tensor(labels)
     if len(labels.shape) == 1:
@@ -64,7 +52,6 @@ def lone_query_counts(labels, sample_weight=None, rows=None):
                          f"levels); received shape {tuple(labels.shape)}.")
     levels = int(labels.shape[-1])
     if levels == 1 and rows is None:
-        # Counted in sorted order: the weights follow the labels' permutation.
         order, lone = _alone_sorted(labels[:, 0])
     else:
         order, lone = None, None
@@ -93,14 +80,10 @@ def lone_query_counts(labels, sample_weight=None, rows=None):
 @keras.saving.register_keras_serializable(package="tfaploss")
 class LoneQueryShare(keras.metrics.Metric):
     """The share of the epoch's queries that had no other item of their label in
-    their batch (:func:`lone_query_counts`), with its two counts.
-
-    ``y_true`` = the labels the ranking loss takes; ``y_pred`` is not read. The logs
-    hold ``lone_query_share`` (NaN when nothing was counted), ``lone_query_count`` and
-    ``query_count``, since the start of the epoch. In ``compile(weighted_metrics=...)``
-    an item of ``sample_weight`` 0 is no query. Across replicas it gathers the labels,
-    as the loss does, so a query whose positive sits on another replica is not lone.
-    Cost per step: :func:`lone_query_counts` inside the compiled step; no host call.
+    their batch (:func:`lone_query_counts` of ``y_true``), logged as
+    ``lone_query_share`` (NaN when nothing was counted) with ``lone_query_count`` and
+    ``query_count``. Across replicas it gathers the labels, as the loss does. Cost per
+    step: :func:`lone_query_counts` inside the compiled step; no host call.
     """
 
     def __init__(self, name=SHARE_KEY, dtype=None):
@@ -132,28 +115,16 @@ class LoneQueryShare(keras.metrics.Metric):
             variable.assign(ops.zeros((), variable.dtype))
 
 
-def _find_metric(model):
-    """The compiled :class:`LoneQueryShare` of ``model`` (searched recursively), or None."""
-    return next((m for m in compiled_metrics(model) if isinstance(m, LoneQueryShare)), None)
-
-
 class LoneQueryMonitor(keras.callbacks.Callback):
-    """Hands the :class:`LoneQueryShare` metric's counts to the loss's
-    :class:`~tfaploss.losses.lone_queries.LoneQueryTracker`, which warns once per run
-    (each ``fit``) when most queries of the recent steps were lone.
+    """Hands the :class:`LoneQueryShare` counts to :attr:`tracker` (the loss's
+    :class:`~tfaploss.losses.lone_queries.LoneQueryTracker`, else the monitor's own),
+    which warns once per ``fit`` when most queries of the recent steps were lone.
 
-    The counts are read every ``every`` steps and at the end of each epoch (from its
-    logs), each read handing over the difference from the previous one. A read within
-    an epoch waits for the step (a host sync): on TensorFlow and PyTorch of the
-    metric's variables before the next step (under ``tf.distribute`` they sum the
-    replicas' counts, where a step's logs average them); on JAX, whose variables are
-    written back only at the epoch's end, of the step's logs in Keras's callback
-    thread (``async_safe``). Cost with the default ``every`` (20): within 2 % of a
-    B=256 ``SmoothAPLoss`` step on a CPU (``benchmarks/lone_queries.py``).
-
-    :attr:`tracker` is ``model.loss.lone_queries``, or for a loss without one (e.g.
-    ``XBMLoss``) the monitor's own. A model compiled without :class:`LoneQueryShare`
-    counts nothing: the monitor logs that once.
+    The counts are read every ``every`` steps and at each epoch's end, from the
+    metric's variables (they sum the replicas', where the logs average them), or on
+    JAX, which writes them back only at the epoch's end, from the step's logs. Cost
+    with the default ``every`` (20): within 2 % of a B=256 ``SmoothAPLoss`` step on a
+    CPU (``benchmarks/lone_queries.py``).
     """
 
     async_safe = True  # JAX: on_train_batch_end runs in Keras's callback thread
@@ -166,11 +137,7 @@ class LoneQueryMonitor(keras.callbacks.Callback):
         self.every = every
         self.tracker = None
         self._lock = threading.Lock()  # JAX: batch ends may run in several threads
-        # JAX keeps the metric's variables in the step's state until the epoch ends:
-        # there the reads are of the logs, elsewhere of the variables.
         self._from_step_logs = keras.backend.backend() == "jax"
-
-    # -- the run ------------------------------------------------------------------
 
     def on_train_begin(self, logs=None):
         tracker = getattr(getattr(self.model, "loss", None), "lone_queries", None)
@@ -188,7 +155,8 @@ class LoneQueryMonitor(keras.callbacks.Callback):
         if self._from_step_logs or batch - self._read[0] < self.every:
             return
         # TensorFlow, PyTorch: the metric's variables hold the `batch` steps done.
-        self._metric = self._metric or _find_metric(self.model)
+        self._metric = self._metric or next(
+            (m for m in compiled_metrics(self.model) if isinstance(m, LoneQueryShare)), None)
         if self._metric is None:
             self._missing()
             return
@@ -205,8 +173,6 @@ class LoneQueryMonitor(keras.callbacks.Callback):
         steps = (self.params or {}).get("steps")
         self._from_logs(done if not steps else min(done, steps), logs)
 
-    # -- reading ------------------------------------------------------------------
-
     def _from_logs(self, steps, logs):
         logs = logs or {}
         if LONE_KEY not in logs or QUERY_KEY not in logs:
@@ -216,7 +182,7 @@ class LoneQueryMonitor(keras.callbacks.Callback):
 
     def _observe(self, steps, lone, queries):
         """Hand over the counts since the previous read (``lone``, ``queries``: the
-        epoch's counts after its first ``steps`` steps)."""
+        epoch's after ``steps`` steps)."""
         lone, queries = int(_number(lone)), int(_number(queries))
         with self._lock:
             done, read_lone, read_queries = self._read

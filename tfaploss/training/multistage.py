@@ -7,29 +7,16 @@ at once. The gradient of a batch loss ``L(E)`` with ``E = f_theta(X)`` factors a
 
     dL/dtheta = sum_chunks  (d e_chunk / d theta)^T  G[chunk],   G = dL/dE  (B x d),
 
-so it is computed exactly in three stages:
+so it is computed exactly in three stages: (1) embed the batch chunk by chunk, keeping
+no activations; (2) take ``G = dL/dE`` of the loss on the B embeddings (B x d
+numbers); (3) re-embed each chunk and accumulate ``(d e_chunk / d theta)^T G[chunk]``;
+then one optimizer update per batch. Peak activation memory is that of one chunk; the
+price is a second forward pass (time ~ (2 fwd + 1 bwd) / (1 fwd + 1 bwd) ~ 4/3).
+Keras's ``gradient_accumulation_steps`` is not this: it averages per-chunk losses.
 
-1. embed the batch chunk by chunk, keeping no activations;
-2. evaluate the loss on the B embeddings under a tape and take ``G = dL/dE`` (cheap:
-   B x d numbers);
-3. re-embed each chunk under a tape and accumulate
-   ``tape.gradient(e_chunk, theta, output_gradients=G[chunk])``;
-
-then apply one optimizer update per batch. Peak activation memory is that of one chunk;
-the price is a second forward pass (time ~ (2 fwd + 1 bwd) / (1 fwd + 1 bwd) ~ 4/3).
-Keras's ``gradient_accumulation_steps`` is not this: it averages separate per-chunk
-losses, while AP must rank over the whole batch.
-
-Exact only if stage 3 sees what stage 1 saw: augment in the input pipeline, no
-dropout. Frozen BatchNorm (:func:`tfaploss.training.freeze_batch_norm`, the papers'
-setting for pretrained backbones) gives the single-pass step on the whole batch;
-BatchNorm on batch statistics normalises each chunk on its own in both stages, the
-exact gradient of that "ghost batch norm" network (Hoffer et al., NeurIPS 2017).
-
-Only "take G" and "pull G back through one chunk" need the backend's autodiff, one
-small module each: ``multistage_tf`` (``output_gradients``, ``tf.distribute``),
-``multistage_jax`` (``jax.vjp`` per chunk inside ``lax.scan``), ``multistage_torch``
-(``Tensor.backward(gradient)`` per chunk); the rest is here, in ``keras.ops``.
+Exact only if stage 3 sees what stage 1 saw (:mod:`tfaploss.training.checks`). Stages
+2 and 3 need the backend's autodiff: ``multistage_tf``, ``multistage_jax``,
+``multistage_torch``; the rest is here, in ``keras.ops``.
 """
 
 from __future__ import annotations
@@ -49,7 +36,6 @@ logger = logging.getLogger(__name__)
 
 
 def _backend_steps():
-    """The ``train_step`` mix-in of the backend Keras runs on."""
     backend = keras.backend.backend()
     if backend == "tensorflow":
         from tfaploss.training.multistage_tf import TensorFlowSteps as steps
@@ -70,55 +56,42 @@ def _backend_steps():
 class MultiStageModel(_backend_steps(), keras.Model):
     """Train an embedding model on very large batches with the exact batch gradient.
 
-    Wraps ``embedding_model`` (images -> embeddings); ``compile`` it with a batch-level
-    ranking loss and ``fit`` on (images, labels) batches as usual. With ``chunk_size``
-    set, ``train_step`` runs the three stages of the module docstring; either way the
-    update equals that of one plain step on the whole batch, and
-    ``optimizer.iterations`` counts batches, not chunks. ``call``, ``predict`` and
-    ``evaluate`` run the embedding model, which is the model to export.
+    Wraps ``embedding_model`` (images -> embeddings, the model to export); ``compile``
+    it with a batch-level ranking loss and ``fit`` on (images, labels) batches. With
+    ``chunk_size`` set, ``train_step`` runs the module's three stages; either way the
+    update equals one plain step on the whole batch (``optimizer.iterations`` counts
+    batches).
 
-    Under ``tf.distribute`` the loss ranks the GLOBAL batch: every replica gathers the
-    embeddings and labels, evaluates the loss on all of them and backpropagates the
-    rows it owns; the optimizer's all-reduce sums the parts. The compiled losses must
-    be ``RetrievalLoss``es, all reducing by a mean or all by a sum (the step undoes
-    Keras's 1/replicas scaling of a mean). Under ``torch.distributed`` (W > 1 ranks)
-    call ``fit`` on every rank with its own shard of each global batch
-    (``make_train_dataset(..., num_shards=W, shard_index=rank)``) and WITHOUT
-    DistributedDataParallel: the step gathers the ranks' stage-1 embeddings, ranks the
-    global batch on every rank and averages the gradients itself (see
-    ``multistage_torch``). Not across processes on JAX.
+    Under ``tf.distribute`` every replica gathers the embeddings and labels, ranks the
+    GLOBAL batch and backpropagates its own rows; the compiled losses must be
+    ``RetrievalLoss``es, all reducing by a mean or all by a sum. Under
+    ``torch.distributed`` call ``fit`` on every rank with its shard of each global
+    batch, WITHOUT DistributedDataParallel (``multistage_torch``). Mixed precision: the
+    optimizer scales the loss before ``G`` is taken and unscales the gradient.
 
-    Mixed precision: the losses compute in float32, the optimizer scales the loss
-    before ``G`` is taken, unscales the accumulated gradient and skips non-finite steps.
-
-    Cross-batch memory (``xbm_size > 0``): the last ``xbm_size`` embeddings and labels
-    are kept (detached) and the loss gains ``xbm_weight *
-    loss.query_database_loss(batch, memory)``; the memory is updated after the step
-    with the batch's stage-1 embeddings.
+    Cross-batch memory (``xbm_size > 0``): the last ``xbm_size`` stage-1 embeddings and
+    labels are kept (detached) and the loss gains ``xbm_weight *
+    loss.query_database_loss(batch, memory)``.
 
     Args:
         embedding_model: a Keras model mapping inputs to (B, d) embeddings.
-        chunk_size: images per forward/backward chunk (int >= 1), or ``None`` for a
-            single-pass step. Batches need not be a multiple of it. Under data
-            parallelism it counts images *per device* (under JAX's ``DataParallel``
-            a chunk takes ``chunk_size`` rows of every device's shard, and
-            batch-statistics BatchNorm normalises those ``chunk_size`` x D together).
+        chunk_size: images per forward/backward chunk (int >= 1; batches need not be a
+            multiple), or ``None`` for a single-pass step. Under data parallelism it
+            counts images *per device*.
         xbm_size, xbm_weight: cross-batch memory slots (0 = no memory), and the weight
             of the query-vs-memory loss.
         xbm_loss: loss for the memory term (default: the compiled loss).
         on_nondeterministic: ``"warn"``, ``"raise"`` or ``"ignore"`` when
             ``embedding_model`` is random in training mode and ``chunk_size`` is set.
-        check_stages: debug check; stage 3 also measures the largest absolute
-            difference between its embeddings and stage 1's, asserts it is <=
-            ``stage_atol`` (JAX and XLA only report it: a compiled step cannot
-            raise) and reports it as the metric ``stage_max_abs_diff``.
+        check_stages: debug check: the largest difference between stage-3 and stage-1
+            embeddings, asserted <= ``stage_atol`` (JAX and XLA only report it) and
+            logged as the metric ``stage_max_abs_diff``.
         stage_atol: tolerance of ``check_stages``.
 
-    Only weight regularisers are added to the loss; losses that layers create in
-    ``call`` (activity regularisers, ``add_loss``) are not supported, since no single
-    call sees the whole batch. Cost per step with chunk size c: 2 forward passes + 1
-    backward pass, one loss evaluation with its gradient; activation memory of one chunk
-    of c images plus O(B·d) for the embeddings and ``G``.
+    Only weight regularisers are added to the loss (no single call sees the whole
+    batch, so ``add_loss`` is not supported). Cost per step with chunk size c: 2
+    forward passes + 1 backward pass, one loss evaluation with its gradient; activation
+    memory of one chunk of c images plus O(B·d) for the embeddings and ``G``.
     """
 
     def __init__(self, embedding_model, chunk_size=None, xbm_size=0, xbm_weight=1.0,
@@ -186,17 +159,11 @@ class MultiStageModel(_backend_steps(), keras.Model):
                              "output_shape is known")
         return dim
 
-    # -- inference delegates to the embedding model -------------------------------
-
     def call(self, inputs, training=None):
         return self.embedding_model(inputs, training=training)
 
     def compute_output_shape(self, input_shape):
         return self.embedding_model.compute_output_shape(input_shape)
-
-    # -- training: the backend-neutral part ---------------------------------------
-    # The backend modules (multistage_tf/_jax/_torch) provide ``train_step`` and call
-    # these helpers; everything here is keras.ops.
 
     def _embed(self, x):
         return self.embedding_model(x, training=True)
@@ -222,8 +189,7 @@ class MultiStageModel(_backend_steps(), keras.Model):
                          f"{self.loss!r}")
 
     def _loss_variable_ids(self) -> set:
-        """``id``s of the trainable variables the compiled loss reads itself: those of
-        the class-proxies layers in the embedding model."""
+        """``id``s of the variables the compiled loss reads itself (class proxies)."""
         from tfaploss.losses.proxies import ClassProxies
 
         found, stack = set(), [self.embedding_model]
@@ -236,26 +202,19 @@ class MultiStageModel(_backend_steps(), keras.Model):
 
     @staticmethod
     def _divided_per_replica(loss_fn) -> bool:
-        """Whether Keras divides ``loss_fn``'s value by the number of replicas (its
-        mean reductions do, under ``tf.distribute``). Here every replica evaluates the
-        loss on the GLOBAL batch and backpropagates only its own rows, so
-        ``_objective`` multiplies that division back (a no-op off tf.distribute)."""
+        """Whether Keras divides ``loss_fn``'s value by the replicas (a mean, under
+        ``tf.distribute``), which ``_objective`` undoes: every replica ranks the GLOBAL
+        batch."""
         return (isinstance(loss_fn, RetrievalLoss)
                 and loss_fn.reduction in ("sum_over_batch_size", "mean",
                                           "mean_with_sample_weight"))
 
     def _objective(self, y, embeddings, sample_weight):
-        """Stage 2's function of the (global) embeddings: what G differentiates.
-
-        Returns ``(scaled, (total, memory_loss))``: ``scaled`` is the optimizer-scaled
-        loss to differentiate (with respect to the embeddings, and to the variables
-        through the weight regularisers); ``total`` the loss to report (regularisers
-        unscaled for distribution); ``memory_loss`` the unweighted cross-batch memory
-        term (0 without memory). Metric updates are left to the caller.
-        """
+        """Stage 2's function of the (global) embeddings: ``(scaled, (total,
+        memory_loss))``, the optimizer-scaled loss to differentiate, the loss to report
+        and the unweighted cross-batch memory term (0 without memory)."""
         memory_loss_fn = self._memory_loss_fn() if self.memory is not None else None
-        # The step holds the global batch already (gathered by the backend's step):
-        # the losses must rank it as it is, not gather it again.
+        # the step gathered the global batch already: the losses must not gather again
         with global_batch():
             loss = self._compile_loss(y, embeddings, sample_weight)
         if loss is None:
@@ -282,7 +241,6 @@ class MultiStageModel(_backend_steps(), keras.Model):
         return scaled, (total, memory_loss)
 
     def _update_trackers(self, total, memory_loss, diff, batch):
-        """The step's own metrics: loss, memory loss, stage-1/stage-3 gap."""
         self._loss_tracker.update_state(total, sample_weight=batch)
         if self.memory is not None:
             self.xbm_loss_tracker.update_state(memory_loss)
@@ -291,7 +249,6 @@ class MultiStageModel(_backend_steps(), keras.Model):
 
     @staticmethod
     def _max_abs_diff(a, b):
-        """Largest |a - b| (float32 scalar), the debug check of ``check_stages``."""
         gap = ops.abs(ops.cast(a, "float32") - ops.cast(b, "float32"))
         return ops.max(ops.concatenate([ops.reshape(gap, (-1,)), ops.zeros((1,), "float32")]))
 
@@ -302,21 +259,15 @@ class MultiStageModel(_backend_steps(), keras.Model):
                 "model is not deterministic in training mode (dropout? batch-statistics "
                 "BatchNorm? augmentation in the model?)")
 
-    # -- serialisation --------------------------------------------------------------
-
     def get_config(self):
         config = super().get_config()
         config.update(
             embedding_model=keras.saving.serialize_keras_object(self.embedding_model),
-            chunk_size=self.chunk_size,
-            xbm_size=self.xbm_size,
-            xbm_weight=self.xbm_weight,
+            chunk_size=self.chunk_size, xbm_size=self.xbm_size, xbm_weight=self.xbm_weight,
             xbm_loss=(None if self.xbm_loss is None
                       else keras.saving.serialize_keras_object(self.xbm_loss)),
-            on_nondeterministic=self.on_nondeterministic,
-            check_stages=self.check_stages,
-            stage_atol=self.stage_atol,
-        )
+            on_nondeterministic=self.on_nondeterministic, check_stages=self.check_stages,
+            stage_atol=self.stage_atol)
         return config
 
     @classmethod

@@ -1,20 +1,12 @@
 """MultiStageModel's step on the JAX backend: stateless calls and ``jax.vjp`` per chunk.
 
-Keras's JAX trainer hands ``train_step`` the model state as arrays and expects the new
-state back, so every stage is a pure function of ``(trainable, non_trainable)``: a
-loop over the chunks embeds the batch; ``jax.value_and_grad`` of
-``MultiStageModel._objective`` gives ``G``; a second loop re-embeds each chunk under
-``jax.vjp`` and accumulates ``vjp(G[chunk])``. On accelerators the loops are
-``lax.scan`` (the body compiled once); on CPU they are unrolled, because XLA:CPU runs
-convolutions inside a loop body ~25x slower (small CNN, B=64 in chunks of 16: 20 s per
-step with scan, 0.7 s unrolled); ``SCAN_CHUNKS`` overrides the choice.
-
-Under a ``keras.distribution`` that shards the batch over D devices, a chunk is
-``chunk_size`` rows of *each* device's shard, kept sharded: every device embeds
-``chunk_size`` rows at a time and all devices work on every chunk (chunks cut from the
-global batch in order would each live on one device while the others waited). The
-rows' order does not change the gradient, a sum over chunks. Non-trainable variables
-follow stage 1; a deterministic model does not change them.
+Every stage is a pure function of the model state (Keras's JAX trainer): a loop embeds
+the chunks, ``jax.value_and_grad`` of ``_objective`` gives ``G``, a second loop
+accumulates ``vjp(G[chunk])``. The loops are ``lax.scan`` on accelerators and unrolled
+on CPU, where XLA runs convolutions in a loop body ~25x slower (``SCAN_CHUNKS``
+overrides). Under a ``keras.distribution`` sharding the batch over D devices, a chunk
+is ``chunk_size`` rows of *each* device's shard, so that every device works on every
+chunk (the gradient, a sum over chunks, does not depend on the rows' order).
 """
 
 from __future__ import annotations
@@ -27,11 +19,8 @@ from keras import StatelessScope, tree
 
 def _scope_values(scope, variables, values):
     """The values ``variables`` hold at the end of ``scope`` (``values`` if untouched)."""
-    out = []
-    for variable, value in zip(variables, values):
-        new = scope.get_current_value(variable)
-        out.append(value if new is None else new)
-    return out
+    return [value if (new := scope.get_current_value(variable)) is None else new
+            for variable, value in zip(variables, values)]
 
 
 # None: lax.scan over chunks on accelerators, an unrolled loop on CPU; True/False force it.
@@ -53,9 +42,8 @@ def _scan(body, carry, xs, n):
 
 
 def batch_shards():
-    """``(D, layout)``: the devices the current ``keras.distribution`` shards the batch
-    over, and a function giving the layout of a ``(chunks, rows, ...)`` array that
-    shards ``rows`` over them; ``(1, None)`` without a distribution."""
+    """``(D, layout)``: the devices the ``keras.distribution`` shards the batch over and
+    the layout of a ``(chunks, rows, ...)`` array sharding ``rows``; else ``(1, None)``."""
     distribution = keras.distribution.distribution()
     name = getattr(distribution, "batch_dim_name", None)
     if distribution is None or name is None:
@@ -70,11 +58,8 @@ def batch_shards():
 
 
 def chunk_plan(batch, chunk_size):
-    """``(D, n_full, tail)``: batch shards, full chunks, and the tail's rows per shard.
-
-    ``chunk_size`` counts rows per device (module docstring); raises if the batch does
-    not split evenly over the devices.
-    """
+    """``(D, n_full, tail)``: batch shards, full chunks and the tail's rows per shard
+    (``chunk_size`` counts rows per device); raises if the batch does not split."""
     shards, _ = batch_shards()
     if batch % shards:
         raise ValueError(
@@ -87,10 +72,8 @@ def chunk_plan(batch, chunk_size):
 
 
 def _split(x, n_full, c):
-    """``(full, tail)``: ``full`` holds ``n_full`` chunks, shape ``(n_full, D * c, ...)``,
-    each made of ``c`` rows of every device's shard; ``tail`` the remaining rows of
-    every shard, ``(D * t, ...)``. With one shard: ``x[: n_full * c]`` as
-    ``(n_full, c, ...)`` and ``x[n_full * c:]``."""
+    """``(full, tail)``: ``n_full`` chunks ``(n_full, D * c, ...)`` of ``c`` rows of
+    every device's shard, and the remaining rows of every shard, ``(D * t, ...)``."""
     shards, layout = batch_shards()
     if shards == 1:
         full = tree.map_structure(
@@ -113,8 +96,7 @@ def _split(x, n_full, c):
 
 
 def _merge(full, tail, n_full, c):
-    """The inverse of :func:`_split` for one array: ``(n_full, D * c, ...)`` chunks and the
-    ``(D * t, ...)`` tail back to the batch's row order."""
+    """The inverse of :func:`_split` for one array: back to the batch's row order."""
     shards, _ = batch_shards()
     parts = []
     if full is not None:
@@ -142,9 +124,7 @@ class JaxSteps:
 
     def _jax_embed(self, trainable, non_trainable, x):
         """Embeddings of ``x`` in training mode, and the non-trainable values after it."""
-        embeddings, non_trainable = self.stateless_call(trainable, non_trainable, x,
-                                                        training=True)
-        return embeddings, non_trainable
+        return self.stateless_call(trainable, non_trainable, x, training=True)
 
     def _jax_stage1(self, trainable, non_trainable, x):
         """Stage 1 over chunks: ``(embeddings, non_trainable)``."""
@@ -196,7 +176,6 @@ class JaxSteps:
 
     def _jax_objective(self, embeddings, trainable, non_trainable, optimizer_variables,
                        metrics_variables, y, sample_weight):
-        """Stage 2's objective as a pure function (for ``jax.value_and_grad``)."""
         mapping = list(zip(self.trainable_variables, trainable))
         mapping += zip(self.non_trainable_variables, non_trainable)
         mapping += zip(self.optimizer.variables, optimizer_variables)

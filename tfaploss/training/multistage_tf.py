@@ -1,31 +1,24 @@
-"""MultiStageModel's step on the TensorFlow backend: ``tf.GradientTape`` per chunk.
-
-Stage 2 takes ``G = dL/dE`` with a tape on the embeddings; stage 3 re-embeds each chunk
-under a tape and pulls ``G[chunk]`` back with ``tape.gradient(..., output_gradients=)``.
-Under ``tf.distribute`` the replicas all-gather embeddings and labels so that the loss
-ranks the global batch (see ``MultiStageModel``).
-
-Graph mode: with a batch size known when the step is traced (the usual case: a
-``tf.data`` pipeline with ``drop_remainder=True``, or XLA) and at most ``UNROLL_CHUNKS``
-chunks, the chunks are unrolled into the graph; otherwise a ``tf.while_loop`` walks the
-full chunks one at a time (its body traced once, so tracing time does not grow with the
-batch) and the tail is a separate call (a ``tf.cond`` when the batch size is unknown).
+"""MultiStageModel's step on the TensorFlow backend: ``tf.GradientTape`` per chunk,
+``G[chunk]`` pulled back with ``output_gradients``; under ``tf.distribute`` the
+replicas all-gather embeddings and labels. With a static batch size and at most
+``UNROLL_CHUNKS`` chunks they are unrolled into the graph; otherwise a
+``tf.while_loop`` (traced once) walks the full chunks and the tail is a separate call.
 """
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 from keras import tree
 
 from tfaploss.ops import distribute
 
-# Beyond this many chunks the step uses a tf.while_loop rather than unrolled chunks.
 UNROLL_CHUNKS = 8
 
 
 def _rows(x, start, size):
-    """Rows ``start:start+size`` of every tensor in ``x``, with a static row count."""
-    # `start + range(size)` keeps the shape a compile-time constant under XLA.
+    """Rows ``start:start+size`` of every tensor in ``x``, with a static row count
+    (a compile-time constant under XLA)."""
     index = start + tf.range(size)
     return tree.map_structure(lambda t: tf.gather(t, index), x)
 
@@ -35,7 +28,6 @@ def _slice(x, start, stop):
 
 
 def _batch_size(x):
-    """Static batch size if known, else a scalar tensor."""
     first = tree.flatten(x)[0]
     static = first.shape[0]
     return static if static is not None else tf.shape(first)[0]
@@ -53,8 +45,6 @@ class TensorFlowSteps:
     """``train_step`` of ``MultiStageModel`` for ``KERAS_BACKEND=tensorflow``."""
 
     def _embedding_spec(self, x, rows):
-        import keras
-
         spec = tree.map_structure(
             lambda t: keras.KerasTensor((rows,) + tuple(t.shape[1:]), dtype=t.dtype.name), x)
         return self.embedding_model.compute_output_spec(spec)
@@ -143,7 +133,6 @@ class TensorFlowSteps:
         return tf.cond(batch > start, tail, lambda: (acc, diff))
 
     def _gather(self, embeddings, y, sample_weight):
-        """All-gather the replicas' rows; returns global tensors and this replica's offset."""
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         if replicas == 1:
             return embeddings, y, sample_weight, 0
@@ -170,8 +159,8 @@ class TensorFlowSteps:
             )
 
     def _loss_and_output_gradient(self, y, embeddings, sample_weight, variables):
-        """Stage 2: the loss on the (global) embeddings, G = d(scaled loss)/dE, and the
-        regularisers' direct gradient with respect to the variables."""
+        """Stage 2: the loss on the (global) embeddings, G, and the regularisers' direct
+        gradient with respect to the variables."""
         with tf.GradientTape() as tape:
             tape.watch(embeddings)
             scaled, (total, memory_loss) = self._objective(y, embeddings, sample_weight)
@@ -179,17 +168,13 @@ class TensorFlowSteps:
         direct = [_dense(g, v) for g, v in zip(grads[1:], variables)]
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         if replicas > 1:
-            # Every replica evaluates the whole global loss, so the variables the loss
-            # reads itself (class proxies) get its whole gradient on each replica; the
-            # optimizer sums the replicas' gradients, hence each replica's share.
-            # (The regularisers are already divided per replica by Keras.)
+            # Each replica evaluates the whole loss and the optimizer sums the replicas:
+            # the variables it reads itself (proxies) take each replica's share.
             read = self._loss_variable_ids()
             direct = [d / replicas if id(v) in read else d for d, v in zip(direct, variables)]
         return total, memory_loss, grads[0], direct
 
     def train_step(self, data):
-        import keras
-
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self._check_trainable()
         variables = self.trainable_variables
@@ -217,14 +202,11 @@ class TensorFlowSteps:
             grads = [_dense(g, v) for g, v in zip(grads, variables)]
         else:
             grads, diff = self._backprop_in_chunks(x, grad_embeddings, embeddings, variables)
-            # Every variable's update must wait for ALL the gradients, not only its own.
-            # The last chunk reads the head's kernel only to pull G back into the
-            # layers below it, so that read reaches the head's own update solely
-            # through the IdentityN of the optimizer's all-reduce. Grappler's
-            # dependency optimizer drops the read-before-write control edge as implied
-            # by that path, then removes the IdentityN: the update may run first and
-            # the lower layers get the gradient of the updated head (graph mode without
-            # XLA; ~1% of the step). Identities behind every gradient keep the order.
+            # Every update must wait for ALL the gradients: Grappler drops the control
+            # edge from the last chunk's read of the head's kernel to the head's update
+            # (implied through the all-reduce's IdentityN, which it then removes), so
+            # the lower layers could get the updated head's gradient (graph mode
+            # without XLA). Identities behind every gradient keep the order.
             barrier = list(grads)
             if self.check_stages:
                 barrier.append(tf.debugging.assert_less_equal(

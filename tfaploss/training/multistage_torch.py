@@ -1,20 +1,12 @@
-"""MultiStageModel's step on the PyTorch backend: ``backward(gradient=G[chunk])``.
+"""MultiStageModel's step on the PyTorch backend: stage 1 under ``torch.no_grad()``,
+stage 2's ``backward()`` on a detached copy of the embeddings leaves ``G`` in its
+``.grad``, stage 3 calls ``e_chunk.backward(G[chunk])`` (``.grad`` accumulates).
 
-1. Stage 1 embeds each chunk under ``torch.no_grad()`` (no activations kept).
-2. Stage 2 evaluates the loss on a detached copy of the embeddings that requires a
-   gradient; ``backward()`` leaves ``G`` in its ``.grad`` and adds the weight
-   regularisers' gradient to the variables' ``.grad``.
-3. Stage 3 re-embeds each chunk with autograd on and calls
-   ``e_chunk.backward(G[chunk])``; PyTorch accumulates into ``.grad`` across chunks.
-
-With ``chunk_size=None`` stage 1 keeps its graph and stage 3 is one ``backward``.
-
-Under ``torch.distributed`` (W > 1 ranks, each on its shard of every global batch),
-stage 2 gathers the ranks' stage-1 embeddings, labels and weights and evaluates the
-loss of the GLOBAL batch on every rank; stage 3 backpropagates ``W * G[own rows]`` and
-the gradients are averaged over the ranks (one all-reduce per step): ``sum_r J_r^T G_r
-= dL/dtheta``, the one-process gradient. The first step broadcasts rank 0's weights, as
-DistributedDataParallel does.
+Under ``torch.distributed`` (W ranks, each on its shard of every global batch) stage 2
+gathers the ranks' embeddings and ranks the GLOBAL batch on every rank; stage 3
+backpropagates ``W * G[own rows]`` and the gradients are averaged over the ranks:
+``sum_r J_r^T G_r = dL/dtheta``, the one-process gradient. The first step broadcasts
+rank 0's weights, as DistributedDataParallel does.
 """
 
 from __future__ import annotations
@@ -38,7 +30,6 @@ class TorchSteps:
     """``train_step`` of ``MultiStageModel`` for ``KERAS_BACKEND=torch``."""
 
     def _sync_ranks_once(self):
-        """Rank 0's weights on every rank, before the first distributed step."""
         if not getattr(self, "_ranks_synced", False):
             distribute_torch.broadcast_from_first_rank(self.embedding_model.weights)
             self._ranks_synced = True
@@ -72,8 +63,6 @@ class TorchSteps:
         scaled.backward()
         grad_embeddings = leaf.grad.to(embeddings.dtype)
         if ranks > 1:
-            # W times this rank's rows, and the parameter gradients averaged below: the
-            # one-process gradient (as DDP's average of a gathered loss's gradient).
             grad_embeddings = grad_embeddings[start:stop] * ranks
 
         diff = torch.zeros((), dtype=torch.float32, device=embeddings.device)
@@ -101,7 +90,6 @@ class TorchSteps:
             self._update_trackers(total.detach(), memory_loss.detach()
                                   if torch.is_tensor(memory_loss) else memory_loss,
                                   diff, batch)
-        # The metrics of the global batch, as the loss: every rank reports (and its
-        # callbacks decide on) the values of a one-process step.
+        # the global batch's metrics: every rank's callbacks decide alike
         return self.compute_metrics(x, global_y, global_embeddings,
                                     sample_weight=global_weight)

@@ -1,11 +1,8 @@
-"""The callback that turns a preemption signal into a step checkpoint and a clean stop.
-
-:class:`tfaploss.durable.preemption.SignalFlag` records SIGTERM or SIGINT; this callback
-reads it at the end of each batch (never in the handler itself), saves model and
-optimizer with :meth:`~tfaploss.durable.checkpoints.RunBackup.save_step` and raises
-:class:`~tfaploss.durable.preemption.Preempted`. A signal that arrives during the last
-batch of an epoch, or during the epoch's evaluation, is handled after the epoch
-checkpoint instead (it is the step checkpoint then).
+"""The callback that turns a preemption signal into a step checkpoint and a clean stop:
+it reads :class:`tfaploss.durable.preemption.SignalFlag` at the end of each batch, saves
+with :meth:`~tfaploss.durable.checkpoints.RunBackup.save_step` and raises
+:class:`~tfaploss.durable.preemption.Preempted`. A signal in an epoch's last batch or
+evaluation is handled after the epoch checkpoint, which serves as the step checkpoint.
 """
 
 from __future__ import annotations
@@ -25,14 +22,11 @@ LOG = logging.getLogger(__name__)
 
 
 class PreemptionCheckpoint(keras.callbacks.Callback):
-    """Save a step checkpoint and stop when ``flag`` holds a signal.
-
-    Put it after :class:`~tfaploss.training.callbacks.EpochCheckpoint`: at an epoch's
-    end it stops only once that epoch's checkpoint is written. ``flag``: a
-    :class:`~tfaploss.durable.preemption.SignalFlag`; ``backup``: the run's
-    :class:`~tfaploss.durable.checkpoints.RunBackup`; ``step_offset``: batches of the
-    first epoch done before this ``fit`` began (a resumed run trains the rest of that
-    epoch in its own ``fit``; the caller sets it back to 0 for the next).
+    """Save a step checkpoint into ``backup`` and stop when ``flag`` (a
+    :class:`~tfaploss.durable.preemption.SignalFlag`) holds a signal. Put it after
+    :class:`~tfaploss.training.callbacks.EpochCheckpoint`, so that an epoch's end stops
+    once its checkpoint is written. ``step_offset``: batches of the first epoch done
+    before this ``fit`` (the caller sets it back to 0 for the next).
     """
 
     def __init__(self, flag, backup, steps_per_epoch: int, step_offset: int = 0):
