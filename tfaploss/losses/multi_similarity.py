@@ -12,13 +12,11 @@ from tfaploss.ops.masks import masked_logsumexp
 
 
 def hard_pairs(scores, positives, negatives, epsilon):
-    """The multi-similarity miner's pairs: ``(positives, negatives)`` masks, (Q, N).
+    """The multi-similarity miner's pairs (pytorch-metric-learning's
+    ``MultiSimilarityMiner``): ``(positives, negatives)`` masks, (Q, N).
 
-    A positive p of query a is kept when ``s_ap - epsilon < max_n s_an`` (it is not
-    clearly closer than the hardest negative), a negative n when ``s_an + epsilon >
-    min_p s_ap``; a query without negatives keeps no positive and one without
-    positives no negative (pytorch-metric-learning's ``MultiSimilarityMiner``).
-    Masks only: no gradient flows through the choice. O(Q·N).
+    A positive p of query a is kept when ``s_ap - epsilon < max_n s_an``, a negative n
+    when ``s_an + epsilon > min_p s_ap``. O(Q·N).
     """
     inf = ops.full_like(scores, float("inf"))
     hardest_negative = ops.max(ops.where(negatives, scores, -inf), axis=-1, keepdims=True)
@@ -39,14 +37,10 @@ class MultiSimilarityLoss(RetrievalLoss):
         l_i = 1/alpha · log(1 + sum_{p in P_i} exp(-alpha · (s_ip - base)))
             + 1/beta  · log(1 + sum_{n in N_i} exp( beta  · (s_in - base)))
 
-    averaged over every query of the batch (pytorch-metric-learning's ``MeanReducer``):
-    a query whose class is alone in the batch still contributes its negative term. A
-    batch without any positive pair gives 0 (the library's rule, with a warning;
-    pytorch-metric-learning would average the negative terms).
-
+    averaged over every query (pytorch-metric-learning's ``MeanReducer``), lone ones
+    included with their negative term; a batch without a positive pair gives 0.
     ``epsilon`` (not None) first keeps only the pairs of the paper's miner
-    (:func:`hard_pairs`, pytorch-metric-learning's ``MultiSimilarityMiner``); the mean
-    is still over every query, a query left with no pair counting 0.
+    (:func:`hard_pairs`); a query left with no pair counts 0.
 
     Cost: O(B²·D) for the scores, O(B²) time and memory.
 

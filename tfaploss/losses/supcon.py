@@ -22,9 +22,7 @@ class SupConLoss(RetrievalLoss):
         l_i = -1/|P_i| · sum_{p in P_i} [ s_ip / t - log sum_{a in A_i} exp(s_ia / t) ]
 
     averaged over the queries with a positive (pytorch-metric-learning's
-    ``AvgNonZeroReducer``); a batch without a positive pair, or without a negative
-    pair (one class), gives 0 (pytorch-metric-learning's rule; the first with a
-    warning).
+    ``AvgNonZeroReducer``); a batch without a positive or a negative pair gives 0.
 
     Cost: O(B²·D) for the scores, O(B²) time and memory.
 
