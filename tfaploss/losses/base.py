@@ -105,23 +105,16 @@ class RetrievalLoss(keras.losses.Loss):
     #: config, and refused unless left at their default.
     unused_args: tuple[str, ...] = ()
 
-    def __init__(
-        self,
-        normalize: bool = True,
-        include_self: bool = False,
-        reduction="sum_over_batch_size",
-        name=None,
-        dtype=None,
-        drop_lone_queries: bool = False,
-    ):
+    def __init__(self, normalize: bool = True, include_self: bool = False,
+                 reduction="sum_over_batch_size", name=None, dtype=None,
+                 drop_lone_queries: bool = False):
         super().__init__(name=name, reduction=reduction, dtype=dtype)
         owner = type(self).__name__
         if self.dtype in NARROW_FLOATS:
-            raise ValueError(
-                f"{owner}: dtype={self.dtype!r} cannot represent label "
-                "ids exactly and loses ranking precision; use 'float32' (mixed "
-                "precision models still compute the loss in float32) or 'float64'."
-            )
+            raise ValueError(f"{owner}: dtype={self.dtype!r} cannot represent label "
+                             "ids exactly and loses ranking precision; use 'float32' (mixed "
+                             "precision models still compute the loss in float32) or "
+                             "'float64'.")
         for arg, value in (("include_self", include_self),
                            ("drop_lone_queries", drop_lone_queries)):
             if arg in self.unused_args and value:

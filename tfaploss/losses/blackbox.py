@@ -1,5 +1,4 @@
-"""``BlackBoxAPLoss``: AP with black-box differentiation of the ranking (Rolínek et al.,
-CVPR 2020)."""
+"""``BlackBoxAPLoss`` (Rolínek et al., CVPR 2020)."""
 
 from __future__ import annotations
 

@@ -42,29 +42,18 @@ def _message(share: float, steps: int) -> str:
 
 
 class LoneQueryTracker:
-    """The share of lone queries (no positive other than themselves) over recent steps.
+    """The share of lone queries (no positive other than themselves) over recent steps,
+    ``loss.lone_queries`` (usage: ``docs/losses.md``, "How many there are").
 
-    :meth:`update` takes the counts of lone and of all queries of one or more steps.
-    The recent steps are the latest updates covering at most :data:`WINDOW_STEPS`
+    :meth:`update` takes the counts of lone and of all queries of one or more steps;
+    the recent steps are the latest updates covering at most :data:`WINDOW_STEPS`
     steps (at least :data:`MIN_STEPS`). When their share exceeds
     :data:`LONE_SHARE_LIMIT`, a :class:`LoneQueriesWarning` is raised once per run (a
-    run restarts at :meth:`start_run`, which the monitor calls at each ``fit``),
-    whatever Python's "once per location" filter has seen before.
+    run restarts at :meth:`start_run`), whatever Python's warning filter has seen.
 
     Args:
-        warn: raise the warning (False for a loss that leaves lone queries out on
-            purpose, ``drop_lone_queries=True``); the counts are kept either way.
-
-    Example:
-
-    ```python
-    loss = tfaploss.losses.SmoothAPLoss()
-    model.compile(optimizer="adam", loss=loss,
-                  metrics=[tfaploss.training.LoneQueryShare()])
-    model.fit(x, y, batch_size=8,      # warns when most queries are lone
-              callbacks=[tfaploss.training.LoneQueryMonitor()])
-    loss.lone_queries.share            # their share over the last steps
-    ```
+        warn: raise the warning (False with ``drop_lone_queries=True``); the counts are
+            kept either way.
     """
 
     def __init__(self, warn: bool = True):

@@ -1,5 +1,4 @@
-"""Multi-similarity loss (Wang, Han, Huang, Dong, Scott, "Multi-Similarity Loss with
-General Pair Weighting for Deep Metric Learning", CVPR 2019), with its pair miner."""
+"""Multi-similarity loss (Wang et al., CVPR 2019), with its pair miner."""
 
 from __future__ import annotations
 
@@ -28,8 +27,9 @@ def hard_pairs(scores, positives, negatives, epsilon):
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class MultiSimilarityLoss(RetrievalLoss):
-    """Multi-similarity loss (Wang et al., CVPR 2019), as pytorch-metric-learning
-    computes it.
+    """Multi-similarity loss (Wang, Han, Huang, Dong, Scott, "Multi-Similarity Loss with
+    General Pair Weighting for Deep Metric Learning", CVPR 2019), as
+    pytorch-metric-learning computes it.
 
     With cosine scores ``s_ij``, positives ``P_i`` (same label, not i) and negatives
     ``N_i`` of query i::
@@ -44,17 +44,12 @@ class MultiSimilarityLoss(RetrievalLoss):
 
     Cost: O(B²·D) for the scores, O(B²) time and memory.
 
-    Example::
-
-        model.compile(optimizer="adam", loss=MultiSimilarityLoss(epsilon=0.1))
-
     Args:
         alpha: scale of the positive term (> 0; pytorch-metric-learning's default 2).
         beta: scale of the negative term (> 0; default 50).
         base: the similarity margin ``lambda`` (default 0.5).
-        epsilon: the miner's margin (>= 0), or None (default) for every pair. The
-            authors' SOP setting is ``alpha=2, beta=50, base=0.5, epsilon=0.1``
-            (pytorch-metric-learning's ``MultiSimilarityMiner`` default).
+        epsilon: the miner's margin (>= 0; the authors' SOP setting and the miner's
+            default: 0.1), or None (default) for every pair.
 {shared_args}
     """
 

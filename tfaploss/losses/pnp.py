@@ -1,5 +1,4 @@
-"""PNP loss (Li et al., "Rethinking the Optimization of Average Precision: Only
-Penalizing Negative Instances before Positive Ones is Enough", AAAI 2022)."""
+"""PNP loss (Li et al., AAAI 2022)."""
 
 from __future__ import annotations
 
@@ -13,7 +12,9 @@ from tfaploss.ops.smooth_rank import PNP_VARIANTS, pnp_per_query
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class PNPLoss(RetrievalLoss):
-    """PNP: penalise only the negatives ranked above each positive.
+    """PNP: penalise only the negatives ranked above each positive (Li et al.,
+    "Rethinking the Optimization of Average Precision: Only Penalizing Negative
+    Instances before Positive Ones is Enough", AAAI 2022).
 
     For query i and each positive k (the query's own term k = i included by default,
     as in the authors' code):

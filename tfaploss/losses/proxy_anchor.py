@@ -1,5 +1,4 @@
-"""Proxy-Anchor loss (Kim, Kim, Cho, Kwak, "Proxy Anchor Loss for Deep Metric
-Learning", CVPR 2020): the batch against one learnable proxy per class."""
+"""Proxy-Anchor loss (Kim et al., CVPR 2020): the batch against one proxy per class."""
 
 from __future__ import annotations
 
@@ -22,7 +21,8 @@ from tfaploss.ops.masks import masked_logsumexp, pairwise_scores
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class ProxyAnchorLoss(ProxiesOwner, RetrievalLoss):
-    """Proxy-Anchor loss (Kim et al., CVPR 2020), as pytorch-metric-learning computes it.
+    """Proxy-Anchor loss (Kim, Kim, Cho, Kwak, "Proxy Anchor Loss for Deep Metric
+    Learning", CVPR 2020), as pytorch-metric-learning computes it.
 
     With ``p_c`` one learnable proxy per class, ``s_ic = cos(e_i, p_c)``, margin
     ``delta`` and scale ``alpha``::
@@ -31,14 +31,11 @@ class ProxyAnchorLoss(ProxiesOwner, RetrievalLoss):
         neg_c = log(1 + sum_{i: y_i != c} w_i · exp( alpha · (s_ic + delta)))
         L = 1/|P+| · sum_c pos_c + 1/C · sum_c neg_c
 
-    with ``P+`` the proxies that have an item in the batch and ``C = num_classes``
-    (pytorch-metric-learning's two ``DivisorReducer`` s). ``w_i`` is the item's
-    ``sample_weight`` (1 without one; pytorch-metric-learning's loss is ``w = 1``).
-
-    **Terms are per proxy.** ``call`` returns ``t_c = pos_c · C / |P+| + neg_c``, shape
-    ``(num_classes,)``, so the default reduction is ``L`` (``"sum"``: ``C · L``).
-    ``sample_weight`` (one per item, >= 0) weights each item inside the sums as
-    ``w_i``: weight 0 removes the item; a scalar ``w`` adds ``log w`` to each exponent.
+    with ``P+`` the proxies that have an item in the batch, ``C = num_classes`` and
+    ``w_i`` the item's ``sample_weight`` (>= 0; 1 without one): weight 0 removes the
+    item, a scalar ``w`` adds ``log w`` to each exponent. **Terms are per proxy:**
+    ``call`` returns ``t_c = pos_c · C / |P+| + neg_c``, shape ``(num_classes,)``, so
+    the default reduction is ``L`` (``"sum"``: ``C · L``).
 
     **The proxies** are a :class:`~tfaploss.losses.ClassProxies` layer that the model
     must contain: ``model = loss.with_proxies(embedder)``. The paper trains them 100x

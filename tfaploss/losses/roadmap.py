@@ -29,9 +29,7 @@ def _broadcast_scalar(value, scores):
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class CalibrationLoss(_CalibrationArgs, RetrievalLoss):
-    """ROADMAP's calibration loss.
-
-    Over ordered pairs i != j of the batch:
+    """ROADMAP's calibration loss. Over ordered pairs i != j of the batch:
 
         l+ = [pos_margin - s_ij]_+ (same label),  l- = [s_ij - neg_margin]_+ (other)
         L  = mean of the non-zero l+  +  mean of the non-zero l-
@@ -39,11 +37,8 @@ class CalibrationLoss(_CalibrationArgs, RetrievalLoss):
     (the authors' code; each mean is 0 when nothing violates its margin).
     ``averaging="per_query"`` gives the paper's Eq. 7 instead: per query the mean of
     ``l+`` over its positives plus the mean of ``l-`` over its negatives, averaged
-    over queries with a positive. The two agree only when every pair violates its
-    margin; the code form weighs a few violating pairs much more.
-
-    A batch without any positive pair gives 0 (zero gradient, a warning once), as
-    every loss of the library does. Cost: O(B²) time and memory.
+    over queries with a positive (the code form weighs a few violating pairs much
+    more). Cost: O(B²) time and memory.
 
     Args:
         pos_margin: alpha, the score positives should reach (0.9).
@@ -74,13 +69,12 @@ class CalibrationLoss(_CalibrationArgs, RetrievalLoss):
 class ROADMAPLoss(UpperStepArgs, _CalibrationArgs, RetrievalLoss):
     """ROADMAP: ``L = (1 - lambda_) * SupAP + lambda_ * Calibration`` (paper, λ = 0.5).
 
-    SupAP is :class:`~tfaploss.losses.SupAPLoss` (query included as its own positive);
-    the calibration term is :class:`CalibrationLoss` over pairs i != j. The authors'
-    code sums both terms with weight 1, i.e. twice this loss at ``lambda_=0.5``
-    (same gradient direction, twice the step at a given learning rate).
+    SupAP is :class:`~tfaploss.losses.SupAPLoss`, the calibration term
+    :class:`CalibrationLoss` over pairs i != j. The authors' code sums both terms with
+    weight 1, i.e. twice this loss at ``lambda_=0.5``.
 
-    Cost: that of SupAP, O(B·m·B) time and O(chunk·B + B²) memory (m = largest class
-    in the batch), plus O(B²) for calibration.
+    Cost: that of SupAP, O(B·m·B) time and O(pairs_per_block·B + B²) memory (m =
+    largest class in the batch), plus O(B²) for calibration.
 
     Training from scratch (the authors start from ImageNet weights), the calibration
     term can collapse every embedding to one point: keep the learning rate at 1e-3

@@ -29,11 +29,7 @@ from tfaploss.losses._checks import positive_ints, positive_number
 from tfaploss.losses.base import RetrievalLoss
 from tfaploss.losses.smooth_ap import UpperStepArgs
 from tfaploss.ops.backend import dim
-from tfaploss.ops.smooth_rank import (
-    HeavisideStep,
-    positive_rank_terms,
-    sigmoid_tau,
-)
+from tfaploss.ops.smooth_rank import HeavisideStep, positive_rank_terms, sigmoid_tau
 
 # The authors' SOP configs (module docstring).
 _TAU, _RHO, _DELTA, _START, _OFFSET = 0.01, 100.0, 0.05, 0.5, 1.44

@@ -9,14 +9,7 @@ import keras
 from keras import ops
 
 from tfaploss._keras_compat import in_symbolic_scope  # private Keras API
-from tfaploss.losses._checks import (
-    check,
-    check_labels,
-    check_sizes,
-    concrete,
-    integer,
-    is_number,
-)
+from tfaploss.losses._checks import check, check_labels, check_sizes, concrete, integer, is_number
 from tfaploss.losses.base import RetrievalLoss
 from tfaploss.ops import distribute
 

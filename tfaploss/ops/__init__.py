@@ -12,12 +12,7 @@ from tfaploss.ops.histogram import (
     tie_aware_histogram_ap,
     two_bin_assignment,
 )
-from tfaploss.ops.masks import (
-    inverse_permutations,
-    label_masks,
-    pairwise_scores,
-    safe_normalize,
-)
+from tfaploss.ops.masks import inverse_permutations, label_masks, pairwise_scores, safe_normalize
 from tfaploss.ops.smooth_rank import (
     pnp_penalty,
     pnp_per_query,
