@@ -73,19 +73,11 @@ class RecallAtKLoss(RetrievalLoss):
             (paper, current code: 1.0) or one per k (2022-2024 code: equal to k).
         include_self: the query counts in its positives' ranks (authors' code, default);
             never as its own positive.
-        normalize: L2-normalise the embeddings first (the authors' network does).
         simix: add SiMix's mixed embeddings (above) to every call.
         simix_group: items per SiMix group (the sampler's images per class; >= 2).
         seed: int folded into the SiMix coefficients' hash (None: a random one, from
             Python's ``random``, which ``keras.utils.set_random_seed`` seeds).
 {shared_args}
-
-    Example:
-
-    ```python
-    loss = tfaploss.losses.RecallAtKLoss(k=(1, 2, 4, 8, 16), simix=True)
-    model.compile(optimizer="adam", loss=loss)  # batches of 4 images per class
-    ```
     """
 
     def __init__(self, k=(1, 2, 4, 8, 16), tau1=0.01, tau2=1.0, include_self=True,

@@ -58,17 +58,15 @@ class CrossBatchMemory(keras.layers.Layer):
             raise ValueError(
                 f"CrossBatchMemory: built for embedding_dim={self.embedding_dim}; "
                 f"received input_shape={tuple(input_shape)}")
-        # Replicas all write the same global batch; keep one copy of the write.
-        common = {"trainable": False, "aggregation": "only_first_replica"}
-        self.embeddings = self.add_weight(
-            name="embeddings", shape=(self.size, self.embedding_dim), initializer="zeros",
-            dtype="float32", **common)
-        self.labels = self.add_weight(
-            name="labels", shape=(self.size,), initializer="zeros", dtype="int64", **common)
-        self.pointer = self.add_weight(
-            name="pointer", shape=(), initializer="zeros", dtype="int32", **common)
-        self.filled = self.add_weight(
-            name="filled", shape=(), initializer="zeros", dtype="int32", **common)
+        def weight(name, shape, dtype):
+            # Replicas all write the same global batch; keep one copy of the write.
+            return self.add_weight(name=name, shape=shape, initializer="zeros", dtype=dtype,
+                                   trainable=False, aggregation="only_first_replica")
+
+        self.embeddings = weight("embeddings", (self.size, self.embedding_dim), "float32")
+        self.labels = weight("labels", (self.size,), "int64")
+        self.pointer = weight("pointer", (), "int32")
+        self.filled = weight("filled", (), "int32")
         self.built = True
 
     def call(self, inputs, training=None):

@@ -103,7 +103,7 @@ class SupAPUpperStep:
         self.key = ("supap_upper", self.temperature, self.rho, self.delta, self.start,
                     self.offset)
 
-    def _pieces(self, t):
+    def value_and_slope(self, t):
         sig, sig_slope = SigmoidStep(self.temperature).value_and_slope(t)
         value = ops.where(t <= 0, sig,
                           ops.where(t <= self.delta, self.start + sig,
@@ -112,10 +112,7 @@ class SupAPUpperStep:
         return value, slope
 
     def value(self, t):
-        return self._pieces(t)[0]
-
-    def value_and_slope(self, t):
-        return self._pieces(t)
+        return self.value_and_slope(t)[0]
 
 
 def _block_kernels(positive_step, negative_step):
