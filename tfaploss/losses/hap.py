@@ -11,9 +11,9 @@ from keras import ops
 from tfaploss.losses._checks import check, check_labels, dtype_name, finite_or_zero, number
 from tfaploss.losses.base import RetrievalLoss
 from tfaploss.losses.proxies import ClusterProxies, ProxiesOwner
+from tfaploss.losses.smooth_ap import UpperStepArgs
 from tfaploss.ops.hap import hap_per_query, hierarchy_levels, pop_relevance
 from tfaploss.ops.masks import safe_normalize, self_pair_mask
-from tfaploss.ops.smooth_rank import SupAPUpperStep
 
 
 def _check_level_labels(owner, y_true):
@@ -33,7 +33,7 @@ def _check_level_labels(owner, y_true):
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
-class HAPLoss(ProxiesOwner, RetrievalLoss):
+class HAPLoss(ProxiesOwner, UpperStepArgs, RetrievalLoss):
     """HAPPIER's H-AP surrogate (Ramzi, Audebert, Thome, Rambour, Bitot, "Hierarchical
     Average Precision Training for Pertinent Image Retrieval", ECCV 2022), optionally
     with its clustering term (the paper's full objective).
@@ -108,15 +108,8 @@ class HAPLoss(ProxiesOwner, RetrievalLoss):
                  **kwargs):
         super().__init__(include_self=include_self, name=name, **kwargs)
         owner = "HAPLoss"
-        try:
-            self._upper = SupAPUpperStep(tau, rho, delta, start, offset)
-        except ValueError as err:
-            message = str(err).replace("temperature must", "tau must")
-            raise ValueError(f"{owner}: {message}") from None
-        upper = self._upper
-        self.tau, self.rho, self.delta, self.start = (upper.temperature, upper.rho,
-                                                      upper.delta, upper.start)
-        self.offset = None if offset is None else upper.offset
+        self._upper = self._keep_upper_step(tau, rho, delta, start, offset, pairs_per_block,
+                                            temperature_name="tau")
         self.alpha = number(owner, "alpha", alpha, low=0, open_low=True)
         self.clustering_weight = number(owner, "clustering_weight", clustering_weight, low=0,
                                         high=1, open_high=True)
@@ -126,7 +119,6 @@ class HAPLoss(ProxiesOwner, RetrievalLoss):
         self.num_classes = num_classes
         self.cluster_temperature = number(owner, "cluster_temperature", cluster_temperature,
                                           low=0, open_low=True)
-        self.pairs_per_block = pairs_per_block
         self._levels = None
         self._init_proxies(num_classes, proxies_key)
 

@@ -63,14 +63,16 @@ class UpperStepArgs:
     """The step-rank upper bound's constants and ``pairs_per_block``, checked and kept
     (a mixin of SupAP, ROADMAP and the SupRank losses)."""
 
-    def _keep_upper_step(self, temperature, rho, delta, start, offset, pairs_per_block):
+    def _keep_upper_step(self, temperature, rho, delta, start, offset, pairs_per_block,
+                         temperature_name="temperature"):
         owner = type(self).__name__
         try:
             step = SupAPUpperStep(temperature, rho, delta, start, offset)
         except ValueError as err:
-            raise ValueError(f"{owner}: {err}") from None
-        self.temperature, self.rho, self.delta, self.start = (step.temperature, step.rho,
-                                                              step.delta, step.start)
+            message = str(err).replace("temperature must", f"{temperature_name} must")
+            raise ValueError(f"{owner}: {message}") from None
+        setattr(self, temperature_name, step.temperature)
+        self.rho, self.delta, self.start = step.rho, step.delta, step.start
         self.offset = None if offset is None else step.offset
         self.pairs_per_block = integer(owner, "pairs_per_block", pairs_per_block,
                                        optional=True)
