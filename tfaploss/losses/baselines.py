@@ -83,7 +83,7 @@ class ContrastiveLoss(_DistanceLoss):
         l_ij = d_ij²                      if y_i = y_j
         l_ij = max(margin - d_ij, 0)²     otherwise
 
-    ``averaging`` says how the pairs are averaged:
+    averaged (``averaging``) as
 
     * ``"pairs"`` (default): the mean of ``l_ij`` over all pairs whose query i has a
       positive (TF Addons' mean). Positive pairs then weigh (m - 1) / (B - 1) of the
