@@ -75,9 +75,8 @@ class _DistanceLoss(RetrievalLoss):
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class ContrastiveLoss(_DistanceLoss):
-    """Contrastive loss (Hadsell, Chopra, LeCun, CVPR 2006), as TF Addons defines it.
-
-    Over the ordered pairs (i, j), j != i, of the batch with Euclidean distance
+    """Contrastive loss (Hadsell, Chopra, LeCun, "Dimensionality Reduction by Learning an
+    Invariant Mapping", CVPR 2006), as TF Addons defines it. Over the ordered pairs (i, j), j != i, of the batch with Euclidean distance
     ``d_ij`` between the (L2-normalised) embeddings::
 
         l_ij = d_ij²                      if y_i = y_j
@@ -125,9 +124,8 @@ class ContrastiveLoss(_DistanceLoss):
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class TripletLoss(_DistanceLoss):
-    """Triplet margin loss (Schroff, Kalenichenko, Philbin, CVPR 2015) with batch mining.
-
-    With Euclidean distances ``d`` between the (L2-normalised) embeddings and
+    """Triplet margin loss (Schroff, Kalenichenko, Philbin, "FaceNet", CVPR 2015) with
+    batch mining. With Euclidean distances ``d`` between the (L2-normalised) embeddings and
     ``l(a, p, n) = max(d_ap - d_an + margin, 0)``:
 
     * ``mining="semihard"`` (TF Addons ``triplet_semihard_loss``): for every positive

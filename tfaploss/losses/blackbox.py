@@ -15,7 +15,6 @@ class BlackBoxAPLoss(RetrievalLoss):
     """Exact AP in the forward pass, black-box ranking gradient in the backward pass
     (Rolínek, Musil, Paulus, Vlastelica, Michaelis, Martius, "Optimizing Rank-based
     Metrics with Blackbox Differentiation", CVPR 2020; as in the ROADMAP repository).
-
     Per query (self included by default, as the ROADMAP code)::
 
         AP_i = sum_{k in P_i} rank+_ik / rank_ik / (|P_i| + 1e-5),  L = 1 - mean_i AP_i

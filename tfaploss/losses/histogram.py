@@ -64,9 +64,8 @@ class APLoss(RetrievalLoss):
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class TieAwareAPLoss(APLoss):
-    """Tie-aware histogram AP loss, "mAP_T" (Revaud et al., ICCV 2019, §3.2).
-
-    As :class:`APLoss`, but the precision inside a bin accounts for the ties the
+    """Tie-aware histogram AP loss, "mAP_T" (Revaud et al., ICCV 2019, §3.2). As
+    :class:`APLoss`, but the precision inside a bin accounts for the ties the
     quantisation creates. ``simplified=True`` is the paper's Eq. 13::
 
         AP_i = sum_m c+_m (1 + C+_{m-1} + C+_m) / (1 + C_{m-1} + C_m) / |P_i|

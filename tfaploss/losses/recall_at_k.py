@@ -31,9 +31,8 @@ from tfaploss.ops.recall_rank import (
 @keras.saving.register_keras_serializable(package="tfaploss")
 class RecallAtKLoss(RetrievalLoss):
     """Recall@k surrogate RS@k (Patel, Tolias, Matas, "Recall@k Surrogate Loss with
-    Large Batches and Similarity Mixup", CVPR 2022), optionally with SiMix.
-
-    For query i, each positive p (the query itself is never its own positive) and
+    Large Batches and Similarity Mixup", CVPR 2022), optionally with SiMix. For query i,
+    each positive p (the query itself is never its own positive) and
     ``s`` the cosine scores:
 
         rank(i,p) = 1 + sum_{j in C_i, j != p} sig(s_ij - s_ip ; tau1)

@@ -57,9 +57,7 @@ class _SupRankLoss(UpperStepArgs, RetrievalLoss):
 class SupRecallLoss(_SupRankLoss):
     """SupRank's surrogate of Recall@k, "SupRecall" (Ramzi, Audebert, Rambour, Araujo,
     Bitot, Thome, "Optimization of Rank Losses for Image Retrieval", IEEE TPAMI 2025,
-    arXiv:2309.08250; code github.com/elias-ramzi/SupRank, commit d3d0e3cb).
-
-    For query i with positives P_i (the query itself included by default) and the
+    arXiv:2309.08250). For query i with positives P_i (the query itself included by default) and the
     SupRank rank of each positive (module docstring),
 
         R@k_i = sum_{p in P_i} sigmoid(clip((k - rank(i,p)) / recall_temperature,
@@ -110,9 +108,7 @@ class SupRecallLoss(_SupRankLoss):
 class SupNDCGLoss(_SupRankLoss):
     """SupRank's surrogate of NDCG, "SupNDCG" (Ramzi, Audebert, Rambour, Araujo, Bitot,
     Thome, "Optimization of Rank Losses for Image Retrieval", IEEE TPAMI 2025,
-    arXiv:2309.08250; code github.com/elias-ramzi/SupRank, commit d3d0e3cb).
-
-    For query i with relevances rel_ij (1 for the positives, the query itself included
+    arXiv:2309.08250). For query i with relevances rel_ij (1 for the positives, the query itself included
     by default, 0 otherwise) and the SupRank rank of every relevant item (module
     docstring),
 

@@ -160,11 +160,9 @@ class CrossBatchMemory(keras.layers.Layer):
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class XBMLoss(keras.losses.Loss):
-    """A ranking loss plus its loss against a cross-batch memory of past batches.
-
-    Wang et al., "Cross-Batch Memory for Embedding Learning", CVPR 2020. With ``L``
-    the wrapped ``loss``, a batch of queries ``(y, e)`` and the memory ``M`` of the
-    last ``size`` training embeddings (with their labels) from earlier steps::
+    """A ranking loss plus its loss against a cross-batch memory of past batches (Wang et
+    al., "Cross-Batch Memory for Embedding Learning", CVPR 2020). With ``L`` the wrapped
+    ``loss`` and ``M`` the last ``size`` training embeddings and labels::
 
         XBMLoss(y, e) = L(y, e) + weight * L.query_database_loss(y, e, M_y, stop_gradient(M_e))
 
@@ -197,10 +195,8 @@ class XBMLoss(keras.losses.Loss):
             ``embedding_dim`` then default to its own).
         name: name of the loss.
 
-    Cost of a call: the wrapped loss on the (B, B) batch scores plus on a (B, size)
-    score matrix, and a scatter of B rows into the memory; the memory holds
-    ``size * (4 * embedding_dim + 8)`` bytes. Under ``tf.distribute`` add an
-    all-gather of the (B, D) embeddings per replica.
+    Cost of a call: the wrapped loss on the (B, B) and on a (B, size) score matrix, and
+    a scatter of B rows; the memory holds ``size * (4 * embedding_dim + 8)`` bytes.
     """
 
     def __init__(self, loss, size=None, embedding_dim=None, weight=1.0, memory=None,
