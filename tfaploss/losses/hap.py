@@ -123,8 +123,6 @@ class HAPLoss(ProxiesOwner, UpperStepArgs, RetrievalLoss):
     # Its (B, L) labels are not gathered: MultiStageModel gathers (docs/losses.md).
     gathers_global_batch = False
 
-    # -- Keras entry points -------------------------------------------------------------
-
     def _query_labels(self, y_true):
         return _check_level_labels(type(self).__name__, y_true)
 
@@ -163,8 +161,6 @@ class HAPLoss(ProxiesOwner, UpperStepArgs, RetrievalLoss):
             cluster = self.cluster_loss(embeddings, fine)
             values = (1.0 - self.clustering_weight) * values + self.clustering_weight * cluster
         return values, ops.cast(counts > 0, values.dtype)
-
-    # -- the clustering term --------------------------------------------------------------
 
     def cluster_loss(self, embeddings, labels):
         """The authors' ``ClusterLoss`` (class docstring): one batch-level value."""

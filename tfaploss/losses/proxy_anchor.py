@@ -71,8 +71,6 @@ class ProxyAnchorLoss(ProxiesOwner, RetrievalLoss):
         # Every item has its class's proxy as a positive: no query is lone.
         self.lone_queries = None
 
-    # -- Keras entry points -----------------------------------------------------------
-
     def _global_batch_call(self, y_true, y_pred, sample_weight, replicas):
         # Stays: per-proxy terms have no rows of one replica, so "none" has no share.
         if self.reduction in (None, "none"):
@@ -94,8 +92,6 @@ class ProxyAnchorLoss(ProxiesOwner, RetrievalLoss):
         raise ValueError(f"{type(self).__name__} scores items against its proxies and has "
                          "no query-vs-database form (cross-batch memory): train it "
                          "without xbm.")
-
-    # -- the loss -------------------------------------------------------------------------
 
     def proxy_terms(self, labels, embeddings, sample_weight=None):
         """The (C,) per-proxy terms ``t_c`` of the class docstring."""

@@ -102,8 +102,6 @@ class RecallAtKLoss(RetrievalLoss):
         self._k_limit = None
         self._simix_seed = self.seed if self.seed is not None else random.getrandbits(32)
 
-    # -- the loss ---------------------------------------------------------------------
-
     def per_query(self, scores, positives, candidates, self_pairs=None):
         positives = self.without_self_pairs(positives, self_pairs)
         recall, counts = recall_at_k_per_query(scores, positives, candidates, self.k,
