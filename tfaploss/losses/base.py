@@ -256,8 +256,8 @@ class RetrievalLoss(keras.losses.Loss):
 
         Every database item is ranked unless ``candidates`` (bool (Q, N)) says
         otherwise; none is the query itself. Reduced as ``__call__`` reduces
-        (``sample_weight``: (Q,)). The gradient flows into both inputs.
-        Cost: that of the loss on a (Q, N) score matrix.
+        (``sample_weight``: (Q,)). The gradient flows into both inputs (stop it on the
+        database side for a detached memory bank). Cost: that of the loss on (Q, N).
         """
         query_labels, query_embeddings = self._rows(
             check_labels(query_labels), query_embeddings, ("query_labels", "query_embeddings"))

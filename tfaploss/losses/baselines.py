@@ -76,8 +76,9 @@ class _DistanceLoss(RetrievalLoss):
 @keras.saving.register_keras_serializable(package="tfaploss")
 class ContrastiveLoss(_DistanceLoss):
     """Contrastive loss (Hadsell, Chopra, LeCun, "Dimensionality Reduction by Learning an
-    Invariant Mapping", CVPR 2006), as TF Addons defines it. Over the ordered pairs (i, j), j != i, of the batch with Euclidean distance
-    ``d_ij`` between the (L2-normalised) embeddings::
+    Invariant Mapping", CVPR 2006), as TF Addons defines it. Over the ordered pairs
+    (i, j), j != i, of the batch with Euclidean distance ``d_ij`` between the
+    (L2-normalised) embeddings::
 
         l_ij = d_ij²                      if y_i = y_j
         l_ij = max(margin - d_ij, 0)²     otherwise

@@ -13,11 +13,11 @@ from tfaploss.ops.histogram import check_num_bins
 @keras.saving.register_keras_serializable(package="tfaploss")
 class FastAPLoss(RetrievalLoss):
     """FastAP loss (Cakir, He, Xia, Kulis, Sclaroff, "Deep Metric Learning to Rank",
-    CVPR 2019, Eq. 14). Squared distances ``d = 2 - 2 s`` of the L2-normalised embeddings are binned on
-    [0, 4] by ``num_bins + 1`` triangular kernels; per query
-    ``FastAP_i = sum_l h+_l H+_l / H_l / |P_i|`` (cumulative counts from distance 0
-    up) and ``L = 1 - mean_i FastAP_i`` over the queries with a positive (the query
-    itself excluded, as in the originals).
+    CVPR 2019, Eq. 14). Squared distances ``d = 2 - 2 s`` of the L2-normalised
+    embeddings are binned on [0, 4] by ``num_bins + 1`` triangular kernels; per query
+    ``FastAP_i = sum_l h+_l H+_l / H_l / |P_i|`` (cumulative counts from distance 0 up)
+    and ``L = 1 - mean_i FastAP_i`` over the queries with a positive (the query itself
+    excluded, as in the originals).
 
     Matches Kun He's original and pytorch-metric-learning's ``FastAPLoss`` in value
     and true gradient (the original's backward returns ``N_valid / 2`` times it).

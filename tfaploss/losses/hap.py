@@ -36,10 +36,11 @@ def _check_level_labels(owner, y_true):
 class HAPLoss(ProxiesOwner, UpperStepArgs, RetrievalLoss):
     """HAPPIER's H-AP surrogate (Ramzi, Audebert, Thome, Rambour, Bitot, "Hierarchical
     Average Precision Training for Pertinent Image Retrieval", ECCV 2022), optionally
-    with its clustering term (the paper's full objective). Labels: ``y_true`` of shape (B, L), integer ids, **column 0 the finest level**
-    (SOP: ``[class, super_class]``), the authors' order. ``level(i, j)`` counts the
-    columns i and j share (0..L). Labels (B,) or (B, 1) are one level: the loss is then
-    :class:`~tfaploss.losses.SupAPLoss` with the same constants.
+    with its clustering term (the paper's full objective). Labels: ``y_true`` of shape
+    (B, L), integer ids, **column 0 the finest level** (SOP: ``[class, super_class]``),
+    the authors' order. ``level(i, j)`` counts the columns i and j share (0..L). Labels
+    (B,) or (B, 1) are one level: the loss is then :class:`~tfaploss.losses.SupAPLoss`
+    with the same constants.
 
     Relevance (the authors' default ``pop``): ``rel(i, j) = w[l] / n_i(l)`` with
     ``l = level(i, j)``, ``w[l] = (l / (L - 1)) ** alpha`` and ``n_i(l)`` the items at

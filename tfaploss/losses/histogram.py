@@ -14,8 +14,9 @@ from tfaploss.ops.histogram import check_bins, histogram_ap, tie_aware_histogram
 class APLoss(RetrievalLoss):
     """Histogram-binned AP loss, "mAP_Q" (Revaud, Almazán, Rezende, de Souza, "Learning
     with Average Precision: Training Image Retrieval with a Listwise Loss", ICCV 2019,
-    Eq. 5-12). Each query's cosine scores are quantised into ``num_bins`` triangular bins over ``score_range``
-    (centres from the top down, ``delta = (hi - lo) / (M - 1)``)::
+    Eq. 5-12). Each query's cosine scores are quantised into ``num_bins`` triangular
+    bins over ``score_range`` (centres from the top down,
+    ``delta = (hi - lo) / (M - 1)``)::
 
         c_m  = sum_j delta(s_ij, m),   c+_m = sum_{j in P_i} delta(s_ij, m)
         AP_i = sum_m (C+_m / C_m) * c+_m / |P_i|     (C = cumulative sums from the top)

@@ -29,8 +29,8 @@ def hard_pairs(scores, positives, negatives, epsilon):
 class MultiSimilarityLoss(RetrievalLoss):
     """Multi-similarity loss (Wang, Han, Huang, Dong, Scott, "Multi-Similarity Loss with
     General Pair Weighting for Deep Metric Learning", CVPR 2019), as
-    pytorch-metric-learning computes it. With cosine scores ``s_ij``, positives ``P_i`` (same label, not i) and negatives
-    ``N_i`` of query i::
+    pytorch-metric-learning computes it. With cosine scores ``s_ij``, positives ``P_i``
+    (same label, not i) and negatives ``N_i`` of query i::
 
         l_i = 1/alpha · log(1 + sum_{p in P_i} exp(-alpha · (s_ip - base)))
             + 1/beta  · log(1 + sum_{n in N_i} exp( beta  · (s_in - base)))

@@ -14,8 +14,8 @@ from tfaploss.ops.smooth_rank import PNP_VARIANTS, pnp_per_query
 class PNPLoss(RetrievalLoss):
     """PNP: penalise only the negatives ranked above each positive (Li et al.,
     "Rethinking the Optimization of Average Precision: Only Penalizing Negative
-    Instances before Positive Ones is Enough", AAAI 2022). For query i and each positive k (the query's own term k = i included by default,
-    as in the authors' code):
+    Instances before Positive Ones is Enough", AAAI 2022). For query i and each positive
+    k (the query's own term k = i included by default, as in the authors' code):
 
         R_ik = sum_{j in N_i} sigmoid(clip((s_ij - s_ik) / temperature, -50, 50))
         L = mean_{i with another positive} mean_{k in P_i} f(R_ik)

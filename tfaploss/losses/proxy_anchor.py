@@ -22,8 +22,9 @@ from tfaploss.ops.masks import masked_logsumexp, pairwise_scores
 @keras.saving.register_keras_serializable(package="tfaploss")
 class ProxyAnchorLoss(ProxiesOwner, RetrievalLoss):
     """Proxy-Anchor loss (Kim, Kim, Cho, Kwak, "Proxy Anchor Loss for Deep Metric
-    Learning", CVPR 2020), as pytorch-metric-learning computes it. With ``p_c`` one learnable proxy per class, ``s_ic = cos(e_i, p_c)``, margin
-    ``delta`` and scale ``alpha``::
+    Learning", CVPR 2020), as pytorch-metric-learning computes it. With ``p_c`` one
+    learnable proxy per class, ``s_ic = cos(e_i, p_c)``, margin ``delta`` and scale
+    ``alpha``::
 
         pos_c = log(1 + sum_{i: y_i = c}  w_i · exp(-alpha · (s_ic - delta)))
         neg_c = log(1 + sum_{i: y_i != c} w_i · exp( alpha · (s_ic + delta)))

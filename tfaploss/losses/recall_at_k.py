@@ -63,7 +63,8 @@ class RecallAtKLoss(RetrievalLoss):
 
     Cost: O(B·m·B) time (m = largest class; the K values of k add O(K·B²)) and
     O(pairs_per_block·B + B²) memory, ~0.1 KB per pair (i, j) at its peak; never a
-    B×B×B tensor. SiMix multiplies B by 1 + (g-1)/2 (2.5 for g = 4), memory by ~6.
+    B×B×B tensor. SiMix multiplies B by 1 + (g-1)/2 (2.5 for g = 4), memory by ~6
+    (measurements: ``docs/losses.md``).
 
     Args:
         k: the k values, positive ints (paper: (1, 2, 4, 8, 16)).

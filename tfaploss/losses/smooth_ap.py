@@ -26,7 +26,8 @@ class _SmoothRankAPLoss(RetrievalLoss):
 @keras.saving.register_keras_serializable(package="tfaploss")
 class SmoothAPLoss(_SmoothRankAPLoss):
     """Smooth-AP (Brown et al., "Smooth-AP: Smoothing the Path Towards Large-Scale
-    Image Retrieval", ECCV 2020). For query i and each positive k (the query itself included by default):
+    Image Retrieval", ECCV 2020). For query i and each positive k (the query itself
+    included by default):
 
         rank(i,k)  = 1 + sum_{j != k}         sig(s_ij - s_ik)
         rank+(i,k) = 1 + sum_{j in P_i, j!=k} sig(s_ij - s_ik)
@@ -80,8 +81,9 @@ class UpperStepArgs:
 @keras.saving.register_keras_serializable(package="tfaploss")
 class SupAPLoss(UpperStepArgs, _SmoothRankAPLoss):
     """ROADMAP's smooth-rank upper bound "SupAP" (Ramzi et al., "Robust and Decomposable
-    Average Precision for Image Retrieval", NeurIPS 2021). As :class:`SmoothAPLoss`, but positives ``j`` enter both ranks through the true
-    step ``H(t) = [t >= 0]`` (no gradient) and negatives through the upper bound
+    Average Precision for Image Retrieval", NeurIPS 2021). As :class:`SmoothAPLoss`, but
+    positives ``j`` enter both ranks through the true step ``H(t) = [t >= 0]`` (no
+    gradient) and negatives through the upper bound
 
         H-(t) = sig(t)                      t <= 0
                 start + sig(t)              0 < t <= delta

@@ -14,8 +14,8 @@ from tfaploss.ops.masks import masked_logsumexp, masked_mean
 class SupConLoss(RetrievalLoss):
     """Supervised contrastive loss, L_out (Khosla, Teterwak, Wang, Sarna, Tian, Isola,
     Maschinot, Liu, Krishnan, "Supervised Contrastive Learning", NeurIPS 2020), as
-    pytorch-metric-learning computes it. With cosine scores ``s_ij``, temperature ``t``, positives ``P_i`` (same label, not
-    i) and ``A_i`` every other item of the batch::
+    pytorch-metric-learning computes it. With cosine scores ``s_ij``, temperature ``t``,
+    positives ``P_i`` (same label, not i) and ``A_i`` every other item of the batch::
 
         l_i = -1/|P_i| · sum_{p in P_i} [ s_ip / t - log sum_{a in A_i} exp(s_ia / t) ]
 

@@ -108,9 +108,9 @@ class SupRecallLoss(_SupRankLoss):
 class SupNDCGLoss(_SupRankLoss):
     """SupRank's surrogate of NDCG, "SupNDCG" (Ramzi, Audebert, Rambour, Araujo, Bitot,
     Thome, "Optimization of Rank Losses for Image Retrieval", IEEE TPAMI 2025,
-    arXiv:2309.08250). For query i with relevances rel_ij (1 for the positives, the query itself included
-    by default, 0 otherwise) and the SupRank rank of every relevant item (module
-    docstring),
+    arXiv:2309.08250). For query i with relevances rel_ij (1 for the positives, the
+    query itself included by default, 0 otherwise) and the SupRank rank of every
+    relevant item (module docstring),
 
         DCG_i  = sum_{j: rel_ij > 0} (2^rel_ij - 1) / log2(1 + rank(i,j))
         IDCG_i = sum_{j: rel_ij > 0} (2^rel_ij - 1) / log2(1 + ideal rank of j)
