@@ -37,9 +37,8 @@ class SmoothAPLoss(_SmoothRankAPLoss):
     scores. Unlike the original, classes need not be contiguous equal-size blocks.
 
     Cost: O(B·m·B) time (m = largest class in the batch) and O(pairs_per_block·B + B²)
-    memory (~16 MiB per float32 temporary by default); never a B×B×B tensor. Measured
-    (B=4096, D=512, 64 per class, float32, 2 shared CPU cores): ~6-9 s with
-    ``jit_compile=True``, ~15-18 s without; peak RSS under 2 GB.
+    memory (~16 MiB per float32 temporary by default); never a B×B×B tensor
+    (measurements: ``docs/losses.md``).
 
     Args:
         temperature: sigmoid temperature (paper: 0.01).

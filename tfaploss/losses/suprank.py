@@ -72,9 +72,7 @@ class SupRecallLoss(_SupRankLoss):
     (B, -1)), classes may have any size, singletons included.
 
     Cost: O(B·m·B) time (m = largest class in the batch) and O(pairs_per_block·B + B²)
-    memory, forward and backward. Measured (B=4096, D=512, 64 per class, float32,
-    TensorFlow, 2 busy CPU cores): ~9 s under ``tf.function``, ~6-7 s with
-    ``jit_compile=True``; peak RSS ~2.4 GB (SupAPLoss: ~8-9 s, 1.9 GB).
+    memory, forward and backward (measurements: ``docs/losses.md``).
 
     Args:
         at_k: the ks of Recall@k, positive ints (a list or tuple).
@@ -124,9 +122,8 @@ class SupNDCGLoss(_SupRankLoss):
     docstring). The original computes IDCG in float32; here it is in the loss's dtype.
 
     Cost: O(B·m·B) time (m = largest class; times the relevance levels) and
-    O(pairs_per_block·B + B²) memory, forward and backward. Measured (B=4096, D=512,
-    64 per class, float32, TensorFlow, 2 busy CPU cores): ~11-15 s under
-    ``tf.function``, ~7-8 s with ``jit_compile=True``; peak RSS ~2.0 GB.
+    O(pairs_per_block·B + B²) memory, forward and backward (measurements:
+    ``docs/losses.md``).
 
     Args:
 {shared_args}
