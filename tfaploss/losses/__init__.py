@@ -1,9 +1,5 @@
-"""AP-surrogate losses as ``keras.losses.Loss`` subclasses.
-
-Use integer class labels as ``y_true`` and embeddings as ``y_pred``::
-
-    model.compile(optimizer="adam", loss=tfaploss.losses.APLoss())
-"""
+"""AP-surrogate losses as ``keras.losses.Loss`` subclasses: integer class labels as
+``y_true``, embeddings as ``y_pred``."""
 
 from tfaploss.losses.base import RetrievalLoss
 from tfaploss.losses.baselines import ContrastiveLoss, TripletLoss

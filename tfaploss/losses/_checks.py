@@ -1,9 +1,5 @@
-"""The checks the ranking losses make of their arguments and inputs, in one place.
-
-Constructor arguments are refused with a ValueError that names the loss, the argument
-and the value (:func:`check`); call inputs (labels, their count, non-finite
-embeddings) are checked by the functions below, which every loss of the package calls.
-"""
+"""The checks the ranking losses make of their arguments (a ValueError naming the loss,
+the argument and the value) and of their call inputs."""
 
 from __future__ import annotations
 
@@ -145,11 +141,8 @@ def check_labels(y_true):
 
 
 def check_sizes(owner, labels, embeddings, labels_name="y_true", embeddings_name="y_pred"):
-    """``labels``, checked to hold one label per row of ``embeddings``.
-
-    Statically where both sizes are known; otherwise (a TensorFlow graph with an
-    unknown batch size) with a run-time assertion carrying the same message.
-    """
+    """``labels``, checked to hold one label per row of ``embeddings`` (at run time in
+    a TensorFlow graph of unknown batch size)."""
     n_labels, n_rows = labels.shape[0], embeddings.shape[0]
     message = (f"{owner}: {labels_name} holds {{}} labels but {embeddings_name} holds {{}} "
                "embeddings; pass exactly one label per embedding.")
@@ -166,13 +159,9 @@ def check_sizes(owner, labels, embeddings, labels_name="y_true", embeddings_name
 
 
 def finite_or_zero(*embeddings):
-    """``(all finite, embeddings)``, every embedding zeroed when any value is not finite.
-
-    Non-finite embeddings must give a non-finite loss, never a finite loss with a NaN
-    gradient, and must not reach the binning or sorting ops (a NaN bin index crashes
-    a bincount). The loss is computed on zeros instead and replaced by NaN at the end
-    (:func:`nan_unless`); its gradient is then 0. Cost: one pass over the inputs.
-    """
+    """``(all finite, embeddings)``, every embedding zeroed when any value is not finite:
+    the loss is computed on zeros (a NaN bin index crashes a bincount) and replaced by
+    NaN at the end (:func:`nan_unless`), with gradient 0. Cost: one pass."""
     finite = ops.all(ops.stack([ops.all(ops.isfinite(e)) for e in embeddings]))
     return finite, tuple(ops.where(finite, e, ops.zeros_like(e)) for e in embeddings)
 

@@ -1,9 +1,4 @@
-"""Keras's own reduction of the per-query terms a ranking loss computes.
-
-:class:`tfaploss.losses.RetrievalLoss` returns its terms with a Keras mask (the queries
-without positives left out) and lets ``keras.losses.Loss.__call__`` apply
-``sample_weight``, the mask and the ``reduction``, as for any Keras loss.
-"""
+"""Keras's own reduction of the masked per-query terms a ranking loss computes."""
 
 from __future__ import annotations
 
@@ -13,13 +8,8 @@ import keras
 
 
 class _AttachMask(keras.layers.Layer):
-    """Returns its input with ``mask`` attached as the Keras mask.
-
-    Keras reads a mask from the values a loss's ``call`` returns and leaves the masked
-    entries out of the reduction, but exports no function to attach one; a layer that
-    supports masking is the public way (``Layer.__call__`` attaches ``mask`` to its
-    output, on every backend, eager or traced).
-    """
+    """Returns its input with ``mask`` attached as the Keras mask (Keras exports no
+    function for it; a masking layer is the public way, on every backend)."""
 
     def __init__(self):
         super().__init__(name="query_mask", autocast=False)
@@ -39,13 +29,10 @@ def with_mask(values, mask):
     return _mask_layer()(values, mask=mask)
 
 
-# Registered as every Keras class of the library is, although no model saves it: a loss
-# builds one per call.
 @keras.saving.register_keras_serializable(package="tfaploss")
 class KerasReduction(keras.losses.Loss):
-    """Keras's ``Loss.__call__`` on per-query terms already computed: it applies
-    ``sample_weight``, the terms' mask and the ``reduction`` (and, under
-    ``tf.distribute``, Keras's per-replica scaling of the mean reductions)."""
+    """Keras's ``Loss.__call__`` (``sample_weight``, mask, ``reduction``, per-replica
+    scaling) on per-query terms already computed."""
 
     def call(self, y_true, y_pred):
         return y_pred

@@ -1,12 +1,6 @@
-"""The arguments a ranking loss shares with its base class: its signature and the
-documentation of those arguments, written once.
-
-A loss's constructor takes its own arguments and forwards the rest (``**kwargs``,
-``*args``) to its base; :func:`forwarded_signature` spells them out, so that
-``inspect.signature``, ``help`` and the config's argument check see every argument, and
-:func:`fill_shared_args` writes their documentation into the loss's docstring (as
-keras-rs formats a docstring template into each loss).
-"""
+"""The arguments a ranking loss forwards to its base: spelled out in its signature
+(:func:`forwarded_signature`) and documented once (:func:`fill_shared_args`, keras-rs's
+docstring template)."""
 
 from __future__ import annotations
 
@@ -14,9 +8,8 @@ import inspect
 import re
 import textwrap
 
-#: The documentation of the arguments several losses take (keras-rs's docstring
-#: template): a loss's ``{shared_args}`` becomes the entries of those it takes (every
-#: argument of an entry) and does not document itself.
+#: A loss's ``{shared_args}`` becomes the entries whose arguments it takes and does not
+#: document itself.
 ARGS_DOC = {
     "temperature, rho, delta, start, offset": (
         "the step-rank upper bound, :class:`~tfaploss.ops.smooth_rank.SupAPUpperStep` "
@@ -38,9 +31,8 @@ ARGS_DOC = {
 
 
 def forwarded_signature(cls):
-    """The signature of ``cls.__init__`` with the arguments it forwards spelled out:
-    those of the next ``__init__`` up the classes (less ``cls.unused_args``),
-    its positional ones in place of ``*args``, the others keyword-only for ``**kwargs``."""
+    """The signature of ``cls.__init__`` with the parent's arguments (less
+    ``cls.unused_args``) in place of ``*args`` and, keyword-only, ``**kwargs``."""
     own = inspect.signature(cls.__dict__["__init__"]).parameters
     parent = [p for p in inspect.signature(super(cls, cls).__init__).parameters.values()
               if p.name not in own and p.name not in cls.unused_args]

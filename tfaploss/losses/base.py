@@ -1,12 +1,7 @@
-"""The base class every AP surrogate builds on.
+"""The base class every ranking loss builds on: checks, scores, masks and reduction.
 
-A ranking loss sees a batch of embeddings and integer labels. The shared work (label
-checks, L2 normalisation, the similarity matrix, positive/candidate masks with the
-query itself left out or kept in, queries without positives) lives here; a surrogate
-overrides :meth:`RetrievalLoss.per_query`, which turns a (queries x database) score
-matrix and its masks into one loss value and one weight per query. ``call`` returns
-one term per query and Keras's ``Loss.__call__`` reduces them (``sample_weight``,
-``reduction``, the mask of the queries without positives).
+A surrogate overrides :meth:`RetrievalLoss.per_query`, which turns a (queries x
+database) score matrix and its masks into one loss value and one weight per query.
 """
 
 from __future__ import annotations
@@ -79,24 +74,14 @@ class RetrievalLoss(keras.losses.Loss):
         loss = sum_i s_i · l_i / #{i: query i has a positive}     (the default)
 
     ``sample_weight`` scales each query's term, never the rankings. Under
-    ``tf.distribute`` and ``torch.distributed`` a call ranks the global batch
-    (:mod:`tfaploss.ops.distribute`). ``docs/losses.md`` has every reduction, the
-    built-in query weights and the multi-device contract.
+    ``tf.distribute`` and ``torch.distributed`` a call ranks the global batch.
+    ``docs/losses.md`` has every reduction, the built-in query weights, the
+    multi-device contract and how lone queries are counted (``LoneQueryShare``).
 
-    Lone queries (no other item of their class in the batch) are not counted here, so
-    the loss adds no host call to the step: compile with
-    ``metrics=[tfaploss.training.LoneQueryShare()]`` and fit with
-    ``callbacks=[tfaploss.training.LoneQueryMonitor()]`` to log their share and be
-    warned, once per run, when most queries are lone (``tfaploss train`` adds both;
-    :mod:`tfaploss.losses.lone_queries`).
-
-    Subclasses override :meth:`per_query` (and :meth:`pairwise` for distances); a loss
-    whose terms are not per query overrides :meth:`_weighted_terms`. A subclass's
-    constructor takes its own arguments and forwards the rest (``**kwargs``) here: its
-    signature then lists both (a loss without use for a shared argument names it in
-    :attr:`unused_args`), ``get_config`` writes every argument of that signature, and
-    the Args of its docstring take the shared arguments' entries from
-    :data:`tfaploss.losses._shared_args.ARGS_DOC`.
+    Subclasses override :meth:`per_query` (and :meth:`pairwise` for distances), take
+    their own arguments and forward the rest (``**kwargs``) here; ``get_config``
+    writes every argument of the resulting signature, and the shared arguments'
+    docs come from :data:`tfaploss.losses._shared_args.ARGS_DOC`.
 
     Args:
 {shared_args}
@@ -120,23 +105,16 @@ class RetrievalLoss(keras.losses.Loss):
     #: config, and refused unless left at their default.
     unused_args: tuple[str, ...] = ()
 
-    def __init__(
-        self,
-        normalize: bool = True,
-        include_self: bool = False,
-        reduction="sum_over_batch_size",
-        name=None,
-        dtype=None,
-        drop_lone_queries: bool = False,
-    ):
+    def __init__(self, normalize: bool = True, include_self: bool = False,
+                 reduction="sum_over_batch_size", name=None, dtype=None,
+                 drop_lone_queries: bool = False):
         super().__init__(name=name, reduction=reduction, dtype=dtype)
         owner = type(self).__name__
         if self.dtype in NARROW_FLOATS:
-            raise ValueError(
-                f"{owner}: dtype={self.dtype!r} cannot represent label "
-                "ids exactly and loses ranking precision; use 'float32' (mixed "
-                "precision models still compute the loss in float32) or 'float64'."
-            )
+            raise ValueError(f"{owner}: dtype={self.dtype!r} cannot represent label "
+                             "ids exactly and loses ranking precision; use 'float32' (mixed "
+                             "precision models still compute the loss in float32) or "
+                             "'float64'.")
         for arg, value in (("include_self", include_self),
                            ("drop_lone_queries", drop_lone_queries)):
             if arg in self.unused_args and value:
@@ -145,11 +123,8 @@ class RetrievalLoss(keras.losses.Loss):
         self.normalize = bool(normalize)
         self.include_self = bool(include_self)
         self.drop_lone_queries = bool(drop_lone_queries)
-        #: The share of lone queries of the recent steps, and the warning when most
-        #: are (``tfaploss.losses.lone_queries``); off with ``drop_lone_queries``. The
-        #: loss does not count them itself (no host call in the step): the
-        #: ``LoneQueryShare`` metric and ``LoneQueryMonitor`` of ``tfaploss.training``
-        #: do, and hand the counts to this tracker.
+        #: Fed by ``tfaploss.training.LoneQueryMonitor``; the loss counts nothing itself
+        #: (no host call in the step).
         self.lone_queries = LoneQueryTracker(warn=not self.drop_lone_queries)
 
     def __init_subclass__(cls, **kwargs):
@@ -189,28 +164,25 @@ class RetrievalLoss(keras.losses.Loss):
         return check_labels(y_true)
 
     def _weighted_terms(self, labels, embeddings, sample_weight):
-        """The terms Keras reduces and their checked ``sample_weight`` (the one hook
-        that every entry point, gathered or not, goes through)."""
+        """The terms Keras reduces and their checked ``sample_weight`` (every entry
+        point goes through this hook)."""
         terms = self.call(labels, embeddings)
         return terms, self._check_sample_weight(sample_weight, terms)
 
     def _global_batch_call(self, y_true, y_pred, sample_weight, replicas):
-        """``__call__`` on one of several replicas: the global batch's loss, as this
-        replica's share (:func:`tfaploss.ops.distribute.global_batch_loss`)."""
+        """``__call__`` on one of several replicas: this replica's share of the loss."""
         with keras.name_scope(self.name):
             labels, embeddings = self._rows(self._query_labels(y_true), y_pred, cast=False)
             return self._rank_global_batch(labels, embeddings, sample_weight, replicas,
                                            self._reduced_loss)
 
     def _reduced_loss(self, labels, embeddings, sample_weight):
-        """The loss of the (gathered) batch, reduced as this loss reduces."""
         return self._reduce(*self._weighted_terms(labels, embeddings, sample_weight))
 
     def _rank_global_batch(self, labels, embeddings, sample_weight, replicas, reduced):
         """``reduced(labels, embeddings, sample_weight)`` of the global batch, as this
         replica's share; ``labels`` and ``embeddings`` are this replica's, checked."""
-        # One weight per local query, cast as Keras casts it, so that the replicas'
-        # weights line up with their gathered rows.
+        # One weight per local row, so that the weights line up with the gathered rows.
         sample_weight = self._row_weights(sample_weight, labels)
         return distribute.global_batch_loss(reduced, labels, embeddings, sample_weight,
                                             self.reduction, replicas)
@@ -225,9 +197,8 @@ class RetrievalLoss(keras.losses.Loss):
         return self._query_terms(finite, scores, positives, candidates, self_pairs)
 
     def _rows(self, labels, embeddings, names=("y_true", "y_pred"), cast=True):
-        """``(labels, embeddings)``: the embeddings checked as (batch, dim) and cast to
-        this loss's dtype (unless not ``cast``), the labels (checked already) as one
-        per embedding."""
+        """``(labels, embeddings)`` checked as one label per (batch, dim) embedding row,
+        the embeddings cast to this loss's dtype if ``cast``."""
         embeddings = ops.convert_to_tensor(embeddings, dtype=self.dtype if cast else None)
         if len(embeddings.shape) != 2:
             raise ValueError(
@@ -237,8 +208,8 @@ class RetrievalLoss(keras.losses.Loss):
         return check_sizes(type(self).__name__, labels, embeddings, *names), embeddings
 
     def _row_weights(self, sample_weight, labels, per="query"):
-        """``sample_weight`` (checked) as one weight per row of ``labels``, shape (B,), in
-        this loss's dtype; None stays None."""
+        """``sample_weight`` (checked) as one weight per row of ``labels``, shape (B,);
+        None stays None."""
         if sample_weight is None:
             return None
         rows = ops.zeros_like(labels, dtype=self.dtype)
@@ -246,8 +217,7 @@ class RetrievalLoss(keras.losses.Loss):
         return ops.reshape(ops.cast(weights, self.dtype), (-1,))
 
     def _check_sample_weight(self, sample_weight, terms, per="query"):
-        """``sample_weight`` as a tensor, refused unless it gives one weight per query
-        (per row of ``terms``)."""
+        """``sample_weight`` as a tensor, refused unless one weight per row of ``terms``."""
         if sample_weight is None:
             return None
         sample_weight = ops.convert_to_tensor(sample_weight)
@@ -263,19 +233,14 @@ class RetrievalLoss(keras.losses.Loss):
                 "rankings always use the whole batch."
             )
         if shape == ():
-            # Keras multiplies a scalar weight by the terms' mask in place, which
-            # PyTorch refuses; one weight per query is the same weighting.
-            # (a product, not broadcast_to: PyTorch's broadcast is a view of one element)
+            # Keras multiplies a scalar weight by the mask in place, which PyTorch
+            # refuses on a broadcast view: materialise one weight per query.
             sample_weight = ops.ones_like(terms) * ops.cast(sample_weight, terms.dtype)
         return sample_weight
 
     def _reduce(self, terms, sample_weight=None, per_replica=False):
-        """Keras's reduction of the masked per-query ``terms`` (this loss's settings).
-
-        Refused on one of several replicas, where ``terms`` would rank that replica's
-        shard, unless ``per_replica`` (the caller's rankings are meant per replica) or
-        the caller holds the global batch (``distribute.global_batch``).
-        """
+        """Keras's reduction of the masked per-query ``terms``; refused where they would
+        rank one replica's shard, unless ``per_replica`` (meant per replica)."""
         if not per_replica:
             distribute.refuse_per_replica(
                 type(self).__name__,
@@ -289,12 +254,10 @@ class RetrievalLoss(keras.losses.Loss):
                             candidates=None, sample_weight=None):
         """Loss of queries ranked against a separate database (e.g. a memory bank).
 
-        Every database item takes part in every ranking unless ``candidates`` (a bool
-        (Q, N) mask) says otherwise; no item is treated as the query itself. The
-        result is reduced as the loss's ``__call__`` reduces its terms (same
-        ``reduction``; ``sample_weight``, shape (Q,), weights the queries). The
-        gradient flows into both inputs; stop it on the database side for a detached
-        memory bank. Cost: that of the loss on a (Q, N) score matrix.
+        Every database item is ranked unless ``candidates`` (bool (Q, N)) says
+        otherwise; none is the query itself. Reduced as ``__call__`` reduces
+        (``sample_weight``: (Q,)). The gradient flows into both inputs (stop it on the
+        database side for a detached memory bank). Cost: that of the loss on (Q, N).
         """
         query_labels, query_embeddings = self._rows(
             check_labels(query_labels), query_embeddings, ("query_labels", "query_embeddings"))
@@ -310,18 +273,14 @@ class RetrievalLoss(keras.losses.Loss):
         else:
             candidates = all_items
         terms = self._query_terms(finite, scores, positives, candidates)
-        # The caller chose the database; under tf.distribute each replica ranks its
-        # own queries against it, and Keras scales the means per replica as usual.
+        # The caller chose the database: each replica ranks its own queries against it.
         return self._reduce(terms, self._check_sample_weight(sample_weight, terms),
                             per_replica=True)
 
     def _query_terms(self, finite, scores, positives, candidates, self_pairs=None):
-        """Masked per-query terms (Q,) from a (Q, N) score matrix and its boolean masks.
-
-        ``self_pairs``: the (Q, N) mask of queries paired with themselves, when they
-        are ranked (batch against itself, ``include_self=True``); else None. All NaN
-        unless ``finite`` (the embeddings were all finite).
-        """
+        """Masked per-query terms (Q,) from a (Q, N) score matrix and its bool masks;
+        ``self_pairs``: the diagonal when queries are ranked against themselves. All NaN
+        unless ``finite``."""
         values, weights = self.per_query(scores, positives, candidates, self_pairs)
         weights = ops.cast(weights, values.dtype)
         # A query with a positive other than itself makes the batch informative; a
@@ -344,10 +303,7 @@ class RetrievalLoss(keras.losses.Loss):
     # -- what subclasses implement --------------------------------------------------
 
     def pairwise(self, queries, database):
-        """The (Q, N) matrix the loss ranks by (higher = closer): cosine scores.
-
-        Distance-based losses override this (e.g. with minus the squared distance).
-        """
+        """The (Q, N) matrix the loss ranks by (higher = closer): cosine scores."""
         return pairwise_scores(queries, database, normalize=self.normalize)
 
     @staticmethod
@@ -359,21 +315,14 @@ class RetrievalLoss(keras.losses.Loss):
 
     @staticmethod
     def other_positive_counts(positives, self_pairs=None):
-        """Per query, the number of positives other than the query itself, shape (Q,).
-
-        With ``include_self=True`` a query ranked against its own batch is its own
-        positive; that one does not make the query informative, so losses use this
-        count (> 0) to tell lone queries (see ``drop_lone_queries``).
-        """
+        """Per query, the number of positives other than the query itself, shape (Q,)
+        (> 0: the query is not lone)."""
         others = RetrievalLoss.without_self_pairs(positives, self_pairs)
         return ops.sum(ops.cast(others, "int32"), axis=-1)
 
     def per_query(self, scores, positives, candidates, self_pairs=None):
-        """Per-query loss values (Q,) and weights (Q,); weight 0 leaves a query out.
-
-        ``docs/losses.md`` ("Reductions and weights") says how weights other than
-        0/1 enter the terms.
-        """
+        """Per-query loss values (Q,) and weights (Q,); weight 0 leaves a query out
+        (``docs/losses.md``, "Reductions and weights")."""
         raise NotImplementedError(f"{type(self).__name__} must implement per_query")
 
 

@@ -1,9 +1,5 @@
-"""Pair and triplet baselines: ``ContrastiveLoss`` and ``TripletLoss``.
-
-TensorFlow Addons' ``contrastive_loss``, ``triplet_semihard_loss`` and
-``triplet_hard_loss`` no longer import with Keras 3; these are the same definitions
-on a batch of embeddings, written without (B, B, B) tensors.
-"""
+"""Pair and triplet baselines, ``ContrastiveLoss`` and ``TripletLoss``: TensorFlow
+Addons' definitions (which no longer import with Keras 3), without (B, B, B) tensors."""
 
 from __future__ import annotations
 
@@ -27,14 +23,10 @@ def _distances(neg_sq_distances):
 
 
 def _negatives_below(distances, query_values, queries, negatives):
-    """Per row, for each query entry j: the number of negatives n with
-    ``d_n <= query_values_j``, the sum of their distances, and the distance of the
-    next negative (the smallest ``d_n > query_values_j``; +inf if none), each (Q, N).
-
-    One merged sort of the row's negative distances and query values (negatives
-    first among ties; ``top_k`` keeps the lower index first), cumulative sums and
-    two inverse permutations: O(Q·N·log N) time, O(Q·N) memory.
-    """
+    """Per row and query entry j: the number of negatives with ``d_n <=
+    query_values_j``, the sum of their distances, and the next negative's distance
+    (+inf if none), each (Q, N). One merged sort per row (negatives first among ties),
+    cumulative sums and inverse permutations: O(Q·N·log N) time, O(Q·N) memory."""
     inf = ops.full_like(distances, float("inf"))
     keys = ops.concatenate([ops.where(negatives, distances, inf),
                             ops.where(queries, query_values, inf)], axis=-1)
@@ -83,26 +75,23 @@ class _DistanceLoss(RetrievalLoss):
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class ContrastiveLoss(_DistanceLoss):
-    """Contrastive loss (Hadsell, Chopra, LeCun, CVPR 2006), as TF Addons defines it.
-
-    Over the ordered pairs (i, j), j != i, of the batch with Euclidean distance
-    ``d_ij`` between the (L2-normalised) embeddings::
+    """Contrastive loss (Hadsell, Chopra, LeCun, "Dimensionality Reduction by Learning an
+    Invariant Mapping", CVPR 2006), as TF Addons defines it. Over the ordered pairs
+    (i, j), j != i, of the batch with Euclidean distance ``d_ij`` between the
+    (L2-normalised) embeddings::
 
         l_ij = d_ij²                      if y_i = y_j
         l_ij = max(margin - d_ij, 0)²     otherwise
 
-    ``averaging`` says how the pairs are averaged:
+    averaged (``averaging``) as
 
     * ``"pairs"`` (default): the mean of ``l_ij`` over all pairs whose query i has a
-      positive (TF Addons' ``contrastive_loss`` with the mean reduction; the pairs of
-      queries without any positive are left out, as in every loss of this library).
-      A query's positive pairs then weigh (m - 1) / (B - 1) of the loss with m images
-      per class: 0.15 % at B=2048, m=4, so large batches push negatives apart and
-      barely pull positives together (``docs/batch_sweep/first_sweep.md``).
+      positive (TF Addons' mean). Positive pairs then weigh (m - 1) / (B - 1) of the
+      loss with m images per class: 0.15 % at B=2048, m=4
+      (``docs/batch_sweep/first_sweep.md``).
     * ``"per_query"``: per query, the mean of ``l_ij`` over its positives plus the
-      mean over its negatives, averaged over the queries with a positive (the
-      balanced form of ROADMAP's Eq. 7 and pytorch-metric-learning's separate
-      positive and negative means): the balance does not change with B.
+      mean over its negatives, averaged over the queries with a positive: the balance
+      does not change with B.
 
     Cost: O(B²·D) for the distances, O(B²) time and memory.
 
@@ -134,12 +123,10 @@ class ContrastiveLoss(_DistanceLoss):
         return values, ops.sum(ops.cast(candidates, d.dtype), axis=-1) * has_positive
 
 
-
 @keras.saving.register_keras_serializable(package="tfaploss")
 class TripletLoss(_DistanceLoss):
-    """Triplet margin loss (Schroff, Kalenichenko, Philbin, CVPR 2015) with batch mining.
-
-    With Euclidean distances ``d`` between the (L2-normalised) embeddings and
+    """Triplet margin loss (Schroff, Kalenichenko, Philbin, "FaceNet", CVPR 2015) with
+    batch mining. With Euclidean distances ``d`` between the (L2-normalised) embeddings and
     ``l(a, p, n) = max(d_ap - d_an + margin, 0)``:
 
     * ``mining="semihard"`` (TF Addons ``triplet_semihard_loss``): for every positive
@@ -154,9 +141,7 @@ class TripletLoss(_DistanceLoss):
       merged sort per row instead of the (B, B, B) tensor: O(B²·log B) time, O(B²)
       memory.
 
-    Anchors without a positive or without a negative form no triplet and are left
-    out (TF Addons keeps them with a degenerate distance); a batch without any
-    triplet gives 0.
+    Anchors without a positive or a negative are left out (TF Addons keeps them).
 
     Args:
         margin: the triplet margin (TF Addons' default 1.0).

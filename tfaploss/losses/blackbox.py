@@ -1,8 +1,4 @@
-"""``BlackBoxAPLoss``: AP with black-box differentiation of the ranking.
-
-Rolínek, Musil, Paulus, Vlastelica, Michaelis, Martius, "Optimizing Rank-based
-Metrics with Blackbox Differentiation", CVPR 2020; as used in the ROADMAP repository.
-"""
+"""``BlackBoxAPLoss`` (Rolínek et al., CVPR 2020)."""
 
 from __future__ import annotations
 
@@ -16,8 +12,9 @@ from tfaploss.ops.blackbox import blackbox_ap
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class BlackBoxAPLoss(RetrievalLoss):
-    """Exact AP in the forward pass, black-box ranking gradient in the backward pass.
-
+    """Exact AP in the forward pass, black-box ranking gradient in the backward pass
+    (Rolínek, Musil, Paulus, Vlastelica, Michaelis, Martius, "Optimizing Rank-based
+    Metrics with Blackbox Differentiation", CVPR 2020; as in the ROADMAP repository).
     Per query (self included by default, as the ROADMAP code)::
 
         AP_i = sum_{k in P_i} rank+_ik / rank_ik / (|P_i| + 1e-5),  L = 1 - mean_i AP_i
@@ -27,11 +24,8 @@ class BlackBoxAPLoss(RetrievalLoss):
     loss deterministic). Backward: ``dL/ds = -(r - rank(s + lambda_ * dL/dr)) /
     lambda_`` with ranks normalised by the number of candidates.
 
-    A query alone in its class (only itself as positive) stays in the mean, as in the
-    original, with AP ~ 1 and a black-box gradient that only reflects its own
-    self-score; ``drop_lone_queries=True`` leaves such queries out. A batch without
-    any positive pair gives 0. A query without negatives has loss exactly 0 and zero
-    gradient (the original: ~1e-5 and a non-zero black-box gradient).
+    A lone query stays in the mean, as in the original. A query without negatives has
+    loss exactly 0 and zero gradient (the original: ~1e-5 and a black-box gradient).
 
     Cost: O(B²·D) for the scores plus two sorts per row, O(B²·log B) time and O(B²)
     memory, forward and backward; no (B, B, B) tensor.
@@ -59,7 +53,6 @@ class BlackBoxAPLoss(RetrievalLoss):
         ap = blackbox_ap(scores, positives, candidates, lambda_=self.lambda_,
                          margin=self.margin, noise=noise)
         weights = ops.cast(ops.any(positives, axis=-1), ap.dtype)
-        # Without a negative the exact AP is 1 whatever the order; the black-box
-        # gradient (and the original's 1e-5) would not be 0 there.
+        # Without a negative AP is 1 whatever the order; the black-box gradient is not 0.
         has_negative = ops.any(ops.logical_and(candidates, ops.logical_not(positives)), axis=-1)
         return ops.where(has_negative, 1.0 - ap, ops.zeros_like(ap)), weights

@@ -12,22 +12,18 @@ from tfaploss.ops.histogram import check_num_bins
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class FastAPLoss(RetrievalLoss):
-    """FastAP loss (Cakir, He, Xia, Kulis, Sclaroff, CVPR 2019, Eq. 14).
-
-    Squared distances ``d = 2 - 2 s`` of the L2-normalised embeddings are binned on
-    [0, 4] by ``num_bins + 1`` triangular kernels; per query
-    ``FastAP_i = sum_l h+_l H+_l / H_l / |P_i|`` (cumulative counts from distance 0
-    up) and ``L = 1 - mean_i FastAP_i`` over the queries with at least one positive
-    (the query itself is excluded, as in the originals; queries without positives
-    are dropped, as both originals do).
+    """FastAP loss (Cakir, He, Xia, Kulis, Sclaroff, "Deep Metric Learning to Rank",
+    CVPR 2019, Eq. 14). Squared distances ``d = 2 - 2 s`` of the L2-normalised
+    embeddings are binned on [0, 4] by ``num_bins + 1`` triangular kernels; per query
+    ``FastAP_i = sum_l h+_l H+_l / H_l / |P_i|`` (cumulative counts from distance 0 up)
+    and ``L = 1 - mean_i FastAP_i`` over the queries with a positive (the query itself
+    excluded, as in the originals).
 
     Matches Kun He's original and pytorch-metric-learning's ``FastAPLoss`` in value
-    and true gradient (the original's hand-written backward returns
-    ``N_valid / 2`` times the true gradient). With ``normalize=False`` the
-    embeddings should already be unit-norm, since ``d = 2 - 2 s`` assumes it.
+    and true gradient (the original's backward returns ``N_valid / 2`` times it).
+    ``d = 2 - 2 s`` assumes unit-norm embeddings.
 
-    Cost: O(B²·D) for the scores plus O(B²) time and memory (two-adjacent-bins
-    histograms); no (B, L, B) tensor.
+    Cost: O(B²·D) for the scores plus O(B²) time and memory.
 
     Args:
         num_bins: number of distance intervals (``num_bins + 1`` bin centres).

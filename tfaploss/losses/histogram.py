@@ -1,8 +1,5 @@
-"""Histogram-binned AP losses: ``APLoss`` ("mAP_Q") and ``TieAwareAPLoss`` ("mAP_T").
-
-Revaud, Almazán, Rezende, de Souza, "Learning with Average Precision: Training Image
-Retrieval with a Listwise Loss", ICCV 2019.
-"""
+"""Histogram-binned AP losses, ``APLoss`` ("mAP_Q") and ``TieAwareAPLoss`` ("mAP_T")
+(Revaud et al., ICCV 2019)."""
 
 from __future__ import annotations
 
@@ -15,25 +12,22 @@ from tfaploss.ops.histogram import check_bins, histogram_ap, tie_aware_histogram
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class APLoss(RetrievalLoss):
-    """Histogram-binned AP loss, "mAP_Q" (Revaud et al., ICCV 2019, Eq. 5-12).
-
-    Each image is a query ranked against the other images of the batch. Its cosine
-    scores are quantised into ``num_bins`` triangular bins over ``score_range``
-    (centres from the top down, ``delta = (hi - lo) / (M - 1)``)::
+    """Histogram-binned AP loss, "mAP_Q" (Revaud, Almazán, Rezende, de Souza, "Learning
+    with Average Precision: Training Image Retrieval with a Listwise Loss", ICCV 2019,
+    Eq. 5-12). Each query's cosine scores are quantised into ``num_bins`` triangular
+    bins over ``score_range`` (centres from the top down,
+    ``delta = (hi - lo) / (M - 1)``)::
 
         c_m  = sum_j delta(s_ij, m),   c+_m = sum_{j in P_i} delta(s_ij, m)
         AP_i = sum_m (C+_m / C_m) * c+_m / |P_i|     (C = cumulative sums from the top)
         L    = 1 - sum_i w_i AP_i / sum_i w_i
 
-    over the queries with at least one positive (the original returns NaN for the
-    others). With ``include_self=True`` (the authors' training code: the query is in
-    its own ranking) a query alone in its class keeps its positive, itself, and stays
-    in the mean as in the original; ``drop_lone_queries=True`` leaves it out. ``w_i = 1`` or, with ``class_balanced=True`` (paper §4.2), ``1 / n_{y_i}``
-    where ``n_{y_i}`` is the size of the query's class (itself counted).
+    over the queries with a positive (the original returns NaN for the others).
+    ``w_i = 1``, or with ``class_balanced=True`` (paper §4.2) ``1 / n_{y_i}``, the
+    size of the query's class (itself counted).
 
-    Each score feeds only its two adjacent bins (the O(B·M) per-query form, equal to
-    the paper's dense quantiser): a call costs O(B²·D) for the scores plus O(B²)
-    time and memory for the binning and O(B·M) for the APs; no (B, M, B) tensor.
+    Each score feeds only its two adjacent bins: a call costs O(B²·D) for the scores
+    plus O(B²) time and memory for the binning and O(B·M) for the APs.
 
     Args:
         num_bins: number of bins M (paper: 20; the authors' code defaults to 25).
@@ -71,16 +65,14 @@ class APLoss(RetrievalLoss):
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class TieAwareAPLoss(APLoss):
-    """Tie-aware histogram AP loss, "mAP_T" (Revaud et al., ICCV 2019, §3.2).
-
-    As :class:`APLoss`, but the precision inside a bin accounts for the ties the
+    """Tie-aware histogram AP loss, "mAP_T" (Revaud et al., ICCV 2019, §3.2). As
+    :class:`APLoss`, but the precision inside a bin accounts for the ties the
     quantisation creates. ``simplified=True`` is the paper's Eq. 13::
 
         AP_i = sum_m c+_m (1 + C+_{m-1} + C+_m) / (1 + C_{m-1} + C_m) / |P_i|
 
     ``simplified=False`` (the authors' default) is the expected AP under a random
-    order of the items inside each bin, the harmonic sum approximated by
-    ``ln((C_m + 1) / (C_{m-1} + 1))`` (see :func:`tfaploss.ops.tie_aware_histogram_ap`).
+    order inside each bin (:func:`tfaploss.ops.tie_aware_histogram_ap`).
     Cost as :class:`APLoss`: O(B²) time and memory beyond the scores.
 
     Args:

@@ -1,25 +1,10 @@
 """How many queries of a run have no positive in their batch, and one warning when most do.
 
-A ranking loss learns only from queries with a positive. With plain shuffling
-(``model.fit(x, y, batch_size=8, shuffle=True)`` over many classes) most items are
-alone with their class in the batch: they are left out of the mean, so the loss looks
-small and healthy while it learns from a handful of queries.
-
-Whether a query is lone depends on the batch's labels only, so the count is a Keras
-metric, not part of the loss: the loss puts no host call into the training step.
-Count and warn with the metric and its callback, both in :mod:`tfaploss.training`
-(``tfaploss train`` adds them itself)::
-
-    model.compile(optimizer="adam", loss=tfaploss.losses.SmoothAPLoss(),
-                  metrics=[tfaploss.training.LoneQueryShare()])
-    model.fit(x, y, batch_size=8, callbacks=[tfaploss.training.LoneQueryMonitor()])
-
-The metric counts inside the compiled step, as Keras keeps every metric, on every
-backend and under XLA; the callback reads its counts every :data:`WINDOW_STEPS` steps
-and at the end of each epoch and hands them to the loss's :class:`LoneQueryTracker`
-(``loss.lone_queries``), which keeps the share of the recent steps and warns once per
-run when most of their queries were lone. ``drop_lone_queries=True`` turns the warning
-off (the counts are kept).
+With plain shuffling over many classes most items are alone with their class in the
+batch: they are left out of the mean, so the loss looks healthy while it learns from a
+handful of queries. The ``tfaploss.training`` metric ``LoneQueryShare`` counts them in
+the compiled step and ``LoneQueryMonitor`` hands the counts to the loss's
+:class:`LoneQueryTracker` (``docs/losses.md``, "How many there are").
 """
 
 from __future__ import annotations
@@ -33,9 +18,8 @@ __all__ = ["LONE_SHARE_LIMIT", "MIN_STEPS", "WINDOW_STEPS", "LoneQueriesWarning"
 
 #: "Most queries": above half, the loss's mean rests on fewer queries than it leaves out.
 LONE_SHARE_LIMIT = 0.5
-#: Steps judged together: enough that one unlucky batch does not warn, few enough that
-#: the warning comes within the first epoch of any run that uses it (an unbalanced
-#: batch is lone-heavy at every step, not now and then).
+#: Steps judged together: one unlucky batch does not warn, an unbalanced run is warned
+#: about within its first epoch.
 WINDOW_STEPS = 20
 #: The fewest steps judged: fits of a few steps (tests, demos) are warned too.
 MIN_STEPS = 5
@@ -58,33 +42,18 @@ def _message(share: float, steps: int) -> str:
 
 
 class LoneQueryTracker:
-    """The share of lone queries (no positive other than themselves) over recent steps.
+    """The share of lone queries (no positive other than themselves) over recent steps,
+    ``loss.lone_queries`` (usage: ``docs/losses.md``, "How many there are").
 
-    :meth:`update` takes the counts of lone and of all queries of one or more steps
-    (:class:`tfaploss.training.LoneQueryMonitor` hands over what the
-    :class:`~tfaploss.training.LoneQueryShare` metric counted since its last read).
-    The recent steps are the latest updates covering at most :data:`WINDOW_STEPS`
-    steps, extended to at least :data:`MIN_STEPS` when the latest update is shorter.
-    When their share exceeds :data:`LONE_SHARE_LIMIT` (judged once they cover
-    :data:`MIN_STEPS` steps), a :class:`LoneQueriesWarning` is raised, once per run. A
-    run starts with the tracker and again at every :meth:`start_run`, which the
-    monitor calls at the start of each ``fit``. The warning is shown at each run
-    whatever Python's "once per location" filter has seen before.
+    :meth:`update` takes the counts of lone and of all queries of one or more steps;
+    the recent steps are the latest updates covering at most :data:`WINDOW_STEPS`
+    steps (at least :data:`MIN_STEPS`). When their share exceeds
+    :data:`LONE_SHARE_LIMIT`, a :class:`LoneQueriesWarning` is raised once per run (a
+    run restarts at :meth:`start_run`), whatever Python's warning filter has seen.
 
     Args:
-        warn: raise the warning (False for a loss that leaves lone queries out on
-            purpose, ``drop_lone_queries=True``); the counts are kept either way.
-
-    Example:
-
-    ```python
-    loss = tfaploss.losses.SmoothAPLoss()
-    model.compile(optimizer="adam", loss=loss,
-                  metrics=[tfaploss.training.LoneQueryShare()])
-    model.fit(x, y, batch_size=8,      # warns when most queries are lone
-              callbacks=[tfaploss.training.LoneQueryMonitor()])
-    loss.lone_queries.share            # their share over the last steps
-    ```
+        warn: raise the warning (False with ``drop_lone_queries=True``); the counts are
+            kept either way.
     """
 
     def __init__(self, warn: bool = True):
@@ -98,7 +67,7 @@ class LoneQueryTracker:
         self.warned = False
 
     def _recent(self) -> tuple[int, int, int]:
-        """(lone, queries, steps) of the recent steps (see the class docstring)."""
+        """(lone, queries, steps) of the recent steps."""
         lone = queries = steps = 0
         for chunk_lone, chunk_queries, chunk_steps in reversed(self._window):
             if steps >= MIN_STEPS and steps + chunk_steps > WINDOW_STEPS:
@@ -108,8 +77,7 @@ class LoneQueryTracker:
 
     @property
     def share(self) -> float | None:
-        """The share of lone queries over the recent steps (None before the first
-        count)."""
+        """The share of lone queries over the recent steps (None before any count)."""
         lone, queries, _ = self._recent()
         return lone / queries if queries else None
 
@@ -134,8 +102,7 @@ class LoneQueryTracker:
         lone, queries, steps = self._recent()
         if steps >= MIN_STEPS and lone / queries > LONE_SHARE_LIMIT:
             self.warned = True
-            # A fresh registry: Python's "default" filter would show an identical
-            # message only once per process, and this warning is once per run.
+            # A fresh registry: the default filter would warn once per process, not run.
             warnings.warn_explicit(_message(lone / queries, steps), LoneQueriesWarning,
                                    __file__, inspect.currentframe().f_lineno,
                                    module=__name__, registry={})

@@ -1,5 +1,4 @@
-"""Multi-similarity loss (Wang, Han, Huang, Dong, Scott, "Multi-Similarity Loss with
-General Pair Weighting for Deep Metric Learning", CVPR 2019), with its pair miner."""
+"""Multi-similarity loss (Wang et al., CVPR 2019), with its pair miner."""
 
 from __future__ import annotations
 
@@ -12,13 +11,11 @@ from tfaploss.ops.masks import masked_logsumexp
 
 
 def hard_pairs(scores, positives, negatives, epsilon):
-    """The multi-similarity miner's pairs: ``(positives, negatives)`` masks, (Q, N).
+    """The multi-similarity miner's pairs (pytorch-metric-learning's
+    ``MultiSimilarityMiner``): ``(positives, negatives)`` masks, (Q, N).
 
-    A positive p of query a is kept when ``s_ap - epsilon < max_n s_an`` (it is not
-    clearly closer than the hardest negative), a negative n when ``s_an + epsilon >
-    min_p s_ap``; a query without negatives keeps no positive and one without
-    positives no negative (pytorch-metric-learning's ``MultiSimilarityMiner``).
-    Masks only: no gradient flows through the choice. O(Q·N).
+    A positive p of query a is kept when ``s_ap - epsilon < max_n s_an``, a negative n
+    when ``s_an + epsilon > min_p s_ap``. O(Q·N).
     """
     inf = ops.full_like(scores, float("inf"))
     hardest_negative = ops.max(ops.where(negatives, scores, -inf), axis=-1, keepdims=True)
@@ -30,37 +27,27 @@ def hard_pairs(scores, positives, negatives, epsilon):
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class MultiSimilarityLoss(RetrievalLoss):
-    """Multi-similarity loss (Wang et al., CVPR 2019), as pytorch-metric-learning
-    computes it.
-
-    With cosine scores ``s_ij``, positives ``P_i`` (same label, not i) and negatives
-    ``N_i`` of query i::
+    """Multi-similarity loss (Wang, Han, Huang, Dong, Scott, "Multi-Similarity Loss with
+    General Pair Weighting for Deep Metric Learning", CVPR 2019), as
+    pytorch-metric-learning computes it. With cosine scores ``s_ij``, positives ``P_i``
+    (same label, not i) and negatives ``N_i`` of query i::
 
         l_i = 1/alpha · log(1 + sum_{p in P_i} exp(-alpha · (s_ip - base)))
             + 1/beta  · log(1 + sum_{n in N_i} exp( beta  · (s_in - base)))
 
-    averaged over every query of the batch (pytorch-metric-learning's ``MeanReducer``):
-    a query whose class is alone in the batch still contributes its negative term. A
-    batch without any positive pair gives 0 (the library's rule, with a warning;
-    pytorch-metric-learning would average the negative terms).
-
+    averaged over every query (pytorch-metric-learning's ``MeanReducer``), lone ones
+    included with their negative term; a batch without a positive pair gives 0.
     ``epsilon`` (not None) first keeps only the pairs of the paper's miner
-    (:func:`hard_pairs`, pytorch-metric-learning's ``MultiSimilarityMiner``); the mean
-    is still over every query, a query left with no pair counting 0.
+    (:func:`hard_pairs`); a query left with no pair counts 0.
 
     Cost: O(B²·D) for the scores, O(B²) time and memory.
-
-    Example::
-
-        model.compile(optimizer="adam", loss=MultiSimilarityLoss(epsilon=0.1))
 
     Args:
         alpha: scale of the positive term (> 0; pytorch-metric-learning's default 2).
         beta: scale of the negative term (> 0; default 50).
         base: the similarity margin ``lambda`` (default 0.5).
-        epsilon: the miner's margin (>= 0), or None (default) for every pair. The
-            authors' SOP setting is ``alpha=2, beta=50, base=0.5, epsilon=0.1``
-            (pytorch-metric-learning's ``MultiSimilarityMiner`` default).
+        epsilon: the miner's margin (>= 0; the authors' SOP setting and the miner's
+            default: 0.1), or None (default) for every pair.
 {shared_args}
     """
 

@@ -1,5 +1,4 @@
-"""PNP loss (Li et al., "Rethinking the Optimization of Average Precision: Only
-Penalizing Negative Instances before Positive Ones is Enough", AAAI 2022)."""
+"""PNP loss (Li et al., AAAI 2022)."""
 
 from __future__ import annotations
 
@@ -13,30 +12,26 @@ from tfaploss.ops.smooth_rank import PNP_VARIANTS, pnp_per_query
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class PNPLoss(RetrievalLoss):
-    """PNP: penalise only the negatives ranked above each positive.
-
-    For query i and each positive k (the query's own term k = i included by default,
-    as in the authors' code):
+    """PNP: penalise only the negatives ranked above each positive (Li et al.,
+    "Rethinking the Optimization of Average Precision: Only Penalizing Negative
+    Instances before Positive Ones is Enough", AAAI 2022). For query i and each positive
+    k (the query's own term k = i included by default, as in the authors' code):
 
         R_ik = sum_{j in N_i} sigmoid(clip((s_ij - s_ik) / temperature, -50, 50))
         L = mean_{i with another positive} mean_{k in P_i} f(R_ik)
 
     with ``f`` per ``variant``: ``"O"`` R; ``"Iu"`` (1+R)·ln(1+R);
     ``"Ib"`` (bR - ln(1+bR))/b²; ``"Ds"`` ln(1+R); ``"Dq"`` 1 - (1+R)^-alpha (the
-    paper's best, SOP 80.1 R@1). Queries whose class has no other member in the batch
-    are left out by default (``drop_lone_queries=True``: the original drops them
-    too); labels need not be contiguous or equally sized.
+    paper's best). Lone queries are left out by default, as the original does.
 
-    Cost: O(B·m·B) time (m = largest class; only positive pairs are ranked),
-    O(chunk·B + B²) memory with chunk = ``pairs_per_block`` (default ~4M/B pairs);
-    never a B×B×B tensor, and it compiles under XLA.
+    Cost: O(B·m·B) time (m = largest class), O(pairs_per_block·B + B²) memory; never a
+    B×B×B tensor.
 
     Args:
         variant: one of ``"O", "Iu", "Ib", "Ds", "Dq"``.
         b: slope of the ``"Ib"`` penalty.
         alpha: exponent of the ``"Dq"`` penalty.
         temperature: sigmoid temperature.
-        include_self: include the query's own term (k = i).
         drop_lone_queries: as for ``RetrievalLoss`` (default True here, as the original).
 {shared_args}
     """

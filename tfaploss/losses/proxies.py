@@ -1,26 +1,17 @@
 """Learnable class proxies that a loss uses and the model trains: ``ClassProxies``.
 
-A proxy loss (Proxy-Anchor, HAPPIER's clustering term) scores the batch against one
-learnable vector per class. Keras trains a model's variables only, never a loss's, so
-the proxies live in a layer of the model, last in the embedding model, whose output is
-its input unchanged. The loss owns that layer and reads its variable when it is called:
+Keras trains a model's variables only, never a loss's, so a proxy loss's proxies live in
+an identity layer that the loss owns and the model holds last::
 
     loss = ProxyAnchorLoss(num_classes=100)
     model = keras.Sequential([embedder, loss.proxies_layer])   # or loss.with_proxies(embedder)
     model.compile(optimizer="adam", loss=loss)
 
-Everything else then follows from the layer being a model layer: the optimizer updates
-the proxies (``fit``, ``MultiStageModel``, the JAX trainer's stateless step, which maps
-the model's variables while the loss runs), per-variable learning-rate multipliers
-reach them by their path (``class_proxies/proxies``), a distribution strategy mirrors
-them, and ``model.save``/checkpoints store them.
-
-After ``keras.saving.load_model`` the loss compiled into the file is rebuilt with the
-``proxies_key`` of its config, and binds to the layer of the same key that the model
-just rebuilt (the most recent one, so loading a file twice gives each model its own).
-
-A loss refuses to use proxies that never ran inside a model's forward pass (they would
-never be trained) unless they were given explicitly with :meth:`ClassProxies.set_proxies`.
+The optimizer, learning-rate multipliers (path ``class_proxies/proxies``), strategies
+and ``model.save`` then treat them as any model variable. After ``load_model`` the loss
+binds, by the ``proxies_key`` of its config, to the most recent layer of that key. A
+loss refuses proxies that never ran in a model unless given with
+:meth:`ClassProxies.set_proxies`.
 """
 
 from __future__ import annotations
@@ -49,11 +40,8 @@ def proxies_multipliers(factor: float) -> dict:
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class ClassProxies(keras.layers.Layer):
-    """One learnable vector per class, held inside a model for a proxy loss.
-
-    ``call`` returns its input unchanged (and passes its mask through): the layer exists
-    so that ``model.fit`` trains the proxies. Get it from the loss
-    (``loss.proxies_layer``) and put it last in the embedding model.
+    """One learnable vector per class, held inside a model (last) for a proxy loss;
+    ``call`` returns its input unchanged.
 
     Args:
         num_classes: number of proxies (class ids ``0..num_classes-1``).
@@ -94,11 +82,8 @@ class ClassProxies(keras.layers.Layer):
         return input_shape
 
     def set_proxies(self, values):
-        """Assign ``values``, shape ``(num_classes, dim)``, building the layer if needed.
-
-        Marks the proxies as given: a loss then uses them outside a model (tests,
-        a custom loop that trains ``layer.trainable_variables`` itself).
-        """
+        """Assign ``values``, shape ``(num_classes, dim)``, building the layer if needed;
+        a loss then uses them outside a model too."""
         values = np.asarray(values)
         if values.ndim != 2 or values.shape[0] != self.num_classes:
             raise ValueError(f"{type(self).__name__}.set_proxies: expected values of shape "
@@ -120,18 +105,14 @@ class ClassProxies(keras.layers.Layer):
 
 
 class ProxiesOwner:
-    """Mix-in of a loss that owns a :class:`ClassProxies` layer.
-
-    The loss calls :meth:`_init_proxies` in its constructor, reads the proxies with
-    :meth:`proxies_for` in its computation, and adds ``proxies_key`` to its config.
-    """
+    """Mix-in of a loss that owns a :class:`ClassProxies` layer (:meth:`_init_proxies`
+    in its constructor, :meth:`proxies_for` in its computation)."""
 
     proxies_layer_class = ClassProxies
 
     @classmethod
     def uses_proxies(cls, kwargs: dict) -> bool:
-        """Whether the loss built with constructor arguments ``kwargs`` scores against
-        proxies (then ``num_classes`` is needed and the model must hold the layer)."""
+        """Whether the loss built with constructor arguments ``kwargs`` uses proxies."""
         return True
 
     def _init_proxies(self, num_classes, proxies_key=None):

@@ -1,5 +1,4 @@
-"""Proxy-Anchor loss (Kim, Kim, Cho, Kwak, "Proxy Anchor Loss for Deep Metric
-Learning", CVPR 2020): the batch against one learnable proxy per class."""
+"""Proxy-Anchor loss (Kim et al., CVPR 2020): the batch against one proxy per class."""
 
 from __future__ import annotations
 
@@ -22,49 +21,30 @@ from tfaploss.ops.masks import masked_logsumexp, pairwise_scores
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class ProxyAnchorLoss(ProxiesOwner, RetrievalLoss):
-    """Proxy-Anchor loss (Kim et al., CVPR 2020), as pytorch-metric-learning computes it.
-
-    With ``p_c`` one learnable proxy per class, ``s_ic = cos(e_i, p_c)``, margin
-    ``delta`` and scale ``alpha``::
+    """Proxy-Anchor loss (Kim, Kim, Cho, Kwak, "Proxy Anchor Loss for Deep Metric
+    Learning", CVPR 2020), as pytorch-metric-learning computes it. With ``p_c`` one
+    learnable proxy per class, ``s_ic = cos(e_i, p_c)``, margin ``delta`` and scale
+    ``alpha``::
 
         pos_c = log(1 + sum_{i: y_i = c}  w_i · exp(-alpha · (s_ic - delta)))
         neg_c = log(1 + sum_{i: y_i != c} w_i · exp( alpha · (s_ic + delta)))
         L = 1/|P+| · sum_c pos_c + 1/C · sum_c neg_c
 
-    with ``P+`` the proxies that have an item in the batch and ``C = num_classes``
-    (pytorch-metric-learning's two ``DivisorReducer`` s). ``w_i`` is the item's
-    ``sample_weight`` (1 without one; pytorch-metric-learning's loss is ``w = 1``).
+    with ``P+`` the proxies that have an item in the batch, ``C = num_classes`` and
+    ``w_i`` the item's ``sample_weight`` (>= 0; 1 without one): weight 0 removes the
+    item, a scalar ``w`` adds ``log w`` to each exponent. **Terms are per proxy:**
+    ``call`` returns ``t_c = pos_c · C / |P+| + neg_c``, shape ``(num_classes,)``, so
+    the default reduction is ``L`` (``"sum"``: ``C · L``).
 
-    **Terms are per proxy, not per query.** ``call`` returns one term per proxy, shape
-    ``(num_classes,)``: ``t_c = pos_c · C / |P+| + neg_c``, so the default reduction
-    (the mean over the ``C`` terms) is ``L``; ``reduction="sum"`` gives ``C · L`` and
-    ``"none"`` the ``C`` terms. ``sample_weight``, one weight per item of the batch
-    (``(B,)``, ``(B, 1)`` or a scalar, >= 0), weights each item inside the proxies'
-    sums as ``w_i`` above rather than scaling a term afterwards: weight 0 removes the
-    item from the batch, and a scalar weight ``w`` adds ``log w`` to every exponent.
-
-    **The proxies** are the variable of a :class:`~tfaploss.losses.ClassProxies` layer
-    that the loss owns (``loss.proxies_layer``) and the model must contain, so that the
-    optimizer trains them (``fit``, ``MultiStageModel``, ``tfaploss train``) and
-    ``model.save`` keeps them::
-
-        loss = ProxyAnchorLoss(num_classes=11318)
-        model = loss.with_proxies(embedder)      # embedder, then loss.proxies_layer
-        model.compile(optimizer="adam", loss=loss)
-
-    A ``.keras`` file restores the loss bound to the model's proxies. The paper trains
-    the proxies 100x faster than the network: wrap the optimizer in
-    ``LRMultiplierOptimizer(opt, tfaploss.losses.proxies_multipliers(100))``
+    **The proxies** are a :class:`~tfaploss.losses.ClassProxies` layer that the model
+    must contain: ``model = loss.with_proxies(embedder)``. The paper trains them 100x
+    faster: ``LRMultiplierOptimizer(opt, tfaploss.losses.proxies_multipliers(100))``
     (``model.proxy_lr_multiplier`` in a config). Labels must be class ids in
-    ``0..num_classes-1``: another label raises (eagerly) or makes the loss NaN (in a
-    traced step, which training stops on). Proxies are initialised as
-    pytorch-metric-learning's (normal, std ``sqrt(2 / num_classes)``); give values with
-    ``loss.proxies_layer.set_proxies(values)``.
-
-    Under ``tf.distribute`` and ``torch.distributed`` the loss ranks the global batch
-    against the (mirrored) proxies, as the other losses do (``RetrievalLoss``);
-    ``reduction="none"`` is refused there (per-proxy terms have no rows of a replica).
-    There is no query-vs-database form, so no cross-batch memory.
+    ``0..num_classes-1``: another label raises (eagerly) or makes the loss NaN (traced).
+    Proxies start as pytorch-metric-learning's (normal, std ``sqrt(2 / num_classes)``);
+    give values with ``loss.proxies_layer.set_proxies(values)``. Under a distribution
+    strategy ``reduction="none"`` is refused (no replica owns a proxy's term). No
+    query-vs-database form, so no cross-batch memory.
 
     Cost: O(B·C·D) time for the scores and O(B·C) memory, C = ``num_classes``.
 
@@ -89,11 +69,8 @@ class ProxyAnchorLoss(ProxiesOwner, RetrievalLoss):
         self.margin = number(owner, "margin", margin)
         self.alpha = positive_number(owner, "alpha", alpha)
         self._init_proxies(num_classes, proxies_key)
-        # Every item has its class's proxy as a positive: no query is lone, nothing to
-        # track or warn about (tfaploss.losses.lone_queries).
+        # Every item has its class's proxy as a positive: no query is lone.
         self.lone_queries = None
-
-    # -- Keras entry points -----------------------------------------------------------
 
     def _global_batch_call(self, y_true, y_pred, sample_weight, replicas):
         # Stays: per-proxy terms have no rows of one replica, so "none" has no share.
@@ -116,8 +93,6 @@ class ProxyAnchorLoss(ProxiesOwner, RetrievalLoss):
         raise ValueError(f"{type(self).__name__} scores items against its proxies and has "
                          "no query-vs-database form (cross-batch memory): train it "
                          "without xbm.")
-
-    # -- the loss -------------------------------------------------------------------------
 
     def proxy_terms(self, labels, embeddings, sample_weight=None):
         """The (C,) per-proxy terms ``t_c`` of the class docstring."""

@@ -31,67 +31,40 @@ from tfaploss.ops.recall_rank import (
 @keras.saving.register_keras_serializable(package="tfaploss")
 class RecallAtKLoss(RetrievalLoss):
     """Recall@k surrogate RS@k (Patel, Tolias, Matas, "Recall@k Surrogate Loss with
-    Large Batches and Similarity Mixup", CVPR 2022), optionally with SiMix.
-
-    For query i, each positive p (the query itself is never its own positive) and
+    Large Batches and Similarity Mixup", CVPR 2022), optionally with SiMix. For query i,
+    each positive p (the query itself is never its own positive) and
     ``s`` the cosine scores:
 
         rank(i,p) = 1 + sum_{j in C_i, j != p} sig(s_ij - s_ip ; tau1)
         R@k_i     = min(k, sum_{p in P_i} sig(k - rank(i,p) ; tau2_k)) / min(k, |P_i|)
         l_i       = 1 - mean_{k in K} R@k_i,      L = mean_i l_i
 
-    with ``sig(t; tau) = sigmoid(clip(t / tau, -50, 50))`` (the authors' clipped
-    sigmoid) and ``K = k`` (paper: {1, 2, 4, 8, 16}). ``C_i`` holds every item of the
-    batch, the query itself included (``include_self=True``, default): the authors'
-    code ranks each positive against all B items, so the query's own score
-    ``s_ii`` counts in its positives' ranks (about +1 with normalised embeddings);
-    ``include_self=False`` leaves the query out (the rest of the batch is its
-    database). Each ``k`` is
-    clipped to the batch size (``min(k, B)``) and the numerator is capped at ``k``,
-    not at 1, as in the code.
+    with ``sig(t; tau) = sigmoid(clip(t / tau, -50, 50))`` and ``K = k``. ``C_i``
+    holds every item of the batch, the query itself included with ``include_self=True``
+    (default; the authors' code, so ``s_ii`` counts in its positives' ranks). Each ``k``
+    is clipped to the batch size and the numerator is capped at ``k``, as in the code.
 
     Matches the authors' ``RecallatK`` (github.com/yash0307/RecallatK_surrogate,
-    ``src/losses.py``, commit ed05202 of 2024-11-04), in float64 to 1e-9 (loss and
-    gradient, ``tests/goldens/recall_at_k.json``). Differences: their code needs
-    contiguous equal-size class blocks (``samples_per_class``); here labels may come in
-    any order and classes in any size. A query without another item of its class gives
-    0/0 = NaN there; here it is left out of the mean (weight 0). Their loop divides each
-    query's term by B and sums: the default reduction's mean over the queries.
+    ``src/losses.py``, commit ed05202 of 2024-11-04) in float64 to 1e-9 (loss and
+    gradient, ``tests/goldens/recall_at_k.json``), but labels may come in any order and
+    classes in any size, and a query without another item of its class is left out
+    (0/0 = NaN there). ``tau2=[1, 2, 4, 8, 16]`` reproduces the 2022-2024 code.
 
-    ``tau2=1.0`` (default) is the paper's and the current code's setting;
-    ``tau2=[1, 2, 4, 8, 16]`` reproduces the 2022-2024 code (``docs/losses.md``).
+    SiMix (``simix=True``; the authors' ``pos_mixup``): after L2 normalisation, for
+    every pair (a, b) of same-class items ``alpha · x_a + (1 - alpha) · x_b``,
+    ``alpha ~ U(0, 1)`` per pair, is appended to the batch with their label, not
+    re-normalised; mixed items are queries and database items, and the loss is the
+    mean over all B + F queries. Pairs: every pair within each group of
+    ``simix_group`` items in label order, F = ceil(B/g)·g(g-1)/2 (1.5·B for g = 4).
+    ``alpha`` is a stateless hash of ``seed`` and the batch
+    (:meth:`simix_coefficients`); :meth:`mixed_loss` takes explicit ones. A mixed
+    item weighs its sources' mean ``sample_weight``; ``reduction="none"`` returns
+    B + F terms. ``docs/losses.md`` ("SiMix") has the details.
 
-    SiMix (``simix=True``; the authors' ``src/mixup.py`` ``pos_mixup``
-    and its use in ``src/main.py``): after L2 normalisation, for every pair (a, b) of
-    same-class items ``alpha · x_a + (1 - alpha) · x_b`` with ``alpha ~ U(0, 1)`` drawn
-    per pair is appended to the batch, with their class's label, NOT re-normalised.
-    Mixed items are both database items and queries (the authors loop over every row of
-    the mixed batch; each row is a query, a positive of its class and a negative of the
-    others); the loss is the mean over all B + F queries. Pairs: the items are sorted by
-    label and cut into groups of ``simix_group`` (the authors' m = 4 images per class:
-    each class is one group, and its 6 pairs are the authors' 6); each group contributes
-    all its g(g-1)/2 pairs, so F = ceil(B/g)·g(g-1)/2 (1.5·B for g = 4). A group that
-    straddles two classes keeps only its same-class pairs. The authors draw ``alpha``
-    with ``np.random.uniform``; here it is a stateless hash of ``seed``, the pair and
-    the batch (:func:`tfaploss.ops.recall_rank.simix_coefficients`), the same on every
-    backend and trainer (Keras's JAX ``fit`` carries no loss state; a ``SeedGenerator``
-    would repeat its first draw there), new at every step as the batch or the network
-    changes, and the same for the same seed and batch (:meth:`simix_coefficients`
-    returns them). Rounding the embeddings to a grid makes a chunked forward pass
-    (:class:`~tfaploss.training.MultiStageModel`) draw what a single pass draws unless
-    an embedding lies within rounding error of a grid line (likely only once B·D is in
-    the millions; the step then uses other, equally random coefficients, its gradient
-    exact for them). :meth:`mixed_loss` takes explicit coefficients. The mixing is on the
-    embeddings, so :class:`~tfaploss.training.MultiStageModel` backpropagates it exactly.
-    ``sample_weight`` (B,) is extended to the mixed items as the mean of their two
-    sources' weights; ``reduction="none"`` returns B + F terms.
-
-    Cost: O(B·m·B) time (m = largest class; only positive pairs are ranked, in blocks,
-    with a hand-written gradient, :mod:`tfaploss.ops.recall_rank`; the K values of k add
-    O(K·B²)) and O(pairs_per_block·B + B²) memory; never a B×B×B tensor. The B² part is
-    the score matrix and the block bookkeeping, ~0.1 KB per pair (i, j) at its peak.
-    SiMix multiplies B by 1 + (g-1)/2 (2.5 for g = 4), so memory by ~6.
-    ``docs/losses.md`` has measured times and memory.
+    Cost: O(B·m·B) time (m = largest class; the K values of k add O(K·B²)) and
+    O(pairs_per_block·B + B²) memory, ~0.1 KB per pair (i, j) at its peak; never a
+    B×B×B tensor. SiMix multiplies B by 1 + (g-1)/2 (2.5 for g = 4), memory by ~6
+    (measurements: ``docs/losses.md``).
 
     Args:
         k: the k values, positive ints (paper: (1, 2, 4, 8, 16)).
@@ -100,19 +73,11 @@ class RecallAtKLoss(RetrievalLoss):
             (paper, current code: 1.0) or one per k (2022-2024 code: equal to k).
         include_self: the query counts in its positives' ranks (authors' code, default);
             never as its own positive.
-        normalize: L2-normalise the embeddings first (the authors' network does).
         simix: add SiMix's mixed embeddings (above) to every call.
         simix_group: items per SiMix group (the sampler's images per class; >= 2).
         seed: int folded into the SiMix coefficients' hash (None: a random one, from
             Python's ``random``, which ``keras.utils.set_random_seed`` seeds).
 {shared_args}
-
-    Example:
-
-    ```python
-    loss = tfaploss.losses.RecallAtKLoss(k=(1, 2, 4, 8, 16), simix=True)
-    model.compile(optimizer="adam", loss=loss)  # batches of 4 images per class
-    ```
     """
 
     def __init__(self, k=(1, 2, 4, 8, 16), tau1=0.01, tau2=1.0, include_self=True,
@@ -136,11 +101,7 @@ class RecallAtKLoss(RetrievalLoss):
         self.pairs_per_block = integer(owner, "pairs_per_block", pairs_per_block,
                                        optional=True)
         self._k_limit = None
-        # seed=None: a random one, from Python's generator (keras.utils.set_random_seed
-        # seeds it).
         self._simix_seed = self.seed if self.seed is not None else random.getrandbits(32)
-
-    # -- the loss ---------------------------------------------------------------------
 
     def per_query(self, scores, positives, candidates, self_pairs=None):
         positives = self.without_self_pairs(positives, self_pairs)
@@ -167,13 +128,12 @@ class RecallAtKLoss(RetrievalLoss):
 
     def mixed_loss(self, y_true, y_pred, alphas=None, first=None, second=None,
                    sample_weight=None):
-        """The reduced loss on the batch plus its SiMix embeddings.
+        """The reduced loss on the batch plus its SiMix embeddings, whatever ``simix``.
 
-        ``alphas`` (F,): the mixing coefficients (None: the loss's own,
-        :func:`tfaploss.ops.recall_rank.simix_coefficients` of its seed and the batch). ``first``, ``second`` (F,): the batch indices of each pair (None:
-        the loss's own pairs, :func:`tfaploss.ops.recall_rank.simix_pairs`); a pair of
-        two classes is left out. Works whatever ``simix`` is. Cost: that of the loss on
-        B + F items.
+        ``alphas`` (F,): the mixing coefficients (None: the loss's own). ``first``,
+        ``second`` (F,): the batch indices of each pair (None: the loss's own pairs,
+        :func:`tfaploss.ops.recall_rank.simix_pairs`); a pair of two classes is left
+        out. Cost: that of the loss on B + F items.
         """
         with keras.name_scope(self.name):
             terms, sample_weight = self._mixed_weighted_terms(
@@ -214,8 +174,7 @@ class RecallAtKLoss(RetrievalLoss):
             valid = ops.equal(ops.take(labels, first, axis=0),
                               ops.take(labels, second, axis=0))
         num_mixed = int(first.shape[0])
-        finite, (y_pred,) = finite_or_zero(y_pred)
-        x = safe_normalize(y_pred) if self.normalize else y_pred
+        finite, x = self._normalized(y_pred)
         if alphas is None:
             alphas = simix_coefficients(x, labels, num_mixed, self._simix_seed, x.dtype)
         else:
@@ -243,14 +202,17 @@ class RecallAtKLoss(RetrievalLoss):
             self._k_limit = None
         return terms, first, second
 
+    def _normalized(self, y_pred):
+        finite, (y_pred,) = finite_or_zero(y_pred)
+        return finite, safe_normalize(y_pred) if self.normalize else y_pred
+
     def simix_coefficients(self, y_true, y_pred):
         """The coefficients (F,) that a call on this batch mixes its pairs with (pair f
         of :func:`tfaploss.ops.recall_rank.simix_pairs` weighs its first item by the
-        f-th), whatever ``simix`` is. Cost: O(B·D)."""
+        f-th). Cost: O(B·D)."""
         labels, y_pred = self._rows(check_labels(y_true), y_pred)
         if labels.shape[0] is None:
             raise ValueError(f"{type(self).__name__}: SiMix needs a batch of static size.")
         first, _, _ = simix_pairs(labels, self.simix_group)
-        _, (y_pred,) = finite_or_zero(y_pred)
-        x = safe_normalize(y_pred) if self.normalize else y_pred
+        _, x = self._normalized(y_pred)
         return simix_coefficients(x, labels, int(first.shape[0]), self._simix_seed, x.dtype)

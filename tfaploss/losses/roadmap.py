@@ -14,7 +14,7 @@ from tfaploss.ops.smooth_rank import sup_ap_per_query
 
 
 class _CalibrationArgs:
-    """The calibration term's arguments, checked and kept (a mixin of the losses)."""
+    """The calibration term's arguments, checked and kept."""
 
     def _keep_margins(self, pos_margin, neg_margin, averaging):
         owner = type(self).__name__
@@ -29,9 +29,7 @@ def _broadcast_scalar(value, scores):
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class CalibrationLoss(_CalibrationArgs, RetrievalLoss):
-    """ROADMAP's calibration loss.
-
-    Over ordered pairs i != j of the batch:
+    """ROADMAP's calibration loss. Over ordered pairs i != j of the batch:
 
         l+ = [pos_margin - s_ij]_+ (same label),  l- = [s_ij - neg_margin]_+ (other)
         L  = mean of the non-zero l+  +  mean of the non-zero l-
@@ -39,11 +37,8 @@ class CalibrationLoss(_CalibrationArgs, RetrievalLoss):
     (the authors' code; each mean is 0 when nothing violates its margin).
     ``averaging="per_query"`` gives the paper's Eq. 7 instead: per query the mean of
     ``l+`` over its positives plus the mean of ``l-`` over its negatives, averaged
-    over queries with a positive. The two agree only when every pair violates its
-    margin; the code form weighs a few violating pairs much more.
-
-    A batch without any positive pair gives 0 (zero gradient, a warning once), as
-    every loss of the library does. Cost: O(B²) time and memory.
+    over queries with a positive (the code form weighs a few violating pairs much
+    more). Cost: O(B²) time and memory.
 
     Args:
         pos_margin: alpha, the score positives should reach (0.9).
@@ -61,9 +56,7 @@ class CalibrationLoss(_CalibrationArgs, RetrievalLoss):
         self._keep_margins(pos_margin, neg_margin, averaging)
 
     def per_query(self, scores, positives, candidates, self_pairs=None):
-        # The code's reduction runs over pairs, not queries: every query carries the
-        # batch value, so the default (mean) reduction returns it (and the base still
-        # applies the no-positive-pair rule); "sum" gives B times it.
+        # A batch-level value: every query carries it, so the mean reduction returns it.
         total = calibration_loss(scores, positives, candidates, self.pos_margin,
                                  self.neg_margin, self.averaging)
         any_pair = ops.any(ops.logical_and(ops.cast(positives, "bool"),
@@ -76,38 +69,17 @@ class CalibrationLoss(_CalibrationArgs, RetrievalLoss):
 class ROADMAPLoss(UpperStepArgs, _CalibrationArgs, RetrievalLoss):
     """ROADMAP: ``L = (1 - lambda_) * SupAP + lambda_ * Calibration`` (paper, λ = 0.5).
 
-    SupAP is :class:`~tfaploss.losses.SupAPLoss` (query included as its own positive);
-    the calibration term is :class:`CalibrationLoss` over pairs i != j. The authors'
-    code sums both terms with weight 1, i.e. twice this loss at ``lambda_=0.5``
-    (same gradient direction, twice the step at a given learning rate).
+    SupAP is :class:`~tfaploss.losses.SupAPLoss`, the calibration term
+    :class:`CalibrationLoss` over pairs i != j. The authors' code sums both terms with
+    weight 1, i.e. twice this loss at ``lambda_=0.5``.
 
-    Cost: that of SupAP, O(B·m·B) time and O(chunk·B + B²) memory (m = largest class
-    in the batch), plus O(B²) for calibration.
+    Cost: that of SupAP, O(B·m·B) time and O(pairs_per_block·B + B²) memory (m =
+    largest class in the batch), plus O(B²) for calibration.
 
-    Collapse from a near-collinear start. The authors start from ImageNet weights. A
-    network trained from scratch starts with every embedding in a narrow cone (ReLU
-    features are non-negative), and the calibration term can then drive all
-    embeddings to one point: the loss goes flat and retrieval ends worse than the
-    untrained model. Measured with ``experiments/roadmap_start/roadmap_collinear_start.py``
-    (scikit-learn digits, ``small_cnn`` from scratch, B = 6 x 16, Adam, 150 steps,
-    start at mean off-diagonal cosine 0.997; "collapsed" = cosine 1.0000, spread 0):
-
-    * lr 1e-3: every loss escaped (seed 0: R@1 0.780 untrained -> SupAP 0.937,
-      ROADMAP 0.927, CalibrationLoss 0.938, ROADMAP lambda_ 0.1 0.919).
-    * lr 1e-2: ``CalibrationLoss`` collapsed in 3 of 3 runs (R@1 0.780 -> 0.370;
-      also from the natural start, cosine 0.948), with its loss pinned at
-      ``1 - neg_margin = 0.400``. ROADMAP at lambda_ 0.5 collapsed in 1 of 3 seeds
-      (loss 0.629 -> 0.631, R@1 0.787 -> 0.751, below the untrained model); at
-      lambda_ 0.1 in 0 of 2, SupAP in 0 of 3. The collapsed runs' backbones had
-      stopped telling images apart (feature spread 0.06-0.10 vs 0.37-0.70).
-    * lr 3e-2: SupAP and ROADMAP went NaN; ROADMAP lambda_ 0.1 collapsed.
-
-    So the default stays the paper's lambda_ = 0.5: the learning rate is what
-    decides, and SupAP's sharp sigmoid (temperature 0.01) is what escapes a tight
-    cone. Training from scratch: keep the learning rate at 1e-3 or below, or lower
-    ``lambda_`` (0.1), or train with ``SupAPLoss`` until the embeddings spread out.
-    ``tfaploss train`` logs the mean cosine (``emb_cos``) and warns when it stays
-    near 1 (:class:`tfaploss.training.TrainingHealthMonitor`).
+    Training from scratch (the authors start from ImageNet weights), the calibration
+    term can collapse every embedding to one point: keep the learning rate at 1e-3
+    or below, or lower ``lambda_`` (0.1), or train with ``SupAPLoss`` until the
+    embeddings spread out (measurements: ``docs/losses.md``, "ROADMAP from scratch").
 
     Args:
         lambda_: weight of the calibration term, in [0, 1].
@@ -132,7 +104,6 @@ class ROADMAPLoss(UpperStepArgs, _CalibrationArgs, RetrievalLoss):
         others = ops.logical_and(ops.cast(positives, "bool"), pair_candidates)
         calibration = calibration_loss(scores, others, pair_candidates, self.pos_margin,
                                        self.neg_margin, self.averaging)
-        # Every valid query carries the batch-level calibration value, so the default
-        # (mean) reduction gives (1 - lambda) * SupAP + lambda * calibration.
+        # Every valid query carries the batch-level calibration value.
         values = (1.0 - self.lambda_) * (1.0 - ap) + self.lambda_ * calibration
         return values, ops.cast(counts > 0, ap.dtype)

@@ -1,9 +1,5 @@
-"""Smooth-AP (Brown et al., ECCV 2020) and ROADMAP's SupAP (Ramzi et al., NeurIPS 2021).
-
-Both rank each positive of a query with a smoothed step of the score differences; the
-shared machinery (gathering only the positive pairs, chunking, the hand-written
-gradient) is :func:`tfaploss.ops.smooth_rank.positive_rank_terms`.
-"""
+"""Smooth-AP (Brown et al., ECCV 2020) and ROADMAP's SupAP (Ramzi et al., NeurIPS 2021);
+the kernels are in :mod:`tfaploss.ops.smooth_rank`."""
 
 from __future__ import annotations
 
@@ -16,13 +12,8 @@ from tfaploss.ops.smooth_rank import SupAPUpperStep, smooth_ap_per_query, sup_ap
 
 
 class _SmoothRankAPLoss(RetrievalLoss):
-    """Shared reduction of Smooth-AP and SupAP: ``L = 1 - mean_i AP_i``.
-
-    Every query with a positive counts, including one whose only positive is itself
-    (AP ~ 1), as in the original code (``drop_lone_queries=True`` leaves those out).
-    A batch without any positive pair between two different items gives 0 (zero
-    gradient, a warning once).
-    """
+    """``L = 1 - mean_i AP_i`` over the queries with a positive (itself included, as
+    the original code)."""
 
     def _ap(self, scores, positives, candidates):
         raise NotImplementedError
@@ -35,25 +26,19 @@ class _SmoothRankAPLoss(RetrievalLoss):
 @keras.saving.register_keras_serializable(package="tfaploss")
 class SmoothAPLoss(_SmoothRankAPLoss):
     """Smooth-AP (Brown et al., "Smooth-AP: Smoothing the Path Towards Large-Scale
-    Image Retrieval", ECCV 2020).
-
-    For query i and each positive k (the query itself included by default):
+    Image Retrieval", ECCV 2020). For query i and each positive k (the query itself
+    included by default):
 
         rank(i,k)  = 1 + sum_{j != k}         sig(s_ij - s_ik)
         rank+(i,k) = 1 + sum_{j in P_i, j!=k} sig(s_ij - s_ik)
         AP_i = mean_{k in P_i} rank+ / rank,   L = 1 - mean_i AP_i
 
     with ``sig(t) = sigmoid(clip(t / temperature, -50, 50))`` and ``s`` the cosine
-    scores. Unlike the original, labels need not come in contiguous equal-size class
-    blocks.
+    scores. Unlike the original, classes need not be contiguous equal-size blocks.
 
-    Cost: O(B·m·B) time (m = largest class in the batch; only positive pairs are
-    ranked) and O(chunk·B + B²) memory with chunk = ``pairs_per_block`` (default ~4M/B
-    pairs, i.e. ~16 MiB per temporary in float32); never a B×B×B tensor. Runs under
-    ``jit_compile=True`` and ``jax.jit`` (a while loop over fixed-size blocks with a
-    hand-written gradient). Measured (B=4096,
-    D=512, 64 per class, float32, forward + backward, 2 shared CPU cores): ~6-9 s
-    with ``jit_compile=True``, ~15-18 s without; peak RSS under 2 GB.
+    Cost: O(B·m·B) time (m = largest class in the batch) and O(pairs_per_block·B + B²)
+    memory (~16 MiB per float32 temporary by default); never a B×B×B tensor
+    (measurements: ``docs/losses.md``).
 
     Args:
         temperature: sigmoid temperature (paper: 0.01).
@@ -73,19 +58,19 @@ class SmoothAPLoss(_SmoothRankAPLoss):
 
 
 class UpperStepArgs:
-    """The step-rank upper bound's constants of SupAP, ROADMAP and the SupRank losses,
-    and their ``pairs_per_block``: checked and kept as attributes (a mixin of
-    ``RetrievalLoss``es)."""
+    """The step-rank upper bound's constants and ``pairs_per_block``, checked and kept
+    (a mixin of SupAP, ROADMAP and the SupRank losses)."""
 
-    def _keep_upper_step(self, temperature, rho, delta, start, offset, pairs_per_block):
-        """Check and keep the constants; returns the step (``SupAPUpperStep``)."""
+    def _keep_upper_step(self, temperature, rho, delta, start, offset, pairs_per_block,
+                         temperature_name="temperature"):
         owner = type(self).__name__
         try:
             step = SupAPUpperStep(temperature, rho, delta, start, offset)
         except ValueError as err:
-            raise ValueError(f"{owner}: {err}") from None
-        self.temperature, self.rho, self.delta, self.start = (step.temperature, step.rho,
-                                                              step.delta, step.start)
+            message = str(err).replace("temperature must", f"{temperature_name} must")
+            raise ValueError(f"{owner}: {message}") from None
+        setattr(self, temperature_name, step.temperature)
+        self.rho, self.delta, self.start = step.rho, step.delta, step.start
         self.offset = None if offset is None else step.offset
         self.pairs_per_block = integer(owner, "pairs_per_block", pairs_per_block,
                                        optional=True)
@@ -95,21 +80,19 @@ class UpperStepArgs:
 @keras.saving.register_keras_serializable(package="tfaploss")
 class SupAPLoss(UpperStepArgs, _SmoothRankAPLoss):
     """ROADMAP's smooth-rank upper bound "SupAP" (Ramzi et al., "Robust and Decomposable
-    Average Precision for Image Retrieval", NeurIPS 2021).
-
-    As :class:`SmoothAPLoss`, but positives ``j`` enter both ranks through the true
-    step ``H(t) = [t >= 0]`` (no gradient) and negatives through the upper bound
+    Average Precision for Image Retrieval", NeurIPS 2021). As :class:`SmoothAPLoss`, but
+    positives ``j`` enter both ranks through the true step ``H(t) = [t >= 0]`` (no
+    gradient) and negatives through the upper bound
 
         H-(t) = sig(t)                      t <= 0
                 start + sig(t)              0 < t <= delta
                 rho·(t - delta) + offset    t > delta
 
-    ``offset=None`` gives the continuous ``start + sig(delta)``. The authors' SOP config
-    uses ``offset=1.44``, their iNaturalist config ``start=0, offset=1.0`` (which
-    breaks the upper-bound property on ``0 < t <= delta``). With ``start >= 0.5`` and
-    ``offset >= 1``, ``SupAP_i <= AP_i``, so the loss bounds ``1 - mAP`` from above.
+    ``offset=None`` gives the continuous ``start + sig(delta)``; the authors' SOP config
+    uses ``offset=1.44``, their iNaturalist config ``start=0, offset=1.0``. With
+    ``start >= 0.5`` and ``offset >= 1``, the loss bounds ``1 - mAP`` from above.
 
-    Cost: as :class:`SmoothAPLoss`, O(B·m·B) time, O(chunk·B + B²) memory.
+    Cost: as :class:`SmoothAPLoss`, O(B·m·B) time, O(pairs_per_block·B + B²) memory.
 
     Args:
 {shared_args}

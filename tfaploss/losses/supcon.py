@@ -1,5 +1,4 @@
-"""Supervised contrastive loss (Khosla, Teterwak, Wang, Sarna, Tian, Isola, Maschinot,
-Liu, Krishnan, "Supervised Contrastive Learning", NeurIPS 2020)."""
+"""Supervised contrastive loss (Khosla et al., NeurIPS 2020)."""
 
 from __future__ import annotations
 
@@ -13,28 +12,21 @@ from tfaploss.ops.masks import masked_logsumexp, masked_mean
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class SupConLoss(RetrievalLoss):
-    """Supervised contrastive loss (Khosla et al., NeurIPS 2020, their L_out), as
-    pytorch-metric-learning computes it.
-
-    With cosine scores ``s_ij``, temperature ``t``, positives ``P_i`` (same label, not
-    i) and ``A_i`` every other item of the batch::
+    """Supervised contrastive loss, L_out (Khosla, Teterwak, Wang, Sarna, Tian, Isola,
+    Maschinot, Liu, Krishnan, "Supervised Contrastive Learning", NeurIPS 2020), as
+    pytorch-metric-learning computes it. With cosine scores ``s_ij``, temperature ``t``,
+    positives ``P_i`` (same label, not i) and ``A_i`` every other item of the batch::
 
         l_i = -1/|P_i| · sum_{p in P_i} [ s_ip / t - log sum_{a in A_i} exp(s_ia / t) ]
 
     averaged over the queries with a positive (pytorch-metric-learning's
-    ``AvgNonZeroReducer``); a batch without a positive pair, or without a negative
-    pair (one class), gives 0 (pytorch-metric-learning's rule; the first with a
-    warning).
+    ``AvgNonZeroReducer``); a batch without a positive or a negative pair gives 0.
 
     Cost: O(B²·D) for the scores, O(B²) time and memory.
 
-    Example::
-
-        model.compile(optimizer="adam", loss=SupConLoss(temperature=0.1))
-
     Args:
-        temperature: the softmax temperature (> 0; pytorch-metric-learning's default
-            0.1; the paper's 0.1 for its ImageNet runs).
+        temperature: the softmax temperature (> 0; pytorch-metric-learning's and the
+            paper's ImageNet runs' 0.1).
 {shared_args}
     """
 

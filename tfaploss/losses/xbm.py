@@ -1,17 +1,5 @@
 """Cross-batch memory (XBM; Wang et al., "Cross-Batch Memory for Embedding Learning",
-CVPR 2020): the ring buffer and the loss wrapper that ranks each batch against it.
-
-The memory is a ring buffer of the last ``size`` embeddings and labels seen in
-training, held detached in non-trainable variables so that it works in graph mode,
-under XLA and under ``tf.distribute``, and (``keras.ops`` only) on the JAX and PyTorch
-backends. Each batch's queries are then also ranked against the memory, which shows
-the loss many more negatives for the cost of a (B x size) score matrix instead of a
-bigger batch.
-
-:class:`XBMLoss` wraps a ranking loss for a plain ``compile``/``fit``;
-:class:`tfaploss.training.MultiStageModel` (``xbm_size``) holds a
-:class:`CrossBatchMemory` of its own.
-"""
+CVPR 2020): the ring buffer and the loss wrapper that ranks each batch against it."""
 
 from __future__ import annotations
 
@@ -21,14 +9,7 @@ import keras
 from keras import ops
 
 from tfaploss._keras_compat import in_symbolic_scope  # private Keras API
-from tfaploss.losses._checks import (
-    check,
-    check_labels,
-    check_sizes,
-    concrete,
-    integer,
-    is_number,
-)
+from tfaploss.losses._checks import check, check_labels, check_sizes, concrete, integer, is_number
 from tfaploss.losses.base import RetrievalLoss
 from tfaploss.ops import distribute
 
@@ -37,19 +18,11 @@ from tfaploss.ops import distribute
 class CrossBatchMemory(keras.layers.Layer):
     """Ring buffer of the last ``size`` (embedding, label) pairs, without gradients.
 
-    ``enqueue(embeddings, labels)`` writes a batch (its last ``size`` rows if the batch
-    is larger than the memory) over the oldest entries. ``query_loss(loss, labels,
-    embeddings)`` is ``loss.query_database_loss`` of the queries against the filled
-    slots, with the gradient stopped on the memory side; it is 0 while the memory is
-    empty.
-
-    Called as a layer it returns its input unchanged and keeps the call's ``training``
-    flag for the next :class:`XBMLoss` call (:meth:`take_training`): a Keras loss is
-    not told whether it runs in a training step, while the model's layers are, and the
-    train and test steps call the model right before the loss.
-
-    Under a distribution strategy every replica must enqueue the same (global) batch:
-    the variables keep the first replica's write.
+    Held in non-trainable variables (graph mode, XLA, every backend). Called as a layer
+    it returns its input unchanged and keeps the call's ``training`` flag for the next
+    :class:`XBMLoss` call (a Keras loss is not told whether it runs in a training
+    step; the model's layers are). Under a distribution strategy every replica must
+    enqueue the same (global) batch: the variables keep the first replica's write.
 
     Args:
         size: number of slots, >= 1.
@@ -85,17 +58,15 @@ class CrossBatchMemory(keras.layers.Layer):
             raise ValueError(
                 f"CrossBatchMemory: built for embedding_dim={self.embedding_dim}; "
                 f"received input_shape={tuple(input_shape)}")
-        # Replicas all write the same global batch; keep one copy of the write.
-        common = {"trainable": False, "aggregation": "only_first_replica"}
-        self.embeddings = self.add_weight(
-            name="embeddings", shape=(self.size, self.embedding_dim), initializer="zeros",
-            dtype="float32", **common)
-        self.labels = self.add_weight(
-            name="labels", shape=(self.size,), initializer="zeros", dtype="int64", **common)
-        self.pointer = self.add_weight(
-            name="pointer", shape=(), initializer="zeros", dtype="int32", **common)
-        self.filled = self.add_weight(
-            name="filled", shape=(), initializer="zeros", dtype="int32", **common)
+        def weight(name, shape, dtype):
+            # Replicas all write the same global batch; keep one copy of the write.
+            return self.add_weight(name=name, shape=shape, initializer="zeros", dtype=dtype,
+                                   trainable=False, aggregation="only_first_replica")
+
+        self.embeddings = weight("embeddings", (self.size, self.embedding_dim), "float32")
+        self.labels = weight("labels", (self.size,), "int64")
+        self.pointer = weight("pointer", (), "int32")
+        self.filled = weight("filled", (), "int32")
         self.built = True
 
     def call(self, inputs, training=None):
@@ -106,13 +77,8 @@ class CrossBatchMemory(keras.layers.Layer):
 
     def take_training(self):
         """The ``training`` flag of this layer's last call on this replica, or None when
-        no call came since the previous take.
-
-        Calls that Keras traces for shapes only (``fit`` builds the model, then the
-        loss, that way before its first step) are kept apart and not taken (PyTorch's
-        shape inference may run the model and then the loss twice), so that a model
-        without this layer is refused before any step runs.
-        """
+        no call came since the previous take. Shape-only traces are kept apart and not
+        taken (PyTorch's shape inference may run model and loss twice)."""
         symbolic = in_symbolic_scope()
         key = (distribute.replica_id(), symbolic)
         pending = self._pending_training
@@ -144,12 +110,9 @@ class CrossBatchMemory(keras.layers.Layer):
             ops.minimum(ops.convert_to_tensor(self.filled) + ops.cast(k, "int32"), self.size))
 
     def query_loss(self, loss, query_labels, query_embeddings, sample_weight=None):
-        """``loss.query_database_loss`` of the queries against the memory (0 if empty).
-
-        Reduced as ``loss`` reduces its own terms (its ``reduction``), with
-        ``sample_weight`` (one weight per query) when given.
-        Cost: that of ``loss`` on a (B, size) score matrix.
-        """
+        """``loss.query_database_loss`` of the queries against the filled slots, the
+        gradient stopped on the memory side (0 while empty). Cost: that of ``loss`` on a
+        (B, size) score matrix."""
         memory = ops.stop_gradient(ops.convert_to_tensor(self.embeddings))
         if keras.backend.backend() == "torch":
             # PyTorch's assign writes in place; an enqueue after this call (XBMLoss
@@ -183,9 +146,8 @@ class CrossBatchMemory(keras.layers.Layer):
         return ops.cond(filled, with_memory, lambda: ops.zeros(empty_shape, "float32"))
 
     def load_own_variables(self, store):
-        # A model saved with an XBMLoss holds its memory once, with the model's
-        # layers; the compiled loss reloaded with it has a fresh memory of its own,
-        # which finds nothing saved under the loss and stays empty.
+        # The memory is saved with the model's layers; a reloaded loss's fresh memory
+        # finds nothing under the loss and stays empty.
         if len(store) == 0:
             return
         super().load_own_variables(store)
@@ -198,21 +160,16 @@ class CrossBatchMemory(keras.layers.Layer):
 
 @keras.saving.register_keras_serializable(package="tfaploss")
 class XBMLoss(keras.losses.Loss):
-    """A ranking loss plus its loss against a cross-batch memory of past batches.
-
-    Wang et al., "Cross-Batch Memory for Embedding Learning", CVPR 2020. With ``L``
-    the wrapped ``loss``, a batch of queries ``(y, e)`` and the memory ``M`` of the
-    last ``size`` training embeddings (with their labels) from earlier steps::
+    """A ranking loss plus its loss against a cross-batch memory of past batches (Wang et
+    al., "Cross-Batch Memory for Embedding Learning", CVPR 2020). With ``L`` the wrapped
+    ``loss`` and ``M`` the last ``size`` training embeddings and labels::
 
         XBMLoss(y, e) = L(y, e) + weight * L.query_database_loss(y, e, M_y, stop_gradient(M_e))
 
     after which a training step writes the batch's detached ``(e, y)`` over the oldest
-    slots of ``M`` (a ring buffer, :class:`CrossBatchMemory`). The memory term ranks
-    each query against the filled slots only; it is 0 while the memory is empty, and
-    both terms are reduced as ``loss`` reduces (its ``reduction``, ``sample_weight``).
-
-    The memory is a layer, ``loss.memory``, that must sit on the model's embedding
-    output (it returns its input unchanged)::
+    slots of ``M``. The memory term is 0 while the memory is empty; both terms are
+    reduced as ``loss`` reduces. The memory is a layer, ``loss.memory``, that must sit
+    on the model's embedding output (it returns its input unchanged)::
 
         xbm = XBMLoss(APLoss(), size=4096)
         outputs = xbm.memory(backbone(inputs))
@@ -220,20 +177,13 @@ class XBMLoss(keras.losses.Loss):
         model.compile(optimizer, loss=xbm)
         model.fit(...)
 
-    That way its variables are model state, which Keras threads through the JAX
-    backend's stateless (jitted) step and saves with the model, and it sees the
-    step's ``training`` flag: only training steps write to the memory (``evaluate``
-    and ``fit``'s validation rank against it but leave it as it is). The loss refuses
-    to run (RuntimeError) when the memory layer was not called since its previous
-    call; in a custom loop call ``xbm.memory(embeddings, training=True)`` before it.
-    After ``keras.models.load_model`` compile again with
-    ``XBMLoss(loss, memory=model.get_layer(name))`` to reuse the loaded memory.
-
-    Under ``tf.distribute`` (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``)
-    the batch is gathered across replicas first, as :class:`RetrievalLoss` does: every
-    replica ranks the global batch against the memory, returns its share, and writes
-    the same global batch, so R replicas take the one-device step. Create the loss in
-    ``strategy.scope()``, with the model.
+    That way its variables are model state (threaded through JAX's jitted step, saved
+    with the model) and only training steps write to it. The loss raises RuntimeError
+    when the layer was not called since its previous call; in a custom loop call
+    ``xbm.memory(embeddings, training=True)`` first. After ``load_model`` compile
+    with ``XBMLoss(loss, memory=model.get_layer(name))`` to reuse the loaded memory.
+    Under ``tf.distribute`` every replica ranks the gathered global batch and writes
+    it; create the loss in ``strategy.scope()``.
 
     Args:
         loss: the wrapped :class:`~tfaploss.losses.RetrievalLoss` (or its config).
@@ -245,10 +195,8 @@ class XBMLoss(keras.losses.Loss):
             ``embedding_dim`` then default to its own).
         name: name of the loss.
 
-    Cost of a call: the wrapped loss on the (B, B) batch scores plus on a (B, size)
-    score matrix, and a scatter of B rows into the memory; the memory holds
-    ``size * (4 * embedding_dim + 8)`` bytes. Under ``tf.distribute`` add an
-    all-gather of the (B, D) embeddings per replica.
+    Cost of a call: the wrapped loss on the (B, B) and on a (B, size) score matrix, and
+    a scatter of B rows; the memory holds ``size * (4 * embedding_dim + 8)`` bytes.
     """
 
     def __init__(self, loss, size=None, embedding_dim=None, weight=1.0, memory=None,
@@ -281,8 +229,8 @@ class XBMLoss(keras.losses.Loss):
         return self.memory.size
 
     def __call__(self, y_true, y_pred, sample_weight=None):
-        """The wrapped loss of the batch plus ``weight`` times its loss against the
-        memory (class docstring); a training call then enqueues the batch."""
+        """The loss of the batch plus ``weight`` times its loss against the memory; a
+        training call then enqueues the batch."""
         training = self.memory.take_training()
         if training is None:
             raise RuntimeError(
@@ -317,8 +265,7 @@ class XBMLoss(keras.losses.Loss):
         return total
 
     def _check_state(self, embeddings):
-        """Refuse a JAX trace in which the memory is not part of the threaded state:
-        its reads would be constants and its writes lost."""
+        """Refuse a JAX trace whose threaded state lacks the memory (writes lost)."""
         if keras.backend.backend() != "jax":
             return
         import jax

@@ -1,11 +1,5 @@
-"""Functional core of the AP surrogates.
-
-Every function here works on a (queries x database) score matrix with boolean
-``positives`` (relevant items) and ``candidates`` (items that take part in the
-ranking, e.g. everything but the query itself) masks, so the same code ranks a batch
-against itself or a batch against a memory bank of reference embeddings. The Keras
-loss classes in :mod:`tfaploss.losses` are thin wrappers around these functions.
-"""
+"""Functional core of the AP surrogates: functions of a (queries x database) score
+matrix and boolean ``positives`` and ``candidates`` masks, wrapped by the losses."""
 
 from tfaploss.ops.blackbox import blackbox_ap, blackbox_ranks
 from tfaploss.ops.calibration import calibration_loss
@@ -18,12 +12,7 @@ from tfaploss.ops.histogram import (
     tie_aware_histogram_ap,
     two_bin_assignment,
 )
-from tfaploss.ops.masks import (
-    inverse_permutations,
-    label_masks,
-    pairwise_scores,
-    safe_normalize,
-)
+from tfaploss.ops.masks import inverse_permutations, label_masks, pairwise_scores, safe_normalize
 from tfaploss.ops.smooth_rank import (
     pnp_penalty,
     pnp_per_query,

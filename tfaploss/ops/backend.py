@@ -1,11 +1,5 @@
-"""The few primitives whose fastest form differs between Keras backends.
-
-Everything in :mod:`tfaploss.ops` is written with ``keras.ops``. Three primitives have a
-TensorFlow kernel that ``keras.ops`` does not reach and that the TensorFlow path needs
-to stay as fast as before (a weighted bincount, ``invert_permutation``, a fused
-``top_k`` sort); on TensorFlow they come from :mod:`tfaploss.ops.tensorflow_kernels`,
-which is imported only there, so JAX and PyTorch never import TensorFlow.
-"""
+"""The few primitives whose fastest form differs between Keras backends; on TensorFlow
+they come from :mod:`tfaploss.ops.tensorflow_kernels`, imported only there."""
 
 from __future__ import annotations
 
@@ -43,10 +37,7 @@ def descending_order(scores):
 
 def ascending_order(keys):
     """Per row, the indices by increasing key; ties keep the lower index first."""
-    kernels = tf_kernels()
-    if kernels:
-        return kernels.descending_order(-keys)
-    return ops.argsort(keys, axis=-1)
+    return descending_order(-keys)  # negation is exact
 
 
 def take(x, indices, axis=0):
@@ -69,11 +60,8 @@ def gather_rows(x, indices):
 
 
 def inverse_permutations(order):
-    """Row-wise inverse of a (Q, N) batch of permutations of ``range(N)``.
-
-    ``inverse[i, order[i, p]] = p``: turns a sort order into each item's position.
-    O(Q·N) time (a scatter, or TensorFlow's ``invert_permutation``), not a second sort.
-    """
+    """Row-wise inverse of a (Q, N) batch of permutations: ``inverse[i, order[i, p]] =
+    p``. O(Q·N) time, not a second sort."""
     kernels = tf_kernels()
     if kernels:
         return kernels.inverse_permutations(order)
@@ -87,11 +75,8 @@ def inverse_permutations(order):
 
 
 def two_bin_counts(index, upper, lower, num_bins):
-    """Per row, ``out[i, m] = sum_j upper_ij [index_ij = m] + lower_ij [index_ij + 1 = m]``.
-
-    Differentiable in ``upper`` and ``lower`` (the backward is a gather of the (Q, M)
-    gradient at each entry's two bins). O(Q·N) time and memory, no (Q, N, M) tensor.
-    """
+    """Per row, ``out[i, m] = sum_j upper_ij [index_ij = m] + lower_ij [index_ij + 1 = m]``,
+    differentiable in ``upper`` and ``lower``. O(Q·N) time and memory."""
     kernels = tf_kernels()
     if kernels:
         return kernels.two_bin_counts(index, upper, lower, num_bins)

@@ -1,14 +1,9 @@
 """Black-box differentiated AP (Rolínek, Musil, Paulus, Vlastelica, Michaelis, Martius,
-"Optimizing Rank-based Metrics with Blackbox Differentiation", CVPR 2020), as in the
-ROADMAP repository.
+"Optimizing Rank-based Metrics with Blackbox Differentiation", CVPR 2020).
 
-Forward: the exact AP from the ranks of the scores. Backward: the ranking is treated
-as a black-box combinatorial solver (Vlastelica et al., ICLR 2020): with the incoming
-gradient ``g = dL/dr`` the scores are perturbed to ``s' = s + lambda * g`` and
-``dL/ds = -(r - rank(s')) / lambda``, a piecewise-constant interpolation. Ranks are
-normalised by the number of candidates, as the original's ``rank_normalised``.
-
-Cost: one sort per row forward and one backward, O(Q·N·log N) time, O(Q·N) memory.
+Forward: the exact AP from the ranks. Backward: with ``g = dL/dr``, ``dL/ds = -(r -
+rank(s + lambda * g)) / lambda`` (Vlastelica et al., ICLR 2020), ranks normalised by the
+number of candidates. Cost: O(Q·N·log N) time (two sorts per row), O(Q·N) memory.
 """
 
 from __future__ import annotations
@@ -21,10 +16,8 @@ from tfaploss.ops.masks import ranked_masks
 
 
 def _order_and_ranks(scores):
-    """Per row: the indices by decreasing score, and each entry's 0-based position.
-
-    Ties are broken by index (the lower index first). One sort per row.
-    """
+    """Per row: the indices by decreasing score (ties: lower index first), and each
+    entry's 0-based position."""
     order = descending_order(scores)
     return order, inverse_permutations(order)
 
@@ -67,8 +60,7 @@ def blackbox_ranks(scores, candidates, lambda_=4.0):
     gradient ``-(r - r(s + lambda * g)) / lambda``.
 
     Non-candidates are ranked last, receive no gradient, and do not count in the
-    normaliser. Cost: one sort per row forward and one backward, O(Q·N·log N) time,
-    O(Q·N) memory.
+    normaliser. Cost: O(Q·N·log N) time, O(Q·N) memory.
     """
     return _ranker(scores, candidates, lambda_)
 
@@ -79,9 +71,8 @@ def blackbox_ap(scores, positives, candidates=None, lambda_=4.0, margin=0.0, noi
     ``AP_i = sum_{k in P_i} rank+_ik / rank_ik / (|P_i| + 1e-5)``, with ``rank`` the
     position among the candidates and ``rank+`` the position among the positives
     (the ``1e-5`` is the original's). With ``margin > 0`` the ranks are computed on
-    ``s - margin * noise * (y - 0.5)``, where ``noise`` (default ``|N(0, 1)|``, pass a
-    tensor to control it) lowers positives and raises negatives: a stochastic margin.
-    Only ``rank`` carries a gradient; ``rank+`` is a constant, as in the original.
+    ``s - margin * noise * (y - 0.5)``, ``noise`` by default ``|N(0, 1)|``. Only
+    ``rank`` carries a gradient, as in the original.
 
     Cost: O(Q·N·log N) time and O(Q·N) memory, forward and backward.
     """

@@ -11,19 +11,13 @@ CALIBRATION_AVERAGING = ("nonzero_pairs", "per_query")
 
 def calibration_loss(scores, positives, candidates, pos_margin=0.9, neg_margin=0.6,
                      averaging="nonzero_pairs"):
-    """Calibration term pulling positive scores above ``pos_margin`` and negatives
-    below ``neg_margin``.
+    """Calibration term: ``l+ = [pos_margin - s_ij]_+`` on positive pairs, ``l- = [s_ij -
+    neg_margin]_+`` on the other candidates (leave the query itself out of them).
 
-    Per pair: ``l+ = [pos_margin - s_ij]_+`` on positive pairs,
-    ``l- = [s_ij - neg_margin]_+`` on negative pairs (candidates that are not
-    positives). Leave the query itself out of ``candidates`` (ordered pairs i != j).
-
-    ``averaging="nonzero_pairs"`` (the authors' code, pytorch-metric-learning's
-    contrastive loss with ``AvgNonZeroReducer``): mean of the non-zero ``l+`` plus mean
-    of the non-zero ``l-`` over all pairs (each 0 when there is none).
-    ``averaging="per_query"`` (the paper's Eq. 7): per query, the mean of ``l+`` over
-    its positives plus the mean of ``l-`` over its negatives, averaged over the
-    queries with a positive.
+    ``averaging="nonzero_pairs"`` (the authors' code): mean of the non-zero ``l+`` plus
+    mean of the non-zero ``l-`` (each 0 when there is none). ``"per_query"`` (the
+    paper's Eq. 7): per query, the mean of ``l+`` over its positives plus the mean of
+    ``l-`` over its negatives, averaged over the queries with a positive.
 
     Returns a scalar. Cost: O(Q·N) time and memory.
     """

@@ -1,11 +1,4 @@
-"""Ranking the global batch under ``torch.distributed`` (the PyTorch backend).
-
-Imported only on the PyTorch backend (through :mod:`tfaploss.ops.distribute` and
-:mod:`tfaploss.training.multistage_torch`). Under an initialised default process group
-of W > 1 ranks, each rank holds a shard of the global batch; a ranking loss of one
-shard is another loss (none at all when no shard holds two items of one class), so
-:class:`tfaploss.losses.RetrievalLoss` all-gathers every rank's labels, embeddings and
-sample weights and ranks the global batch on every rank.
+"""Ranking the global batch under ``torch.distributed`` (imported on PyTorch only).
 
 The gradient contract is DistributedDataParallel's: parameter gradients are AVERAGED
 over the ranks, once. Every rank evaluates the same global loss ``L`` of the gathered
@@ -40,10 +33,8 @@ def _row_counts(local: int, device) -> list[int]:
 
 
 def _all_gather_rows(tensor, counts):
-    """Every rank's rows of ``tensor`` concatenated in rank order, without gradient.
-
-    ``all_gather`` needs one shape on every rank, so shards are padded to the longest.
-    """
+    """Every rank's rows of ``tensor`` in rank order, without gradient (shards padded
+    to the longest: ``all_gather`` needs one shape)."""
     tensor = tensor.detach()
     longest = max(counts)
     if tensor.shape[0] < longest:
@@ -64,8 +55,7 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # Every rank's loss may depend on every row: the gradient of this rank's rows is
-        # the sum over ranks (the module docstring says why DDP's average then is exact).
+        # Every rank's loss may depend on every row: sum over ranks (module docstring).
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, op=dist.ReduceOp.SUM)
         start = sum(ctx.counts[:ctx.rank])
@@ -73,14 +63,9 @@ class _GatherRows(torch.autograd.Function):
 
 
 def gather_rows(tensor, counts=None):
-    """Every rank's rows of ``tensor`` (shards may differ in size), in rank order.
-
-    Differentiable: the backward sums the ranks' gradients of this rank's rows (an
-    all-reduce of the gathered gradient), so that with parameter gradients averaged
-    over the ranks (DistributedDataParallel) a loss of the gathered rows has the
-    one-process gradient (module docstring). A collective: every rank must call it.
-    ``counts``: every rank's row count, when known (else gathered first).
-    """
+    """Every rank's rows of ``tensor``, in rank order; the backward sums the ranks'
+    gradients of this rank's rows (module docstring). A collective. ``counts``: every
+    rank's row count, when known (else gathered first)."""
     if counts is None:
         counts = _row_counts(tensor.shape[0], tensor.device)
     if torch.is_grad_enabled() and tensor.requires_grad:
@@ -89,12 +74,11 @@ def gather_rows(tensor, counts=None):
 
 
 def gather_ranks(labels, embeddings, sample_weight):
-    """Every rank's ``labels``, ``embeddings`` (with the gradient of :func:`gather_rows`)
-    and ``sample_weight`` (a tensor or None), in rank order; and this rank's
-    ``(start, stop)`` rows in them. Shards may differ in size.
+    """Every rank's ``labels``, ``embeddings`` (differentiable) and ``sample_weight``
+    (or None), in rank order; and this rank's ``(start, stop)`` rows in them.
 
-    Cost: an all-gather of the row counts, of the (B, D) embeddings (and in the
-    backward an all-reduce of their (B, D) gradient) and of the B labels and weights.
+    Cost: all-gathers of the row counts, (B, D) embeddings, labels and weights, and an
+    all-reduce of the embeddings' gradient.
     """
     counts = _row_counts(embeddings.shape[0], embeddings.device)
     start = sum(counts[:dist.get_rank()])

@@ -1,10 +1,6 @@
 """H-AP's kernels (HAPPIER, Ramzi et al., ECCV 2022): multi-level label relations, the
-authors' relevance, and the blocked smoothed ranks of every relevant pair.
-
-The pairs are ranked in the fixed-size blocks of :mod:`tfaploss.ops.pair_blocks` (with
-a block kernel of its own), so memory stays
-O(pairs_per_block·B + B²) at any batch size. :class:`tfaploss.losses.HAPLoss` is the loss.
-"""
+authors' relevance, and the smoothed ranks of every relevant pair, in the blocks of
+:mod:`tfaploss.ops.pair_blocks`. :class:`tfaploss.losses.HAPLoss` is the loss."""
 
 from __future__ import annotations
 
@@ -20,9 +16,7 @@ _OUT = -1
 def hierarchy_levels(query_labels, db_labels):
     """``level[i, j]``: how many label columns items i and j share, shape (Q, N).
 
-    The authors' ``create_label_matrix``: with nested labels (fine class in column 0,
-    coarser levels after it) this is the number of levels the two items share, from
-    0 (unrelated) to L (same finest class). Labels are compared as given.
+    The authors' ``create_label_matrix``: 0 (unrelated) to L (same finest class).
     """
     num_levels = query_labels.shape[-1]
     level = None
@@ -38,11 +32,8 @@ def pop_relevance(level, candidates, num_levels, alpha=1.0, dtype="float32"):
 
     ``rel(i, j) = w[l] / #{k in C_i: level(i, k) = l}`` with ``l = level(i, j)`` and
     ``w[l] = (l / (L - 1)) ** alpha`` (``get_relevances_pop`` of HAPPIER's
-    ``engine/compute_relevance_on_the_fly.py``, called with ``levels = L``): each level
-    shares a weight among its items, so a query's relevance does not grow with how many
-    items of one level the batch holds. ``w[0] = 0``: unrelated items are irrelevant.
-    For ``L = 1`` the authors' ``1 / (L - 1)`` is undefined; ``w[1] = 1`` is used (any
-    constant gives plain AP).
+    ``engine/compute_relevance_on_the_fly.py``). For ``L = 1``, ``w[1] = 1`` (the
+    authors' ``1 / (L - 1)`` is undefined; any constant gives plain AP).
     """
     candidates = ops.cast(candidates, "bool")
     denominator = max(num_levels - 1, 1)
@@ -56,10 +47,8 @@ def pop_relevance(level, candidates, num_levels, alpha=1.0, dtype="float32"):
 
 
 def _hap_block_kernels(upper):
-    """(forward, backward) of one block of relevant pairs (i, j).
-
-    ``kind`` is ``(code, relevance)``: ``code[i, k]`` the level of item k for query i
-    (``_OUT`` when k is not ranked), ``relevance[i, k]`` its relevance. Per pair:
+    """The block kernel of the relevant pairs (i, j); ``kind`` is ``(code, relevance)``
+    (``code``: the level, ``_OUT`` when not ranked). Per pair:
 
         rank_sum  = sum_{k != j ranked} (upper(t) if code_k < code_j else [t >= 0])
         hrank_sum = sum_{k != j ranked} [t >= 0] · min(rel_k, rel_j)
@@ -113,11 +102,9 @@ def hap_per_query(scores, level, relevance, candidates, upper, pairs_per_block=N
                                          else [s_ik >= s_ij])
         H-rank(i, j) = rel_ij + sum_{k != j} [s_ik >= s_ij] · min(rel_ik, rel_ij)
 
-    over the candidates k (HAPPIER's ``SmoothRankHAP.quick_forward`` with
-    ``step_rank`` and ``heaviside``). Returns ``(hap, num_relevant)``, each (Q,).
-
-    Cost: O(P·N) time with P the relevant pairs (<= Q·N), O(pairs_per_block·N + Q·N)
-    memory, forward and backward alike.
+    over the candidates k (HAPPIER's ``SmoothRankHAP.quick_forward``). Returns ``(hap,
+    num_relevant)``, each (Q,). Cost: O(P·N) time with P the relevant pairs,
+    O(pairs_per_block·N + Q·N) memory, forward and backward alike.
     """
     scores = ops.convert_to_tensor(scores)
     candidates = ops.cast(candidates, "bool")

@@ -5,15 +5,9 @@ Retrieval with a Listwise Loss", ICCV 2019 (Eq. 5-13).
 
 Scores are quantised into M bins with centres ``b_m = hi - m * delta`` (top bin
 first), ``delta = (hi - lo) / (M - 1)``, by the triangular kernel
-``delta(s, m) = max(0, 1 - |s - b_m| / delta)``; the edge bins saturate outside the
-range (weight 1, zero gradient). Each score feeds at most two adjacent bins, so the
-histograms are built with a weighted bincount over the (Q, N) scores instead of the
-dense (Q, M, N) tensor of the original 1x1-convolution quantiser: O(Q·N) time and
-memory for the binning, O(Q·M) for the AP itself.
-
-Every function takes a (Q, N) score matrix and boolean masks of the same shape:
-``positives`` (relevant items) and ``candidates`` (items that take part in the
-ranking), so a batch can be ranked against itself or against a memory bank.
+``delta(s, m) = max(0, 1 - |s - b_m| / delta)`` (the edge bins saturate outside the
+range). Each score feeds at most two adjacent bins, so a weighted bincount replaces the
+original's dense (Q, M, N) tensor: O(Q·N) time and memory, O(Q·M) for the AP itself.
 """
 
 from __future__ import annotations
@@ -47,14 +41,11 @@ def check_bins(num_bins, score_range):
 
 
 def two_bin_assignment(scores, num_bins=20, score_range=(-1.0, 1.0)):
-    """Soft assignment of each score to its two adjacent bins.
+    """Soft assignment of each score to its two adjacent bins (the triangular kernel).
 
     Returns ``(index, frac)``: bin ``index`` (int32, in [0, M-2]) receives
-    ``1 - frac`` and bin ``index + 1`` receives ``frac``. With
-    ``u = clip((hi - s) / delta, 0, M - 1)``, ``index = min(floor(u), M - 2)`` and
-    ``frac = u - index``. This equals the triangular kernel of every bin (weights
-    sum to 1; outside the range the edge bin gets 1 with zero gradient).
-    Cost: O(size of scores).
+    ``1 - frac`` and bin ``index + 1`` receives ``frac``, with ``u = clip((hi - s) /
+    delta, 0, M - 1)``, ``index = min(floor(u), M - 2)``. Cost: O(size of scores).
     """
     num_bins, lo, hi = check_bins(num_bins, score_range)
     scores = ops.convert_to_tensor(scores)
@@ -72,12 +63,8 @@ def soft_bins_dense(scores, num_bins=20, score_range=(-1.0, 1.0)):
 
 
 def soft_histograms(scores, positives, candidates=None, num_bins=20, score_range=(-1.0, 1.0)):
-    """Soft counts per bin of all candidates and of the positives, each (Q, M).
-
-    ``counts[i, m] = sum_j delta(s_ij, m) [j candidate]``, ``positive_counts`` the
-    same over positives. Each score adds to its two adjacent bins only (a weighted
-    bincount): O(Q·N) time and memory, no (Q, M, N) tensor.
-    """
+    """Soft counts per bin of all candidates and of the positives, each (Q, M):
+    ``counts[i, m] = sum_j delta(s_ij, m) [j candidate]``. O(Q·N) time and memory."""
     scores = ops.convert_to_tensor(scores)
     dtype = scores.dtype
     num_bins = int(num_bins)
@@ -110,8 +97,7 @@ def histogram_ap(scores, positives, candidates=None, num_bins=20, score_range=(-
 
     ``c_m``/``c+_m`` soft counts of candidates/positives per bin (top bin first);
     ``AP = sum_m (sum_{m'<=m} c+_m' / sum_{m'<=m} c_m') * c+_m / |P|``.
-    A query without positives gets 0 (the original returns NaN); leave it out of any
-    mean. Cost: O(Q·N) time and memory (no (Q, M, N) tensor).
+    A query without positives gets 0 (the original: NaN). Cost: O(Q·N) time and memory.
     """
     scores = ops.convert_to_tensor(scores)
     counts, pos_counts = soft_histograms(scores, positives, candidates, num_bins, score_range)

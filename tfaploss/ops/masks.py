@@ -25,12 +25,8 @@ def pairwise_scores(queries, database, normalize=True):
 
 
 def masked_mean(values, mask, axis=None):
-    """Mean of ``values`` where ``mask`` (boolean, or 0/1) holds, over ``axis`` (all axes
-    when None).
-
-    ``values`` outside the mask are ignored, even non-finite ones, and get a zero
-    gradient; an empty mask gives 0, not NaN. O(size).
-    """
+    """Mean of ``values`` where ``mask`` holds, over ``axis`` (None: all); values
+    outside the mask are ignored (zero gradient), an empty mask gives 0. O(size)."""
     mask = ops.cast(mask, "bool")
     total = ops.sum(ops.where(mask, values, ops.zeros_like(values)), axis=axis)
     return total / ops.maximum(ops.sum(ops.cast(mask, values.dtype), axis=axis), 1.0)
@@ -45,12 +41,9 @@ def self_pair_mask(n):
 def label_masks(query_labels, db_labels, exclude_self=False):
     """Boolean ``positives`` and ``candidates`` masks, shape (Q, N).
 
-    ``positives[i, j]``: item j shares query i's label and takes part in the ranking.
-    ``candidates[i, j]``: item j takes part in query i's ranking. With
-    ``exclude_self=True`` (a batch ranked against itself) the diagonal is left out of
-    both, so a query is neither its own positive nor ranked.
-
-    Labels are compared as given, before any cast, so large integer ids stay exact.
+    ``positives[i, j]``: item j shares query i's label and is ranked; ``candidates[i,
+    j]``: item j is ranked (all but the diagonal with ``exclude_self=True``). Labels
+    are compared as given, so large integer ids stay exact.
     """
     same = ops.equal(ops.expand_dims(query_labels, 1), ops.expand_dims(db_labels, 0))
     if exclude_self:
@@ -73,9 +66,7 @@ def masked_logsumexp(x, mask, axis=-1, add_one=False):
     """``log(sum_{mask} exp(x))`` along ``axis`` (``log(1 + sum ...)`` with ``add_one``).
 
     pytorch-metric-learning's ``logsumexp(keep_mask=..., add_one=...)``: an empty mask
-    gives 0. Entries outside the mask are ignored, even infinite ones, and get a zero
-    gradient; the largest kept entry is subtracted first, so large ``x`` do not
-    overflow. O(size).
+    gives 0; entries outside the mask are ignored (zero gradient); no overflow. O(size).
     """
     mask = ops.cast(mask, "bool")
     minus_inf = ops.full_like(x, float("-inf"))

@@ -1,13 +1,9 @@
-"""The pairs (i, k) of a (Q, N) mask, enumerated into blocks of a fixed size, and the
-loop that runs a block kernel over them with a hand-written gradient, on every backend.
+"""The pairs (i, k) of a (Q, N) mask, enumerated into fixed-size blocks, and the loop
+that runs a block kernel over them with a hand-written gradient, on every backend.
 
-The smooth-rank losses (:mod:`tfaploss.ops.smooth_rank`) and H-AP
-(:mod:`tfaploss.ops.hap`) rank only such pairs, one (block, N) tensor at a time inside
-a while loop (a data-dependent trip count with static block shapes, so it also
+One (block, N) tensor at a time inside a while loop (static block shapes, so it
 compiles under XLA and ``jax.jit``); the backward pass recomputes each block, so
-nothing of size O(P·N) is kept. The loop is ``tf.while_loop`` with TensorArrays on
-TensorFlow (:func:`tfaploss.ops.tensorflow_kernels.blocked_rank_terms`) and
-``keras.ops.while_loop`` with preallocated buffers on JAX and PyTorch.
+nothing of size O(P·N) is kept.
 
 A block kernel is a pair ``(forward, backward)``:
 ``forward(s, kind, flat, valid) -> (first, second)``, each (block,), the two sums of
@@ -44,12 +40,8 @@ def block_size(num_queries, num_items, pairs_per_block):
 
 
 def _enumerate_pairs(positives, block):
-    """Row-major flat indices of the positive pairs, padded to whole blocks.
-
-    Returns ``(pair_index, num_pairs)``: ``pair_index[p]`` is the flat (Q·N) index of
-    the p-th positive pair for ``p < num_pairs``; later entries are padding. Built
-    with a cumulative sum and one scatter (static shapes, O(Q·N)).
-    """
+    """``(pair_index, num_pairs)``: the row-major flat indices of the positive pairs,
+    padded to whole blocks. O(Q·N)."""
     flat = ops.reshape(positives, [-1])
     flat_int = ops.cast(flat, "int32")
     size = dim(flat_int, 0)
@@ -65,8 +57,7 @@ def _enumerate_pairs(positives, block):
 
 
 class Blocks:
-    """The enumeration of the positive pairs into fixed-size blocks, shared by the
-    forward and backward loops of every backend."""
+    """The enumeration of the positive pairs into fixed-size blocks."""
 
     def __init__(self, positives, pairs_per_block=None):
         num_queries, num_items = dim(positives, 0), dim(positives, 1)
@@ -104,8 +95,8 @@ class Blocks:
 
 
 def _keras_rank_terms(scores, kind, blocks, use_positive, forward_block, backward_block):
-    """The blocked loop with ``keras.ops`` (JAX, PyTorch): results go into
-    (max_blocks, block) buffers, the backward into a scatter-add."""
+    """The blocked loop with ``keras.ops`` (JAX, PyTorch), into (max_blocks, block)
+    buffers."""
     block, max_blocks = blocks.block, blocks.max_blocks
 
     def run(step, init):
@@ -140,8 +131,7 @@ def _keras_rank_terms(scores, kind, blocks, use_positive, forward_block, backwar
             def backward(b, d_s, col_buf):
                 flat, valid = blocks.pairs(b)
                 rows, w, col = backward_block(s, kind, flat, valid, g_pos, g_neg)
-                # d t_ij / d s_ij = 1: whole rows, added here; d t_ij / d s_ik = -1:
-                # one number per pair, scattered once after the loop.
+                # Rows added here; each pair's own entry (-1) scattered after the loop.
                 d_s = ops.scatter_update(d_s, rows[:, None], w, reduction="add")
                 return d_s, write(col_buf, b, col)
 

@@ -7,14 +7,9 @@ For query ``i`` and each of its positives ``p``:
     R@k_i      = min(k, sum_{p in P_i} sig2_k(k - rank(i, p))) / min(k, |P_i|)
 
 with ``sig1(t) = sigmoid(clip(t / tau1, -50, 50))``, ``sig2_k`` the same with
-temperature ``tau2_k`` and ``C_i`` the query's candidates. The ranks are only needed at
-the positive pairs: they come from :func:`tfaploss.ops.smooth_rank.positive_rank_terms`
-(positive pairs gathered, ranked in blocks, hand-written gradient), so nothing of size
-Q x N x N is ever built.
-
-Cost: O(P·N) time (P positive pairs, about B·m for a batch of B with m per class) and
-O(pairs_per_block·N + Q·N) memory, forward and backward alike (the K values of k
-add time, not memory: their sigmoids are recomputed in the backward pass).
+temperature ``tau2_k`` and ``C_i`` the query's candidates; the ranks come from
+:func:`tfaploss.ops.smooth_rank.positive_rank_terms`. Cost: O(P·N) time (P positive
+pairs) and O(pairs_per_block·N + Q·N) memory, forward and backward alike.
 """
 
 from __future__ import annotations
@@ -74,11 +69,8 @@ def recall_at_k_per_query(scores, positives, candidates, k_values, tau1, tau2,
 
 
 def _soft_hits(rank, positives, k_effs, tau2):
-    """(K, Q): ``sum_{p in P_i} sig(k - rank(i, p); tau2_k)`` for each k.
-
-    The gradient is written by hand and recomputes each k's sigmoid: autodiff would
-    keep K (Q, N) sigmoid tensors for the backward pass, this keeps only ``rank``.
-    """
+    """(K, Q): ``sum_{p in P_i} sig(k - rank(i, p); tau2_k)`` for each k, with a
+    hand-written gradient that keeps only ``rank`` (not K (Q, N) sigmoids)."""
     steps = [SigmoidStep(t) for t in tau2]
 
     @ops.custom_gradient
@@ -105,10 +97,9 @@ def simix_pairs(labels, group_size):
     """The pairs SiMix mixes: every pair within each group of ``group_size`` items of
     the same label, groups taken in label order (a stable sort of the labels).
 
-    With ``group_size`` items per class in the batch (the authors' sampler, m = 4) that
-    is every same-class pair once, as the authors' ``pos_mixup``; larger classes are
-    split into groups of ``group_size`` (pairs only within a group), and a group that
-    straddles two classes (or the end of the batch) loses its mixed-class pairs.
+    With ``group_size`` items per class (the authors' sampler) that is every same-class
+    pair once, as the authors' ``pos_mixup``; a group that straddles two classes (or the
+    end of the batch) loses its mixed-class pairs.
 
     Returns ``(first, second, valid)``, each of static length
     ``ceil(B / g) · g(g-1)/2``: item indices into the batch and whether the pair is used.
@@ -123,8 +114,7 @@ def simix_pairs(labels, group_size):
                          "embeddings is fixed when the step is traced).")
     n = int(n)
     groups = -(-n // group_size)
-    # Ties may come out in any order (not every backend's argsort is stable): any order
-    # of a class's items gives the same pairs when the class fills whole groups.
+    # Any order of ties gives the same pairs when a class fills whole groups.
     order = ops.argsort(labels)
     pad = groups * group_size - n
     # Positions past the end of the batch point at its last item and are marked invalid.
@@ -147,24 +137,17 @@ def simix_pairs(labels, group_size):
 
 def simix_mix(embeddings, alphas, first, second):
     """``alpha · x_first + (1 - alpha) · x_second`` per pair, shape (F, D); not
-    re-normalised (the authors mix L2-normalised embeddings and keep the mixture's
-    norm, so a mixed item's self-score is below 1)."""
+    re-normalised, as the authors'."""
     alphas = ops.cast(alphas, embeddings.dtype)[:, None]
     return (alphas * ops.take(embeddings, first, axis=0)
             + (1.0 - alphas) * ops.take(embeddings, second, axis=0))
 
 
-# SiMix's coefficients are a counter-based hash of (seed, batch, pair index): no random
-# state to carry, so every backend and every trainer (Keras's JAX ``fit`` included, which
-# carries no loss state) draws new ones whenever the batch changes. Integer arithmetic
-# is int32 with wrap-around (the same bits on TensorFlow, JAX and PyTorch; NumPy-style
-# unsigned semantics through masks, since right shifts of int32 are arithmetic).
+# SiMix's coefficients hash (seed, batch, pair index) in wrapping int32 arithmetic, the
+# same bits on every backend (unsigned shifts through masks).
 _MASK32 = 0xFFFFFFFF
-# Embeddings are hashed on a grid of this step (after L2 normalisation): a training
-# step moves some of them across a grid line, so the draw changes; rounding differences
-# between two computations of the same small batch (a chunked and a whole-batch forward
-# pass, ~1e-7) rarely do (about B·D·1e-4 grid lines crossed: at B·D in the millions the
-# two passes draw different, equally random, coefficients).
+# Embeddings are hashed on this grid: a training step moves some across a grid line,
+# while a chunked and a whole-batch forward pass (~1e-7 apart) rarely differ.
 SIMIX_HASH_GRID = 2.0 ** -10
 
 
@@ -199,13 +182,9 @@ def _hash_cells(values, salt):
 
 def simix_coefficients(embeddings, labels, num_pairs, seed, dtype=None):
     """SiMix's mixing coefficients for one batch: ``num_pairs`` values in (0, 1), a
-    deterministic function of ``seed``, ``labels`` and ``embeddings`` rounded to
-    :data:`SIMIX_HASH_GRID` (after L2 normalisation), uniform and independent across
-    pairs, seeds and batches as far as a 32-bit hash allows (23 bits each).
-
-    Stateless, so the same on every backend, inside ``jit`` and ``tf.function``, and in
-    any trainer: the coefficients change from step to step because the batch (or the
-    network that embeds it) does. They are constants of the step (no gradient).
+    stateless hash of ``seed``, ``labels`` and ``embeddings`` rounded to
+    :data:`SIMIX_HASH_GRID` (after L2 normalisation), uniform as far as a 32-bit hash
+    allows (23 bits each); no gradient. ``docs/losses.md`` ("SiMix") says why.
 
     Args:
         embeddings: (B, D) float.

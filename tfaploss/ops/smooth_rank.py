@@ -8,25 +8,15 @@ a smoothed step function of the score differences ``t = s_ij - s_ik``:
 
 (``P_i`` the query's positives, ``N_i`` its other candidates). Smooth-AP and SupAP
 then take ``AP_i = mean_k (1 + pos_above) / (1 + pos_above + neg_above)``; PNP applies
-its penalty ``f`` to ``neg_above``. See ``docs/losses.md``.
+its penalty ``f`` to ``neg_above``.
 
-Memory. The dense form builds a Q x N x N tensor (64 GiB in float32 at B=4096). Here
-only the positive pairs ``(i, k)`` are ranked, in row-major order, in blocks of
-``pairs_per_block`` pairs (:mod:`tfaploss.ops.pair_blocks`): a block is a
-(pairs_per_block, N) tensor, about 4M elements (16 MiB in float32) by default. The
-gradient is written by hand (no backend ever differentiates the loop: JAX could not)
-and recomputes each block, so nothing of size O(P·N) is kept for the backward pass.
-On TensorFlow each block's elementwise chain runs as one jit-compiled kernel inside a
-graph, about twice as fast on CPU as separate TensorFlow ops.
-
-Cost: O(P·N) time with P = number of positive pairs <= Q·m (m = most positives of any
-query), i.e. O(B·m·B) for a batch, and O(pairs_per_block·N + Q·N) memory, for the
-forward pass and again for the backward pass. Nothing depends on how labels are laid
-out: classes need not be contiguous nor equally sized.
-
-On TensorFlow use a non-persistent ``tf.GradientTape`` (as Keras does): inside a
-``tf.function`` a persistent tape makes TensorFlow keep every loop iteration's
-intermediates, which brings back O(P·N) memory (and does not compile under XLA).
+Only the positive pairs are ranked, in blocks of ``pairs_per_block`` (a
+(pairs_per_block, N) tensor, ~16 MiB in float32 by default) with a hand-written
+gradient that recomputes each block (:mod:`tfaploss.ops.pair_blocks`): never the dense
+Q x N x N tensor (64 GiB at B=4096). Cost: O(P·N) time with P the positive pairs
+(O(B·m·B) for a batch of m per class) and O(pairs_per_block·N + Q·N) memory, forward
+and backward alike. On TensorFlow use a non-persistent ``tf.GradientTape`` (as Keras
+does): a persistent one keeps every block, O(P·N) memory.
 """
 
 from __future__ import annotations
@@ -70,7 +60,7 @@ class SigmoidStep:
     def value_and_slope(self, t):
         z = t / self.temperature
         v = ops.sigmoid(ops.clip(z, -_CLIP, _CLIP))
-        # Past the clip the originals' autograd gives zero slope; so do we.
+        # Zero slope past the clip, as the originals' autograd.
         slope = ops.where(ops.abs(z) <= _CLIP, v * (1.0 - v) / self.temperature,
                           ops.zeros_like(v))
         return v, slope
@@ -91,13 +81,10 @@ class HeavisideStep:
 
 
 class SupAPUpperStep:
-    """ROADMAP's upper bound of the step, used on negative pairs.
-
-    ``H(t) = sigma_tau(t)`` for ``t <= 0``, ``start + sigma_tau(t)`` for
-    ``0 < t <= delta`` and ``rho * (t - delta) + offset`` for ``t > delta``;
-    ``offset=None`` makes it continuous at ``delta``: ``start + sigma_tau(delta)``.
-    It bounds ``[t > 0]`` from above whenever ``start >= 0.5`` and ``offset >= 1``.
-    """
+    """ROADMAP's upper bound of the step, used on negative pairs: ``sigma_tau(t)`` for
+    ``t <= 0``, ``start + sigma_tau(t)`` on ``(0, delta]``, ``rho * (t - delta) +
+    offset`` beyond (``offset=None``: continuous, ``start + sigma_tau(delta)``). It
+    bounds ``[t > 0]`` from above whenever ``start >= 0.5`` and ``offset >= 1``."""
 
     differentiable = True
 
@@ -116,7 +103,7 @@ class SupAPUpperStep:
         self.key = ("supap_upper", self.temperature, self.rho, self.delta, self.start,
                     self.offset)
 
-    def _pieces(self, t):
+    def value_and_slope(self, t):
         sig, sig_slope = SigmoidStep(self.temperature).value_and_slope(t)
         value = ops.where(t <= 0, sig,
                           ops.where(t <= self.delta, self.start + sig,
@@ -125,20 +112,12 @@ class SupAPUpperStep:
         return value, slope
 
     def value(self, t):
-        return self._pieces(t)[0]
-
-    def value_and_slope(self, t):
-        return self._pieces(t)
+        return self.value_and_slope(t)[0]
 
 
 def _block_kernels(positive_step, negative_step):
-    """(forward, backward) functions of one block of positive pairs.
-
-    ``forward(s, kind, flat, valid) -> (pos_sums, neg_sums)``, each (block,);
-    ``backward(s, kind, flat, valid, g_pos, g_neg) -> (rows, w, col)`` with ``w``
-    (block, N) the gradient reaching row ``rows[p]`` of the scores and ``col`` (block,)
-    the one reaching the pair's own entry.
-    """
+    """The block kernel (:mod:`tfaploss.ops.pair_blocks`) of the positive pairs'
+    ``(pos_sums, neg_sums)``."""
     use_positive = positive_step is not None
     same_step = positive_step is negative_step
     pos_slopes = use_positive and positive_step.differentiable
@@ -159,8 +138,7 @@ def _block_kernels(positive_step, negative_step):
         neg = ops.where(valid, masked_row_sum(kinds == 2, neg_values), zero)
         if not use_positive:
             return zero, neg
-        # Smooth-AP uses one step for both sums: evaluate it once. The sum over
-        # positives runs over j = k too (t = 0); its term is taken off afterwards,
+        # The positives' sum runs over j = k too (t = 0): its term is taken off after,
         # cheaper than masking the diagonal of every block.
         pos_values = neg_values if same_step else positive_step.value(t)
         self_term = positive_step.value(ops.zeros((), s.dtype))
@@ -194,15 +172,12 @@ def positive_rank_terms(scores, positives, candidates, positive_step, negative_s
 
     Args:
         scores: (Q, N) float scores (higher = more similar).
-        positives: (Q, N) bool, relevant items; entries outside ``candidates`` are
-            ignored.
+        positives: (Q, N) bool, relevant items (limited to ``candidates``).
         candidates: (Q, N) bool, items that take part in query i's ranking.
-        positive_step: step applied to ``s_ij - s_ik`` for positives ``j != k``
-            (``None`` skips that sum, which is then all zeros).
-        negative_step: step applied for the negatives ``j`` (candidates that are not
-            positives).
-        pairs_per_block: positive pairs ranked per loop step; ``None`` picks about
-            ``4M / N``. Bounds memory to O(pairs_per_block · N).
+        positive_step: step of ``s_ij - s_ik`` for positives ``j != k`` (``None``:
+            that sum is all zeros).
+        negative_step: step for the negatives ``j`` (candidates not positives).
+        pairs_per_block: positive pairs ranked per loop step; ``None``: about ``4M / N``.
 
     Returns:
         ``(pos_above, neg_above)``, both (Q, N); entry (i, k) holds the sums for the
@@ -213,8 +188,7 @@ def positive_rank_terms(scores, positives, candidates, positive_step, negative_s
     """
     scores = ops.convert_to_tensor(scores)
     positives, candidates = ranked_masks(positives, candidates)
-    # One int8 code per item (1 positive, 2 negative, 0 out of the ranking): a block
-    # gathers one byte per element instead of two masks.
+    # One int8 code per item (1 positive, 2 negative, 0 not ranked): one byte gathered.
     kind = ops.where(positives, ops.ones_like(positives, "int8"),
                      ops.where(candidates, ops.full_like(positives, 2, "int8"),
                                ops.zeros_like(positives, "int8")))
@@ -248,9 +222,7 @@ def smooth_ap_per_query(scores, positives, candidates, temperature=0.01,
 
     ``AP_i = 1/|P_i| sum_{k in P_i} (1 + sum_{j in P_i, j!=k} sig(s_ij - s_ik))
     / (1 + sum_{j in C_i, j!=k} sig(s_ij - s_ik))`` with
-    ``sig(t) = sigmoid(clip(t / temperature, -50, 50))``. For the original's
-    convention (query counts as its own positive), pass masks whose diagonal is a
-    positive candidate.
+    ``sig(t) = sigmoid(clip(t / temperature, -50, 50))``.
 
     Returns ``(ap, num_positives)``, each (Q,); ``ap`` is 0 where a query has no
     positive. Cost: O(P·N) time, O(pairs_per_block·N + Q·N) memory.
@@ -264,8 +236,7 @@ def sup_ap_per_query(scores, positives, candidates, temperature=0.01, rho=100.0,
     """ROADMAP's SupAP (Ramzi et al., NeurIPS 2021) of every query.
 
     As Smooth-AP, but positives ``j`` enter both ranks through the true step
-    ``[s_ij >= s_ik]`` (no gradient) and negatives through :class:`SupAPUpperStep`,
-    so ``SupAP_i <= AP_i`` (exact) for ``start >= 0.5``, ``offset >= 1``.
+    ``[s_ij >= s_ik]`` (no gradient) and negatives through :class:`SupAPUpperStep`.
 
     Returns ``(ap, num_positives)``, each (Q,). Cost as :func:`smooth_ap_per_query`.
     """

@@ -1,9 +1,6 @@
-"""TensorFlow kernels behind :mod:`tfaploss.ops.backend` (imported on TensorFlow only).
-
-Each one is a TensorFlow op that ``keras.ops`` does not expose and that keeps the
-TensorFlow path as fast as it was: a weighted ``DenseBincount`` (TF's CPU segment sum is
-single-threaded and 10-20x slower at B=4096), ``invert_permutation`` (O(Q·N), where a
-scatter is slower) and ``top_k`` as the full sort (XLA lowers it well).
+"""TensorFlow kernels behind :mod:`tfaploss.ops.backend` (imported on TensorFlow only):
+ops ``keras.ops`` does not expose that keep this path fast, a weighted ``DenseBincount``
+(TF's CPU segment sum is 10-20x slower at B=4096), ``invert_permutation`` and ``top_k``.
 """
 
 from __future__ import annotations
@@ -56,8 +53,7 @@ _WARNED: set[str] = set()
 
 
 def _warn_from_graph(message: str, category: type[Warning]) -> bool:
-    """The host side of :func:`warn_unless`: one Python warning per message and process
-    (as the eager path warns once), whatever the number of steps that hit it."""
+    """The host side of :func:`warn_unless`: one warning per message and process."""
     if message not in _WARNED:
         _WARNED.add(message)
         warnings.warn(message, category, stacklevel=2)
@@ -65,15 +61,9 @@ def _warn_from_graph(message: str, category: type[Warning]) -> bool:
 
 
 def warn_unless(condition, message: str, category: type[Warning] = RuntimeWarning):
-    """``condition``, raising the Python warning ``message`` when it is False at run time.
-
-    For graph mode (``tf.function``, not XLA): a ``tf.py_function`` in the false branch
-    of a ``tf.cond`` calls back into Python, so the warning goes through ``warnings``
-    like the eager path's (filters, ``logging.captureWarnings``, pytest's
-    ``pytest.warns``) instead of a ``tf.print`` to the process's stderr. The branch runs
-    only when ``condition`` is False, so a step whose condition holds pays nothing more
-    than the ``tf.cond``.
-    """
+    """``condition``, raising the Python warning ``message`` when it is False at run time
+    (graph mode, not XLA: a ``tf.py_function`` in the false branch of a ``tf.cond``, so
+    it goes through ``warnings`` as the eager path's does)."""
 
     def warn_then():
         done = tf.py_function(lambda: _warn_from_graph(message, category), [], Tout=tf.bool)
@@ -81,7 +71,6 @@ def warn_unless(condition, message: str, category: type[Warning] = RuntimeWarnin
             return tf.identity(condition)
 
     return tf.cond(condition, lambda: condition, warn_then)
-
 
 
 def assert_same_rows(labels, embeddings, message):
@@ -92,10 +81,8 @@ def assert_same_rows(labels, embeddings, message):
         return tf.identity(labels)
 
 
-# jit-compiled block kernels of the smooth-rank losses, shared by every call with the
-# same steps. Outside XLA the TensorFlow runtime runs each elementwise op of a block as
-# its own pass over a (pairs_per_block, N) tensor; compiling the block fuses them (~2x
-# faster on CPU). Set to False on a device without XLA support.
+# jit-compiled block kernels, one per key: fusing a block's elementwise ops is ~2x
+# faster on CPU. Set to False on a device without XLA support.
 FUSE_BLOCKS = True
 _KERNELS = {}
 
@@ -111,9 +98,8 @@ def _fused(key, forward, backward):
 
 def blocked_rank_terms(scores, kind, blocks, use_positive, key, forward_block,
                        backward_block):
-    """The smooth-rank block loop on TensorFlow: ``tf.while_loop`` with TensorArrays
-    (no copy of a results buffer per step) and a ``tf.custom_gradient`` whose backward
-    recomputes each block (see :func:`tfaploss.ops.positive_rank_terms`)."""
+    """The block loop of :mod:`tfaploss.ops.pair_blocks` on TensorFlow: ``tf.while_loop``
+    with TensorArrays (no buffer copy per step)."""
     forward_block, backward_block = _fused(key, forward_block, backward_block)
     block, max_blocks = blocks.block, blocks.max_blocks
 
