@@ -29,7 +29,8 @@ def class_chunk_stream(files: list[str], *, seed: int = 0, shuffle_buffer: int =
     ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=max(1, min(cycle_length, len(files))),
                        block_length=1, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     ds = ds.shuffle(shuffle_buffer, seed=seed + 1, reshuffle_each_iteration=True)
-    return ds.map(lambda r: parse_class_example(r, labels), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return ds.map(lambda r: parse_class_example(r, labels),
+                  num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
 
 def draw_groups(chunks: tf.data.Dataset, m: int, seed: int = 0) -> tf.data.Dataset:

@@ -51,7 +51,8 @@ def check_labels(labels, n: int, name: str) -> np.ndarray:
 def check_ks(ks) -> tuple[int, ...]:
     ks = tuple(ks)
     if not ks or any(not isinstance(k, (int, np.integer)) or k < 1 for k in ks):
-        raise ValueError(f"`ks` must be a non-empty sequence of positive integers; received {ks!r}.")
+        raise ValueError(f"`ks` must be a non-empty sequence of positive integers; "
+                         f"received {ks!r}.")
     return tuple(int(k) for k in ks)
 
 

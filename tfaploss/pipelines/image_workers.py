@@ -90,7 +90,8 @@ def _renderer(name: str):
     module, _, function = name.partition(":")
     if not module.startswith("tfaploss.pipelines.") or not function:
         raise ValueError(f"a render recipe names {name!r}; only functions of the "
-                         "tfaploss.pipelines package ('tfaploss.pipelines.<module>:<function>') are called")
+                         "tfaploss.pipelines package "
+                         "('tfaploss.pipelines.<module>:<function>') are called")
     return getattr(importlib.import_module(module), function)
 
 

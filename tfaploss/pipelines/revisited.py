@@ -5,7 +5,8 @@ Splits ``database`` and ``queries`` (cropped to their boxes) and
 the expected SHA-256 or when named, and then in :mod:`tfaploss.pipelines.pickle_sandbox`
 (docs/pipelines.md).
 
-    python -m tfaploss.pipelines.revisited --input_dir roxford5k --dataset roxford5k --output_dir out \\
+    python -m tfaploss.pipelines.revisited --input_dir roxford5k --dataset roxford5k \\
+        --output_dir out \\
         --expected_sha256 <SHA-256 of the published gnd_roxford5k.pkl>
 """
 
