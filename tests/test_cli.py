@@ -449,6 +449,13 @@ def test_class_chunks_smaller_than_m_are_refused_up_front(tmp_path, workspace):
         assert "wait forever" in str(err.value)
     # Chunks of 5 hold 3 images each for a class of 6: enough for m=2, so it is accepted.
     B.check_data(load_config(config, [f"data.train={tmp_path / 'chunks5'}"]))
+    # Enough images per record, too few classes: the hierarchical sampler, like
+    # m_per_class, needs batch_size / m of them (it was once counted as needing one).
+    for sampler in ("m_per_class", "hierarchical"):
+        cfg = load_config(config, [f"data.train={tmp_path / 'chunks5'}", "data.m=2",
+                                   "data.batch_size=16", f"data.sampler={sampler}"])
+        with pytest.raises(ConfigError, match=f"the {sampler} sampler needs 8"):
+            B.check_data(cfg)
 
 
 # --- optional parts: checked at start-up, one line each; a quiet start -------------------

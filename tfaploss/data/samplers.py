@@ -80,6 +80,13 @@ def _flatten(groups: dict) -> tuple:
     return (tf.reshape(groups["encoded"], [-1]), tf.reshape(groups["id"], [-1]), labels)
 
 
+def classes_per_batch(sampler: str, batch_size: int, m: int) -> int:
+    """Classes of >= m images ``sampler`` needs to fill one batch: B / m for
+    :func:`m_per_class` and :func:`hierarchical` (two super-classes of B / 2m classes
+    each), 1 for :func:`all_classes`."""
+    return batch_size // m if sampler in ("m_per_class", "hierarchical") else 1
+
+
 def _check(batch_size: int, m: int) -> int:
     if m < 1:
         raise ValueError(f"m (images per class) must be >= 1, got {m}")

@@ -303,6 +303,8 @@ def _largest_chunk(n: int, chunk_size: int) -> int:
 def _check_class_chunks(cfg: Config, manifest: dict) -> None:
     """Refuse a sampler that could never fill a batch: it draws a class's m images from
     one by-class record (at most ``class_chunk_size``)."""
+    from tfaploss.data.samplers import classes_per_batch
+
     chunk = (manifest.get("by_class") or {}).get("chunk_size")
     counts = manifest.get("class_counts") or {}
     if not chunk:
@@ -319,7 +321,7 @@ def _check_class_chunks(cfg: Config, manifest: dict) -> None:
             f"training would wait forever for its first batch. {fix}")
     usable = sum(1 for k, n in counts.items()
                  if int(k) >= 0 and int(n) >= m and _largest_chunk(int(n), chunk) >= m)
-    needed = cfg.data.batch_size // m if cfg.data.sampler == "m_per_class" else 1
+    needed = classes_per_batch(cfg.data.sampler, cfg.data.batch_size, m)
     if counts and usable < needed:
         raise ConfigError(
             f"config key 'data.m': with class_chunk_size={chunk} ({train!r}, "
@@ -333,11 +335,12 @@ def check_classes_left(cfg: Config, kept: dict[int, int], skipped: dict) -> None
     classes left after skipping damaged files, ``kept`` (``{label: images of its
     largest record}``), cannot fill."""
     from tfaploss.data import integrity
+    from tfaploss.data.samplers import classes_per_batch
     from tfaploss.data.split_manifest import describe_source
 
     m, batch = cfg.data.m, cfg.data.batch_size
     usable = sum(1 for n in kept.values() if n >= m)
-    needed = batch // m if cfg.data.sampler in ("m_per_class", "hierarchical") else 1
+    needed = classes_per_batch(cfg.data.sampler, batch, m)
     lost = skipped.get("classes_lost") or []
     if usable >= needed:
         if lost:
