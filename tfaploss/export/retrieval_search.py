@@ -17,6 +17,8 @@ import logging
 
 import numpy as np
 
+from tfaploss.evaluation.arrays import check_int
+
 logger = logging.getLogger(__name__)
 
 RETRIEVE_SIGNATURE = "retrieve"
@@ -29,13 +31,6 @@ DEFAULT_K = 10
 # Rows scored at once (32 MB at D = 128); larger chunks were no faster (benchmarks/serving.py).
 DEFAULT_CHUNK_ROWS = 65536
 _SCANN_OPS = "scann.scann_ops.py.scann_ops"
-
-
-def check_k(k, name: str = "k") -> int:
-    """``k`` (or the argument ``name``) as a positive int, or a ValueError naming it."""
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-        raise ValueError(f"`{name}` must be a positive integer; received {k!r}")
-    return int(k)
 
 
 def check_backend(backend: str) -> str:
@@ -78,8 +73,8 @@ class BruteForceSearch:
     def __init__(self, index, k: int, chunk_rows: int = DEFAULT_CHUNK_ROWS):
         import tensorflow as tf
 
-        self.k = min(check_k(k), index.size)
-        self.chunk_rows = check_k(chunk_rows, "index_chunk_rows")
+        self.k = min(check_int("k", k), index.size)
+        self.chunk_rows = check_int("index_chunk_rows", chunk_rows)
         self.size, self.dim = index.size, index.dim
         self.embeddings = tf.Variable(index.embeddings, trainable=False,
                                       name="retrieval_embeddings")
@@ -124,7 +119,7 @@ class ScannSearch:
         from tfaploss.evaluation.scann_search import configure_ah, scann_ah_params
 
         ops = _scann_ops()
-        self.k = min(check_k(k), index.size)
+        self.k = min(check_int("k", k), index.size)
         self.size, self.dim = index.size, index.dim
         params = scann_ah_params(index.size, index.dim)
         builder = configure_ah(ops.builder(index.embeddings, self.k, "dot_product"), params,

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tfaploss.data.augment import DEFAULT_CROP_FRACTION
 from tfaploss.durable import atomic, faults, locks
+from tfaploss.evaluation.arrays import check_int
 from tfaploss.export.image_ops import (
     DEFAULT_MAX_PIXELS,
     check_max_pixels,
@@ -37,7 +38,6 @@ from tfaploss.export.retrieval_search import (
     RETRIEVE_SIGNATURE,
     SCORES_OUTPUT,
     check_backend,
-    check_k,
     load_op_libraries,
     make_search,
     variables_digest,
@@ -169,7 +169,7 @@ def export_saved_model(model, path, image_size=(224, 224), version=None, whiteni
     max_pixels = check_max_pixels(max_pixels)
     max_request_pixels = check_max_request_pixels(max_request_pixels, max_pixels)
     if index is not None:
-        k = check_k(k)
+        k = check_int("k", k)
         index_backend = check_backend(index_backend)
     if whitening is not None:
         from tfaploss.models.whitening import with_whitening
