@@ -89,6 +89,11 @@ def test_protocol_errors():
         revisited_map(_scores_for_ranking(3), [{"easy": [0]}])
     with pytest.raises(ValueError, match="no query has a positive"):
         revisited_map(_scores_for_ranking(3), [{"easy": [], "hard": [], "junk": []}])
+    # ks: the metrics' one check (a float or a zero is refused, whichever function)
+    for ks in ((0,), (), (1.5,), ("5",)):
+        with pytest.raises(ValueError, match="`ks` must be a non-empty sequence of positive"):
+            revisited_map(_scores_for_ranking(3), [{"easy": [0], "hard": [], "junk": []}],
+                          ks=ks)
 
 
 class _Exploit:

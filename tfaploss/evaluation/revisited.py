@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from tfaploss.evaluation.metrics import check_ks
+
 PROTOCOLS = ("easy", "medium", "hard")
 
 
@@ -86,9 +88,7 @@ def _precisions_at(positions: np.ndarray, ks: Sequence[int], all_found: bool) ->
 
 
 def _evaluate_ranks(ranks: np.ndarray, gnd, protocol: str, ks):
-    ks = tuple(int(k) for k in ks)
-    if not ks or min(ks) < 1:
-        raise ValueError(f"`ks` must hold positive integers; received {ks!r}.")
+    ks = check_ks(ks)
     if len(gnd) != ranks.shape[0]:
         raise ValueError(f"`gnd` has {len(gnd)} entries but there are {ranks.shape[0]} queries.")
     aps = np.full(len(gnd), np.nan)
