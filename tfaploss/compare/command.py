@@ -125,17 +125,15 @@ def compare(options: Options, protocol, progress=lambda event: None) -> tuple[st
 def _compare(options: Options, cfg, protocol, m: int, out: Path, progress):
     """:func:`compare` once the output folder is locked."""
     from tfaploss.compare import report
-    from tfaploss.compare.protocol import Ledger, run, with_baseline_differences
+    from tfaploss.compare.protocol import Ledger, check_runner, run, with_baseline_differences
 
     tier, runner = _runner(options, cfg, out, m)
-    if "seconds" in protocol.budgets and not hasattr(runner, "step_seconds"):
-        raise SystemExit("tfaploss compare: the seconds budget (equal wall-clock time) "
-                         "times each loss's updates on cached features: add --features")
-    if hasattr(runner, "check"):
-        try:
+    try:  # before any run
+        check_runner(protocol, runner)
+        if hasattr(runner, "check"):
             runner.check(protocol.batch_sizes)
-        except ValueError as err:
-            raise SystemExit(f"tfaploss compare: {err}") from None
+    except ValueError as err:
+        raise SystemExit(f"tfaploss compare: {err}") from None
     found, fingerprint = _baselines(options, cfg, runner, out)
     setup = {"config": config_digest(cfg), "features": fingerprint, "m": m,
              **(runner.setup() if hasattr(runner, "setup") else {})}

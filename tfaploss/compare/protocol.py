@@ -426,12 +426,17 @@ def evaluate(protocol: Protocol, ledger: Ledger, runner: Runner, loss: str, batc
             for seed in protocol.seeds]
 
 
+def check_runner(protocol: Protocol, runner: Runner) -> None:
+    """Refuse, before any run, a protocol that ``runner`` cannot run: the ``seconds``
+    budget needs a runner that times its updates (``runner.step_seconds``)."""
+    if "seconds" in protocol.budgets and not hasattr(runner, "step_seconds"):
+        raise ValueError("the seconds budget times each loss's updates, which this runner "
+                         "cannot (the cached-feature tier can: --features)")
+
+
 def step_seconds(ledger: Ledger, runner: Runner, losses, batch: int) -> dict:
     """``{loss: seconds per update at batch}``: the ledger's timings, the missing ones
     measured now by ``runner.step_seconds``, back to back, and added to it."""
-    if not hasattr(runner, "step_seconds"):
-        raise ValueError("the seconds budget times each loss's updates, which this runner "
-                         "cannot (the cached-feature tier can: --features)")
     return {loss: ledger.step_seconds(loss, batch, lambda loss=loss: runner.step_seconds(
         loss, batch)) for loss in losses}
 
@@ -442,6 +447,7 @@ def run(protocol: Protocol, ledger: Ledger, runner: Runner,
     so that a comparison cut short has every loss at the batches it reached.
     ``progress`` hears of every run as it ends (or is found in the ledger): a dict with
     its ``spec``, ``row``, ``repeat`` and whether it was ``cached``."""
+    check_runner(protocol, runner)
     results = []
     tuned: dict[tuple, list[dict]] = {}
     for budget, batch, cell_updates, _ in protocol.cells():
