@@ -72,6 +72,22 @@ def test_float32_matches_float64():
         np.testing.assert_allclose(v32, v64, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mining", ["semihard", "all"])
+def test_triplet_blocks_do_not_change_value_or_gradient(mining):
+    # Blocks of 1, 5 and 7 pairs against one block of every pair: padding of the last
+    # block, pairs that straddle blocks and queries split between them.
+    x, labels = _batch(11, n=24, d=6, classes=5)
+    value, grad = _value_and_grad(TripletLoss(mining=mining, dtype="float64",
+                                              pairs_per_block=10_000), labels, x)
+    for block in (1, 5, 7):
+        v, g = _value_and_grad(TripletLoss(mining=mining, dtype="float64",
+                                           pairs_per_block=block), labels, x)
+        np.testing.assert_allclose(v, value, rtol=1e-12)
+        np.testing.assert_allclose(g, grad, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(value, REFERENCES[mining](x, labels, 1.0), rtol=1e-12)
+    assert TripletLoss(pairs_per_block=5).get_config()["pairs_per_block"] == 5
+
+
 def test_contrastive_matches_tf_addons_definition():
     for seed in range(3):
         x, labels = _batch(seed)
@@ -140,3 +156,6 @@ def test_batch_without_triplets_is_zero():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="mining"):
         TripletLoss(mining="easy")
+    for bad in (0, -3, 2.5, "8"):
+        with pytest.raises(ValueError, match="pairs_per_block"):
+            TripletLoss(pairs_per_block=bad)

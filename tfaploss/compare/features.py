@@ -271,13 +271,15 @@ class FeatureRunner:
             from tfaploss.models.lr_multipliers import LRMultiplierOptimizer
 
             optimizer = LRMultiplierOptimizer(optimizer, losses.proxies_multipliers(factor))
-        model.compile(optimizer=optimizer, loss=loss, jit_compile=False)
+        model.compile(optimizer=optimizer, loss=loss, jit_compile="auto")
         return model
 
     def step(self, model):
         """``(x, y) -> loss``: one update of the compiled ``model``. Under TensorFlow a
         ``tf.function`` without autograph (``train_on_batch`` retraced every run's step
-        with autograph: half of a short run); other backends: ``train_on_batch``."""
+        with autograph: half of a short run), compiled with XLA: at B=4096 a Smooth-AP
+        update took 0.77 s against 2.5 s, triplet 1.2 against 2.7, FastAP 0.79 against
+        1.1 (2 cores); other backends: ``train_on_batch``, jitted on JAX."""
         import keras
 
         if keras.backend.backend() != "tensorflow":
@@ -287,7 +289,7 @@ class FeatureRunner:
         loss, optimizer, variables = model.loss, model.optimizer, model.trainable_variables
         optimizer.build(variables)
 
-        @tf.function(autograph=False)
+        @tf.function(autograph=False, jit_compile=True)
         def update(x, y):
             with tf.GradientTape() as tape:
                 value = loss(y, model(x, training=True))

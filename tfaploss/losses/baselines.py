@@ -6,10 +6,10 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from tfaploss.losses._checks import in_xla_context, one_of
+from tfaploss.losses._checks import integer, one_of
 from tfaploss.losses.base import RetrievalLoss
-from tfaploss.ops.backend import ascending_order, dim, gather_rows, inverse_permutations
 from tfaploss.ops.masks import masked_mean, safe_normalize
+from tfaploss.ops.triplet_mining import hinge_sums, semihard_gaps
 
 _MINING = ("semihard", "hard", "all")
 
@@ -20,44 +20,6 @@ def _distances(neg_sq_distances):
     positive = sq > 0
     return ops.where(positive, ops.sqrt(ops.where(positive, sq, ops.ones_like(sq))),
                      ops.zeros_like(sq))
-
-
-def _negatives_below(distances, query_values, queries, negatives):
-    """Per row and query entry j: the number of negatives with ``d_n <=
-    query_values_j``, the sum of their distances, and the next negative's distance
-    (+inf if none), each (Q, N). One merged sort per row (negatives first among ties),
-    cumulative sums and inverse permutations: O(Q·N·log N) time, O(Q·N) memory."""
-    inf = ops.full_like(distances, float("inf"))
-    keys = ops.concatenate([ops.where(negatives, distances, inf),
-                            ops.where(queries, query_values, inf)], axis=-1)
-    n2 = dim(keys, -1)
-    order = ascending_order(keys)  # ties keep the lower index first
-    position = inverse_permutations(order)
-    zeros = ops.zeros_like(distances)
-    is_negative = ops.concatenate([ops.cast(negatives, distances.dtype), zeros], axis=-1)
-    negative_values = ops.concatenate([ops.where(negatives, distances, zeros), zeros], axis=-1)
-    negative_sorted = gather_rows(is_negative, order)
-    counts = ops.cumsum(negative_sorted, axis=-1)
-    sums = ops.cumsum(gather_rows(negative_values, order), axis=-1)
-    n_neg = counts[:, -1:]
-    n = dim(distances, -1)
-    query_position = position[:, n:]
-    below = gather_rows(counts, query_position)
-    if in_xla_context():
-        # XLA cannot lower the second InvertPermutation below: sort the negatives.
-        ascending = ops.sort(keys[:, :n], axis=-1)
-        next_value = gather_rows(ascending, ops.minimum(ops.cast(below, "int32"), n - 1))
-    else:
-        # Where the k-th negative sits in the merged order: number the negatives
-        # 0..n-1 in order and the rest after them; the inverse permutation lists them.
-        slot = ops.where(negative_sorted > 0, counts - 1.0,
-                         n_neg + ops.cast(ops.arange(n2)[None, :], counts.dtype) - counts)
-        negative_at = inverse_permutations(ops.cast(slot, "int32"))
-        sorted_keys = gather_rows(keys, order)
-        next_slot = ops.minimum(ops.cast(below, "int32"), n2 - 1)
-        next_value = gather_rows(sorted_keys, gather_rows(negative_at, next_slot))
-    next_value = ops.where(below < n_neg, next_value, inf)
-    return below, gather_rows(sums, query_position), next_value
 
 
 class _DistanceLoss(RetrievalLoss):
@@ -132,29 +94,35 @@ class TripletLoss(_DistanceLoss):
     * ``mining="semihard"`` (TF Addons ``triplet_semihard_loss``): for every positive
       pair (a, p), n is the closest negative FARTHER than p (``d_an > d_ap``); if
       there is none, the farthest negative (TF Addons' choice). Mean over positive
-      pairs. Cost: O(B²·log B) time (one sort per row), O(B²) memory.
+      pairs.
     * ``mining="hard"`` (TF Addons ``triplet_hard_loss``, ``soft=False``): per
       anchor, the farthest positive and the closest negative; mean over anchors.
       Cost: O(B²) time and memory.
     * ``mining="all"``: mean of ``l`` over every valid triplet (a, p, n) ("batch
-      all", Hermans et al. 2017, zero-loss triplets included), computed with one
-      merged sort per row instead of the (B, B, B) tensor: O(B²·log B) time, O(B²)
-      memory.
+      all", Hermans et al. 2017, zero-loss triplets included).
+
+    Semihard and all mine over the positive pairs in blocks
+    (:mod:`tfaploss.ops.triplet_mining`), never the (B, B, B) tensor: O(B·m·B) time
+    (m = largest class in the batch), O(pairs_per_block·B + B²) memory.
 
     Anchors without a positive or a negative are left out (TF Addons keeps them).
 
     Args:
         margin: the triplet margin (TF Addons' default 1.0).
         mining: ``"semihard"``, ``"hard"`` or ``"all"``.
+        pairs_per_block: positive pairs mined per loop step (None: about 4M / B).
 {shared_args}
     """
 
     unused_args = ("drop_lone_queries",)  # a lone query forms no triplet
 
-    def __init__(self, margin=1.0, mining="semihard", *, name="triplet_loss", **kwargs):
+    def __init__(self, margin=1.0, mining="semihard", pairs_per_block=None, *,
+                 name="triplet_loss", **kwargs):
         super().__init__(name=name, **kwargs)
         self.mining = one_of("TripletLoss", "mining", mining, _MINING)
         self.margin = float(margin)
+        self.pairs_per_block = integer("TripletLoss", "pairs_per_block", pairs_per_block,
+                                       optional=True)
 
     def per_query(self, scores, positives, candidates, self_pairs=None):
         d = _distances(scores)
@@ -165,11 +133,9 @@ class TripletLoss(_DistanceLoss):
         n_pos = ops.sum(ops.cast(positives, dtype), axis=-1)
         n_neg = ops.sum(ops.cast(negatives, dtype), axis=-1)
         valid = ops.cast(ops.logical_and(n_pos > 0, n_neg > 0), dtype)
-        inf = ops.full_like(d, float("inf"))
-        zeros = ops.zeros_like(d)
-        has_neg = ops.expand_dims(n_neg > 0, -1)
 
         if self.mining == "hard":
+            inf = ops.full_like(d, float("inf"))
             hardest_pos = ops.max(ops.where(positives, d, -inf), axis=-1)
             hardest_neg = ops.min(ops.where(negatives, d, inf), axis=-1)
             ok = valid > 0
@@ -177,18 +143,12 @@ class TripletLoss(_DistanceLoss):
             return ops.where(ok, ops.relu(gap + self.margin), 0.0), valid
 
         if self.mining == "all":
-            counts, sums, _ = _negatives_below(d, d + self.margin, positives, negatives)
-            per_pos = ops.where(positives, counts * (d + self.margin) - sums, zeros)
+            per_pos = hinge_sums(d, positives, negatives, self.margin, self.pairs_per_block)
             n_triplets = n_pos * n_neg
             values = ops.sum(per_pos, axis=-1) / ops.maximum(n_triplets, 1.0)
             return values, n_triplets * valid
 
-        # semihard: the closest negative strictly farther than the positive.
-        counts, _, outside = _negatives_below(d, d, positives, negatives)
-        farthest = ops.max(ops.where(negatives, d, -inf), axis=-1, keepdims=True)
-        farthest = ops.where(has_neg, farthest, ops.zeros_like(farthest))
-        has_outside = counts < ops.expand_dims(n_neg, -1)
-        chosen = ops.where(has_outside, ops.where(has_outside, outside, zeros), farthest)
-        pair_loss = ops.where(positives, ops.relu(self.margin + d - chosen), zeros)
+        gaps = semihard_gaps(d, positives, negatives, self.pairs_per_block)
+        pair_loss = ops.where(positives, ops.relu(self.margin - gaps), ops.zeros_like(d))
         values = ops.sum(pair_loss, axis=-1) / ops.maximum(n_pos, 1.0)
         return values, n_pos * valid
