@@ -62,3 +62,6 @@ for regime in $REGIMES; do
   compare $regime --batch-sizes 512,2048,4096 --budgets images,seconds \
     --images "$(plateau $regime)" --seconds $SECONDS_PER_RUN
 done
+# The pre-registered rule on what has run (prints "undecided" while cells are missing).
+$PY experiments/fair_comparison/decide.py \
+  strong=$R/study_strong/results.json weak=$R/study_weak/results.json
