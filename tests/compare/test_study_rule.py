@@ -1,21 +1,27 @@
-"""The study's pre-registered rule (experiments/fair_comparison/decide.py) on synthetic
-results: every cell's lower bound must be above 0, a missing cell leaves it undecided,
-and the AP loss and the peer are the ones compare chose on validation."""
+"""The study's pre-registered rules on synthetic numbers: the answer
+(experiments/fair_comparison/decide.py: every cell's lower bound must be above 0, a
+missing cell leaves it undecided, and the AP loss and the peer are the ones compare
+chose on validation) and the plateau (plateau_pilot.py: a larger budget must confirm
+it)."""
 
 import importlib.util
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "fair_comparison" / "decide.py"
+STUDY = Path(__file__).resolve().parents[2] / "experiments" / "fair_comparison"
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, STUDY / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
 def decide():
-    spec = importlib.util.spec_from_file_location("decide", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _script("decide")
 
 
 def _cell(batch, difference, half, budget="images"):
@@ -51,3 +57,21 @@ def test_a_missing_cell_leaves_it_undecided(decide):
     other = _cell(2048, 0.5, 0.2) + _cell(4096, 0.3, 0.1, budget="seconds")
     assert decide.verdict({"strong": other, "weak": weak})[0] == "undecided"
     assert decide.verdict({"strong": [], "weak": []})[0] == "undecided"
+
+
+def test_a_plateau_needs_a_larger_budget_to_confirm_it():
+    pilot = _script("plateau_pilot")
+    losses = ("A", "B")
+    # validation MAP@R by budget: A flat from 2; B gains 0.3 from 2 to 4, then flat
+    scores = {"A": {1: 90.0, 2: 91.0, 4: 91.1, 8: 91.15}, "B": {1: 80.0, 2: 80.5, 4: 80.8,
+                                                               8: 80.9}}
+    val = {(loss, i): {"val_map@r": v, "last_fifth": 0.01}
+           for loss in losses for i, v in scores[loss].items()}
+    # the largest budget tried only confirms: 4 is no plateau until 8 is tried
+    assert pilot._plateau([1, 2, 4], losses, val) is None
+    assert pilot._plateau([1, 2, 4, 8], losses, val) == 4
+    # a last fifth still moving rules a budget out, and a missing one too
+    val[("A", 4)]["last_fifth"] = 0.2
+    assert pilot._plateau([1, 2, 4, 8], losses, val) is None
+    val[("A", 4)]["last_fifth"] = None
+    assert pilot._plateau([1, 2, 4, 8], losses, val) is None
