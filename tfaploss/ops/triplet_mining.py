@@ -51,9 +51,10 @@ def _semihard_kernels():
 
     def backward(s, negative_rows, flat, valid, g_first, g_gap):
         rows, t, negatives = _gaps(s, negative_rows, flat)
-        chosen, _ = _semihard_choice(t, negatives)
+        chosen, has_negative = _semihard_choice(t, negatives)
         g = take(ops.reshape(g_gap, [-1]), flat)
-        w = chosen * ops.where(valid, g, ops.zeros_like(g))[:, None]
+        w = chosen * ops.where(ops.logical_and(valid, has_negative), g,
+                               ops.zeros_like(g))[:, None]
         return rows, w, -ops.sum(w, axis=1)
 
     return forward, backward
