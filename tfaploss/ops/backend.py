@@ -35,11 +35,6 @@ def descending_order(scores):
     return ops.argsort(-scores, axis=-1)  # a stable sort on every other backend
 
 
-def ascending_order(keys):
-    """Per row, the indices by increasing key; ties keep the lower index first."""
-    return descending_order(-keys)  # negation is exact
-
-
 def take(x, indices, axis=0):
     """``ops.take`` for in-range indices (TensorFlow: a bare ``tf.gather``, without the
     negative-index fix-up pass ``keras.ops.take`` adds)."""
