@@ -19,8 +19,8 @@
 set -euo pipefail
 PY=${PYTHON:-python}
 R=experiments/fair_comparison/results
-# The size rule's cut (docs/batch_sweep.md): Smooth-AP and the histogram loss against
-# triplet and SupCon.
+# The size rule's cuts (docs/batch_sweep.md, amendments 1 and 4): Smooth-AP and the
+# histogram loss against triplet and SupCon; repeats on validation folds over one grid.
 LOSSES=SmoothAP,FastAP,Triplet,SupCon
 SECONDS_PER_RUN=120
 REGIMES=${REGIMES:-strong weak}
@@ -32,6 +32,7 @@ compare() {  # regime, then compare's own arguments
   local regime=$1; shift
   $PY -m tfaploss.cli compare --config "$(config "$regime")" --features \
     --val data/glyphs/val --test-classes 500 --losses $LOSSES --tuning-repeats 3 \
+    --repeat-by folds --grid 6 --grid-knob-points 4 \
     --seeds 0,1,2,3,4 --out $R/study_"$regime" "$@"
 }
 for regime in $REGIMES; do

@@ -219,6 +219,18 @@ def test_compare_quick_runs_resumes_and_writes_its_report(digit_splits, tmp_path
     with pytest.raises(SystemExit, match=r"batch sizes \[64\] need more than the 5 "
                                          r"training classes with >= m=8"):
         main(args + ["--batch-sizes", "16,64"])
+    # Repeats by validation folds: a grid's 2 trials once, then 2 repeats x 2 seeds
+    before = len((out / "ledger.jsonl").read_text().splitlines())
+    assert main(args + ["--losses", "APLoss", "--batch-sizes", "16", "--grid", "2",
+                        "--grid-knob-points", "1", "--tuning-repeats", "2",
+                        "--repeat-by", "folds"]) == 0
+    folded = (out / "ledger.jsonl").read_text().splitlines()
+    assert len(folded) == before + 2 + 2 * 2
+    assert all(len(json.loads(r)["val_folds"]) == 2 for r in folded[before:])
+    assert "each picking on its own class-disjoint fold" in (out / "report.md").read_text()
+    images = [a for a in args if a != "--features"]
+    with pytest.raises(SystemExit, match="2 class-disjoint folds of the validation"):
+        main(images + ["--tuning-repeats", "2", "--repeat-by", "folds"])
 
 
 @pytest.mark.long

@@ -5,7 +5,13 @@ import numpy as np
 import pytest
 
 from tfaploss.compare import protocol as P
-from tfaploss.compare.features import FeatureRunner, baselines, features_digest, score
+from tfaploss.compare.features import (
+    FeatureRunner,
+    baselines,
+    class_folds,
+    features_digest,
+    score,
+)
 
 
 def _clusters(classes=8, per_class=12, width=16, seed=0, spread=0.6):
@@ -50,6 +56,26 @@ def test_a_residual_run_trains_from_the_features():
                                               abs=1e-6)
     assert runner.setup() == {"head": "residual", "hidden": 32, "dim": 16, "m": 4,
                               "test_classes": None, "curve_classes": 100, "curve_points": 2}
+
+
+def test_validation_folds_are_class_disjoint_and_each_scored():
+    x, y = _clusters(classes=10, per_class=3, seed=1)
+    folds = class_folds(x, y, 3)
+    classes = [set(f[1].tolist()) for f in folds]
+    assert sorted(len(c) for c in classes) == [3, 3, 4]  # as evenly as 10 divides
+    assert set().union(*classes) == set(range(10)) and sum(map(len, classes)) == 10
+    assert sum(len(f[1]) for f in folds) == len(y)
+    for fx, fy in folds:  # each row kept with its own label
+        assert all(np.any(np.all(x[y == label] == row, axis=1)) for row, label in zip(fx, fy))
+    with pytest.raises(ValueError, match="val_folds=11 needs as many validation classes"):
+        class_folds(x, y, 11)
+    runner = FeatureRunner(_data(), m=4, hidden=32, val_folds=2)
+    row = runner(P.RunSpec("SupCon", (("lr", 1e-2), ("temperature", 0.1)), 16, 2, 0, False))
+    assert runner.setup()["val_folds"] == 2 and sorted(row["val_folds"]) == ["0", "1"]
+    model_free = [score(lambda b: b, *fold)[0] for fold in runner.folds]  # no head
+    assert all(0 < v <= 100 for v in row["val_folds"].values())
+    assert row["val_folds"] != dict(zip(("0", "1"), model_free))  # scored after training
+    assert "val_folds" not in FeatureRunner(_data(), m=4).setup()  # older ledgers resume
 
 
 def test_the_runner_times_an_update_after_warming_up():

@@ -46,7 +46,7 @@ def _args(out: Path, data: Path) -> list[str]:
 def _compare(monkeypatch, capsys, out, data, runner):
     from tfaploss.cli import main
 
-    monkeypatch.setattr(command, "_runner", lambda args, cfg, out, m: ("features", runner))
+    monkeypatch.setattr(command, "_runner", lambda args, cfg, out, m, protocol: ("features", runner))
     capsys.readouterr()
     rc = main(_args(out, data))
     captured = capsys.readouterr()
@@ -74,7 +74,7 @@ def runner(spec):
         time.sleep(0.05)
     return inner(spec)
 
-command._runner = lambda args, cfg, out, m: ("features", runner)
+command._runner = lambda args, cfg, out, m, protocol: ("features", runner)
 sys.exit(main(sys.argv[2:]))
 """
 

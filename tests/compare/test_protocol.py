@@ -6,7 +6,9 @@
 * the ledger keys every run on its whole setup: a changed setup starts new cells (and
   says what changed), the old setup's rows are found again, rows of no setup are never
   reused, and a cell's trials are counted per tuning, not per ledger row;
-* the grid mode, the budget rule and the flags of picks at the edge of a range.
+* the grid mode, the budget rule and the flags of picks at the edge of a range;
+* tuning repeats by validation folds: each repeat picks on its own fold, and a grid's
+  trials are trained once for every repeat.
 """
 
 import json
@@ -157,6 +159,61 @@ def test_grid_mode_tries_every_point_and_flags_picks_at_the_edge(tmp_path):
     assert "temperature" in result["picks"][0]["edges"]
     assert P.grid_settings("APLoss", 2, 1) == [{"lr": 3e-5, "num_bins": 52},
                                                {"lr": pytest.approx(3e-2), "num_bins": 52}]
+
+
+def _folded(calls, best_lr_of_fold):
+    """Three validation folds, each peaking at its own learning rate (fold f at
+    ``best_lr_of_fold[f]``); the whole validation set at 3e-3."""
+
+    def runner(spec):
+        calls.append(spec)
+        lr = spec.settings["lr"]
+        peak = lambda at: 80 - 10 * abs(math.log10(lr / at))
+        row = {"status": "ok", "val_map@r": peak(3e-3), "seconds": 0.1,
+               "val_folds": {str(f): peak(at) for f, at in enumerate(best_lr_of_fold)}}
+        if spec.test:
+            row["test_map@r"] = peak(3e-3) + 0.1 * (spec.seed % 10)
+        return row
+
+    runner.val_folds = len(best_lr_of_fold)
+    return runner
+
+
+def test_repeats_by_folds_pick_on_their_fold_and_share_a_grids_trials(tmp_path):
+    protocol = P.Protocol(("APLoss", "SupCon"), (32,), images=256, grid=4,
+                          grid_knob_points=1, seeds=(0, 1), tuning_repeats=3,
+                          repeat_by="folds")
+    calls = []
+    results = P.run(protocol, P.Ledger(tmp_path / "l.jsonl", "features"),
+                    _folded(calls, [3e-5, 3e-3, 3e-2]))
+    # 4 grid trials once (one tuning seed), then 3 repeats x 2 seeds, per loss
+    assert len(calls) == protocol.total_runs() == 2 * (4 + 3 * 2)
+    assert {c.seed for c in calls if not c.test} == {1000}
+    for result in results:
+        picks = [p["params"]["lr"] for p in result["picks"]]
+        assert picks == pytest.approx([3e-5, 3e-3, 3e-2])  # each repeat's own fold
+        assert [p["val_map@r"] for p in result["picks"]] == pytest.approx([80.0] * 3)
+        assert result["interval"] == "repeats" and len(set(result["repeats"])) == 3
+    # TPE proposes anew for each repeat: no trials shared
+    tpe = P.Protocol(("APLoss",), (32,), images=256, trials=4, seeds=(0,),
+                     tuning_repeats=3, repeat_by="folds")
+    assert tpe.total_runs() == 3 * (4 + 1)
+
+
+def test_repeats_by_folds_need_a_runner_that_scores_the_folds(tmp_path):
+    protocol = P.Protocol(("APLoss",), (32,), images=256, grid=2, grid_knob_points=1,
+                          seeds=(0,), tuning_repeats=3, repeat_by="folds")
+    ledger = P.Ledger(tmp_path / "l.jsonl", "features")
+    for runner in (_noisy_tuning([]), _folded([], [3e-3, 3e-3])):  # none, or 2 folds
+        with pytest.raises(ValueError, match="3 class-disjoint folds"):
+            P.run(protocol, ledger, runner)
+    assert not (tmp_path / "l.jsonl").exists() or not (tmp_path / "l.jsonl").read_text()
+    with pytest.raises(ValueError, match="repeat_by must be one of"):
+        P.Protocol(("APLoss",), (32,), repeat_by="classes")
+    # one repeat by folds is one tuning on every class: no folds needed
+    one = P.Protocol(("APLoss",), (32,), images=256, grid=2, grid_knob_points=1,
+                     seeds=(0,), repeat_by="folds")
+    assert len(P.run(one, ledger, _noisy_tuning([], noise=0.0))) == 1
 
 
 def test_edges_are_the_outer_tenth_of_a_range_log_scaled_where_the_range_is():

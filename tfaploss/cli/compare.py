@@ -92,6 +92,11 @@ def add_arguments(p) -> None:
                    help="tune R times (tuning seeds 1000..1000+R-1), evaluate each pick "
                         "on the seeds; the intervals are then over the R repeats' means "
                         "(tuning and seed noise) instead of the seeds (seed noise only)")
+    p.add_argument("--repeat-by", choices=("seeds", "folds"), default="seeds",
+                   help="what makes the tuning repeats independent: their tuning seeds "
+                        "(default), or class-disjoint folds of the validation classes "
+                        "(repeat r picks on fold r; --features only): with --grid every "
+                        "repeat shares one set of trials, R times fewer runs")
     p.add_argument("--seeds", default=None, help="evaluation seeds (default 0,1,2)")
     p.add_argument("--m", type=int, default=None, help="images per class in a batch "
                                                        "(default: the config's data.m)")
@@ -146,7 +151,7 @@ def protocol_from(args):
             images=int(pick("images")), updates=int(pick("updates")),
             seconds=float(pick("seconds")),
             trials=int(pick("trials")), seeds=_ints(pick("seeds"), "seeds"),
-            tuning_repeats=args.tuning_repeats, grid=args.grid,
+            tuning_repeats=args.tuning_repeats, repeat_by=args.repeat_by, grid=args.grid,
             grid_knob_points=args.grid_knob_points)
     except ValueError as err:
         raise SystemExit(f"tfaploss compare: {err}") from None

@@ -51,14 +51,16 @@ def config_digest(cfg) -> str:
     return digest(raw)
 
 
-def _runner(options: Options, cfg, out: Path, m: int):
+def _runner(options: Options, cfg, out: Path, m: int, protocol):
     """``(tier, runner)``; the runner trains and scores one run."""
     if options.features:
         from tfaploss.compare.features import FeatureRunner
 
+        folds = protocol.tuning_repeats if protocol.fold_of(0) is not None else None
         return "features", FeatureRunner(_features(cfg, options, out), m=m,
                                          head=options.head, dim=cfg.model.embedding_dim,
-                                         test_classes=options.test_classes)
+                                         test_classes=options.test_classes,
+                                         val_folds=folds)
     from tfaploss.compare.images import ImageRunner
 
     return "images", ImageRunner(cfg, options.val, out, m=m,
@@ -127,7 +129,7 @@ def _compare(options: Options, cfg, protocol, m: int, out: Path, progress):
     from tfaploss.compare import report
     from tfaploss.compare.protocol import Ledger, check_runner, run, with_baseline_differences
 
-    tier, runner = _runner(options, cfg, out, m)
+    tier, runner = _runner(options, cfg, out, m, protocol)
     try:  # before any run
         check_runner(protocol, runner)
         if hasattr(runner, "check"):

@@ -112,6 +112,17 @@ def class_subset(features, labels, classes: int | None, seed: int = 0):
     return features[rows], labels[rows]
 
 
+def class_folds(features, labels, folds: int, seed: int = 2) -> list[tuple]:
+    """``folds`` class-disjoint parts of the rows, the classes dealt at random (seeded)
+    and as evenly as they divide."""
+    unique = np.random.default_rng(seed).permutation(np.unique(labels))
+    if folds > len(unique):
+        raise ValueError(f"val_folds={folds} needs as many validation classes; there are "
+                         f"{len(unique)}.")
+    return [(features[rows], labels[rows]) for rows in
+            (np.isin(labels, part) for part in np.array_split(unique, folds))]
+
+
 def features_digest(data: dict) -> str:
     """A hash of the cached features and labels of every split (``{split: (x, y)}``):
     what a comparison's runs were trained and scored on."""
@@ -188,17 +199,21 @@ class FeatureRunner:
         curve_points: validation evaluations along the run (the last at its end).
         curve_classes: validation classes the curve is measured on (all: None).
         test_classes: test classes scored (a fixed draw; all: None).
+        val_folds: also score this many class-disjoint folds of the validation classes
+            (``val_folds`` in each row; tuning repeats by folds pick on them).
     """
 
     def __init__(self, data: dict, m: int = 4, head: str = "residual", hidden: int = 512,
                  dim: int = 128, curve_points: int = 5, curve_classes: int | None = 100,
-                 test_classes: int | None = None):
+                 test_classes: int | None = None, val_folds: int | None = None):
         if head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}; received head={head!r}.")
         self.train = data["train"]
         self.val = data["val"]
         self.curve_val = class_subset(*data["val"], curve_classes, seed=1)
         self.test = class_subset(*data["test"], test_classes, seed=TEST_CLASS_SEED)
+        self.val_folds = val_folds
+        self.folds = class_folds(*self.val, val_folds) if val_folds else []
         # class ids 0..C-1 for the proxies
         self.classes, self.train_labels = np.unique(self.train[1], return_inverse=True)
         self.width = int(self.train[0].shape[1])
@@ -214,7 +229,8 @@ class FeatureRunner:
         return {"head": self.head_kind, "hidden": None if self.head_kind == "linear"
                 else self.hidden, "dim": self.dim, "m": self.m,
                 "test_classes": self.test_classes, "curve_classes": self.curve_classes,
-                "curve_points": self.curve_points}
+                "curve_points": self.curve_points,
+                **({"val_folds": self.val_folds} if self.val_folds else {})}
 
     def baselines(self, dim: int) -> dict:
         """:func:`baselines` on this runner's validation and test classes."""
@@ -346,6 +362,9 @@ class FeatureRunner:
                                      score(embed, *self.curve_val)[0]])
             val, val_r1, cos = score(embed, *self.val)
             row.update({"val_map@r": val, "val_r@1": val_r1, "emb_cos": cos})
+            if self.folds:  # keys as strings: the ledger's rows go through JSON
+                row["val_folds"] = {str(i): score(embed, *fold)[0]
+                                    for i, fold in enumerate(self.folds)}
             # A collapse ranks at chance; a narrow cone alone (mean cosine near 1,
             # seen with proxy and histogram losses) can still rank well.
             if cos > 0.95 and val < 10.0:

@@ -57,6 +57,10 @@ AP_LOSSES = ("APLoss", "FastAP", "SmoothAP", "ROADMAP", "RSk")
 PEERS = ("Triplet", "MultiSimilarity", "SupCon", "ProxyAnchor")
 RUN_KNOBS = ("lr", "proxy_lr_multiplier")
 BUDGETS = ("images", "updates", "matched", "seconds")
+# What makes tuning repeats independent: their tuning seeds, or class-disjoint folds of
+# the validation classes (repeat r picks on fold r; the trials share one tuning seed, so
+# a grid's trials are trained once and scored on every fold).
+REPEAT_BY = ("seeds", "folds")
 # Repeat r's evaluation seed s runs as s + REPEAT_SEED_STRIDE * r.
 REPEAT_SEED_STRIDE = 10_000
 # A pick in the outer EDGE of a knob's range (log-scaled for a log range) is flagged.
@@ -232,6 +236,7 @@ class Protocol:
     seeds: tuple[int, ...] = (0, 1, 2)
     tuning_seed: int = 1000
     tuning_repeats: int = 1
+    repeat_by: str = "seeds"
     lr_range: tuple[float, float] = LR_RANGE
     grid: int | None = None
     grid_knob_points: int = 3
@@ -257,6 +262,9 @@ class Protocol:
         if self.tuning_repeats < 1:
             raise ValueError(f"tuning_repeats must be >= 1; received "
                              f"tuning_repeats={self.tuning_repeats}.")
+        if self.repeat_by not in REPEAT_BY:
+            raise ValueError(f"repeat_by must be one of {REPEAT_BY}; received "
+                             f"repeat_by={self.repeat_by!r}.")
         if self.grid is not None and self.grid < 2:
             raise ValueError(f"grid must be >= 2 learning rates; received grid={self.grid}.")
         if self.grid_knob_points < 1:
@@ -274,7 +282,11 @@ class Protocol:
                              "would score a pick on its own run).")
 
     def tuning_seed_of(self, repeat: int) -> int:
-        return self.tuning_seed + repeat
+        return self.tuning_seed + (0 if self.repeat_by == "folds" else repeat)
+
+    def fold_of(self, repeat: int) -> int | None:
+        """The validation fold repeat ``repeat`` picks on (None: every class)."""
+        return repeat if self.repeat_by == "folds" and self.tuning_repeats > 1 else None
 
     @staticmethod
     def eval_seed(seed: int, repeat: int) -> int:
@@ -310,8 +322,12 @@ class Protocol:
         """Runs of the whole comparison (at most, under the ``seconds`` budget: a loss
         whose updates there equal another budget's reuses that cell)."""
         distinct = sum(1 for *_, repeat in self.cells() if not repeat)
-        per_cell = sum(self.trials_for(loss) + len(self.seeds) for loss in self.losses)
-        return distinct * self.tuning_repeats * per_cell
+        # Folds with fixed proposals (grid, carried): one set of trials for every repeat.
+        shared = self.fold_of(0) is not None and self.search() != "tpe"
+        trial_sets = 1 if shared else self.tuning_repeats
+        return distinct * sum(trial_sets * self.trials_for(loss)
+                              + self.tuning_repeats * len(self.seeds)
+                              for loss in self.losses)
 
 
 def _suggest(trial, name, spec):
@@ -344,9 +360,11 @@ def _cached_run(ledger: Ledger, runner: Runner, spec: RunSpec, progress,
     return row
 
 
-def _value(row: dict) -> float:
-    """A tuning run's validation MAP@R; a failed run (no finite value) scores 0."""
-    value = row.get("val_map@r")
+def _value(row: dict, fold: int | None = None) -> float:
+    """A tuning run's validation MAP@R, on validation fold ``fold`` if not None; a failed
+    run (no finite value) scores 0."""
+    value = row.get("val_map@r") if fold is None else (row.get("val_folds") or {}).get(
+        str(fold))
     return float(value) if _finite(value) else 0.0
 
 
@@ -397,7 +415,7 @@ def tune(protocol: Protocol, ledger: Ledger, runner: Runner, loss: str, batch: i
         spec = RunSpec(loss, tuple(sorted(params.items())), batch, updates, seed, False)
         row = _cached_run(ledger, runner, spec, progress, repeat)
         rows.append(row)
-        value = _value(row)
+        value = _value(row, protocol.fold_of(repeat))
         if value > best_value:
             best, best_value = params, value
         try:
@@ -428,10 +446,16 @@ def evaluate(protocol: Protocol, ledger: Ledger, runner: Runner, loss: str, batc
 
 def check_runner(protocol: Protocol, runner: Runner) -> None:
     """Refuse, before any run, a protocol that ``runner`` cannot run: the ``seconds``
-    budget needs a runner that times its updates (``runner.step_seconds``)."""
+    budget needs a runner that times its updates (``runner.step_seconds``); repeats by
+    folds, one that scores that many validation folds (``runner.val_folds``)."""
     if "seconds" in protocol.budgets and not hasattr(runner, "step_seconds"):
         raise ValueError("the seconds budget times each loss's updates, which this runner "
                          "cannot (the cached-feature tier can: --features)")
+    if protocol.fold_of(0) is not None and getattr(runner, "val_folds", None) != (
+            protocol.tuning_repeats):
+        raise ValueError(f"tuning repeats by folds pick on {protocol.tuning_repeats} "
+                         "class-disjoint folds of the validation classes, which this runner "
+                         "does not score (the cached-feature tier does: --features)")
 
 
 def step_seconds(ledger: Ledger, runner: Runner, losses, batch: int) -> dict:
@@ -482,7 +506,8 @@ def summarise(budget, batch, updates, loss, tunings: list[dict], protocol: Proto
     mean, half, kind = nested_interval((r, row.get("test_map@r")) for r, row in units)
     vals = [row["val_map@r"] for _, row in units if _finite(row.get("val_map@r"))]
     picks = [{"repeat": t["repeat"], "params": t["params"], "trials": len(t["trials"]),
-              "val_map@r": max((_value(r) for r in t["trials"]), default=None),
+              "val_map@r": max((_value(r, protocol.fold_of(t["repeat"]))
+                                for r in t["trials"]), default=None),
               "edges": edge_knobs(loss, t["params"], protocol.lr_range)} for t in tunings]
     seconds = sum(r.get("seconds", 0.0) for t in tunings for r in t["trials"] + t["rows"])
     return {"budget": budget, "batch": batch, "updates": updates, "images": batch * updates,
