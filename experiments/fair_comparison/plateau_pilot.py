@@ -8,13 +8,15 @@ classes only.
         --cache experiments/fair_comparison/results/study_strong --batch 4096 \\
         --out experiments/fair_comparison/results/plateau_strong.json
 
-Every loss runs at every power of two from ``--start`` to ``--largest`` images. Two
+Every loss runs at the powers of two from ``--start`` images (at most ``--largest``). Two
 measures, both on every validation class: the pre-registered one, how much the last
 fifth of a run moves validation MAP@R (at 4/5 of its updates and at its end), and the
 amended one, how much more any larger budget tried scores. The pre-registered measure
 alone cannot fail under the cosine schedule to 0, whose last fifth takes steps of almost
 no size (the amendment and its measurement are in docs/batch_sweep.md). A budget I is
-the plateau when, for every loss, both are below 0.2.
+the plateau when, for every loss, both are below 0.2, with at least one larger budget
+tried: the budgets run in turn until the next one confirms a plateau, up to
+``--largest``.
 
 ``--cache`` is the study's output folder, so that the pilot and the study train on the
 same cached features. The pilot runs at the largest batch of the study: an image budget
@@ -70,7 +72,8 @@ def main(argv=None):
     done = {(r["loss"], r["images"]): r for r in record["runs"]}
     record.update(rule="plateau at I: for every loss, the last fifth of the run at I "
                        "moves validation MAP@R by < threshold, and no budget tried above "
-                       "I scores more than threshold above I")
+                       "I scores more than threshold above I; at least one budget above I "
+                       "is tried (the largest tried only confirms)")
 
     def measured(loss, images):
         row = done.get((loss, images))
@@ -98,24 +101,42 @@ def main(argv=None):
     while images <= args.largest:
         budgets.append(images)
         images *= 2
-    # Every budget of every loss, cheapest first: a pilot cut short keeps its budgets.
-    val = {(loss, i): measured(loss, i) for i in budgets for loss in losses}
-    plateau = None
+    # Budget by budget, cheapest first, until a larger one confirms a plateau: a pilot
+    # cut short keeps its budgets, and none is run past the one that confirms.
+    val, plateau, tried = {}, None, []
     for i in budgets:
-        gains = {loss: max(_gain(val[(loss, i)], val[(loss, j)]) for j in budgets if j >= i)
-                 for loss in losses}
+        val.update({(loss, i): measured(loss, i) for loss in losses})
+        tried.append(i)
+        plateau = _plateau(tried, losses, val)
+        if plateau:
+            break
+    for i in tried:
+        gains = {loss: max((_gain(val[(loss, i)], val[(loss, j)]) for j in tried if j > i),
+                           default=None) for loss in losses}
         fifths = {loss: val[(loss, i)]["last_fifth"] for loss in losses}
         print(f"{i:>9,} images: more images gain at most "
               + ", ".join(f"{loss} {_num(g)}" for loss, g in gains.items())
               + "; last fifth moved " + ", ".join(f"{_num(f)}" for f in fifths.values()),
               flush=True)
-        if plateau is None and all(g < THRESHOLD for g in gains.values()) and all(
-                f is not None and f < THRESHOLD for f in fifths.values()):
-            plateau = i
     record["plateau_images"] = plateau
     atomic_write_json(out, record)
     print(f"plateau: {plateau:,} images" if plateau else
-          f"no plateau up to {args.largest:,} images", flush=True)
+          f"no plateau up to {tried[-1]:,} images (a larger budget must confirm one)",
+          flush=True)
+
+
+def _plateau(tried, losses, val):
+    """The smallest budget of ``tried`` (ascending) where, for every loss, the last
+    fifth moved validation by < THRESHOLD and no larger budget tried scores THRESHOLD
+    more; the largest can only confirm (nothing above it to measure the gain)."""
+    for k, i in enumerate(tried[:-1]):
+        gains = [_gain(val[(loss, i)], val[(loss, j)]) for loss in losses
+                 for j in tried[k + 1:]]
+        fifths = [val[(loss, i)]["last_fifth"] for loss in losses]
+        if all(g < THRESHOLD for g in gains) and all(
+                f is not None and f < THRESHOLD for f in fifths):
+            return i
+    return None
 
 
 def _gain(row, later):

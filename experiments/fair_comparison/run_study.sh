@@ -38,7 +38,7 @@ compare() {  # regime, then compare's own arguments
 for regime in $REGIMES; do
   $PY experiments/fair_comparison/plateau_pilot.py --config "$(config $regime)" \
     --val data/glyphs/val --cache $R/study_$regime --losses $LOSSES --batch 4096 \
-    --start 65536 --largest 524288 --out $R/plateau_$regime.json
+    --start 65536 --largest 2097152 --out $R/plateau_$regime.json
 done
 plateau() {
   $PY -c "import json, sys; print(json.load(open(sys.argv[1]))['plateau_images'] or '')" \
