@@ -7,7 +7,7 @@ from __future__ import annotations
 from keras import ops
 
 from tfaploss.ops.backend import dim, take
-from tfaploss.ops.pair_blocks import Blocks, blocked_rank_terms
+from tfaploss.ops.pair_blocks import Blocks, blocked_rank_terms, pair_gaps, pair_values
 
 # Level code of an item that takes no part in a query's ranking (never >= a real level).
 _OUT = -1
@@ -60,8 +60,7 @@ def _hap_block_kernels(upper):
     def geometry(s, kind, flat):
         code, relevance = kind
         num_items = dim(s, 1)
-        rows = flat // num_items
-        t = take(s, rows, axis=0) - take(ops.reshape(s, [-1]), flat)[:, None]
+        rows, t = pair_gaps(s, flat)
         codes = take(code, rows, axis=0)
         own_code = take(ops.reshape(code, [-1]), flat)[:, None]
         # The pair's own item j takes no part in its ranks (j = k in the authors' mask).
@@ -85,8 +84,7 @@ def _hap_block_kernels(upper):
     def backward(s, kind, flat, valid, g_hrank, g_rank):
         rows, t, _, lower, _ = geometry(s, kind, flat)
         _, slope = upper.value_and_slope(t)
-        g = ops.where(valid, take(ops.reshape(g_rank, [-1]), flat),
-                      ops.zeros_like(t[:, 0]))[:, None]
+        g = pair_values(g_rank, flat, valid)[:, None]
         w = ops.where(lower, g * slope, ops.zeros_like(t))
         return rows, w, -ops.sum(w, axis=1)
 

@@ -94,6 +94,21 @@ class Blocks:
         return ops.reshape(values, ops.shape(like))
 
 
+def pair_gaps(s, flat):
+    """``(rows, t)`` of a block's pairs (flat indices ``flat`` into the (Q, N) ``s``):
+    each pair's query row and ``t = s[row] - s[pair]``, (block, N), what every block
+    kernel ranks."""
+    rows = flat // dim(s, 1)
+    return rows, take(s, rows, axis=0) - take(ops.reshape(s, [-1]), flat)[:, None]
+
+
+def pair_values(values, flat, valid):
+    """The (Q, N) ``values`` at a block's pairs, (block,); 0 for the padding past the
+    last pair (a backward kernel's upstream gradient)."""
+    read = take(ops.reshape(values, [-1]), flat)
+    return ops.where(valid, read, ops.zeros_like(read))
+
+
 def _keras_rank_terms(scores, kind, blocks, use_positive, forward_block, backward_block):
     """The blocked loop with ``keras.ops`` (JAX, PyTorch), into (max_blocks, block)
     buffers."""

@@ -25,9 +25,9 @@ import math
 
 from keras import ops
 
-from tfaploss.ops.backend import dim, take
+from tfaploss.ops.backend import take
 from tfaploss.ops.masks import masked_mean, ranked_masks
-from tfaploss.ops.pair_blocks import Blocks, blocked_rank_terms
+from tfaploss.ops.pair_blocks import Blocks, blocked_rank_terms, pair_gaps, pair_values
 
 _CLIP = 50.0  # sigmoid argument clip of the Smooth-AP/ROADMAP/PNP code
 
@@ -123,9 +123,7 @@ def _block_kernels(positive_step, negative_step):
     pos_slopes = use_positive and positive_step.differentiable
 
     def geometry(s, kind, flat):
-        rows = flat // dim(s, 1)
-        own = take(ops.reshape(s, [-1]), flat)
-        t = take(s, rows, axis=0) - own[:, None]
+        rows, t = pair_gaps(s, flat)
         return rows, t, take(kind, rows, axis=0)
 
     def masked_row_sum(mask, values):
@@ -147,12 +145,11 @@ def _block_kernels(positive_step, negative_step):
 
     def backward(s, kind, flat, valid, g_pos, g_neg):
         rows, t, kinds = geometry(s, kind, flat)
-        zero = ops.zeros_like(t[:, 0])
         _, slope = negative_step.value_and_slope(t)
-        g_n = ops.where(valid, take(ops.reshape(g_neg, [-1]), flat), zero)[:, None]
+        g_n = pair_values(g_neg, flat, valid)[:, None]
         if pos_slopes:
             # Includes j = k, whose row and pair contributions cancel.
-            g_p = ops.where(valid, take(ops.reshape(g_pos, [-1]), flat), zero)[:, None]
+            g_p = pair_values(g_pos, flat, valid)[:, None]
             if same_step:
                 w = ops.where(kinds == 2, g_n, ops.where(kinds == 1, g_p, 0.0 * g_p)) * slope
             else:

@@ -20,13 +20,12 @@ from __future__ import annotations
 from keras import ops
 
 from tfaploss.ops.backend import dim, take
-from tfaploss.ops.pair_blocks import Blocks, blocked_rank_terms
+from tfaploss.ops.pair_blocks import Blocks, blocked_rank_terms, pair_gaps, pair_values
 
 
 def _gaps(s, negative_rows, flat):
-    rows = flat // dim(s, 1)
-    own = take(ops.reshape(s, [-1]), flat)
-    return rows, take(s, rows, axis=0) - own[:, None], take(negative_rows, rows, axis=0)
+    rows, t = pair_gaps(s, flat)
+    return rows, t, take(negative_rows, rows, axis=0)
 
 
 def _semihard_choice(t, negatives):
@@ -52,9 +51,7 @@ def _semihard_kernels():
     def backward(s, negative_rows, flat, valid, g_first, g_gap):
         rows, t, negatives = _gaps(s, negative_rows, flat)
         chosen, has_negative = _semihard_choice(t, negatives)
-        g = take(ops.reshape(g_gap, [-1]), flat)
-        w = chosen * ops.where(ops.logical_and(valid, has_negative), g,
-                               ops.zeros_like(g))[:, None]
+        w = chosen * pair_values(g_gap, flat, ops.logical_and(valid, has_negative))[:, None]
         return rows, w, -ops.sum(w, axis=1)
 
     return forward, backward
@@ -70,8 +67,7 @@ def _hinge_kernels(margin):
 
     def backward(s, negative_rows, flat, valid, g_first, g_sum):
         rows, t, negatives = _gaps(s, negative_rows, flat)
-        g = take(ops.reshape(g_sum, [-1]), flat)
-        g = ops.where(valid, g, ops.zeros_like(g))[:, None]
+        g = pair_values(g_sum, flat, valid)[:, None]
         w = ops.where(ops.logical_and(negatives, t < margin), -g, ops.zeros_like(t))
         return rows, w, -ops.sum(w, axis=1)
 
