@@ -56,11 +56,10 @@ def _runner(options: Options, cfg, out: Path, m: int, protocol):
     if options.features:
         from tfaploss.compare.features import FeatureRunner
 
-        folds = protocol.tuning_repeats if protocol.fold_of(0) is not None else None
         return "features", FeatureRunner(_features(cfg, options, out), m=m,
                                          head=options.head, dim=cfg.model.embedding_dim,
                                          test_classes=options.test_classes,
-                                         val_folds=folds)
+                                         val_folds=protocol.folds)
     from tfaploss.compare.images import ImageRunner
 
     return "images", ImageRunner(cfg, options.val, out, m=m,

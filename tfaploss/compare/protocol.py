@@ -284,9 +284,15 @@ class Protocol:
     def tuning_seed_of(self, repeat: int) -> int:
         return self.tuning_seed + (0 if self.repeat_by == "folds" else repeat)
 
+    @property
+    def folds(self) -> int | None:
+        """The validation folds the repeats pick on (None: each picks on every class)."""
+        return (self.tuning_repeats if self.repeat_by == "folds" and self.tuning_repeats > 1
+                else None)
+
     def fold_of(self, repeat: int) -> int | None:
         """The validation fold repeat ``repeat`` picks on (None: every class)."""
-        return repeat if self.repeat_by == "folds" and self.tuning_repeats > 1 else None
+        return repeat if self.folds else None
 
     @staticmethod
     def eval_seed(seed: int, repeat: int) -> int:
@@ -323,7 +329,7 @@ class Protocol:
         whose updates there equal another budget's reuses that cell)."""
         distinct = sum(1 for *_, repeat in self.cells() if not repeat)
         # Folds with fixed proposals (grid, carried): one set of trials for every repeat.
-        shared = self.fold_of(0) is not None and self.search() != "tpe"
+        shared = self.folds and self.search() != "tpe"
         trial_sets = 1 if shared else self.tuning_repeats
         return distinct * sum(trial_sets * self.trials_for(loss)
                               + self.tuning_repeats * len(self.seeds)
@@ -451,9 +457,8 @@ def check_runner(protocol: Protocol, runner: Runner) -> None:
     if "seconds" in protocol.budgets and not hasattr(runner, "step_seconds"):
         raise ValueError("the seconds budget times each loss's updates, which this runner "
                          "cannot (the cached-feature tier can: --features)")
-    if protocol.fold_of(0) is not None and getattr(runner, "val_folds", None) != (
-            protocol.tuning_repeats):
-        raise ValueError(f"tuning repeats by folds pick on {protocol.tuning_repeats} "
+    if protocol.folds and getattr(runner, "val_folds", None) != protocol.folds:
+        raise ValueError(f"tuning repeats by folds pick on {protocol.folds} "
                          "class-disjoint folds of the validation classes, which this runner "
                          "does not score (the cached-feature tier does: --features)")
 

@@ -71,7 +71,7 @@ def search_words(protocol, settings_from: str | None = None) -> str:
 def interval_words(protocol) -> str:
     if protocol.tuning_repeats > 1:
         by = (", each picking on its own class-disjoint fold of the validation classes"
-              if protocol.fold_of(0) is not None else "")
+              if protocol.folds else "")
         return (f"mean ± 95 % t-interval over the {protocol.tuning_repeats} tuning "
                 f"repeats' means{by} ({protocol.tuning_repeats} x {len(protocol.seeds)} "
                 "(repeat, seed) runs per cell: tuning noise and seed noise)")
@@ -92,7 +92,7 @@ def header(*, tier, config, val, protocol, m, setup, runs, hours, quick=False,
     text = (f"## tfaploss compare: {tier} tier\n\nConfig `{config}`, validation `{val}`; "
             f"losses {', '.join(protocol.losses)}; {search_words(protocol, settings_from)}; "
             f"{repeats} tuning repeat(s) (tuning seed {protocol.tuning_seed}"
-            + (" + r for repeat r" if repeats > 1 and protocol.fold_of(0) is None
+            + (" + r for repeat r" if repeats > 1 and not protocol.folds
                else "; repeat r picks on validation fold r" if repeats > 1 else "")
             + f"); evaluation seeds {seeds}"
             + (" (repeat r runs seed s as s + 10000 r)" if repeats > 1 else "")
