@@ -111,8 +111,7 @@ def main(argv=None):
         if plateau:
             break
     for i in tried:
-        gains = {loss: max((_gain(val[(loss, i)], val[(loss, j)]) for j in tried if j > i),
-                           default=None) for loss in losses}
+        gains = _gains(i, tried, losses, val)
         fifths = {loss: val[(loss, i)]["last_fifth"] for loss in losses}
         print(f"{i:>9,} images: more images gain at most "
               + ", ".join(f"{loss} {_num(g)}" for loss, g in gains.items())
@@ -129,14 +128,19 @@ def _plateau(tried, losses, val):
     """The smallest budget of ``tried`` (ascending) where, for every loss, the last
     fifth moved validation by < THRESHOLD and no larger budget tried scores THRESHOLD
     more; the largest can only confirm (nothing above it to measure the gain)."""
-    for k, i in enumerate(tried[:-1]):
-        gains = [_gain(val[(loss, i)], val[(loss, j)]) for loss in losses
-                 for j in tried[k + 1:]]
+    for i in tried[:-1]:
+        gains = _gains(i, tried, losses, val).values()
         fifths = [val[(loss, i)]["last_fifth"] for loss in losses]
         if all(g < THRESHOLD for g in gains) and all(
                 f is not None and f < THRESHOLD for f in fifths):
             return i
     return None
+
+
+def _gains(i, tried, losses, val):
+    """``{loss: the most a budget tried above i scores over i}`` (None: none above)."""
+    return {loss: max((_gain(val[(loss, i)], val[(loss, j)]) for j in tried if j > i),
+                      default=None) for loss in losses}
 
 
 def _gain(row, later):
