@@ -1,14 +1,17 @@
 """The pre-registered study's plateau pilot (docs/batch_sweep.md): the smallest
 power-of-two image budget at which the runs plateau, for every loss at its default
-setting (learning rate 1e-3, the loss's own defaults), measured on the validation
-classes only.
+setting (the loss's own defaults; learning rate 1e-3, or the best of ``--lrs``),
+measured on the validation classes only.
 
     python experiments/fair_comparison/plateau_pilot.py \\
         --config experiments/fair_comparison/glyphs_pretrained.yaml --val data/glyphs/val \\
         --cache experiments/fair_comparison/results/study_strong --batch 4096 \\
         --out experiments/fair_comparison/results/plateau_strong.json
 
-Every loss runs at the powers of two from ``--start`` images (at most ``--largest``). Two
+Every loss runs at the powers of two from ``--start`` images (at most ``--largest``), at
+each learning rate of ``--lrs``; a loss's score at a budget is its best over them (its
+run at that rate is the one measured), so the plateau is that of runs whose learning
+rate was picked, as the study's are (amendment 6 in docs/batch_sweep.md). Two
 measures, both on every validation class: the pre-registered one, how much the last
 fifth of a run moves validation MAP@R (at 4/5 of its updates and at its end), and the
 amended one, how much more any larger budget tried scores. The pre-registered measure
@@ -51,7 +54,10 @@ def main(argv=None):
     p.add_argument("--start", type=int, default=65536, help="the first image budget")
     p.add_argument("--largest", type=int, default=1 << 20, help="the last budget tried")
     p.add_argument("--seed", type=int, default=1000, help="a tuning seed (not evaluated)")
+    p.add_argument("--lrs", default=str(LR),
+                   help="comma-separated learning rates; each budget keeps a loss's best")
     args = p.parse_args(argv)
+    lrs = [float(v) for v in args.lrs.split(",")]
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
     from tfaploss.compare.features import FeatureRunner, extract_features
@@ -68,29 +74,34 @@ def main(argv=None):
                            test_classes=10)
     out = Path(args.out)
     record = json.loads(out.read_text()) if out.is_file() else {"runs": []}
-    record.update(batch=args.batch, lr=LR, threshold=THRESHOLD, config=args.config)
-    done = {(r["loss"], r["images"]): r for r in record["runs"]}
+    # rows from before several rates were tried carry the record's one rate
+    for r in record["runs"]:
+        r.setdefault("lr", record.get("lr", LR))
+    record.pop("lr", None)
+    record.update(batch=args.batch, threshold=THRESHOLD, config=args.config)
+    done = {(r["loss"], r["images"], r["lr"]): r for r in record["runs"]}
     record.update(rule="plateau at I: for every loss, the last fifth of the run at I "
                        "moves validation MAP@R by < threshold, and no budget tried above "
                        "I scores more than threshold above I; at least one budget above I "
-                       "is tried (the largest tried only confirms)")
+                       "is tried (the largest tried only confirms); a loss's score at a "
+                       "budget is its best over the learning rates tried there")
 
-    def measured(loss, images):
-        row = done.get((loss, images))
+    def measured(loss, images, lr):
+        row = done.get((loss, images, lr))
         if row is None:
             updates = max(1, images // args.batch)
-            spec = RunSpec(loss, (("lr", LR),), args.batch, updates, args.seed, True)
+            spec = RunSpec(loss, (("lr", lr),), args.batch, updates, args.seed, True)
             result = runner(spec)
             curve = result.get("curve") or []
-            row = {"loss": loss, "images": images, "updates": updates,
+            row = {"loss": loss, "images": images, "lr": lr, "updates": updates,
                    "status": result["status"], "val_map@r": result.get("val_map@r"),
                    "curve": curve, "seconds": result["seconds"],
                    "last_fifth": (abs(curve[-1][1] - curve[-2][1]) if len(curve) >= 2
                                   else None)}
             record["runs"].append(row)
-            done[(loss, images)] = row
+            done[(loss, images, lr)] = row
             atomic_write_json(out, record)
-        print(f"{images:>9,} images ({row['updates']} u) {loss:16s} val "
+        print(f"{images:>9,} images ({row['updates']} u) {loss:16s} lr {lr:.0e} val "
               f"{_num(row['val_map@r'])}, last fifth moved {_num(row['last_fifth'])} "
               f"({row['status']}, {row['seconds']:.0f} s)", flush=True)
         return row
@@ -105,7 +116,8 @@ def main(argv=None):
     # cut short keeps its budgets, and none is run past the one that confirms.
     val, plateau, tried = {}, None, []
     for i in budgets:
-        val.update({(loss, i): measured(loss, i) for loss in losses})
+        val.update({(loss, i): _best([measured(loss, i, lr) for lr in lrs])
+                    for loss in losses})
         tried.append(i)
         plateau = _plateau(tried, losses, val)
         if plateau:
@@ -113,6 +125,10 @@ def main(argv=None):
     for i in tried:
         gains = _gains(i, tried, losses, val)
         fifths = {loss: val[(loss, i)]["last_fifth"] for loss in losses}
+        if len(lrs) > 1:
+            print(f"{i:>9,} images: best rates " + ", ".join(
+                f"{loss} {val[(loss, i)]['lr']:.0e} ({_num(val[(loss, i)]['val_map@r'])})"
+                for loss in losses), flush=True)
         print(f"{i:>9,} images: more images gain at most "
               + ", ".join(f"{loss} {_num(g)}" for loss, g in gains.items())
               + "; last fifth moved " + ", ".join(f"{_num(f)}" for f in fifths.values()),
@@ -135,6 +151,13 @@ def _plateau(tried, losses, val):
                 f is not None and f < THRESHOLD for f in fifths):
             return i
     return None
+
+
+def _best(rows):
+    """The row of the learning rate that scores best on validation (a failed run, with
+    no score, only when every rate failed)."""
+    return max(rows, key=lambda r: (r.get("val_map@r") is not None,
+                                    r.get("val_map@r") or 0.0))
 
 
 def _gains(i, tried, losses, val):

@@ -75,3 +75,13 @@ def test_a_plateau_needs_a_larger_budget_to_confirm_it():
     assert pilot._plateau([1, 2, 4, 8], losses, val) is None
     val[("A", 4)]["last_fifth"] = None
     assert pilot._plateau([1, 2, 4, 8], losses, val) is None
+
+
+def test_a_budget_keeps_each_loss_at_its_best_learning_rate():
+    pilot = _script("plateau_pilot")
+    rows = [{"lr": 1e-3, "val_map@r": 80.0}, {"lr": 1e-2, "val_map@r": None},
+            {"lr": 3e-3, "val_map@r": 82.5}]
+    assert pilot._best(rows)["lr"] == 3e-3
+    # a failed rate never beats a scored one, even a score of 0
+    assert pilot._best([{"lr": 1, "val_map@r": None}, {"lr": 2, "val_map@r": 0.0}])["lr"] == 2
+    assert pilot._best([{"lr": 1, "val_map@r": None}])["lr"] == 1
