@@ -101,7 +101,7 @@ def main(argv=None):
             record["runs"].append(row)
             done[(loss, images, lr)] = row
             atomic_write_json(out, record)
-        print(f"{images:>9,} images ({row['updates']} u) {loss:16s} lr {lr:.0e} val "
+        print(f"{images:>9,} images ({row['updates']} u) {loss:16s} lr {lr:.2g} val "
               f"{_num(row['val_map@r'])}, last fifth moved {_num(row['last_fifth'])} "
               f"({row['status']}, {row['seconds']:.0f} s)", flush=True)
         return row
@@ -127,7 +127,7 @@ def main(argv=None):
         fifths = {loss: val[(loss, i)]["last_fifth"] for loss in losses}
         if len(lrs) > 1:
             print(f"{i:>9,} images: best rates " + ", ".join(
-                f"{loss} {val[(loss, i)]['lr']:.0e} ({_num(val[(loss, i)]['val_map@r'])})"
+                f"{loss} {val[(loss, i)]['lr']:.2g} ({_num(val[(loss, i)]['val_map@r'])})"
                 for loss in losses), flush=True)
         print(f"{i:>9,} images: more images gain at most "
               + ", ".join(f"{loss} {_num(g)}" for loss, g in gains.items())
