@@ -219,6 +219,15 @@ def test_compare_quick_runs_resumes_and_writes_its_report(digit_splits, tmp_path
     with pytest.raises(SystemExit, match=r"batch sizes \[64\] need more than the 5 "
                                          r"training classes with >= m=8"):
         main(args + ["--batch-sizes", "16,64"])
+    # The config's notes are read at compare's largest batch (here 64), not the config's
+    # own (96), and before a refusal: a chunk of 64 splits no batch, one of 32 does.
+    # The console shows each as one "note:" line, as every command does.
+    with pytest.raises(SystemExit, match="need more than the 5"):
+        main(args + ["--batch-sizes", "16,64", "--set", "training.chunk_size=64"])
+    assert "note: training.chunk_size=64 >= data.batch_size=64" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="need more than the 5"):
+        main(args + ["--batch-sizes", "16,64"])
+    assert "chunk_size" not in capsys.readouterr().err
     # Repeats by validation folds: a grid's 2 trials once, then 2 repeats x 2 seeds
     before = len((out / "ledger.jsonl").read_text().splitlines())
     assert main(args + ["--losses", "APLoss", "--batch-sizes", "16", "--grid", "2",

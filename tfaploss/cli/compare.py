@@ -240,8 +240,10 @@ def _console_handlers():
 
 
 def cmd_compare(args) -> int:
+    from tfaploss.cli.config import show_config_notes
     from tfaploss.compare.command import compare
 
+    show_config_notes()
     protocol = protocol_from(args)
     console = Console(protocol.total_runs(), quiet=args.quiet)
     handlers = [] if args.verbose else _console_handlers()

@@ -1,5 +1,5 @@
-"""``tfaploss config``: a run config validated and printed whole; and how every command
-loads a run config (:func:`load_run_config`)."""
+"""``tfaploss config``: a run config validated and printed whole; how every command
+loads a run config (:func:`load_run_config`) and shows its notes."""
 
 from __future__ import annotations
 
@@ -24,12 +24,21 @@ def cmd_config(args) -> int:
 
 
 def load_run_config(args):
-    """The config ``args.config`` names, with ``args.set``'s overrides. Its
-    :class:`~tfaploss.config.ConfigWarning`s are shown as ``note: ...`` lines on stderr,
-    other warnings as Python formats them: how every command presents a config's notes."""
+    """The config ``args.config`` names, with ``args.set``'s overrides, its notes shown
+    as :func:`show_config_notes` shows them."""
+    from tfaploss.config import load_config
+
+    show_config_notes()
+    return load_config(args.config, args.set)
+
+
+def show_config_notes() -> None:
+    """How every command presents a config's notes: each
+    :class:`~tfaploss.config.ConfigWarning` as a ``note: ...`` line on stderr, other
+    warnings as Python formats them."""
     import warnings
 
-    from tfaploss.config import ConfigWarning, load_config
+    from tfaploss.config import ConfigWarning
 
     def show(message, category, filename, lineno, file=None, line=None):
         if issubclass(category, ConfigWarning):
@@ -39,4 +48,3 @@ def load_run_config(args):
                   file=sys.stderr, end="")
 
     warnings.showwarning = show
-    return load_config(args.config, args.set)

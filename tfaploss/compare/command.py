@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import time
+import warnings
 from pathlib import Path
 
 from tfaploss import extras
@@ -96,9 +97,9 @@ def compare(options: Options, protocol, progress=lambda event: None) -> tuple[st
     splits that do not exist, batches that are not multiples of m or that the
     training classes cannot fill. One comparison per output folder (its lock).
     """
-    from tfaploss.config import ConfigError, load_config
+    from tfaploss.config import ConfigError, ConfigWarning, config_notes, load_config
 
-    cfg = load_config(options.config, list(options.overrides))
+    cfg = load_config(options.config, list(options.overrides), warn=False)
     # Before any run: the tuning needs Optuna; without matplotlib only the figure is lost.
     if protocol.search() == "tpe":
         extras.require("compare", "tfaploss compare's tuning (Optuna TPE; --settings-from "
@@ -115,6 +116,13 @@ def compare(options: Options, protocol, progress=lambda event: None) -> tuple[st
     bad = [b for b in protocol.batch_sizes if b % m]
     if bad:
         raise SystemExit(f"tfaploss compare: batch sizes {bad} are not multiples of m={m}")
+    # compare sets the batch and m itself, so the config's notes are read as it runs: at
+    # its largest batch (a chunk_size that splits none of its batches is still noted;
+    # one that only the config's own data.batch_size reaches is not).
+    as_run = [*options.overrides, f"data.batch_size={max(protocol.batch_sizes)}",
+              f"data.m={m}"]
+    for note in config_notes(load_config(options.config, as_run, warn=False)):
+        warnings.warn(note, ConfigWarning, stacklevel=2)
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     # One comparison per folder: a second would append to the same ledger and write the
