@@ -112,9 +112,19 @@ def main(argv=None):
     while images <= args.largest:
         budgets.append(images)
         images *= 2
+    # What the record already holds at budgets not yet run at every rate (earlier runs
+    # at fewer rates) counts against a plateau too: a loss's best there is a lower bound
+    # of its best over all the rates, so a gain it shows is real (a curve can be flat
+    # for a few doublings and then climb; the strong regime's was at 1e-3).
+    val = {}
+    for loss in losses:
+        for i in sorted({r["images"] for r in record["runs"] if r["loss"] == loss}):
+            rows = [done[(loss, i, lr)] for lr in lrs if (loss, i, lr) in done]
+            if rows:
+                val[(loss, i)] = _best(rows)
     # Budget by budget, cheapest first, until a larger one confirms a plateau: a pilot
     # cut short keeps its budgets, and none is run past the one that confirms.
-    val, plateau, tried = {}, None, []
+    plateau, tried = None, []
     for i in budgets:
         val.update({(loss, i): _best([measured(loss, i, lr) for lr in lrs])
                     for loss in losses})
@@ -123,7 +133,7 @@ def main(argv=None):
         if plateau:
             break
     for i in tried:
-        gains = _gains(i, tried, losses, val)
+        gains = _gains(i, losses, val)
         fifths = {loss: val[(loss, i)]["last_fifth"] for loss in losses}
         if len(lrs) > 1:
             print(f"{i:>9,} images: best rates " + ", ".join(
@@ -141,11 +151,12 @@ def main(argv=None):
 
 
 def _plateau(tried, losses, val):
-    """The smallest budget of ``tried`` (ascending) where, for every loss, the last
-    fifth moved validation by < THRESHOLD and no larger budget tried scores THRESHOLD
-    more; the largest can only confirm (nothing above it to measure the gain)."""
+    """The smallest budget of ``tried`` (ascending; run at every rate) where, for every
+    loss, the last fifth moved validation by < THRESHOLD and no larger budget in ``val``
+    scores THRESHOLD more; the largest tried can only confirm (nothing tried above it
+    to measure the gain)."""
     for i in tried[:-1]:
-        gains = _gains(i, tried, losses, val).values()
+        gains = _gains(i, losses, val).values()
         fifths = [val[(loss, i)]["last_fifth"] for loss in losses]
         if all(g < THRESHOLD for g in gains) and all(
                 f is not None and f < THRESHOLD for f in fifths):
@@ -160,10 +171,10 @@ def _best(rows):
                                     r.get("val_map@r") or 0.0))
 
 
-def _gains(i, tried, losses, val):
-    """``{loss: the most a budget tried above i scores over i}`` (None: none above)."""
-    return {loss: max((_gain(val[(loss, i)], val[(loss, j)]) for j in tried if j > i),
-                      default=None) for loss in losses}
+def _gains(i, losses, val):
+    """``{loss: the most a budget in val above i scores over i}`` (None: none above)."""
+    return {loss: max((_gain(val[(loss, i)], row) for (name, j), row in val.items()
+                       if name == loss and j > i), default=None) for loss in losses}
 
 
 def _gain(row, later):

@@ -75,6 +75,16 @@ def test_a_plateau_needs_a_larger_budget_to_confirm_it():
     assert pilot._plateau([1, 2, 4, 8], losses, val) is None
     val[("A", 4)]["last_fifth"] = None
     assert pilot._plateau([1, 2, 4, 8], losses, val) is None
+    # a budget not yet run at every rate counts against a plateau: with B flat from 2,
+    # 2 is the plateau until B's runs at 16 (not tried: fewer rates) score 0.25 above it
+    val[("A", 4)]["last_fifth"] = 0.01
+    flat = {k: dict(v) for k, v in val.items()}
+    flat[("B", 4)]["val_map@r"] = flat[("B", 8)]["val_map@r"] = 80.6
+    assert pilot._plateau([1, 2, 4, 8], losses, flat) == 2
+    flat[("B", 16)] = {"val_map@r": 80.75, "last_fifth": 0.0}
+    assert pilot._plateau([1, 2, 4, 8], losses, flat) == 4
+    flat[("B", 16)]["val_map@r"] = 80.85
+    assert pilot._plateau([1, 2, 4, 8], losses, flat) is None
 
 
 def test_a_budget_keeps_each_loss_at_its_best_learning_rate():
