@@ -23,6 +23,9 @@ R=experiments/fair_comparison/results
 # histogram loss against triplet and SupCon; repeats on validation folds over one grid.
 LOSSES=SmoothAP,FastAP,Triplet,SupCon
 SECONDS_PER_RUN=120
+# The pilot's learning rates (amendment 6): the defaults' 1e-3 and the grid's two largest,
+# so the plateau is that of runs whose rate was picked.
+PILOT_LRS=0.001,0.007535659294528742,0.03
 REGIMES=${REGIMES:-strong weak}
 config() {
   if [ "$1" = weak ]; then echo experiments/fair_comparison/glyphs_pretrained_weak.yaml
@@ -38,7 +41,7 @@ compare() {  # regime, then compare's own arguments
 for regime in $REGIMES; do
   $PY experiments/fair_comparison/plateau_pilot.py --config "$(config $regime)" \
     --val data/glyphs/val --cache $R/study_$regime --losses $LOSSES --batch 4096 \
-    --start 65536 --largest 2097152 --out $R/plateau_$regime.json
+    --start 65536 --largest 2097152 --lrs $PILOT_LRS --out $R/plateau_$regime.json
 done
 plateau() {
   $PY -c "import json, sys; print(json.load(open(sys.argv[1]))['plateau_images'] or '')" \
