@@ -145,6 +145,9 @@ def main(argv=None):
               flush=True)
     record["plateau_images"] = plateau
     atomic_write_json(out, record)
+    figure = _plot(record, losses, lrs, out.with_suffix(".png"))
+    if figure:
+        print(f"plot: {figure}", flush=True)
     print(f"plateau: {plateau:,} images" if plateau else
           f"no plateau up to {tried[-1]:,} images (a larger budget must confirm one)",
           flush=True)
@@ -182,6 +185,45 @@ def _gain(row, later):
     (no score) counts as no gain."""
     a, b = row.get("val_map@r"), later.get("val_map@r")
     return 0.0 if a is None or b is None else b - a
+
+
+def _plot(record, losses, lrs, path):
+    """Validation MAP@R against the image budget, a panel per loss and a line per
+    learning rate, the budget found marked; written to a temporary name and renamed.
+    None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    from tfaploss.durable.atomic import atomic_write
+
+    fig, axes = plt.subplots(1, len(losses), figsize=(4 * len(losses), 3.6), sharey=True,
+                             squeeze=False)
+    for ax, loss in zip(axes[0], losses):
+        for lr in lrs:
+            rows = sorted((r for r in record["runs"] if r["loss"] == loss and r["lr"] == lr
+                           and r.get("val_map@r") is not None), key=lambda r: r["images"])
+            ax.plot([r["images"] for r in rows], [r["val_map@r"] for r in rows], marker="o",
+                    label=f"lr {lr:.2g}")
+        if record.get("plateau_images"):
+            ax.axvline(record["plateau_images"], color="black", linestyle=":",
+                       label="plateau")
+        ax.set_xscale("log", base=2)
+        ax.set_title(loss, fontsize=10)
+        ax.set_xlabel(f"images (B = {record['batch']})")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("validation MAP@R (%)")
+    axes[0][0].legend(fontsize=8)
+    found = (f"plateau at {record['plateau_images']:,} images" if record.get("plateau_images")
+             else "no plateau found")
+    fig.suptitle(f"{record['config']}: one run per point; {found}", fontsize=10)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
+    return path
 
 
 def _num(value):

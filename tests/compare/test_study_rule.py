@@ -95,3 +95,15 @@ def test_a_budget_keeps_each_loss_at_its_best_learning_rate():
     # a failed rate never beats a scored one, even a score of 0
     assert pilot._best([{"lr": 1, "val_map@r": None}, {"lr": 2, "val_map@r": 0.0}])["lr"] == 2
     assert pilot._best([{"lr": 1, "val_map@r": None}])["lr"] == 1
+
+
+def test_the_pilot_draws_each_loss_at_each_rate(tmp_path):
+    pytest.importorskip("matplotlib")
+    pilot = _script("plateau_pilot")
+    runs = [{"loss": loss, "images": i, "lr": lr, "val_map@r": 80.0 + i / 1e5 + lr}
+            for loss in ("A", "B") for i in (65536, 131072) for lr in (1e-3, 1e-2)]
+    runs.append({"loss": "A", "images": 262144, "lr": 1e-3, "val_map@r": None})
+    record = {"runs": runs, "batch": 4096, "config": "c.yaml", "plateau_images": 65536}
+    path = pilot._plot(record, ["A", "B"], [1e-3, 1e-2], tmp_path / "pilot.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["pilot.png"]  # no temporary left
