@@ -25,7 +25,8 @@ tried: the budgets run in turn until the next one confirms a plateau, up to
 same cached features. The pilot runs at the largest batch of the study: an image budget
 gives a smaller batch more updates, so the largest batch is the last to plateau. Prints
 one line per run; the JSON record (written to a temporary name first, after every run)
-holds every run and the budget found, and a second call resumes it.
+holds every run and the budget found, and a second call resumes it; the plot (the
+record's name, .png) shows every run, a panel per loss.
 """
 
 from __future__ import annotations
