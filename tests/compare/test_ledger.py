@@ -38,9 +38,11 @@ RUNS = 2 * ((2 + 2) + (5 + 2))
 
 
 def _args(out: Path, data: Path) -> list[str]:
+    # --features: the runner these tests put in place is a feature-tier one
     return ["compare", "--config", str(REPO / "configs" / "demo_digits.yaml"), "--quick",
-            "--set", f"data.train={data}", "--set", f"data.test={data}", "--val", str(data),
-            "--out", str(out), "--losses", "APLoss,MultiSimilarity", "--m", "8"]
+            "--features", "--set", f"data.train={data}", "--set", f"data.test={data}",
+            "--val", str(data), "--out", str(out), "--losses", "APLoss,MultiSimilarity",
+            "--m", "8"]
 
 
 def _compare(monkeypatch, capsys, out, data, runner):

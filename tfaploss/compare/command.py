@@ -118,9 +118,10 @@ def compare(options: Options, protocol, progress=lambda event: None) -> tuple[st
         raise SystemExit(f"tfaploss compare: batch sizes {bad} are not multiples of m={m}")
     # compare sets the batch and m itself, so the config's notes are read as it runs: at
     # its largest batch (a chunk_size that splits none of its batches is still noted;
-    # one that only the config's own data.batch_size reaches is not).
+    # one that only the config's own data.batch_size reaches is not). The feature tier
+    # trains a head of its own: the config's chunk_size does not apply to it.
     as_run = [*options.overrides, f"data.batch_size={max(protocol.batch_sizes)}",
-              f"data.m={m}"]
+              f"data.m={m}", *(["training.chunk_size=null"] if options.features else [])]
     for note in config_notes(load_config(options.config, as_run, warn=False)):
         warnings.warn(note, ConfigWarning, stacklevel=2)
     out = Path(options.out)
