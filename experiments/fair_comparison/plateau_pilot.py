@@ -11,7 +11,8 @@ measured on the validation classes only.
 Every loss runs at the powers of two from ``--start`` images (at most ``--largest``), at
 each learning rate of ``--lrs``; a loss's score at a budget is its best over them (its
 run at that rate is the one measured), so the plateau is that of runs whose learning
-rate was picked, as the study's are (amendment 6 in docs/batch_sweep.md). Two
+rate was picked, as the study's are (amendment 6 in docs/batch_sweep.md); ``--knobs``
+moves a loss's knobs off its defaults (a record keeps each setting's runs apart). Two
 measures, both on every validation class: the pre-registered one, how much the last
 fifth of a run moves validation MAP@R (at 4/5 of its updates and at its end), and the
 amended one, how much more any larger budget tried scores. The pre-registered measure
@@ -57,8 +58,12 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1000, help="a tuning seed (not evaluated)")
     p.add_argument("--lrs", default=str(LR),
                    help="comma-separated learning rates; each budget keeps a loss's best")
+    p.add_argument("--knobs", default="",
+                   help="knobs away from a loss's defaults, e.g. SupCon:temperature=0.023,"
+                        "SmoothAP:temperature=0.001 (rows at other knobs do not count)")
     args = p.parse_args(argv)
     lrs = [float(v) for v in args.lrs.split(",")]
+    knobs = _parse_knobs(args.knobs)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
     from tfaploss.compare.features import FeatureRunner, extract_features
@@ -80,7 +85,8 @@ def main(argv=None):
         r.setdefault("lr", record.get("lr", LR))
     record.pop("lr", None)
     record.update(batch=args.batch, threshold=THRESHOLD, config=args.config)
-    done = {(r["loss"], r["images"], r["lr"]): r for r in record["runs"]}
+    done = {_key(r["loss"], r["images"], r["lr"], r.get("knobs", {})): r
+            for r in record["runs"]}
     record.update(rule="plateau at I: for every loss, the last fifth of the run at I "
                        "moves validation MAP@R by < threshold, and no budget tried above "
                        "I scores more than threshold above I; at least one budget above I "
@@ -88,19 +94,22 @@ def main(argv=None):
                        "budget is its best over the learning rates tried there")
 
     def measured(loss, images, lr):
-        row = done.get((loss, images, lr))
+        key = _key(loss, images, lr, knobs.get(loss, {}))
+        row = done.get(key)
         if row is None:
             updates = max(1, images // args.batch)
-            spec = RunSpec(loss, (("lr", lr),), args.batch, updates, args.seed, True)
+            params = tuple(sorted({"lr": lr, **knobs.get(loss, {})}.items()))
+            spec = RunSpec(loss, params, args.batch, updates, args.seed, True)
             result = runner(spec)
             curve = result.get("curve") or []
-            row = {"loss": loss, "images": images, "lr": lr, "updates": updates,
+            row = {"loss": loss, "images": images, "lr": lr,
+                   **({"knobs": knobs[loss]} if knobs.get(loss) else {}), "updates": updates,
                    "status": result["status"], "val_map@r": result.get("val_map@r"),
                    "curve": curve, "seconds": result["seconds"],
                    "last_fifth": (abs(curve[-1][1] - curve[-2][1]) if len(curve) >= 2
                                   else None)}
             record["runs"].append(row)
-            done[(loss, images, lr)] = row
+            done[key] = row
             atomic_write_json(out, record)
         print(f"{images:>9,} images ({row['updates']} u) {loss:16s} lr {lr:.2g} val "
               f"{_num(row['val_map@r'])}, last fifth moved {_num(row['last_fifth'])} "
@@ -120,7 +129,8 @@ def main(argv=None):
     val = {}
     for loss in losses:
         for i in sorted({r["images"] for r in record["runs"] if r["loss"] == loss}):
-            rows = [done[(loss, i, lr)] for lr in lrs if (loss, i, lr) in done]
+            rows = [done[k] for k in (_key(loss, i, lr, knobs.get(loss, {})) for lr in lrs)
+                    if k in done]
             if rows:
                 val[(loss, i)] = _best(rows)
     # Budget by budget, cheapest first, until a larger one confirms a plateau: a pilot
@@ -146,7 +156,7 @@ def main(argv=None):
               flush=True)
     record["plateau_images"] = plateau
     atomic_write_json(out, record)
-    figure = _plot(record, losses, lrs, out.with_suffix(".png"))
+    figure = _plot(record, losses, lrs, out.with_suffix(".png"), knobs)
     if figure:
         print(f"plot: {figure}", flush=True)
     print(f"plateau: {plateau:,} images" if plateau else
@@ -166,6 +176,22 @@ def _plateau(tried, losses, val):
                 f is not None and f < THRESHOLD for f in fifths):
             return i
     return None
+
+
+def _parse_knobs(text: str) -> dict:
+    """``"SupCon:temperature=0.023,..."`` -> ``{"SupCon": {"temperature": 0.023}}``."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        loss, _, setting = item.partition(":")
+        name, _, value = setting.partition("=")
+        if not (loss and name and value):
+            raise SystemExit(f"--knobs: {item!r} is not LOSS:KNOB=VALUE")
+        out.setdefault(loss, {})[name] = float(value)
+    return out
+
+
+def _key(loss, images, lr, knobs) -> tuple:
+    return loss, images, lr, tuple(sorted(knobs.items()))
 
 
 def _best(rows):
@@ -188,10 +214,11 @@ def _gain(row, later):
     return 0.0 if a is None or b is None else b - a
 
 
-def _plot(record, losses, lrs, path):
-    """Validation MAP@R against the image budget, a panel per loss and a line per
-    learning rate, the budget found marked; written to a temporary name and renamed.
-    None without matplotlib."""
+def _plot(record, losses, lrs, path, knobs=None):
+    """Validation MAP@R against the image budget, a panel per loss (its runs at
+    ``knobs[loss]``, default: its defaults) and a line per learning rate, the budget
+    found marked; written to a temporary name and renamed. None without matplotlib."""
+    knobs = knobs or {}
     try:
         import matplotlib
 
@@ -206,6 +233,7 @@ def _plot(record, losses, lrs, path):
     for ax, loss in zip(axes[0], losses):
         for lr in lrs:
             rows = sorted((r for r in record["runs"] if r["loss"] == loss and r["lr"] == lr
+                           and r.get("knobs", {}) == knobs.get(loss, {})
                            and r.get("val_map@r") is not None), key=lambda r: r["images"])
             ax.plot([r["images"] for r in rows], [r["val_map@r"] for r in rows], marker="o",
                     label=f"lr {lr:.2g}")
@@ -213,7 +241,8 @@ def _plot(record, losses, lrs, path):
             ax.axvline(record["plateau_images"], color="black", linestyle=":",
                        label="plateau")
         ax.set_xscale("log", base=2)
-        ax.set_title(loss, fontsize=10)
+        ax.set_title(" ".join([loss, *(f"{k} {v:.2g}" for k, v in
+                                        knobs.get(loss, {}).items())]), fontsize=10)
         ax.set_xlabel(f"images (B = {record['batch']})")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("validation MAP@R (%)")

@@ -107,3 +107,14 @@ def test_the_pilot_draws_each_loss_at_each_rate(tmp_path):
     path = pilot._plot(record, ["A", "B"], [1e-3, 1e-2], tmp_path / "pilot.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["pilot.png"]  # no temporary left
+
+
+def test_knobs_are_read_and_keep_their_runs_apart():
+    pilot = _script("plateau_pilot")
+    knobs = pilot._parse_knobs("SupCon:temperature=0.023, SmoothAP:temperature=1e-3")
+    assert knobs == {"SupCon": {"temperature": 0.023}, "SmoothAP": {"temperature": 0.001}}
+    assert pilot._parse_knobs("") == {}
+    with pytest.raises(SystemExit, match="not LOSS:KNOB=VALUE"):
+        pilot._parse_knobs("SupCon=0.1")
+    # the same loss, budget and rate at other knobs is another run
+    assert pilot._key("SupCon", 1, 1e-3, {}) != pilot._key("SupCon", 1, 1e-3, knobs["SupCon"])
