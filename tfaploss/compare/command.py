@@ -120,9 +120,11 @@ def compare(options: Options, protocol, progress=lambda event: None) -> tuple[st
     # its largest batch (a chunk_size that splits none of its batches is still noted;
     # one that only the config's own data.batch_size reaches is not). The feature tier
     # trains a head of its own: the config's chunk_size does not apply to it.
-    as_run = [*options.overrides, f"data.batch_size={max(protocol.batch_sizes)}",
-              f"data.m={m}", *(["training.chunk_size=null"] if options.features else [])]
-    for note in config_notes(load_config(options.config, as_run, warn=False)):
+    as_run = dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, batch_size=max(protocol.batch_sizes), m=m),
+        training=(dataclasses.replace(cfg.training, chunk_size=None) if options.features
+                  else cfg.training))
+    for note in config_notes(as_run):
         warnings.warn(note, ConfigWarning, stacklevel=2)
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
