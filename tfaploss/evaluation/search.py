@@ -13,7 +13,7 @@ from tfaploss.evaluation.search_plan import SearchPlan
 from tfaploss.evaluation.searchers import Searcher
 from tfaploss.evaluation.tuner import measure_recall, tune_searcher
 
-__all__ = ["build_searcher", "exact_report", "search_report"]
+__all__ = ["build_searcher", "search_report"]
 
 # How each concrete backend of search_plan.BACKENDS is built when nothing is tuned.
 _BUILDERS = {
@@ -57,12 +57,6 @@ def build_searcher(database, backend: str | SearchPlan = "exact", *,
     return searcher
 
 
-def exact_report(k: int) -> dict[str, Any]:
-    """The search part of a report for exact search."""
-    return {"backend": "exact", "setting": "exact", "k": int(k), "recall": 1.0,
-            "recall_ci": [1.0, 1.0], "ci_method": "exact search: recall 1 by construction"}
-
-
 def search_report(searcher: Searcher | None, database, k: int, queries=None,
                   sample_size: int = 1000, seed: int = 0) -> dict[str, Any]:
     """Backend, setting and recall@k (with its interval) of ``searcher``, for a report:
@@ -72,7 +66,9 @@ def search_report(searcher: Searcher | None, database, k: int, queries=None,
     if tuning:
         return {**dict(tuning), **auto}
     if searcher is None or searcher.backend == "exact":
-        return {**exact_report(k), **auto}
+        return {"backend": "exact", "setting": "exact", "k": int(k), "recall": 1.0,
+                "recall_ci": [1.0, 1.0], "ci_method": "exact search: recall 1 by construction",
+                **auto}
     out = {"backend": searcher.backend, "setting": searcher.describe(), "tuned": False}
     out.update(measure_recall(searcher, database, k, queries, sample_size, seed))
     return {**out, **auto}
