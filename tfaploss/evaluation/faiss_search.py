@@ -366,15 +366,11 @@ class FaissSpace:
     """The tuner's plan for faiss (a :class:`~tfaploss.evaluation.searchers.SearchSpace`)."""
 
     name = "faiss"
+    candidates = staticmethod(faiss_candidates)
+    cost = staticmethod(faiss_cost)
 
     def check(self) -> None:
         import_faiss()
-
-    def candidates(self, n, d, k):
-        return faiss_candidates(n, d, k)
-
-    def cost(self, setting, n, d, k):
-        return faiss_cost(setting, n, d, k)
 
     def dominates(self, a: FaissSetting, b: FaissSetting) -> bool:
         """True when ``a`` finds at least every neighbour ``b`` finds: exact scores over

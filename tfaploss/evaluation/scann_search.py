@@ -1,15 +1,6 @@
-"""ScaNN as a search backend: its searcher, its tuning space and its costs.
-
-:class:`ScannSearcher` answers the :class:`~tfaploss.evaluation.searchers.Searcher`
-interface with ScaNN's exact brute force (``"scann"``) or its tree + anisotropic
-asymmetric hashing + exact re-ordering (``"scann_ah"``, parameters from
-:func:`scann_ah_params`).
-
-:class:`ScannSpace` is the tuner's plan for ScaNN: partitions (none, about sqrt(N) or
-2 sqrt(N) leaves), leaves searched, 4-bit AH (2 or 1 dimensions per block, anisotropic
-0.2 or off) or exact scores inside the leaves, and the re-order size (2k, 4k, 10k).
-Brute force over a setting's leaves is its probe: it bounds the recall of every AH
-setting searching as many leaves or fewer.
+"""ScaNN as a search backend: :class:`ScannSearcher` (exact brute force, ``"scann"``, or
+tree + anisotropic hashing + re-ordering, ``"scann_ah"``), and the tuner's plan for
+ScaNN (:class:`ScannSpace`) with its costs.
 """
 
 from __future__ import annotations
@@ -326,7 +317,10 @@ def estimated_cost(setting: ScannSetting | None, n: int, d: int) -> float:
 
 
 def candidate_settings(n: int, d: int, k: int) -> list[ScannSetting]:
-    """The search space for an (n, d) database and top-``k``, cheapest first."""
+    """ScaNN's search space for an (n, d) database and top-``k``, cheapest first:
+    partitions (none, about sqrt(N) or 2 sqrt(N) leaves), leaves searched, 4-bit AH (2
+    or 1 dimensions per block, anisotropic 0.2 or off) or exact scores inside the leaves,
+    and the re-order size (2k, 4k, 10k)."""
     reorders = sorted({min(n, r) for r in (2 * k, 4 * k, 10 * k)})
     ah = [(2, 0.2), (2, None), (1, 0.2)]
     partitions: list[tuple[int | None, list[int | None]]] = [(None, [None])]
@@ -349,12 +343,10 @@ class ScannSpace:
     """ScaNN's plan for the tuner (a :class:`~tfaploss.evaluation.searchers.SearchSpace`)."""
 
     name = "ScaNN"
+    candidates = staticmethod(candidate_settings)
 
     def check(self) -> None:
         pass  # ScaNN's import fails where the first searcher is built
-
-    def candidates(self, n, d, k):
-        return candidate_settings(n, d, k)
 
     def cost(self, setting, n, d, k):
         return estimated_cost(setting, n, d)
@@ -373,6 +365,7 @@ class ScannSpace:
                 and a.reorder_num_neighbors >= b.reorder_num_neighbors)
 
     def probe(self, setting):
+        """Brute force over the same leaves bounds the recall of an AH setting."""
         if setting.num_leaves and setting.leaf_scoring == "ah":
             return ScannSetting(setting.num_leaves, setting.leaves_to_search, "brute_force")
         return None
