@@ -14,7 +14,6 @@ scores of a query block once (e.g. ranking every positive for mAP).
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,19 +32,6 @@ def available_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return max(1, os.cpu_count() or 1)
-
-
-@contextlib.contextmanager
-def single_threaded_blas(active: bool):
-    """Limit BLAS to one thread while our own thread pool runs (threadpoolctl if
-    installed; without it the pool is not used and BLAS keeps its threads)."""
-    if not active:
-        yield
-        return
-    from threadpoolctl import threadpool_limits
-
-    with threadpool_limits(limits=1, user_api="blas"):
-        yield
 
 
 def _threadpoolctl_available() -> bool:
@@ -192,9 +178,9 @@ def _product(q: np.ndarray, block: np.ndarray, buffer: np.ndarray) -> np.ndarray
     return np.matmul(q, block.T, out=out)
 
 
-def _topk_range(q, database, k, start, stop, database_block, merge_after=None):
+def _topk_range(q, database, k, start, stop, database_block):
     block = min(database_block, stop - start)
-    top = _RunningTopk(q.shape[0], k, _MERGE_AFTER * k if merge_after is None else merge_after)
+    top = _RunningTopk(q.shape[0], k, _MERGE_AFTER * k)
     buffer = np.empty((q.shape[0], block), np.float32)
     for d0 in range(start, stop, database_block):
         top.add(_product(q, database[d0:min(d0 + database_block, stop)], buffer), d0)
@@ -213,12 +199,14 @@ def _plan(num_queries: int, size: int, query_block: int, threads: int):
 
 
 def _run(tasks, fn, threads):
-    use_pool = threads > 1 and len(tasks) > 1 and _threadpoolctl_available()
-    with single_threaded_blas(use_pool):
-        if not use_pool:
-            return [fn(t) for t in tasks]
-        with ThreadPoolExecutor(threads) as pool:
-            return list(pool.map(fn, tasks))
+    # Without threadpoolctl the pool is not used and BLAS keeps its threads.
+    if threads <= 1 or len(tasks) <= 1 or not _threadpoolctl_available():
+        return [fn(t) for t in tasks]
+    from threadpoolctl import threadpool_limits
+
+    # BLAS single-threaded while our own thread pool runs.
+    with threadpool_limits(limits=1, user_api="blas"), ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(fn, tasks))
 
 
 def exact_topk(queries: np.ndarray, database: np.ndarray, k: int, *,

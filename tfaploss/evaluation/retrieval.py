@@ -88,15 +88,11 @@ def _exact_rank_metrics(searcher, queries, q_labels, d_labels, exclude, num_rele
     return score_blocks(queries, searcher.database, block, threads=searcher.num_threads)
 
 
-def _chunk_size(depth: int, num_queries: int) -> int:
-    return int(max(1, min(num_queries, CHUNK_ELEMENTS // max(depth, 1))))
-
-
 def _searched_metrics(searcher, queries, q_labels, d_labels, exclude, num_relevant, depth,
                       ks, bar):
     """Per-query metrics from a top-``depth`` search (approximate backends)."""
     num_q = queries.shape[0]
-    chunk = _chunk_size(depth, num_q)
+    chunk = int(max(1, min(num_q, CHUNK_ELEMENTS // max(depth, 1))))
     parts = []
     for q0 in range(0, num_q, chunk):
         q1 = min(q0 + chunk, num_q)
