@@ -121,14 +121,9 @@ class _TorchProduct:
         """``q @ block.T`` in bfloat16, as its int16 bits (no copy)."""
         return self.torch.mm(q, block.T).view(self.torch.int16).numpy()
 
-    @contextlib.contextmanager
     def one_thread_each(self, active: bool):
         """Single-threaded products while our own threads run one each."""
-        if not active:
-            yield
-            return
-        with _TORCH_ONE_THREAD.held():
-            yield
+        return _TORCH_ONE_THREAD.held() if active else contextlib.nullcontext()
 
 
 class _TensorFlowProduct:
@@ -150,9 +145,8 @@ class _TensorFlowProduct:
             out = self.tf.bitcast(self.tf.matmul(q, block, transpose_b=True), self.tf.int16)
         return np.asarray(out)  # .numpy() would copy
 
-    @contextlib.contextmanager
     def one_thread_each(self, active: bool):
-        yield  # TensorFlow's thread pool is fixed at start-up
+        return contextlib.nullcontext()  # TensorFlow's thread pool is fixed at start-up
 
 
 _PRODUCTS = {"torch": _TorchProduct, "tensorflow": _TensorFlowProduct}
