@@ -149,22 +149,20 @@ def _jsonable(obj):
 
 
 def _is_dataset(x) -> bool:
-    try:
-        import tensorflow as tf
-    except ImportError:  # pragma: no cover
-        return False
+    import tensorflow as tf
+
     return isinstance(x, tf.data.Dataset)
 
 
 def _resolve(model_or_embeddings, data, labels, verbose, what: str):
-    """Embeddings, labels and ids from a model + dataset, an array + labels, or a
-    directory written by the embed job."""
+    """Embeddings, labels and the model (None without one) from a model + dataset, an
+    array + labels, or a directory written by the embed job."""
     if _is_dataset(model_or_embeddings):
         raise ValueError(f"a {what} dataset was given but no model to embed it: pass a model "
                          "as `model_or_embeddings`, or embeddings instead of the dataset.")
     if isinstance(model_or_embeddings, (str, os.PathLike)):
-        emb, lab, ids = load_embeddings(str(model_or_embeddings))
-        return emb, (lab if labels is None else np.asarray(labels)), ids
+        emb, lab, _ = load_embeddings(str(model_or_embeddings))
+        return emb, (lab if labels is None else np.asarray(labels)), None
     if isinstance(model_or_embeddings, np.ndarray) or hasattr(model_or_embeddings, "numpy"):
         emb = np.asarray(model_or_embeddings, np.float32)
         if labels is None and data is not None and not _is_dataset(data):
@@ -175,8 +173,8 @@ def _resolve(model_or_embeddings, data, labels, verbose, what: str):
     if not callable(model_or_embeddings):
         raise TypeError(f"`model_or_embeddings` must be a Keras model, a callable, an "
                          f"array of embeddings or a path; got {type(model_or_embeddings)}.")
-    emb, lab, ids = embed_dataset(model_or_embeddings, data, verbose)
-    return emb, (lab if labels is None else np.asarray(labels)), ids
+    emb, lab, _ = embed_dataset(model_or_embeddings, data, verbose)
+    return emb, (lab if labels is None else np.asarray(labels)), model_or_embeddings
 
 
 def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
@@ -225,9 +223,7 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
     # Checked before embedding, so a bad value fails at once rather than after the model ran.
     ks = check_ks(ks) if ks is not None else _PROTOCOL_KS[protocol]
     plan = SearchPlan.of(backend, target_recall).with_k(max(ks))
-    db, db_labels, _ = _resolve(model_or_embeddings, dataset, labels, verbose, "database")
-    model = None if isinstance(model_or_embeddings, (np.ndarray, str, os.PathLike)) or \
-        hasattr(model_or_embeddings, "numpy") else model_or_embeddings
+    db, db_labels, model = _resolve(model_or_embeddings, dataset, labels, verbose, "database")
     if query is not None:
         q_src = model if (model is not None and _is_dataset(query)) else query
         q, q_labels, _ = _resolve(q_src, query if q_src is model else None, query_labels,
