@@ -26,12 +26,10 @@ def split_element(element):
             raise ValueError(f"dataset dict elements need an 'image' key; got {sorted(element)}.")
         return images, pick("labels", "label", "image/class/label"), pick("ids", "id", "image/id")
     if isinstance(element, (tuple, list)):
-        if len(element) == 2:
-            return element[0], element[1], None
-        if len(element) == 3:
-            return element[0], element[1], element[2]
-        raise ValueError(f"dataset elements must be (images, labels) or (images, labels, ids); "
-                         f"got a tuple of {len(element)}.")
+        if len(element) not in (2, 3):
+            raise ValueError(f"dataset elements must be (images, labels) or (images, labels, "
+                             f"ids); got a tuple of {len(element)}.")
+        return element[0], element[1], (element[2] if len(element) == 3 else None)
     return element, None, None
 
 
