@@ -60,8 +60,7 @@ def count_relevant(query_labels, db_labels, exclude=None) -> np.ndarray:
     """``R_q``: database items with the query's label, not counting the item
     ``exclude[q]`` (the query itself in self-retrieval; ``-1`` or ``None``: none)."""
     uniq, counts = np.unique(db_labels, return_counts=True)
-    pos = np.searchsorted(uniq, query_labels)
-    pos = np.clip(pos, 0, len(uniq) - 1)
+    pos = np.clip(np.searchsorted(uniq, query_labels), 0, len(uniq) - 1)
     found = uniq[pos] == query_labels
     r = np.where(found, counts[pos], 0).astype(np.int64)
     if exclude is not None:

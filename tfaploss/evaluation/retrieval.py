@@ -186,13 +186,12 @@ def retrieval_metrics(query_embeddings, query_labels, db_embeddings=None, db_lab
         searcher = build_searcher(db, plan, **searcher_kwargs)
     elif searcher.size != n_db:
         raise ValueError(f"`searcher` holds {searcher.size} items but the database has {n_db}.")
-    if map_depth is None:
-        if searcher.backend == "exact":
-            depth = n_avail
-        else:
-            depth = min(n_avail, max(max(ks), int(num_relevant.max()), DEFAULT_APPROX_DEPTH))
-    else:
+    if map_depth is not None:
         depth = min(check_int("map_depth", map_depth), n_avail)
+    elif searcher.backend == "exact":
+        depth = n_avail
+    else:
+        depth = min(n_avail, max(max(ks), int(num_relevant.max()), DEFAULT_APPROX_DEPTH))
 
     bar = None
     if progress:
@@ -213,10 +212,9 @@ def retrieval_metrics(query_embeddings, query_labels, db_embeddings=None, db_lab
 
     valid = num_relevant > 0
     metrics = {f"recall@{k}": float(per_q[f"hit@{k}"].mean()) for k in ks}
-    metrics["precision@1"] = float(per_q["p@1"][valid].mean())
-    metrics["map@r"] = float(per_q["ap@r"][valid].mean())
-    metrics["r_precision"] = float(per_q["r_prec"][valid].mean())
-    metrics["map"] = float(per_q["ap"][valid].mean())
+    for name, key in (("precision@1", "p@1"), ("map@r", "ap@r"), ("r_precision", "r_prec"),
+                      ("map", "ap")):
+        metrics[name] = float(per_q[key][valid].mean())
     if not return_details:
         return metrics
     exact_search = searcher.backend in ("exact", "scann")

@@ -69,6 +69,5 @@ def search_report(searcher: Searcher | None, database, k: int, queries=None,
         return {"backend": "exact", "setting": "exact", "k": int(k), "recall": 1.0,
                 "recall_ci": [1.0, 1.0], "ci_method": "exact search: recall 1 by construction",
                 **auto}
-    out = {"backend": searcher.backend, "setting": searcher.describe(), "tuned": False}
-    out.update(measure_recall(searcher, database, k, queries, sample_size, seed))
-    return {**out, **auto}
+    return {"backend": searcher.backend, "setting": searcher.describe(), "tuned": False,
+            **measure_recall(searcher, database, k, queries, sample_size, seed), **auto}
