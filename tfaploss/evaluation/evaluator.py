@@ -224,12 +224,11 @@ def evaluate(model_or_embeddings, dataset=None, protocol: str = "retrieval", *,
     ks = check_ks(ks) if ks is not None else _PROTOCOL_KS[protocol]
     plan = SearchPlan.of(backend, target_recall).with_k(max(ks))
     db, db_labels, model = _resolve(model_or_embeddings, dataset, labels, verbose, "database")
+    q = q_labels = None
     if query is not None:
-        q_src = model if (model is not None and _is_dataset(query)) else query
-        q, q_labels, _ = _resolve(q_src, query if q_src is model else None, query_labels,
-                                  verbose, "query")
-    else:
-        q, q_labels = None, None
+        embed = model is not None and _is_dataset(query)  # with the database's model
+        q, q_labels, _ = _resolve(model if embed else query, query if embed else None,
+                                  query_labels, verbose, "query")
 
     if whitening is not None:
         db = whitening.transform(db)
