@@ -36,18 +36,19 @@ import numpy as np
 from tfaploss.evaluation.metrics import check_ks
 
 PROTOCOLS = ("easy", "medium", "hard")
+_GND_INDEX_KEYS = ("easy", "hard", "junk")  # the index lists of each query's ground truth
 
 
 def protocol_sets(gnd_entry: dict, protocol: str) -> tuple[np.ndarray, np.ndarray]:
     """``(positives, junk)`` index arrays of one query under ``protocol``."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"`protocol` must be one of {PROTOCOLS}; received {protocol!r}.")
-    missing = [k for k in ("easy", "hard", "junk") if k not in gnd_entry]
+    missing = [k for k in _GND_INDEX_KEYS if k not in gnd_entry]
     if missing:
         raise ValueError(f"ground-truth entry lacks key(s) {missing}; each query needs "
                          "'easy', 'hard' and 'junk' index lists.")
     easy, hard, junk = (np.asarray(gnd_entry[k], dtype=np.int64).reshape(-1)
-                        for k in ("easy", "hard", "junk"))
+                        for k in _GND_INDEX_KEYS)
     if protocol == "easy":
         return easy, np.concatenate([junk, hard])
     if protocol == "medium":
@@ -158,7 +159,6 @@ def revisited_map_from_ranks(ranks, gnd, protocol: str = "medium", ks=(1, 5, 10)
     return result
 
 
-_GND_INDEX_KEYS = ("easy", "hard", "junk")
 _MAX_GND_BYTES = 64 << 20
 
 
