@@ -81,11 +81,8 @@ def _precisions_at(positions: np.ndarray, ks: Sequence[int], all_found: bool) ->
     pos1 = positions + 1  # 1-based
     # Positives beyond a truncated ranking sit after every returned one.
     max_pos = pos1.max() if (all_found and len(pos1)) else np.inf
-    out = []
-    for k in ks:
-        kq = min(max_pos, k)
-        out.append((pos1 <= kq).sum() / kq)
-    return np.asarray(out, dtype=np.float64)
+    kq = np.minimum(max_pos, np.asarray(ks))
+    return (pos1[None, :] <= kq[:, None]).sum(axis=1) / kq
 
 
 def _evaluate_ranks(ranks: np.ndarray, gnd, protocol: str, ks):
