@@ -259,3 +259,30 @@ def test_tree_is_spherical_for_unit_rows_and_finds_neighbours_in_one_leaf():
     scaled = ScannSearcher(db * 2, mode="ah", num_neighbors=10, num_leaves=200,
                            num_leaves_to_search=1, leaf_scoring="brute_force")
     assert scaled.params["spherical"] is False
+
+
+@pytest.mark.parametrize("backend", ["exact", "scann", "faiss"])
+def test_a_backend_checks_and_converts_its_database_once(backend, monkeypatch):
+    """The base class and the backend once both ran the database's checks (a finiteness
+    pass over every value) and its float32 conversion (a copy of a float64 database)."""
+    from tfaploss.evaluation import exact_search, faiss_search, scann_search, searchers
+
+    if backend == "scann":
+        pytest.importorskip("scann")
+    if backend == "faiss":
+        pytest.importorskip("faiss")
+    calls = []
+    real = searchers.as_matrix
+
+    def counting(x, name):
+        calls.append(name)
+        return real(x, name)
+
+    for module in (searchers, exact_search, faiss_search, scann_search):
+        if hasattr(module, "as_matrix"):
+            monkeypatch.setattr(module, "as_matrix", counting)
+    db = _unit(np.random.default_rng(0), 300, 8).astype(np.float64)
+    searcher = build_searcher(db, backend)
+    assert calls == ["database"]
+    idx, _ = searcher.search(db[:3], 1)
+    np.testing.assert_array_equal(idx[:, 0], [0, 1, 2])

@@ -11,7 +11,7 @@ from typing import ClassVar
 import numpy as np
 
 from tfaploss.durable import atomic
-from tfaploss.evaluation.arrays import as_matrix, check_int
+from tfaploss.evaluation.arrays import check_int
 from tfaploss.evaluation.exact_topk import exact_topk
 from tfaploss.evaluation.searchers import Searcher
 
@@ -63,7 +63,7 @@ class ExactSearcher(Searcher):
     def __init__(self, database, query_chunk: int | None = None,
                  database_chunk: int | None = None, engine: str = "auto",
                  num_threads: int = 0, prefilter: str = "auto"):
-        super().__init__(database)
+        database = self._take(database)
         if prefilter not in self._PREFILTERS:
             raise ValueError(f"`prefilter` must be one of {', '.join(self._PREFILTERS)}; "
                              f"received {prefilter!r}.")
@@ -83,7 +83,7 @@ class ExactSearcher(Searcher):
         self.query_chunk = check_int("query_chunk", query_chunk, none=True)
         self.database_chunk = check_int("database_chunk", database_chunk, none=True)
         self.num_threads = check_int("num_threads", num_threads, low=0)
-        self.database = as_matrix(database, "database")
+        self.database = database
         self.engine = engine
         self.prefilter = prefilter
         self._tf_db = None

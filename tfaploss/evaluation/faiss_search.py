@@ -29,7 +29,7 @@ import numpy as np
 
 from tfaploss import extras
 from tfaploss.durable import atomic
-from tfaploss.evaluation.arrays import as_matrix, check_int
+from tfaploss.evaluation.arrays import check_int
 from tfaploss.evaluation.searchers import (
     BRUTE_COST,
     MIN_PARTITION_POINTS,
@@ -120,12 +120,11 @@ class FaissSearcher(Searcher):
                  ef_search: int | None = None, training_sample_size: int | None = None,
                  spherical: bool | None = None, device: str = "auto", num_threads: int = 0,
                  seed: int = 0):
-        super().__init__(database)
+        database = self._take(database)
         given = {"nlist": nlist, "nprobe": nprobe, "k_factor": k_factor, "hnsw_m": hnsw_m,
                  "ef_construction": ef_construction, "ef_search": ef_search,
                  "training_sample_size": training_sample_size, "spherical": spherical}
         faiss = import_faiss()
-        database = as_matrix(database, "database")
         self._set_options(kind, device, num_threads, seed)
         extra = sorted(k for k, v in given.items()
                        if v is not None and k not in self._KIND_KEYS[kind])

@@ -14,7 +14,7 @@ import numpy as np
 
 from tfaploss import extras
 from tfaploss.durable import atomic
-from tfaploss.evaluation.arrays import as_matrix, check_int
+from tfaploss.evaluation.arrays import check_int
 from tfaploss.evaluation.searchers import (
     MIN_PARTITION_POINTS,
     Searcher,
@@ -116,7 +116,8 @@ class ScannSearcher(Searcher):
 
     def __init__(self, database, mode: str = "ah", num_neighbors: int = 100,
                  num_threads: int = 0, _searcher=None, **ah_params):
-        super().__init__(database if _searcher is None else np.zeros((1, 1), np.float32))
+        if _searcher is None:
+            database = self._take(database)
         if mode not in ("brute_force", "ah"):
             raise ValueError(f"`mode` must be 'brute_force' or 'ah'; received {mode!r}.")
         unknown = set(ah_params) - set(self._AH_KEYS)
@@ -133,7 +134,6 @@ class ScannSearcher(Searcher):
         if _searcher is not None:  # restored by load_searcher
             self._searcher, self.size, self.dim, self.params = _searcher
             return
-        database = as_matrix(database, "database")
         self.params = {}
         if mode == "ah":
             self.params = {**scann_ah_params(*database.shape), **self._EXTRA_DEFAULTS,

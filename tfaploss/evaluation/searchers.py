@@ -62,10 +62,17 @@ class Searcher:
             _LOADERS[name] = cls
 
     def __init__(self, database):
+        self._take(database)
+
+    def _take(self, database) -> np.ndarray:
+        """``database`` checked and as float32; sets ``size`` and ``dim``. The backends
+        call this instead of ``__init__`` and index what it returns, so a database is
+        checked, and converted, once."""
         database = as_matrix(database, "database")
         if database.shape[0] == 0:
             raise ValueError("`database` is empty; a searcher needs at least one row.")
         self.size, self.dim = database.shape
+        return database
 
     def _search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError
