@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures.process import BrokenProcessPool
 
 from tfaploss.durable import atomic, locks
 from tfaploss.pipelines import console, storage
@@ -86,14 +87,9 @@ def run_job(job: str, plans: list[SplitPlan], args, options) -> dict[str, dict]:
     started = getattr(args, "_started", None) or time.time()
     storage.makedirs(args.output_dir)
     with locks.exclusive(args.output_dir, "output folder",
-                         log=lambda line: console.LOG.warning("%s", line)):
-        try:
-            return _run_job(job, plans, args, options, started)
-        except Exception as err:
-            full = storage.disk_full_stage(err, join(args.output_dir, STAGING))
-            if full is None:
-                raise
-            raise full from None  # whole, not inside Beam's RuntimeError
+                         log=lambda line: console.LOG.warning("%s", line)), \
+            storage.disk_full_whole(join(args.output_dir, STAGING)):
+        return _run_job(job, plans, args, options, started)
 
 
 def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):
@@ -148,7 +144,7 @@ def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):
     except Exception as err:
         W.stop_local_pool(pool_token, forget=False)  # every worker reaped: exit codes
         deaths = W.worker_deaths(pool_token)
-        if not deaths and not W.is_pool_broken(err):
+        if not deaths and not W.caused_by(err, BrokenProcessPool):
             raise
         storage.remove_tree(stage)  # the parts and shards of the unfinished run
         raise W.WorkerDiedError(_death_message(job, plans, out, deaths)) from None
