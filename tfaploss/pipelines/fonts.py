@@ -118,9 +118,7 @@ class Face:
         return glyph
 
     def _outline(self, gid: int) -> Glyph:
-        if self.table.tag == "glyf":
-            return self._truetype(gid)
-        return self._cff(gid)
+        return self._truetype(gid) if self.table.tag == "glyf" else self._cff(gid)
 
     def _truetype(self, gid: int) -> Glyph:
         loca = self.font["loca"]
