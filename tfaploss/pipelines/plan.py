@@ -85,9 +85,9 @@ def class_split_plan(split: str, rows: list[dict], failures: list[dict],
                      super_label_map={supers[r["super_id"]]: r["super_name"] for r in rows})
 
 
-def contiguous_labels(keys: Iterable, *, sort_key=None) -> dict:
+def contiguous_labels(keys: Iterable) -> dict:
     """Map the distinct ``keys`` (sorted) to ``0..C-1``."""
-    return {k: i for i, k in enumerate(sorted(set(keys), key=sort_key))}
+    return {k: i for i, k in enumerate(sorted(set(keys)))}
 
 
 def shard_of(i: int, n: int, num_shards: int) -> int:
