@@ -9,8 +9,6 @@ from dataclasses import dataclass, field
 from tfaploss.pipelines import images as I
 from tfaploss.pipelines import storage
 
-dead_letter = I.dead_letter
-
 
 @dataclass
 class SplitPlan:
@@ -46,9 +44,9 @@ def dedupe_and_index(records: list[dict]) -> tuple[list[dict], list[dict]]:
     for r in records:
         why = I.safe_relpath(r.get("relpath", ""))
         if why is not None:
-            failures.append(dead_letter(r, I.UNSAFE_PATH, f"{r.get('relpath')!r}: {why}"))
+            failures.append(I.dead_letter(r, I.UNSAFE_PATH, f"{r.get('relpath')!r}: {why}"))
         elif r["id"] in seen:
-            failures.append(dead_letter(
+            failures.append(I.dead_letter(
                 r, I.DUPLICATE_ID, f"id already used by {seen[r['id']].get('relpath', '')}"))
         else:
             seen[r["id"]] = r

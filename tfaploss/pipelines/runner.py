@@ -21,23 +21,20 @@ from tfaploss.pipelines import layout as L
 from tfaploss.pipelines import manifests as M
 from tfaploss.pipelines import options as opts
 from tfaploss.pipelines.console import LAST_TIMING, describe_manifests, main_wrapper
-from tfaploss.pipelines.manifests import SCHEMA_VERSION, IncompleteRunError, TooManyFailuresError
+from tfaploss.pipelines.manifests import IncompleteRunError, TooManyFailuresError
 from tfaploss.pipelines.options import emit_lag, image_processes, image_threads
 from tfaploss.pipelines.plan import (
     SplitPlan,
     class_split_plan,
     contiguous_labels,
-    dead_letter,
     dedupe_and_index,
     listed_splits,
-    shard_of,
 )
 
 __all__ = [  # what the jobs, tests and benchmarks import from here
-    "LAST_TIMING", "SCHEMA_VERSION", "STAGING", "IncompleteRunError", "SplitPlan",
-    "TooManyFailuresError", "class_split_plan", "contiguous_labels", "dead_letter",
-    "dedupe_and_index", "describe_manifests", "image_processes", "image_threads", "join",
-    "listed_splits", "main_wrapper", "run_command", "run_job", "shard_of",
+    "LAST_TIMING", "STAGING", "IncompleteRunError", "SplitPlan", "TooManyFailuresError",
+    "class_split_plan", "contiguous_labels", "dedupe_and_index", "describe_manifests",
+    "listed_splits", "main_wrapper", "run_command", "run_job",
 ]
 
 STAGING = ".incoming"
