@@ -36,34 +36,22 @@ def import_beam_quietly():
         root.removeHandler(sink)
 
 
-def wants_verbose(argv) -> bool:
-    return "--verbose" in (sys.argv[1:] if argv is None else argv)
+@contextlib.contextmanager
+def beam_quiet_on(*types: type):
+    """While the block runs, Beam's loggers drop their reports of a broken process pool
+    or of an error of ``types`` (or raised from one), which the job reports itself in
+    one line."""
+    from concurrent.futures.process import BrokenProcessPool
 
+    from tfaploss.pipelines.image_workers import caused_by
 
-class _DropReportsOf(logging.Filter):
-    """Drops a Beam log record whose exception is (or was raised from) one of ``types``,
-    which the job reports itself in one line."""
-
-    def __init__(self, types: tuple[type, ...]):
-        super().__init__()
-        self.types = types
-
-    def filter(self, record):
-        from tfaploss.pipelines.image_workers import caused_by
-
-        if caused_by(record.exc_info[1] if record.exc_info else None, self.types):
+    def drop(record) -> bool:
+        if caused_by(record.exc_info[1] if record.exc_info else None,
+                     (BrokenProcessPool, *types)):
             LOG.debug("Beam's report, left out: %s", record.getMessage())
             return False
         return True
 
-
-@contextlib.contextmanager
-def beam_quiet_on(*types: type):
-    """While the block runs, Beam's loggers drop their reports of a broken process pool
-    or of an error of ``types`` (:class:`_DropReportsOf`)."""
-    from concurrent.futures.process import BrokenProcessPool
-
-    drop = _DropReportsOf((BrokenProcessPool, *types))
     loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
                if name == "apache_beam" or name.startswith("apache_beam.")]
     for logger in loggers:
@@ -179,7 +167,7 @@ def main_wrapper(run_fn, argv: list[str] | None = None, describe=describe_manife
     from tfaploss.pipelines.image_workers import WorkerDiedError
     from tfaploss.pipelines.manifests import IncompleteRunError, TooManyFailuresError
 
-    configure(wants_verbose(argv))
+    configure("--verbose" in (sys.argv[1:] if argv is None else argv))
     try:
         result = run_fn(argv)
     except TooManyFailuresError as e:

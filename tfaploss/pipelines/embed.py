@@ -32,12 +32,10 @@ from apache_beam.ml.inference.base import (
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from tfaploss.pipelines.console import main_wrapper
-from tfaploss.pipelines.manifests import TooManyFailuresError
+from tfaploss.pipelines.manifests import DEAD_LETTERS, MANIFEST, TooManyFailuresError
 
 LOG = logging.getLogger("tfaploss.pipelines.embed")  # not __name__: "__main__" under -m
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".bmp")
-DEAD_LETTERS = "dead_letters.jsonl"
-MANIFEST = "manifest.json"
 _COUNTER_NS = "tfaploss.embed"
 
 
@@ -131,12 +129,12 @@ def _gfile():
 
 
 def list_inputs(input_path: str, input_format: str = "auto"):
-    """``("tfrecord", files)`` or ``("images", [(path, relpath), ...], root)``."""
+    """``("tfrecord", files)`` or ``("images", [(path, relpath), ...])``."""
     gfile = _gfile()
     if gfile.isdir(input_path):
         records = sorted(gfile.glob(os.path.join(input_path, "*.tfrecord*")))
         if input_format in ("auto", "tfrecord") and records:
-            return "tfrecord", records, input_path
+            return "tfrecord", records
         if input_format == "tfrecord":
             raise FileNotFoundError(f"no *.tfrecord* files in {input_path!r}.")
         images = []
@@ -148,16 +146,16 @@ def list_inputs(input_path: str, input_format: str = "auto"):
         if not images:
             raise FileNotFoundError(f"no TFRecords or images ({', '.join(IMAGE_EXTENSIONS)}) "
                                     f"under {input_path!r}.")
-        return "images", sorted(images), input_path
+        return "images", sorted(images)
     matches = sorted(gfile.glob(input_path))
     if not matches:
         raise FileNotFoundError(f"--input {input_path!r} matches no file.")
     is_records = input_format == "tfrecord" or (
         input_format == "auto" and not all(m.lower().endswith(IMAGE_EXTENSIONS) for m in matches))
     if is_records:
-        return "tfrecord", matches, os.path.dirname(input_path)
+        return "tfrecord", matches
     root = os.path.commonpath([os.path.dirname(m) for m in matches])
-    return "images", [(m, os.path.relpath(m, root)) for m in matches], root
+    return "images", [(m, os.path.relpath(m, root)) for m in matches]
 
 
 def parse_image_record(serialized: bytes) -> dict[str, Any]:
@@ -284,28 +282,21 @@ def run(argv: list[str] | None = None) -> dict:
     if not gfile.exists(os.path.join(args.model, "saved_model.pb")):
         raise FileNotFoundError(f"--model {args.model!r} is not a SavedModel directory "
                                 "(no saved_model.pb); pass the version folder, e.g. export/1.")
-    kind, inputs, _ = list_inputs(args.input, args.input_format)
+    kind, inputs = list_inputs(args.input, args.input_format)
     final = args.output.rstrip("/")
     parent, base = os.path.split(final)
     storage.makedirs(parent or ".")
+    stage = storage.join(parent or ".", f".{base}.incoming")
     # One job per output (tfaploss.durable.locks); the lock sits beside it, as the output
     # folder itself is swapped whole when published.
     with locks.exclusive(parent or ".", "output", name=f".{base}.tfaploss.lock",
-                         target=final):
-        try:
-            return _embed(args, beam_argv, gfile, kind, inputs, final)
-        except Exception as err:
-            full = storage.disk_full_stage(err, storage.join(parent or ".", f".{base}.incoming"))
-            if full is None:
-                raise
-            raise full from None  # whole, not inside Beam's RuntimeError
+                         target=final), storage.disk_full_whole(stage):
+        return _embed(args, beam_argv, gfile, kind, inputs, final, stage)
 
 
-def _embed(args, beam_argv, gfile, kind, inputs, final) -> dict:
+def _embed(args, beam_argv, gfile, kind, inputs, final, stage) -> dict:
     storage.recover(final)
     storage.check_owned(final)
-    parent, base = os.path.split(final)
-    stage = storage.join(parent or ".", f".{base}.incoming")
     storage.remove_tree(stage)  # what a killed run left; never the live output
     storage.makedirs(stage)
 
@@ -414,11 +405,8 @@ def _embedded_count(result, shards, output_dir) -> int:
         pass
     import tensorflow as tf
 
-    n = 0
-    for name in shards:
-        for _ in tf.data.TFRecordDataset(os.path.join(output_dir, name)):
-            n += 1
-    return n
+    return sum(1 for name in shards
+               for _ in tf.data.TFRecordDataset(os.path.join(output_dir, name)))
 
 
 def main(argv: list[str] | None = None) -> int:

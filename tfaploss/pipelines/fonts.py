@@ -4,6 +4,7 @@ Only the tables needed are read, glyph by glyph (docs/pipelines.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -118,9 +119,7 @@ class Face:
         return glyph
 
     def _outline(self, gid: int) -> Glyph:
-        if self.table.tag == "glyf":
-            return self._truetype(gid)
-        return self._cff(gid)
+        return self._truetype(gid) if self.table.tag == "glyf" else self._cff(gid)
 
     def _truetype(self, gid: int) -> Glyph:
         loca = self.font["loca"]
@@ -173,7 +172,7 @@ def _digest(*parts: bytes) -> str:
     return h.hexdigest()[:20]
 
 
-class FontFile:
+class FontFile(contextlib.AbstractContextManager):
     """An open font file (a local path) and its :attr:`faces`; a context manager.
 
     ``cmaps``: the faces' cmaps from an earlier opening (a large one costs 0.1 s to read).
@@ -238,9 +237,6 @@ class FontFile:
         for font in self._fonts:
             font.close()
         self._fonts = []
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()

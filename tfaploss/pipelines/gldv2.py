@@ -35,15 +35,10 @@ def parser():
          "also write test queries whose solution is 'None'")))
 
 
-def image_path(root: str, folder: str, image_id: str) -> tuple[str, str]:
-    rel = f"{folder}/{image_id[0]}/{image_id[1]}/{image_id[2]}/{image_id}.jpg"
-    return storage.join(root, rel), rel
-
-
 def _record(root: str, folder: str, image_id: str, labels: dict, landmark) -> dict:
     """The work-list record of an image of ``landmark`` (None: none, label -1)."""
-    path, rel = image_path(root, folder, image_id)
-    return {"id": image_id, "path": path, "relpath": rel, "super_label": -1,
+    rel = f"{folder}/{image_id[0]}/{image_id[1]}/{image_id[2]}/{image_id}.jpg"
+    return {"id": image_id, "path": storage.join(root, rel), "relpath": rel, "super_label": -1,
             "label": -1 if landmark is None else labels[landmark],
             "class_text": "" if landmark is None else str(landmark)}
 

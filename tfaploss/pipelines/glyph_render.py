@@ -41,10 +41,11 @@ def seeded_rng(*parts) -> random.Random:
     return random.Random(int.from_bytes(digest[:8], "big"))
 
 
-def _font(path: str, index: int, size: int) -> ImageFont.FreeTypeFont:
+def open_face(path: str, index: int, em: int = PROBE_EM) -> ImageFont.FreeTypeFont:
+    """Face ``index`` of ``path`` as FreeType opens it (cached), or ``ImageError``."""
     # Keyed by process: FreeType reads a face through its own file handle, whose
     # position a forked worker would share with its parent and siblings.
-    return _open_font(path, index, size, os.getpid())
+    return _open_font(path, index, em, os.getpid())
 
 
 @functools.lru_cache(maxsize=256)
@@ -56,11 +57,6 @@ def _open_font(path: str, index: int, size: int, pid: int) -> ImageFont.FreeType
                                             f"{path}: {e}") from e
 
 
-def open_face(path: str, index: int, em: int = PROBE_EM) -> ImageFont.FreeTypeFont:
-    """Face ``index`` of ``path`` as FreeType opens it (cached), or ``ImageError``."""
-    return _font(path, index, em)
-
-
 def close_fonts() -> None:
     """Forget the faces opened in this process (closing their files)."""
     _open_font.cache_clear()
@@ -69,7 +65,7 @@ def close_fonts() -> None:
 def has_ink(path: str, index: int, cp: int) -> bool:
     """Whether FreeType draws any ink for ``cp`` at :data:`PROBE_EM` pixels per em (an
     outline may still draw nothing)."""
-    extrema = _font(path, index, PROBE_EM).getmask(chr(cp)).getextrema()
+    extrema = open_face(path, index).getmask(chr(cp)).getextrema()
     return extrema is not None and extrema[1] >= INK_LEVEL
 
 
@@ -79,7 +75,7 @@ def render(path: str, index: int, cp: int, *, canvas: int, margin: float,
     """Render code point ``cp`` of face ``index`` of ``path`` into a grayscale ``canvas x
     canvas`` image (docs/pipelines.md); ``ImageError`` ``no_ink`` when it draws nothing."""
     em = SUPERSAMPLE * canvas
-    font = _font(path, index, em)
+    font = open_face(path, index, em)
     char = chr(cp)
     # Stroke widths are whole pixels before Pillow 11.1: at 2x, half a canvas pixel.
     stroke_px = max(0, round(stroke * SUPERSAMPLE))

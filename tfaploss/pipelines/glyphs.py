@@ -201,10 +201,6 @@ class _FaceInfo:
         return f"{self.relpath}#{self.index}"
 
 
-def _processes(args) -> int:
-    return (args.image_processes or opts.cores()) if W.can_fork() else 1
-
-
 def _map_files(fn, jobs: list[tuple], processes: int, what: str) -> list:
     """``[fn(*job) for job in jobs]``, over ``processes`` forked processes (largest
     font file first)."""
@@ -404,7 +400,7 @@ def plan(args) -> list[R.SplitPlan]:
     parts = parse_charset(args.charset)
     part_of = {cp: name for name, cps in parts for cp in cps}
     listing = list_fonts(args.input_dir, getattr(args, "follow_external_links", False))
-    processes = _processes(args)
+    processes = (args.image_processes or opts.cores()) if W.can_fork() else 1
     faces = _read_faces(listing, set(part_of), processes)
     if not faces:
         raise ValueError(f"--input_dir {args.input_dir!r} holds no readable font file "

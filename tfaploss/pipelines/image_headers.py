@@ -1,9 +1,7 @@
-"""The size an image's decoder will allocate, read from its header before PIL sees it.
-
-:func:`read_size` walks a JPEG, PNG, GIF, BMP or WebP header as its decoder does and
-returns the size of the first frame, or refuses the file (:class:`HeaderError`); TIFF
-gives None. The rules per format and the caps: docs/pipelines.md. Cost: linear in the
-file (~10 ms for the worst 1 MB input); pure Python.
+"""The size an image's decoder will allocate, read from its header before PIL sees it
+(:func:`read_size`, walking the header as the decoder does). The rules per format and
+the caps: docs/pipelines.md. Cost: linear in the file (~10 ms for the worst 1 MB
+input); pure Python.
 """
 
 from __future__ import annotations

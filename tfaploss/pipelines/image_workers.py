@@ -8,6 +8,7 @@ shared-memory board (:func:`worker_deaths`). docs/pipelines.md has the figures.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import gc
@@ -20,8 +21,7 @@ import signal
 import sys
 import time
 import uuid
-from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import Future, ProcessPoolExecutor
 
 from tfaploss.data.framing import frame_record
 from tfaploss.durable import faults
@@ -201,11 +201,8 @@ def _worker_init(parent: int, board=None, next_slot=None) -> None:
     pool's pipes forever); take a slot of the board."""
     global _WORKER
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the job's to handle
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the job died before prctl took effect
         os._exit(1)
     if board is not None:
@@ -249,14 +246,10 @@ def noted(where: dict, fn, *args):
     return out
 
 
-def _pool(token: str | None) -> _Pool | None:
-    return _LOCAL_POOLS.get(token) if token else None
-
-
 def worker_deaths(token: str | None) -> list[dict]:
     """The workers of the pool ``token`` that died other than by the pool's shutdown:
     ``pid``, ``exitcode`` (``-9``: SIGKILL), ``signal`` (name) and ``doing`` (last note)."""
-    pool = _pool(token)
+    pool = _LOCAL_POOLS.get(token)
     if pool is None:
         return []
     dead = {pid: p.exitcode for pid, p in pool.workers.items() if p.exitcode not in (None, 0)}
@@ -324,27 +317,27 @@ def submit_ahead(token: str, batches, settings: dict, root: str | None, parts_di
 def claim_ahead(token: str | None, path: str) -> tuple[Future, float] | None:
     """The future of the task writing ``path`` that :func:`submit_ahead` submitted, and
     when; once only (a retried bundle submits its task again)."""
-    ahead = _AHEAD.get(token) if token else None
+    ahead = _AHEAD.get(token)
     return ahead.pop(path, None) if ahead else None
 
 
 def local_pool(token: str | None) -> ProcessPoolExecutor | None:
     """The pool :func:`start_local_pool` made in this process, or None (another process:
     Beam's multi-process mode, a remote worker)."""
-    pool = _pool(token)
+    pool = _LOCAL_POOLS.get(token)
     return pool.executor if pool is not None else None
 
 
 def local_pool_size(token: str | None) -> int:
     """How many processes the pool ``token`` has (0: no pool in this process)."""
-    pool = _pool(token)
+    pool = _LOCAL_POOLS.get(token)
     return pool.processes if pool is not None else 0
 
 
 def stop_local_pool(token: str | None, forget: bool = True) -> None:
     """Shut the pool down (waiting for its workers); ``forget=False`` keeps it known,
     for :func:`worker_deaths`, until a later call forgets it."""
-    pool = _LOCAL_POOLS.pop(token, None) if forget and token else _pool(token)
+    pool = _LOCAL_POOLS.pop(token, None) if forget else _LOCAL_POOLS.get(token)
     _AHEAD.pop(token, None)
     if pool is not None:
         pool.executor.shutdown(wait=True, cancel_futures=True)
@@ -360,12 +353,3 @@ def caused_by(err: BaseException | None, types) -> bool:
         seen.add(id(err))
         err = err.__cause__ or err.__context__
     return False
-
-
-def is_pool_broken(err: BaseException) -> bool:
-    """Whether ``err`` comes from a broken process pool."""
-    return caused_by(err, BrokenProcessPool)
-
-
-def thread_pool(threads: int) -> Executor | None:
-    return ThreadPoolExecutor(threads) if threads > 1 else None

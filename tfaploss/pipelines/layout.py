@@ -9,7 +9,7 @@ import itertools
 import json
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from tfaploss.pipelines import storage
 from tfaploss.pipelines.plan import SplitPlan, shard_of
@@ -17,7 +17,7 @@ from tfaploss.pipelines.plan import SplitPlan, shard_of
 
 @dataclass
 class Layout:
-    """Shard counts of one split."""
+    """Shard counts of one split; each of its work-list batches carries them."""
 
     num_shards: int
     num_labels: int
@@ -53,7 +53,7 @@ def layout(args, plan: SplitPlan) -> Layout:
 def batches(plan: SplitPlan, lay: Layout, per_batch: int, root: str | None):
     """The work list of a planned split: batches of at most ``per_batch`` records of one
     shard (``root``: the real folder the records must resolve into)."""
-    n = len(plan.records)
+    n, counts = len(plan.records), asdict(lay)
     bounds = collections.defaultdict(list)
     for i in range(n):
         bounds[shard_of(i, n, lay.num_shards)].append(i)
@@ -61,8 +61,7 @@ def batches(plan: SplitPlan, lay: Layout, per_batch: int, root: str | None):
         lo, hi = members[0], members[-1] + 1
         for start in range(lo, hi, per_batch):
             recs = plan.records[start:min(start + per_batch, hi)]
-            yield {"split": plan.name, "shard": shard, "num_shards": lay.num_shards,
-                   "num_labels": lay.num_labels, "num_class_shards": lay.num_class_shards,
+            yield {"split": plan.name, "shard": shard, **counts,
                    "records": [r if "root" in r or root is None else {**r, "root": root}
                                for r in recs]}
 
@@ -95,12 +94,13 @@ def source_batches(p, plan: SplitPlan, lay: Layout, per_batch: int):
     number is only known afterwards)."""
     import apache_beam as beam
 
+    counts = asdict(lay)
+
     def to_batches(kv):
         shard, recs = kv
         recs = sorted(recs, key=lambda r: (r.get("index", 0), r["id"]))
         for start in range(0, len(recs), per_batch):
-            yield {"split": plan.name, "shard": shard, "num_shards": lay.num_shards,
-                   "num_labels": lay.num_labels, "num_class_shards": lay.num_class_shards,
+            yield {"split": plan.name, "shard": shard, **counts,
                    "records": recs[start:start + per_batch]}
 
     s = plan.name

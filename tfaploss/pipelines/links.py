@@ -25,41 +25,30 @@ class LinkPolicy:
     def __init__(self, input_dir: str, follow_external: bool = False):
         self.root = os.path.realpath(input_dir)
         self.follow_external = follow_external
-        self._dirs: dict[str, str] = {}
+        self.dirs: dict[str, str] = {}  # real folder -> the path it was listed as
         self._files: dict[str, str] = {}
         self._pending: deque[Callable[[], None]] = deque()
 
-    def claim_dir(self, real: str, rel: str) -> None:
-        self._dirs[real] = rel
-
-    def listed_as(self, real: str) -> str | None:
-        return self._dirs.get(real)
-
     def dir_owner(self, real: str) -> str | None:
         """The path a listed folder containing (or equal to) ``real`` was listed as."""
-        while real not in self._dirs:
+        while real not in self.dirs:
             if os.path.dirname(real) == real:
                 return None
             real = os.path.dirname(real)
-        return self._dirs[real]
-
-    def claim_file(self, real: str, rel: str) -> str | None:
-        """Record file ``real`` as ``rel``; the reason to ignore it if already listed."""
-        first = self._files.get(real)
-        if first is not None:
-            return f"same file as {first}"
-        self._files[real] = rel
-        return None
+        return self.dirs[real]
 
     def admit(self, rel: str, real: str, extensions: tuple[str, ...], other: str,
               ignore) -> bool:
         """Whether the walked file ``rel`` goes to the job (one of ``extensions``, not a
         second name of a listed file); else ``ignore(rel, reason)``."""
-        reason = (other if not rel.lower().endswith(extensions)
-                  else self.claim_file(real, rel))
-        if reason:
-            ignore(rel, reason)
-        return not reason
+        if not rel.lower().endswith(extensions):
+            ignore(rel, other)
+        elif real in self._files:
+            ignore(rel, f"same file as {self._files[real]}")
+        else:
+            self._files[real] = rel
+            return True
+        return False
 
     def leaves(self, real: str) -> bool:
         """Whether a link to ``real`` is refused for leaving the input root."""
@@ -134,7 +123,7 @@ def walk(path: str, rel_dir: str, policy: LinkPolicy, on_file, ignore, dead) -> 
             if why:
                 ignore(rel, why)
             else:
-                policy.claim_dir(real, rel)
+                policy.dirs[real] = rel
                 visit(link, rel, real)
         elif policy.leaves(real):
             ignore(rel, LEAVES_ROOT)
@@ -160,11 +149,11 @@ def walk(path: str, rel_dir: str, policy: LinkPolicy, on_file, ignore, dead) -> 
                 policy.defer(lambda p=e.path, r=rel, d=real_dir: follow(p, r, d))
             elif e.is_dir():
                 real = os.path.realpath(e.path)
-                owner = policy.listed_as(real)
+                owner = policy.dirs.get(real)
                 if owner is not None:  # a bind mount, or a followed folder holding it
                     ignore(rel, f"folder already listed as {owner}/")
                 else:
-                    policy.claim_dir(real, rel)
+                    policy.dirs[real] = rel
                     visit(e.path, rel, real)
             elif e.is_file():
                 on_file(rel, e.path, os.path.realpath(e.path))
@@ -172,5 +161,5 @@ def walk(path: str, rel_dir: str, policy: LinkPolicy, on_file, ignore, dead) -> 
                 ignore(rel, "not a regular file (device, pipe)")
 
     real_top = os.path.realpath(path)
-    policy.claim_dir(real_top, rel_dir)
+    policy.dirs[real_top] = rel_dir
     visit(path, rel_dir, real_top)

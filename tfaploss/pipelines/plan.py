@@ -9,8 +9,6 @@ from dataclasses import dataclass, field
 from tfaploss.pipelines import images as I
 from tfaploss.pipelines import storage
 
-dead_letter = I.dead_letter
-
 
 @dataclass
 class SplitPlan:
@@ -46,9 +44,9 @@ def dedupe_and_index(records: list[dict]) -> tuple[list[dict], list[dict]]:
     for r in records:
         why = I.safe_relpath(r.get("relpath", ""))
         if why is not None:
-            failures.append(dead_letter(r, I.UNSAFE_PATH, f"{r.get('relpath')!r}: {why}"))
+            failures.append(I.dead_letter(r, I.UNSAFE_PATH, f"{r.get('relpath')!r}: {why}"))
         elif r["id"] in seen:
-            failures.append(dead_letter(
+            failures.append(I.dead_letter(
                 r, I.DUPLICATE_ID, f"id already used by {seen[r['id']].get('relpath', '')}"))
         else:
             seen[r["id"]] = r
@@ -85,9 +83,9 @@ def class_split_plan(split: str, rows: list[dict], failures: list[dict],
                      super_label_map={supers[r["super_id"]]: r["super_name"] for r in rows})
 
 
-def contiguous_labels(keys: Iterable, *, sort_key=None) -> dict:
+def contiguous_labels(keys: Iterable) -> dict:
     """Map the distinct ``keys`` (sorted) to ``0..C-1``."""
-    return {k: i for i, k in enumerate(sorted(set(keys), key=sort_key))}
+    return {k: i for i, k in enumerate(sorted(set(keys)))}
 
 
 def shard_of(i: int, n: int, num_shards: int) -> int:

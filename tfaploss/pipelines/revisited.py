@@ -105,7 +105,7 @@ def plan(args) -> tuple[list[R.SplitPlan], dict]:
                  "index": i, "label": -1, "super_label": -1, "class_text": ""}
             why = I.safe_relpath(name)
             if why is not None:
-                unsafe.append(R.dead_letter(r, I.UNSAFE_PATH, f"{name!r} in the ground "
+                unsafe.append(I.dead_letter(r, I.UNSAFE_PATH, f"{name!r} in the ground "
                                                               f"truth: {why}"))
                 continue
             if boxes is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures.process import BrokenProcessPool
 
 from tfaploss.durable import atomic, locks
 from tfaploss.pipelines import console, storage
@@ -20,23 +21,20 @@ from tfaploss.pipelines import layout as L
 from tfaploss.pipelines import manifests as M
 from tfaploss.pipelines import options as opts
 from tfaploss.pipelines.console import LAST_TIMING, describe_manifests, main_wrapper
-from tfaploss.pipelines.manifests import SCHEMA_VERSION, IncompleteRunError, TooManyFailuresError
+from tfaploss.pipelines.manifests import IncompleteRunError, TooManyFailuresError
 from tfaploss.pipelines.options import emit_lag, image_processes, image_threads
 from tfaploss.pipelines.plan import (
     SplitPlan,
     class_split_plan,
     contiguous_labels,
-    dead_letter,
     dedupe_and_index,
     listed_splits,
-    shard_of,
 )
 
 __all__ = [  # what the jobs, tests and benchmarks import from here
-    "LAST_TIMING", "SCHEMA_VERSION", "STAGING", "IncompleteRunError", "SplitPlan",
-    "TooManyFailuresError", "class_split_plan", "contiguous_labels", "dead_letter",
-    "dedupe_and_index", "describe_manifests", "image_processes", "image_threads", "join",
-    "listed_splits", "main_wrapper", "run_command", "run_job", "shard_of",
+    "LAST_TIMING", "STAGING", "IncompleteRunError", "SplitPlan", "TooManyFailuresError",
+    "class_split_plan", "contiguous_labels", "dedupe_and_index", "describe_manifests",
+    "listed_splits", "main_wrapper", "run_command", "run_job",
 ]
 
 STAGING = ".incoming"
@@ -86,14 +84,9 @@ def run_job(job: str, plans: list[SplitPlan], args, options) -> dict[str, dict]:
     started = getattr(args, "_started", None) or time.time()
     storage.makedirs(args.output_dir)
     with locks.exclusive(args.output_dir, "output folder",
-                         log=lambda line: console.LOG.warning("%s", line)):
-        try:
-            return _run_job(job, plans, args, options, started)
-        except Exception as err:
-            full = storage.disk_full_stage(err, join(args.output_dir, STAGING))
-            if full is None:
-                raise
-            raise full from None  # whole, not inside Beam's RuntimeError
+                         log=lambda line: console.LOG.warning("%s", line)), \
+            storage.disk_full_whole(join(args.output_dir, STAGING)):
+        return _run_job(job, plans, args, options, started)
 
 
 def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):
@@ -148,7 +141,7 @@ def _run_job(job: str, plans: list[SplitPlan], args, options, started: float):
     except Exception as err:
         W.stop_local_pool(pool_token, forget=False)  # every worker reaped: exit codes
         deaths = W.worker_deaths(pool_token)
-        if not deaths and not W.is_pool_broken(err):
+        if not deaths and not W.caused_by(err, BrokenProcessPool):
             raise
         storage.remove_tree(stage)  # the parts and shards of the unfinished run
         raise W.WorkerDiedError(_death_message(job, plans, out, deaths)) from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from tfaploss.durable import faults
 from tfaploss.pipelines import console, storage
@@ -28,7 +29,8 @@ class _PooledDoFn(beam.DoFn):
 
     def setup(self):
         self.processes = W.local_pool(self.pool_token)
-        self.own_pool = None if self.processes else W.thread_pool(self.threads)
+        self.own_pool = (ThreadPoolExecutor(self.threads)
+                         if not self.processes and self.threads > 1 else None)
         self.pool = self.processes or self.own_pool
 
     def teardown(self):

@@ -136,16 +136,21 @@ def remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def disk_full_stage(err: BaseException, stage: str):
-    """The ``DiskFullError`` behind ``err`` (however Beam wrapped it), with the staging
-    folder ``stage`` removed (it would keep the disk full); None when there is none."""
-    full = atomic.disk_full_in(err, stage)
-    if full is not None:
+@contextlib.contextmanager
+def disk_full_whole(stage: str):
+    """Re-raise a ``DiskFullError`` behind an error of the block (however Beam wrapped
+    it) whole, with the staging folder ``stage`` removed (it would keep the disk full)."""
+    try:
+        yield
+    except Exception as err:
+        full = atomic.disk_full_in(err, stage)
+        if full is None:
+            raise
         remove_tree(stage)
-    return full
+        raise full from None  # whole, not inside Beam's RuntimeError
 
 
-def check_owned(folder: str, marker_keys=("job", "format")) -> None:
+def check_owned(folder: str) -> None:
     """Refuse to replace ``folder`` unless it is absent, empty, or its ``manifest.json``
     says one of these jobs wrote it: a mistyped output path must not wipe a user's files."""
     if not exists(folder) or not listdir(folder):
@@ -154,7 +159,7 @@ def check_owned(folder: str, marker_keys=("job", "format")) -> None:
     try:
         m = json.loads(read_text(manifest))
         ours = any(str(m.get(k, "")).startswith(("pipelines.", "tfaploss."))
-                   for k in marker_keys)
+                   for k in ("job", "format"))
     except (OSError, ValueError):
         ours = False
     if not ours:

@@ -42,14 +42,11 @@ CLASS_FEATURES = {
 def _varint(value: int) -> bytes:
     value &= (1 << 64) - 1  # negative int64 -> two's complement, as protobuf does
     out = bytearray()
-    while True:
-        bits = value & 0x7F
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
         value >>= 7
-        if value:
-            out.append(bits | 0x80)
-        else:
-            out.append(bits)
-            return bytes(out)
+    out.append(value)
+    return bytes(out)
 
 
 def _field(number: int, payload: bytes) -> bytes:
