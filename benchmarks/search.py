@@ -76,9 +76,9 @@ import harness
 
 from tfaploss.evaluation import bfloat16_prefilter
 from tfaploss.evaluation.exact_search import ExactSearcher
-from tfaploss.evaluation.exact_topk import available_threads
 from tfaploss.evaluation.faiss_search import FaissSearcher, FaissSetting
 from tfaploss.evaluation.scann_search import ScannSearcher, ScannSetting
+from tfaploss.process_settings import available_cores as available_threads
 
 CLUSTERS = 2000
 

@@ -1,10 +1,12 @@
-"""tfaploss.process_settings: a process-wide setting held by holders that overlap."""
+"""tfaploss.process_settings: the cores a process may use; a process-wide setting held by
+holders that overlap."""
 
+import os
 import threading
 
 import pytest
 
-from tfaploss.process_settings import HeldSetting
+from tfaploss.process_settings import HeldSetting, available_cores
 
 
 class _Setting:
@@ -65,3 +67,17 @@ def test_many_threads_leave_it_as_found():
     for thread in threads:
         thread.join()
     assert seen == [0] * 6 and setting.value == 3 and setting.writes == [0, 3]
+
+
+def test_available_cores_is_the_affinity_and_the_cpu_count_without_one(monkeypatch):
+    """Where the OS has an affinity, a process pinned to fewer cores than the machine has
+    gets those cores; elsewhere the machine's count, and never 0 (an unknown count)."""
+    if hasattr(os, "sched_getaffinity"):
+        assert available_cores() == len(os.sched_getaffinity(0))
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
+        assert available_cores() == 1
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    assert available_cores() == 6
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert available_cores() == 1

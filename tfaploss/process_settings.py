@@ -1,15 +1,25 @@
-"""Process-wide settings held for the length of a block, by holders that overlap
-(PyTorch's thread count, CPython's cycle collector). Saving on entry and restoring on
-exit fails when two threads overlap; :class:`HeldSetting` counts its holders instead:
-the first to enter saves the value and sets its own, the last to leave restores it.
+"""Process-wide settings: the cores this process may use (:func:`available_cores`), and
+settings held for the length of a block by holders that overlap (PyTorch's thread count,
+CPython's cycle collector). Saving on entry and restoring on exit fails when two threads
+overlap; :class:`HeldSetting` counts its holders instead: the first to enter saves the
+value and sets its own, the last to leave restores it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity, where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 class HeldSetting:

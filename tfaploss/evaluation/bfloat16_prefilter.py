@@ -52,7 +52,7 @@ import sys
 import numpy as np
 
 from tfaploss.evaluation import exact_topk as fp32
-from tfaploss.process_settings import HeldSetting
+from tfaploss.process_settings import HeldSetting, available_cores
 
 logger = logging.getLogger(__name__)
 
@@ -331,7 +331,7 @@ class PreparedDatabase:
 
         # Each block goes to the product as it is made: one block a thread held besides.
         parts = fp32._run(list(range(0, len(database), self.block)), prepare,
-                          threads or fp32.available_threads())
+                          threads or available_cores())
         self.blocks = [p[0] for p in parts]
         self.max_dx = max((p[1] for p in parts), default=0.0)
         self.max_x = max((p[2] for p in parts), default=0.0)
@@ -494,7 +494,7 @@ def exact_topk(queries: np.ndarray, prepared: PreparedDatabase, k: int, *,
     :func:`tfaploss.evaluation.exact_topk.exact_topk`."""
     database = prepared.database
     fp32.check_database_size(len(database))
-    threads = threads or fp32.available_threads()
+    threads = threads or available_cores()
     tasks, shards = fp32._plan(len(queries), len(database), query_block, threads)
     # Shards start on block edges, so each task reads whole prepared blocks.
     block = prepared.block

@@ -14,24 +14,17 @@ scores of a query block once (e.g. ranking every positive for mAP).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from tfaploss.process_settings import available_cores
+
 QUERY_BLOCK = 512
 DATABASE_BLOCK = 8192  # 512 x 8192: ~8 % faster than 256 x 4096 (larger GEMMs)
 _HEAVY_FACTOR = 4  # a row with more than 4 k candidates in a block is bounded first
 _MERGE_AFTER = 1  # merge once a row has k pending candidates (0.5-2 k measured alike)
-
-
-def available_threads() -> int:
-    """CPU cores this process may use."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def _threadpoolctl_available() -> bool:
@@ -219,7 +212,7 @@ def exact_topk(queries: np.ndarray, database: np.ndarray, k: int, *,
     memory ``threads x query_block x database_block`` floats.
     """
     check_database_size(len(database))
-    threads = threads or available_threads()
+    threads = threads or available_cores()
     tasks, shards = _plan(len(queries), len(database), query_block, threads)
     results = _run(tasks, lambda t: _topk_range(queries[t[0]:t[1]], database, k, t[2], t[3],
                                                 database_block), threads)
@@ -256,7 +249,7 @@ def score_blocks(queries: np.ndarray, database: np.ndarray,
 
     The block height ``b`` keeps each score matrix under ``max_block_bytes``.
     """
-    threads = threads or available_threads()
+    threads = threads or available_cores()
     n = len(database)
     rows = int(max(1, min(len(queries), max_block_bytes // (4 * max(n, 1)))))
     tasks = [(q0, min(q0 + rows, len(queries))) for q0 in range(0, len(queries), rows)]

@@ -27,6 +27,7 @@ from tfaploss.pipelines import images as I
 from tfaploss.pipelines import links as LK
 from tfaploss.pipelines import options as opts
 from tfaploss.pipelines import runner as R
+from tfaploss.process_settings import available_cores
 
 LOG = logging.getLogger("tfaploss.pipelines.glyphs")  # not __name__: "__main__" under -m
 
@@ -400,7 +401,7 @@ def plan(args) -> list[R.SplitPlan]:
     parts = parse_charset(args.charset)
     part_of = {cp: name for name, cps in parts for cp in cps}
     listing = list_fonts(args.input_dir, getattr(args, "follow_external_links", False))
-    processes = (args.image_processes or opts.cores()) if W.can_fork() else 1
+    processes = (args.image_processes or available_cores()) if W.can_fork() else 1
     faces = _read_faces(listing, set(part_of), processes)
     if not faces:
         raise ValueError(f"--input_dir {args.input_dir!r} holds no readable font file "

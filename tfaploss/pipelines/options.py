@@ -8,11 +8,11 @@ runs without importing Beam).
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 from tfaploss.pipelines import console
 from tfaploss.pipelines import image_workers as W
+from tfaploss.process_settings import available_cores
 
 _BEAM_EPILOG = (
     "Any other option is passed to Apache Beam, e.g. --runner DataflowRunner --project P "
@@ -141,14 +141,6 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None):
     return args, JobOptions(beam_argv, verbose=args.verbose)
 
 
-def cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def emit_lag(options: JobOptions) -> int:
     """Batches ``ProcessBatchDoFn`` may hold back until ``finish_bundle``: 2, but 0 on the
     DaskRunner, which drops what is emitted there (Beam 2.77)."""
@@ -162,7 +154,7 @@ def image_threads(args, options: JobOptions) -> int:
     mode = options.direct_running_mode
     if mode is None:
         return 2  # remote workers already run one process per core
-    cpus = cores()
+    cpus = available_cores()
     if mode == "multi_processing":
         return max(1, cpus // max(1, options.direct_num_workers or cpus))
     return cpus
@@ -173,7 +165,7 @@ def image_processes(args, options: JobOptions) -> int:
     the in-memory DirectRunner where ``fork`` exists; else 1 (threads)."""
     if options.direct_running_mode != "in_memory" or not W.can_fork():
         return 1
-    return getattr(args, "image_processes", 0) or cores()
+    return getattr(args, "image_processes", 0) or available_cores()
 
 
 def _validate(args) -> None:
