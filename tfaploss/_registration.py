@@ -42,11 +42,9 @@ def _ours(name: str) -> bool:
 
 def _half_imported() -> bool:
     """Is keras or a module of ours still executing its import?"""
-    for name, module in list(sys.modules.items()):
-        if (name == "keras" or _ours(name)) and getattr(
-                getattr(module, "__spec__", None), "_initializing", False):
-            return True
-    return False
+    return any((name == "keras" or _ours(name))
+               and getattr(getattr(module, "__spec__", None), "_initializing", False)
+               for name, module in list(sys.modules.items()))
 
 
 class _Loader:
@@ -57,9 +55,6 @@ class _Loader:
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
 
     def exec_module(self, module):
         self._loader.exec_module(module)

@@ -103,13 +103,9 @@ def require(extra: str, needed_by: str, modules: tuple[str, ...] | None = None) 
     """Raise :class:`MissingExtraError` unless ``extra`` is installed (nothing is
     imported: a start-up check, before any work). ``modules``: check these modules of
     the extra instead of all of them (e.g. one job's share of ``beam``)."""
-    if modules is not None:
-        _extra(extra)
-        if all(_findable(m) for m in modules):
-            return
-    elif installed(extra):
-        return
-    raise MissingExtraError(extra, needed_by)
+    spec = _extra(extra)
+    if not all(_findable(m) for m in (spec.modules if modules is None else modules)):
+        raise MissingExtraError(extra, needed_by)
 
 
 def import_extra(extra: str, needed_by: str, module: str | None = None):
@@ -124,10 +120,9 @@ def import_extra(extra: str, needed_by: str, module: str | None = None):
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as err:
-        if err.name and err.name.split(".")[0] != name.split(".")[0]:
-            problem = f"which cannot be imported (it misses {err.name!r})"
-        else:
-            problem = None
+        # Another package than the extra's is missing: the extra is installed but broken.
+        broken = err.name and err.name.split(".")[0] != name.split(".")[0]
+        problem = f"which cannot be imported (it misses {err.name!r})" if broken else None
         raise MissingExtraError(extra, needed_by, problem) from err
     except Exception as err:  # a broken install: any error of its import
         first = (str(err).strip().splitlines() or [""])[0][:200]

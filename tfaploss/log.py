@@ -21,7 +21,6 @@ PLAIN_FORMAT = "%(message)s"
 DETAILED_FORMAT = "%(asctime)s %(name)s %(levelname)s: %(message)s"
 
 
-
 class PlainHandler(logging.Handler):
     """Writes each record as one plain line: below WARNING to stdout, WARNING and above
     to stderr, the streams looked up at each record (redirections see the lines) and
@@ -96,11 +95,9 @@ def command_output(level: int = logging.INFO, *, detailed: bool = False,
 
 def _configured(logger: logging.Logger) -> bool:
     """Has the application said where (or whether) this logger's INFO lines go?"""
-    if logger.level != logging.NOTSET:
-        return True
-    if any(not isinstance(h, logging.NullHandler) for h in logger.handlers):
-        return True
-    return logger.getEffectiveLevel() <= logging.INFO
+    return (logger.level != logging.NOTSET
+            or any(not isinstance(h, logging.NullHandler) for h in logger.handlers)
+            or logger.getEffectiveLevel() <= logging.INFO)
 
 
 @contextlib.contextmanager

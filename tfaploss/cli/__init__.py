@@ -15,21 +15,13 @@ import os
 import sys
 import textwrap
 
-from tfaploss.cli import config, demo, evaluate, export, recipes, train, verify
-from tfaploss.cli.arguments import Formatter, add_command, add_output_flags
-
-
-def _add_compare(sub):
-    from tfaploss.cli.compare import DESCRIPTION, add_arguments, cmd_compare
-
-    add_command(sub, "compare", cmd_compare, add_arguments, description=DESCRIPTION,
-                help="which loss, which batch, for my data: every loss tuned alike, with "
-                     "seeds and intervals")
+from tfaploss.cli import compare, config, demo, evaluate, export, recipes, train, verify
+from tfaploss.cli.arguments import add_output_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="tfaploss", formatter_class=Formatter,
+        prog="tfaploss", formatter_class=argparse.RawDescriptionHelpFormatter,
         description=textwrap.dedent("""\
             tfaploss: train image-retrieval embeddings by directly optimising Average
             Precision (histogram AP, FastAP, Smooth-AP, ROADMAP, PNP) in Keras 3.
@@ -43,10 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tfaploss {__version__}")
     add_output_flags(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for command in (demo, train, evaluate, export, config, recipes):
+    for command in (demo, train, evaluate, export, config, recipes, compare, verify):
         command.register(sub)
-    _add_compare(sub)
-    verify.register(sub)
     return parser
 
 

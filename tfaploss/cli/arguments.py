@@ -17,10 +17,6 @@ SET_HELP = (
 )
 
 
-class Formatter(argparse.RawDescriptionHelpFormatter):
-    pass
-
-
 def add_output_flags(p, *, top: bool = False) -> None:
     """``--quiet`` / ``--verbose``, on the main parser and on every command (there
     with defaults suppressed, so ``tfaploss --quiet train`` keeps the main one)."""
@@ -48,7 +44,7 @@ def add_config_arguments(p, *, group=None, config_help: str = CONFIG_HELP,
 def add_command(sub, name: str, run, add_arguments, **parser_options):
     """The parser of command ``name``: ``add_arguments(parser)``'s flags, then the
     output flags; ``run(args)`` carries it out and returns the exit status."""
-    p = sub.add_parser(name, formatter_class=Formatter, **parser_options)
+    p = sub.add_parser(name, formatter_class=argparse.RawDescriptionHelpFormatter, **parser_options)
     add_arguments(p)
     add_output_flags(p)
     p.set_defaults(func=run)

@@ -11,6 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from tfaploss.cli.arguments import add_command, add_config_arguments
 from tfaploss.log import is_terminal
 
 # --quick: a few minutes on a CPU, for a first look or a test.
@@ -48,8 +49,13 @@ DESCRIPTION = textwrap.dedent("""\
           --val data/glyphs/val --out runs/compare_quick""")
 
 
+def register(sub) -> None:
+    add_command(sub, "compare", cmd_compare, add_arguments, description=DESCRIPTION,
+                help="which loss, which batch, for my data: every loss tuned alike, with "
+                     "seeds and intervals")
+
+
 def add_arguments(p) -> None:
-    from tfaploss.cli.arguments import add_config_arguments
     from tfaploss.compare.protocol import TRIALS_RULE
 
     add_config_arguments(p, config_help="the base run config: data.train, data.test, model "

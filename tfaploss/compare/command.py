@@ -172,8 +172,7 @@ def _compare(options: Options, cfg, protocol, m: int, out: Path, progress):
     document = {"setup": ledger.setup, "baselines": found, "results": results}
     atomic.atomic_write_text(out / "results.json",
                              json.dumps(document, indent=1, default=str), fault="report")
-    figure = report.plot(results, out / "report.png", found, quick=options.quick,
-                         stale_curves=getattr(runner, "stale_curves", False))
+    figure = report.plot(results, out / "report.png", found, quick=options.quick)
     LOG.info("wrote %s, %s%s in %.0f s", out / "report.md", out / "results.json",
              f", {figure}" if figure else f" (no figure: {extras.install_command('viz')})",
              time.time() - started)

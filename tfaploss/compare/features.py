@@ -18,6 +18,7 @@ score and their PCA as baseline rows (:func:`baselines`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -37,9 +38,7 @@ LOG = logging.getLogger(__name__)
 
 def _fingerprint(cfg, paths: dict) -> str:
     m = cfg.model
-    weights = m.weights
-    digest = _digest(weights)
-    parts = [m.backbone, m.pooling, weights, digest, list(cfg.image_shape),
+    parts = [m.backbone, m.pooling, m.weights, _digest(m.weights), list(cfg.image_shape),
              sorted(paths.items())]
     if m.backbone_file or m.preprocessing != "auto":  # older caches keep their names
         parts.append([m.backbone_file, _digest(m.backbone_file), m.preprocessing])
@@ -152,10 +151,6 @@ def score(embed, features, labels) -> tuple[float, float, float]:
     return 100 * metrics["map@r"], 100 * metrics["recall@1"], float(off.mean())
 
 
-def _model_embed(model):
-    return lambda block: model(block, training=False)
-
-
 def baselines(train, val, test, dim: int) -> dict:
     """The rows every report carries beside the trained heads, on the same validation
     and test classes: the frozen features themselves, and their PCA (fitted on the
@@ -221,8 +216,7 @@ class FeatureRunner:
         self.dim = dim if head == "mlp" else self.width
         self.curve_points, self.curve_classes = curve_points, curve_classes
         self.test_classes = test_classes
-        counts = np.bincount(self.train_labels)
-        self.eligible_classes = int(np.sum(counts >= m))
+        self.eligible_classes = int(np.sum(np.bincount(self.train_labels) >= m))
 
     def setup(self) -> dict:
         """What defines this runner's runs beside their spec (the ledger keys on it)."""
@@ -269,9 +263,8 @@ class FeatureRunner:
         from tfaploss.run.schedule import RecipeSchedule
 
         keras.utils.set_random_seed(spec.seed)
-        cls, _, _ = SEARCH_SPACES[spec.loss]
         kwargs = spec.loss_kwargs()
-        loss_cls = getattr(losses, cls)
+        loss_cls = getattr(losses, SEARCH_SPACES[spec.loss][0])
         proxies = _uses_proxies(loss_cls, kwargs)
         loss = (loss_cls(num_classes=len(self.classes), **kwargs) if proxies
                 else loss_cls(**kwargs))
@@ -340,7 +333,7 @@ class FeatureRunner:
         keras.backend.clear_session()
         model = self._model(spec)
         update = self.step(model)
-        embed = _model_embed(model)
+        embed = functools.partial(model, training=False)
         x, y = self.train[0], self.train_labels
         marks = sorted({max(1, round(spec.updates * k / self.curve_points))
                         for k in range(1, self.curve_points + 1)})

@@ -62,7 +62,6 @@ class ImageRunner:
         self.m = m or cfg.data.m
         self.epochs, self.chunk_size = epochs, chunk_size
         self.curve_images, self.eval_images = curve_images, eval_images
-        self.stale_curves = False  # the curve is measured after precise BN
 
     def setup(self) -> dict:
         """What defines this runner's runs beside their spec (the ledger keys on it)."""
@@ -74,14 +73,13 @@ class ImageRunner:
         from tfaploss.config.load import config_from_dict
 
         raw = self.cfg.to_dict()
-        cls, _, _ = SEARCH_SPACES[spec.loss]
         settings = spec.settings
         epochs = min(self.epochs, spec.updates)
         raw["run_dir"] = str(run_dir)
         raw["description"] = f"compare: {spec.loss} B={spec.batch} u={spec.updates} s={spec.seed}"
         raw["data"].update(batch_size=spec.batch, m=self.m, seed=spec.seed, test=self.val)
         raw["model"]["proxy_lr_multiplier"] = float(settings.get("proxy_lr_multiplier", 1.0))
-        raw["loss"] = {"name": cls, **spec.loss_kwargs()}
+        raw["loss"] = {"name": SEARCH_SPACES[spec.loss][0], **spec.loss_kwargs()}
         raw["optimizer"].update(lr=float(settings["lr"]), warmup_epochs=0.0,
                                 schedule={"name": "cosine", "end_lr": 0.0})
         raw["training"].update(epochs=epochs, steps_per_epoch=math.ceil(spec.updates / epochs),

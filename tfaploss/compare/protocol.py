@@ -125,9 +125,7 @@ def updates_for(budget: str, batch: int, images: int, updates: int, largest: int
 
 def t95(n: int) -> float:
     """The two-sided 95 % t quantile for a mean of ``n`` values (n >= 2)."""
-    df = n - 1
-    known = max(k for k in _T95 if k <= df)
-    return _T95[known]
+    return _T95[max(df for df in _T95 if df <= n - 1)]
 
 
 def interval(values) -> tuple[float, float]:
@@ -163,11 +161,6 @@ def nested_interval(units) -> tuple[float, float, str]:
         return mean, half, "repeats"
     mean, half = interval(next(iter(by.values()), []))
     return mean, half, "seeds"
-
-
-def knob_count(loss: str) -> int:
-    """The learning rate and the loss's own knobs."""
-    return 1 + len(SEARCH_SPACES[loss][2])
 
 
 def trials_for_knobs(base: int, knobs: int) -> int:
@@ -307,7 +300,8 @@ class Protocol:
             return len(self.lr_factors)
         if self.grid:
             return len(grid_settings(loss, self.grid, self.grid_knob_points, self.lr_range))
-        return trials_for_knobs(self.trials, knob_count(loss))
+        # the learning rate counts as a knob
+        return trials_for_knobs(self.trials, 1 + len(SEARCH_SPACES[loss][2]))
 
     def cells(self):
         """``(budget, batch, updates, same)`` of every cell; ``same`` marks a budget whose

@@ -155,7 +155,9 @@ def markdown(results: list[dict], header: str = "", baselines: dict | None = Non
     kinds = {r.get("interval", "seeds") for r in results}
     for budget in budgets:
         cols = [b for b in batches if any((budget, l, b) in by for l in losses)]
-        some = {b: by_any(by, budget, losses, b) for b in cols}
+        # any result of each column: what the cell shares (its updates, its best peer)
+        some = {b: next(by[(budget, l, b)] for l in losses if (budget, l, b) in by)
+                for b in cols}
         lines += ["", f"### Budget: {budget}", "",
                   ("Test MAP@R (%), " + ("mean ± 95 % t-interval over the tuning repeats' "
                                          "means" if kinds == {"repeats"} else
@@ -230,10 +232,6 @@ def markdown(results: list[dict], header: str = "", baselines: dict | None = Non
     return "\n".join(lines) + "\n"
 
 
-def by_any(by, budget, losses, batch):
-    return next(by[(budget, l, batch)] for l in losses if (budget, l, batch) in by)
-
-
 def clipped_error(mean: float, half: float) -> tuple[float, float]:
     """``(below, above)`` of an interval clipped to [0, 100] (MAP@R is a percentage)."""
     if not (math.isfinite(mean) and math.isfinite(half)):
@@ -242,7 +240,7 @@ def clipped_error(mean: float, half: float) -> tuple[float, float]:
 
 
 def plot(results: list[dict], path: str | os.PathLike, baselines: dict | None = None, *,
-         quick: bool = False, stale_curves: bool = False) -> Path | None:
+         quick: bool = False) -> Path | None:
     """Test MAP@R against the batch per budget, and the validation curves; None when
     matplotlib is not installed (``pip install 'tfaploss[viz]'``)."""
     try:
@@ -293,9 +291,7 @@ def plot(results: list[dict], path: str | os.PathLike, baselines: dict | None = 
                             color=colors[r["loss"]])
         ax.set_xlabel("images seen")
         ax.set_ylabel("validation MAP@R (%)")
-        ax.set_title(f"{budget}: curves at the largest batch, every run"
-                     + ("\n(stale BatchNorm: moving averages, before precise BN)"
-                        if stale_curves else ""), fontsize=9)
+        ax.set_title(f"{budget}: curves at the largest batch, every run", fontsize=9)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()

@@ -66,16 +66,9 @@ class GeM(keras.layers.Layer):
         return ops.cast(out, self.compute_dtype)
 
     def compute_output_shape(self, input_shape):
-        if self.data_format == "channels_last":
-            return (input_shape[0], input_shape[3])
-        return (input_shape[0], input_shape[1])
+        axis = 3 if self.data_format == "channels_last" else 1
+        return (input_shape[0], input_shape[axis])
 
     def get_config(self):
-        config = super().get_config()
-        config.update(
-            p=self.initial_p,
-            eps=self.eps,
-            trainable_p=self.trainable_p,
-            data_format=self.data_format,
-        )
-        return config
+        return {**super().get_config(), "p": self.initial_p, "eps": self.eps,
+                "trainable_p": self.trainable_p, "data_format": self.data_format}

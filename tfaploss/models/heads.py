@@ -91,6 +91,8 @@ def build_pooling(pooling="gem", gem_p=3.0, gem_trainable_p=True, features_rank=
     ``avg``/``max_ln``, token 0 as the class token). Raises :class:`PoolingError` when
     the pooling does not fit the features.
     """
+    if pooling not in POOLINGS:
+        raise ValueError(f"`pooling` must be one of {POOLINGS}; received pooling={pooling!r}")
     if features_rank == 3:
         return _token_pooling(pooling, prefix_tokens)
     if pooling == "gem":
@@ -98,18 +100,10 @@ def build_pooling(pooling="gem", gem_p=3.0, gem_trainable_p=True, features_rank=
     if pooling == "avg":
         return keras.layers.GlobalAveragePooling2D(name="avg_pool")
     if pooling == "max_ln":
-        return keras.Sequential(
-            [
-                keras.layers.GlobalMaxPooling2D(name="max_pool"),
-                keras.layers.LayerNormalization(center=False, scale=False, name="ln"),
-            ],
-            name="max_ln",
-        )
-    if pooling == "cls":
-        raise PoolingError("pooling='cls' takes the class token of a token sequence "
-                           "(B, T, C); this backbone gives a feature map (B, H, W, C): use "
-                           "'gem', 'avg' or 'max_ln'.")
-    raise ValueError(f"`pooling` must be one of {POOLINGS}; received pooling={pooling!r}")
+        return _max_ln(keras.layers.GlobalMaxPooling2D(name="max_pool"))
+    raise PoolingError("pooling='cls' takes the class token of a token sequence "
+                       "(B, T, C); this backbone gives a feature map (B, H, W, C): use "
+                       "'gem', 'avg' or 'max_ln'.")
 
 
 def _token_pooling(pooling, prefix_tokens):
@@ -121,15 +115,17 @@ def _token_pooling(pooling, prefix_tokens):
     if pooling == "avg":
         return TokenPooling("avg", prefix_tokens=skip, name="avg_pool")
     if pooling == "max_ln":
-        return keras.Sequential(
-            [TokenPooling("max", prefix_tokens=skip, name="max_pool"),
-             keras.layers.LayerNormalization(center=False, scale=False, name="ln")],
-            name="max_ln")
-    if pooling == "gem":
-        raise PoolingError("pooling='gem' needs a non-negative feature map (B, H, W, C); "
-                           "this backbone gives signed tokens (B, T, C): use 'cls' (the "
-                           "class token) or 'avg' (the mean of the patch tokens).")
-    raise ValueError(f"`pooling` must be one of {POOLINGS}; received pooling={pooling!r}")
+        return _max_ln(TokenPooling("max", prefix_tokens=skip, name="max_pool"))
+    raise PoolingError("pooling='gem' needs a non-negative feature map (B, H, W, C); "
+                       "this backbone gives signed tokens (B, T, C): use 'cls' (the "
+                       "class token) or 'avg' (the mean of the patch tokens).")
+
+
+def _max_ln(max_pool):
+    """``max_pool``, then LayerNorm without affine parameters."""
+    return keras.Sequential(
+        [max_pool, keras.layers.LayerNormalization(center=False, scale=False, name="ln")],
+        name="max_ln")
 
 
 def build_head(head="linear", embedding_dim=512, head_bias=True, feature_dim=None):

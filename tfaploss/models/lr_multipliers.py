@@ -76,8 +76,7 @@ class LRMultiplierOptimizer(keras.optimizers.Optimizer):
     def build(self, var_list):
         self.inner_optimizer.build(var_list)
         inner = self.inner_optimizer
-        self._factors = [self.multiplier_for(v) for v in inner._trainable_variables]
-        factors = self._factors
+        factors = self._factors = [self.multiplier_for(v) for v in inner._trainable_variables]
         base_update_step = type(inner).update_step
 
         def update_step(gradient, variable, learning_rate):

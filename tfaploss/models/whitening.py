@@ -58,7 +58,6 @@ class PCAWhitening(ConfigLayer):
         return tuple(input_shape[:-1]) + (self.units,)
 
 
-
 def pca_whitening_params(descriptors, power=0.25, dim=None, eigenvalue_floor=1e-6):
     """Fit ``(mean, projection, eigenvalues)`` of PCA whitening in float64 numpy.
 
