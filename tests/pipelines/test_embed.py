@@ -182,3 +182,19 @@ def test_embed_on_a_damaged_shard_names_it_and_exits_2(tmp_path, exported, damag
     err = capsys.readouterr().err
     assert str(shard) in err and "rebuild it: python -m tfaploss.pipelines.folder" in err
     assert "Traceback" not in err and not (tmp_path / "emb").exists()
+
+
+@pytest.mark.parametrize("fraction", ["-0.01", "1.5", "nan", "inf"])
+def test_a_failure_fraction_outside_0_1_is_refused_as_the_other_jobs_refuse_it(
+        fraction, tmp_path):
+    """Checked before the model is looked at, with the message every job gives."""
+    from tfaploss.pipelines import folder
+
+    message = rf"--max_failure_fraction must be in \[0, 1\], got {float(fraction)}"
+    with pytest.raises(ValueError, match=message):
+        embed.run(["--model", str(tmp_path / "no-model"), "--input", str(tmp_path),
+                   "--output", str(tmp_path / "out"), "--max_failure_fraction", fraction])
+    with pytest.raises(ValueError, match=message):
+        folder.run(["--input_dir", str(tmp_path), "--output_dir", str(tmp_path / "out"),
+                    "--max_failure_fraction", fraction])
+    assert not (tmp_path / "out").exists()

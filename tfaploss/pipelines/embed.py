@@ -275,9 +275,7 @@ def run(argv: list[str] | None = None) -> dict:
     args, beam_argv = build_parser().parse_known_args(argv)
     if args.batch_size < 1:
         raise ValueError(f"--batch_size must be >= 1, got {args.batch_size}")
-    if not 0.0 <= args.max_failure_fraction <= 1.0:
-        raise ValueError(f"--max_failure_fraction must be in [0, 1], got "
-                         f"{args.max_failure_fraction}")
+    opts.check_failure_fraction(args.max_failure_fraction)
     gfile = _gfile()
     if not gfile.exists(os.path.join(args.model, "saved_model.pb")):
         raise FileNotFoundError(f"--model {args.model!r} is not a SavedModel directory "

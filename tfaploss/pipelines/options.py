@@ -178,6 +178,10 @@ def _validate(args) -> None:
     for name in ("records_per_shard", "class_chunk_size", "min_side", "max_pixels"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if not 0.0 <= args.max_failure_fraction <= 1.0:
-        raise ValueError(
-            f"--max_failure_fraction must be in [0, 1], got {args.max_failure_fraction}")
+    check_failure_fraction(args.max_failure_fraction)
+
+
+def check_failure_fraction(fraction: float) -> None:
+    """``--max_failure_fraction``, which every job takes, in [0, 1] (NaN is not)."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"--max_failure_fraction must be in [0, 1], got {fraction}")
