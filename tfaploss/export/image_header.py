@@ -91,22 +91,16 @@ def _follow(nxt, value=None):
     """
     bound = tf.cast(tf.math.ceil(tf.math.log(tf.cast(tf.size(nxt), tf.float64) + 2) / 0.69),
                     tf.int32) + 1
-    if value is None:
-        def jump(k, j, moved):
-            jj = tf.gather(j, j)
-            return k + 1, jj, tf.reduce_any(tf.not_equal(jj, j))
+    state = (nxt,) if value is None else (nxt, value)
 
-        _, j, _ = tf.while_loop(lambda k, j, moved: moved & (k < bound), jump,
-                                (tf.constant(0), nxt, tf.constant(True)))
-        return j, None
-
-    def jump_and_add(k, j, s, moved):
+    def jump(k, moved, j, *sums):
         jj = tf.gather(j, j)
-        return k + 1, jj, s + tf.gather(s, j), tf.reduce_any(tf.not_equal(jj, j))
+        sums = [s + tf.gather(s, j) for s in sums]  # none without a value
+        return (k + 1, tf.reduce_any(tf.not_equal(jj, j)), jj, *sums)
 
-    _, j, s, _ = tf.while_loop(lambda k, j, s, moved: moved & (k < bound), jump_and_add,
-                               (tf.constant(0), nxt, value, tf.constant(True)))
-    return j, s
+    _, _, j, *sums = tf.while_loop(lambda k, moved, *_: moved & (k < bound), jump,
+                                   (tf.constant(0), tf.constant(True), *state))
+    return j, (sums[0] if sums else None)
 
 
 def _in(x, values):
