@@ -212,10 +212,6 @@ def export_saved_model(model, path, image_size=(224, 224), version=None, whiteni
         archive.track(model)
         archive.add_endpoint(BYTES_SIGNATURE, serve_bytes, input_signature=[bytes_spec])
         archive.add_endpoint(PIXELS_SIGNATURE, embed, input_signature=[pixels_spec])
-        retrieval = None
-        if search is not None:
-            retrieval = _add_retrieval(archive, search, index, embed, serve_bytes,
-                                       (bytes_spec, pixels_spec))
         metadata = {
             "signatures": {BYTES_SIGNATURE: {"input": "image_bytes", "output": OUTPUT_KEY},
                            PIXELS_SIGNATURE: {"input": "images", "output": OUTPUT_KEY}},
@@ -225,8 +221,9 @@ def export_saved_model(model, path, image_size=(224, 224), version=None, whiteni
             "embedding_dim": int(model.output_shape[-1]),
             "whitening": whitening is not None, "model_name": model.name,
             FINGERPRINT_KEY: fingerprint}
-        if retrieval is not None:
-            metadata["retrieval"] = retrieval
+        if search is not None:
+            metadata["retrieval"] = _add_retrieval(archive, search, index, embed, serve_bytes,
+                                                   (bytes_spec, pixels_spec))
             metadata["retrieve_signatures"] = {
                 name: {"input": first, "optional_input": K_INPUT,
                        "outputs": [KEYS_OUTPUT, SCORES_OUTPUT, LABELS_OUTPUT]}
