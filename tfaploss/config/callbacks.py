@@ -67,7 +67,11 @@ def _resolve(path: str, where: str):
                           f"{module_name!r} has no attribute {name!r}.") from None
 
 
-def _check_callable(target, path: str, kwargs: dict, where: str) -> None:
+def _checked_target(entry, where: str) -> tuple[str, dict, object]:
+    """``(import path, kwargs, the class)`` of one entry, refused unless the class is a
+    callback that takes those kwargs."""
+    path, kwargs = callback_spec(entry, where)
+    target = _resolve(path, where)
     if not callable(target):
         raise ConfigError(f"config key '{where}': {path!r} is a {type(target).__name__}, "
                           "not a callback class.")
@@ -83,22 +87,19 @@ def _check_callable(target, path: str, kwargs: dict, where: str) -> None:
                           f"{kwargs!r}: {err}.") from None
     except ValueError:
         pass  # no signature to check (a builtin): its call will say
+    return path, kwargs, target
 
 
 def check_callbacks(entries, path: str = "training.callbacks") -> None:
     """Refuse, with the key and value, an entry that is not an importable callback
     taking its kwargs (at load time)."""
     for i, entry in enumerate(entries):
-        where = f"{path}[{i}]"
-        name, kwargs = callback_spec(entry, where)
-        _check_callable(_resolve(name, where), name, kwargs, where)
+        _checked_target(entry, f"{path}[{i}]")
 
 
 def build_callback(entry, where: str):
     """The callback of one entry of ``training.callbacks``, built with its kwargs."""
-    name, kwargs = callback_spec(entry, where)
-    target = _resolve(name, where)
-    _check_callable(target, name, kwargs, where)
+    name, kwargs, target = _checked_target(entry, where)
     callback = target(**kwargs)
     keras = sys.modules.get("keras")
     if keras is not None and not isinstance(callback, keras.callbacks.Callback):

@@ -81,16 +81,13 @@ def check_consistency(cfg: Config) -> list[str]:
             "each batch); remove it or set model.freeze_bn: true.")
     notes.extend(_check_backbone(cfg.model))
 
-    for name, keys in OPTIMIZER_PARAMS.items():
-        if name == opt.name:
-            continue
-        for key in keys:
-            if key not in OPTIMIZER_PARAMS[opt.name] and getattr(opt, key) is not None:
-                users = [n for n, k in OPTIMIZER_PARAMS.items() if key in k]
-                raise ConfigError(
-                    f"config key 'optimizer.{key}' is only used by optimizer "
-                    f"{' / '.join(users)}, but optimizer.name is {opt.name!r}; remove it "
-                    f"or change the optimizer.")
+    for key in dict.fromkeys(k for keys in OPTIMIZER_PARAMS.values() for k in keys):
+        if key not in OPTIMIZER_PARAMS[opt.name] and getattr(opt, key) is not None:
+            users = [n for n, k in OPTIMIZER_PARAMS.items() if key in k]
+            raise ConfigError(
+                f"config key 'optimizer.{key}' is only used by optimizer "
+                f"{' / '.join(users)}, but optimizer.name is {opt.name!r}; remove it "
+                f"or change the optimizer.")
 
     sched = opt.schedule
     used = SCHEDULE_PARAMS[sched.name]
@@ -156,7 +153,6 @@ def _check_health(health: HealthConfig) -> None:
             f"{where}stop_share': must be between training.health.window_share="
             f"{health.window_share:g} (stop at the first warning) and 1, or null (never "
             f"stop, only warn); received {health.stop_share}.")
-
 
 
 def _check_backbone(model) -> list[str]:

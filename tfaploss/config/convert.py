@@ -113,8 +113,8 @@ def convert(value, tp, path: str):
         if not isinstance(value, dict):
             fail(path, value, tp)
         return dict(value)
-    if tp is bool:
-        if not isinstance(value, bool):
+    if tp in (bool, str):
+        if not isinstance(value, tp):
             fail(path, value, tp)
         return value
     if tp is int:
@@ -134,10 +134,6 @@ def convert(value, tp, path: str):
         if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
             return float(value)
         fail(path, value, tp)
-    if tp is str:
-        if not isinstance(value, str):
-            fail(path, value, tp)
-        return value
     raise TypeError(f"unsupported schema annotation {tp!r} at {path}")  # a bug here
 
 

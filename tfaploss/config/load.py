@@ -102,36 +102,33 @@ def read_config_file(path: str | Path):
     from tfaploss.config.yaml_loader import MAX_CONFIG_BYTES, YAMLLimitError, load_yaml_text
 
     path = resolve_config_path(path)
+    shown = f"config file {str(path)!r}"
     if path.is_dir():
-        raise ConfigError(f"config file {str(path)!r} is a directory; pass a YAML file, "
-                          "or recipe:NAME for a shipped recipe (`tfaploss recipes` lists "
-                          "them).")
+        raise ConfigError(f"{shown} is a directory; pass a YAML file, or recipe:NAME for a "
+                          "shipped recipe (`tfaploss recipes` lists them).")
     if not path.exists():
-        raise ConfigError(f"config file {str(path)!r} does not exist. For a shipped "
-                          "recipe pass --config recipe:NAME (`tfaploss recipes` lists "
-                          "them).")
+        raise ConfigError(f"{shown} does not exist. For a shipped recipe pass --config "
+                          "recipe:NAME (`tfaploss recipes` lists them).")
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as err:
-        raise ConfigError(f"config file {str(path)!r} cannot be read: {err.strerror or err}."
-                          ) from None
+        raise ConfigError(f"{shown} cannot be read: {err.strerror or err}.") from None
     if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"config file {str(path)!r} is larger than {MAX_CONFIG_BYTES} "
-                          "bytes; a run configuration is a short YAML file.")
+        raise ConfigError(f"{shown} is larger than {MAX_CONFIG_BYTES} bytes; a run "
+                          "configuration is a short YAML file.")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data[:err.start].count(b"\n") + 1
-        raise ConfigError(
-            f"config file {str(path)!r} is not UTF-8 text: byte 0x{data[err.start]:02x} on "
-            f"line {line} cannot be decoded. Save the file as UTF-8.") from None
+        raise ConfigError(f"{shown} is not UTF-8 text: byte 0x{data[err.start]:02x} on line "
+                          f"{line} cannot be decoded. Save the file as UTF-8.") from None
     try:
         return load_yaml_text(text, name=str(path))
     except YAMLLimitError as err:
-        raise ConfigError(f"config file {str(path)!r} is refused: {err}") from None
+        raise ConfigError(f"{shown} is refused: {err}") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+        raise ConfigError(f"{shown} is not valid YAML: {err}") from None
 
 
 def load_config(path: str | Path, overrides=None, *, warn: bool = True) -> Config:

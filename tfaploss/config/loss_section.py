@@ -110,8 +110,7 @@ def _build_loss(raw: dict, path: str) -> LossConfig:
                 f"unknown config key '{where}': {name} has no argument {key!r}."
                 f"{close_match(str(key), params)} Allowed: {', '.join(params) or '(none)'}."
             )
-        default = params[key].default
-        kwargs[key] = _check_like_default(value, default, params[key].annotation, where)
+        kwargs[key] = _check_like_default(value, params[key].default, where)
     _check_loss_accepts(cls, kwargs, path)
     return LossConfig(name=name, kwargs=kwargs)
 
@@ -158,7 +157,7 @@ LOSS_ARG_RANGES: dict[str, Range] = {"num_bins": Range(2, 4096),
 VARIABLE_LENGTH_LOSS_ARGS = ("at_k", "ks", "k")
 
 
-def _check_like_default(value, default, annotation, path):
+def _check_like_default(value, default, path):
     """Type-check a loss argument against its default (annotations are often strings)."""
     name = path.rsplit(".", 1)[-1]
     if value is None or (default is inspect.Parameter.empty
@@ -178,17 +177,17 @@ def _check_like_default(value, default, annotation, path):
         return convert(value, bool, path)
     if isinstance(default, int):
         value = convert(value, int, path)  # 2.0 is 2; 2.5 is refused, never truncated
-        LOSS_ARG_RANGES.get(path.rsplit(".", 1)[-1], _INT_RANGE).check(value, path)
+        LOSS_ARG_RANGES.get(name, _INT_RANGE).check(value, path)
         return value
     if isinstance(default, (int, float)):
         return convert(value, float, path)
     if isinstance(default, str):
         return convert(value, str, path)
-    if isinstance(default, (tuple, list)) and path.rsplit(".", 1)[-1] in VARIABLE_LENGTH_LOSS_ARGS:
+    if isinstance(default, (tuple, list)) and name in VARIABLE_LENGTH_LOSS_ARGS:
         if not isinstance(value, (list, tuple)) or not value:
             raise ConfigError(f"config key '{path}': expected a non-empty list of values like "
                               f"{list(default)!r}, received {value!r}.")
-        return tuple(_check_like_default(v, default[0], None, f"{path}[{i}]")
+        return tuple(_check_like_default(v, default[0], f"{path}[{i}]")
                      for i, v in enumerate(value))
     if isinstance(default, (tuple, list)):
         if not isinstance(value, (list, tuple)) or len(value) != len(default):
@@ -196,6 +195,6 @@ def _check_like_default(value, default, annotation, path):
                 f"config key '{path}': expected a list of {len(default)} values like "
                 f"{list(default)!r}, received {value!r}."
             )
-        return tuple(_check_like_default(v, d, None, f"{path}[{i}]")
+        return tuple(_check_like_default(v, d, f"{path}[{i}]")
                      for i, (v, d) in enumerate(zip(value, default)))
     return value

@@ -44,12 +44,10 @@ def expanded_size(root: yaml.Node, limit: int) -> int:
             continue
         children = _children(node)
         if not children_done:
-            if key in on_path:
-                raise YAMLLimitError(_where(node, "a recursive alias (a value that contains "
-                                                  "itself) is not allowed in a config"))
             on_path.add(key)
             stack.append((node, True))
             stack.extend((c, False) for c in children if id(c) not in sizes)
+            # A child still on the path is an ancestor: the one check a cycle needs.
             for c in children:
                 if id(c) in on_path:
                     raise YAMLLimitError(_where(c, "a recursive alias (a value that "

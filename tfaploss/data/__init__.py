@@ -12,9 +12,9 @@ import importlib
 # would load TensorFlow into every job, seconds of start-up for nothing.
 _HOME = {
     "DEFAULT_CROP_FRACTION": "augment", "IMAGENET_MEAN": "augment", "IMAGENET_STD": "augment",
-    "center_crop": "augment", "normalize": "augment", "random_resized_crop": "augment",
-    "make_eval_dataset": "datasets", "make_train_dataset": "datasets",
-    "decode_rgb": "records", "load_split": "records", "read_manifest": "records",
+    "center_crop": "augment", "decode_rgb": "augment", "normalize": "augment",
+    "random_resized_crop": "augment", "make_eval_dataset": "datasets",
+    "make_train_dataset": "datasets", "load_split": "records", "read_manifest": "records",
     "split_files": "records", "SAMPLERS": "samplers",
 }
 

@@ -18,14 +18,21 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
+def decode_rgb(encoded: tf.Tensor) -> tf.Tensor:
+    """Decode JPEG/PNG bytes to ``uint8 [H, W, 3]``."""
+    image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
+    image.set_shape([None, None, 3])
+    return image
+
+
 def _decode_window(encoded: tf.Tensor, window: tf.Tensor) -> tf.Tensor:
     """Decode only ``window`` = [y, x, h, w] of a JPEG (any format via a slower path)."""
     def jpeg():
         return tf.io.decode_and_crop_jpeg(encoded, window, channels=3)
 
     def other():
-        image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
-        return tf.image.crop_to_bounding_box(image, window[0], window[1], window[2], window[3])
+        return tf.image.crop_to_bounding_box(decode_rgb(encoded), window[0], window[1],
+                                             window[2], window[3])
 
     image = tf.cond(tf.io.is_jpeg(encoded), jpeg, other)
     image.set_shape([None, None, 3])
@@ -38,7 +45,7 @@ def image_shape(encoded: tf.Tensor) -> tf.Tensor:
         return tf.io.extract_jpeg_shape(encoded)[:2]
 
     def other():
-        return tf.shape(tf.io.decode_image(encoded, channels=3, expand_animations=False))[:2]
+        return tf.shape(decode_rgb(encoded))[:2]
 
     return tf.cond(tf.io.is_jpeg(encoded), jpeg, other)
 
@@ -81,9 +88,7 @@ def center_crop(encoded: tf.Tensor, image_size: int | None,
     """Test transform: shorter side to ``resize_size`` (default ``image_size /
     DEFAULT_CROP_FRACTION``, i.e. 256 for 224), then the centre ``image_size`` square.
     ``image_size=None`` keeps the original image. Returns float32 in [0, 255]."""
-    image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
-    image.set_shape([None, None, 3])
-    image = tf.cast(image, tf.float32)
+    image = tf.cast(decode_rgb(encoded), tf.float32)
     if image_size is None:
         return image
     resize_size = resize_size or round(image_size / DEFAULT_CROP_FRACTION)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import tensorflow as tf
 
@@ -46,13 +47,9 @@ def _validate_sampler(manifest, sampler: str, batch_size: int, m: int) -> None:
         if not supers:
             raise ValueError("sampler='hierarchical' needs super-class labels; this split has "
                              "none (image/class/super_label is -1)")
-        per_super: dict[int, int] = {}
-        for label in eligible:
-            s = supers.get(str(label), -1)
-            if s >= 0:
-                per_super[s] = per_super.get(s, 0) + 1
+        per_super = Counter(supers.get(str(label), -1) for label in eligible)
         half = batch_size // m // 2
-        usable = [s for s, n in per_super.items() if n >= half]
+        usable = [s for s, n in per_super.items() if s >= 0 and n >= half]
         if len(usable) < 2:
             raise ValueError(
                 f"sampler='hierarchical' with batch_size={batch_size}, m={m} needs two "
@@ -153,26 +150,22 @@ def make_train_dataset(path: str, *, sampler: str | None = "m_per_class", batch_
     A.normalize(tf.zeros([1, 1, 3]), normalize)  # validates `normalize` up front
     manifest = R.read_manifest(path)
     labels = label_table(manifest)
+    batch = batch_size
     if sampler is None:
-        files = R.split_files(path, "images")
-        ds = tf.data.Dataset.from_tensor_slices(files).shuffle(len(files), seed=seed).repeat()
-        ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=max(1, min(8, len(files))),
-                           num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        ds = ds.shuffle(shuffle_buffer, seed=seed + 1).map(
-            lambda r: R.parse_image_example(r, labels), num_parallel_calls=tf.data.AUTOTUNE)
+        ds = R.shuffled_records(R.split_files(path, "images"),
+                                lambda r: R.parse_image_example(r, labels),
+                                seed=seed, shuffle_buffer=shuffle_buffer)
         images = ds.map(lambda e: (e["encoded"], e["id"], _levels(e["label"], e["super_label"],
                                                                   label_levels)))
-        batch = batch_size
     else:
         _validate_sampler(manifest, sampler, batch_size, m)
-        chunks = S.class_chunk_stream(R.split_files(path, "by_class"),
-                                      seed=seed, shuffle_buffer=shuffle_buffer, labels=labels)
+        chunks = R.shuffled_records(R.split_files(path, "by_class"),
+                                    lambda r: R.parse_class_example(r, labels),
+                                    seed=seed, shuffle_buffer=shuffle_buffer)
         if sampler == "m_per_class":
             batches = S.m_per_class(chunks, batch_size, m, seed)
-            batch = batch_size
         elif sampler == "hierarchical":
             batches = S.hierarchical(chunks, batch_size, m, seed)
-            batch = batch_size
         else:
             if num_classes is None:
                 if manifest is None:

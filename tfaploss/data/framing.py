@@ -3,9 +3,8 @@
 A TFRecord is ``uint64 length``, the masked CRC-32C of those 8 bytes, the data, and the
 masked CRC-32C of the data. The pipelines' workers frame records with
 :func:`frame_record` (without TensorFlow); :mod:`tfaploss.data.record_checks` reads the
-framing back, and the manifest records each shard's :func:`file_checksum`. CRC-32C, not
-SHA-256: it catches storage damage, not tampering, is what TFRecord frames and Google
-Cloud Storage already use, and with google-crc32c runs faster than the disk.
+framing back, and the manifest records each shard's :func:`file_checksum` (why CRC-32C:
+docs/reliability.md, "Checksums").
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Damaged TFRecord shards: checksums, checks against the manifest, and one message.
-
-TensorFlow's reader meets a damaged shard (a flipped byte, a truncated copy, another
-file under its name) as ``DataLossError: corrupted record at N``, naming neither the file
-nor what to do, and misses a copy truncated between records. This module turns every
-such case into one :class:`DamagedDataError` naming the file, the byte offset and
-record, the job and split that wrote it and the command that writes it again.
+"""Damaged TFRecord shards as one :class:`DamagedDataError` naming the file, byte offset
+and record, the job that wrote it and the command that writes it again, where
+TensorFlow says only ``corrupted record at N`` (docs/reliability.md, "Damaged data").
 :func:`check_split` checks a split against its manifest; :func:`reading` turns an error
 met while iterating into that message; :func:`startup_check` and :func:`skipping` are
 what ``tfaploss train`` checks first and the damaged shards it was told to leave out.
@@ -220,11 +216,11 @@ def _is_decode_error(err: BaseException) -> bool:
     return any(m in error_text(err) for m in _DECODE_MESSAGES)
 
 
-def locate(paths, err: BaseException | None = None, what: str = "",
-           ignore=frozenset(), level: str = "records") -> DamagedDataError | None:
+def locate(paths, what: str = "", ignore=frozenset(),
+           level: str = "records") -> DamagedDataError | None:
     """Scan the splits ``paths`` (record by record, parsing each; ``level="full"``:
-    the framing only; ``"decode"``: also decoding each image) for the damage behind
-    ``err``; the :class:`DamagedDataError` of the first damaged file, else None."""
+    the framing only; ``"decode"``: also decoding each image) for the damage behind an
+    error; the :class:`DamagedDataError` of the first damaged file, else None."""
     for path in paths:
         if not path:
             continue
@@ -261,7 +257,7 @@ class reading:
                  first_line(err))
         # An image that does not decode passes the record checks: decode them all.
         level = "decode" if _is_decode_error(err) else "records"
-        found = locate(self.paths, err, self.what, ignore=self.ignore, level=level)
+        found = locate(self.paths, self.what, ignore=self.ignore, level=level)
         if found is None:
             return False
         raise found from None

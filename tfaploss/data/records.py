@@ -13,6 +13,7 @@ import os
 
 import tensorflow as tf
 
+from tfaploss.data.augment import decode_rgb
 from tfaploss.data.integrity import skipped_files
 from tfaploss.data.split_manifest import label_table
 
@@ -140,13 +141,6 @@ def parse_class_example(serialized: tf.Tensor, labels: list[bool] | None = None)
         "per image, or class/label negative or not among the manifest's classes")
 
 
-def decode_rgb(encoded: tf.Tensor) -> tf.Tensor:
-    """Decode JPEG/PNG bytes to ``uint8 [H, W, 3]``."""
-    image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
-    image.set_shape([None, None, 3])
-    return image
-
-
 def load_split(path_or_glob: str, *, decode: bool = True, shuffle_files: bool = False,
                seed: int | None = None) -> tf.data.Dataset:
     """All images of a split as a dataset of dicts, in file order unless shuffled.
@@ -167,3 +161,15 @@ def load_split(path_or_glob: str, *, decode: bool = True, shuffle_files: bool = 
         ds = ds.map(lambda e: {**e, "image": decode_rgb(e["encoded"])},
                     num_parallel_calls=tf.data.AUTOTUNE)
     return ds
+
+
+def shuffled_records(files: list[str], parse, *, seed: int, shuffle_buffer: int
+                     ) -> tf.data.Dataset:
+    """Endless stream of the records of ``files``, each through ``parse``: the files in a
+    reshuffled order, 8 read at once, then a ``shuffle_buffer`` of records."""
+    ds = tf.data.Dataset.from_tensor_slices(files)
+    ds = ds.shuffle(len(files), seed=seed, reshuffle_each_iteration=True).repeat()
+    ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=max(1, min(8, len(files))),
+                       block_length=1, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    ds = ds.shuffle(shuffle_buffer, seed=seed + 1, reshuffle_each_iteration=True)
+    return ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)

@@ -1,8 +1,9 @@
 """Streaming class-balanced batch samplers over the by-class TFRecord layout.
 
 In ``by_class/`` one record holds up to ``class_chunk_size`` images of ONE class; a
-sampler streams records through a bounded shuffle buffer and draws m distinct images
-from each, so memory is ``shuffle_buffer x chunk bytes`` whatever the dataset size (no
+sampler takes the records streamed through a bounded shuffle buffer
+(:func:`~tfaploss.data.records.shuffled_records`) and draws m distinct images from
+each, so memory is ``shuffle_buffer x chunk bytes`` whatever the dataset size (no
 index in memory, no reader per class) and only the chosen images are decoded. Batches
 are class-major (image ``i`` in group ``i // m``): :func:`m_per_class` (B / m classes),
 :func:`hierarchical` (two super-classes, B / 2 images each), :func:`all_classes` (every
@@ -14,23 +15,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from tfaploss.data.records import parse_class_example
-
 SAMPLERS = ("m_per_class", "hierarchical", "all_classes")
-
-
-def class_chunk_stream(files: list[str], *, seed: int = 0, shuffle_buffer: int = 256,
-                       cycle_length: int = 8, labels: list[bool] | None = None
-                       ) -> tf.data.Dataset:
-    """Endless, shuffled stream of parsed by-class records (``labels``: the manifest's
-    classes, see :func:`~tfaploss.data.records.parse_class_example`)."""
-    ds = tf.data.Dataset.from_tensor_slices(files)
-    ds = ds.shuffle(len(files), seed=seed, reshuffle_each_iteration=True).repeat()
-    ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=max(1, min(cycle_length, len(files))),
-                       block_length=1, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    ds = ds.shuffle(shuffle_buffer, seed=seed + 1, reshuffle_each_iteration=True)
-    return ds.map(lambda r: parse_class_example(r, labels),
-                  num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
 
 def draw_groups(chunks: tf.data.Dataset, m: int, seed: int = 0) -> tf.data.Dataset:

@@ -38,11 +38,6 @@ def temp_name(path: str | os.PathLike) -> Path:
     return path.with_name(f".{base}.tmp-{os.getpid()}{dot}{rest}")
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a rename in ``path`` durable (no-op where folders cannot be opened)."""
     try:
@@ -142,7 +137,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object], *,
         write(str(tmp))
         if fault:
             faults.no_space(f"{fault}_enospc", epoch, path=tmp)
-        _fsync_file(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
         if fault:
             faults.point(f"{fault}_write", epoch, path=tmp)
             faults.point(f"{fault}_rename", epoch)

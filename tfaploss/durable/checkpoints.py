@@ -128,9 +128,6 @@ class RunBackup:
         """Complete-named checkpoint files, by epoch (newest last)."""
         return self._files(_CHECKPOINT_RE, lambda m: int(m.group(1)))
 
-    def exists(self) -> bool:
-        return self.directory.is_dir()
-
     def _write(self, model, path: Path, index: Path, record: dict, fault: str) -> None:
         """``model``'s weights to ``path``, then its record (size, SHA-256) to ``index``."""
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -225,8 +222,7 @@ class RunBackup:
                 "are missing)", f"put back the missing checkpoints, or remove it and "
                 f"{self.step_index_path.name}")
         if not current:
-            if self.step_index_path.is_file():
-                self.step_index_path.unlink()
+            self._remove_steps()  # no step file is left: this removes a stale index
             return 0, None
         step = max(current)
         path = current[step]

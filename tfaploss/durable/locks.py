@@ -217,10 +217,6 @@ def _remove_if_same(path: Path, fd: int) -> bool:
     return True
 
 
-def lock_path(folder: str | os.PathLike, name: str = LOCK_NAME) -> Path:
-    return Path(folder) / name
-
-
 def acquire(folder: str | os.PathLike, what: str = "folder", *, name: str = LOCK_NAME,
             target: str | os.PathLike | None = None,
             log: Callable[[str], None] | None = None) -> Lock:
@@ -229,7 +225,7 @@ def acquire(folder: str | os.PathLike, what: str = "folder", *, name: str = LOCK
     whole folder locks it from its parent, naming that output ``target``). Raises
     :class:`LockHeldError` (another live holder) or :class:`LockError` (cannot create).
     """
-    path = lock_path(folder, name)
+    path = Path(folder) / name
     shown = str(Path(target if target is not None else folder))
     log = log or (lambda line: LOG.warning("%s", line))
     info = _me()

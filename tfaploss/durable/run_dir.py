@@ -202,7 +202,7 @@ def inspect(run_dir: Path, epochs: int,
     summary = _read_summary(run_dir / "summary.json")
     model = run_dir / "model.keras"
     backup = RunBackup(run_dir / "backup")
-    resuming = backup.exists()
+    resuming = backup.directory.is_dir()
     if not resuming and (summary is not None or model.exists()):
         return RunState(finished=_finished(run_dir, epochs, check_config, summary, model))
     if resuming and previous is not None:
@@ -255,13 +255,10 @@ def _finished(run_dir: Path, epochs: int, check_config, summary: dict | None,
 
 
 def _entries(run_dir: Path) -> list[Path]:
-    out = []
-    for entry in sorted(run_dir.iterdir()):
-        name = entry.name
-        if (name in RUN_ENTRIES or is_temp_name(name) or name.startswith(TRASH_PREFIX)
-                or (name.startswith("eval_") and entry.is_dir())):
-            out.append(entry)
-    return out
+    return [entry for entry in sorted(run_dir.iterdir())
+            if entry.name in RUN_ENTRIES or is_temp_name(entry.name)
+            or entry.name.startswith(TRASH_PREFIX)
+            or (entry.name.startswith("eval_") and entry.is_dir())]
 
 
 def move_aside(run_dir: Path, damaged: bool) -> tuple[Path | None, list[str]]:

@@ -4,21 +4,9 @@ A small file can declare a huge image (a 285 KB PNG of 10000 x 10000 costs 1.3 G
 decoded), so the serving graph reads the declared size *before* decoding and refuses
 images over ``max_pixels``; :func:`tfaploss.export.image_ops.decode_images` checks the
 decoded sizes again. Formats are recognised by ``DecodeImage``'s magic bytes, and each
-header is read the way TensorFlow's decoder reads it, so a header cannot show this
-walk one size and the decoder another (as :mod:`tfaploss.pipelines.image_headers`):
-
-* JPEG: the first start-of-frame, walking the segments as libjpeg's ``next_marker``
-  does (a frame header inside an EXIF thumbnail or a comment does not count); more
-  than :data:`MAX_JPEG_SCANS` scans, or scans x pixels past
-  :data:`MAX_JPEG_SCAN_PIXELS`, is refused (libjpeg passes over the image once per
-  scan: 1000 repeated scans in 40 KB cost ~10 s);
-* PNG: the ``IHDR``, and ``IDAT`` data no larger than the raw image it must inflate to
-  (a 1 MB ``IDAT`` behind a 1 x 1 ``IHDR`` cost ~6 s);
-* GIF: the screen plus every frame's descriptor (giflib allocates every frame, and
-  TensorFlow sizes its output by the largest);
-* BMP: only the header sizes that put a signed 32-bit width and height at bytes 18 and
-  22, where TensorFlow reads them whatever the header;
-* WebP: the ``VP8 ``, ``VP8L`` or ``VP8X`` canvas.
+header is read the way TensorFlow's decoder reads it (each format's walk below says
+how), so a header cannot show this walk one size and the decoder another (as
+:mod:`tfaploss.pipelines.image_headers`; docs/reliability.md, "Image headers that lie").
 
 Cost: linear in the file's size: candidate positions are selected with vector ops and
 chains followed by pointer doubling (``ceil(log2(chain))`` gathers), so 250 000 tiny
@@ -91,22 +79,16 @@ def _follow(nxt, value=None):
     """
     bound = tf.cast(tf.math.ceil(tf.math.log(tf.cast(tf.size(nxt), tf.float64) + 2) / 0.69),
                     tf.int32) + 1
-    if value is None:
-        def jump(k, j, moved):
-            jj = tf.gather(j, j)
-            return k + 1, jj, tf.reduce_any(tf.not_equal(jj, j))
+    state = (nxt,) if value is None else (nxt, value)
 
-        _, j, _ = tf.while_loop(lambda k, j, moved: moved & (k < bound), jump,
-                                (tf.constant(0), nxt, tf.constant(True)))
-        return j, None
-
-    def jump_and_add(k, j, s, moved):
+    def jump(k, moved, j, *sums):
         jj = tf.gather(j, j)
-        return k + 1, jj, s + tf.gather(s, j), tf.reduce_any(tf.not_equal(jj, j))
+        sums = [s + tf.gather(s, j) for s in sums]  # none without a value
+        return (k + 1, tf.reduce_any(tf.not_equal(jj, j)), jj, *sums)
 
-    _, j, s, _ = tf.while_loop(lambda k, j, s, moved: moved & (k < bound), jump_and_add,
-                               (tf.constant(0), nxt, value, tf.constant(True)))
-    return j, s
+    _, _, j, *sums = tf.while_loop(lambda k, moved, *_: moved & (k < bound), jump,
+                                   (tf.constant(0), tf.constant(True), *state))
+    return j, (sums[0] if sums else None)
 
 
 def _in(x, values):
@@ -126,6 +108,8 @@ def _index_of(sorted_positions, targets):
 
 
 def _jpeg(b: _Bytes):
+    """The first start-of-frame, walking the segments as libjpeg's ``next_marker`` does
+    (a frame header inside an EXIF thumbnail or a comment does not count)."""
     # A marker is the byte after an FF (at position j >= 3: libjpeg reads SOI at 0-1 and
     # looks for the next marker from 2 on) that is neither FF (fill), 00 (stuffing) nor
     # a marker without a length (RSTn, TEM), which libjpeg passes over. From a marker
@@ -149,8 +133,9 @@ def _jpeg(b: _Bytes):
     found = tf.gather(tf.concat([frame, [False]], 0), end)
     height, width = b.be16(at + 4), b.be16(at + 6)
     pixels = _area(width, height)
-    # Every FF DA pair is a scan (entropy-coded data stuffs its FF bytes), or a scan of
-    # an embedded thumbnail: counting them all errs on the side of refusing.
+    # libjpeg passes over the image once per scan (1000 repeated scans in 40 KB cost
+    # ~10 s). Every FF DA pair is a scan (entropy-coded data stuffs its FF bytes), or a
+    # scan of an embedded thumbnail: counting them all errs on the side of refusing.
     scans = tf.reduce_sum(tf.cast(tf.equal(marker, 0xDA), tf.float64))
     ok = (found & (width > 0) & (height > 0) & (scans <= MAX_JPEG_SCANS)
           & (scans * pixels <= MAX_JPEG_SCAN_PIXELS))
@@ -158,6 +143,8 @@ def _jpeg(b: _Bytes):
 
 
 def _png(b: _Bytes):
+    """The ``IHDR``, and ``IDAT`` data no larger than the raw image it must inflate to
+    (a 1 MB ``IDAT`` behind a 1 x 1 ``IHDR`` cost ~6 s)."""
     width, height = b.be32(16), b.be32(20)
     depth, colour, interlaced = b.at(24), b.at(25), b.at(28)
     channels = tf.gather(tf.constant([1, 0, 3, 1, 2, 0, 4], tf.int64),
@@ -200,6 +187,8 @@ def _color_table(flags):
 
 
 def _gif(b: _Bytes):
+    """The screen plus every frame's descriptor (giflib allocates every frame, and
+    TensorFlow sizes its output by the largest)."""
     canvas = _area(b.le16(6), b.le16(8))
     first = 13 + _color_table(b.at(10))
     n32 = tf.cast(b.n, tf.int32)
@@ -233,6 +222,8 @@ def _gif(b: _Bytes):
 
 
 def _bmp(b: _Bytes):
+    """Only the header sizes that put a signed 32-bit width and height at bytes 18 and
+    22, where TensorFlow reads them whatever the header."""
     def signed32(v):
         return tf.where(v >= 2**31, v - 2**32, v)
 
@@ -244,7 +235,7 @@ def _bmp(b: _Bytes):
 
 
 def _webp(b: _Bytes):
-    # The first chunk at 12, its data at 20.
+    # The canvas of the first chunk (at 12, its data at 20): VP8, VP8L or VP8X.
     vp8 = b.starts_with(12, b"VP8 ") & b.starts_with(23, b"\x9d\x01\x2a")
     vp8l = b.starts_with(12, b"VP8L") & tf.equal(b.at(20), 0x2F)
     vp8x = b.starts_with(12, b"VP8X")

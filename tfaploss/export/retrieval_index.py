@@ -124,9 +124,6 @@ class RetrievalIndex:
                 "the model that embedded it")
 
 
-# ----------------------------------------------------------------------- the sources
-
-
 def _is_split(path: str) -> bool:
     import tensorflow as tf
 

@@ -61,6 +61,25 @@ def load_op_libraries(backend: str) -> None:
         _scann_ops()
 
 
+def _search(searcher, queries, k):
+    """Both searchers' ``search``: the signature's outputs for ``k`` of the searcher's
+    ``searcher.k``; a ``k`` outside ``[1, searcher.k]`` fails the request with
+    INVALID_ARGUMENT."""
+    import tensorflow as tf
+
+    k = tf.convert_to_tensor(k, tf.int32)
+    check = tf.debugging.Assert(
+        tf.logical_and(k >= 1, k <= searcher.k),
+        ["retrieve: `k` must be between 1 and", searcher.k,
+         "(the k this model was exported with); received", k])
+    scores, rows = searcher.top_k(tf.cast(queries, tf.float32))
+    with tf.control_dependencies([check]):
+        scores, rows = tf.identity(scores[:, :k]), rows[:, :k]
+    return {KEYS_OUTPUT: tf.gather(searcher.keys, rows),
+            SCORES_OUTPUT: scores,
+            LABELS_OUTPUT: tf.gather(searcher.labels, rows)}
+
+
 class BruteForceSearch:
     """Exact top-k over an index held in three variables (rows, keys, labels).
 
@@ -102,8 +121,7 @@ class BruteForceSearch:
         best, position = tf.math.top_k(tf.concat(scores, 1), k=self.k, sorted=True)
         return best, tf.gather(tf.concat(rows, 1), position, batch_dims=1)
 
-    def search(self, queries, k):
-        return _answer(self, queries, k)
+    search = _search
 
 
 class ScannSearch:
@@ -146,8 +164,7 @@ class ScannSearch:
         return (tf.gather(scores, by_score, batch_dims=1),
                 tf.gather(rows, by_score, batch_dims=1))
 
-    def search(self, queries, k):
-        return _answer(self, queries, k)
+    search = _search
 
 
 def _keys_and_labels(index):
@@ -158,24 +175,6 @@ def _keys_and_labels(index):
     return (tf.Variable(raw, trainable=False, dtype=tf.string, name="retrieval_keys"),
             tf.Variable(index.labels, trainable=False, dtype=tf.int64,
                         name="retrieval_labels"))
-
-
-def _answer(searcher, queries, k):
-    """The signature's outputs for ``k`` of the searcher's ``searcher.k``; a ``k``
-    outside ``[1, searcher.k]`` fails the request with INVALID_ARGUMENT."""
-    import tensorflow as tf
-
-    k = tf.convert_to_tensor(k, tf.int32)
-    check = tf.debugging.Assert(
-        tf.logical_and(k >= 1, k <= searcher.k),
-        ["retrieve: `k` must be between 1 and", searcher.k,
-         "(the k this model was exported with); received", k])
-    scores, rows = searcher.top_k(tf.cast(queries, tf.float32))
-    with tf.control_dependencies([check]):
-        scores, rows = tf.identity(scores[:, :k]), rows[:, :k]
-    return {KEYS_OUTPUT: tf.gather(searcher.keys, rows),
-            SCORES_OUTPUT: scores,
-            LABELS_OUTPUT: tf.gather(searcher.labels, rows)}
 
 
 def make_search(index, k: int, backend: str = "brute_force",

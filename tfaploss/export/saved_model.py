@@ -197,7 +197,8 @@ def export_saved_model(model, path, image_size=(224, 224), version=None, whiteni
         needed = export_size(model) + (0 if index is None else _index_size(index))
         atomic.check_space(target, needed)  # before tracing, before TensorFlow writes a byte
 
-        height, width = image_size
+        bytes_spec = tf.TensorSpec([None], tf.string, name="image_bytes")
+        pixels_spec = tf.TensorSpec([None, *image_size, 3], tf.float32, name="images")
 
         def embed(images):
             return {OUTPUT_KEY: tf.cast(model(images, training=False), tf.float32)}
@@ -209,14 +210,8 @@ def export_saved_model(model, path, image_size=(224, 224), version=None, whiteni
 
         archive = keras.export.ExportArchive()
         archive.track(model)
-        archive.add_endpoint(BYTES_SIGNATURE, serve_bytes, input_signature=[
-            tf.TensorSpec([None], tf.string, name="image_bytes")])
-        archive.add_endpoint(PIXELS_SIGNATURE, embed, input_signature=[
-            tf.TensorSpec([None, height, width, 3], tf.float32, name="images")])
-        retrieval = None
-        if search is not None:
-            retrieval = _add_retrieval(archive, search, index, embed, serve_bytes, height,
-                                       width)
+        archive.add_endpoint(BYTES_SIGNATURE, serve_bytes, input_signature=[bytes_spec])
+        archive.add_endpoint(PIXELS_SIGNATURE, embed, input_signature=[pixels_spec])
         metadata = {
             "signatures": {BYTES_SIGNATURE: {"input": "image_bytes", "output": OUTPUT_KEY},
                            PIXELS_SIGNATURE: {"input": "images", "output": OUTPUT_KEY}},
@@ -226,8 +221,9 @@ def export_saved_model(model, path, image_size=(224, 224), version=None, whiteni
             "embedding_dim": int(model.output_shape[-1]),
             "whitening": whitening is not None, "model_name": model.name,
             FINGERPRINT_KEY: fingerprint}
-        if retrieval is not None:
-            metadata["retrieval"] = retrieval
+        if search is not None:
+            metadata["retrieval"] = _add_retrieval(archive, search, index, embed, serve_bytes,
+                                                   (bytes_spec, pixels_spec))
             metadata["retrieve_signatures"] = {
                 name: {"input": first, "optional_input": K_INPUT,
                        "outputs": [KEYS_OUTPUT, SCORES_OUTPUT, LABELS_OUTPUT]}
@@ -255,9 +251,9 @@ def _index_size(index) -> int:
     return index.embeddings.nbytes + sum(len(key) for key in index.keys) + 16 * index.size
 
 
-def _add_retrieval(archive, search, index, embed, serve_bytes, height, width) -> dict:
-    """Add ``retrieve`` and ``retrieve_pixels`` to ``archive``; returns what the
-    metadata records of the index."""
+def _add_retrieval(archive, search, index, embed, serve_bytes, specs) -> dict:
+    """Add ``retrieve`` and ``retrieve_pixels`` (``specs``: the inputs of the two
+    embedding signatures) to ``archive``; returns what the metadata records of the index."""
     default_k = tf.constant(search.k, tf.int32)  # a SignatureDef default: k is optional
 
     def retrieve(image_bytes, k=default_k):
@@ -267,10 +263,10 @@ def _add_retrieval(archive, search, index, embed, serve_bytes, height, width) ->
         return search.search(embed(images)[OUTPUT_KEY], k)
 
     k_spec = tf.TensorSpec([], tf.int32, name=K_INPUT)
-    archive.add_endpoint(RETRIEVE_SIGNATURE, retrieve, input_signature=[
-        tf.TensorSpec([None], tf.string, name="image_bytes"), k_spec])
-    archive.add_endpoint(RETRIEVE_PIXELS_SIGNATURE, retrieve_pixels, input_signature=[
-        tf.TensorSpec([None, height, width, 3], tf.float32, name="images"), k_spec])
+    bytes_spec, pixels_spec = specs
+    archive.add_endpoint(RETRIEVE_SIGNATURE, retrieve, input_signature=[bytes_spec, k_spec])
+    archive.add_endpoint(RETRIEVE_PIXELS_SIGNATURE, retrieve_pixels,
+                         input_signature=[pixels_spec, k_spec])
     archive.add_variable_collection(INDEX_COLLECTION, search.variables)
     return {"backend": search.backend, "k": search.k, "size": index.size,
             "dim": index.dim, "dtype": "float32", "source": index.source,
