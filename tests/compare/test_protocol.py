@@ -229,3 +229,19 @@ def test_edges_are_the_outer_tenth_of_a_range_log_scaled_where_the_range_is():
     # the study's picks at the old edges are inside the widened ranges
     assert P.edge_knobs("SupCon", {"lr": 1e-3, "temperature": 0.0203}) == []
     assert P.edge_knobs("APLoss", {"lr": 1e-3, "num_bins": 40}) == []
+
+
+def test_settings_read_the_same_in_the_log_the_console_and_the_report():
+    """One home for a run's settings in words: sorted names, floats to 3 digits."""
+    params = {"temperature": 0.0523, "lr": 0.001, "m": 4}
+    assert P.settings_text(params) == "lr=0.001 m=4 temperature=0.0523"
+    assert P.settings_text(params, ", ") == "lr=0.001, m=4, temperature=0.0523"
+
+
+def test_a_trial_sets_the_learning_rate_then_the_knobs_in_their_ranges():
+    space = P.search_space("MultiSimilarity", (1e-4, 1e-2))
+    assert list(space) == ["lr", "alpha", "beta", "base", "epsilon"]
+    assert space["lr"] == ("log", 1e-4, 1e-2)
+    grid = P.grid_settings("MultiSimilarity", 3, 2, (1e-4, 1e-2))
+    assert sorted({g["lr"] for g in grid}) == pytest.approx([1e-4, 1e-3, 1e-2])
+    assert len(grid) == 3 * 2 ** 4 and {g["alpha"] for g in grid} == {0.5, 20.0}

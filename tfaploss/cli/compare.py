@@ -216,10 +216,11 @@ def line(event: dict, done: int, total: int) -> str:
     """A finished run, in one line."""
     spec, row = event["spec"], event["row"]
     width = len(str(total))
+    from tfaploss.compare.protocol import settings_text
+
     what = (f"seed {spec.seed}" if spec.test else "trial") + (
         f" (repeat {event['repeat']})" if event.get("repeat") else "")
-    settings = " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                        for k, v in sorted(spec.settings.items()))
+    settings = settings_text(spec.settings)
     score = lambda key: (f"{row[key]:.1f}" if isinstance(row.get(key), (int, float))
                          else "–")
     scores = f"val {score('val_map@r')}" + (f", test {score('test_map@r')}" if spec.test

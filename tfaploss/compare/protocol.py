@@ -177,10 +177,15 @@ def range_position(spec, value) -> float:
     return (value - low) / (high - low)
 
 
+def search_space(loss: str, lr_range=LR_RANGE) -> dict[str, tuple]:
+    """What a trial of ``loss`` sets, each with its range: the learning rate (log), then
+    the loss's knobs (:data:`SEARCH_SPACES`)."""
+    return {"lr": ("log", *lr_range), **SEARCH_SPACES[loss][2]}
+
+
 def edge_knobs(loss: str, params: dict, lr_range=LR_RANGE) -> list[str]:
     """The knobs of ``params`` whose value lies in the outer :data:`EDGE` of its range."""
-    spaces = {"lr": ("log", *lr_range), **SEARCH_SPACES[loss][2]}
-    return [name for name, spec in spaces.items()
+    return [name for name, spec in search_space(loss, lr_range).items()
             if name in params and not EDGE <= range_position(spec, params[name]) <= 1 - EDGE]
 
 
@@ -202,11 +207,10 @@ def grid_settings(loss: str, lr_points: int, knob_points: int,
                   lr_range=LR_RANGE) -> list[dict]:
     """The grid of ``loss``: ``lr_points`` learning rates, log-spaced over the whole
     range, times ``knob_points`` points of each knob (:func:`_points`)."""
-    knobs = SEARCH_SPACES[loss][2]
-    axes = [_points(("log", *lr_range), lr_points)] + [
-        _points(spec, knob_points) for spec in knobs.values()]
-    names = ["lr", *knobs]
-    return [dict(zip(names, values)) for values in itertools.product(*axes)]
+    space = search_space(loss, lr_range)
+    axes = [_points(spec, lr_points if name == "lr" else knob_points)
+            for name, spec in space.items()]
+    return [dict(zip(space, values)) for values in itertools.product(*axes)]
 
 
 @dataclasses.dataclass
@@ -341,9 +345,10 @@ def _stable_seed(*parts) -> int:
     return int(hashlib.sha256(repr(parts).encode()).hexdigest()[:8], 16)
 
 
-def _describe(params: dict) -> str:
-    return " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                    for k, v in params.items())
+def settings_text(params: dict, sep: str = " ") -> str:
+    """A run's settings as people read them: ``name=value``, sorted, floats to 3 digits."""
+    return sep.join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in sorted(params.items()))
 
 
 def _cached_run(ledger: Ledger, runner: Runner, spec: RunSpec, progress,
@@ -354,7 +359,7 @@ def _cached_run(ledger: Ledger, runner: Runner, spec: RunSpec, progress,
     cached = row is not None
     if not cached:
         LOG.debug("run: %s %s B=%d u=%d seed %d %s", "test" if spec.test else "tune",
-                  spec.loss, spec.batch, spec.updates, spec.seed, _describe(spec.settings))
+                  spec.loss, spec.batch, spec.updates, spec.seed, settings_text(spec.settings))
         row = ledger.add(spec, runner(spec))
     progress({"spec": spec, "row": row, "cached": cached, "repeat": repeat})
     return row
@@ -378,9 +383,8 @@ def _tpe(protocol: Protocol, loss: str, batch: int, updates: int, repeat: int):
     study = optuna.create_study(direction="maximize", sampler=sampler)
     for _ in range(trials):
         trial = study.ask()
-        params = {"lr": trial.suggest_float("lr", *protocol.lr_range, log=True)}
-        for name, spec in SEARCH_SPACES[loss][2].items():
-            params[name] = _suggest(trial, name, spec)
+        params = {name: _suggest(trial, name, spec)
+                  for name, spec in search_space(loss, protocol.lr_range).items()}
         study.tell(trial, (yield params))
 
 

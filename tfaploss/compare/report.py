@@ -10,7 +10,15 @@ import math
 import os
 from pathlib import Path
 
-from tfaploss.compare.protocol import AP_LOSSES, EDGE, LR_RANGE, PEERS, SEARCH_SPACES, TRIALS_RULE
+from tfaploss.compare.protocol import (
+    AP_LOSSES,
+    EDGE,
+    LR_RANGE,
+    PEERS,
+    SEARCH_SPACES,
+    TRIALS_RULE,
+    settings_text,
+)
 from tfaploss.durable import atomic
 
 BASELINE_NAMES = {"frozen": "frozen features (no head)",
@@ -40,11 +48,6 @@ def _pair(diff, is_best=False) -> str:
     if not math.isfinite(mean):
         return "–"
     return f"{mean:+.1f} ± {_num(half)}" if math.isfinite(half) else f"{mean:+.1f}"
-
-
-def _settings(params: dict) -> str:
-    return ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                     for k, v in sorted(params.items()))
 
 
 def _column(r, batch) -> str:
@@ -225,7 +228,7 @@ def markdown(results: list[dict], header: str = "", baselines: dict | None = Non
                 for p in (r["picks"] if r is not None else ()):
                     edges = f"⚠ {', '.join(p['edges'])}" if p["edges"] else ""
                     lines.append(f"| {loss} | {b} | {p['repeat']} | {p['trials']} | "
-                                 f"{_num(p['val_map@r'])} | {_settings(p['params'])} | "
+                                 f"{_num(p['val_map@r'])} | {settings_text(p['params'], ', ')} | "
                                  f"{edges} |")
         lines += ["", edge_summary(cell)]
     lines += ["", f"Knob ranges: {_ranges(losses)}."]
