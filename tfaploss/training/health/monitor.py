@@ -1,14 +1,8 @@
-"""The batch-health callback: warn when a run has collapsed or stopped learning, say
-what to try, and optionally stop it.
-
-An AP surrogate can sit at chance for a whole budget without an error: every
-embedding driven to one point, or a loss pinned at a degenerate value.
-:class:`TrainingHealthMonitor` judges the batch statistics of
+"""The batch-health callback: :class:`TrainingHealthMonitor` judges the statistics of
 :mod:`tfaploss.training.health.metrics` and the loss at every step by the rules of
-:mod:`tfaploss.training.health.rules`, with the thresholds of
-:class:`tfaploss.config.health.HealthThresholds` (non-finite values are
-:mod:`tfaploss.training.guards`'s). The rules and the measurements behind the
-defaults: ``docs/health.md``.
+:mod:`tfaploss.training.health.rules`, warns with what to try, and optionally stops
+the run (non-finite values are :mod:`tfaploss.training.guards`'s). Why an AP loss
+needs it, and the measurements behind the defaults: ``docs/health.md``.
 """
 
 from __future__ import annotations
