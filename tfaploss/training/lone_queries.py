@@ -110,10 +110,6 @@ class LoneQueryShare(keras.metrics.Metric):
         return {SHARE_KEY: share, LONE_KEY: ops.convert_to_tensor(self.lone),
                 QUERY_KEY: ops.convert_to_tensor(self.queries)}
 
-    def reset_state(self):
-        for variable in (self.lone, self.queries):
-            variable.assign(ops.zeros((), variable.dtype))
-
 
 class LoneQueryMonitor(keras.callbacks.Callback):
     """Hands the :class:`LoneQueryShare` counts to :attr:`tracker` (the loss's
