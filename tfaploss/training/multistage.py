@@ -30,7 +30,7 @@ from tfaploss._keras_compat import unscale_loss_for_distribution  # private Kera
 from tfaploss.losses.base import RetrievalLoss
 from tfaploss.losses.xbm import CrossBatchMemory
 from tfaploss.ops.distribute import global_batch
-from tfaploss.training.checks import check_deterministic, ghost_batch_norm_layers
+from tfaploss.training.checks import batch_statistics_layers, check_deterministic
 
 logger = logging.getLogger(__name__)
 
@@ -129,13 +129,13 @@ class MultiStageModel(_backend_steps(), keras.Model):
         problems = check_deterministic(
             embedding_model, on_nondeterministic if chunk_size is not None else "ignore")
         self.nondeterministic_layers = tuple(problems)
-        ghosts = ghost_batch_norm_layers(embedding_model) if chunk_size is not None else []
+        ghosts = batch_statistics_layers(embedding_model) if chunk_size is not None else []
         if ghosts:
             logger.info(
                 "MultiStageModel: %d BatchNorm layer(s) use batch statistics, so each "
                 "normalises every chunk of %d images on its own (ghost batch norm; the "
                 "gradient is exact for that network): %s", len(ghosts), chunk_size,
-                ", ".join(ghosts))
+                ", ".join(layer.name for layer in ghosts))
 
         self.memory = None
         if xbm_size:
