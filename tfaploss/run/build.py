@@ -202,15 +202,11 @@ def attach_proxies(loss, embedding_model):
     return loss.with_proxies(embedding_model)
 
 
-def total_steps(cfg: Config, steps_per_epoch: int) -> int:
-    return cfg.training.epochs * steps_per_epoch
-
-
 def build_schedule(cfg: Config, steps_per_epoch: int):
     """The learning rate as a :class:`RecipeSchedule` over the run's updates."""
     opt, sched = cfg.optimizer, cfg.optimizer.schedule
     return RecipeSchedule(
-        kind=sched.name, lr=opt.lr, total_steps=total_steps(cfg, steps_per_epoch),
+        kind=sched.name, lr=opt.lr, total_steps=cfg.training.epochs * steps_per_epoch,
         end_lr=sched.end_lr if sched.end_lr is not None else 0.0,
         warmup_steps=int(math.ceil(opt.warmup_epochs * steps_per_epoch)),
         boundaries=[e * steps_per_epoch for e in (sched.step_epochs or ())],

@@ -1,10 +1,7 @@
 """A run across processes: who this process is (:func:`current`, set up by
 :func:`start` from torchrun's or JAX's launch) and the collectives its ranks share.
-Rank 0 alone writes the run directory while the others wait
-(:meth:`ProcessGroup.main_first`); checkpoints record the world size and global batch
-(:class:`GroupBackup`, :func:`check_resume`); a stop on any rank stops all after the
-same step (:class:`StopAgreement`). docs/scale_out.md, "``tfaploss train`` across
-processes and machines", has the launchers, the rules and the timings.
+docs/scale_out.md, "``tfaploss train`` across processes and machines", has the
+launchers, the rules and the timings.
 """
 
 from __future__ import annotations

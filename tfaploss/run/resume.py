@@ -4,6 +4,7 @@ checks."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from tfaploss.config.fields import ConfigError
@@ -12,7 +13,7 @@ from tfaploss.config.schema import Config
 from tfaploss.durable import run_dir as files
 from tfaploss.durable.run_dir import RunState
 
-__all__ = ["diff_keys", "inspect", "normalised"]
+__all__ = ["diff_keys", "inspect"]
 
 
 def inspect(run_dir: Path, cfg: Config) -> RunState:
@@ -35,23 +36,15 @@ def inspect(run_dir: Path, cfg: Config) -> RunState:
     return files.inspect(run_dir, cfg.training.epochs, check_config)
 
 
-def normalised(raw):
-    """A config dict with every default filled in (``raw`` itself if invalid)."""
-    if not isinstance(raw, dict):
-        return raw
-    try:
-        return config_from_dict(raw, warn=False).to_dict()
-    except (ConfigError, TypeError, ValueError, KeyError, AttributeError, RecursionError,
-            OverflowError):
-        return raw
-
-
 def _comparable(raw):
-    """A config as compared with a run's: without ``run_dir`` (a moved run directory
-    still resumes) and ``training.distribute.timeout_s`` (not what ranks train)."""
-    raw = normalised(raw)
+    """A config as compared with a run's: every default filled in (unless invalid),
+    without ``run_dir`` (a moved run directory still resumes) and
+    ``training.distribute.timeout_s`` (not what ranks train)."""
     if not isinstance(raw, dict):
         return raw
+    with contextlib.suppress(ConfigError, TypeError, ValueError, KeyError, AttributeError,
+                             RecursionError, OverflowError):
+        raw = config_from_dict(raw, warn=False).to_dict()
     out = {k: v for k, v in raw.items() if k != "run_dir"}
     distribute = (out.get("training") or {}).get("distribute")
     if isinstance(distribute, dict) and "timeout_s" in distribute:

@@ -202,7 +202,7 @@ def _start_over(run_dir: Path, cfg: Config) -> None:
                 f" (damaged: {damage.path.name} {damage.problem})" if damage else "")
 
 
-def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data=None) -> dict:
+def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data) -> dict:
     import keras
 
     from tfaploss.training import MultiStageModel
@@ -245,7 +245,7 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data=None) -> 
         return done
     B.check_data(cfg)
     processes.check_shards(cfg, group)
-    skipped, skipping = _check_records(cfg, *(data or (None, "sizes", False)))
+    skipped, skipping = _check_records(cfg, *data)
     resuming = state.resuming
     epochs_log = run_dir / "epochs.jsonl"
 
@@ -414,17 +414,15 @@ def _check_records(cfg: Config, reading, level: str, skip: bool):
         return None, contextlib.nullcontext()
     split = integrity.split_dir_of(cfg.data.train)
     files = [os.path.normpath(os.path.join(split, s["file"])) for s in skipped["shards"]]
-    if reading is not None:
-        reading.ignore |= set(files)
+    reading.ignore |= set(files)
     kept = skipped.pop("class_records", None)  # {label: images}: not for summary.json
     if kept is not None:
         B.check_classes_left(cfg, kept, skipped)
     return skipped, integrity.skipping(files, kept)
 
 
-def _describe_run(cfg: Config, steps: int, chunk, model, resuming: bool,
-                  start_epoch: int = 0, plan: DevicePlan | None = None,
-                  group: processes.ProcessGroup | None = None) -> str:
+def _describe_run(cfg: Config, steps: int, chunk, model, resuming: bool, start_epoch: int,
+                  plan: DevicePlan, group: processes.ProcessGroup) -> str:
     params = sum(math.prod(v.shape) for v in model.trainable_weights)
     stage = (f"multi-stage, chunks of {chunk}" if chunk else "single pass")
     kwargs = ", ".join(f"{k}={v!r}" for k, v in cfg.loss.kwargs.items())
@@ -435,9 +433,9 @@ def _describe_run(cfg: Config, steps: int, chunk, model, resuming: bool,
         (f"  model    {_backbone_and_pooling(cfg.model)} -> "
          f"{cfg.model.embedding_dim}-d, {params:,} trainable parameters"),
         f"  loss     {cfg.loss.name}({kwargs})",
-        *([f"  devices  {plan.describe()}"] if plan is not None else []),
+        f"  devices  {plan.describe()}",
         *([(f"  ranks    {group.describe()}, {cfg.data.batch_size // group.world_size} "
-            "images of every global batch each")] if group and group.distributed else []),
+            "images of every global batch each")] if group.distributed else []),
         (f"  train    {cfg.training.epochs} epochs x {steps} steps, {stage}, "
          f"{cfg.optimizer.name} lr {cfg.optimizer.lr:g} ({cfg.optimizer.schedule.name})"),
         f"  run_dir  {cfg.run_dir}" + (

@@ -38,11 +38,6 @@ def find_nondeterministic_layers(model: keras.layers.Layer) -> list[str]:
     return problems
 
 
-def ghost_batch_norm_layers(model: keras.layers.Layer) -> list[str]:
-    """Names of the :func:`batch_statistics_layers` of ``model``."""
-    return [layer.name for layer in batch_statistics_layers(model)]
-
-
 def batch_statistics_layers(model: keras.layers.Layer) -> list:
     """The BatchNorm layers of ``model`` that normalise with batch statistics in training."""
     return [layer for layer in model._flatten_layers(include_self=True, recursive=True)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["compiled_metrics"]
+import keras
+
+__all__ = ["compiled_metrics", "scalar"]
 
 
 def compiled_metrics(model):
@@ -16,3 +18,15 @@ def compiled_metrics(model):
         seen.add(id(metric))
         yield metric
         stack.extend(getattr(metric, "metrics", []) or [])
+
+
+def scalar(x) -> float:
+    """A number from the logs, or a metric's scalar tensor or variable, as a float."""
+    if isinstance(x, keras.Variable):
+        x = x.value
+    try:
+        return float(x)  # a scalar tensor or variable of any backend, a numpy value
+    except (TypeError, ValueError):
+        pass
+    read = getattr(x, "numpy", None)  # tf.distribute's variables (read aggregated)
+    return float(read() if callable(read) else keras.ops.convert_to_numpy(x))

@@ -13,7 +13,7 @@ from keras import ops
 from tfaploss._keras_compat import in_symbolic_scope
 from tfaploss.losses.lone_queries import WINDOW_STEPS, LoneQueryTracker
 from tfaploss.ops import distribute
-from tfaploss.training.compiled_metrics import compiled_metrics
+from tfaploss.training.compiled_metrics import compiled_metrics, scalar
 
 __all__ = ["LONE_KEY", "QUERY_KEY", "SHARE_KEY", "LoneQueryMonitor", "LoneQueryShare",
            "lone_query_counts"]
@@ -110,10 +110,6 @@ class LoneQueryShare(keras.metrics.Metric):
         return {SHARE_KEY: share, LONE_KEY: ops.convert_to_tensor(self.lone),
                 QUERY_KEY: ops.convert_to_tensor(self.queries)}
 
-    def reset_state(self):
-        for variable in (self.lone, self.queries):
-            variable.assign(ops.zeros((), variable.dtype))
-
 
 class LoneQueryMonitor(keras.callbacks.Callback):
     """Hands the :class:`LoneQueryShare` counts to :attr:`tracker` (the loss's
@@ -183,7 +179,7 @@ class LoneQueryMonitor(keras.callbacks.Callback):
     def _observe(self, steps, lone, queries):
         """Hand over the counts since the previous read (``lone``, ``queries``: the
         epoch's after ``steps`` steps)."""
-        lone, queries = int(_number(lone)), int(_number(queries))
+        lone, queries = int(scalar(lone)), int(scalar(queries))
         with self._lock:
             done, read_lone, read_queries = self._read
             if steps <= done or queries < read_queries:
@@ -197,10 +193,3 @@ class LoneQueryMonitor(keras.callbacks.Callback):
             LOG.warning("LoneQueryMonitor: the model was compiled without "
                         "tfaploss.training.LoneQueryShare (metrics=[LoneQueryShare()]), so "
                         "no lone query is counted and nothing is checked.")
-
-
-def _number(value) -> float:
-    """A scalar from the logs (a float) or from the metric (a tensor of any backend)."""
-    if isinstance(value, (int, float)):
-        return value
-    return float(ops.convert_to_numpy(value))

@@ -10,9 +10,8 @@ at once. The gradient of a batch loss ``L(E)`` with ``E = f_theta(X)`` factors a
 so it is computed exactly in three stages: (1) embed the batch chunk by chunk, keeping
 no activations; (2) take ``G = dL/dE`` of the loss on the B embeddings (B x d
 numbers); (3) re-embed each chunk and accumulate ``(d e_chunk / d theta)^T G[chunk]``;
-then one optimizer update per batch. Peak activation memory is that of one chunk; the
-price is a second forward pass (time ~ (2 fwd + 1 bwd) / (1 fwd + 1 bwd) ~ 4/3).
-Keras's ``gradient_accumulation_steps`` is not this: it averages per-chunk losses.
+then one optimizer update per batch. Keras's ``gradient_accumulation_steps`` is not
+this: it averages per-chunk losses.
 
 Exact only if stage 3 sees what stage 1 saw (:mod:`tfaploss.training.checks`). Stages
 2 and 3 need the backend's autodiff: ``multistage_tf``, ``multistage_jax``,
@@ -30,7 +29,7 @@ from tfaploss._keras_compat import unscale_loss_for_distribution  # private Kera
 from tfaploss.losses.base import RetrievalLoss
 from tfaploss.losses.xbm import CrossBatchMemory
 from tfaploss.ops.distribute import global_batch
-from tfaploss.training.checks import check_deterministic, ghost_batch_norm_layers
+from tfaploss.training.checks import batch_statistics_layers, check_deterministic
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +89,9 @@ class MultiStageModel(_backend_steps(), keras.Model):
 
     Only weight regularisers are added to the loss (no single call sees the whole
     batch, so ``add_loss`` is not supported). Cost per step with chunk size c: 2
-    forward passes + 1 backward pass, one loss evaluation with its gradient; activation
-    memory of one chunk of c images plus O(B·d) for the embeddings and ``G``.
+    forward passes + 1 backward pass (time ~ 4/3 of a plain step), one loss evaluation
+    with its gradient; activation memory of one chunk of c images plus O(B·d) for the
+    embeddings and ``G``.
     """
 
     def __init__(self, embedding_model, chunk_size=None, xbm_size=0, xbm_weight=1.0,
@@ -129,13 +129,13 @@ class MultiStageModel(_backend_steps(), keras.Model):
         problems = check_deterministic(
             embedding_model, on_nondeterministic if chunk_size is not None else "ignore")
         self.nondeterministic_layers = tuple(problems)
-        ghosts = ghost_batch_norm_layers(embedding_model) if chunk_size is not None else []
+        ghosts = batch_statistics_layers(embedding_model) if chunk_size is not None else []
         if ghosts:
             logger.info(
                 "MultiStageModel: %d BatchNorm layer(s) use batch statistics, so each "
                 "normalises every chunk of %d images on its own (ghost batch norm; the "
                 "gradient is exact for that network): %s", len(ghosts), chunk_size,
-                ", ".join(ghosts))
+                ", ".join(layer.name for layer in ghosts))
 
         self.memory = None
         if xbm_size:

@@ -29,19 +29,15 @@ def _as_tensor(x):
 class TorchSteps:
     """``train_step`` of ``MultiStageModel`` for ``KERAS_BACKEND=torch``."""
 
-    def _sync_ranks_once(self):
-        if not getattr(self, "_ranks_synced", False):
-            distribute_torch.broadcast_from_first_rank(self.embedding_model.weights)
-            self._ranks_synced = True
-
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self._check_trainable()
         variables = self.trainable_variables
         batch = tree.flatten(x)[0].shape[0]
         ranks = distribute_torch.world_size()
-        if ranks > 1:
-            self._sync_ranks_once()
+        if ranks > 1 and not getattr(self, "_ranks_synced", False):
+            distribute_torch.broadcast_from_first_rank(self.embedding_model.weights)
+            self._ranks_synced = True
         self.zero_grad()
 
         if self.chunk_size is None:

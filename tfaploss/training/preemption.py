@@ -1,9 +1,4 @@
-"""The callback that turns a preemption signal into a step checkpoint and a clean stop:
-it reads :class:`tfaploss.durable.preemption.SignalFlag` at the end of each batch, saves
-with :meth:`~tfaploss.durable.checkpoints.RunBackup.save_step` and raises
-:class:`~tfaploss.durable.preemption.Preempted`. A signal in an epoch's last batch or
-evaluation is handled after the epoch checkpoint, which serves as the step checkpoint.
-"""
+"""The callback that turns a preemption signal into a step checkpoint and a clean stop."""
 
 from __future__ import annotations
 
@@ -22,11 +17,14 @@ LOG = logging.getLogger(__name__)
 
 
 class PreemptionCheckpoint(keras.callbacks.Callback):
-    """Save a step checkpoint into ``backup`` and stop when ``flag`` (a
-    :class:`~tfaploss.durable.preemption.SignalFlag`) holds a signal. Put it after
-    :class:`~tfaploss.training.callbacks.EpochCheckpoint`, so that an epoch's end stops
-    once its checkpoint is written. ``step_offset``: batches of the first epoch done
-    before this ``fit`` (the caller sets it back to 0 for the next).
+    """At the end of each batch, when ``flag`` (a
+    :class:`~tfaploss.durable.preemption.SignalFlag`) holds a signal, save a step
+    checkpoint into ``backup`` (:meth:`~tfaploss.durable.checkpoints.RunBackup.save_step`)
+    and raise :class:`~tfaploss.durable.preemption.Preempted`. A signal in an epoch's
+    last batch or evaluation is handled at the epoch's end, whose checkpoint serves: put
+    it after :class:`~tfaploss.training.callbacks.EpochCheckpoint`. ``step_offset``:
+    batches of the first epoch done before this ``fit`` (the caller sets it back to 0
+    for the next).
     """
 
     def __init__(self, flag, backup, steps_per_epoch: int, step_offset: int = 0):
@@ -47,7 +45,7 @@ class PreemptionCheckpoint(keras.callbacks.Callback):
                 if faults.requested(name, self._epoch + 1, step):
                     os.kill(os.getpid(), signum)
         if self.flag.signum is None or step >= self.steps_per_epoch:
-            return  # the epoch's end handles a signal in its last batch
+            return
         from tfaploss.training.guards import check_finite_weights, sync_state
 
         sync_state(self.model)  # mid-epoch on JAX: the variables are empty until synced

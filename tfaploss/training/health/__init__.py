@@ -3,10 +3,8 @@
 The batch statistics as Keras metrics (``metrics``), the callback that judges them by
 rules written as data (``monitor``, ``rules``), and what it saw per step with
 :func:`replay` over such a log (``trace``). The thresholds are
-:class:`tfaploss.config.health.HealthThresholds`; their measurements, ``docs/health.md``.
-
->>> model.compile(optimizer="adam", loss=SupAPLoss(), metrics=health_metrics())
->>> model.fit(dataset, epochs=10, callbacks=[TrainingHealthMonitor(stop_share=0.25)])
+:class:`tfaploss.config.health.HealthThresholds`; their use and measurements,
+``docs/health.md``.
 """
 
 from tfaploss.config.health import HealthThresholds

@@ -150,10 +150,6 @@ class BatchHealthMetric(keras.metrics.Metric):
     def result(self):
         return self.total / ops.maximum(self.count, 1.0)
 
-    def reset_state(self):
-        for v in (self.total, self.count, self.last, self.images):
-            v.assign(ops.zeros((), v.dtype))
-
     def get_config(self):
         return {**super().get_config(), "statistic": self.statistic,
                 "max_queries": self.max_queries}

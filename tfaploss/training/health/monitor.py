@@ -1,14 +1,8 @@
-"""The batch-health callback: warn when a run has collapsed or stopped learning, say
-what to try, and optionally stop it.
-
-An AP surrogate can sit at chance for a whole budget without an error: every
-embedding driven to one point, or a loss pinned at a degenerate value.
-:class:`TrainingHealthMonitor` judges the batch statistics of
+"""The batch-health callback: :class:`TrainingHealthMonitor` judges the statistics of
 :mod:`tfaploss.training.health.metrics` and the loss at every step by the rules of
-:mod:`tfaploss.training.health.rules`, with the thresholds of
-:class:`tfaploss.config.health.HealthThresholds` (non-finite values are
-:mod:`tfaploss.training.guards`'s). The rules and the measurements behind the
-defaults: ``docs/health.md``.
+:mod:`tfaploss.training.health.rules`, warns with what to try, and optionally stops
+the run (non-finite values are :mod:`tfaploss.training.guards`'s). Why an AP loss
+needs it, and the measurements behind the defaults: ``docs/health.md``.
 """
 
 from __future__ import annotations
@@ -21,7 +15,7 @@ from collections import deque
 import keras
 
 from tfaploss.config.health import HealthThresholds
-from tfaploss.training.compiled_metrics import compiled_metrics
+from tfaploss.training.compiled_metrics import compiled_metrics, scalar
 from tfaploss.training.health.metrics import BatchHealthMetric, batch_health
 from tfaploss.training.health.rules import RULES, Step
 
@@ -193,7 +187,7 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         images = self._batch_images()
         if self._windows is None:
             self._windows = self._make_windows(images)
-        running = _float(logs["loss"]) if "loss" in logs else None
+        running = scalar(logs["loss"]) if "loss" in logs else None
         loss = self._step_loss(running)
         self.trace.append({"epoch": self._epoch + 1, "images": images,
                            "emb_cos": None if health is None else health[0],
@@ -291,7 +285,7 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         """Images of this step: the compiled metrics' batch, else ``batch_size``, else
         the held batch's size, else 128."""
         for m in (self._metrics or {}).values():
-            b = _float(m.images)
+            b = scalar(m.images)
             if b >= 1:
                 return round(b)
         if self.batch_size is not None:
@@ -336,14 +330,14 @@ class TrainingHealthMonitor(keras.callbacks.Callback):
         if self._metrics is None:
             self._metrics = _find_metrics(self.model)
         if "emb_cos" in self._metrics:
-            last = {k: _float(m.last) for k, m in self._metrics.items()}
+            last = {k: scalar(m.last) for k, m in self._metrics.items()}
             return last["emb_cos"], last.get("emb_cos_std"), last.get("chance_ap"), 1
         if self.data is not None and (self._step == 1 or self._step % self.every == 0):
             images, labels = self.data
             h = batch_health(self.model(images, training=False), labels)
             # One held-batch check stands for the steps since the previous one.
             steps = 1 if self._step == 1 else self.every
-            return _float(h["cos_mean"]), _float(h["cos_std"]), _float(h["chance_ap"]), steps
+            return scalar(h["cos_mean"]), scalar(h["cos_std"]), scalar(h["chance_ap"]), steps
         return None
 
     def _step_loss(self, running_mean):
@@ -384,14 +378,3 @@ def _find_metrics(model) -> dict:
         if isinstance(m, BatchHealthMetric):
             found.setdefault(m.statistic, m)
     return found
-
-
-def _float(x) -> float:
-    if isinstance(x, keras.Variable):
-        x = x.value
-    try:
-        return float(x)  # a scalar tensor or variable of any backend, a numpy value
-    except (TypeError, ValueError):
-        pass
-    read = getattr(x, "numpy", None)  # tf.distribute's variables (read aggregated)
-    return float(read() if callable(read) else keras.ops.convert_to_numpy(x))

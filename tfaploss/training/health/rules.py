@@ -1,12 +1,8 @@
-"""The rules of the batch-health check, as data.
-
-Each :class:`Rule` says which steps count (a predicate over the step's ``emb_cos``,
-``chance_ap`` or loss), over which trailing window (a share of the run's images), from
-when (a share of the run before which it counts nothing) and what a report does (warn,
-or stop the run). :class:`~tfaploss.training.TrainingHealthMonitor` keeps one window
-per rule and judges them all alike; the thresholds are
-:class:`tfaploss.config.health.HealthThresholds`. To add a rule, add a :class:`Rule`
-to :data:`RULES` with its message.
+"""The rules of the batch-health check, as data (:class:`Rule`: which steps count, over
+which window, from when, and what a report does).
+:class:`~tfaploss.training.TrainingHealthMonitor` keeps one window per rule and judges
+them all alike, with the thresholds of :class:`tfaploss.config.health.HealthThresholds`.
+To add a rule, add a :class:`Rule` to :data:`RULES` with its message.
 """
 
 from __future__ import annotations
@@ -45,7 +41,6 @@ STALL_CAUSES = (
     "embedding apart (emb_cos near 0) while 29-61% of queries stayed at chance "
     "(test MAP@R 3.5 after 96 updates), where averaging='per_query' reached 41.6 and "
     "APLoss 94.6 (docs/batch_sweep/first_sweep.md).")
-
 
 
 class Step(NamedTuple):

@@ -1,14 +1,6 @@
 """What the batch-health check saw at each step, as ``tfaploss train`` logs it
 (``health_steps`` in each row of ``epochs.jsonl``), and :func:`replay`, which runs a
-:class:`~tfaploss.training.TrainingHealthMonitor` with other thresholds over such a
-log: what another rule would have said about a real run without training it again.
-
-Example:
-
->>> rows = [json.loads(line) for line in open("runs/my_run/epochs.jsonl")]
->>> monitor = replay(rows, stop_share=0.25, cone_chance_ap=0.35)
->>> monitor.stopped            # None, or the step and message of the stop
-"""
+monitor with other thresholds over such a log (an example: ``docs/health.md``)."""
 
 from __future__ import annotations
 
