@@ -172,12 +172,26 @@ def test_discard_renames_aside_first_and_leftovers_are_removed(tmp_path):
 
 
 def test_epoch_log_skips_and_repairs_a_line_cut_by_a_kill(tmp_path):
-    from tfaploss.run.trainer import _read_epochs, _repair_epoch_log
+    from tfaploss.run.trainer import _epoch_rows, _repair_epoch_log
 
     log = tmp_path / "epochs.jsonl"
     log.write_text('{"epoch": 1, "loss": 0.5}\n{"epoch": 2, "lo')
-    assert _read_epochs(log) == [{"epoch": 1, "loss": 0.5}]
+    assert _epoch_rows(log, 3) == [{"epoch": 1, "loss": 0.5}]
     _repair_epoch_log(log)
     with open(log, "a") as f:
         f.write('{"epoch": 2, "loss": 0.4}\n')
-    assert [r["epoch"] for r in _read_epochs(log)] == [1, 2]
+    assert [r["epoch"] for r in _epoch_rows(log, 3)] == [1, 2]
+    # A resumed run repeats the epoch a kill interrupted: the summary keeps its last row.
+    with open(log, "a") as f:
+        f.write('{"epoch": 2, "loss": 0.3}\n')
+    assert [r["loss"] for r in _epoch_rows(log, 3)] == [0.5, 0.3]
+
+
+def test_the_summary_reads_the_epoch_log_as_a_resume_does(tmp_path):
+    """A damaged line is an error naming it, not a row silently left out of the summary."""
+    from tfaploss.run.trainer import _epoch_rows
+
+    log = tmp_path / "epochs.jsonl"
+    log.write_text('{"epoch": 1, "loss": 0.5}\nnot json\n{"epoch": 2, "loss": 0.4}\n')
+    with pytest.raises(DamagedRunError, match="line 2: is not JSON"):
+        _epoch_rows(log, 3)

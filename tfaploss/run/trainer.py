@@ -15,7 +15,6 @@ Run directory layout (``run_dir``; rank 0 alone writes it, every file atomically
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -96,18 +95,10 @@ def evaluate_split(embedding_model, cfg: Config, path: str, max_images: int | No
     return metrics
 
 
-def _read_epochs(path: Path) -> list[dict]:
-    """The rows of epochs.jsonl, one per epoch (a re-run epoch's last), torn lines skipped."""
-    if not path.exists():
-        return []
-    rows = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-                rows[int(row["epoch"])] = row
-            except (ValueError, KeyError, TypeError):
-                continue
+def _epoch_rows(path: Path, epochs: int) -> list[dict]:
+    """One row per epoch of epochs.jsonl (a re-run epoch's last), read and checked as a
+    resume reads them."""
+    rows = {row["epoch"]: row for row in D.read_epoch_log(path, epochs)}
     return [rows[k] for k in sorted(rows)]
 
 
@@ -367,7 +358,7 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data) -> dict:
         data_scope.close()
         keras.config.set_dtype_policy(policy)
 
-    epochs = _read_epochs(epochs_log)
+    epochs = _epoch_rows(epochs_log, cfg.training.epochs)
     updates = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
     summary = {
         "run_dir": str(run_dir),
