@@ -107,11 +107,8 @@ class LoneQueryTracker:
                                    __file__, inspect.currentframe().f_lineno,
                                    module=__name__, registry={})
 
-    def __deepcopy__(self, memo):
-        # A copied loss (Keras clones, tests) starts its own run.
-        return LoneQueryTracker(self.warn)
-
     def __getstate__(self):
+        # A copied or pickled loss (Keras clones, tests) starts its own run.
         return {"warn": self.warn}
 
     def __setstate__(self, state):
