@@ -281,7 +281,3 @@ class XBMLoss(keras.losses.Loss):
         return {"loss": keras.saving.serialize_keras_object(self.loss), "size": self.size,
                 "embedding_dim": self.memory.embedding_dim, "weight": self.weight,
                 "name": self.name}
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(**config)
