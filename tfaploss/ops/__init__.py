@@ -3,9 +3,9 @@ matrix and boolean ``positives`` and ``candidates`` masks, wrapped by the losses
 
 from tfaploss.ops.blackbox import blackbox_ap, blackbox_ranks
 from tfaploss.ops.calibration import calibration_loss
-from tfaploss.ops.fastap import fastap
 from tfaploss.ops.hap import hap_per_query, hierarchy_levels, pop_relevance
 from tfaploss.ops.histogram import (
+    fastap,
     histogram_ap,
     soft_bins_dense,
     soft_histograms,
