@@ -1,6 +1,7 @@
 """Functional core of the AP surrogates: functions of a (queries x database) score
 matrix and boolean ``positives`` and ``candidates`` masks, wrapped by the losses."""
 
+from tfaploss.ops.backend import inverse_permutations
 from tfaploss.ops.blackbox import blackbox_ap, blackbox_ranks
 from tfaploss.ops.calibration import calibration_loss
 from tfaploss.ops.hap import hap_per_query, hierarchy_levels, pop_relevance
@@ -12,7 +13,7 @@ from tfaploss.ops.histogram import (
     tie_aware_histogram_ap,
     two_bin_assignment,
 )
-from tfaploss.ops.masks import inverse_permutations, label_masks, pairwise_scores, safe_normalize
+from tfaploss.ops.masks import label_masks, pairwise_scores, safe_normalize
 from tfaploss.ops.smooth_rank import (
     pnp_penalty,
     pnp_per_query,
