@@ -1,8 +1,4 @@
-"""The base class every ranking loss builds on: checks, scores, masks and reduction.
-
-A surrogate overrides :meth:`RetrievalLoss.per_query`, which turns a (queries x
-database) score matrix and its masks into one loss value and one weight per query.
-"""
+"""The base class every ranking loss builds on: checks, scores, masks and reduction."""
 
 from __future__ import annotations
 
