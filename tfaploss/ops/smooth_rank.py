@@ -10,13 +10,10 @@ a smoothed step function of the score differences ``t = s_ij - s_ik``:
 then take ``AP_i = mean_k (1 + pos_above) / (1 + pos_above + neg_above)``; PNP applies
 its penalty ``f`` to ``neg_above``.
 
-Only the positive pairs are ranked, in blocks of ``pairs_per_block`` (a
-(pairs_per_block, N) tensor, ~16 MiB in float32 by default) with a hand-written
-gradient that recomputes each block (:mod:`tfaploss.ops.pair_blocks`): never the dense
-Q x N x N tensor (64 GiB at B=4096). Cost: O(P·N) time with P the positive pairs
-(O(B·m·B) for a batch of m per class) and O(pairs_per_block·N + Q·N) memory, forward
-and backward alike. On TensorFlow use a non-persistent ``tf.GradientTape`` (as Keras
-does): a persistent one keeps every block, O(P·N) memory.
+Only the positive pairs are ranked, in blocks with a hand-written gradient
+(:mod:`tfaploss.ops.pair_blocks`; costs in :func:`positive_rank_terms`): never the dense
+Q x N x N tensor (64 GiB at B=4096). On TensorFlow use a non-persistent
+``tf.GradientTape`` (as Keras does): a persistent one keeps every block, O(P·N) memory.
 """
 
 from __future__ import annotations
