@@ -81,12 +81,6 @@ def positive_ints(owner, name, value):
 # -- call inputs -----------------------------------------------------------------------------
 
 
-def in_xla_context() -> bool:
-    """True while TensorFlow traces for XLA (always False on the other backends)."""
-    kernels = tf_kernels()
-    return kernels is not None and kernels.in_xla_context()
-
-
 def concrete(value):
     """``value`` as a NumPy scalar when it is known now (eager), else None (traced)."""
     if on_tensorflow():

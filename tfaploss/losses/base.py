@@ -1,8 +1,4 @@
-"""The base class every ranking loss builds on: checks, scores, masks and reduction.
-
-A surrogate overrides :meth:`RetrievalLoss.per_query`, which turns a (queries x
-database) score matrix and its masks into one loss value and one weight per query.
-"""
+"""The base class every ranking loss builds on: checks, scores, masks and reduction."""
 
 from __future__ import annotations
 
@@ -19,7 +15,6 @@ from tfaploss.losses._checks import (
     check_sizes,
     concrete,
     finite_or_zero,
-    in_xla_context,
     nan_unless,
 )
 from tfaploss.losses._reduction import KerasReduction, with_mask
@@ -49,13 +44,9 @@ def _warn_once_without_positives(has_positive_pair):
             warnings.warn(message, RuntimeWarning, stacklevel=3)
         return has_positive_pair
     kernels = tf_kernels()
-    if kernels is None or in_xla_context():
+    if kernels is None or kernels.in_xla_context():
         return has_positive_pair  # a traced JAX/XLA step cannot warn; the 0 says it
     return kernels.warn_unless(has_positive_pair, message)
-
-
-def _shape_text(shape):
-    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
 _MISSING = object()
@@ -229,7 +220,7 @@ class RetrievalLoss(keras.losses.Loss):
             raise ValueError(
                 f"{type(self).__name__}: sample_weight must hold one weight per {per}, "
                 f"shape ({n},) or ({n}, 1), or be a scalar; received sample_weight of "
-                f"shape {_shape_text(shape)}. It scales each query's term; the "
+                f"shape {shape}. It scales each query's term; the "
                 "rankings always use the whole batch."
             )
         if shape == ():

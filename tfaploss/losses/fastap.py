@@ -6,8 +6,7 @@ import keras
 from keras import ops
 
 from tfaploss.losses.base import RetrievalLoss
-from tfaploss.ops.fastap import fastap
-from tfaploss.ops.histogram import check_num_bins
+from tfaploss.ops.histogram import check_num_bins, fastap
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")

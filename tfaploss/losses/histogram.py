@@ -49,18 +49,13 @@ class APLoss(RetrievalLoss):
         """Per-query AP estimate, shape (Q,)."""
         return histogram_ap(scores, positives, candidates, self.num_bins, self.score_range)
 
-    def query_weights(self, positives, dtype, self_pairs=None):
-        """``[query has a positive]``, divided by its class size when class-balanced."""
-        has_positive = ops.cast(ops.any(positives, axis=-1), dtype)
-        if not self.class_balanced:
-            return has_positive
-        others = self.other_positive_counts(positives, self_pairs)
-        class_size = ops.cast(others + 1, dtype)  # the query itself counted once
-        return has_positive / class_size
-
     def per_query(self, scores, positives, candidates, self_pairs=None):
         ap = self.query_ap(scores, positives, candidates)
-        return 1.0 - ap, self.query_weights(positives, ap.dtype, self_pairs)
+        weights = ops.cast(ops.any(positives, axis=-1), ap.dtype)
+        if self.class_balanced:  # the query itself counted once in its class size
+            others = self.other_positive_counts(positives, self_pairs)
+            weights = weights / ops.cast(others + 1, ap.dtype)
+        return 1.0 - ap, weights
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")

@@ -1,10 +1,8 @@
 """How many queries of a run have no positive in their batch, and one warning when most do.
 
-With plain shuffling over many classes most items are alone with their class in the
-batch: they are left out of the mean, so the loss looks healthy while it learns from a
-handful of queries. The ``tfaploss.training`` metric ``LoneQueryShare`` counts them in
-the compiled step and ``LoneQueryMonitor`` hands the counts to the loss's
-:class:`LoneQueryTracker` (``docs/losses.md``, "How many there are").
+The ``tfaploss.training`` metric ``LoneQueryShare`` counts them in the compiled step and
+``LoneQueryMonitor`` hands the counts to the loss's :class:`LoneQueryTracker` (why and
+how: ``docs/losses.md``, "How many there are"; the warning's text says it too).
 """
 
 from __future__ import annotations
@@ -107,11 +105,8 @@ class LoneQueryTracker:
                                    __file__, inspect.currentframe().f_lineno,
                                    module=__name__, registry={})
 
-    def __deepcopy__(self, memo):
-        # A copied loss (Keras clones, tests) starts its own run.
-        return LoneQueryTracker(self.warn)
-
     def __getstate__(self):
+        # A copied or pickled loss (Keras clones, tests) starts its own run.
         return {"warn": self.warn}
 
     def __setstate__(self, state):

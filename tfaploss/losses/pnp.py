@@ -32,7 +32,6 @@ class PNPLoss(RetrievalLoss):
         b: slope of the ``"Ib"`` penalty.
         alpha: exponent of the ``"Dq"`` penalty.
         temperature: sigmoid temperature.
-        drop_lone_queries: as for ``RetrievalLoss`` (default True here, as the original).
 {shared_args}
     """
 

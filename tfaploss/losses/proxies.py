@@ -58,17 +58,14 @@ class ClassProxies(keras.layers.Layer):
         kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
         self.num_classes = integer(type(self).__name__, "num_classes", num_classes)
-        self.initializer = keras.initializers.get(
-            initializer if initializer is not None else self.default_initializer())
+        if initializer is None:  # pytorch-metric-learning's (class docstring)
+            initializer = keras.initializers.VarianceScaling(2.0, "fan_in", "untruncated_normal")
+        self.initializer = keras.initializers.get(initializer)
         self.key = str(key) if key is not None else uuid.uuid4().hex
         self.supports_masking = True
         self.given = False  # proxies set with set_proxies: a user manages them
         self.in_model = False  # call() ran: the layer is part of a forward pass
         _LAYERS[self.key] = self
-
-    @staticmethod
-    def default_initializer():
-        return keras.initializers.VarianceScaling(2.0, "fan_in", "untruncated_normal")
 
     def build(self, input_shape):
         self.proxies = self.add_weight(shape=(self.num_classes, int(input_shape[-1])),

@@ -23,10 +23,6 @@ class _CalibrationArgs:
         self.averaging = one_of(owner, "averaging", averaging, CALIBRATION_AVERAGING)
 
 
-def _broadcast_scalar(value, scores):
-    return ops.broadcast_to(value, ops.shape(scores)[:1])
-
-
 @keras.saving.register_keras_serializable(package="tfaploss")
 class CalibrationLoss(_CalibrationArgs, RetrievalLoss):
     """ROADMAP's calibration loss. Over ordered pairs i != j of the batch:
@@ -61,8 +57,9 @@ class CalibrationLoss(_CalibrationArgs, RetrievalLoss):
                                  self.neg_margin, self.averaging)
         any_pair = ops.any(ops.logical_and(ops.cast(positives, "bool"),
                                            ops.cast(candidates, "bool")))
-        values = _broadcast_scalar(total, scores)
-        return values, _broadcast_scalar(ops.cast(any_pair, scores.dtype), scores)
+        queries = ops.shape(scores)[:1]
+        return (ops.broadcast_to(total, queries),
+                ops.broadcast_to(ops.cast(any_pair, scores.dtype), queries))
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")

@@ -11,20 +11,8 @@ from tfaploss.losses.base import RetrievalLoss
 from tfaploss.ops.smooth_rank import SupAPUpperStep, smooth_ap_per_query, sup_ap_per_query
 
 
-class _SmoothRankAPLoss(RetrievalLoss):
-    """``L = 1 - mean_i AP_i`` over the queries with a positive (itself included, as
-    the original code)."""
-
-    def _ap(self, scores, positives, candidates):
-        raise NotImplementedError
-
-    def per_query(self, scores, positives, candidates, self_pairs=None):
-        ap, counts = self._ap(scores, positives, candidates)
-        return 1.0 - ap, ops.cast(counts > 0, ap.dtype)
-
-
 @keras.saving.register_keras_serializable(package="tfaploss")
-class SmoothAPLoss(_SmoothRankAPLoss):
+class SmoothAPLoss(RetrievalLoss):
     """Smooth-AP (Brown et al., "Smooth-AP: Smoothing the Path Towards Large-Scale
     Image Retrieval", ECCV 2020). For query i and each positive k (the query itself
     included by default):
@@ -52,9 +40,10 @@ class SmoothAPLoss(_SmoothRankAPLoss):
         self.pairs_per_block = integer("SmoothAPLoss", "pairs_per_block", pairs_per_block,
                                        optional=True)
 
-    def _ap(self, scores, positives, candidates):
-        return smooth_ap_per_query(scores, positives, candidates, self.temperature,
-                                   self.pairs_per_block)
+    def per_query(self, scores, positives, candidates, self_pairs=None):
+        ap, counts = smooth_ap_per_query(scores, positives, candidates, self.temperature,
+                                         self.pairs_per_block)
+        return 1.0 - ap, ops.cast(counts > 0, ap.dtype)
 
 
 class UpperStepArgs:
@@ -78,7 +67,7 @@ class UpperStepArgs:
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
-class SupAPLoss(UpperStepArgs, _SmoothRankAPLoss):
+class SupAPLoss(UpperStepArgs, RetrievalLoss):
     """ROADMAP's smooth-rank upper bound "SupAP" (Ramzi et al., "Robust and Decomposable
     Average Precision for Image Retrieval", NeurIPS 2021). As :class:`SmoothAPLoss`, but
     positives ``j`` enter both ranks through the true step ``H(t) = [t >= 0]`` (no
@@ -103,6 +92,8 @@ class SupAPLoss(UpperStepArgs, _SmoothRankAPLoss):
         super().__init__(include_self=include_self, name=name, **kwargs)
         self._keep_upper_step(temperature, rho, delta, start, offset, pairs_per_block)
 
-    def _ap(self, scores, positives, candidates):
-        return sup_ap_per_query(scores, positives, candidates, self.temperature, self.rho,
-                                self.delta, self.start, self.offset, self.pairs_per_block)
+    def per_query(self, scores, positives, candidates, self_pairs=None):
+        ap, counts = sup_ap_per_query(scores, positives, candidates, self.temperature,
+                                      self.rho, self.delta, self.start, self.offset,
+                                      self.pairs_per_block)
+        return 1.0 - ap, ops.cast(counts > 0, ap.dtype)

@@ -12,6 +12,7 @@ from tfaploss._keras_compat import in_symbolic_scope  # private Keras API
 from tfaploss.losses._checks import check, check_labels, check_sizes, concrete, integer, is_number
 from tfaploss.losses.base import RetrievalLoss
 from tfaploss.ops import distribute
+from tfaploss.ops.backend import dim
 
 
 @keras.saving.register_keras_serializable(package="tfaploss")
@@ -92,12 +93,8 @@ class CrossBatchMemory(keras.layers.Layer):
         """Write ``embeddings`` (B, D) and ``labels`` (B,) over the oldest slots."""
         embeddings = ops.cast(ops.stop_gradient(embeddings), "float32")
         labels = ops.cast(ops.reshape(labels, (-1,)), "int64")
-        n = embeddings.shape[0]
-        if n is None:  # a TF graph traced for any batch size
-            n = ops.shape(embeddings)[0]
-            k = ops.minimum(n, self.size)
-        else:
-            k = min(n, self.size)
+        n = dim(embeddings, 0)  # a tensor in a TF graph traced for any batch size
+        k = min(n, self.size) if isinstance(n, int) else ops.minimum(n, self.size)
         embeddings, labels = embeddings[n - k:], labels[n - k:]
         pointer = ops.convert_to_tensor(self.pointer)
         slots = ops.mod(pointer + ops.arange(k, dtype="int32"), self.size)[:, None]
@@ -281,7 +278,3 @@ class XBMLoss(keras.losses.Loss):
         return {"loss": keras.saving.serialize_keras_object(self.loss), "size": self.size,
                 "embedding_dim": self.memory.embedding_dim, "weight": self.weight,
                 "name": self.name}
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(**config)

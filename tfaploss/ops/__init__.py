@@ -1,18 +1,19 @@
 """Functional core of the AP surrogates: functions of a (queries x database) score
 matrix and boolean ``positives`` and ``candidates`` masks, wrapped by the losses."""
 
+from tfaploss.ops.backend import inverse_permutations
 from tfaploss.ops.blackbox import blackbox_ap, blackbox_ranks
 from tfaploss.ops.calibration import calibration_loss
-from tfaploss.ops.fastap import fastap
 from tfaploss.ops.hap import hap_per_query, hierarchy_levels, pop_relevance
 from tfaploss.ops.histogram import (
+    fastap,
     histogram_ap,
     soft_bins_dense,
     soft_histograms,
     tie_aware_histogram_ap,
     two_bin_assignment,
 )
-from tfaploss.ops.masks import inverse_permutations, label_masks, pairwise_scores, safe_normalize
+from tfaploss.ops.masks import label_masks, pairwise_scores, safe_normalize
 from tfaploss.ops.smooth_rank import (
     pnp_penalty,
     pnp_per_query,

@@ -15,16 +15,12 @@ from tfaploss.ops.backend import descending_order, gather_rows, inverse_permutat
 from tfaploss.ops.masks import ranked_masks
 
 
-def _order_and_ranks(scores):
-    """Per row: the indices by decreasing score (ties: lower index first), and each
-    entry's 0-based position."""
-    order = descending_order(scores)
+def _order_and_ranks(scores, candidates):
+    """Per row: the indices by decreasing score (ties: lower index first; the
+    non-candidates last, at -inf), and each entry's 0-based position."""
+    masked = ops.where(candidates, scores, ops.full_like(scores, float("-inf")))
+    order = descending_order(masked)
     return order, inverse_permutations(order)
-
-
-def _masked_scores(scores, candidates):
-    lowest = ops.full_like(scores, float("-inf"))
-    return ops.where(candidates, scores, lowest)
 
 
 def _ranker(scores, candidates, lambda_, ranks=None):
@@ -38,7 +34,7 @@ def _ranker(scores, candidates, lambda_, ranks=None):
 
         def normalised(values, int_ranks=None):
             if int_ranks is None:
-                _, int_ranks = _order_and_ranks(_masked_scores(values, candidates))
+                _, int_ranks = _order_and_ranks(values, candidates)
             return (ops.cast(int_ranks, dtype) + 1.0) / n_cand
 
         r = normalised(s, ranks)
@@ -84,7 +80,7 @@ def blackbox_ap(scores, positives, candidates=None, lambda_=4.0, margin=0.0, noi
         if noise is None:
             noise = ops.abs(keras.random.normal(ops.shape(scores), dtype=dtype))
         scores = scores - float(margin) * ops.cast(noise, dtype) * (target - 0.5)
-    order, order_ranks = _order_and_ranks(_masked_scores(ops.stop_gradient(scores), candidates))
+    order, order_ranks = _order_and_ranks(ops.stop_gradient(scores), candidates)
     ranks = _ranker(scores, candidates, lambda_, order_ranks)
     # Position among the positives: cumulative count of positives in ranking order.
     positives_in_order = gather_rows(target, order)

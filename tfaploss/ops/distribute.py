@@ -14,6 +14,7 @@ import contextlib
 import threading
 
 import keras
+from keras import ops
 
 from tfaploss.ops.backend import on_tensorflow
 
@@ -32,11 +33,6 @@ def global_batch():
         _STATE.depth = depth
 
 
-def holds_global_batch() -> bool:
-    """Whether the caller said (:func:`global_batch`) that it holds the global batch."""
-    return getattr(_STATE, "depth", 0) > 0
-
-
 def replicas_to_gather(owner: str, shapes_only: bool = False) -> int:
     """How many replicas a loss call must gather the batch from (1: none to gather).
 
@@ -44,7 +40,7 @@ def replicas_to_gather(owner: str, shapes_only: bool = False) -> int:
     its own shard. ``shapes_only``: Keras traces the call for its output shapes only
     (nothing runs, so nothing is gathered or refused).
     """
-    if holds_global_batch() or shapes_only:
+    if getattr(_STATE, "depth", 0) > 0 or shapes_only:  # within global_batch()
         return 1
     if _on_torch():
         from tfaploss.ops import distribute_torch
@@ -160,12 +156,8 @@ def replica_share(loss, reduction: str, replicas: int, rows):
     if reduction in (None, "none"):
         start, stop = rows
         return loss[start:stop]
-    if _on_torch():
-        return loss
-    import tensorflow as tf
-
-    if reduction == "sum":
-        return loss / tf.cast(replicas, loss.dtype)
+    if reduction == "sum" and not _on_torch():
+        return loss / ops.cast(replicas, loss.dtype)
     return loss
 
 

@@ -60,8 +60,7 @@ def _hap_block_kernels(upper):
     def geometry(s, kind, flat):
         code, relevance = kind
         num_items = dim(s, 1)
-        rows, t = pair_gaps(s, flat)
-        codes = take(code, rows, axis=0)
+        rows, t, codes = pair_gaps(s, code, flat)
         own_code = take(ops.reshape(code, [-1]), flat)[:, None]
         # The pair's own item j takes no part in its ranks (j = k in the authors' mask).
         others = ops.not_equal(ops.arange(num_items, dtype="int32")[None, :],

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from keras import ops
 
-from tfaploss.ops.backend import inverse_permutations  # noqa: F401  (re-exported)
-
 # Below this norm an embedding is treated as zero; keeps the gradient finite.
 _NORM_EPSILON = 1e-12
 

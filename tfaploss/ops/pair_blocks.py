@@ -94,12 +94,13 @@ class Blocks:
         return ops.reshape(values, ops.shape(like))
 
 
-def pair_gaps(s, flat):
-    """``(rows, t)`` of a block's pairs (flat indices ``flat`` into the (Q, N) ``s``):
-    each pair's query row and ``t = s[row] - s[pair]``, (block, N), what every block
-    kernel ranks."""
+def pair_gaps(s, kind, flat):
+    """``(rows, t, kinds)`` of a block's pairs (flat indices ``flat`` into the (Q, N)
+    ``s``): each pair's query row, ``t = s[row] - s[pair]``, (block, N), what every block
+    kernel ranks, and that row of the (Q, N) ``kind``."""
     rows = flat // dim(s, 1)
-    return rows, take(s, rows, axis=0) - take(ops.reshape(s, [-1]), flat)[:, None]
+    t = take(s, rows, axis=0) - take(ops.reshape(s, [-1]), flat)[:, None]
+    return rows, t, take(kind, rows, axis=0)
 
 
 def pair_values(values, flat, valid):

@@ -10,13 +10,10 @@ a smoothed step function of the score differences ``t = s_ij - s_ik``:
 then take ``AP_i = mean_k (1 + pos_above) / (1 + pos_above + neg_above)``; PNP applies
 its penalty ``f`` to ``neg_above``.
 
-Only the positive pairs are ranked, in blocks of ``pairs_per_block`` (a
-(pairs_per_block, N) tensor, ~16 MiB in float32 by default) with a hand-written
-gradient that recomputes each block (:mod:`tfaploss.ops.pair_blocks`): never the dense
-Q x N x N tensor (64 GiB at B=4096). Cost: O(P·N) time with P the positive pairs
-(O(B·m·B) for a batch of m per class) and O(pairs_per_block·N + Q·N) memory, forward
-and backward alike. On TensorFlow use a non-persistent ``tf.GradientTape`` (as Keras
-does): a persistent one keeps every block, O(P·N) memory.
+Only the positive pairs are ranked, in blocks with a hand-written gradient
+(:mod:`tfaploss.ops.pair_blocks`; costs in :func:`positive_rank_terms`): never the dense
+Q x N x N tensor (64 GiB at B=4096). On TensorFlow use a non-persistent
+``tf.GradientTape`` (as Keras does): a persistent one keeps every block, O(P·N) memory.
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ import math
 
 from keras import ops
 
-from tfaploss.ops.backend import take
 from tfaploss.ops.masks import masked_mean, ranked_masks
 from tfaploss.ops.pair_blocks import Blocks, blocked_rank_terms, pair_gaps, pair_values
 
@@ -122,15 +118,11 @@ def _block_kernels(positive_step, negative_step):
     same_step = positive_step is negative_step
     pos_slopes = use_positive and positive_step.differentiable
 
-    def geometry(s, kind, flat):
-        rows, t = pair_gaps(s, flat)
-        return rows, t, take(kind, rows, axis=0)
-
     def masked_row_sum(mask, values):
         return ops.sum(ops.where(mask, values, ops.zeros_like(values)), axis=1)
 
     def forward(s, kind, flat, valid):
-        _, t, kinds = geometry(s, kind, flat)
+        _, t, kinds = pair_gaps(s, kind, flat)
         zero = ops.zeros_like(t[:, 0])
         neg_values = negative_step.value(t)
         neg = ops.where(valid, masked_row_sum(kinds == 2, neg_values), zero)
@@ -144,7 +136,7 @@ def _block_kernels(positive_step, negative_step):
         return ops.where(valid, pos, zero), neg
 
     def backward(s, kind, flat, valid, g_pos, g_neg):
-        rows, t, kinds = geometry(s, kind, flat)
+        rows, t, kinds = pair_gaps(s, kind, flat)
         _, slope = negative_step.value_and_slope(t)
         g_n = pair_values(g_neg, flat, valid)[:, None]
         if pos_slopes:

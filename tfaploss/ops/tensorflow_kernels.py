@@ -52,21 +52,21 @@ def in_xla_context() -> bool:
 _WARNED: set[str] = set()
 
 
-def _warn_from_graph(message: str, category: type[Warning]) -> bool:
+def _warn_from_graph(message: str) -> bool:
     """The host side of :func:`warn_unless`: one warning per message and process."""
     if message not in _WARNED:
         _WARNED.add(message)
-        warnings.warn(message, category, stacklevel=2)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
     return True
 
 
-def warn_unless(condition, message: str, category: type[Warning] = RuntimeWarning):
-    """``condition``, raising the Python warning ``message`` when it is False at run time
-    (graph mode, not XLA: a ``tf.py_function`` in the false branch of a ``tf.cond``, so
-    it goes through ``warnings`` as the eager path's does)."""
+def warn_unless(condition, message: str):
+    """``condition``, raising the ``RuntimeWarning`` ``message`` when it is False at run
+    time (graph mode, not XLA: a ``tf.py_function`` in the false branch of a ``tf.cond``,
+    so it goes through ``warnings`` as the eager path's does)."""
 
     def warn_then():
-        done = tf.py_function(lambda: _warn_from_graph(message, category), [], Tout=tf.bool)
+        done = tf.py_function(lambda: _warn_from_graph(message), [], Tout=tf.bool)
         with tf.control_dependencies([done]):
             return tf.identity(condition)
 

@@ -19,13 +19,8 @@ from __future__ import annotations
 
 from keras import ops
 
-from tfaploss.ops.backend import dim, take
+from tfaploss.ops.backend import dim
 from tfaploss.ops.pair_blocks import Blocks, blocked_rank_terms, pair_gaps, pair_values
-
-
-def _gaps(s, negative_rows, flat):
-    rows, t = pair_gaps(s, flat)
-    return rows, t, take(negative_rows, rows, axis=0)
 
 
 def _semihard_choice(t, negatives):
@@ -42,14 +37,14 @@ def _semihard_choice(t, negatives):
 
 def _semihard_kernels():
     def forward(s, negative_rows, flat, valid):
-        _, t, negatives = _gaps(s, negative_rows, flat)
+        _, t, negatives = pair_gaps(s, negative_rows, flat)
         chosen, has_negative = _semihard_choice(t, negatives)
         gap = ops.sum(chosen * t, axis=1)
         zero = ops.zeros_like(gap)
         return zero, ops.where(ops.logical_and(valid, has_negative), gap, zero)
 
     def backward(s, negative_rows, flat, valid, g_first, g_gap):
-        rows, t, negatives = _gaps(s, negative_rows, flat)
+        rows, t, negatives = pair_gaps(s, negative_rows, flat)
         chosen, has_negative = _semihard_choice(t, negatives)
         w = chosen * pair_values(g_gap, flat, ops.logical_and(valid, has_negative))[:, None]
         return rows, w, -ops.sum(w, axis=1)
@@ -59,14 +54,14 @@ def _semihard_kernels():
 
 def _hinge_kernels(margin):
     def forward(s, negative_rows, flat, valid):
-        _, t, negatives = _gaps(s, negative_rows, flat)
+        _, t, negatives = pair_gaps(s, negative_rows, flat)
         hinge = ops.where(negatives, ops.relu(margin - t), ops.zeros_like(t))
         total = ops.sum(hinge, axis=1)
         zero = ops.zeros_like(total)
         return zero, ops.where(valid, total, zero)
 
     def backward(s, negative_rows, flat, valid, g_first, g_sum):
-        rows, t, negatives = _gaps(s, negative_rows, flat)
+        rows, t, negatives = pair_gaps(s, negative_rows, flat)
         g = pair_values(g_sum, flat, valid)[:, None]
         w = ops.where(ops.logical_and(negatives, t < margin), -g, ops.zeros_like(t))
         return rows, w, -ops.sum(w, axis=1)
