@@ -22,12 +22,11 @@ def load_any_model(path: str):
     if os.path.isfile(path) and path.endswith(".keras"):
         import keras
 
-        import tfaploss.losses
-        import tfaploss.training
-        from tfaploss import models  # noqa: F401  (registers the custom layers)
+        from tfaploss.training import MultiStageModel
 
+        # Registration needs no import here: `import tfaploss` did it (tfaploss._registration).
         model = keras.saving.load_model(path, compile=False)
-        if isinstance(model, tfaploss.training.MultiStageModel):
+        if isinstance(model, MultiStageModel):
             model = model.embedding_model
         shape = tuple(model.input_shape)
         return model, (shape[1] if shape[1] is not None and shape[1] == shape[2] else None)
