@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from tfaploss.compare.protocol import SEARCH_SPACES, RunSpec
+from tfaploss.durable import run_dir as run_files
 
 LOG = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class ImageRunner:
                                  max_images=self.curve_images)
         raw["training"]["callbacks"] = [*raw["training"].get("callbacks", []), {
             "class": "tfaploss.compare.curves.PreciseBNCurve",
-            "kwargs": {"config_file": str(run_dir / "config.yaml"), "split": str(self.val),
+            "kwargs": {"config_file": str(run_dir / run_files.CONFIG), "split": str(self.val),
                        "max_images": self.curve_images}}]
         return config_from_dict(raw, warn=False)
 
@@ -124,7 +125,7 @@ class ImageRunner:
             if "val_map@r" in epoch:
                 row["curve"].append([epoch["epoch"] * steps * spec.batch,
                                      100 * epoch["val_map@r"]])
-        model = keras.saving.load_model(run_dir / "model.keras")
+        model = keras.saving.load_model(run_dir / run_files.MODEL)
         val = evaluate_split(model, cfg, self.val, self.eval_images)
         row.update({"val_map@r": 100 * val["map@r"], "val_r@1": 100 * val["recall@1"]})
         if spec.test:

@@ -23,8 +23,11 @@ from tfaploss.durable.checkpoints import TRASH_PREFIX, DamagedRunError, RunBacku
 
 LOG = logging.getLogger(__name__)
 
-FILES = ("config.yaml", "epochs.jsonl", "model.keras", "summary.json")
-FOLDERS = ("backup", "logs")
+# A run folder's entries: named here only, so that the trainer writes what resume reads.
+CONFIG, EPOCH_LOG, MODEL, SUMMARY = "config.yaml", "epochs.jsonl", "model.keras", "summary.json"
+BACKUP, LOGS = "backup", "logs"
+FILES = (CONFIG, EPOCH_LOG, MODEL, SUMMARY)
+FOLDERS = (BACKUP, LOGS)
 RUN_ENTRIES = FILES + FOLDERS  # what --restart moves aside, with temporary files and eval_*
 
 _MAX_CONFIG_BYTES = 1 << 20  # a run's config.yaml is a few kilobytes
@@ -198,19 +201,19 @@ def inspect(run_dir: Path, epochs: int,
         if (run_dir / name).exists() and not (run_dir / name).is_dir():
             raise DamagedRunError(run_dir / name, "is a file, not a folder",
                                   "remove it, or put the folder back")
-    previous = read_config_snapshot(run_dir / "config.yaml")
-    summary = _read_summary(run_dir / "summary.json")
-    model = run_dir / "model.keras"
-    backup = RunBackup(run_dir / "backup")
+    previous = read_config_snapshot(run_dir / CONFIG)
+    summary = _read_summary(run_dir / SUMMARY)
+    model = run_dir / MODEL
+    backup = RunBackup(run_dir / BACKUP)
     resuming = backup.directory.is_dir()
     if not resuming and (summary is not None or model.exists()):
         return RunState(finished=_finished(run_dir, epochs, check_config, summary, model))
     if resuming and previous is not None:
         check_config(previous, "an unfinished run")
-    rows = read_epoch_log(run_dir / "epochs.jsonl", epochs)
+    rows = read_epoch_log(run_dir / EPOCH_LOG, epochs)
     checkpoint = backup.find() if resuming else (0, None)
     done, top = checkpoint[0], max((row["epoch"] for row in rows), default=0)
-    log = run_dir / "epochs.jsonl"
+    log = run_dir / EPOCH_LOG
     if top > done + 1:
         where = (f"the newest checkpoint in {backup.directory} is of epoch {done}" if done
                  else f"there is no checkpoint in {backup.directory}" if resuming
@@ -234,7 +237,7 @@ def _finished(run_dir: Path, epochs: int, check_config, summary: dict | None,
               model: Path) -> dict:
     if summary is None:
         raise DamagedRunError(
-            run_dir / "summary.json", f"is missing, but {model.name} is there and no "
+            run_dir / SUMMARY, f"is missing, but {model.name} is there and no "
             "backup: a finished run whose summary was removed",
             "put summary.json back")
     if not model.exists():
@@ -248,7 +251,7 @@ def _finished(run_dir: Path, epochs: int, check_config, summary: dict | None,
     completed = summary.get("epochs_completed")
     if completed != epochs and not summary.get("stopped_early"):
         raise DamagedRunError(
-            run_dir / "summary.json", f"says {completed!r:.20} of {epochs} "
+            run_dir / SUMMARY, f"says {completed!r:.20} of {epochs} "
             "epochs were completed, but there is no backup to resume from",
             "put back the backup folder of this run")
     return summary

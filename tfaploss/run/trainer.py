@@ -208,7 +208,7 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data) -> dict:
 
     group = processes.current()
     if not restart:  # every rank, before rank 0 changes anything: read only
-        processes.check_resume(RunBackup(run_dir / "backup"), group, cfg.data.batch_size)
+        processes.check_resume(RunBackup(run_dir / D.BACKUP), group, cfg.data.batch_size)
     # before anything initialises TensorFlow's devices (several CPU devices need that)
     plan = plan_devices(cfg)
 
@@ -232,23 +232,23 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data) -> dict:
                if done.get("stopped_early") else f"{done['epochs_completed']} epochs")
         LOG.info("%s already holds this finished run (%s): nothing to do. Model: %s. Use "
                  "another run_dir (--set run_dir=...) or --restart to train again.",
-                 run_dir, how, run_dir / "model.keras")
+                 run_dir, how, run_dir / D.MODEL)
         return done
     B.check_data(cfg)
     processes.check_shards(cfg, group)
     skipped, skipping = _check_records(cfg, *data)
     resuming = state.resuming
-    epochs_log = run_dir / "epochs.jsonl"
+    epochs_log = run_dir / D.EPOCH_LOG
 
     def write_config():
-        atomic.atomic_write_text(run_dir / "config.yaml",
+        atomic.atomic_write_text(run_dir / D.CONFIG,
                                  yaml.safe_dump(cfg.to_dict(), sort_keys=False),
                                  fault="config")
         _repair_epoch_log(epochs_log)
 
     group.main_first(write_config, "writing config.yaml")
     steps = B.steps_per_epoch(cfg)
-    backup = processes.GroupBackup(run_dir / "backup", group, cfg.data.batch_size)
+    backup = processes.GroupBackup(run_dir / D.BACKUP, group, cfg.data.batch_size)
     policy = keras.config.dtype_policy()
     started = time.time()
     devices_scope = contextlib.ExitStack()
@@ -313,7 +313,7 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data) -> dict:
         if group.is_main:  # the writers: rank 0's
             callbacks += [
                 EpochLogger(epochs_log, monitor),
-                keras.callbacks.TensorBoard(log_dir=str(run_dir / "logs"),
+                keras.callbacks.TensorBoard(log_dir=str(run_dir / D.LOGS),
                                             write_graph=False),
             ]
         # last: it saves what every other callback has seen (rank 0 writes)
@@ -328,7 +328,7 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data) -> dict:
             LOG.info("Training stopped by the batch-health check at step %s of epoch %s: %s",
                      stopped["epoch_step"], stopped["epoch"], stopped["message"])
 
-        model_path = run_dir / "model.keras"
+        model_path = run_dir / D.MODEL
         if B.precise_batch_norm(embedding_model, cfg):
             LOG.info("BatchNorm statistics re-estimated on %d training images "
                      "(model.precise_bn_images)", cfg.model.precise_bn_images)
@@ -387,9 +387,9 @@ def _train(cfg: Config, run_dir: Path, *, verbose, restart: bool, data) -> dict:
         "train_seconds_this_process": round(train_seconds, 2),
         "model": str(model_path),
     }
-    atomic.atomic_write_json(run_dir / "summary.json", summary, fault="summary")
+    atomic.atomic_write_json(run_dir / D.SUMMARY, summary, fault="summary")
     backup.discard()  # only now: model.keras and summary.json are in place
-    LOG.info("Done: model %s, summary %s", model_path, run_dir / "summary.json")
+    LOG.info("Done: model %s, summary %s", model_path, run_dir / D.SUMMARY)
     return summary
 
 
