@@ -430,3 +430,23 @@ def test_skipping_a_by_class_file_shrinks_the_samplers_classes(pristine, tmp_pat
     assert "\n" not in text
     with pytest.raises(I.DamagedDataError, match="0 classes"):
         check_classes_left(cfg(4, 4), kept, skipped)  # no kept record holds 4 images
+
+
+def test_a_job_output_is_a_folder_holding_a_manifest_file(pristine, tmp_path):
+    """One rule for "a job wrote this folder", which verify, evaluate and the embed job
+    ask: a manifest.json file, not a folder of that name, not a manifest one level down."""
+    from tfaploss.cli.verify import split_dirs
+    from tfaploss.data.split_manifest import MANIFEST, is_job_output
+
+    assert is_job_output(pristine) and os.path.isfile(os.path.join(pristine, MANIFEST))
+    fake = tmp_path / "fake"
+    (fake / MANIFEST).mkdir(parents=True)
+    assert not is_job_output(str(fake)) and not is_job_output(str(tmp_path / "absent"))
+    out = tmp_path / "out"
+    shutil.copytree(pristine, out / "train")
+    (out / "notes").mkdir()
+    assert not is_job_output(str(out))
+    assert split_dirs(str(out)) == [str(out / "train")]
+    assert split_dirs(str(out / "train")) == [str(out / "train")]
+    with pytest.raises(FileNotFoundError, match="holds no manifest.json"):
+        split_dirs(str(fake))

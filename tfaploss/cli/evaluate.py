@@ -63,10 +63,11 @@ def _eval_dataset(path: str, size: int | None, batch: int):
     import tensorflow as tf
 
     from tfaploss.data import make_eval_dataset, read_manifest
+    from tfaploss.data.split_manifest import is_job_output
 
     dataset = make_eval_dataset(path, image_size=size, batch_size=batch)
     # Only a split folder's own manifest counts its images (not one for a glob of files).
-    own = os.path.isdir(path) and os.path.isfile(os.path.join(path, "manifest.json"))
+    own = os.path.isdir(path) and is_job_output(path)
     n = (read_manifest(path) or {}).get("num_images") if own else None
     if isinstance(n, int) and n > 0:
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(-(-n // batch)))

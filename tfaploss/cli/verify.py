@@ -17,7 +17,7 @@ import textwrap
 
 from tfaploss.cli.arguments import add_command
 from tfaploss.data.integrity import check_split, layout_files
-from tfaploss.data.split_manifest import describe_source
+from tfaploss.data.split_manifest import describe_source, is_job_output
 from tfaploss.log import is_terminal
 
 LOG = logging.getLogger(__name__)
@@ -47,13 +47,13 @@ def _arguments(p) -> None:
 
 def split_dirs(path: str) -> list[str]:
     """``path`` when it holds a manifest.json, else its sub-folders that do."""
-    if os.path.isfile(os.path.join(path, "manifest.json")):
+    if is_job_output(path):
         return [path]
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path!r} is not a folder (a split folder written by a "
                                 "pipelines job)")
     found = sorted(os.path.join(path, d) for d in os.listdir(path)
-                   if os.path.isfile(os.path.join(path, d, "manifest.json")))
+                   if is_job_output(os.path.join(path, d)))
     if not found:
         raise FileNotFoundError(f"{path!r} holds no manifest.json, nor do its sub-folders: "
                                 "not a split written by a pipelines job")

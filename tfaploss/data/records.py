@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from tfaploss.data.augment import decode_rgb
 from tfaploss.data.integrity import skipped_files
-from tfaploss.data.split_manifest import label_table
+from tfaploss.data.split_manifest import MANIFEST, label_table
 
 IMAGE_SPEC = {
     "image/encoded": tf.io.FixedLenFeature([], tf.string),
@@ -61,8 +61,8 @@ def split_files(path_or_glob: str, layout: str = "images") -> list[str]:
 def read_manifest(path_or_glob: str) -> dict | None:
     """The split's ``manifest.json`` (next to the files of a glob), or None."""
     base = path_or_glob if tf.io.gfile.isdir(path_or_glob) else os.path.dirname(path_or_glob)
-    for candidate in (os.path.join(base, "manifest.json"),
-                      os.path.join(os.path.dirname(base), "manifest.json")):
+    for candidate in (os.path.join(base, MANIFEST),
+                      os.path.join(os.path.dirname(base), MANIFEST)):
         if tf.io.gfile.exists(candidate):
             with tf.io.gfile.GFile(candidate) as f:
                 return json.load(f)

@@ -9,12 +9,21 @@ import json
 import os
 import shlex
 
+# Every job writes its output folder's manifest under this name, last: a folder holding
+# one is a job's finished output (a split, or the embedding job's embeddings).
+MANIFEST = "manifest.json"
+
+
+def is_job_output(folder: str) -> bool:
+    """Whether the local ``folder`` holds a job's ``manifest.json``."""
+    return os.path.isfile(os.path.join(folder, MANIFEST))
+
 
 def read_manifest(split_dir: str) -> dict | None:
     """The local split folder's ``manifest.json``, or None."""
-    path = os.path.join(split_dir, "manifest.json")
-    if not os.path.isfile(path):
+    if not is_job_output(split_dir):
         return None
+    path = os.path.join(split_dir, MANIFEST)
     with open(path, encoding="utf-8") as f:
         return json.load(f)
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tfaploss.data.split_manifest import MANIFEST
+
 logger = logging.getLogger(__name__)
 
 FINGERPRINT_KEY = "model_fingerprint"  # in the export metadata and the index's record
@@ -127,7 +129,7 @@ class RetrievalIndex:
 def _is_split(path: str) -> bool:
     import tensorflow as tf
 
-    return (tf.io.gfile.exists(os.path.join(path, "manifest.json"))
+    return (tf.io.gfile.exists(os.path.join(path, MANIFEST))
             and bool(tf.io.gfile.glob(os.path.join(path, "images-*.tfrecord"))))
 
 
@@ -206,7 +208,7 @@ def index_from_embeddings(path: str) -> RetrievalIndex:
 
     from tfaploss.evaluation.embedding_files import load_embeddings
 
-    manifest_path = os.path.join(path, "manifest.json")
+    manifest_path = os.path.join(path, MANIFEST)
     if not tf.io.gfile.exists(manifest_path):
         raise DamagedIndexError(f"the embeddings folder {path!r} has no manifest.json; "
                                 "write it with python -m tfaploss.pipelines.embed")

@@ -363,16 +363,16 @@ def _run_checked(pipeline, kind, inputs):
     it (a record that parses but holds no image is a dead letter)."""
     from tfaploss.data import integrity
     from tfaploss.data.record_checks import scan_shard
+    from tfaploss.data.split_manifest import is_job_output
 
     splits = sorted({integrity.split_dir_of(p) for p in inputs}) if kind == "tfrecord" else []
     # One CRC pass over the inputs before the job: far cheaper than the inference that
     # follows, and a damaged file is named before Beam logs its retries' tracebacks.
     for split in splits:
-        if os.path.isfile(os.path.join(split, "manifest.json")):
+        if is_job_output(split):
             integrity.check_or_raise(split, "full", layouts=("images",), what="embedding")
     for path in inputs if kind == "tfrecord" else []:
-        if "://" not in path and not os.path.isfile(os.path.join(
-                integrity.split_dir_of(path), "manifest.json")):
+        if "://" not in path and not is_job_output(integrity.split_dir_of(path)):
             _, damage = scan_shard(path)
             if damage is not None:
                 raise integrity.damaged_error(integrity.split_dir_of(path), damage,

@@ -8,6 +8,7 @@ import collections
 import os
 
 from tfaploss.data.framing import manifest_checksums
+from tfaploss.data.split_manifest import MANIFEST
 from tfaploss.pipelines import storage
 from tfaploss.pipelines import tf_example as X
 from tfaploss.pipelines.plan import SplitPlan
@@ -15,7 +16,6 @@ from tfaploss.pipelines.plan import SplitPlan
 SCHEMA_VERSION = 1
 DEAD_LETTERS = "dead_letters.jsonl"
 IGNORED_FILES = "ignored_files.jsonl"
-MANIFEST = "manifest.json"
 
 
 class TooManyFailuresError(RuntimeError):

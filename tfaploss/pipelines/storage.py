@@ -11,6 +11,7 @@ import os
 import shutil
 import uuid
 
+from tfaploss.data.split_manifest import MANIFEST
 from tfaploss.durable import atomic, faults
 
 
@@ -155,7 +156,7 @@ def check_owned(folder: str) -> None:
     says one of these jobs wrote it: a mistyped output path must not wipe a user's files."""
     if not exists(folder) or not listdir(folder):
         return
-    manifest = join(folder, "manifest.json")
+    manifest = join(folder, MANIFEST)
     try:
         m = json.loads(read_text(manifest))
         ours = any(str(m.get(k, "")).startswith(("pipelines.", "tfaploss."))
@@ -188,7 +189,7 @@ def _publish_objects(staged: str, final: str) -> None:
     prefix = staged.rstrip("/") + "/"
     new = glob(prefix + "**")
     old = glob(final.rstrip("/") + "/**")
-    manifest = join(final, "manifest.json")
+    manifest = join(final, MANIFEST)
     if manifest in old:
         fs.delete([manifest])
     stale = [p for p in old if p != manifest]
