@@ -304,8 +304,7 @@ class Protocol:
             return len(self.lr_factors)
         if self.grid:
             return len(grid_settings(loss, self.grid, self.grid_knob_points, self.lr_range))
-        # the learning rate counts as a knob
-        return trials_for_knobs(self.trials, 1 + len(SEARCH_SPACES[loss][2]))
+        return trials_for_knobs(self.trials, len(search_space(loss, self.lr_range)))
 
     def cells(self):
         """``(budget, batch, updates, same)`` of every cell; ``same`` marks a budget whose
