@@ -89,9 +89,11 @@ def _findable(module: str) -> bool:
         return False
 
 
-def missing(extra: str) -> list[str]:
-    """The modules of ``extra`` that cannot be found (nothing is imported)."""
-    return [m for m in _extra(extra).modules if not _findable(m)]
+def missing(extra: str, modules: tuple[str, ...] | None = None) -> list[str]:
+    """The modules of ``extra`` (or these of them) that cannot be found (nothing is
+    imported)."""
+    spec = _extra(extra)
+    return [m for m in (spec.modules if modules is None else modules) if not _findable(m)]
 
 
 def installed(extra: str) -> bool:
@@ -103,8 +105,7 @@ def require(extra: str, needed_by: str, modules: tuple[str, ...] | None = None) 
     """Raise :class:`MissingExtraError` unless ``extra`` is installed (nothing is
     imported: a start-up check, before any work). ``modules``: check these modules of
     the extra instead of all of them (e.g. one job's share of ``beam``)."""
-    spec = _extra(extra)
-    if not all(_findable(m) for m in (spec.modules if modules is None else modules)):
+    if missing(extra, modules):
         raise MissingExtraError(extra, needed_by)
 
 
