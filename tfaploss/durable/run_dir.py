@@ -210,10 +210,10 @@ def inspect(run_dir: Path, epochs: int,
         return RunState(finished=_finished(run_dir, epochs, check_config, summary, model))
     if resuming and previous is not None:
         check_config(previous, "an unfinished run")
-    rows = read_epoch_log(run_dir / EPOCH_LOG, epochs)
+    log = run_dir / EPOCH_LOG
+    rows = read_epoch_log(log, epochs)
     checkpoint = backup.find() if resuming else (0, None)
     done, top = checkpoint[0], max((row["epoch"] for row in rows), default=0)
-    log = run_dir / EPOCH_LOG
     if top > done + 1:
         where = (f"the newest checkpoint in {backup.directory} is of epoch {done}" if done
                  else f"there is no checkpoint in {backup.directory}" if resuming
